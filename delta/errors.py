@@ -1,0 +1,97 @@
+"""One exception hierarchy for the whole project.
+
+Every class derives from :class:`CkptDeltaError` so a caller can catch everything
+ckptdelta raises with one clause, and each category also derives from the builtin
+it refines (a corrupt object is a ``ValueError``, a missing one a
+``FileNotFoundError``) so code that already catches builtins keeps working.
+Messages name the object, tensor, chunk or snapshot involved: the user must be
+able to act on them without a debugger.
+"""
+
+from __future__ import annotations
+
+
+class CkptDeltaError(Exception):
+    """Root of everything ckptdelta raises on purpose."""
+
+
+# --- codec / format -------------------------------------------------------
+
+class DeltaError(CkptDeltaError, ValueError):
+    """An encoded tensor or delta object cannot be trusted or decoded."""
+
+
+class FormatError(DeltaError):
+    """Bytes that do not follow docs/FORMAT.md: bad magic, version, header or size field."""
+
+
+class TruncatedError(FormatError):
+    """A record, chunk or object is shorter than its header says."""
+
+
+class ChecksumError(DeltaError):
+    """A chunk payload, object or reconstructed tensor does not match its recorded digest."""
+
+
+class ParentMismatchError(DeltaError):
+    """A delta was applied to a tensor that is not the one it was encoded against."""
+
+
+class UnsupportedDtypeError(CkptDeltaError, TypeError):
+    """A tensor's dtype has no exact byte representation in the format."""
+
+
+class ShapeMismatchError(DeltaError):
+    """A live tensor's shape or dtype differs from what a delta expects."""
+
+
+# --- storage --------------------------------------------------------------
+
+class StorageError(CkptDeltaError, OSError):
+    """A storage operation failed after retries; the message names the URL and key."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """A key does not exist in the store."""
+
+
+class ObjectExistsError(StorageError, FileExistsError):
+    """A create-only write found the key already present."""
+
+
+# --- snapshots, manifests, runs --------------------------------------------
+
+class ManifestError(DeltaError):
+    """A manifest or head pointer fails schema, size or consistency checks."""
+
+
+class SnapshotNotFoundError(CkptDeltaError, LookupError):
+    """No committed snapshot matches the requested name or version."""
+
+
+class RunMismatchError(CkptDeltaError, ValueError):
+    """An object or snapshot belongs to a different run than the one expected."""
+
+
+# --- publishing -------------------------------------------------------------
+
+class PublishError(CkptDeltaError, RuntimeError):
+    """A publish could not complete; nothing was committed."""
+
+
+class ConcurrentPublisherError(PublishError):
+    """Another publisher committed to the same run: refusing to fork it."""
+
+
+class PublishInputError(PublishError, ValueError):
+    """The weights handed to publish() cannot be published as given (meta tensors, bad step...)."""
+
+
+# --- loading / serving -------------------------------------------------------
+
+class HotLoadError(CkptDeltaError, RuntimeError):
+    """A hot-load failed; the live weights and policy version are unchanged."""
+
+
+class HotLoadConflictError(HotLoadError):
+    """A different hot-load is already running on this replica."""
