@@ -1,0 +1,12 @@
+"""delta/: the codec and the format. Two snapshots in, a small lossless delta out, and back.
+
+Also home to what both sides of a run share: the manifest model and bucket layout
+(:mod:`delta.manifest`) and the storage interface (:mod:`delta.storage`).
+"""
+
+from .codec import (EncodedTensor, StagedTensor, apply_, decode, digest, digest_hex, encode, stage,
+                    stage_full)
+from .errors import CkptDeltaError, DeltaError
+
+__all__ = ["CkptDeltaError", "DeltaError", "EncodedTensor", "StagedTensor", "apply_", "decode", "digest",
+           "digest_hex", "encode", "stage", "stage_full"]

@@ -59,6 +59,10 @@ class ObjectExistsError(StorageError, FileExistsError):
     """A create-only write found the key already present."""
 
 
+class InvalidKeyError(StorageError, ValueError):
+    """A storage key is not a safe relative '/'-separated path (absolute, '..', '\\', NUL, empty segment)."""
+
+
 # --- snapshots, manifests, runs --------------------------------------------
 
 class ManifestError(DeltaError):

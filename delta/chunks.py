@@ -1,0 +1,166 @@
+"""Chunk encodings: how one slice of a tensor's elements becomes a payload, and back.
+
+A chunk is encoded on its own (no state crosses chunk boundaries), so chunks
+decode in parallel and one chunk can be fetched by byte range. Each encoding is
+an id in the record's chunk table; docs/FORMAT.md fixes every id's payload.
+Decoding against a parent yields the *sparse form* — chunk-local positions and
+the new bits there — whatever the encoding, so the apply step has one shape.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import xxhash
+import zstandard
+
+from . import kernels
+from .dtypes import DType
+from .errors import ChecksumError, FormatError
+from .record import DENSE_XOR, RAW, SPARSE, UNCHANGED, ChunkEntry
+
+DEFAULT_LEVEL = 3
+# Above this fraction of changed elements the dense XOR form is tried as well and the smaller kept.
+DENSE_TRY_FRACTION = 0.08
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+def _planes_needed(max_value: int) -> int:
+    return max(1, (int(max_value).bit_length() + 7) // 8)
+
+
+def _unzstd(frame: bytes | memoryview, expected: int, where: str) -> bytes:
+    """Decompress one zstd frame whose content size must be exactly ``expected``.
+
+    The size is checked from the frame header before zstd allocates anything, so a
+    corrupt or hostile payload cannot ask for more memory than the record's own
+    (already validated) fields allow."""
+    try:
+        size = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{where}: bad zstd frame ({e})") from None
+    if size != expected:
+        raise FormatError(f"{where}: zstd frame holds {size} bytes, {expected} expected")
+    try:
+        out = _decompressor().decompress(frame, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{where}: corrupt zstd frame ({e})") from None
+    if len(out) != expected:
+        raise FormatError(f"{where}: zstd frame decoded to {len(out)} bytes, {expected} expected")
+    return out
+
+
+def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int = DEFAULT_LEVEL) -> tuple[ChunkEntry, bytes]:
+    """Pick the smallest encoding for one chunk. ``old``/``new`` are the chunk's bits."""
+    n = new.shape[0]
+    if old is None:
+        payload = _compressor(level).compress(kernels.to_planes(new, dt.itemsize))
+        return _entry(RAW, 0, dt.itemsize, n, payload), payload
+    changed = kernels.count_changed(old, new)
+    if changed == 0:
+        return ChunkEntry(UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b"")), b""
+    best = _encode_sparse(old, new, dt, changed, level)
+    if changed > DENSE_TRY_FRACTION * n:
+        dense = _compressor(level).compress(kernels.xor_planes(old, new, dt.itemsize))
+        if len(dense) < best[0].length:
+            best = _entry(DENSE_XOR, 0, dt.itemsize, changed, dense), dense
+    return best
+
+
+def _encode_sparse(old, new, dt: DType, changed: int, level: int) -> tuple[ChunkEntry, bytes]:
+    gaps, steps, max_gap, max_step = kernels.sparse_extract(old, new, changed, 8 * dt.itemsize, dt.sign_magnitude)
+    pa, pb = _planes_needed(max_gap), _planes_needed(max_step)
+    c = _compressor(level)
+    pos = c.compress(kernels.to_planes(gaps, pa))
+    val = c.compress(kernels.to_planes(steps, pb))
+    payload = struct.pack("<I", len(pos)) + pos + val
+    return _entry(SPARSE, pa, pb, changed, payload), payload
+
+
+def _entry(enc: int, pa: int, pb: int, count: int, payload: bytes) -> ChunkEntry:
+    return ChunkEntry(enc, pa, pb, count, len(payload), xxhash.xxh3_64_intdigest(payload))
+
+
+def verify_payload(entry: ChunkEntry, payload: bytes | memoryview, where: str) -> None:
+    if len(payload) != entry.length:
+        raise FormatError(f"{where}: payload is {len(payload)} bytes, header says {entry.length}")
+    if xxhash.xxh3_64_intdigest(payload) != entry.checksum:
+        raise ChecksumError(f"{where}: payload checksum mismatch (corrupt chunk)")
+
+
+def decode_raw(entry: ChunkEntry, payload: bytes | memoryview, n: int, dt: DType, where: str) -> np.ndarray:
+    """The chunk's bits from a RAW payload (no parent needed)."""
+    planes = np.frombuffer(_unzstd(payload, n * dt.itemsize, where), dtype=np.uint8)
+    out = np.empty(n, dtype=dt.bits_dtype)
+    kernels.from_planes(planes, n, dt.itemsize, out)
+    return out
+
+
+def decode_changes(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarray, dt: DType,
+                   where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk-local positions (int64) and new bits for a chunk encoded against ``old``."""
+    n = old.shape[0]
+    if entry.encoding == UNCHANGED:
+        return np.empty(0, np.int64), np.empty(0, dt.bits_dtype)
+    if entry.encoding == SPARSE:
+        if len(payload) < 4:
+            raise FormatError(f"{where}: sparse payload shorter than its 4-byte prefix")
+        (pos_len,) = struct.unpack_from("<I", payload, 0)
+        if pos_len > len(payload) - 4:
+            raise FormatError(f"{where}: sparse position stream length {pos_len} exceeds the payload")
+        k = entry.count
+        gap_planes = np.frombuffer(_unzstd(payload[4: 4 + pos_len], k * entry.planes_a, where + " positions"), np.uint8)
+        step_planes = np.frombuffer(_unzstd(payload[4 + pos_len:], k * entry.planes_b, where + " values"), np.uint8)
+        gaps = np.empty(k, np.uint32)
+        kernels.from_planes(gap_planes, k, entry.planes_a, gaps)
+        positions, ok = kernels.sparse_positions(gaps, n)
+        if not ok:
+            raise FormatError(f"{where}: a changed position falls outside the chunk's {n} elements")
+        steps = np.empty(k, np.uint64)
+        kernels.from_planes(step_planes, k, entry.planes_b, steps)
+        values = np.empty(k, dt.bits_dtype)
+        kernels.sparse_new_values(old, positions, steps, 8 * dt.itemsize, dt.sign_magnitude, values)
+        return positions, values
+    if entry.encoding == DENSE_XOR:
+        planes = np.frombuffer(_unzstd(payload, n * dt.itemsize, where), np.uint8)
+        positions = np.empty(entry.count, np.int64)
+        values = np.empty(entry.count, dt.bits_dtype)
+        if _xor_count(planes, n, dt.itemsize) != entry.count:
+            raise FormatError(f"{where}: dense chunk changes a different number of elements than its header says")
+        kernels.xor_apply_planes(old, planes, dt.itemsize, positions, values)
+        return positions, values
+    if entry.encoding == RAW:
+        new = decode_raw(entry, payload, n, dt, where)
+        changed = kernels.count_changed(old, new)
+        positions = np.empty(changed, np.int64)
+        values = np.empty(changed, dt.bits_dtype)
+        kernels.diff_positions(old, new, positions, values)
+        return positions, values
+    raise FormatError(f"{where}: unknown encoding {entry.encoding}")
+
+
+def _xor_count(planes: np.ndarray, n: int, nplanes: int) -> int:
+    nz = planes[:n] != 0
+    for p in range(1, nplanes):
+        nz |= planes[p * n:(p + 1) * n] != 0
+    return int(np.count_nonzero(nz))

@@ -1,0 +1,341 @@
+"""The codec's public surface: encode two versions of a tensor, decode or apply the result.
+
+``encode(old, new)`` -> :class:`EncodedTensor` (one record, docs/FORMAT.md);
+``decode(old, enc)`` -> the new tensor; ``apply_(live, enc)`` rewrites ``live``
+in place. Applying is split in two for hot swaps: :func:`stage` does all the
+work that can run while a model keeps serving (fetching is the caller's;
+decompression, reconstruction of the changed elements, and the check that the
+result hashes to the recorded digest), and :meth:`StagedTensor.apply_` is the
+part that must run in the pause: a scatter of the changed elements.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from . import chunks, dtypes, kernels
+from .errors import ChecksumError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError
+from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RAW, RecordHeader,
+                     header_size_for, n_chunks_for, pack_header, parse_header)
+
+DEFAULT_CHUNK_ELEMS = 1 << 20
+
+Array = "torch.Tensor | np.ndarray"
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    """One process-wide pool: kernels and zstd release the GIL, so chunks run on all cores."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="ckptdelta-codec")
+    return _pool
+
+
+def _map(fn, items: list, threads: int | None):
+    if len(items) <= 1 or threads == 1:
+        return [fn(x) for x in items]
+    return list(_executor().map(fn, items))
+
+
+def digest(x: Array) -> int:
+    """xxh3-64 of a tensor's bytes in C order (its logical content, whatever its strides or device)."""
+    return xxhash.xxh3_64_intdigest(dtypes.host_bits(x))
+
+
+def digest_hex(value: int) -> str:
+    return f"{value:016x}"
+
+
+@dataclass
+class EncodedTensor:
+    """One encoded tensor: a validated header and its chunk payloads."""
+
+    header: RecordHeader
+    payloads: list[bytes | memoryview]
+
+    @property
+    def name(self) -> str:
+        return self.header.name
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.record_size
+
+    def to_bytes(self) -> bytes:
+        return pack_header(self.header) + b"".join(bytes(p) for p in self.payloads)
+
+    def encoding_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.header.chunks:
+            k = ENCODING_NAMES[c.encoding]
+            out[k] = out.get(k, 0) + 1
+        return out
+
+    @classmethod
+    def from_bytes(cls, buf: bytes | memoryview, *, what: str | None = None, verify: bool = True) -> "EncodedTensor":
+        """Parse one record. ``buf`` must hold exactly the record (header and every payload)."""
+        h = parse_header(buf, what=what or "record")
+        where = what or h.where()
+        if len(buf) != h.record_size:
+            cls_ = TruncatedError if len(buf) < h.record_size else FormatError
+            raise cls_(f"{where}: record is {len(buf)} bytes, its header says {h.record_size}")
+        mv = memoryview(buf)
+        payloads = [mv[o: o + c.length] for o, c in zip(h.payload_offsets(), h.chunks)]
+        if verify:
+            for i, (c, p) in enumerate(zip(h.chunks, payloads)):
+                chunks.verify_payload(c, p, f"{where} chunk {i}")
+        return cls(h, payloads)
+
+
+def _as_encoded(enc: "EncodedTensor | bytes | memoryview", what: str | None = None) -> EncodedTensor:
+    return enc if isinstance(enc, EncodedTensor) else EncodedTensor.from_bytes(enc, what=what)
+
+
+def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+           level: int = chunks.DEFAULT_LEVEL, threads: int | None = None) -> EncodedTensor:
+    """Encode ``new`` against ``old`` (or on its own when ``old`` is None).
+
+    A shape or dtype change needs no special call: pass ``old=None`` and the
+    record is self-contained (raw chunks)."""
+    dt = dtypes.of(new)
+    shape = tuple(int(s) for s in new.shape)
+    new_bits = dtypes.host_bits(new)
+    numel = new_bits.shape[0]
+    if numel > MAX_NUMEL:
+        raise FormatError(f"tensor {name!r}: {numel} elements exceed the format's limit of {MAX_NUMEL}")
+    old_bits = None
+    if old is not None:
+        if dtypes.of(old) != dt or tuple(old.shape) != shape:
+            raise ShapeMismatchError(
+                f"tensor {name!r}: cannot encode {dt.name}{list(shape)} against {dtypes.of(old).name}"
+                f"{list(old.shape)}; pass old=None to store it whole")
+        old_bits = dtypes.host_bits(old)
+    chunk_elems = max(1, min(MAX_CHUNK_ELEMS, max(chunk_elems, -(-numel // MAX_CHUNKS))))
+    if numel:
+        chunk_elems = min(chunk_elems, numel)
+    n_chunks = n_chunks_for(numel, chunk_elems)
+
+    def one(i: int):
+        s, e = i * chunk_elems, min(numel, (i + 1) * chunk_elems)
+        return chunks.encode_chunk(None if old_bits is None else old_bits[s:e], new_bits[s:e], dt, level)
+
+    results = _map(one, list(range(n_chunks)), threads)
+    entries = tuple(r[0] for r in results)
+    header = RecordHeader(
+        name=name, dtype=dt, shape=shape, numel=numel, chunk_elems=chunk_elems,
+        digest=xxhash.xxh3_64_intdigest(new_bits),
+        parent_digest=0 if old_bits is None else xxhash.xxh3_64_intdigest(old_bits),
+        has_parent=old_bits is not None, chunks=entries,
+        header_size=header_size_for(len(shape), len(name.encode("utf-8")), n_chunks),
+    )
+    return EncodedTensor(header, [r[1] for r in results])
+
+
+@dataclass
+class StagedTensor:
+    """A verified change to one tensor, ready to be applied in a pause.
+
+    ``positions``/``values`` list the elements that change and their new bits; when
+    most of the tensor changes, ``dense`` holds all its new bits instead (smaller
+    than positions + values). Either way the result has been checked to hash to
+    ``digest`` when applied to a tensor hashing to ``parent_digest``."""
+
+    name: str
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    digest: int
+    parent_digest: int
+    positions: np.ndarray = field(repr=False)
+    values: np.ndarray = field(repr=False)
+    dense: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def n_changed(self) -> int:
+        return int(self.positions.shape[0]) if self.dense is None else int(self.dense.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        if self.dense is not None:
+            return self.dense.nbytes
+        return self.positions.nbytes + self.values.nbytes
+
+    def apply_(self, live: torch.Tensor | np.ndarray, *, method: str = "auto") -> None:
+        """Write the staged change into ``live`` in place.
+
+        ``method``: "auto" (numba scatter on contiguous host memory, torch ops elsewhere),
+        "torch" (torch ops on the tensor's own device: the path CUDA tensors take)."""
+        _check_live(live, self.name, self.dtype, self.shape)
+        if self.dense is None and self.positions.shape[0] == 0:
+            return
+        if isinstance(live, np.ndarray) or (method == "auto" and live.device.type == "cpu" and live.is_contiguous()):
+            bits = dtypes.host_bits(live)
+            if isinstance(live, torch.Tensor) and bits.ctypes.data != live.data_ptr():
+                raise ShapeMismatchError(f"tensor {self.name!r}: cannot get a writable view of the live tensor")
+            if isinstance(live, np.ndarray) and not np.shares_memory(bits, live):
+                raise ShapeMismatchError(f"tensor {self.name!r}: live array is not contiguous; cannot apply in place")
+            if self.dense is not None:
+                bits[:] = self.dense
+            else:
+                kernels.scatter(bits, self.positions, self.values)
+            return
+        _torch_apply(live, self)
+
+
+def _torch_apply(live: torch.Tensor, st: StagedTensor) -> None:
+    int_dtype = dtypes._UINT_FOR_WIDTH[st.dtype.itemsize]
+    np_int = np.dtype(f"<i{st.dtype.itemsize}") if st.dtype.itemsize > 1 else np.dtype(np.uint8)
+    dev = live.device
+    with torch.no_grad():
+        if st.dense is not None:
+            src = torch.from_numpy(st.dense.view(np_int)).to(dev, non_blocking=True)
+            live.copy_(src.view(st.dtype.torch_dtype).reshape(st.shape))
+            return
+        vals = torch.from_numpy(st.values.view(np_int)).to(dev, non_blocking=True)
+        idx = torch.from_numpy(st.positions).to(dev, non_blocking=True)
+        if live.is_contiguous():
+            live.view(-1).view(int_dtype).index_copy_(0, idx, vals)
+        else:
+            coords = torch.unravel_index(idx, st.shape)
+            live.view(int_dtype).index_put_(coords, vals)
+
+
+def _check_live(live, name: str, dt: dtypes.DType, shape: tuple[int, ...]) -> None:
+    if dtypes.of(live) != dt or tuple(live.shape) != tuple(shape):
+        raise ShapeMismatchError(
+            f"tensor {name!r}: live tensor is {dtypes.of(live).name}{list(live.shape)}, "
+            f"the delta expects {dt.name}{list(shape)}")
+
+
+def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bool = True,
+          threads: int | None = None) -> StagedTensor:
+    """Decode ``enc`` against the current content of ``live`` without modifying it.
+
+    With ``verify`` (the default) ``live`` must hash to the record's parent digest
+    (else :class:`ParentMismatchError`) and the staged result must hash to the
+    record's digest (else :class:`ChecksumError`); the check streams through
+    ``live`` one chunk at a time, so it needs one chunk of scratch, not a copy."""
+    enc = _as_encoded(enc)
+    h = enc.header
+    _check_live(live, h.name, h.dtype, h.shape)
+    bits = dtypes.host_bits(live)
+    if verify and h.has_parent:
+        got = xxhash.xxh3_64_intdigest(bits)
+        if got != h.parent_digest:
+            raise ParentMismatchError(
+                f"tensor {h.name!r}: the delta was encoded against a tensor with digest "
+                f"{digest_hex(h.parent_digest)}, the live tensor has {digest_hex(got)} (wrong parent snapshot?)")
+
+    def one(i: int):
+        s, e = h.chunk_range(i)
+        return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"tensor {h.name!r} chunk {i}")
+
+    per_chunk = _map(one, list(range(len(h.chunks))), threads)
+    if verify:
+        hasher = xxhash.xxh3_64()
+        for i, (pos, vals) in enumerate(per_chunk):
+            s, e = h.chunk_range(i)
+            if pos.shape[0]:
+                scratch = bits[s:e].copy()
+                kernels.scatter(scratch, pos, vals)
+                hasher.update(scratch)
+            else:
+                hasher.update(bits[s:e])
+        if hasher.intdigest() != h.digest:
+            raise ChecksumError(
+                f"tensor {h.name!r}: reconstructed bytes hash to {digest_hex(hasher.intdigest())}, "
+                f"the record says {digest_hex(h.digest)}")
+    total = sum(p.shape[0] for p, _ in per_chunk)
+    w = h.dtype.itemsize
+    if total * (8 + w) > h.numel * w:
+        dense = bits.copy()
+        for i, (pos, vals) in enumerate(per_chunk):
+            s, _e = h.chunk_range(i)
+            kernels.scatter(dense[s:], pos, vals)
+        return StagedTensor(h.name, h.dtype, h.shape, h.digest, h.parent_digest,
+                            np.empty(0, np.int64), np.empty(0, h.dtype.bits_dtype), dense)
+    positions = np.empty(total, np.int64)
+    values = np.empty(total, h.dtype.bits_dtype)
+    off = 0
+    for i, (pos, vals) in enumerate(per_chunk):
+        k = pos.shape[0]
+        positions[off: off + k] = pos + h.chunk_range(i)[0]
+        values[off: off + k] = vals
+        off += k
+    return StagedTensor(h.name, h.dtype, h.shape, h.digest, h.parent_digest, positions, values)
+
+
+def stage_full(live: Array, new: Array, *, name: str = "tensor", expected_digest: int | None = None) -> StagedTensor:
+    """Stage a replacement of ``live`` by the complete tensor ``new`` (an anchor's tensor).
+
+    Only differing elements are kept, so moving between nearby versions through an
+    anchor still pauses for the changed bytes only."""
+    dt = dtypes.of(new)
+    _check_live(live, name, dt, tuple(new.shape))
+    old_bits, new_bits = dtypes.host_bits(live), dtypes.host_bits(new)
+    d = xxhash.xxh3_64_intdigest(new_bits)
+    if expected_digest is not None and d != expected_digest:
+        raise ChecksumError(f"tensor {name!r}: anchor bytes hash to {digest_hex(d)}, "
+                            f"the manifest says {digest_hex(expected_digest)}")
+    k = kernels.count_changed(old_bits, new_bits)
+    parent = xxhash.xxh3_64_intdigest(old_bits)
+    if k * (8 + dt.itemsize) > new_bits.shape[0] * dt.itemsize:
+        return StagedTensor(name, dt, tuple(new.shape), d, parent, np.empty(0, np.int64),
+                            np.empty(0, dt.bits_dtype), new_bits.copy())
+    positions, values = np.empty(k, np.int64), np.empty(k, dt.bits_dtype)
+    kernels.diff_positions(old_bits, new_bits, positions, values)
+    return StagedTensor(name, dt, tuple(new.shape), d, parent, positions, values)
+
+
+def decode(old: Array | None, enc: "EncodedTensor | bytes | memoryview", *, verify: bool = True,
+           threads: int | None = None):
+    """The new tensor. Returns the type of ``old`` (torch on old's device, or numpy);
+    a CPU torch tensor when ``old`` is None (records without parent)."""
+    enc = _as_encoded(enc)
+    h = enc.header
+    if not h.has_parent:
+        if old is not None:
+            _check_live(old, h.name, h.dtype, h.shape)
+        new_bits = _decode_raw(enc, verify, threads)
+        if isinstance(old, np.ndarray):
+            return new_bits.view(old.dtype).reshape(h.shape)
+        t = dtypes.from_bits(new_bits, h.dtype, h.shape)
+        return t if old is None else t.to(old.device)
+    if old is None:
+        raise ParentMismatchError(f"tensor {h.name!r}: the record needs its parent tensor to decode")
+    if isinstance(old, np.ndarray):
+        out = np.array(old, copy=True, order="C")
+    else:
+        out = old.detach().clone(memory_format=torch.contiguous_format)
+    apply_(out, enc, verify=verify, threads=threads)
+    return out
+
+
+def _decode_raw(enc: EncodedTensor, verify: bool, threads: int | None) -> np.ndarray:
+    h = enc.header
+    out = np.empty(h.numel, h.dtype.bits_dtype)
+
+    def one(i: int):
+        s, e = h.chunk_range(i)
+        c = h.chunks[i]
+        if c.encoding != RAW:
+            raise FormatError(f"tensor {h.name!r} chunk {i}: non-raw chunk in a record without parent")
+        out[s:e] = chunks.decode_raw(c, enc.payloads[i], e - s, h.dtype, f"tensor {h.name!r} chunk {i}")
+
+    _map(one, list(range(len(h.chunks))), threads)
+    if verify and xxhash.xxh3_64_intdigest(out) != h.digest:
+        raise ChecksumError(f"tensor {h.name!r}: decoded bytes do not match the record's digest")
+    return out
+
+
+def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bool = True,
+           threads: int | None = None, method: str = "auto") -> None:
+    """Rewrite ``live`` in place into the tensor ``enc`` encodes. On any error ``live`` is untouched."""
+    stage(live, enc, verify=verify, threads=threads).apply_(live, method=method)

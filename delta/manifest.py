@@ -1,0 +1,298 @@
+"""Snapshot manifests, the head pointer and the run's bucket layout (docs/FORMAT.md, "Runs").
+
+Both sides share this module: publisher/ writes these objects, loader/ reads
+them, and neither imports the other. Manifests are JSON (never pickle); every
+field is validated on the way in — types, ranges, keys that stay inside the run,
+offsets inside their objects — before any of it is used to fetch or allocate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from . import dtypes
+from .errors import ManifestError, RunMismatchError
+
+SCHEMA_VERSION = 1
+MANIFEST_FORMAT = "ckptdelta-manifest"
+HEAD_FORMAT = "ckptdelta-head"
+RUN_FORMAT = "ckptdelta-run"
+MAX_MANIFEST_BYTES = 128 << 20
+MAX_HEAD_BYTES = 64 << 10
+MAX_TENSORS = 1 << 20
+MAX_METADATA_BYTES = 1 << 20
+
+RUN_KEY = "RUN.json"
+HEAD_KEY = "HEAD"
+MANIFEST_DIR = "manifests"
+ANCHOR_DIR = "anchors"
+DELTA_DIR = "deltas"
+
+Kind = Literal["anchor", "delta"]
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+_NAME_RE = re.compile(r"^v(\d{8,})$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+
+
+# --- layout ------------------------------------------------------------------
+
+def snapshot_name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def parse_snapshot_name(name: str) -> int | None:
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def manifest_key(version: int) -> str:
+    return f"{MANIFEST_DIR}/{version:012d}.json"
+
+
+def version_of_manifest_key(key: str) -> int | None:
+    m = re.fullmatch(rf"{MANIFEST_DIR}/(\d{{12}})\.json", key)
+    return int(m.group(1)) if m else None
+
+
+def anchor_prefix(version: int, writer_id: str) -> str:
+    return f"{ANCHOR_DIR}/{version:012d}-{writer_id}"
+
+
+def delta_prefix(version: int, writer_id: str) -> str:
+    return f"{DELTA_DIR}/{version:012d}-{writer_id}"
+
+
+def is_safe_key(key: str) -> bool:
+    """A relative key with no empty, '.' or '..' segment: it cannot leave the run."""
+    return bool(_KEY_RE.match(key)) and not any(p in (".", "..") for p in key.split("/"))
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# --- records -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """One stored object a snapshot needs."""
+
+    key: str      # relative to the run root
+    size: int     # bytes
+    xxh3: str     # xxh3-64 of the whole object, 16 hex digits
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are and what they must hash to.
+
+    In an anchor, ``offset``/``length`` is the tensor's data inside its safetensors
+    shard (absolute in the file); in a delta, its record inside the delta object.
+    ``object`` is None when the tensor is bit-identical to the parent version's:
+    it then costs only this entry."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    xxh3: str
+    object: int | None
+    offset: int = 0
+    length: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.by_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str
+    version: int
+    kind: Kind
+    parent_version: int | None
+    anchor_version: int
+    created: str
+    step: int | None
+    writer_id: str
+    objects: tuple[ObjectRef, ...]
+    tensors: dict[str, TensorEntry]
+    extra_files: tuple[ObjectRef, ...] = ()
+    metadata: dict[str, str] = field(default_factory=dict)
+    full_bytes: int = 0
+    stored_bytes: int = 0
+
+    @property
+    def name(self) -> str:
+        return snapshot_name(self.version)
+
+    def where(self) -> str:
+        return f"snapshot {self.name} (version {self.version}) of run {self.run_id}"
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d = {"format": MANIFEST_FORMAT, "schema_version": SCHEMA_VERSION, "name": self.name, **d}
+        d["tensors"] = {k: {**v, "shape": list(v["shape"])} for k, v in d["tensors"].items()}
+        return json.dumps(d, separators=(",", ":"), sort_keys=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, what: str = "manifest", run_id: str | None = None) -> "Manifest":
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{what}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+        d = _load_json(data, what)
+        _expect(d.get("format") == MANIFEST_FORMAT, what, f"format is {d.get('format')!r}, not {MANIFEST_FORMAT!r}")
+        _expect(d.get("schema_version") == SCHEMA_VERSION, what,
+                f"schema_version {d.get('schema_version')!r} is not supported (this reader knows {SCHEMA_VERSION})")
+        version = _int(d, "version", what)
+        what = f"{what} (version {version})"
+        kind = d.get("kind")
+        _expect(kind in ("anchor", "delta"), what, f"kind {kind!r}")
+        parent = d.get("parent_version")
+        if parent is not None:
+            _expect(isinstance(parent, int) and 0 <= parent < version, what, f"parent_version {parent!r}")
+        _expect(kind == "anchor" or parent is not None, what, "a delta without parent_version")
+        anchor = _int(d, "anchor_version", what)
+        _expect(anchor <= version and (kind != "anchor" or anchor == version), what, f"anchor_version {anchor}")
+        _expect(d.get("name") == snapshot_name(version), what, f"name {d.get('name')!r} does not match the version")
+        rid = _str(d, "run_id", what)
+        if run_id is not None and rid != run_id:
+            raise RunMismatchError(f"{what}: belongs to run {rid!r}, expected run {run_id!r}")
+        step = d.get("step")
+        _expect(step is None or (isinstance(step, int) and not isinstance(step, bool)), what, f"step {step!r}")
+        objects = tuple(_object(o, what) for o in _list(d, "objects", what))
+        extra = tuple(_object(o, what) for o in _list(d, "extra_files", what))
+        raw_tensors = d.get("tensors")
+        _expect(isinstance(raw_tensors, dict) and len(raw_tensors) <= MAX_TENSORS, what, "tensors must be a mapping")
+        tensors = {}
+        for name, t in raw_tensors.items():
+            tensors[name] = _tensor(name, t, objects, kind, what)
+        metadata = d.get("metadata", {})
+        _expect(isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+                and len(json.dumps(metadata)) <= MAX_METADATA_BYTES, what, "metadata must map strings to strings")
+        return cls(
+            run_id=rid, version=version, kind=kind, parent_version=parent, anchor_version=anchor,
+            created=_str(d, "created", what), step=step, writer_id=_str(d, "writer_id", what),
+            objects=objects, tensors=tensors, extra_files=extra, metadata=dict(metadata),
+            full_bytes=_int(d, "full_bytes", what), stored_bytes=_int(d, "stored_bytes", what),
+        )
+
+
+@dataclass(frozen=True)
+class Head:
+    """The head pointer: a hint naming the newest committed snapshot.
+
+    Manifests are the truth (a crash between the manifest and the head leaves the
+    head one behind); readers that need "latest" also look past the head."""
+
+    run_id: str
+    version: int
+    manifest_xxh3: str
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": HEAD_FORMAT, "schema_version": SCHEMA_VERSION, "name": snapshot_name(self.version),
+                           **asdict(self)}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, what: str = "head pointer") -> "Head":
+        if len(data) > MAX_HEAD_BYTES:
+            raise ManifestError(f"{what}: {len(data)} bytes exceeds the {MAX_HEAD_BYTES}-byte limit")
+        d = _load_json(data, what)
+        _expect(d.get("format") == HEAD_FORMAT and d.get("schema_version") == SCHEMA_VERSION, what, "unknown format")
+        h = d.get("manifest_xxh3")
+        _expect(isinstance(h, str) and bool(_HEX16.match(h)), what, "manifest_xxh3")
+        return cls(_str(d, "run_id", what), _int(d, "version", what), h)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """RUN.json: written once, create-only, by the run's first publisher."""
+
+    run_id: str
+    created: str
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": RUN_FORMAT, "schema_version": SCHEMA_VERSION, **asdict(self)}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, what: str = "RUN.json") -> "RunInfo":
+        if len(data) > MAX_HEAD_BYTES:
+            raise ManifestError(f"{what}: {len(data)} bytes exceeds the {MAX_HEAD_BYTES}-byte limit")
+        d = _load_json(data, what)
+        _expect(d.get("format") == RUN_FORMAT, what, "unknown format")
+        return cls(_str(d, "run_id", what), _str(d, "created", what))
+
+
+# --- validation helpers ----------------------------------------------------------
+
+def _load_json(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what}: not valid JSON ({e})") from None
+    _expect(isinstance(d, dict), what, "top level must be an object")
+    return d
+
+
+def _expect(ok: bool, what: str, msg: str) -> None:
+    if not ok:
+        raise ManifestError(f"{what}: invalid {msg}")
+
+
+def _int(d: dict, k: str, what: str) -> int:
+    v = d.get(k)
+    _expect(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62, what, f"{k} {v!r}")
+    return v
+
+
+def _str(d: dict, k: str, what: str) -> str:
+    v = d.get(k)
+    _expect(isinstance(v, str) and 0 < len(v) <= 256, what, f"{k} {v!r}")
+    return v
+
+
+def _list(d: dict, k: str, what: str) -> list:
+    v = d.get(k, [])
+    _expect(isinstance(v, list) and len(v) <= MAX_TENSORS, what, f"{k}")
+    return v
+
+
+def _object(o: Any, what: str) -> ObjectRef:
+    _expect(isinstance(o, dict), what, "object entry")
+    key = o.get("key")
+    _expect(isinstance(key, str) and is_safe_key(key), what, f"object key {key!r} (must stay inside the run)")
+    h = o.get("xxh3")
+    _expect(isinstance(h, str) and bool(_HEX16.match(h)), what, f"xxh3 of object {key!r}")
+    return ObjectRef(key, _int(o, "size", what), h)
+
+
+def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: str) -> TensorEntry:
+    where = f"{what} tensor {name!r}"
+    _expect(isinstance(name, str) and 0 < len(name.encode()) <= 4096, what, f"tensor name {name!r}")
+    _expect(isinstance(t, dict), where, "entry")
+    dt = t.get("dtype")
+    _expect(dt in dtypes.BY_NAME, where, f"dtype {dt!r}")
+    shape = t.get("shape")
+    _expect(isinstance(shape, list) and len(shape) <= 32
+            and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 48 for s in shape), where, "shape")
+    _expect(math.prod(shape) <= 1 << 48, where, "shape (too many elements)")
+    h = t.get("xxh3")
+    _expect(isinstance(h, str) and bool(_HEX16.match(h)), where, "xxh3")
+    obj = t.get("object")
+    off, length = _int(t, "offset", where), _int(t, "length", where)
+    if obj is None:
+        _expect(kind == "delta" and off == 0 and length == 0, where, "unchanged entry outside a delta")
+    else:
+        _expect(isinstance(obj, int) and 0 <= obj < len(objects), where, f"object index {obj!r}")
+        _expect(off + length <= objects[obj].size, where, "byte range beyond its object")
+        if kind == "anchor":
+            nbytes = math.prod(shape) * dtypes.by_name(dt).itemsize
+            _expect(length == nbytes, where, f"length {length} for {nbytes} bytes of data")
+    return TensorEntry(dt, tuple(shape), h, obj, off, length)

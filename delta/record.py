@@ -1,0 +1,199 @@
+"""The binary layout of one encoded tensor (a *record*), exactly as docs/FORMAT.md states it.
+
+This module only packs and parses; it never decodes payloads. Parsing checks
+every field before anything is allocated from it: sizes use Python integers
+(no overflow), counts are bounded by the bytes actually present, and the header
+carries its own xxh3-64 so a flipped bit anywhere in it is caught before a
+field is trusted.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from . import dtypes
+from .errors import ChecksumError, FormatError, TruncatedError
+
+MAGIC = b"CKDT"
+FORMAT_VERSION = 1
+
+# chunk encodings (docs/FORMAT.md, "Chunk encodings"); new ones take new ids, old ids never change
+UNCHANGED = 0
+SPARSE = 1
+DENSE_XOR = 2
+RAW = 3
+ENCODING_NAMES = {UNCHANGED: "unchanged", SPARSE: "sparse", DENSE_XOR: "dense_xor", RAW: "raw"}
+
+FLAG_HAS_PARENT = 1
+
+MAX_NDIM = 32
+MAX_NAME_BYTES = 4096
+MAX_CHUNK_ELEMS = 1 << 24
+MAX_NUMEL = 1 << 48
+MAX_CHUNKS = 1 << 20      # bounds a header to ~24 MiB whatever its fields say
+
+_FIXED = struct.Struct("<4sHBBIIQQQIHH")  # 48 bytes
+_CHUNK = struct.Struct("<BBBBIQQ")        # 24 bytes
+FIXED_SIZE = _FIXED.size
+CHUNK_ENTRY_SIZE = _CHUNK.size
+assert FIXED_SIZE == 48 and CHUNK_ENTRY_SIZE == 24
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    encoding: int
+    planes_a: int    # sparse: byte planes of the gaps; others: 0
+    planes_b: int    # sparse: byte planes of the steps; dense/raw: element width
+    count: int       # sparse/dense: changed elements; raw: elements; unchanged: 0
+    length: int      # payload bytes
+    checksum: int    # xxh3-64 of the payload bytes
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    name: str
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    numel: int
+    chunk_elems: int
+    digest: int            # xxh3-64 of the reconstructed tensor's bytes (C order, little-endian)
+    parent_digest: int     # xxh3-64 of the tensor it was encoded against; 0 without parent
+    has_parent: bool
+    chunks: tuple[ChunkEntry, ...]
+    header_size: int       # bytes before the first payload
+
+    @property
+    def payload_size(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def record_size(self) -> int:
+        return self.header_size + self.payload_size
+
+    def chunk_range(self, i: int) -> tuple[int, int]:
+        """Element range [start, stop) covered by chunk i."""
+        start = i * self.chunk_elems
+        return start, min(self.numel, start + self.chunk_elems)
+
+    def payload_offsets(self) -> list[int]:
+        """Offset of each chunk's payload from the start of the record."""
+        out, off = [], self.header_size
+        for c in self.chunks:
+            out.append(off)
+            off += c.length
+        return out
+
+    def where(self, what: str | None = None) -> str:
+        return f"tensor {self.name!r}" + (f" {what}" if what else "")
+
+
+def n_chunks_for(numel: int, chunk_elems: int) -> int:
+    return 0 if numel == 0 else -(-numel // chunk_elems)
+
+
+def header_size_for(ndim: int, name_len: int, n_chunks: int) -> int:
+    return FIXED_SIZE + 8 * ndim + _pad8(name_len) + CHUNK_ENTRY_SIZE * n_chunks + 8
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def pack_header(h: RecordHeader) -> bytes:
+    name = h.name.encode("utf-8")
+    if len(name) > MAX_NAME_BYTES:
+        raise FormatError(f"tensor name too long ({len(name)} bytes > {MAX_NAME_BYTES}): {h.name[:80]!r}...")
+    parts = [
+        _FIXED.pack(
+            MAGIC, FORMAT_VERSION, h.dtype.code, len(h.shape),
+            FLAG_HAS_PARENT if h.has_parent else 0, h.chunk_elems, h.numel,
+            h.digest, h.parent_digest, len(h.chunks), len(name), 0,
+        ),
+        struct.pack(f"<{len(h.shape)}Q", *h.shape),
+        name + b"\0" * (_pad8(len(name)) - len(name)),
+    ]
+    parts += [_CHUNK.pack(c.encoding, c.planes_a, c.planes_b, 0, c.count, c.length, c.checksum) for c in h.chunks]
+    body = b"".join(parts)
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def peek_header_size(buf: bytes | memoryview, *, what: str = "record") -> int:
+    """Header size from the fixed part alone (48 bytes), so a reader can fetch exactly
+    the header with a second byte-range read. Validates the fixed fields it uses."""
+    if len(buf) < FIXED_SIZE:
+        raise TruncatedError(f"{what}: {len(buf)} bytes, need at least {FIXED_SIZE} for a record header")
+    magic, version, _code, ndim, _flags, _ce, _numel, _d, _pd, n_chunks, name_len, _r = _FIXED.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise FormatError(f"{what}: bad magic {bytes(magic)!r}, expected {MAGIC!r} (not a ckptdelta tensor record)")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{what}: record format version {version} is not supported (this reader knows {FORMAT_VERSION})")
+    if ndim > MAX_NDIM or name_len > MAX_NAME_BYTES:
+        raise FormatError(f"{what}: header declares ndim={ndim}, name of {name_len} bytes: over the limits")
+    if n_chunks > MAX_CHUNKS:
+        raise FormatError(f"{what}: header declares {n_chunks} chunks (limit {MAX_CHUNKS})")
+    return header_size_for(ndim, name_len, n_chunks)
+
+
+def parse_header(buf: bytes | memoryview, *, what: str = "record") -> RecordHeader:
+    """Parse and validate a record header from the start of ``buf``."""
+    size = peek_header_size(buf, what=what)
+    if len(buf) < size:
+        raise TruncatedError(f"{what}: header needs {size} bytes, only {len(buf)} present")
+    mv = memoryview(buf)[:size]
+    (stored,) = struct.unpack_from("<Q", mv, size - 8)
+    if xxhash.xxh3_64_intdigest(mv[: size - 8]) != stored:
+        raise ChecksumError(f"{what}: header checksum mismatch (corrupt record header)")
+    (_m, _v, code, ndim, flags, chunk_elems, numel, digest, parent_digest,
+     n_chunks, name_len, _r) = _FIXED.unpack_from(mv, 0)
+    off = FIXED_SIZE
+    shape = struct.unpack_from(f"<{ndim}Q", mv, off)
+    off += 8 * ndim
+    try:
+        name = bytes(mv[off: off + name_len]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError(f"{what}: tensor name is not valid UTF-8") from None
+    where = f"{what} (tensor {name!r})"
+    off += _pad8(name_len)
+    dt = dtypes.by_code(code)
+    if flags & ~FLAG_HAS_PARENT:
+        raise FormatError(f"{where}: unknown flags {flags:#x}")
+    if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
+        raise FormatError(f"{where}: chunk size {chunk_elems} elements is outside [1, {MAX_CHUNK_ELEMS}]")
+    if math.prod(shape) != numel or numel > MAX_NUMEL:
+        raise FormatError(f"{where}: numel {numel} does not match shape {list(shape)} (or exceeds {MAX_NUMEL})")
+    if n_chunks != n_chunks_for(numel, chunk_elems):
+        raise FormatError(f"{where}: {n_chunks} chunks declared, {n_chunks_for(numel, chunk_elems)} expected")
+    has_parent = bool(flags & FLAG_HAS_PARENT)
+    chunks = []
+    for i in range(n_chunks):
+        enc, pa, pb, _r2, count, length, checksum = _CHUNK.unpack_from(mv, off)
+        off += CHUNK_ENTRY_SIZE
+        start = i * chunk_elems
+        n = min(numel, start + chunk_elems) - start
+        _check_entry(where, i, enc, pa, pb, count, n, dt.itemsize, has_parent, length)
+        chunks.append(ChunkEntry(enc, pa, pb, count, length, checksum))
+    return RecordHeader(name, dt, tuple(shape), numel, chunk_elems, digest, parent_digest,
+                        has_parent, tuple(chunks), size)
+
+
+def _check_entry(where: str, i: int, enc: int, pa: int, pb: int, count: int, n: int,
+                 itemsize: int, has_parent: bool, length: int) -> None:
+    bad = None
+    if enc not in ENCODING_NAMES:
+        bad = f"unknown encoding id {enc}"
+    elif enc == UNCHANGED and (count or length):
+        bad = "unchanged chunk with a payload"
+    elif enc in (UNCHANGED, SPARSE, DENSE_XOR) and not has_parent:
+        bad = f"{ENCODING_NAMES[enc]} chunk in a record without parent"
+    elif enc == SPARSE and not (1 <= count <= n and 1 <= pa <= 4 and 1 <= pb <= itemsize):
+        bad = f"sparse chunk fields out of range (count={count}, planes={pa}/{pb})"
+    elif enc == DENSE_XOR and not (1 <= count <= n and pb == itemsize):
+        bad = f"dense chunk fields out of range (count={count}, planes={pb})"
+    elif enc == RAW and not (count == n and pb == itemsize):
+        bad = f"raw chunk fields out of range (count={count}, planes={pb})"
+    if bad:
+        raise FormatError(f"{where} chunk {i}: {bad}")
