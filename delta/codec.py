@@ -100,11 +100,14 @@ def _as_encoded(enc: "EncodedTensor | bytes | memoryview", what: str | None = No
 
 
 def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-           level: int = chunks.DEFAULT_LEVEL, threads: int | None = None) -> EncodedTensor:
+           level: int = chunks.DEFAULT_LEVEL, threads: int | None = None,
+           parent_digest: int | None = None) -> EncodedTensor:
     """Encode ``new`` against ``old`` (or on its own when ``old`` is None).
 
     A shape or dtype change needs no special call: pass ``old=None`` and the
-    record is self-contained (raw chunks)."""
+    record is self-contained (raw chunks). ``parent_digest``, when the caller
+    already knows ``digest(old)`` (a publisher does: it recorded it last step),
+    saves one pass over ``old``."""
     dt = dtypes.of(new)
     shape = tuple(int(s) for s in new.shape)
     new_bits = dtypes.host_bits(new)
@@ -132,7 +135,8 @@ def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: 
     header = RecordHeader(
         name=name, dtype=dt, shape=shape, numel=numel, chunk_elems=chunk_elems,
         digest=xxhash.xxh3_64_intdigest(new_bits),
-        parent_digest=0 if old_bits is None else xxhash.xxh3_64_intdigest(old_bits),
+        parent_digest=0 if old_bits is None else (
+            parent_digest if parent_digest is not None else xxhash.xxh3_64_intdigest(old_bits)),
         has_parent=old_bits is not None, chunks=entries,
         header_size=header_size_for(len(shape), len(name.encode("utf-8")), n_chunks),
     )
