@@ -84,6 +84,12 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
         dense = _compressor(level).compress(kernels.xor_planes(old, new, dt.itemsize))
         if len(dense) < best[0].length:
             best = _entry(DENSE_XOR, 0, dt.itemsize, changed, dense), dense
+        # A chunk reset to something simple (zeros, a constant) XORs into the old noise:
+        # then the new bits alone are far smaller. Only worth a try when nothing compressed well.
+        if best[0].length > n * dt.itemsize // 2:
+            raw = _compressor(level).compress(kernels.to_planes(new, dt.itemsize))
+            if len(raw) < best[0].length:
+                best = _entry(RAW, 0, dt.itemsize, n, raw), raw
     return best
 
 

@@ -1,0 +1,117 @@
+"""Plain-numpy references for every kernel in delta/kernels.py.
+
+Written for obviousness, not speed: whole-array numpy with no shared code with
+the kernels, so a bug in one is not repeated in the other. tests/test_kernels.py
+compares each kernel to its reference on random inputs of every width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_U64 = np.uint64
+
+
+def mask_of(width_bits: int) -> np.uint64:
+    return _U64((1 << width_bits) - 1)
+
+
+def key(bits: np.ndarray, width_bits: int, sign_magnitude: bool) -> np.ndarray:
+    """Order-preserving unsigned key of sign-magnitude bits (identity for integers).
+
+    Negative floats (sign bit set) count down from the middle, positives count up
+    from it, so -0.0 and +0.0 are adjacent and one ulp is a step of one."""
+    b = bits.astype(_U64)
+    if not sign_magnitude:
+        return b
+    m = mask_of(width_bits)
+    sign = _U64(1 << (width_bits - 1))
+    return np.where((b & sign) != 0, m - b, b + sign)
+
+
+def unkey(keys: np.ndarray, width_bits: int, sign_magnitude: bool) -> np.ndarray:
+    k = keys.astype(_U64)
+    if not sign_magnitude:
+        return k
+    m = mask_of(width_bits)
+    sign = _U64(1 << (width_bits - 1))
+    return np.where(k >= sign, k - sign, m - k)
+
+
+def zigzag(d: np.ndarray, width_bits: int) -> np.ndarray:
+    """Zigzag of a modular difference read as a signed ``width_bits`` integer."""
+    d = d.astype(object)  # Python ints: no wrap-around to reason about
+    half = 1 << (width_bits - 1)
+    signed = np.array([x - (1 << width_bits) if x >= half else x for x in d], dtype=object)
+    z = np.array([2 * s if s >= 0 else -2 * s - 1 for s in signed], dtype=object)
+    return z.astype(_U64) if z.size else np.empty(0, _U64)
+
+
+def unzigzag(z: np.ndarray, width_bits: int) -> np.ndarray:
+    z = z.astype(object)
+    signed = [x // 2 if x % 2 == 0 else -(x + 1) // 2 for x in z]
+    out = np.array([s % (1 << width_bits) for s in signed], dtype=object)
+    return out.astype(_U64) if out.size else np.empty(0, _U64)
+
+
+def count_changed(old: np.ndarray, new: np.ndarray) -> int:
+    return int(np.count_nonzero(old != new))
+
+
+def sparse_extract(old: np.ndarray, new: np.ndarray, width_bits: int, sign_magnitude: bool):
+    pos = np.flatnonzero(old != new)
+    gaps = (np.diff(np.concatenate([[-1], pos])) - 1).astype(np.uint32)
+    m = int(mask_of(width_bits))
+    d = (key(new[pos], width_bits, sign_magnitude).astype(object)
+         - key(old[pos], width_bits, sign_magnitude).astype(object)) % (m + 1)
+    steps = zigzag(np.asarray(d, dtype=object), width_bits)
+    max_gap = int(gaps.max()) if gaps.size else 0
+    max_step = int(steps.max()) if steps.size else 0
+    return gaps, steps, max_gap, max_step
+
+
+def sparse_positions(gaps: np.ndarray, n_elems: int):
+    pos = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    ok = pos.size == 0 or bool(pos[-1] < n_elems)
+    return pos.astype(np.int64), ok
+
+
+def sparse_new_values(old: np.ndarray, positions: np.ndarray, steps: np.ndarray, width_bits: int,
+                      sign_magnitude: bool) -> np.ndarray:
+    m = int(mask_of(width_bits))
+    d = unzigzag(steps, width_bits).astype(object)
+    k = (key(old[positions], width_bits, sign_magnitude).astype(object) + d) % (m + 1)
+    k = np.asarray(k, dtype=object).astype(_U64) if len(positions) else np.empty(0, _U64)
+    return unkey(k, width_bits, sign_magnitude).astype(old.dtype)
+
+
+def scatter(live: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    live[positions] = values
+
+
+def to_planes(values: np.ndarray, nplanes: int) -> np.ndarray:
+    v = values.astype(_U64)
+    return np.concatenate([((v >> _U64(8 * p)) & _U64(0xFF)).astype(np.uint8) for p in range(nplanes)]) \
+        if nplanes else np.empty(0, np.uint8)
+
+
+def from_planes(planes: np.ndarray, n: int, nplanes: int, dtype) -> np.ndarray:
+    out = np.zeros(n, _U64)
+    for p in range(nplanes):
+        out |= planes[p * n:(p + 1) * n].astype(_U64) << _U64(8 * p)
+    return out.astype(dtype)
+
+
+def xor_planes(old: np.ndarray, new: np.ndarray, nplanes: int) -> np.ndarray:
+    return to_planes(old ^ new, nplanes)
+
+
+def xor_apply_planes(old: np.ndarray, planes: np.ndarray, nplanes: int):
+    x = from_planes(planes, old.shape[0], nplanes, old.dtype)
+    pos = np.flatnonzero(x != 0).astype(np.int64)
+    return pos, old[pos] ^ x[pos]
+
+
+def diff_positions(old: np.ndarray, new: np.ndarray):
+    pos = np.flatnonzero(old != new).astype(np.int64)
+    return pos, new[pos]

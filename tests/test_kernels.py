@@ -1,0 +1,271 @@
+"""Every numba kernel agrees with its plain-numpy reference (tests/naive.py).
+
+Inputs are random bit patterns of every width, sign-magnitude on and off, with
+changes of every kind (random bits, one-ulp moves, sign flips across zero,
+NaN payloads). The seed is printed and in every failure message; rerun with
+CKPTDELTA_TEST_SEED=<seed> to reproduce.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from delta import kernels
+from tests import naive
+
+SEED = int(os.environ.get("CKPTDELTA_TEST_SEED") or secrets.randbits(32))
+WIDTHS = [8, 16, 32, 64]
+SIZES = [0, 1, 2, 17, 257, 3000]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def setup_module() -> None:
+    print(f"\ntests/test_kernels.py: CKPTDELTA_TEST_SEED={SEED}")
+
+
+def rng_for(*salt: int) -> np.random.Generator:
+    return np.random.default_rng([SEED, *salt])
+
+
+def udtype(width: int) -> np.dtype:
+    return np.dtype(f"<u{width // 8}")
+
+
+def random_bits(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
+    return rng.integers(0, 1 << width, size=n, dtype=udtype(width), endpoint=False)
+
+
+def changed_copy(rng: np.random.Generator, old: np.ndarray, width: int, fraction: float) -> np.ndarray:
+    """``old`` with about ``fraction`` of its elements changed in assorted ways."""
+    new = old.copy()
+    n = old.shape[0]
+    if n == 0:
+        return new
+    where = np.flatnonzero(rng.random(n) < fraction)
+    kind = rng.integers(0, 4, size=where.shape[0])
+    mask = (1 << width) - 1
+    for pos, k in zip(where.tolist(), kind.tolist()):
+        o = int(old[pos])
+        if k == 0:    # random bits
+            v = int(random_bits(rng, 1, width)[0])
+        elif k == 1:  # one step up or down in the raw bits
+            v = (o + (1 if rng.random() < 0.5 else -1)) & mask
+        elif k == 2:  # flip the sign bit (crosses zero for floats)
+            v = o ^ (1 << (width - 1))
+        else:         # flip one bit
+            v = o ^ (1 << int(rng.integers(0, width)))
+        new[pos] = v
+    return new
+
+
+def cases():
+    for w in WIDTHS:
+        for n in SIZES:
+            for frac in (0.0, 0.01, 0.3, 1.0):
+                yield w, n, frac
+
+
+CASES = list(cases())
+
+
+def ids(c):
+    return f"w{c[0]}-n{c[1]}-f{c[2]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_change_kernels_match_reference(case):
+    w, n, frac = case
+    rng = rng_for(w, n, int(frac * 100))
+    old = random_bits(rng, n, w)
+    new = changed_copy(rng, old, w, frac)
+    msg = f"seed={SEED} width={w} n={n} fraction={frac}"
+
+    k = kernels.count_changed(old, new)
+    assert k == naive.count_changed(old, new), msg
+
+    pos, vals = np.empty(k, np.int64), np.empty(k, old.dtype)
+    assert kernels.diff_positions(old, new, pos, vals) == k, msg
+    ref_pos, ref_vals = naive.diff_positions(old, new)
+    np.testing.assert_array_equal(pos, ref_pos, err_msg=msg)
+    np.testing.assert_array_equal(vals, ref_vals, err_msg=msg)
+
+    live = old.copy()
+    kernels.scatter(live, pos, vals)
+    np.testing.assert_array_equal(live, new, err_msg=msg)
+
+    for sm in (False, True):
+        gaps, steps, max_gap, max_step = kernels.sparse_extract(old, new, k, w, sm)
+        r_gaps, r_steps, r_max_gap, r_max_step = naive.sparse_extract(old, new, w, sm)
+        np.testing.assert_array_equal(gaps, r_gaps, err_msg=f"{msg} sm={sm}")
+        np.testing.assert_array_equal(steps, r_steps, err_msg=f"{msg} sm={sm}")
+        assert (int(max_gap), int(max_step)) == (r_max_gap, r_max_step), f"{msg} sm={sm}"
+
+        positions, ok = kernels.sparse_positions(gaps, n)
+        assert ok, msg
+        np.testing.assert_array_equal(positions, ref_pos, err_msg=msg)
+        out = np.empty(k, old.dtype)
+        kernels.sparse_new_values(old, positions, steps, w, sm, out)
+        np.testing.assert_array_equal(out, new[positions], err_msg=f"{msg} sm={sm}: sparse round trip")
+
+    nbytes = w // 8
+    planes = kernels.xor_planes(old, new, nbytes)
+    np.testing.assert_array_equal(planes, naive.xor_planes(old, new, nbytes), err_msg=msg)
+    xp, xv = np.empty(k, np.int64), np.empty(k, old.dtype)
+    assert kernels.xor_apply_planes(old, planes, nbytes, xp, xv) == k, msg
+    rp, rv = naive.xor_apply_planes(old, planes, nbytes)
+    np.testing.assert_array_equal(xp, rp, err_msg=msg)
+    np.testing.assert_array_equal(xv, rv, err_msg=msg)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("sm", [False, True], ids=["int", "signmag"])
+def test_sparse_new_values_matches_reference_for_arbitrary_steps(width, sm):
+    """Decoding must be defined for every step a payload can hold, not only the ones an encoder writes."""
+    rng = rng_for(width, int(sm), 7)
+    n = 500
+    old = random_bits(rng, n, width)
+    positions = np.sort(rng.choice(n, size=200, replace=False)).astype(np.int64)
+    nplanes = int(rng.integers(1, width // 8 + 1))
+    steps = rng.integers(0, 1 << (8 * nplanes), size=200, dtype=np.uint64, endpoint=False)
+    steps[:4] = [0, 1, 2, (1 << (8 * nplanes)) - 1]
+    out = np.empty(200, old.dtype)
+    kernels.sparse_new_values(old, positions, steps, width, sm, out)
+    ref = naive.sparse_new_values(old, positions, steps, width, sm)
+    np.testing.assert_array_equal(out, ref, err_msg=f"seed={SEED} width={width} sm={sm} nplanes={nplanes}")
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 1000])
+def test_sparse_positions_matches_reference_and_flags_overflow(n):
+    rng = rng_for(n, 11)
+    gaps = rng.integers(0, 4, size=n, dtype=np.uint32)
+    limit = int(gaps.astype(np.int64).sum()) + n  # last position is limit - 1
+    pos, ok = kernels.sparse_positions(gaps, limit)
+    ref, ref_ok = naive.sparse_positions(gaps, limit)
+    np.testing.assert_array_equal(pos, ref, err_msg=f"seed={SEED}")
+    assert ok and ref_ok
+    if n:
+        assert not kernels.sparse_positions(gaps, limit - 1)[1], "position past the chunk not flagged"
+    huge = np.full(3, 0xFFFFFFFF, np.uint32)  # sums past 2^32: positions must not wrap
+    pos, ok = kernels.sparse_positions(huge, 1 << 40)
+    assert pos.tolist() == [0xFFFFFFFF, 2 * 0xFFFFFFFF + 1, 3 * 0xFFFFFFFF + 2] and ok
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_planes_round_trip_and_match_reference(width):
+    rng = rng_for(width, 13)
+    for n in SIZES:
+        values = random_bits(rng, n, width)
+        for nplanes in range(1, width // 8 + 1):
+            v = values & np.array((1 << (8 * nplanes)) - 1, dtype=np.uint64).astype(values.dtype)
+            planes = kernels.to_planes(v, nplanes)
+            np.testing.assert_array_equal(planes, naive.to_planes(v, nplanes), err_msg=f"seed={SEED}")
+            for out_dtype in (values.dtype, np.dtype(np.uint64)):
+                out = np.full(n, 0xAB, out_dtype)  # from_planes must overwrite, not OR into, old contents
+                kernels.from_planes(planes, n, nplanes, out)
+                np.testing.assert_array_equal(out, naive.from_planes(planes, n, nplanes, out_dtype))
+                np.testing.assert_array_equal(out, v.astype(out_dtype), err_msg=f"seed={SEED} nplanes={nplanes}")
+
+
+def test_gap_planes_use_uint32():
+    gaps = np.array([0, 255, 65535, (1 << 24) - 1, 0xFFFFFFFF], np.uint32)
+    planes = kernels.to_planes(gaps, 4)
+    out = np.empty(5, np.uint32)
+    kernels.from_planes(planes, 5, 4, out)
+    np.testing.assert_array_equal(out, gaps)
+
+
+@pytest.mark.parametrize("width", [8, 16])
+def test_key_and_zigzag_are_bijections_exhaustively(width):
+    """Every bit pattern (NaN payloads, -0.0, subnormals) maps to a distinct key and back."""
+    allbits = np.arange(1 << width, dtype=np.uint64).astype(udtype(width))
+    for sm in (False, True):
+        keys = naive.key(allbits, width, sm)
+        assert np.unique(keys).shape[0] == 1 << width
+        np.testing.assert_array_equal(naive.unkey(keys, width, sm).astype(allbits.dtype), allbits)
+    d = np.arange(1 << width, dtype=np.uint64)
+    z = naive.zigzag(d, width)
+    assert np.unique(z).shape[0] == 1 << width and int(z.max()) == (1 << width) - 1
+    np.testing.assert_array_equal(naive.unzigzag(z, width), d)
+
+
+def test_float16_keys_follow_numeric_order_and_zeros_are_neighbours():
+    allbits = np.arange(1 << 16, dtype=np.uint64).astype(np.uint16)
+    f = allbits.view(np.float16)
+    finite = ~np.isnan(f)
+    keys = naive.key(allbits[finite], 16, True)
+    order = np.argsort(keys, kind="stable")
+    vals = f[finite][order].astype(np.float64)
+    assert np.all(np.diff(vals) >= 0), "key order is not numeric order"
+    k_neg0 = int(naive.key(np.array([0x8000], np.uint16), 16, True)[0])
+    k_pos0 = int(naive.key(np.array([0x0000], np.uint16), 16, True)[0])
+    assert k_pos0 - k_neg0 == 1
+
+
+@pytest.mark.parametrize("sm", [False, True], ids=["int", "signmag"])
+def test_all_byte_pairs_round_trip_through_sparse_steps(sm):
+    """Width 8, every (old, new) pair: the kernel's steps decode back to exactly ``new``."""
+    old = np.repeat(np.arange(256, dtype=np.uint16), 256).astype(np.uint8)
+    new = np.tile(np.arange(256, dtype=np.uint16), 256).astype(np.uint8)
+    k = kernels.count_changed(old, new)
+    assert k == 256 * 255
+    gaps, steps, _mg, max_step = kernels.sparse_extract(old, new, k, 8, sm)
+    assert int(max_step) <= 255
+    pos, ok = kernels.sparse_positions(gaps, old.shape[0])
+    assert ok
+    out = np.empty(k, np.uint8)
+    kernels.sparse_new_values(old, pos, steps, 8, sm, out)
+    np.testing.assert_array_equal(out, new[pos])
+    np.testing.assert_array_equal(steps, naive.sparse_extract(old, new, 8, sm)[1])
+
+
+def test_one_ulp_moves_cost_one_step_across_zero():
+    """+0.0 -> -0.0 and 1 ulp moves are steps of 1 (zigzag 1 or 2), so they need one byte plane."""
+    old = np.array([0x0000, 0x8000, 0x3C00, 0x3C00, 0x8001, 0x7BFF], np.uint16)
+    new = np.array([0x8000, 0x0000, 0x3C01, 0x3BFF, 0x8000, 0x7C00], np.uint16)
+    _g, steps, _mg, max_step = kernels.sparse_extract(old, new, 6, 16, True)
+    assert sorted(set(steps.tolist())) == [1, 2] and max_step == 2
+
+
+def test_python_path_round_trips_with_jit_disabled():
+    """The kernels as plain Python (NUMBA_DISABLE_JIT=1) give the same round trip: the coverage run."""
+    script = r"""
+import numpy as np
+from numba.core import config
+assert config.DISABLE_JIT
+from delta import codec, kernels, record
+from tests import naive
+assert not hasattr(kernels.count_changed, "py_func"), "numba still compiling"
+rng = np.random.default_rng(5)
+a = rng.standard_normal(300).astype(np.float32)
+cases = {"sparse": a.copy(), "dense_xor": a.copy(), "raw": np.zeros_like(a), "unchanged": a.copy()}
+cases["sparse"][::37] += 1
+cases["dense_xor"].view(np.uint32)[:] ^= 1
+seen = set()
+for want, b in cases.items():
+    enc = codec.encode(a, b, chunk_elems=64)
+    seen |= set(enc.encoding_counts())
+    out = codec.decode(a, enc.to_bytes())
+    assert (out.view(np.uint32) == b.view(np.uint32)).all(), want
+    live = a.copy(); codec.apply_(live, enc.to_bytes())
+    assert (live.view(np.uint32) == b.view(np.uint32)).all(), want
+enc = codec.encode(None, a, chunk_elems=100)
+assert (codec.decode(None, enc.to_bytes()).numpy().view(np.uint32) == a.view(np.uint32)).all()
+old = rng.integers(0, 1 << 16, 200, dtype=np.uint16); new = old.copy(); new[::3] ^= 5
+k = kernels.count_changed(old, new)
+g, s, _, _ = kernels.sparse_extract(old, new, k, 16, True)
+rg, rs, _, _ = naive.sparse_extract(old, new, 16, True)
+assert (g == rg).all() and (s == rs).all()
+print("ENCODINGS", sorted(seen))
+"""
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "ENCODINGS ['dense_xor', 'raw', 'sparse', 'unchanged']" in r.stdout, r.stdout
