@@ -99,3 +99,15 @@ class HotLoadError(CkptDeltaError, RuntimeError):
 
 class HotLoadConflictError(HotLoadError):
     """A different hot-load is already running on this replica."""
+
+
+class HotLoadTimeoutError(HotLoadError, TimeoutError):
+    """Replicas did not reach the requested policy version in time."""
+
+
+class PolicyVersionTimeoutError(HotLoadTimeoutError):
+    """Replicas kept answering 408 (below the request's min_policy_version) past the ready timeout."""
+
+
+class ReplicaError(CkptDeltaError, RuntimeError):
+    """A replica refused a request or could not be reached; the message names the replica and its answer."""
