@@ -7,26 +7,541 @@ error types and how each backend makes a create-only write.
 
 from __future__ import annotations
 
-# INTERFACE (implemented by the storage work item; see tests/test_storage.py):
-#
-# class Store:
-#     url: str                                   # root URL, e.g. "file:///x", "s3://b/run", "gs://b/run", "memory://run"
-#     atomic_create: bool                        # True when put_if_absent is enforced by the backend
-#     @classmethod
-#     def from_url(cls, url: str, storage_options: dict | None = None) -> "Store"
-#     def get(self, key: str, byte_range: tuple[int, int] | None = None, *, max_size: int | None = None) -> bytes
-#         # byte_range = (start, end) half-open; raises ObjectNotFoundError; raises FormatError/ManifestError? no:
-#         # raises StorageError if the object is larger than max_size (checked via size() before reading)
-#     def get_many(self, keys_and_ranges: list[tuple[str, tuple[int,int] | None]]) -> list[bytes]   # parallel
-#     def size(self, key: str) -> int
-#     def put(self, key: str, data: bytes | memoryview) -> None          # overwrite allowed; atomic visibility
-#     def put_if_absent(self, key: str, data: bytes) -> None             # raises ObjectExistsError if present
-#     def put_file(self, key: str, local_path: str) -> None              # large objects, multipart where supported
-#     def exists(self, key: str) -> bool
-#     def delete(self, keys: list[str]) -> None                           # missing keys ignored
-#     def list_prefix(self, prefix: str) -> list[str]                     # keys (relative) under prefix, recursive, sorted
-#     def info(self, key) -> dict with at least "size" and "mtime" (float seconds, may be None)
-#
-# Transient errors (throttling, 5xx, resets, timeouts) are retried with exponential backoff and
-# jitter (RetryPolicy dataclass: attempts=6, base=0.1s, max=5s); after the last attempt a StorageError
-# naming url/key is raised. fsspec not-found errors become ObjectNotFoundError where they enter.
+import errno
+import logging
+import math
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable, Iterable, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+from delta.errors import (
+    CkptDeltaError,
+    InvalidKeyError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+)
+
+log = logging.getLogger("ckptdelta.storage")
+T = TypeVar("T")
+
+#: Basename prefix of local temp files; list_prefix hides them (a writer may be mid-put).
+_TMP_PREFIX = ".ckptdelta-tmp-"
+#: S3's minimum multipart part size; s3fs goes multipart at 2 parts, so files >= 10 MiB.
+_S3_PART_SIZE = 5 * 2**20
+_S3_MAX_PARTS = 10_000
+#: gcsfs switches to a resumable upload at its chunksize; fake-gcs-server (and only it)
+#: ignores ifGenerationMatch there, so create-only writes always go in one request.
+_GCS_SIMPLE_UPLOAD_MIN_CHUNK = 50 * 2**20
+#: Characters refused in keys: path tricks, and glob/query syntax that fsspec or
+#: s3fs would interpret ('*?[' expand as globs in rm, '?versionId=' in s3fs paths).
+_BAD_KEY_CHARS = frozenset("\\*?[]") | frozenset(chr(c) for c in range(32)) | {"\x7f"}
+
+_TRANSIENT_ERRNOS = frozenset({
+    errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+    errno.ECONNREFUSED, errno.EPIPE, getattr(errno, "EREMOTEIO", errno.EIO),
+})
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+    "ServiceUnavailable", "TooManyRequests", "RequestLimitExceeded", "OperationAborted",
+    "RequestTimeoutException", "PriorRequestNotComplete",
+})
+_MEMORY_CREATE_LOCK = threading.Lock()  # MemoryFileSystem's store is process-global
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter for transient errors.
+
+    ``attempts`` counts every try, the first one included. Jitter spreads the
+    replicas of a fleet that all hit the same throttled prefix at once.
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.1
+    max_delay: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        """Sleep before try ``attempt + 1``: uniform in [cap/2, cap], cap doubling per try."""
+        cap = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+        return random.uniform(cap / 2, cap)
+
+
+_transient_types_cache: tuple[type, ...] | None = None
+
+
+def _transient_types() -> tuple[type, ...]:
+    """Client-library exception types that mean "try again"; imported only if installed."""
+    global _transient_types_cache
+    if _transient_types_cache is None:
+        types: list[type] = [TimeoutError, ConnectionError]
+        try:
+            import aiohttp
+            types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+        except ImportError:
+            pass
+        try:
+            from botocore import exceptions as bex
+            from botocore.parsers import ResponseParserError  # throttled replies can be bad XML
+            types += [bex.HTTPClientError, bex.ConnectionError, ResponseParserError]
+        except ImportError:
+            pass
+        try:
+            from requests import exceptions as rex
+            types += [rex.ConnectionError, rex.Timeout, rex.ChunkedEncodingError]
+        except ImportError:
+            pass
+        _transient_types_cache = tuple(types)
+    return _transient_types_cache
+
+
+def _http_status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
+    """HTTP status / service error code from botocore, aiohttp or gcsfs exceptions."""
+    resp = getattr(exc, "response", None)
+    if isinstance(resp, dict):  # botocore ClientError
+        err = resp.get("Error") or {}
+        status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        return (int(status) if status else None), err.get("Code")
+    for attr in ("status", "code"):  # aiohttp ClientResponseError.status, gcsfs HttpError.code
+        val = getattr(exc, attr, None)
+        if isinstance(val, int) or (isinstance(val, str) and val.isdigit()):
+            return int(val), None
+    return None, None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the same request may succeed (throttling, 5xx, resets, timeouts).
+
+    Walks the cause chain because s3fs turns a botocore ClientError into a plain
+    OSError and keeps the original (with its HTTP status) as ``__cause__``.
+    """
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError,
+                        IsADirectoryError, NotADirectoryError, CkptDeltaError)):
+        return False
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, _transient_types()):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        status, code = _http_status_and_code(e)
+        if status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def check_key(key: str, *, what: str = "key") -> str:
+    """Return ``key`` if it is a safe relative key, else raise InvalidKeyError.
+
+    Keys come from manifests a hostile bucket may control: an absolute path or
+    '..' must never let a reader or writer escape the run's root.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError(f"invalid storage {what} {key!r}: must be a non-empty string")
+    if key.startswith("/"):
+        raise InvalidKeyError(f"invalid storage {what} {key!r}: absolute")
+    bad = _BAD_KEY_CHARS.intersection(key)
+    if bad:
+        raise InvalidKeyError(f"invalid storage {what} {key!r}: contains {sorted(bad)!r}")
+    for seg in key.split("/"):
+        if seg in ("", ".", ".."):
+            raise InvalidKeyError(f"invalid storage {what} {key!r}: empty, '.' or '..' segment")
+    return key
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    """Modification time in epoch seconds from whatever field the backend reports."""
+    for name in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        val = info.get(name)
+        if isinstance(val, datetime):
+            return val.timestamp()
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return float(val)
+        if isinstance(val, str):
+            try:
+                return datetime.fromisoformat(val.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename/link durable; best effort where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Store:
+    """Key -> bytes access to one run's root URL, with retries and create-only writes.
+
+    Guarantees per backend:
+
+    * ``put``/``put_file``: readers see the old or the new object, never a part
+      of one. Local: temp file in the same directory + fsync + ``os.replace``;
+      memory: one dict assignment; S3/GCS: single PUT or completed multipart
+      upload. Other fsspec backends: whatever their ``pipe_file`` gives.
+    * ``put_if_absent`` (``atomic_create`` True): local uses ``os.link`` of a
+      complete temp file (fails atomically if the name exists); memory checks
+      and writes under a process-wide lock (one process only); S3 sends
+      ``If-None-Match: *`` (AWS S3 and moto enforce it; older S3 clones may
+      ignore it silently); GCS sends ``ifGenerationMatch=0`` in one request.
+      Other backends fall back to exists-then-write with ``atomic_create``
+      False: two racers can both "win" and the last write stays.
+    * A create whose response was lost and is retried by this class is
+      recognised (the object now holds exactly our bytes) and reported as
+      success. Retries made inside s3fs/gcsfs are invisible here: such a
+      lost-response create surfaces as ObjectExistsError.
+    * Transient errors are retried per ``retry`` on top of the client
+      libraries' own retries; not-found is never retried.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *,
+                 retry: RetryPolicy | None = None, max_workers: int = 16) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url: str = fs.unstrip_protocol(self.root)
+        self.retry = retry or RetryPolicy()
+        self.stats: dict[str, int] = {"requests": 0, "retries": 0}
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        if isinstance(fs, LocalFileSystem):
+            self.backend = "local"
+        elif isinstance(fs, MemoryFileSystem):
+            self.backend = "memory"
+        elif protocols & {"s3", "s3a"}:
+            self.backend = "s3"
+        elif protocols & {"gs", "gcs"}:
+            self.backend = "gcs"
+        else:
+            self.backend = "other"
+        self.atomic_create: bool = self.backend != "other"
+        self._max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, storage_options: dict[str, Any] | None = None,
+                 retry: RetryPolicy | None = None) -> "Store":
+        """Open a plain path, file://, memory://, s3://, gs:// or any fsspec URL.
+
+        Remote listing caches are disabled: a loader polls for objects other
+        processes write, and a cached listing would hide them.
+        """
+        opts = dict(storage_options or {})
+        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        if protocol not in ("file", "local", "memory"):
+            opts.setdefault("use_listings_cache", False)
+        fs, root = fsspec.core.url_to_fs(url, **opts)
+        return cls(fs, root, retry=retry)
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the get_many/delete worker threads (the Store stays usable)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    # --- helpers -----------------------------------------------------------------
+
+    def key_url(self, key: str) -> str:
+        """Full URL of ``key``, for messages the user can act on."""
+        return f"{self.url}/{key}"
+
+    def _path(self, key: str) -> str:
+        check_key(key)
+        return f"{self.root}/{key}" if self.root else key
+
+    def _map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
+        if len(items) <= 1:
+            return [fn(i) for i in items]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="ckptdelta-store")
+            pool = self._pool
+        return list(pool.map(fn, items))
+
+    def _run(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one backend call with retries, translating errors to delta.errors."""
+        policy = self.retry
+        for attempt in range(1, max(1, policy.attempts) + 1):
+            with self._lock:
+                self.stats["requests"] += 1
+            try:
+                return fn()
+            except CkptDeltaError:
+                raise
+            except FileNotFoundError as e:
+                raise ObjectNotFoundError(f"{op} {self.key_url(key)}: no such object") from e
+            except FileExistsError as e:
+                raise ObjectExistsError(f"{op} {self.key_url(key)}: object already exists") from e
+            except Exception as e:
+                cause = f"{type(e).__name__}: {e}"
+                if not is_transient(e):
+                    raise StorageError(f"{op} {self.key_url(key)} failed: {cause}") from e
+                if attempt >= policy.attempts:
+                    raise StorageError(f"{op} {self.key_url(key)} failed after {attempt} "
+                                       f"attempts: {cause}") from e
+                delay = policy.delay(attempt)
+                with self._lock:
+                    self.stats["retries"] += 1
+                log.warning("%s %s: transient error (attempt %d/%d), retrying in %.2fs: %s",
+                            op, self.key_url(key), attempt, policy.attempts, delay, cause)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _local_write(self, path: str, write: Callable[[Any], None], *, create_only: bool) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp: str | None = os.path.join(directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "xb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            if create_only:
+                os.link(tmp, path)  # atomic: EEXIST if the name exists, never a partial file
+            else:
+                os.replace(tmp, path)
+                tmp = None
+            _fsync_dir(directory)
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+
+    # --- reads -------------------------------------------------------------------
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None, *,
+            max_size: int | None = None) -> bytes:
+        """Bytes of ``key``, or of the half-open ``byte_range`` (shorter if the object is).
+
+        With ``max_size`` a larger object is refused before it is downloaded,
+        and the read itself is capped, so a hostile or corrupt bucket cannot make
+        the caller allocate unbounded memory even if the object grows meanwhile.
+        """
+        path = self._path(key)
+        if byte_range is not None:
+            start, end = (int(x) for x in byte_range)
+            if start < 0 or end < start:
+                raise ValueError(f"invalid byte range {byte_range!r} for {self.key_url(key)}")
+            if max_size is not None and end - start > max_size:
+                raise StorageError(f"get {self.key_url(key)}: range of {end - start} bytes "
+                                   f"exceeds the {max_size}-byte limit")
+        elif max_size is not None:
+            size = self.size(key)
+            if size > max_size:
+                raise StorageError(f"get {self.key_url(key)}: object is {size} bytes, "
+                                   f"larger than the {max_size}-byte limit")
+            start, end = 0, max_size + 1
+        else:
+            start = end = None  # type: ignore[assignment]
+        if start is not None and start == end:
+            self.size(key)  # an empty range still requires the object (S3 would send it all)
+            return b""
+        try:
+            data = self._run("get", key, lambda: self.fs.cat_file(path, start=start, end=end))
+        except ObjectNotFoundError:
+            raise
+        except StorageError:
+            # S3/GCS answer 416 for a range starting at or past the end; local and
+            # memory return b"". Normalise to the latter.
+            if start is None or not self._starts_past_end(key, start):
+                raise
+            return b""
+        if max_size is not None and len(data) > max_size:
+            raise StorageError(f"get {self.key_url(key)}: object is larger than the "
+                               f"{max_size}-byte limit")
+        if start is not None and end is not None and len(data) > end - start:
+            raise StorageError(f"get {self.key_url(key)}: server returned {len(data)} bytes "
+                               f"for a {end - start}-byte range")
+        return data
+
+    def _starts_past_end(self, key: str, start: int) -> bool:
+        try:
+            return start >= self.size(key)
+        except StorageError:
+            return False  # keep the caller's original error
+
+    def get_many(self, keys_and_ranges: Iterable[tuple[str, tuple[int, int] | None]]) -> list[bytes]:
+        """``get`` for each (key, range) in parallel, results in input order."""
+        items = list(keys_and_ranges)
+        for key, _ in items:
+            check_key(key)
+        return self._map(lambda kr: self.get(kr[0], kr[1]), items)
+
+    def info(self, key: str) -> dict[str, Any]:
+        """``{"size": int, "mtime": float | None}``; a 'directory' is not an object."""
+        path = self._path(key)
+
+        def fn() -> dict[str, Any]:
+            info = self.fs.info(path)
+            if info.get("type") == "directory":
+                raise FileNotFoundError(path)
+            return {"size": int(info["size"]), "mtime": _mtime(info)}
+
+        return self._run("info", key, fn)
+
+    def size(self, key: str) -> int:
+        return self.info(key)["size"]
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.info(key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def list_prefix(self, prefix: str = "") -> list[str]:
+        """Sorted keys starting with ``prefix`` (plain string prefix, as S3 lists), recursive.
+
+        ``list_prefix("a/")`` lists everything under a/; ``list_prefix("a")`` also
+        matches "ab". Listings are never served from a cache.
+        """
+        if prefix:
+            check_key(prefix[:-1] if prefix.endswith("/") else prefix, what="prefix")
+        directory = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        dpath = f"{self.root}/{directory}".rstrip("/") if directory else self.root
+
+        def fn() -> list[str]:
+            self.fs.invalidate_cache(dpath)
+            try:
+                return list(self.fs.find(dpath))
+            except FileNotFoundError:
+                return []
+
+        root_prefix = f"{self.root}/" if self.root else ""
+        keys = []
+        for path in self._run("list", prefix, fn):
+            if not path.startswith(root_prefix) or path.endswith("/"):
+                continue
+            key = path[len(root_prefix):]
+            if not key.startswith(prefix):
+                continue
+            if self.backend == "local" and key.rsplit("/", 1)[-1].startswith(_TMP_PREFIX):
+                continue
+            keys.append(key)
+        return sorted(keys)
+
+    # --- writes ------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Write ``key`` (overwriting); readers see the old or the new bytes, never a mix."""
+        path = self._path(key)
+        if self.backend == "local":
+            self._run("put", key, lambda: self._local_write(path, lambda f: f.write(data),
+                                                            create_only=False))
+            return
+        payload = bytes(data)
+        self._run("put", key, lambda: self.fs.pipe_file(path, payload))
+
+    def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Create ``key`` or raise ObjectExistsError; see the class docstring per backend."""
+        path = self._path(key)
+        payload = bytes(data)
+        attempts = 0
+
+        def create() -> None:
+            if self.backend == "local":
+                self._local_write(path, lambda f: f.write(payload), create_only=True)
+            elif self.backend == "memory":
+                with _MEMORY_CREATE_LOCK:
+                    if self.fs.exists(path):
+                        raise FileExistsError(path)
+                    self.fs.pipe_file(path, payload)
+            elif self.backend == "s3":
+                self.fs.pipe_file(path, payload, mode="create")
+            elif self.backend == "gcs":
+                chunksize = max(_GCS_SIMPLE_UPLOAD_MIN_CHUNK, len(payload) + 1)
+                self.fs.pipe_file(path, payload, mode="create", chunksize=chunksize)
+            else:
+                if self.fs.exists(path):
+                    raise FileExistsError(path)
+                self.fs.pipe_file(path, payload)
+
+        def fn() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                create()
+            except FileExistsError:
+                # An earlier try of ours may have landed with its answer lost.
+                if attempts > 1 and self.fs.cat_file(path) == payload:
+                    return
+                raise
+
+        self._run("put_if_absent", key, fn)
+
+    def put_file(self, key: str, local_path: str | os.PathLike[str]) -> None:
+        """Upload a local file without reading it whole (multipart on S3, resumable on GCS)."""
+        path = self._path(key)
+        src = os.fspath(local_path)
+        if self.backend == "local":
+            def copy(f: Any) -> None:
+                with open(src, "rb") as fin:
+                    shutil.copyfileobj(fin, f, 8 * 2**20)
+            self._run("put_file", key, lambda: self._local_write(path, copy, create_only=False))
+        elif self.backend == "memory":  # MemoryFileSystem.put_file shows a growing file
+            def pipe() -> None:
+                with open(src, "rb") as fin:
+                    self.fs.pipe_file(path, fin.read())
+            self._run("put_file", key, pipe)
+        elif self.backend == "s3":
+            chunk = max(_S3_PART_SIZE, math.ceil(os.path.getsize(src) / _S3_MAX_PARTS))
+            self._run("put_file", key, lambda: self.fs.put_file(src, path, chunksize=chunk))
+        else:
+            self._run("put_file", key, lambda: self.fs.put_file(src, path))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys``; missing ones are ignored (deletes are retried, so must be idempotent)."""
+        keys = list(keys)
+        paths = [self._path(k) for k in keys]
+        if not keys:
+            return
+        if self.backend == "s3":  # batched DeleteObjects; S3 ignores missing keys itself
+            for i in range(0, len(paths), 1000):
+                batch = paths[i:i + 1000]
+                self._run("delete", keys[i], lambda b=batch: self.fs.rm(b))
+            return
+
+        def rm(kp: tuple[str, str]) -> None:
+            def fn() -> None:
+                try:
+                    self.fs.rm_file(kp[1])
+                except FileNotFoundError:
+                    pass
+            self._run("delete", kp[0], fn)
+
+        self._map(rm, list(zip(keys, paths)))
