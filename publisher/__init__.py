@@ -1,0 +1,14 @@
+"""publisher/: the trainer side. ``Publisher(url).publish(model, step)`` -> a committed snapshot.
+
+Anchors are Hugging Face style sharded safetensors, deltas are records of the
+codec in :mod:`delta`, and a create-only manifest per snapshot is the commit
+(docs/PUBLISHING.md). :func:`publisher.gc.collect` applies retention.
+"""
+
+from delta.errors import ConcurrentPublisherError, PublishError, PublishInputError
+
+from .gc import GcReport, collect
+from .publisher import Publisher, PublishResult
+
+__all__ = ["ConcurrentPublisherError", "GcReport", "PublishError", "PublishInputError", "PublishResult", "Publisher",
+           "collect"]

@@ -1,0 +1,118 @@
+"""Anchors: full snapshots as Hugging Face style sharded safetensors, with each tensor's byte range.
+
+The shards are written here rather than by ``safetensors.torch.save`` because the
+manifest must record where each tensor's data sits in its file (readers
+range-read one tensor), and because the file is hashed as it is written.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
+header, then the data buffer; each tensor's ``data_offsets`` are relative to the
+buffer, so its absolute range is ``8 + N + begin .. 8 + N + end``. The header is
+padded with spaces to a multiple of 8 and, inside a shard, tensors are laid out
+by decreasing element size, so every tensor starts aligned to its element size
+(what zero-copy readers need).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+import xxhash
+
+from delta import dtypes
+from delta.codec import digest_hex
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+#: File names an anchor directory reserves for itself (extra files may not use them).
+RESERVED_PREFIX = "model"
+
+
+def shard_file_name(index: int, total: int) -> str:
+    """HF naming: ``model.safetensors`` alone, else ``model-00001-of-00003.safetensors`` (1-based)."""
+    if total == 1:
+        return SINGLE_FILE
+    return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+
+
+def plan_shards(sizes: Sequence[tuple[str, int]], shard_bytes: int) -> list[list[str]]:
+    """Split tensors, in order, into shards of at most ``shard_bytes`` (a larger tensor gets its own).
+
+    The same greedy rule as ``transformers``' ``save_pretrained``, so a model's
+    shards hold the same tensors as when it is saved there.
+    """
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, n in sizes:
+        if current and used + n > shard_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    header: bytes                              # the 8-byte length and the padded JSON header
+    order: list[str]                           # tensors in data order
+    ranges: dict[str, tuple[int, int]]         # name -> (absolute offset, length)
+    size: int                                  # total file size
+
+
+def layout_shard(tensors: Mapping[str, torch.Tensor], names: Sequence[str],
+                 metadata: Mapping[str, str] | None = None) -> ShardLayout:
+    order = sorted(names, key=lambda n: -tensors[n].element_size())  # stable: keeps state_dict order per size
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    rel: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for n in order:
+        t = tensors[n]
+        nbytes = t.numel() * t.element_size()
+        header[n] = {"dtype": dtypes.of(t).name, "shape": list(t.shape), "data_offsets": [pos, pos + nbytes]}
+        rel[n] = (pos, nbytes)
+        pos += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    start = 8 + len(blob)
+    return ShardLayout(struct.pack("<Q", len(blob)) + blob, order,
+                       {n: (start + off, ln) for n, (off, ln) in rel.items()}, start + pos)
+
+
+@dataclass(frozen=True)
+class WrittenShard:
+    size: int
+    xxh3: str
+    ranges: dict[str, tuple[int, int]]
+    digests: dict[str, str]           # name -> xxh3 of the tensor's bytes
+
+
+def write_shard(f: BinaryIO, tensors: Mapping[str, torch.Tensor], layout: ShardLayout,
+                on_bytes: Callable[[int], None] | None = None) -> WrittenShard:
+    """Write one shard to ``f`` (a binary file), hashing the file and each tensor on the way."""
+    whole = xxhash.xxh3_64()
+    f.write(layout.header)
+    whole.update(layout.header)
+    digests = {}
+    for n in layout.order:
+        bits = dtypes.host_bits(tensors[n])
+        mv = memoryview(bits.view("u1"))
+        digests[n] = digest_hex(xxhash.xxh3_64_intdigest(mv))
+        f.write(mv)
+        whole.update(mv)
+        if on_bytes is not None:
+            on_bytes(len(mv))
+    return WrittenShard(layout.size, digest_hex(whole.intdigest()), layout.ranges, digests)
+
+
+def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
+    """``model.safetensors.index.json`` as ``transformers`` writes and reads it."""
+    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
+                      indent=2).encode() + b"\n"

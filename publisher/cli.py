@@ -1,0 +1,240 @@
+"""``ckptdelta publish | ls | gc``: the trainer side from a shell.
+
+``publish`` takes a safetensors file or a Hugging Face model directory and
+publishes it as the run's next snapshot (the run's chain is rebuilt from the
+bucket to encode the delta, exactly as a restarted trainer does). ``ls`` lists
+the committed snapshots, ``gc`` applies retention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Any, Callable
+
+from delta.errors import CkptDeltaError, PublishInputError
+from delta.manifest import is_safe_key
+from delta.storage import Store
+
+from . import anchor as anchor_fmt
+from .gc import collect
+from .publisher import Publisher
+from .runs import committed_versions, read_manifest, read_run_info
+
+log = logging.getLogger("ckptdelta.publisher")
+
+#: Files of a model directory that are weights in another format: never copied as extra files.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+
+
+def add_commands(subparsers: "argparse._SubParsersAction") -> None:
+    p = subparsers.add_parser(
+        "publish", help="publish a safetensors file or HF model directory as a run's next snapshot",
+        description="Publish SRC (a .safetensors file, or a Hugging Face model directory of safetensors shards) "
+                    "as the next snapshot of the run at URL. The directory's other files (config.json, tokenizer "
+                    "files, generation_config.json) travel with anchors.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--step", type=int, required=True, help="the trainer step of these weights")
+    p.add_argument("--anchor", action="store_true", help="write a full anchor whatever the policy says")
+    p.add_argument("--metadata", action="append", default=[], metavar="K=V", help="string metadata (repeatable)")
+    p.add_argument("--anchor-every", type=int, default=20, metavar="N", help="anchor every N versions (20)")
+    p.add_argument("--shard-bytes", type=int, default=5 * 2**30, metavar="B", help="anchor shard size (5 GiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _storage_args(p)
+    p.set_defaults(func=_guarded(cmd_publish, "publish"))
+
+    p = subparsers.add_parser("ls", help="list a run's committed snapshots",
+                              description="One row per committed snapshot of the run at URL.")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    _storage_args(p)
+    p.set_defaults(func=_guarded(cmd_ls, "ls"))
+
+    p = subparsers.add_parser(
+        "gc", help="delete old snapshots and debris of failed publishes",
+        description="Keep the last K anchors and every snapshot after the oldest of them; delete older manifests, "
+                    "their data, and unreferenced objects older than the grace period.")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--keep-anchors", type=int, default=2, metavar="K")
+    p.add_argument("--grace-seconds", type=float, default=3600, metavar="S",
+                   help="keep unreferenced objects younger than this (a publish may be in flight)")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _storage_args(p)
+    p.set_defaults(func=_guarded(cmd_gc, "gc"))
+
+
+def _storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-options", default=None, metavar="JSON", help="fsspec options as a JSON object")
+    p.add_argument("--storage-option", action="append", default=[], metavar="K=V",
+                   help="one fsspec option (repeatable; dotted keys nest: client_kwargs.endpoint_url=...)")
+
+
+def _guarded(fn: Callable[[argparse.Namespace], int], name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except CkptDeltaError as e:
+            print(f"ckptdelta {name}: error: {e}", file=sys.stderr)
+            return 1
+    run.__name__ = fn.__name__
+    return run
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if getattr(args, "storage_options", None):
+        try:
+            opts = json.loads(args.storage_options)
+        except ValueError as e:
+            raise PublishInputError(f"--storage-options is not valid JSON: {e}") from None
+        if not isinstance(opts, dict):
+            raise PublishInputError("--storage-options must be a JSON object")
+    for item in getattr(args, "storage_option", None) or []:
+        key, value = _split_kv(item, "--storage-option")
+        try:
+            parsed: Any = json.loads(value)
+        except ValueError:
+            parsed = value
+        node = opts
+        *parents, leaf = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = parsed
+    return opts
+
+
+def _split_kv(item: str, flag: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise PublishInputError(f"{flag} takes K=V, got {item!r}")
+    return key, value
+
+
+# --- publish -----------------------------------------------------------------------------
+
+def load_source(src: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """(tensors, extra files name -> path) of a .safetensors file or a model directory."""
+    from safetensors.torch import load_file
+
+    if os.path.isfile(src):
+        if not src.endswith(".safetensors"):
+            raise PublishInputError(f"{src}: not a .safetensors file or a model directory")
+        return load_file(src), {}
+    if not os.path.isdir(src):
+        raise PublishInputError(f"{src}: no such file or directory")
+    index = os.path.join(src, anchor_fmt.INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f).get("weight_map", {}).values()))
+    else:
+        files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not files:
+        raise PublishInputError(f"{src}: no .safetensors files")
+    tensors: dict[str, Any] = {}
+    for name in files:
+        for k, v in load_file(os.path.join(src, name)).items():
+            if k in tensors:
+                raise PublishInputError(f"{src}: tensor {k!r} appears in more than one shard")
+            tensors[k] = v
+    extra = {}
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if not os.path.isfile(path) or name.startswith(".") or name == anchor_fmt.INDEX_FILE:
+            continue
+        if name.endswith(_WEIGHT_SUFFIXES):
+            log.info("%s: not copying %s (weights in another format)", src, name)
+        elif not is_safe_key(name):
+            log.warning("%s: not copying %s (name outside [A-Za-z0-9._-])", src, name)
+        else:
+            extra[name] = path
+    return tensors, extra
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    metadata = dict(_split_kv(m, "--metadata") for m in args.metadata)
+    tensors, extra = load_source(args.src)
+    with Publisher(args.url, storage_options=storage_options(args), extra_files=extra,
+                   anchor_every=args.anchor_every, shard_bytes=args.shard_bytes) as pub:
+        r = pub.publish(tensors, args.step, metadata=metadata, anchor=args.anchor)
+    if args.json:
+        print(json.dumps({"run_id": pub.run_id, **_result_dict(r)}))
+    else:
+        print(f"{r.name} ({r.kind}, step {r.step}): {r.stored_bytes} bytes stored of {r.full_bytes} "
+              f"({100 * r.ratio:.2f}%), {r.n_changed_tensors}/{r.n_tensors} tensors changed, {r.total_s:.2f}s")
+    return 0
+
+
+def _result_dict(r: Any) -> dict[str, Any]:
+    return asdict(r)
+
+
+# --- ls ----------------------------------------------------------------------------------
+
+def list_snapshots(url: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One dict per committed snapshot, oldest first; an unreadable manifest gets a row with ``error``."""
+    with Store.from_url(url, storage_options) as store:
+        info = read_run_info(store)
+        run_id = info.run_id if info else None
+        versions = committed_versions(store)
+
+        def row(v: int) -> dict[str, Any]:
+            try:
+                m = read_manifest(store, v, run_id)
+            except CkptDeltaError as e:
+                return {"version": v, "name": f"v{v:08d}", "error": str(e)}
+            return {"version": m.version, "name": m.name, "kind": m.kind, "parent": m.parent_version,
+                    "anchor": m.anchor_version, "step": m.step, "stored_bytes": m.stored_bytes,
+                    "full_bytes": m.full_bytes, "ratio": m.stored_bytes / max(1, m.full_bytes),
+                    "tensors": len(m.tensors), "created": m.created}
+
+        with ThreadPoolExecutor(min(16, max(1, len(versions)))) as pool:
+            return list(pool.map(row, versions))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = list_snapshots(args.url, storage_options(args))
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'version':>8} {'name':<10} {'kind':<7} {'parent':>7} {'step':>8} {'stored':>12} {'full':>12} "
+          f"{'ratio':>8}  created")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['version']:>8} {r['name']:<10} unreadable: {r['error']}")
+            continue
+        parent = "-" if r["parent"] is None else r["parent"]
+        step = "-" if r["step"] is None else r["step"]
+        print(f"{r['version']:>8} {r['name']:<10} {r['kind']:<7} {parent:>7} {step:>8} {_human(r['stored_bytes']):>12} "
+              f"{_human(r['full_bytes']):>12} {100 * r['ratio']:>7.2f}%  {r['created']}")
+    return 0
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+# --- gc ----------------------------------------------------------------------------------
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    report = collect(args.url, keep_anchors=args.keep_anchors, storage_options=storage_options(args),
+                     grace_seconds=args.grace_seconds, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+        return 0
+    verb = "would delete" if report.dry_run else "deleted"
+    print(f"kept {len(report.kept_versions)} snapshots; {verb} {len(report.deleted_versions)} manifests and "
+          f"{len(report.deleted_objects)} objects ({_human(report.deleted_bytes)}); "
+          f"{len(report.young_orphans)} unreferenced objects younger than the grace period kept")
+    return 0

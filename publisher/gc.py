@@ -1,0 +1,138 @@
+"""Retention: keep the last K anchors and every snapshot after the oldest of them, delete the rest.
+
+Manifests go first (newest first, so whatever remains at any moment is a set of
+complete chains): once a manifest is gone no reader can resolve its snapshot,
+and only then are its data objects deleted. Objects no manifest references are
+debris of failed or racing publishes; they are deleted once older than
+``grace_seconds``, which is what protects a publish still in flight (its data
+exists before its manifest). RUN.json and HEAD are never touched, nor anything a
+kept snapshot needs (its chain is followed to its anchor), nor the objects of a
+manifest that cannot be read (what it references is unknown, so everything
+under its version stays).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from delta.errors import CkptDeltaError
+from delta.manifest import ANCHOR_DIR, DELTA_DIR, Manifest, manifest_key
+from delta.storage import Store
+
+from .runs import committed_versions, read_manifest, read_run_info
+
+log = logging.getLogger("ckptdelta.publisher.gc")
+
+_DATA_KEY = re.compile(rf"^(?:{ANCHOR_DIR}|{DELTA_DIR})/(\d{{12}})-[^/]+/")
+
+
+@dataclass(frozen=True)
+class GcReport:
+    kept_versions: tuple[int, ...]
+    deleted_versions: tuple[int, ...]       # manifests deleted (or that would be, with dry_run)
+    deleted_objects: tuple[str, ...]        # data objects deleted (or that would be)
+    deleted_bytes: int
+    young_orphans: tuple[str, ...]          # unreferenced, but within the grace period: kept for now
+    dry_run: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kept_versions": list(self.kept_versions), "deleted_versions": list(self.deleted_versions),
+                "deleted_objects": list(self.deleted_objects), "deleted_bytes": self.deleted_bytes,
+                "young_orphans": list(self.young_orphans), "dry_run": self.dry_run}
+
+
+def collect(url: str, keep_anchors: int = 2, storage_options: dict[str, Any] | None = None,
+            grace_seconds: float = 3600, dry_run: bool = False, *, now: float | None = None) -> GcReport:
+    """Apply retention to the run at ``url``; with ``dry_run`` only report what would go."""
+    if not (isinstance(keep_anchors, int) and keep_anchors >= 1):
+        raise ValueError(f"keep_anchors must be an int >= 1, got {keep_anchors!r}")
+    if grace_seconds < 0:
+        raise ValueError(f"grace_seconds must be >= 0, got {grace_seconds!r}")
+    now = time.time() if now is None else now
+    with Store.from_url(url, storage_options) as store:
+        return _collect(store, keep_anchors, grace_seconds, dry_run, now)
+
+
+def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: float) -> GcReport:
+    info = read_run_info(store)
+    run_id = info.run_id if info else None
+    versions = committed_versions(store)
+    manifests, unreadable = _read_all(store, versions, run_id)
+    kept = _kept_versions(manifests, unreadable, keep_anchors)
+    doomed = sorted((v for v in versions if v not in kept), reverse=True)
+
+    referenced: set[str] = set()
+    for v in kept:
+        if v in manifests:
+            referenced.update(o.key for o in manifests[v].objects + manifests[v].extra_files)
+    committed_data = {o.key: o.size for v in doomed for o in manifests[v].objects + manifests[v].extra_files}
+
+    to_delete: dict[str, int] = {}
+    young: list[str] = []
+    for key in store.list_prefix(ANCHOR_DIR + "/") + store.list_prefix(DELTA_DIR + "/"):
+        if key in referenced:
+            continue
+        m = _DATA_KEY.match(key)
+        if m and int(m.group(1)) in unreadable:
+            continue
+        if key in committed_data:
+            to_delete[key] = committed_data[key]
+            continue
+        try:
+            meta = store.info(key)
+        except FileNotFoundError:
+            continue
+        mtime = meta.get("mtime")
+        old = (not dry_run and grace == 0) if mtime is None else now - mtime >= grace
+        if old:
+            to_delete[key] = int(meta["size"])
+        else:
+            young.append(key)
+
+    if not dry_run:
+        for v in doomed:  # newest first: what remains is always whole chains
+            store.delete([manifest_key(v)])
+        store.delete(sorted(to_delete))
+    report = GcReport(tuple(sorted(kept)), tuple(sorted(doomed)), tuple(sorted(to_delete)),
+                      sum(to_delete.values()), tuple(young), dry_run)
+    log.info("gc of %s%s: kept %d snapshots, deleted %d manifests and %d objects (%d bytes); %d young orphans kept",
+             store.url, " (dry run)" if dry_run else "", len(report.kept_versions), len(doomed),
+             len(to_delete), report.deleted_bytes, len(young))
+    return report
+
+
+def _read_all(store: Store, versions: list[int], run_id: str | None) -> tuple[dict[int, Manifest], set[int]]:
+    def one(v: int) -> Manifest | None:
+        try:
+            return read_manifest(store, v, run_id)
+        except CkptDeltaError as e:
+            log.warning("gc: cannot read manifest version %d (%s); keeping it and everything under its version", v, e)
+            return None
+
+    with ThreadPoolExecutor(min(16, max(1, len(versions))), thread_name_prefix="ckptdelta-gc") as pool:
+        read = list(pool.map(one, versions))
+    manifests = {v: m for v, m in zip(versions, read) if m is not None}
+    return manifests, {v for v, m in zip(versions, read) if m is None}
+
+
+def _kept_versions(manifests: dict[int, Manifest], unreadable: set[int], keep_anchors: int) -> set[int]:
+    anchors = sorted(v for v, m in manifests.items() if m.kind == "anchor")
+    all_versions = set(manifests) | unreadable
+    if len(anchors) <= keep_anchors:
+        return all_versions
+    oldest = anchors[-keep_anchors]
+    kept = {v for v in all_versions if v >= oldest} | unreadable
+    todo = [v for v in kept if v in manifests]
+    while todo:  # follow every kept snapshot's chain to its anchor
+        m = manifests[todo.pop()]
+        for dep in (m.parent_version if m.kind == "delta" else None, m.anchor_version):
+            if dep is not None and dep not in kept and dep in all_versions:
+                kept.add(dep)
+                if dep in manifests:
+                    todo.append(dep)
+    return kept

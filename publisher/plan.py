@@ -1,0 +1,108 @@
+"""Whether the next snapshot is an anchor or a delta, decided from the run's committed chain.
+
+The decision is a pure function of the chain so far and the tensors about to be
+published, so every rank of a sharded trainer (and a restarted publisher that
+re-read the chain from the bucket) reaches the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from delta.manifest import Kind, Manifest
+
+from .snapshot import Schema
+
+#: A delta chain longer than this forces an anchor (a reader replays at most this many deltas).
+MAX_CHAIN = 128
+
+
+@dataclass(frozen=True)
+class ChainState:
+    """What the anchor policy needs to know about the run's committed snapshots."""
+
+    last_version: int | None = None      # None: nothing committed yet
+    last_step: int | None = None
+    anchor_version: int | None = None
+    anchor_bytes: int = 0                 # stored size of the anchor's data objects
+    chain_bytes: int = 0                  # stored bytes of the deltas since that anchor
+    schema: Schema = field(default_factory=dict)
+
+    @property
+    def chain_length(self) -> int:
+        if self.last_version is None or self.anchor_version is None:
+            return 0
+        return self.last_version - self.anchor_version
+
+    @classmethod
+    def from_chain(cls, chain: Sequence[Manifest]) -> "ChainState":
+        """From the manifests of the newest chain: its anchor first, then each delta in order."""
+        if not chain:
+            return cls()
+        state = cls()
+        for m in chain:
+            state = state.advanced(m)
+        return state
+
+    def advanced(self, m: Manifest) -> "ChainState":
+        """The state once ``m`` is committed on top of this one."""
+        schema = {n: (e.dtype, tuple(e.shape)) for n, e in m.tensors.items()}
+        if m.kind == "anchor":
+            return ChainState(m.version, m.step, m.version, sum(o.size for o in m.objects), 0, schema)
+        return replace(self, last_version=m.version, last_step=m.step, chain_bytes=self.chain_bytes + m.stored_bytes,
+                       schema=schema)
+
+
+@dataclass(frozen=True)
+class Plan:
+    version: int
+    kind: Kind
+    parent_version: int | None
+    anchor_version: int
+    reason: str
+
+
+def decide(state: ChainState, schema: Schema, *, anchor_every: int, chain_fraction: float,
+           force_anchor: bool = False, max_chain: int = MAX_CHAIN) -> Plan:
+    """The next snapshot's version and kind, with the reason (logged, and in PublishResult)."""
+    version = 0 if state.last_version is None else state.last_version + 1
+    reason = _anchor_reason(state, schema, anchor_every, chain_fraction, force_anchor, max_chain)
+    if reason is not None:
+        return Plan(version, "anchor", state.last_version, version, reason)
+    assert state.anchor_version is not None
+    return Plan(version, "delta", state.last_version, state.anchor_version, "delta against the previous snapshot")
+
+
+def _anchor_reason(state: ChainState, schema: Schema, anchor_every: int, chain_fraction: float,
+                   force: bool, max_chain: int) -> str | None:
+    if state.last_version is None or state.anchor_version is None:
+        return "first publish of the run"
+    if force:
+        return "anchor=True"
+    if state.chain_length + 1 >= anchor_every:
+        return f"every {anchor_every} versions"
+    if state.chain_length + 1 > max_chain:
+        return f"a delta chain may be at most {max_chain} long"
+    if state.chain_bytes > chain_fraction * state.anchor_bytes:
+        return (f"the chain's {state.chain_bytes} delta bytes passed {chain_fraction:g} of the anchor's "
+                f"{state.anchor_bytes} bytes")
+    change = describe_schema_change(state.schema, schema)
+    if change:
+        return f"tensors changed: {change}"
+    return None
+
+
+def describe_schema_change(old: Schema, new: Schema, limit: int = 3) -> str:
+    """'' when names, dtypes and shapes all match; otherwise a short account of what differs."""
+    if old == new:
+        return ""
+    added = [n for n in new if n not in old]
+    removed = [n for n in old if n not in new]
+    changed = [n for n in new if n in old and old[n] != new[n]]
+    parts = []
+    for label, names in (("added", added), ("removed", removed), ("dtype/shape changed", changed)):
+        if names:
+            more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+            parts.append(f"{label} {', '.join(repr(n) for n in names[:limit])}{more}")
+    return "; ".join(parts)

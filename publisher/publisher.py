@@ -1,0 +1,492 @@
+"""The trainer's handle on a run: ``Publisher.publish(weights, step)`` -> a committed snapshot.
+
+One publish goes: copy the weights to host memory (in the caller's thread, so
+the trainer may step again as soon as publish() returns), then in a background
+thread: plan (anchor or delta), write and upload the data objects under this
+session's writer prefix, commit the manifest (create-only), move HEAD. Publishes
+run one at a time, in call order; each delta is encoded against the exact bits
+of the previous committed snapshot, which the publisher keeps as a host copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import xxhash
+
+from delta.codec import digest_hex
+from delta.errors import CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError
+from delta.manifest import Kind, Manifest, ObjectRef, anchor_prefix, is_safe_key, now_iso
+from delta.storage import Store
+
+from . import anchor as anchor_fmt
+from .distributed import describe, make_comm
+from .plan import ChainState, Plan, decide
+from .rebuild import read_chain, rebuild
+from .runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id, read_manifest,
+                   read_run_info)
+from .snapshot import Partition, Schema, Weights, copy_to_host, gather_sources, nan_tensor_names, pinned_spares, schema_of
+from .writer import Written, merge, write_anchor, write_delta_object
+
+log = logging.getLogger("ckptdelta.publisher")
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """A committed snapshot, as this publish saw it. Seconds are wall-clock; encode and upload overlap for anchors."""
+
+    version: int
+    name: str
+    kind: Kind
+    parent_version: int | None
+    anchor_version: int
+    step: int
+    stored_bytes: int          # bytes this snapshot wrote (data objects, extra files; not the manifest)
+    full_bytes: int            # sum of the tensors' sizes
+    ratio: float               # stored_bytes / full_bytes: 0.017 = 1.7% of the full size
+    copy_s: float              # weights -> host copy, in the caller's thread
+    encode_s: float            # delta encoding, or anchor serialization (this rank)
+    upload_s: float            # first upload start -> last upload end (this rank)
+    commit_s: float            # index, manifest and HEAD (rank 0)
+    total_s: float             # publish() call -> committed
+    n_changed_tensors: int     # tensors with bytes in this snapshot (all of them for an anchor)
+    n_tensors: int
+    reason: str                # why an anchor or a delta
+
+
+@dataclass
+class _Job:
+    snapshot: dict[str, torch.Tensor] | None
+    schema: Schema | None
+    step: int
+    metadata: dict[str, str]
+    force_anchor: bool
+    error: BaseException | None      # an input error, carried so every rank fails this publish together
+    failures_seen: int
+    t_start: float
+    wait: bool
+    copy_s: float = 0.0
+
+
+class _Skipped(PublishError):
+    """An earlier publish failed; publishes queued behind it are not attempted."""
+
+
+class Publisher:
+    """Publishes a trainer's weights to a run at ``url`` as anchors and deltas.
+
+    Host memory held: the previous published snapshot (a host copy of the exact
+    bits published, the parent of the next delta) plus one staging copy per
+    publish in flight (``max_in_flight``, default 1), so about
+    ``(1 + max_in_flight) x`` the published weights while a publish runs and
+    ``1x`` between publishes. With CUDA weights the staging copies are pinned and
+    a superseded parent's pinned buffers are kept for the next copy (pinned
+    allocation costs more than the copy), so ``2x`` stays held between
+    publishes. Anchor shards also pass through a temporary directory
+    (``TMPDIR``): up to 5 shards on local disk at once.
+
+    Anchors are written for the first publish of a run, every ``anchor_every``
+    versions, when the chain's delta bytes since the last anchor pass
+    ``anchor_chain_fraction`` of that anchor's size, when tensor names, dtypes or
+    shapes change, when a delta chain would pass 128, and on ``anchor=True``.
+
+    Sharded trainers (torch.distributed up with more than one rank, unless
+    ``distributed=False``): build a Publisher on every rank (a collective call);
+    each rank publishes the tensors it holds (its shard's state dict, or the
+    full one filtered by ``partition``: a set of names or a predicate), rank 0
+    decides and commits one manifest. Collectives run on ``process_group``, or a
+    new gloo group by default.
+    """
+
+    def __init__(self, url: str, *, anchor_every: int = 20, anchor_chain_fraction: float = 0.5,
+                 storage_options: dict[str, Any] | None = None,
+                 extra_files: Mapping[str, str | os.PathLike[str] | bytes] | None = None,
+                 shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
+                 process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
+                 progress: bool | None = None):
+        if not (isinstance(anchor_every, int) and anchor_every >= 1):
+            raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
+        if not anchor_chain_fraction >= 0:
+            raise ValueError(f"anchor_chain_fraction must be >= 0, got {anchor_chain_fraction!r}")
+        if not (isinstance(shard_bytes, int) and shard_bytes >= 1):
+            raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
+        if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
+            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        if run_id is not None and not (isinstance(run_id, str) and 0 < len(run_id) <= 256):
+            raise ValueError(f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}")
+        self.url = url
+        self.anchor_every, self.anchor_chain_fraction = anchor_every, float(anchor_chain_fraction)
+        self.shard_bytes, self.level, self.progress = shard_bytes, level, progress
+        self._partition = partition
+        self._extra = _read_extra_files(extra_files)
+        self._store = Store.from_url(url, storage_options)
+        self._comm = make_comm(process_group, distributed)
+        # rank 0's view of the run (others follow its decisions)
+        self._chain = ChainState()
+        self._anchor_extra: tuple[ObjectRef, ...] = ()
+        self._run_info_exists = False
+        self.run_id, self.writer_id, last_step = self._comm.decide(lambda: self._open_run(run_id))
+        # this rank's parent: the exact host bits of its tensors in version _parent_version
+        self._parent: dict[str, torch.Tensor] = {}
+        self._parent_version: int | None = None
+        self._lock = threading.Lock()
+        self._committed_step: int | None = last_step
+        self._last_step: int | None = last_step
+        self._spare: dict[str, torch.Tensor] = {}
+        self._nan_warned: set[str] = set()
+        self._n_failures = 0
+        self._pending_error: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._closed = False
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._futures: set[Future] = set()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-publish")
+        self._uploads = ThreadPoolExecutor(4, thread_name_prefix="ckptdelta-upload")
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world
+
+    @property
+    def store(self) -> Store:
+        """The run's storage (shared with the background publish thread)."""
+        return self._store
+
+    def __repr__(self) -> str:
+        return f"Publisher({self.url!r}, run_id={self.run_id!r}, writer_id={self.writer_id!r})"
+
+    # --- the run ---------------------------------------------------------------------
+
+    def _open_run(self, run_id: str | None) -> tuple[str, str, int | None]:
+        store = self._store
+        info = read_run_info(store)
+        versions = committed_versions(store)
+        existing = info.run_id if info else None
+        if existing is None and versions:
+            existing = read_manifest(store, versions[-1], None).run_id
+        if run_id is not None and existing is not None and run_id != existing:
+            raise RunMismatchError(f"{store.url} holds run {existing!r}, not run {run_id!r}")
+        rid = existing or run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{new_writer_id()[:8]}"
+        self._run_info_exists = info is not None
+        if versions:
+            try:
+                chain = read_chain(store, versions[-1], rid)
+                self._chain = ChainState.from_chain(chain)
+                self._anchor_extra = chain[0].extra_files
+            except CkptDeltaError as e:  # an unreadable chain: the next publish anchors
+                log.warning("run %s at %s: cannot read the chain of version %d (%s); the next publish will anchor",
+                            rid, store.url, versions[-1], e)
+                last = read_manifest(store, versions[-1], rid)
+                self._chain = ChainState(last_version=last.version, last_step=last.step)
+            log.info("run %s at %s: resuming after version %d (step %s)", rid, store.url, versions[-1],
+                     self._chain.last_step)
+        return rid, new_writer_id(), self._chain.last_step
+
+    # --- public verbs --------------------------------------------------------------------
+
+    def publish(self, weights: Weights, step: int, *, metadata: dict[str, str] | None = None, wait: bool = True,
+                anchor: bool = False) -> "PublishResult | Future[PublishResult]":
+        """Publish ``weights`` as the run's next snapshot, for trainer step ``step``.
+
+        ``weights``: an nn.Module (its state_dict), or a mapping of name -> torch
+        tensor (any device) or numpy array. With ``wait=False`` returns a Future
+        once the weights are copied to host memory; encoding and upload continue
+        in the background, and a failure surfaces from the Future and from the
+        next publish(), wait_until_finished() or close().
+        """
+        t_start = time.perf_counter()
+        self._check_usable()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise PublishInputError(f"step must be a non-negative int, got {step!r}")
+        metadata = dict(metadata or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise PublishInputError("metadata must map strings to strings")
+        err: BaseException | None = None
+        sources: dict = {}
+        try:
+            sources = gather_sources(weights, self._partition)
+            if not sources and self._comm.world == 1:
+                raise PublishInputError("nothing to publish: no tensors")
+            with self._lock:
+                last = self._last_step
+            if last is not None and step < last:
+                raise PublishInputError(f"step {step} is lower than the run's last step {last} "
+                                        f"(run {self.run_id} at {self.url}); steps may not go backwards")
+        except PublishInputError as e:
+            if self._comm.world == 1:
+                raise
+            err = e  # every rank must take part in this publish, so the error travels with it
+        self._slots.acquire()
+        try:
+            snapshot, copy_s = None, 0.0
+            if err is None:
+                t0 = time.perf_counter()
+                with self._lock:
+                    spare, self._spare = self._spare, {}
+                snapshot = copy_to_host(sources, spare)
+                copy_s = time.perf_counter() - t0
+            with self._lock:
+                self._last_step = step if err is None else self._last_step
+                failures = self._n_failures
+            job = _Job(snapshot, None if snapshot is None else schema_of(snapshot), step, metadata, anchor, err,
+                       failures, t_start, wait, copy_s)
+            fut = self._worker.submit(self._run_job, job)
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._lock:
+            self._futures.add(fut)
+        fut.add_done_callback(self._job_done)
+        return fut.result() if wait else fut
+
+    def wait_until_finished(self) -> None:
+        """Block until every publish in flight is committed or failed; raise the first background failure."""
+        while True:
+            with self._lock:
+                pending = list(self._futures)
+            if not pending:
+                break
+            for f in pending:
+                f.exception()  # waits; the error itself is kept in _pending_error
+            with self._lock:
+                self._futures.difference_update(f for f in pending if f.done())
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Finish what is in flight, then release threads and connections. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+            self._uploads.shutdown(wait=True)
+            self._store.close()
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # do not hide the error that ended the with-block
+            log.error("closing the publisher after an error: %s", e)
+
+    # --- bookkeeping -----------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise PublishError(f"publisher for {self.url} is closed")
+        if self._fatal is not None:
+            raise self._fatal
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            err, self._pending_error = self._pending_error, None
+        if err is not None:
+            raise err
+
+    def _job_done(self, fut: Future) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+
+    def _run_job(self, job: _Job) -> PublishResult:
+        try:
+            return self._execute(job)
+        except BaseException as e:
+            with self._lock:
+                self._last_step = self._committed_step
+                if not job.wait and self._pending_error is None and not isinstance(e, _Skipped):
+                    self._pending_error = e
+            raise
+        finally:
+            self._slots.release()
+
+    # --- one publish, in the worker thread ------------------------------------------------------
+
+    def _execute(self, job: _Job) -> PublishResult:
+        comm = self._comm
+        skip = job.failures_seen != self._n_failures
+        try:
+            gathered = comm.agree(job.error, (skip, job.schema, job.step, job.force_anchor))
+            if any(g[0] for g in gathered):
+                raise _Skipped(f"step {job.step} was not published: an earlier publish of run {self.run_id} failed")
+            plan: Plan = comm.decide(lambda: self._plan(gathered))
+            parent = None
+            if plan.kind == "delta":
+                err: BaseException | None = None
+                try:
+                    parent = self._ensure_parent(plan, job)
+                except Exception as e:  # noqa: BLE001 - any rank without its parent makes everyone anchor
+                    err = e
+                failed = [f for f in comm.all_gather(None if err is None else describe(err)) if f]
+                if failed:
+                    log.warning("cannot rebuild the parent %d of version %d (%s); writing an anchor instead",
+                                plan.parent_version, plan.version, failed[0][1])
+                    plan = replace(plan, kind="anchor", anchor_version=plan.version,
+                                   reason=f"the parent snapshot could not be rebuilt: {failed[0][1]}")
+            shards: list[list[str]] = []
+            first = total = 0
+            if plan.kind == "anchor":
+                assert job.snapshot is not None
+                shards = anchor_fmt.plan_shards(
+                    [(n, t.numel() * t.element_size()) for n, t in job.snapshot.items()], self.shard_bytes)
+                counts = comm.all_gather(len(shards))
+                first, total = sum(counts[:comm.rank]), sum(counts)
+            written, err = None, None
+            try:
+                written = self._write(plan, job, parent, shards, first, total)
+            except Exception as e:  # noqa: BLE001 - reported to every rank by agree()
+                err = e
+            parts = comm.agree(err, written)
+            outcome = comm.decide(lambda: self._commit(plan, job, parts))
+        except _Skipped:
+            raise
+        except BaseException as e:
+            self._n_failures += 1
+            if isinstance(e, ConcurrentPublisherError):
+                self._fatal = e
+            raise
+        return self._committed(plan, job, written, outcome)
+
+    def _plan(self, gathered: list[tuple[bool, Schema, int, bool]]) -> Plan:
+        union: Schema = {}
+        owner: dict[str, int] = {}
+        for r, (_, schema, _, _) in enumerate(gathered):
+            for n, s in (schema or {}).items():
+                if n in owner:
+                    raise PublishInputError(f"tensor {n!r} is published by both rank {owner[n]} and rank {r}")
+                owner[n], union[n] = r, s
+        if not union:
+            raise PublishInputError("nothing to publish: no rank holds a tensor")
+        steps = sorted({g[2] for g in gathered})
+        if len(steps) > 1:
+            raise PublishInputError(f"ranks disagree on the step being published: {steps}")
+        step = steps[0]
+        if self._chain.last_step is not None and step < self._chain.last_step:
+            raise PublishInputError(f"step {step} is lower than the last committed step {self._chain.last_step} "
+                                    f"(version {self._chain.last_version} of run {self.run_id})")
+        plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=self.anchor_chain_fraction,
+                      force_anchor=any(g[3] for g in gathered))
+        check_not_committed(self._store, plan.version, self.run_id)
+        return plan
+
+    def _ensure_parent(self, plan: Plan, job: _Job) -> dict[str, torch.Tensor]:
+        assert job.snapshot is not None and plan.parent_version is not None
+        if self._parent_version != plan.parent_version:
+            self._parent, self._parent_version = {}, plan.parent_version
+        missing = [n for n in job.snapshot if n not in self._parent]
+        if missing:
+            chain = read_chain(self._store, plan.parent_version, self.run_id)
+            self._parent.update(rebuild(self._store, chain, missing))
+        for n, t in job.snapshot.items():
+            p = self._parent.get(n)
+            if p is None or p.dtype != t.dtype or p.shape != t.shape:
+                raise PublishError(f"tensor {n!r} is not in version {plan.parent_version} as {t.dtype}{list(t.shape)}")
+        return self._parent
+
+    def _write(self, plan: Plan, job: _Job, parent: dict[str, torch.Tensor] | None, shards: list[list[str]],
+               first: int, total: int) -> Written:
+        assert job.snapshot is not None
+        if plan.kind == "anchor":
+            written = write_anchor(self._store, self._uploads, job.snapshot, shards, version=plan.version,
+                                   writer_id=self.writer_id, first_shard=first, total_shards=total,
+                                   extra_files=self._extra if self._comm.rank == 0 else {}, progress=self.progress)
+        else:
+            assert parent is not None
+            written = write_delta_object(self._store, parent, job.snapshot, version=plan.version,
+                                         writer_id=self.writer_id, rank=self._comm.rank, level=self.level,
+                                         progress=self.progress)
+        with_bytes = [n for n, e in written.entries.items() if e.object is not None]
+        for n in nan_tensor_names(job.snapshot, with_bytes, self._nan_warned):
+            self._nan_warned.add(n)
+            log.warning("tensor %r holds NaN values in version %d (step %d); published as-is, bit-exact",
+                        n, plan.version, job.step)
+        return written
+
+    def _commit(self, plan: Plan, job: _Job, parts: list[Written]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        store = self._store
+        objects, entries, weight_map, extra = merge(parts)
+        stored = sum(o.size for o in objects) + sum(o.size for o in extra)
+        full = sum(e.nbytes for e in entries.values())
+        if plan.kind == "anchor":
+            if len(objects) > 1:
+                key = f"{anchor_prefix(plan.version, self.writer_id)}/{anchor_fmt.INDEX_FILE}"
+                data = anchor_fmt.index_json(weight_map, full)
+                store.put(key, data)
+                objects.append(ObjectRef(key, len(data), digest_hex(xxhash.xxh3_64_intdigest(data))))
+                stored += len(data)
+            extra_refs = tuple(extra)
+        else:
+            extra_refs = self._anchor_extra  # the anchor's config/tokenizer, found from any snapshot
+        if not self._run_info_exists:
+            ensure_run_info(store, self.run_id)
+            self._run_info_exists = True
+        manifest = Manifest(
+            run_id=self.run_id, version=plan.version, kind=plan.kind, parent_version=plan.parent_version,
+            anchor_version=plan.anchor_version, created=now_iso(), step=job.step, writer_id=self.writer_id,
+            objects=tuple(objects), tensors=entries, extra_files=extra_refs, metadata=job.metadata,
+            full_bytes=full, stored_bytes=stored)
+        Manifest.from_json(manifest.to_json(), run_id=self.run_id)  # never commit what a reader would refuse
+        commit(store, manifest)
+        self._chain = self._chain.advanced(manifest)
+        if plan.kind == "anchor":
+            self._anchor_extra = extra_refs
+        n_changed = sum(1 for e in entries.values() if e.object is not None)
+        return {"stored": stored, "full": full, "n_changed": n_changed, "n_tensors": len(entries),
+                "commit_s": time.perf_counter() - t0}
+
+    def _committed(self, plan: Plan, job: _Job, written: Written | None, outcome: dict[str, Any]) -> PublishResult:
+        assert job.snapshot is not None and written is not None
+        old, self._parent, self._parent_version = self._parent, job.snapshot, plan.version
+        with self._lock:
+            self._committed_step = job.step
+            self._spare = pinned_spares(old)
+        del old
+        r = PublishResult(
+            version=plan.version, name=f"v{plan.version:08d}", kind=plan.kind, parent_version=plan.parent_version,
+            anchor_version=plan.anchor_version, step=job.step, stored_bytes=outcome["stored"],
+            full_bytes=outcome["full"], ratio=outcome["stored"] / max(1, outcome["full"]), copy_s=job.copy_s,
+            encode_s=written.encode_s, upload_s=written.upload_s, commit_s=outcome["commit_s"],
+            total_s=time.perf_counter() - job.t_start, n_changed_tensors=outcome["n_changed"],
+            n_tensors=outcome["n_tensors"], reason=plan.reason)
+        log.info("published %s of run %s: %s, %d of %d tensors changed, %d bytes (%.2f%% of %d) in %.2fs (%s)",
+                 r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes, 100 * r.ratio,
+                 r.full_bytes, r.total_s, r.reason)
+        return r
+
+
+def _read_extra_files(extra: Mapping[str, str | os.PathLike[str] | bytes] | None) -> dict[str, bytes]:
+    """Extra files are read once, here: an anchor written later must not see a half-edited config."""
+    out: dict[str, bytes] = {}
+    for name, src in (extra or {}).items():
+        if not (isinstance(name, str) and is_safe_key(name)):
+            raise PublishInputError(f"extra file name {name!r} must be a relative path of [A-Za-z0-9._-] segments")
+        base = name.rsplit("/", 1)[-1]
+        if name == anchor_fmt.INDEX_FILE or base.endswith(".safetensors") and name == base:
+            raise PublishInputError(f"extra file {name!r} would collide with the anchor's own weight files")
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            out[name] = bytes(src)
+        else:
+            with open(src, "rb") as f:
+                out[name] = f.read()
+    return out

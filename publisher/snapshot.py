@@ -1,0 +1,149 @@
+"""The trainer's weights, validated and copied to host memory that the publisher owns.
+
+A publish must capture the weights *as they are when publish() is called*: the
+trainer steps again right away and mutates them in place. So every tensor is
+copied into a host buffer owned by the publisher before publish() returns, and
+everything after that (encoding, hashing, uploading, keeping the copy as the
+next delta's parent) reads only these copies. CUDA tensors are copied into
+pinned buffers (the fast DMA path); those buffers are expensive to allocate,
+so the publisher hands the buffers of a superseded parent back here for reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from delta import dtypes
+from delta.errors import PublishInputError, UnsupportedDtypeError
+
+log = logging.getLogger("ckptdelta.publisher")
+
+Weights = Union[torch.nn.Module, Mapping[str, "torch.Tensor | np.ndarray"]]
+Partition = Union[Callable[[str], bool], Collection[str], None]
+#: name -> (dtype name, shape): what must stay equal for a delta to be possible.
+Schema = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def gather_sources(weights: Weights, partition: Partition = None) -> dict[str, torch.Tensor | np.ndarray]:
+    """The tensors to publish, by name, after every check that can refuse them.
+
+    Tied weights appear under each of their names (as in ``state_dict``); each
+    name is published on its own, which costs the bytes once per name in anchors
+    and nothing extra in deltas when they do not change.
+    """
+    if isinstance(weights, torch.nn.Module):
+        items: Mapping[str, Any] = weights.state_dict()
+    elif isinstance(weights, Mapping):
+        items = weights
+    else:
+        raise PublishInputError(
+            f"publish() takes an nn.Module or a mapping of name -> tensor, not {type(weights).__name__}")
+    keep = _partition_filter(partition)
+    out: dict[str, torch.Tensor | np.ndarray] = {}
+    for name, value in items.items():
+        if not isinstance(name, str) or not name:
+            raise PublishInputError(f"tensor names must be non-empty strings, got {name!r}")
+        if keep is not None and not keep(name):
+            continue
+        _check_value(name, value)
+        out[name] = value
+    return out
+
+
+def _partition_filter(partition: Partition) -> Callable[[str], bool] | None:
+    if partition is None:
+        return None
+    if callable(partition):
+        return partition
+    names = frozenset(partition)
+    return names.__contains__
+
+
+def _check_value(name: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        if type(value).__name__ == "DTensor":
+            raise PublishInputError(
+                f"tensor {name!r} is a DTensor: publish each rank's local tensors under distinct names, "
+                "or a full state_dict with partition= naming what this rank publishes")
+        if value.is_meta:
+            raise PublishInputError(f"tensor {name!r} is on the meta device: it has no data to publish")
+        if value.layout != torch.strided:
+            raise PublishInputError(f"tensor {name!r} has layout {value.layout}; only dense tensors are published")
+    elif not isinstance(value, np.ndarray):
+        raise PublishInputError(
+            f"value {name!r} is a {type(value).__name__}, not a tensor; publish() takes tensors only "
+            "(drop extra state, or pass a dict of tensors)")
+    try:
+        dtypes.of(value)
+    except UnsupportedDtypeError as e:
+        raise PublishInputError(f"tensor {name!r}: {e}") from e
+
+
+def schema_of(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> Schema:
+    return {n: (dtypes.of(t).name, tuple(int(s) for s in t.shape)) for n, t in tensors.items()}
+
+
+def copy_to_host(sources: Mapping[str, torch.Tensor | np.ndarray],
+                 spare: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of ``sources`` (pinned for CUDA sources), complete on return.
+
+    ``spare`` holds buffers the caller no longer needs; one of the right dtype,
+    shape and pinning is reused instead of allocating.
+    """
+    spare = spare or {}
+    out: dict[str, torch.Tensor] = {}
+    cuda_devices: set[torch.device] = set()
+    with torch.no_grad():
+        for name, src in sources.items():
+            if isinstance(src, np.ndarray):
+                dt = dtypes.of(src)
+                bits = np.ascontiguousarray(src).reshape(-1).view(dt.bits_dtype)
+                dst = _buffer(spare.get(name), dt.torch_dtype, tuple(src.shape), pin=False)
+                dtypes.host_bits(dst)[:] = bits
+                out[name] = dst
+                continue
+            t = src.detach()
+            on_cuda = t.device.type == "cuda"
+            dst = _buffer(spare.get(name), t.dtype, tuple(t.shape), pin=on_cuda)
+            dst.copy_(t, non_blocking=on_cuda)
+            if on_cuda:
+                cuda_devices.add(t.device)
+            out[name] = dst
+    # The copies were queued on each device's current stream: wait for them so that
+    # the trainer may overwrite its weights as soon as publish() returns.
+    for dev in cuda_devices:
+        torch.cuda.current_stream(dev).synchronize()
+    return out
+
+
+def _buffer(old: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], *, pin: bool) -> torch.Tensor:
+    if old is not None and old.dtype == dtype and tuple(old.shape) == shape and old.is_pinned() == pin:
+        return old
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def pinned_spares(snapshot: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The pinned buffers of a superseded snapshot worth keeping for the next copy.
+
+    Pageable buffers are not kept: allocating them is cheap and keeping them would
+    hold a second copy of the model between publishes for nothing."""
+    if not snapshot:
+        return {}
+    return {n: t for n, t in snapshot.items() if t.is_pinned()}
+
+
+def nan_tensor_names(tensors: Mapping[str, torch.Tensor], names: Collection[str], already: set[str]) -> list[str]:
+    """Floating tensors among ``names`` holding a NaN, skipping names already reported."""
+    found = []
+    for n in names:
+        if n in already:
+            continue
+        t = tensors[n]
+        if t.is_floating_point() and t.numel() and bool(torch.isnan(t).any()):
+            found.append(n)
+    return found

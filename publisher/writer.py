@@ -1,0 +1,198 @@
+"""Carrying out a plan: one rank's data objects, serialized to local files and uploaded.
+
+Anchor shards are written one after the other into a temporary directory; each
+is handed to an upload thread as soon as it is complete, so serializing shard
+i+1 overlaps uploading shard i (at most ``max_pending`` finished shards wait on
+local disk). A delta is one object per rank. Everything lands under the
+publisher's writer prefix, so nothing written here is visible before the
+manifest commits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import xxhash
+
+from delta import dtypes
+from delta.codec import digest_hex
+from delta.manifest import ObjectRef, TensorEntry, anchor_prefix, delta_prefix
+from delta.storage import Store
+
+from . import anchor as anchor_fmt
+from .deltas import rank_object_name, write_delta
+
+log = logging.getLogger("ckptdelta.publisher")
+
+
+@dataclass
+class Written:
+    """One rank's share of a snapshot; entries index ``objects`` (this rank's list)."""
+
+    objects: list[ObjectRef] = field(default_factory=list)
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+    weight_map: dict[str, str] = field(default_factory=dict)   # anchors: tensor -> shard file name
+    extra_files: list[ObjectRef] = field(default_factory=list)
+    changed: int = 0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+
+
+def progress_bar(enabled: bool | None, total: int, desc: str) -> Any:
+    """A tqdm bar over bytes, or a stand-in that ignores updates."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Uploader:
+    """Uploads local files in parallel; remembers the wall time from the first start to the last end."""
+
+    def __init__(self, store: Store, pool: ThreadPoolExecutor, max_pending: int, bar: Any):
+        self._store, self._pool, self._bar = store, pool, bar
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._futures: list[Future] = []
+        self._t0: float | None = None
+        self._t1 = 0.0
+        self._lock = threading.Lock()
+
+    def submit_file(self, key: str, path: str, size: int) -> None:
+        self._slots.acquire()
+        self._t0 = self._t0 or time.perf_counter()
+
+        def run() -> None:
+            try:
+                self._store.put_file(key, path)
+                os.unlink(path)
+                self._done(size)
+            finally:
+                self._slots.release()
+        self._futures.append(self._pool.submit(run))
+
+    def submit_bytes(self, key: str, data: bytes) -> None:
+        self._t0 = self._t0 or time.perf_counter()
+
+        def run() -> None:
+            self._store.put(key, data)
+            self._done(len(data))
+        self._futures.append(self._pool.submit(run))
+
+    def _done(self, n: int) -> None:
+        with self._lock:
+            self._t1 = time.perf_counter()
+            self._bar.update(n)
+
+    def wait(self) -> float:
+        """Wait for every upload; the first failure is raised (after all have stopped)."""
+        first: BaseException | None = None
+        for f in self._futures:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below once all uploads are done
+                first = first or e
+        if first is not None:
+            raise first
+        return 0.0 if self._t0 is None else max(0.0, self._t1 - self._t0)
+
+
+def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, torch.Tensor], shards: list[list[str]],
+                 *, version: int, writer_id: str, first_shard: int, total_shards: int,
+                 extra_files: Mapping[str, bytes], progress: bool | None) -> Written:
+    """This rank's shards (numbered from ``first_shard`` of ``total_shards``) and the extra files."""
+    prefix = anchor_prefix(version, writer_id)
+    out = Written()
+    total = sum(t.numel() * t.element_size() for t in snapshot.values()) + sum(len(b) for b in extra_files.values())
+    bar = progress_bar(progress, total, f"anchor v{version}")
+    up = Uploader(store, pool, max_pending=4, bar=bar)
+    try:
+        for name, data in extra_files.items():
+            key = f"{prefix}/{name}"
+            up.submit_bytes(key, data)
+            out.extra_files.append(ObjectRef(key, len(data), digest_hex(xxhash.xxh3_64_intdigest(data))))
+        with tempfile.TemporaryDirectory(prefix="ckptdelta-anchor-") as tmp:
+            t0 = time.perf_counter()
+            for i, names in enumerate(shards):
+                fname = anchor_fmt.shard_file_name(first_shard + i, total_shards)
+                layout = anchor_fmt.layout_shard(snapshot, names)
+                path = os.path.join(tmp, fname)
+                with open(path, "wb") as f:
+                    shard = anchor_fmt.write_shard(f, snapshot, layout)
+                idx = len(out.objects)
+                out.objects.append(ObjectRef(f"{prefix}/{fname}", shard.size, shard.xxh3))
+                for n in names:
+                    off, ln = shard.ranges[n]
+                    t = snapshot[n]
+                    out.entries[n] = TensorEntry(dtypes.of(t).name, tuple(t.shape), shard.digests[n],
+                                                 idx, off, ln)
+                    out.weight_map[n] = fname
+                out.encode_s = time.perf_counter() - t0  # serialization only; uploads run meanwhile
+                up.submit_file(f"{prefix}/{fname}", path, shard.size)
+            out.upload_s = up.wait()
+    finally:
+        bar.close()
+    # keep state_dict order in the entries (shards may have been laid out by element size)
+    out.entries = {n: out.entries[n] for n in snapshot if n in out.entries}
+    out.changed = len(out.entries)
+    return out
+
+
+def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], *,
+                       version: int, writer_id: str, rank: int, level: int, progress: bool | None) -> Written:
+    """This rank's delta object (none when nothing changed)."""
+    key = f"{delta_prefix(version, writer_id)}/{rank_object_name(rank)}"
+    total = sum(t.numel() * t.element_size() for t in snapshot.values())
+    bar = progress_bar(progress, total, f"delta v{version}")
+    out = Written()
+    try:
+        with tempfile.TemporaryDirectory(prefix="ckptdelta-delta-") as tmp:
+            path = os.path.join(tmp, rank_object_name(rank))
+            with open(path, "wb") as f:
+                part = write_delta(f, parent, snapshot, level=level, on_bytes=bar.update)
+            out.encode_s = part.encode_s
+            if part.size:
+                t0 = time.perf_counter()
+                store.put_file(key, path)
+                out.upload_s = time.perf_counter() - t0
+                out.objects.append(ObjectRef(key, part.size, part.xxh3))
+    finally:
+        bar.close()
+    out.entries = part.entries
+    out.changed = len(part.changed)
+    return out
+
+
+def merge(parts: list[Written]) -> tuple[list[ObjectRef], dict[str, TensorEntry], dict[str, str], list[ObjectRef]]:
+    """All ranks' shares as one snapshot: objects concatenated in rank order, entries re-indexed."""
+    objects: list[ObjectRef] = []
+    entries: dict[str, TensorEntry] = {}
+    weight_map: dict[str, str] = {}
+    extra: list[ObjectRef] = []
+    for p in parts:
+        base = len(objects)
+        objects.extend(p.objects)
+        for n, e in p.entries.items():
+            entries[n] = e if e.object is None else replace(e, object=e.object + base)
+        weight_map.update(p.weight_map)
+        extra.extend(p.extra_files)
+    return objects, entries, weight_map, extra

@@ -1,0 +1,215 @@
+"""Publisher over every storage backend: round trips, the commit protocol, restarts, races, crashes, gc."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import safetensors.torch
+import torch
+
+from delta.errors import ConcurrentPublisherError, StorageError
+from delta.manifest import HEAD_KEY, RUN_KEY, Head, RunInfo
+from publisher import Publisher, collect
+from publisher.runs import read_manifest
+from tests.publisher_helpers import assert_same, clone, open_store, perturb, snapshot, versions, weights
+
+CONFIG = b'{"model_type": "llama", "hidden_size": 32}'
+
+
+def test_anchor_then_deltas_round_trip_bit_exactly(store_url):
+    url, opts = store_url
+    w = weights()
+    history = []
+    with Publisher(url, storage_options=opts, shard_bytes=6000, extra_files={"config.json": CONFIG}) as pub:
+        for step in range(4):
+            history.append(clone(w))
+            r = pub.publish(w, step * 10)
+            assert (r.version, r.kind, r.step) == (step, "anchor" if step == 0 else "delta", step * 10)
+            perturb(w, seed=step)
+    store = open_store(store_url)
+    assert versions(store) == [0, 1, 2, 3]
+    for v, want in enumerate(history):
+        assert_same(snapshot(store, v), want)
+
+    # The anchor is a Hugging Face directory: shards + index load with plain safetensors.
+    m0 = read_manifest(store, 0, None)
+    files = {o.key.rsplit("/", 1)[1]: store.get(o.key) for o in m0.objects + m0.extra_files}
+    index = json.loads(files["model.safetensors.index.json"])
+    shards = sorted({f for f in index["weight_map"].values()})
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    loaded = {}
+    for name in shards:
+        loaded.update(safetensors.torch.load(files[name]))
+        assert all(index["weight_map"][k] == name for k in safetensors.torch.load(files[name]))
+    assert_same(loaded, history[0])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in history[0].values())
+    assert files["config.json"] == CONFIG
+    # Each manifest entry's byte range is exactly that tensor's data in its shard.
+    for name, e in m0.tensors.items():
+        raw = store.get(m0.objects[e.object].key, (e.offset, e.offset + e.length))
+        assert raw == history[0][name].contiguous().view(torch.uint8).numpy().tobytes()
+    # HEAD and RUN.json name the run; deltas carry the anchor's extra files.
+    head = Head.from_json(store.get(HEAD_KEY))
+    assert head.version == 3 and head.run_id == RunInfo.from_json(store.get(RUN_KEY)).run_id == m0.run_id
+    assert read_manifest(store, 3, None).extra_files == m0.extra_files
+
+
+def test_single_shard_anchor_is_model_safetensors_loadable_from_its_directory(tmp_path):
+    w = weights()
+    with Publisher(str(tmp_path / "run"), extra_files={"config.json": CONFIG}) as pub:
+        pub.publish(w, 0)
+    anchor_dir = next((tmp_path / "run" / "anchors").iterdir())
+    assert sorted(p.name for p in anchor_dir.iterdir()) == ["config.json", "model.safetensors"]
+    assert_same(safetensors.torch.load_file(anchor_dir / "model.safetensors"), w)
+
+
+def test_restarted_publisher_continues_the_run_from_the_bucket(store_url):
+    url, opts = store_url
+    w = weights()
+    with Publisher(url, storage_options=opts) as first:
+        for step in range(3):
+            first.publish(w, step)
+            perturb(w, seed=step)
+    # A new process: no host copy, the trainer's weights moved on; the parent comes from the bucket.
+    with Publisher(url, storage_options=opts) as second:
+        assert second.run_id == first.run_id and second.writer_id != first.writer_id
+        r = second.publish(w, 3)
+    assert (r.version, r.kind, r.parent_version) == (3, "delta", 2)
+    store = open_store(store_url)
+    assert_same(snapshot(store, 3), w)
+    assert read_manifest(store, 3, None).writer_id == second.writer_id
+
+
+def test_second_publisher_on_a_run_fails_and_leaves_the_committed_snapshot_intact(store_url):
+    url, opts = store_url
+    w = weights()
+    with Publisher(url, storage_options=opts) as a:
+        a.publish(w, 0)
+    b = Publisher(url, storage_options=opts)   # both now believe version 1 is next
+    a = Publisher(url, storage_options=opts)
+    winner = clone(w)
+    perturb(winner, seed=1)
+    loser = clone(w)
+    perturb(loser, seed=2)
+
+    # b passes its early check, then a commits version 1 while b uploads, then b tries to commit.
+    real_put_file = b.store.put_file
+
+    def put_file_racing(key, path):
+        a.publish(winner, 1)
+        return real_put_file(key, path)
+
+    b.store.put_file = put_file_racing
+    with pytest.raises(ConcurrentPublisherError) as e:
+        b.publish(loser, 1)
+    assert a.run_id in str(e.value) and "version 1" in str(e.value)
+    with pytest.raises(ConcurrentPublisherError):  # it does not move on to version 2 either
+        b.publish(loser, 2)
+    b.close()
+    a.close()
+    store = open_store(store_url)
+    assert versions(store) == [0, 1]
+    assert_same(snapshot(store, 1), winner)
+    assert Head.from_json(store.get(HEAD_KEY)).version == 1
+
+
+def test_publish_killed_at_the_commit_leaves_no_snapshot_and_gc_removes_its_debris(store_url):
+    url, opts = store_url
+    w = weights()
+    with Publisher(url, storage_options=opts, shard_bytes=6000) as pub:
+        pub.publish(w, 0)
+        perturb(w, seed=0)
+        pub.publish(w, 1)
+    v1 = clone(w)
+    crashed = Publisher(url, storage_options=opts)
+
+    def die(key, data):
+        raise StorageError(f"simulated crash before writing {key}")
+
+    crashed.store.put_if_absent = die
+    perturb(w, seed=1)
+    with pytest.raises(StorageError):
+        crashed.publish(w, 2, anchor=True)
+    crashed.close()
+    store = open_store(store_url)
+    assert versions(store) == [0, 1]
+    debris = [k for k in store.list_prefix("anchors/") if f"-{crashed.writer_id}/" in k]
+    assert debris  # its shards were uploaded, but nothing points at them
+
+    young = collect(url, storage_options=opts)               # within the grace period: kept
+    assert young.deleted_objects == () and set(debris) <= set(young.young_orphans)
+    report = collect(url, storage_options=opts, grace_seconds=0)
+    assert set(report.deleted_objects) == set(debris) and report.deleted_versions == ()
+    assert not any(f"-{crashed.writer_id}/" in k for k in store.list_prefix(""))
+    assert_same(snapshot(store, 1), v1)  # still readable after gc
+    with Publisher(url, storage_options=opts) as again:
+        r = again.publish(w, 2)
+    assert r.version == 2 and r.kind == "delta"
+    assert_same(snapshot(store, 2), w)
+
+
+def test_gc_keeps_the_last_anchors_and_their_chains(store_url):
+    url, opts = store_url
+    w = weights()
+    history = []
+    with Publisher(url, storage_options=opts, anchor_every=3, extra_files={"config.json": CONFIG}) as pub:
+        for step in range(8):   # anchors at 0, 3, 6
+            history.append(clone(w))
+            pub.publish(w, step)
+            perturb(w, seed=step)
+    store = open_store(store_url)
+    before = store.list_prefix("")
+    dry = collect(url, keep_anchors=2, storage_options=opts, dry_run=True)
+    assert dry.deleted_versions == (0, 1, 2) and store.list_prefix("") == before
+    report = collect(url, keep_anchors=2, storage_options=opts)
+    assert report.kept_versions == (3, 4, 5, 6, 7) and report.deleted_versions == (0, 1, 2)
+    assert versions(store) == [3, 4, 5, 6, 7]
+    assert not any(k.split("/")[1].startswith(("000000000000-", "000000000001-", "000000000002-"))
+                   for k in store.list_prefix("") if k.startswith(("anchors/", "deltas/")))
+    assert store.exists(RUN_KEY) and store.exists(HEAD_KEY)
+    for v in range(3, 8):
+        assert_same(snapshot(store, v), history[v])
+    assert collect(url, keep_anchors=2, storage_options=opts).deleted_objects == ()
+
+
+def test_background_publish_copies_before_returning_and_trainer_may_mutate_at_once(store_url):
+    url, opts = store_url
+    w = weights()
+    with Publisher(url, storage_options=opts) as pub:
+        pub.publish(w, 0)
+        gate = _gate(pub, "put_file")
+        perturb(w, seed=5)
+        published = clone(w)
+        fut = pub.publish(w, 1, wait=False)
+        assert not fut.done()               # returned while the upload is held
+        for t in w.values():                # the trainer steps again, in place
+            t.zero_()
+        gate.set()
+        r = fut.result(timeout=60)
+    assert (r.version, r.kind) == (1, "delta") and r.copy_s >= 0
+    assert_same(snapshot(open_store(store_url), 1), published)
+
+
+def _gate(pub: Publisher, method: str):
+    import threading
+
+    gate = threading.Event()
+    real = getattr(pub.store, method)
+
+    def held(*a, **k):
+        assert gate.wait(60), "test gate never opened"
+        return real(*a, **k)
+
+    setattr(pub.store, method, held)
+    return gate
+
+
+def test_manifest_written_is_valid_json_with_the_documented_fields(tmp_path):
+    with Publisher(str(tmp_path / "run")) as pub:
+        pub.publish(weights(), 0, metadata={"git": "abc123"})
+    raw = json.load(io.open(tmp_path / "run" / "manifests" / "000000000000.json"))
+    assert raw["format"] == "ckptdelta-manifest" and raw["name"] == "v00000000"
+    assert raw["metadata"] == {"git": "abc123"} and raw["kind"] == "anchor" and raw["parent_version"] is None
+    assert raw["full_bytes"] == sum(t.numel() * t.element_size() for t in weights().values())
