@@ -1,0 +1,265 @@
+"""Anchor policy, input checks and background-publish behaviour (memory/local buckets: the logic, not the wire)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from delta.errors import PublishError, PublishInputError, RunMismatchError, StorageError
+from delta.manifest import RUN_KEY
+from publisher import Publisher
+from publisher.plan import MAX_CHAIN, ChainState, decide
+from publisher.runs import read_manifest
+from tests.publisher_helpers import assert_same, clone, perturb, snapshot, versions, weights
+
+
+@pytest.fixture
+def url():
+    return f"memory://ckd-policy-{uuid.uuid4().hex}/run"
+
+
+def kinds(pub: Publisher, w: dict, steps: range, **kw) -> list[str]:
+    out = []
+    for s in steps:
+        out.append(pub.publish(w, s, **kw).kind)
+        perturb(w, seed=s)
+    return out
+
+
+def test_anchor_every_n_versions(url):
+    with Publisher(url, anchor_every=3) as pub:
+        assert kinds(pub, weights(), range(7)) == ["anchor", "delta", "delta"] * 2 + ["anchor"]
+
+
+def test_anchor_when_the_chain_outgrows_a_fraction_of_the_anchor(url):
+    w = weights()
+    with Publisher(url, anchor_chain_fraction=0.05) as pub:
+        a = pub.publish(w, 0)
+        perturb(w, seed=1, frac=0.2)
+        d1 = pub.publish(w, 1)
+        assert d1.kind == "delta" and d1.stored_bytes > 0.05 * a.stored_bytes
+        perturb(w, seed=2)
+        r = pub.publish(w, 2)
+    assert r.kind == "anchor" and "passed 0.05" in r.reason
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "added", "removed"])
+def test_anchor_when_tensor_names_shapes_or_dtypes_change(url, change):
+    w = weights()
+    with Publisher(url) as pub:
+        pub.publish(w, 0)
+        perturb(w, seed=0)
+        assert pub.publish(w, 1).kind == "delta"
+        if change == "shape":
+            w["head.bias"] = torch.zeros(17, dtype=torch.float16)
+        elif change == "dtype":
+            w["layers.0.norm"] = w["layers.0.norm"].to(torch.bfloat16)
+        elif change == "added":
+            w["new.lora"] = torch.ones(4, 4, dtype=torch.bfloat16)
+        else:
+            del w["head.bias"]
+        r = pub.publish(w, 2)
+        assert r.kind == "anchor" and "tensors changed" in r.reason
+        assert_same(snapshot(pub.store, 2), w)
+        perturb(w, seed=3)
+        assert pub.publish(w, 3).kind == "delta"
+
+
+def test_anchor_on_request(url):
+    w = weights()
+    with Publisher(url) as pub:
+        pub.publish(w, 0)
+        assert pub.publish(w, 1, anchor=True).kind == "anchor"
+        assert pub.publish(w, 2).kind == "delta"
+
+
+def test_delta_chain_never_exceeds_128():
+    schema = {"w": ("BF16", (4,))}
+    state = ChainState(last_version=MAX_CHAIN, anchor_version=0, anchor_bytes=1 << 30, chain_bytes=0, schema=schema)
+    assert decide(state, schema, anchor_every=10_000, chain_fraction=1.0).kind == "anchor"
+    shorter = ChainState(last_version=MAX_CHAIN - 1, anchor_version=0, anchor_bytes=1 << 30, schema=schema)
+    assert decide(shorter, schema, anchor_every=10_000, chain_fraction=1.0).kind == "delta"
+
+
+def test_unchanged_tensors_cost_no_object_bytes(url):
+    w = weights()
+    with Publisher(url) as pub:
+        pub.publish(w, 0)
+        same = pub.publish(w, 1)
+        assert (same.kind, same.stored_bytes, same.n_changed_tensors) == ("delta", 0, 0)
+        m = read_manifest(pub.store, 1, None)
+        assert m.objects == () and all(e.object is None for e in m.tensors.values())
+        perturb(w, seed=0, names=["layers.0.attn.w"])
+        one = pub.publish(w, 2)
+        m = read_manifest(pub.store, 2, None)
+        assert one.n_changed_tensors == 1 and [n for n, e in m.tensors.items() if e.object is not None] == \
+            ["layers.0.attn.w"]
+        assert one.stored_bytes == m.objects[0].size
+        assert_same(snapshot(pub.store, 2), w)
+
+
+def test_step_may_not_go_backwards_even_after_a_restart(url):
+    w = weights()
+    with Publisher(url) as pub:
+        pub.publish(w, 5)
+        pub.publish(w, 5)  # the same step again is allowed (a re-publish)
+        with pytest.raises(PublishInputError, match="step 4"):
+            pub.publish(w, 4)
+    with Publisher(url) as again:
+        with pytest.raises(PublishInputError, match="step 3"):
+            again.publish(w, 3)
+        assert again.publish(w, 6).version == 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"w": torch.empty(3, device="meta")}, "meta"),
+    ({"w": torch.zeros(3), "extra": {"not": "a tensor"}}, "not a tensor"),
+    ({"w": torch.zeros(3, dtype=torch.complex64)}, "complex"),
+    ({}, "nothing to publish"),
+    ([torch.zeros(3)], "mapping"),
+])
+def test_weights_that_cannot_be_published_are_refused(url, bad, match):
+    with Publisher(url) as pub:
+        with pytest.raises(PublishInputError, match=match):
+            pub.publish(bad, 0)
+        assert versions(pub.store) == []
+
+
+def test_non_contiguous_numpy_and_module_weights_publish_by_logical_content(url):
+    base = torch.randn(16, 24).to(torch.bfloat16)
+    arr = np.arange(60, dtype=np.float32).reshape(6, 10)
+    w = {"t": base.t(), "slice": base[:, ::3], "np": arr[:, ::2], "np_int": np.arange(5, dtype=np.int32)}
+    with Publisher(url) as pub:
+        pub.publish(w, 0)
+        got = snapshot(pub.store, 0)
+    assert_same(got, {"t": base.t().contiguous(), "slice": base[:, ::3].contiguous(),
+                      "np": np.ascontiguousarray(arr[:, ::2]), "np_int": np.arange(5, dtype=np.int32)})
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
+    model[1].weight = model[0].weight  # tied: published under both names
+    with Publisher(url + "-module") as pub:
+        pub.publish(model, 0)
+        got = snapshot(pub.store, 0)
+    assert_same(got, {k: v for k, v in model.state_dict().items()})
+
+
+def test_nan_weights_are_published_bit_exactly_with_one_warning_per_tensor(url, caplog):
+    w = weights()
+    w["layers.0.norm"][3] = float("nan")
+    w["layers.0.norm"][4] = torch.tensor(np.array([0x7FC00123], dtype=np.uint32).view(np.float32))[0]  # a payload
+    with caplog.at_level(logging.WARNING, logger="ckptdelta.publisher"), Publisher(url) as pub:
+        pub.publish(w, 0)
+        perturb(w, seed=0)
+        pub.publish(w, 1)
+        assert_same(snapshot(pub.store, 1), w)
+    nan_warnings = [r for r in caplog.records if "NaN" in r.getMessage()]
+    assert len(nan_warnings) == 1 and "layers.0.norm" in nan_warnings[0].getMessage()
+
+
+def test_a_failed_background_publish_surfaces_from_its_future_and_the_next_publish(url):
+    w = weights()
+    with Publisher(url) as pub:
+        pub.publish(w, 0)
+        real = pub.store.put_file
+        calls = []
+
+        def fail_once(key, path):
+            calls.append(key)
+            if len(calls) == 1:
+                raise StorageError(f"simulated outage writing {key}")
+            return real(key, path)
+
+        pub.store.put_file = fail_once
+        perturb(w, seed=0)
+        fut = pub.publish(w, 1, wait=False)
+        assert isinstance(fut.exception(timeout=60), StorageError)
+        with pytest.raises(StorageError, match="simulated outage"):
+            pub.publish(w, 2)
+        r = pub.publish(w, 2)  # the error was reported once; publishing carries on at the next free version
+        assert (r.version, r.kind, r.parent_version) == (1, "delta", 0)
+        assert_same(snapshot(pub.store, 1), w)
+
+
+def test_publishes_beyond_max_in_flight_wait_for_a_slot(url):
+    w = weights()
+    with Publisher(url, max_in_flight=1) as pub:
+        pub.publish(w, 0)
+        gate = threading.Event()
+        real = pub.store.put_if_absent
+
+        def held(key, data):
+            assert gate.wait(60)
+            return real(key, data)
+
+        pub.store.put_if_absent = held
+        perturb(w, seed=1)
+        first = pub.publish(w, 1, wait=False)
+        second_returned = threading.Event()
+        snapshot_2 = clone(w)
+        perturb(snapshot_2, seed=2)
+
+        def second():
+            pub.publish(snapshot_2, 2, wait=False)
+            second_returned.set()
+
+        t = threading.Thread(target=second)
+        t.start()
+        assert not second_returned.wait(0.5)  # blocked: the one slot is taken by the held publish
+        gate.set()
+        t.join(60)
+        assert second_returned.is_set() and first.result(60).version == 1
+        pub.wait_until_finished()
+        assert versions(pub.store) == [0, 1, 2]
+        assert_same(snapshot(pub.store, 2), snapshot_2)
+
+
+def test_queued_publishes_behind_a_failure_are_not_attempted(url):
+    w = weights()
+    with Publisher(url, max_in_flight=2) as pub:
+        pub.publish(w, 0)
+        gate = threading.Event()
+        real = pub.store.put_file
+
+        def fail_after_gate(key, path):
+            assert gate.wait(60)
+            raise StorageError("simulated outage")
+
+        pub.store.put_file = fail_after_gate
+        perturb(w, seed=1)
+        f1 = pub.publish(w, 1, wait=False)
+        f2 = pub.publish(w, 2, wait=False)
+        gate.set()
+        assert isinstance(f1.exception(60), StorageError)
+        assert isinstance(f2.exception(60), PublishError) and "earlier publish" in str(f2.exception())
+        with pytest.raises(StorageError):
+            pub.wait_until_finished()
+        pub.store.put_file = real
+        assert pub.publish(w, 3).version == 1
+
+
+def test_run_id_is_kept_across_publishers_and_a_different_one_is_refused(url):
+    with Publisher(url, run_id="exp-7") as pub:
+        pub.publish(weights(), 0)
+        assert pub.store.exists(RUN_KEY)
+    with Publisher(url) as again:
+        assert again.run_id == "exp-7"
+    with pytest.raises(RunMismatchError):
+        Publisher(url, run_id="exp-8")
+
+
+def test_extra_files_may_not_shadow_the_anchor_weights(url, tmp_path):
+    with pytest.raises(PublishInputError):
+        Publisher(url, extra_files={"model.safetensors": b"x"})
+    with pytest.raises(PublishInputError):
+        Publisher(url, extra_files={"../config.json": b"x"})
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(b"{}")
+    with Publisher(url, extra_files={"config.json": cfg, "tokenizer/vocab.txt": b"a\nb\n"}) as pub:
+        pub.publish(weights(), 0)
+        m = read_manifest(pub.store, 0, None)
+    assert sorted(o.key.split("/", 2)[2] for o in m.extra_files) == ["config.json", "tokenizer/vocab.txt"]
