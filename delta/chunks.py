@@ -49,18 +49,35 @@ def _planes_needed(max_value: int) -> int:
     return max(1, (int(max_value).bit_length() + 7) // 8)
 
 
-def _unzstd(frame: bytes | memoryview, expected: int, where: str) -> bytes:
-    """Decompress one zstd frame whose content size must be exactly ``expected``.
+# RFC 8878: a block regenerates at most 128 KiB and takes at least 4 bytes (3-byte header,
+# >= 1 byte of content), so no frame expands more than 32768-fold.
+_ZSTD_BLOCK_MAX = 128 << 10
+_ZSTD_MIN_BLOCK_BYTES = 4
 
-    The size is checked from the frame header before zstd allocates anything, so a
-    corrupt or hostile payload cannot ask for more memory than the record's own
-    (already validated) fields allow."""
+
+def check_frame(frame: bytes | memoryview, expected: int, where: str) -> None:
+    """Reject a zstd frame that cannot hold exactly ``expected`` bytes, from its header and length alone.
+
+    Cheap (no decompression), so a reader can vet every frame of a record before it
+    allocates the output: a hostile header cannot make it allocate more than the
+    payload bytes it actually delivered could expand to."""
     try:
         size = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as e:
         raise FormatError(f"{where}: bad zstd frame ({e})") from None
     if size != expected:
         raise FormatError(f"{where}: zstd frame holds {size} bytes, {expected} expected")
+    if len(frame) < _ZSTD_MIN_BLOCK_BYTES * -(-expected // _ZSTD_BLOCK_MAX):
+        raise FormatError(f"{where}: a zstd frame of {len(frame)} bytes cannot hold {expected} bytes")
+
+
+def _unzstd(frame: bytes | memoryview, expected: int, where: str) -> bytes:
+    """Decompress one zstd frame whose content size must be exactly ``expected``.
+
+    The size is checked from the frame header before zstd allocates anything, so a
+    corrupt or hostile payload cannot ask for more memory than the record's own
+    (already validated) fields allow."""
+    check_frame(frame, expected, where)
     try:
         out = _decompressor().decompress(frame, max_output_size=expected)
     except zstandard.ZstdError as e:

@@ -179,6 +179,16 @@ class StagedTensor:
         _check_live(live, self.name, self.dtype, self.shape)
         if self.dense is None and self.positions.shape[0] == 0:
             return
+        if isinstance(live, np.ndarray) and not live.flags.writeable:
+            raise ShapeMismatchError(f"tensor {self.name!r}: live array is read-only; cannot apply in place")
+        if isinstance(live, np.ndarray) and not live.flags.c_contiguous:
+            # strided host array: index it in C order through a same-width integer view
+            lv = live.view(self.dtype.bits_dtype)
+            if self.dense is not None:
+                lv[...] = self.dense.reshape(self.shape)
+            else:
+                lv[np.unravel_index(self.positions, self.shape)] = self.values
+            return
         if isinstance(live, np.ndarray) or (method == "auto" and live.device.type == "cpu" and live.is_contiguous()):
             bits = dtypes.host_bits(live)
             if isinstance(live, torch.Tensor) and bits.ctypes.data != live.data_ptr():
@@ -324,13 +334,16 @@ def decode(old: Array | None, enc: "EncodedTensor | bytes | memoryview", *, veri
 
 def _decode_raw(enc: EncodedTensor, verify: bool, threads: int | None) -> np.ndarray:
     h = enc.header
+    for i, c in enumerate(h.chunks):  # vet every chunk before allocating what the header claims
+        s, e = h.chunk_range(i)
+        if c.encoding != RAW:
+            raise FormatError(f"tensor {h.name!r} chunk {i}: non-raw chunk in a record without parent")
+        chunks.check_frame(enc.payloads[i], (e - s) * h.dtype.itemsize, f"tensor {h.name!r} chunk {i}")
     out = np.empty(h.numel, h.dtype.bits_dtype)
 
     def one(i: int):
         s, e = h.chunk_range(i)
         c = h.chunks[i]
-        if c.encoding != RAW:
-            raise FormatError(f"tensor {h.name!r} chunk {i}: non-raw chunk in a record without parent")
         out[s:e] = chunks.decode_raw(c, enc.payloads[i], e - s, h.dtype, f"tensor {h.name!r} chunk {i}")
 
     _map(one, list(range(len(h.chunks))), threads)

@@ -1,0 +1,155 @@
+"""Write the golden records once: small tensors of several dtypes in every chunk encoding.
+
+    python -m tests.golden.make_golden            # writes only files that do not exist yet
+    python -m tests.golden.make_golden --force    # rewrites everything (only for a new format version)
+
+tests/test_codec.py decodes every record listed in index.json on each run and
+compares the result with the stored bits, so data written by this release keeps
+decoding in every later one. Never regenerate the files of a released version to
+make a failing test pass: the failure is the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from delta import codec, dtypes, record
+
+HERE = Path(__file__).resolve().parent
+
+
+def _tensor(bits: np.ndarray, name: str) -> torch.Tensor:
+    dt = dtypes.BY_NAME[name]
+    as_int = bits.view(np.uint8 if dt.itemsize == 1 else f"<i{dt.itemsize}")
+    return torch.from_numpy(as_int.copy()).view(dt.torch_dtype)
+
+
+def _bits(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    dt = dtypes.BY_NAME[name]
+    n = int(np.prod(shape))
+    if name == "BOOL":
+        return rng.integers(0, 2, size=n, dtype=np.uint8).reshape(shape)
+    return rng.integers(0, 1 << (8 * dt.itemsize), size=n, dtype=dt.bits_dtype, endpoint=False).reshape(shape)
+
+
+def _bf16_weights(rng: np.random.Generator, n: int) -> np.ndarray:
+    f32 = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    return (f32.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def cases() -> list[dict]:
+    """(name, dtype, old bits or None, new bits, chunk_elems, encodings the case must contain)."""
+    rng = np.random.default_rng(20240601)
+    out = []
+
+    def add(name, dtype, old, new, chunk_elems, must):
+        out.append(dict(name=name, dtype=dtype, old=old, new=new, chunk_elems=chunk_elems, must=must))
+
+    a = _bits(rng, "F32", (4, 5))
+    add("f32_unchanged", "F32", a, a.copy(), 8, {"unchanged"})
+
+    w = _bf16_weights(rng, 300)
+    w2 = w.copy()
+    w2[[3, 4, 298, 299]] += 1
+    add("bf16_sparse", "BF16", w, w2, 128, {"sparse", "unchanged"})
+
+    h = _bits(rng, "F16", (257,))
+    add("f16_dense_xor", "F16", h, h ^ np.uint16(1), 1 << 20, {"dense_xor"})
+
+    add("i32_raw_without_parent", "I32", None, _bits(rng, "I32", (7, 3)), 8, {"raw"})
+
+    r = _bf16_weights(rng, 2000)
+    add("bf16_raw_reset_to_zero", "BF16", r, np.zeros_like(r), 1000, {"raw"})
+
+    e4 = _bits(rng, "F8_E4M3", (64, 3))
+    e4n = e4.copy()
+    flat = e4n.reshape(-1)
+    flat[64:67] ^= np.uint8(0x80)         # sign flips: a sparse chunk
+    flat[128:] ^= np.uint8(0x01)          # every element of the last chunk: dense
+    add("f8e4m3_mixed", "F8_E4M3", e4, e4n, 64, {"unchanged", "sparse", "dense_xor"})
+
+    e5 = _bits(rng, "F8_E5M2", (33,))
+    e5n = e5.copy()
+    e5n[[0, 32]] = [0x7C, 0xFF]           # +inf, a NaN
+    add("f8e5m2_sparse", "F8_E5M2", e5, e5n, 16, {"sparse"})
+
+    specials = np.array([0, 1 << 63, 0x7FF0000000000000, 0xFFF0000000000000, 0x7FF8000000000000,
+                         0x7FF0000000000001, 0xFFF000000000BEEF, 1, 0x800FFFFFFFFFFFFF, 0x7FEFFFFFFFFFFFFF],
+                        dtype=np.uint64)
+    add("f64_special_values", "F64", specials, np.roll(specials, 1), 4, set())
+
+    i8 = _bits(rng, "I8", (5, 5))
+    i8n = i8.copy()
+    i8n[2, :] = [0x7F, 0x80, 0xFF, 0x00, 0x01]
+    add("i8_row_changed", "I8", i8, i8n, 10, set())
+
+    i64 = _bits(rng, "I64", (6,))
+    add("i64_raw_without_parent", "I64", None, i64, 4, {"raw"})
+
+    u8 = _bits(rng, "U8", (100,))
+    add("u8_dense_xor", "U8", u8, u8 ^ np.uint8(0xF0), 100, {"dense_xor"})
+
+    b = _bits(rng, "BOOL", (50,))
+    bn = b.copy()
+    bn[7] ^= 1
+    add("bool_sparse", "BOOL", b, bn, 32, {"sparse", "unchanged"})
+
+    add("f16_scalar", "F16", np.array(0x3C00, np.uint16), np.array(0x8000, np.uint16), 1, set())
+    add("f32_empty", "F32", np.zeros((0, 4), np.uint32), np.zeros((0, 4), np.uint32), 16, set())
+
+    for name in ("U16", "U32", "U64"):
+        if name in dtypes.BY_NAME:
+            u = _bits(rng, name, (9,))
+            un = u.copy()
+            un[4] = 0
+            add(f"{name.lower()}_sparse", name, u, un, 1 << 20, {"sparse"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--force", action="store_true", help="overwrite existing golden files")
+    args = ap.parse_args(argv)
+    index = []
+    wrote = 0
+    for c in cases():
+        shape = list(c["new"].shape)
+        new = _tensor(c["new"], c["dtype"]).reshape(shape)
+        old = None if c["old"] is None else _tensor(c["old"], c["dtype"]).reshape(shape)
+        enc = codec.encode(old, new, name=c["name"], chunk_elems=c["chunk_elems"])
+        counts = enc.encoding_counts()
+        if not c["must"] <= set(counts):
+            raise SystemExit(f"{c['name']}: encoded as {counts}, expected to contain {sorted(c['must'])}")
+        files = {"record": f"{c['name']}.ckdt", "expected": f"{c['name']}.expected.npy",
+                 "parent": None if c["old"] is None else f"{c['name']}.parent.npy"}
+        payloads = {files["record"]: enc.to_bytes(), files["expected"]: c["new"]}
+        if c["old"] is not None:
+            payloads[files["parent"]] = c["old"]
+        for fname, data in payloads.items():
+            path = HERE / fname
+            if path.exists() and not args.force:
+                continue
+            if isinstance(data, bytes):
+                path.write_bytes(data)
+            else:
+                np.save(path, np.ascontiguousarray(data) if data.ndim else data, allow_pickle=False)
+            wrote += 1
+        record.parse_header((HERE / files["record"]).read_bytes())
+        index.append({"name": c["name"], "dtype": c["dtype"], "shape": shape, "encodings": counts,
+                      "record_format_version": record.FORMAT_VERSION, **files})
+    idx = HERE / "index.json"
+    if not idx.exists() or args.force:
+        idx.write_text(json.dumps({"cases": index}, indent=1) + "\n")
+        wrote += 1
+    print(f"{wrote} files written under {HERE.name}/", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

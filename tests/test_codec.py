@@ -1,0 +1,470 @@
+"""The codec round trip is bit-exact for every dtype, shape, layout and bit pattern.
+
+Values are random bit patterns viewed as the dtype, mixed with the patterns
+floats make hard (NaN payloads, signalling NaNs, +-inf, -0.0, subnormals) and
+integer extremes; changes mix random bits, one-ulp moves, sign flips and jumps
+to those specials. Equality is equality of bits, never of values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from delta import chunks, codec, dtypes, record
+from delta.errors import ChecksumError, ParentMismatchError, ShapeMismatchError
+from tests import naive
+
+ALL_DTYPES = sorted(dtypes.BY_NAME)
+NUMPY_DTYPES = {  # dtypes numpy can hold itself; the others go through torch only
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+    "F16": np.float16, "F32": np.float32, "F64": np.float64,
+    "U16": np.uint16, "U32": np.uint32, "U64": np.uint64,
+}
+FLOAT_LAYOUT = {"F16": (5, 10), "BF16": (8, 7), "F32": (8, 23), "F64": (11, 52), "F8_E4M3": (4, 3), "F8_E5M2": (5, 2)}
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SHAPES = [(), (0,), (1,), (7,), (3, 0, 2), (5, 3), (2, 3, 5), (13, 11), (1031,), (33, 31), (4, 1, 9)]
+GOLDEN = Path(__file__).parent / "golden"
+
+SETTINGS = settings(max_examples=120, deadline=None, derandomize=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# --- building inputs from bits ------------------------------------------------------
+
+def special_bits(name: str) -> list[int]:
+    """The bit patterns of ``name`` most likely to break a codec that is not bit-exact."""
+    dt = dtypes.BY_NAME[name]
+    w = 8 * dt.itemsize
+    if name == "BOOL":
+        return [0, 1]
+    mask, sign = (1 << w) - 1, 1 << (w - 1)
+    out = {0, 1, mask, sign, sign - 1, sign + 1, mask - 1}
+    if name in FLOAT_LAYOUT:
+        e, m = FLOAT_LAYOUT[name]
+        exp_all = ((1 << e) - 1) << m
+        for s in (0, sign):
+            out |= {
+                s,                                  # +-0.0
+                s | 1,                              # smallest subnormal
+                s | ((1 << m) - 1),                 # largest subnormal
+                s | (1 << m),                       # smallest normal
+                s | (exp_all - 1),                  # largest finite
+                s | exp_all,                        # +-inf
+                s | exp_all | (1 << (m - 1)),       # quiet NaN
+                s | exp_all | 1,                    # signalling NaN, payload 1
+                s | exp_all | ((1 << m) - 1),       # NaN with every payload bit
+                s | exp_all | (1 << (m - 1)) | 0x5 & ((1 << m) - 1),  # quiet NaN with a payload
+            }
+    return sorted(out)
+
+
+def random_bits(rng: np.random.Generator, name: str, n: int, special_rate: float) -> np.ndarray:
+    dt = dtypes.BY_NAME[name]
+    if name == "BOOL":
+        return rng.integers(0, 2, size=n, dtype=np.uint8)
+    bits = rng.integers(0, 1 << (8 * dt.itemsize), size=n, dtype=dt.bits_dtype, endpoint=False)
+    sp = np.array(special_bits(name), dtype=np.uint64).astype(dt.bits_dtype)
+    pick = rng.random(n) < special_rate
+    bits[pick] = sp[rng.integers(0, sp.shape[0], size=int(pick.sum()))]
+    return bits
+
+
+def mutate(rng: np.random.Generator, name: str, old: np.ndarray, fraction: float) -> np.ndarray:
+    """``old`` with about ``fraction`` of its elements changed in every way a trainer or a bug can."""
+    dt = dtypes.BY_NAME[name]
+    new = old.copy()
+    where = np.flatnonzero(rng.random(old.shape[0]) < fraction)
+    if where.size == 0:
+        return new
+    if name == "BOOL":
+        new[where] ^= 1
+        return new
+    w = 8 * dt.itemsize
+    kind = rng.integers(0, 4, size=where.shape[0])
+    sp = np.array(special_bits(name), dtype=np.uint64).astype(dt.bits_dtype)
+    rand = random_bits(rng, name, where.shape[0], 0.0)
+    keys = naive.key(old[where], w, dt.sign_magnitude).astype(object)
+    step = rng.integers(-3, 4, size=where.shape[0]).astype(object)
+    moved = naive.unkey(np.array([(k + s) % (1 << w) for k, s in zip(keys, step)], dtype=object).astype(np.uint64),
+                        w, dt.sign_magnitude).astype(dt.bits_dtype)
+    choice = np.select([kind == 0, kind == 1, kind == 2],
+                       [rand, moved, old[where] ^ np.array(1 << (w - 1), np.uint64).astype(dt.bits_dtype)],
+                       sp[rng.integers(0, sp.shape[0], size=where.shape[0])])
+    new[where] = choice
+    return new
+
+
+def make(bits: np.ndarray, name: str, shape: tuple[int, ...], layout: str, kind: str):
+    """A numpy array or torch tensor of dtype ``name`` and logical shape ``shape`` holding ``bits`` in C order,
+    laid out contiguously, transposed, or strided (every other element of a wider buffer)."""
+    dt = dtypes.BY_NAME[name]
+    logical = bits.reshape(shape)
+    if layout == "transposed" and len(shape) >= 2:
+        base = np.transpose(logical).copy(order="C")
+        perm = tuple(reversed(range(len(shape))))
+        if kind == "numpy":
+            return base.view(NUMPY_DTYPES[name]).transpose(perm)
+        return torch.from_numpy(base.view(_np_int(dt))).view(dt.torch_dtype).permute(perm)
+    if layout == "strided" and len(shape) >= 1:
+        base = np.zeros(shape[:-1] + (2 * shape[-1] + 1,), dt.bits_dtype)
+        base[..., 1::2] = logical
+        if kind == "numpy":
+            return base.view(NUMPY_DTYPES[name])[..., 1::2]
+        return torch.from_numpy(base.view(_np_int(dt))).view(dt.torch_dtype)[..., 1::2]
+    base = logical.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
+    if kind == "numpy":
+        return base.view(NUMPY_DTYPES[name])
+    return torch.from_numpy(base.view(_np_int(dt))).view(dt.torch_dtype)
+
+
+def _np_int(dt: dtypes.DType) -> np.dtype:
+    return np.dtype(np.uint8) if dt.itemsize == 1 else np.dtype(f"<i{dt.itemsize}")
+
+
+def bits_of(x) -> np.ndarray:
+    """Logical C-order bits of ``x``, computed without the code under test (integer views only)."""
+    if isinstance(x, torch.Tensor):
+        w = x.element_size()
+        return x.detach().cpu().view(INT_VIEW[w]).contiguous().reshape(-1).numpy().view(f"<u{w}").copy()
+    return np.ascontiguousarray(x.view(f"<u{x.dtype.itemsize}")).reshape(-1).copy()
+
+
+def assert_same_bits(got, want, msg: str = "") -> None:
+    assert type(got) is type(want) or isinstance(got, type(want)), msg
+    assert tuple(got.shape) == tuple(want.shape), msg
+    assert got.dtype == want.dtype, msg
+    np.testing.assert_array_equal(bits_of(got), bits_of(want), err_msg=msg)
+
+
+@st.composite
+def pairs(draw, with_numpy: bool = True):
+    name = draw(st.sampled_from(ALL_DTYPES))
+    kinds = ["torch", "numpy"] if with_numpy and name in NUMPY_DTYPES else ["torch"]
+    kind = draw(st.sampled_from(kinds))
+    shape = draw(st.sampled_from(SHAPES))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+    fraction = draw(st.sampled_from([0.0, 0.002, 0.05, 0.3, 1.0]))
+    chunk_elems = draw(st.sampled_from([1, 3, 64, 500, 1 << 20]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    old_bits = random_bits(rng, name, n, special_rate=0.3)
+    new_bits = mutate(rng, name, old_bits, fraction)
+    return dict(name=name, kind=kind, shape=shape, layout=layout, chunk_elems=chunk_elems,
+                old=make(old_bits, name, shape, layout, kind), new=make(new_bits, name, shape, layout, kind),
+                old_bits=old_bits, new_bits=new_bits,
+                desc=f"{name} {kind} {shape} {layout} fraction={fraction} chunk_elems={chunk_elems} seed={seed}")
+
+
+def fresh_copy(x, layout: str, name: str):
+    """A copy of ``x`` with the same layout (so in-place applies see the same strides)."""
+    kind = "torch" if isinstance(x, torch.Tensor) else "numpy"
+    return make(bits_of(x), name, tuple(x.shape), layout, kind)
+
+
+# --- round trips ----------------------------------------------------------------------
+
+@SETTINGS
+@given(pairs())
+def test_encode_to_bytes_decode_is_bit_exact(p):
+    enc = codec.encode(p["old"], p["new"], name="layers.0.w", chunk_elems=p["chunk_elems"], level=1)
+    buf = enc.to_bytes()
+    assert len(buf) == enc.nbytes == enc.header.record_size, p["desc"]
+    out = codec.decode(p["old"], buf)
+    assert_same_bits(out, p["new"], p["desc"])
+    if isinstance(out, torch.Tensor):
+        assert out.is_contiguous(), p["desc"]
+    else:
+        assert out.flags.c_contiguous, p["desc"]
+    np.testing.assert_array_equal(bits_of(p["old"]), p["old_bits"], err_msg="decode modified old: " + p["desc"])
+    assert codec.digest(out) == codec.digest(p["new"]) == enc.header.digest
+
+
+@SETTINGS
+@given(pairs(), st.sampled_from(["auto", "torch"]))
+def test_apply_in_place_is_bit_exact_on_every_layout(p, method):
+    enc = codec.encode(p["old"], p["new"], name="w", chunk_elems=p["chunk_elems"], level=1)
+    live = fresh_copy(p["old"], p["layout"], p["name"])
+    ptr = live.data_ptr() if isinstance(live, torch.Tensor) else live.__array_interface__["data"][0]
+    codec.apply_(live, enc.to_bytes(), method=method)
+    np.testing.assert_array_equal(bits_of(live), p["new_bits"], err_msg=f"{p['desc']} method={method}")
+    assert ptr == (live.data_ptr() if isinstance(live, torch.Tensor) else live.__array_interface__["data"][0])
+
+
+@SETTINGS
+@given(pairs(with_numpy=False))
+def test_stage_then_torch_apply_is_bit_exact(p):
+    enc = codec.encode(p["old"], p["new"], name="w", chunk_elems=p["chunk_elems"], level=1)
+    live = fresh_copy(p["old"], p["layout"], p["name"])
+    staged = codec.stage(live, enc.to_bytes())
+    np.testing.assert_array_equal(bits_of(live), p["old_bits"], err_msg="stage modified live: " + p["desc"])
+    if staged.dense is None:
+        assert staged.n_changed == int(np.count_nonzero(p["old_bits"] != p["new_bits"])), p["desc"]
+    staged.apply_(live, method="torch")
+    np.testing.assert_array_equal(bits_of(live), p["new_bits"], err_msg=p["desc"])
+    again = codec.stage_full(fresh_copy(p["old"], p["layout"], p["name"]), p["new"], name="w",
+                             expected_digest=enc.header.digest)
+    live2 = fresh_copy(p["old"], p["layout"], p["name"])
+    again.apply_(live2)
+    np.testing.assert_array_equal(bits_of(live2), p["new_bits"], err_msg="stage_full: " + p["desc"])
+
+
+@SETTINGS
+@given(pairs())
+def test_records_without_parent_round_trip(p):
+    enc = codec.encode(None, p["new"], name="w", chunk_elems=p["chunk_elems"], level=1)
+    assert set(enc.encoding_counts()) <= {"raw"} and not enc.header.has_parent
+    buf = enc.to_bytes()
+    out = codec.decode(None, buf)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtypes.BY_NAME[p["name"]].torch_dtype
+    assert tuple(out.shape) == p["shape"]
+    np.testing.assert_array_equal(bits_of(out), p["new_bits"], err_msg=p["desc"])
+    typed = codec.decode(p["old"], buf)  # an old tensor only picks the output type and device
+    assert type(typed) is type(p["old"])
+    np.testing.assert_array_equal(bits_of(typed), p["new_bits"], err_msg=p["desc"])
+    live = fresh_copy(p["old"], p["layout"], p["name"])  # a raw record applies to any tensor of its shape
+    codec.apply_(live, buf)
+    np.testing.assert_array_equal(bits_of(live), p["new_bits"], err_msg=p["desc"])
+
+
+def test_digest_is_of_logical_content_whatever_the_layout():
+    rng = np.random.default_rng(0)
+    bits = random_bits(rng, "BF16", 6 * 7, 0.3)
+    layouts = [make(bits, "BF16", (6, 7), lay, "torch") for lay in ("contiguous", "transposed", "strided")]
+    assert len({codec.digest(x) for x in layouts}) == 1
+    assert codec.digest(layouts[0]) == codec.digest(bits)  # numpy bits of the same bytes hash alike
+
+
+# --- errors -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_shape_or_dtype_mismatch_raises_and_leaves_live_untouched(kind):
+    conv = (lambda a: a) if kind == "numpy" else torch.from_numpy
+    a = conv(np.arange(12, dtype=np.float32).reshape(3, 4))
+    b = conv(np.arange(12, dtype=np.float32).reshape(3, 4) + 1)
+    enc = codec.encode(a, b, name="blk.w")
+    for wrong in (conv(np.zeros((4, 3), np.float32)), conv(np.zeros(12, np.float32)),
+                  conv(np.zeros((3, 4), np.float64)), conv(np.zeros((3, 4), np.int32))):
+        before = bits_of(wrong)
+        for call in (lambda: codec.decode(wrong, enc), lambda: codec.apply_(wrong, enc),
+                     lambda: codec.stage(wrong, enc), lambda: codec.encode(wrong, b, name="blk.w"),
+                     lambda: codec.stage_full(wrong, b, name="blk.w")):
+            with pytest.raises(ShapeMismatchError, match="blk.w"):
+                call()
+        np.testing.assert_array_equal(bits_of(wrong), before)
+    staged = codec.stage(a, enc)
+    with pytest.raises(ShapeMismatchError, match="blk.w"):
+        staged.apply_(conv(np.zeros((2, 6), np.float32)))
+
+
+def test_parent_mismatch_names_the_tensor_and_leaves_live_untouched():
+    a = torch.arange(1000, dtype=torch.bfloat16)
+    b = a.clone()
+    b[::10] += 1
+    other = a.clone()
+    other[999] = 0  # same shape and dtype, one element different: not the parent
+    enc = codec.encode(a, b, name="model.layers.3.mlp.up_proj.weight", chunk_elems=100).to_bytes()
+    before = bits_of(other)
+    for call in (lambda: codec.apply_(other, enc), lambda: codec.decode(other, enc), lambda: codec.stage(other, enc)):
+        with pytest.raises(ParentMismatchError, match="model.layers.3.mlp.up_proj.weight"):
+            call()
+    np.testing.assert_array_equal(bits_of(other), before)
+    with pytest.raises(ParentMismatchError, match="up_proj"):
+        codec.decode(None, enc)  # a delta cannot be decoded without its parent
+
+
+def test_stage_full_rejects_bytes_that_do_not_match_the_manifest_digest():
+    a, b = np.zeros(10, np.float32), np.ones(10, np.float32)
+    with pytest.raises(ChecksumError, match="emb"):
+        codec.stage_full(a, b, name="emb", expected_digest=codec.digest(b) ^ 1)
+
+
+def test_apply_to_read_only_array_raises_a_codec_error():
+    a = np.arange(10, dtype=np.float32)
+    b = a.copy()
+    b[3] = 7
+    for new in (b, np.zeros_like(a)):  # sparse and dense staged forms
+        ro = a.copy()
+        ro.setflags(write=False)
+        with pytest.raises(ShapeMismatchError, match="read-only"):
+            codec.apply_(ro, codec.encode(a, new, name="ro"))
+
+
+# --- encoding choice ---------------------------------------------------------------------
+
+def _bf16_weights(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+
+
+def test_unchanged_tensor_costs_only_its_header():
+    a = _bf16_weights(10_000)
+    enc = codec.encode(a, a.clone(), name="w", chunk_elems=1000)
+    assert enc.encoding_counts() == {"unchanged": 10}
+    assert enc.nbytes == enc.header.header_size == len(enc.to_bytes())
+    assert all(len(p) == 0 for p in enc.payloads)
+
+
+def test_few_changes_are_sparse_and_small():
+    a = _bf16_weights(100_000)
+    b = a.clone()
+    b.view(torch.int16)[::1000] += 1  # 0.1% of elements move one ulp
+    enc = codec.encode(a, b, name="w", chunk_elems=1 << 20)
+    assert enc.encoding_counts() == {"sparse": 1}
+    assert enc.nbytes < 100_000 * 2 // 50
+
+
+def test_dense_xor_is_chosen_when_it_is_smaller():
+    a = _bf16_weights(100_000)
+    b = a.clone()
+    b.view(torch.int16)[:] ^= 1  # every element flips its lowest bit: the XOR planes are constant
+    enc = codec.encode(a, b, name="w", chunk_elems=1 << 20)
+    assert enc.encoding_counts() == {"dense_xor": 1}
+    sparse_entry, _ = chunks._encode_sparse(dtypes.host_bits(a), dtypes.host_bits(b),
+                                            dtypes.BY_NAME["BF16"], 100_000, chunks.DEFAULT_LEVEL)
+    assert enc.header.chunks[0].length < sparse_entry.length
+
+
+def test_raw_is_chosen_for_a_chunk_reset_to_zeros():
+    """Resetting a tensor XORs into the old noise; the new zeros alone cost almost nothing."""
+    a = _bf16_weights(100_000)
+    b = torch.zeros_like(a)
+    enc = codec.encode(a, b, name="w", chunk_elems=1 << 20)
+    assert enc.encoding_counts() == {"raw": 1}
+    assert enc.nbytes < 1000
+    assert_same_bits(codec.decode(a, enc.to_bytes()), b)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.1, 0.5, 1.0])
+def test_chosen_encoding_is_never_larger_than_sparse(fraction):
+    rng = np.random.default_rng(int(fraction * 100))
+    old = random_bits(rng, "F32", 20_000, 0.0)
+    new = mutate(rng, "F32", old, fraction)
+    dt = dtypes.BY_NAME["F32"]
+    enc = codec.encode(old.view(np.float32), new.view(np.float32), chunk_elems=5000)
+    for i, entry in enumerate(enc.header.chunks):
+        s, e = enc.header.chunk_range(i)
+        k = int(np.count_nonzero(old[s:e] != new[s:e]))
+        sparse_entry, _ = chunks._encode_sparse(old[s:e], new[s:e], dt, k, chunks.DEFAULT_LEVEL)
+        assert entry.length <= sparse_entry.length
+
+
+def test_zero_d_and_empty_tensors_round_trip():
+    for old, new in [(torch.tensor(1.5), torch.tensor(-0.0)), (np.array(3, np.int64), np.array(-1, np.int64)),
+                     (torch.empty(0, 5, dtype=torch.float16), torch.empty(0, 5, dtype=torch.float16)),
+                     (np.empty((2, 0), np.uint8), np.empty((2, 0), np.uint8))]:
+        enc = codec.encode(old, new, name="s")
+        assert enc.header.shape == tuple(new.shape)
+        assert_same_bits(codec.decode(old, enc.to_bytes()), new)
+        assert_same_bits(codec.decode(None, codec.encode(None, new).to_bytes()),
+                         torch.from_numpy(new) if isinstance(new, np.ndarray) else new)
+        live = old.clone() if isinstance(old, torch.Tensor) else old.copy()
+        codec.apply_(live, enc.to_bytes())
+        assert_same_bits(live, new)
+    empty = codec.encode(np.empty(0, np.float32), np.empty(0, np.float32))
+    assert empty.header.chunks == () and empty.nbytes == empty.header.header_size
+
+
+def test_chunk_size_requests_are_clamped_into_the_format_limits():
+    a = np.arange(100, dtype=np.int32)
+    for requested, expected in [(0, 1), (-5, 1), (7, 7), (1000, 100), (1 << 30, 100)]:
+        enc = codec.encode(a, a + 1, chunk_elems=requested)
+        assert enc.header.chunk_elems == expected
+        record.parse_header(enc.to_bytes())  # what the encoder writes, the parser accepts
+
+
+def test_staged_change_goes_dense_when_positions_would_cost_more():
+    a = _bf16_weights(1000)
+    b = a.clone()
+    b.view(torch.int16)[:] += 3
+    staged = codec.stage(a, codec.encode(a, b, chunk_elems=100))
+    assert staged.dense is not None and staged.positions.shape[0] == 0 and staged.n_changed == 1000
+    sparse = codec.stage(a, codec.encode(a, a.clone().index_fill_(0, torch.tensor([5]), 1.0)))
+    assert sparse.dense is None and sparse.positions.tolist() == [5]
+
+
+# --- large indices ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_positions_past_2_pow_31_apply_at_the_right_place():
+    """A real uint8 tensor of 2^31 + 16 elements (~2.1 GB resident), with changes around the 2^31 boundary.
+
+    The record is built chunk by chunk (one array in memory, not two): unchanged chunks
+    everywhere but the last two, which hold changes either side of 2^31."""
+    n = (1 << 31) + 16
+    ce = 1 << 24
+    live = np.zeros(n, np.uint8)
+    changes = np.array([(1 << 31) - 2, (1 << 31) - 1, 1 << 31, (1 << 31) + 1, n - 1], np.int64)
+    parent_digest = codec.digest(live)
+    n_chunks = record.n_chunks_for(n, ce)
+    dt = dtypes.BY_NAME["U8"]
+    entries, payloads = [], []
+    for i in range(n_chunks):
+        s, e = i * ce, min(n, (i + 1) * ce)
+        mine = changes[(changes >= s) & (changes < e)]
+        if mine.size == 0:
+            entries.append(record.ChunkEntry(record.UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b"")))
+            payloads.append(b"")
+            continue
+        new_chunk = live[s:e].copy()
+        new_chunk[mine - s] = 0xA5
+        entry, payload = chunks.encode_chunk(live[s:e], new_chunk, dt)
+        entries.append(entry)
+        payloads.append(payload)
+    live[changes] = 0xA5
+    new_digest = codec.digest(live)
+    live[changes] = 0
+    header = record.RecordHeader("big", dt, (n,), n, ce, new_digest, parent_digest, True, tuple(entries),
+                                 record.header_size_for(1, 3, n_chunks))
+    enc = codec.EncodedTensor.from_bytes(codec.EncodedTensor(header, payloads).to_bytes())
+    staged = codec.stage(live, enc)
+    assert staged.positions.dtype == np.int64
+    assert staged.positions.tolist() == changes.tolist()
+    staged.apply_(live)
+    assert np.flatnonzero(live).tolist() == changes.tolist()
+    assert codec.digest(live) == new_digest
+
+
+# --- golden files -------------------------------------------------------------------------
+
+def golden_cases():
+    index = GOLDEN / "index.json"
+    return json.loads(index.read_text())["cases"] if index.exists() else []
+
+
+def test_golden_files_cover_every_encoding_and_dtype():
+    cases = golden_cases()
+    seen = {enc for c in cases for enc in c["encodings"]}
+    assert seen == set(record.ENCODING_NAMES.values())
+    assert {c["dtype"] for c in cases} >= {"BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "I8", "I32", "I64",
+                                         "U8", "BOOL"}
+
+
+@pytest.mark.parametrize("case", golden_cases(), ids=lambda c: c["name"])
+def test_golden_record_still_decodes(case):
+    """Records written by a released encoder decode to the same bits forever."""
+    dt = dtypes.BY_NAME[case["dtype"]]
+    buf = (GOLDEN / case["record"]).read_bytes()
+    enc = codec.EncodedTensor.from_bytes(buf)
+    assert enc.encoding_counts() == case["encodings"]
+    assert enc.header.name == case["name"] and enc.header.dtype == dt
+    expected = np.load(GOLDEN / case["expected"])
+    assert expected.dtype == dt.bits_dtype and list(expected.shape) == case["shape"]
+    parent = None
+    if case["parent"] is not None:
+        pbits = np.load(GOLDEN / case["parent"])
+        parent = torch.from_numpy(pbits.reshape(-1).view(_np_int(dt))).view(dt.torch_dtype).reshape(case["shape"])
+    out = codec.decode(parent, buf)
+    np.testing.assert_array_equal(bits_of(out), expected.reshape(-1))
+    assert tuple(out.shape) == tuple(case["shape"])
+    if parent is not None:
+        codec.apply_(parent, buf)
+        np.testing.assert_array_equal(bits_of(parent), expected.reshape(-1))
