@@ -1,0 +1,189 @@
+"""An on-disk cache of fetched byte ranges, shared by the replicas of one host.
+
+Eight replicas on one machine hot-loading the same delta should download it once.
+Entries are content-addressed: the key is the stored object's xxh3 and size plus the
+byte range, all validated numbers, so two runs (or two buckets) holding the same
+object share entries and no key is ever built from a string a bucket controls.
+
+Several processes use one directory without locks: an entry is written to a temp
+file and published with ``os.replace`` (readers see a whole entry or none), and every
+entry carries its own xxh3, checked on each read. A damaged entry is deleted and
+reported as a miss, so the caller refetches; the caller still verifies what it gets
+against the manifest, so the cache can only cost time, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import threading
+import time
+import uuid
+
+import xxhash
+
+log = logging.getLogger("ckptdelta.loader.cache")
+
+_MAGIC = b"CKDCACH1"
+_HEAD = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of the payload
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_SUBDIR = re.compile(r"[0-9a-f]{2}")
+_ENTRY = re.compile(r"[0-9a-f]{16}(-[0-9]{1,19}){3}")
+_TMP = ".tmp-"
+
+
+class DiskCache:
+    """Byte ranges of stored objects, keyed by (object xxh3, object size, start, end).
+
+    ``max_bytes`` bounds the directory: once writes have added about a tenth of it,
+    the least recently used entries (by mtime, refreshed on every hit) are deleted
+    until the total fits. Other processes pruning the same directory is harmless."""
+
+    def __init__(self, root: str, *, max_bytes: int | None = None) -> None:
+        self.root = os.path.abspath(root)
+        self.max_bytes = max_bytes
+        os.makedirs(self.root, exist_ok=True)
+        self._lock = threading.Lock()
+        self._written_since_prune = 0
+
+    def path(self, obj_xxh3: str, obj_size: int, start: int, end: int) -> str:
+        if not (isinstance(obj_xxh3, str) and _HEX16.fullmatch(obj_xxh3)):
+            raise ValueError(f"cache key: {obj_xxh3!r} is not a 16-digit hex xxh3")
+        for v in (obj_size, start, end):
+            if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62):
+                raise ValueError(f"cache key: {v!r} is not a valid size or offset")
+        if not start <= end <= obj_size:
+            raise ValueError(f"cache key: range {start}-{end} outside an object of {obj_size} bytes")
+        return os.path.join(self.root, obj_xxh3[:2], f"{obj_xxh3}-{obj_size}-{start}-{end}")
+
+    def get(self, obj_xxh3: str, obj_size: int, start: int, end: int) -> bytes | None:
+        """The cached bytes, or None (absent or damaged; a damaged entry is removed)."""
+        path = self.path(obj_xxh3, obj_size, start, end)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read(_HEAD.size + (end - start) + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("cache entry %s unreadable (%s); treating as a miss", path, e)
+            return None
+        if len(blob) == _HEAD.size + (end - start):
+            magic, n, h = _HEAD.unpack_from(blob, 0)
+            data = blob[_HEAD.size:]
+            if magic == _MAGIC and n == end - start and xxhash.xxh3_64_intdigest(data) == h:
+                try:
+                    os.utime(path)
+                except OSError:
+                    pass
+                return data
+        log.warning("cache entry %s is damaged; discarding it", path)
+        self.discard(obj_xxh3, obj_size, start, end)
+        return None
+
+    def put(self, obj_xxh3: str, obj_size: int, start: int, end: int, data: bytes | memoryview) -> None:
+        """Store verified bytes. Failures (disk full, permissions) are logged, never raised."""
+        path = self.path(obj_xxh3, obj_size, start, end)
+        if len(data) != end - start:
+            raise ValueError(f"cache put: {len(data)} bytes for a {end - start}-byte range")
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f"{_TMP}{os.getpid()}-{uuid.uuid4().hex}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(tmp, "xb") as f:
+                f.write(_HEAD.pack(_MAGIC, len(data), xxhash.xxh3_64_intdigest(data)))
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("could not write cache entry %s: %s", path, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return
+        if self.max_bytes is not None:
+            with self._lock:
+                self._written_since_prune += len(data) + _HEAD.size
+                due = self._written_since_prune > max(1, self.max_bytes // 10)
+                if due:
+                    self._written_since_prune = 0
+            if due:
+                self.prune()
+
+    def discard(self, obj_xxh3: str, obj_size: int, start: int, end: int) -> None:
+        try:
+            os.unlink(self.path(obj_xxh3, obj_size, start, end))
+        except OSError:
+            pass
+
+    def entries(self) -> list[tuple[str, int, float]]:
+        """(path, size, mtime) of every entry. Only names this class writes count: temp files of writers
+        in flight and anything else sharing the directory are left alone."""
+        out = []
+        try:
+            subdirs = os.listdir(self.root)
+        except OSError:
+            return out
+        for sub in subdirs:
+            if not _SUBDIR.fullmatch(sub):
+                continue
+            d = os.path.join(self.root, sub)
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
+                if not _ENTRY.fullmatch(name):
+                    continue
+                try:
+                    st = os.stat(os.path.join(d, name))
+                except OSError:
+                    continue
+                out.append((os.path.join(d, name), st.st_size, st.st_mtime))
+        return out
+
+    def size_bytes(self) -> int:
+        return sum(s for _p, s, _m in self.entries())
+
+    def prune(self, max_bytes: int | None = None) -> int:
+        """Delete least recently used entries until the cache fits, and temp files a crashed
+        writer left behind over an hour ago; returns bytes freed."""
+        self._remove_stale_temps()
+        limit = self.max_bytes if max_bytes is None else max_bytes
+        if limit is None:
+            return 0
+        entries = sorted(self.entries(), key=lambda e: e[2])
+        total = sum(e[1] for e in entries)
+        freed = 0
+        for path, size, _mtime in entries:
+            if total - freed <= limit:
+                break
+            try:
+                os.unlink(path)
+                freed += size
+            except OSError:
+                pass
+        return freed
+
+    def _remove_stale_temps(self, age_s: float = 3600.0) -> None:
+        now = time.time()
+        for sub in _listdir(self.root):
+            if not _SUBDIR.fullmatch(sub):
+                continue
+            d = os.path.join(self.root, sub)
+            for name in _listdir(d):
+                if name.startswith(_TMP):
+                    path = os.path.join(d, name)
+                    try:
+                        if now - os.stat(path).st_mtime > age_s:
+                            os.unlink(path)
+                    except OSError:
+                        pass
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

@@ -1,0 +1,145 @@
+"""Write a snapshot as a Hugging Face checkpoint directory (safetensors shards, index, config...).
+
+So any engine can start from any version: ``from_pretrained(out_dir)`` and
+``safetensors.safe_open`` read what this writes. Shards are streamed: each
+shard's header is computed from the manifest (every dtype, shape and size is
+known before a byte is fetched), then tensors are rebuilt a batch at a time and
+appended, so memory stays at one batch whatever the model's size. The directory
+appears whole or not at all (written under a temporary name, fsynced, renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from typing import TYPE_CHECKING
+
+from delta import dtypes
+from delta.manifest import Manifest, snapshot_name
+
+if TYPE_CHECKING:
+    from .reader import SnapshotReader
+
+log = logging.getLogger("ckptdelta.loader")
+
+#: Hugging Face's default max_shard_size ("5GB").
+SHARD_BYTES = 5 * 10**9
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def plan_shards(m: Manifest, max_bytes: int = SHARD_BYTES) -> list[list[str]]:
+    """Tensor names per shard, in name order, each shard at most ``max_bytes`` (or one tensor)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(m.tensors):
+        n = m.tensors[name].nbytes
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards if shards[0] else []
+
+
+def shard_names(n: int) -> list[str]:
+    if n <= 1:
+        return [WEIGHTS_NAME]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def safetensors_header(m: Manifest, names: list[str], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding ``names`` back to back."""
+    header: dict = {"__metadata__": metadata}
+    off = 0
+    for name in names:
+        e = m.tensors[name]
+        dtypes.by_name(e.dtype)
+        header[name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+        off += e.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, progress: bool | None = None,
+                     shard_bytes: int = SHARD_BYTES) -> str:
+    """Materialize ``version`` into ``out_dir`` (which must not exist, or be empty); returns ``out_dir``."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise FileExistsError(f"cannot materialize {snapshot_name(version)} into {out_dir}: it exists and is not empty")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    m = reader.manifest(version)
+    shards = plan_shards(m, shard_bytes)
+    files = shard_names(len(shards))
+    total = sum(e.nbytes for e in m.tensors.values())
+    show = sys.stderr.isatty() if progress is None else progress
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        from tqdm import tqdm
+        with tqdm(total=total, unit="B", unit_scale=True, disable=not show,
+                  desc=f"materialize {snapshot_name(version)}") as bar:
+            meta = {"format": "pt", "ckptdelta_run": reader.run_id, "ckptdelta_version": str(version)}
+            for names, fname in zip(shards, files):
+                _write_shard(reader, m, version, names, os.path.join(tmp, fname), meta, bar)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {n: f for names, f in zip(shards, files) for n in names}}
+            _write_file(os.path.join(tmp, INDEX_NAME), json.dumps(index, indent=2, sort_keys=True).encode())
+        for rel, obj in reader.extra_files(version):
+            if rel.endswith(".safetensors") or rel == INDEX_NAME or rel.split("/")[0] in files:
+                continue
+            _write_file(os.path.join(tmp, *rel.split("/")), reader.read_object(obj))
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError as e:
+            raise FileExistsError(f"cannot materialize into {out_dir}: {e}") from e
+        _fsync_dir(parent)
+        log.info("materialized %s (%d tensors, %d bytes) into %s", snapshot_name(version), len(m.tensors), total,
+                 out_dir)
+        return out_dir
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: list[str], path: str,
+                 meta: dict[str, str], bar) -> None:
+    with open(path, "wb") as f:
+        f.write(safetensors_header(m, names, meta))
+        for name, t in reader.iter_tensors(version, names):
+            bits = dtypes.host_bits(t)
+            if bits.nbytes != m.tensors[name].nbytes:
+                raise AssertionError(f"tensor {name!r}: rebuilt {bits.nbytes} bytes, manifest says "
+                                     f"{m.tensors[name].nbytes}")
+            f.write(bits.view("u1").data)
+            bar.update(bits.nbytes)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_file(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

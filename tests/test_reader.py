@@ -1,0 +1,360 @@
+"""loader.reader: resolving, reading, caching, materializing and verifying snapshots."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from delta.errors import (ChecksumError, DeltaError, ManifestError, RunMismatchError, SnapshotNotFoundError)
+from delta.manifest import HEAD_KEY, manifest_key
+from delta.storage import Store
+from loader import cli_read
+from loader.cache import DiskCache
+from loader.materialize import write_checkpoint
+from loader.reader import SnapshotReader
+from tests.bucketgen import CONFIG_JSON, bits_equal, make_run, reference_weights, trajectory, write_run
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Anchors at 0 and 4, deltas 1-3 and 5-6."""
+    return make_run(str(tmp_path / "run"), n_versions=7, anchors={4})
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """Like ``run``, for tests that only read."""
+    return make_run(str(tmp_path_factory.mktemp("shared") / "run"), n_versions=7, anchors={4})
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert bits_equal(got[k], want[k]), k
+
+
+def flip_byte(store: Store, key: str, offset: int) -> None:
+    data = bytearray(store.get(key))
+    data[offset] ^= 0x40
+    store.put(key, bytes(data))
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("store_url", ["local", "memory", "s3", "gcs"], indirect=True)
+def test_every_version_reads_back_bit_exact_on_every_backend(store_url):
+    url, opts = store_url
+    run = make_run(url, opts, n_versions=4, anchors={2})
+    r = SnapshotReader(url, storage_options=opts)
+    assert r.versions() == [0, 1, 2, 3]
+    for v in range(4):
+        assert_same(r.read_tensors(v), run.truth[v])
+
+
+def test_special_bit_patterns_survive_the_chain(run):
+    r = SnapshotReader(run.url)
+    for v in run.truth:
+        got = r.read_tensors(v)
+        assert_same(got, run.truth[v])
+    q = r.read_tensor(3, "model.layers.0.self_attn.q_proj.weight").view(-1).view(torch.int16)
+    assert q[0].item() == 0x7FC1 and q[1].item() == -0x8000          # NaN payload and -0.0 as stored
+    n = r.read_tensor(3, "model.norm.weight").view(torch.int32)
+    assert n[0].item() == 0x7FC00123 and n[1].item() == -0x80000000  # fp32 NaN payload, -0.0
+
+
+def test_chain_runs_from_the_anchor(run):
+    r = SnapshotReader(run.url)
+    assert [m.version for m in r.chain(3)] == [0, 1, 2, 3]
+    assert [m.version for m in r.chain(6)] == [4, 5, 6]
+    assert [m.version for m in r.chain(4)] == [4]
+    assert r.chain(6)[0].kind == "anchor"
+
+
+def test_range_reads_fetch_only_the_requested_tensors(tmp_path):
+    run = make_run(str(tmp_path / "run"), n_versions=4, seed=3)
+    total = sum(o.size for m in run.manifests.values() for o in m.objects)
+    r = SnapshotReader(run.url)
+    r.manifest(3), r.chain(3)
+    before = r.stats["bytes_fetched"]
+    t = r.read_tensor(3, "model.norm.weight")
+    assert bits_equal(t, run.truth[3]["model.norm.weight"])
+    fetched = r.stats["bytes_fetched"] - before
+    assert 0 < fetched < total / 20
+    # a tensor-parallel rank selecting its tensors with a predicate gets exactly those
+    before = r.stats["bytes_fetched"]
+    got = r.read_tensors(3, lambda n: "self_attn" in n)
+    assert sorted(got) == ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert_same(got, {k: run.truth[3][k] for k in got})
+    assert r.stats["bytes_fetched"] - before < total / 3
+
+
+def test_unknown_tensor_name_is_not_found(run):
+    r = SnapshotReader(run.url)
+    with pytest.raises(SnapshotNotFoundError, match="no.such"):
+        r.read_tensors(2, ["model.norm.weight", "no.such"])
+
+
+def test_tensors_added_removed_and_reshaped_along_the_chain(tmp_path):
+    v0 = reference_weights(5)
+    v1 = {k: t.clone() for k, t in v0.items()}
+    v1["extra.weight"] = torch.randn(7, 5).bfloat16()
+    v1["model.norm.weight"] = torch.randn(40)                # shape change: stored without parent
+    del v1["model.step_counter"]
+    v2 = {k: t.clone() for k, t in v1.items()}
+    v2["extra.weight"].view(torch.int16)[0, 0] += 1
+    v2["model.step_counter"] = torch.tensor([9, 9], dtype=torch.int64)  # re-added
+    run = write_run(str(tmp_path / "run"), versions=[v0, v1, v2])
+    r = SnapshotReader(run.url)
+    for v in range(3):
+        assert_same(r.read_tensors(v), run.truth[v])
+
+
+# --- names, versions, latest ------------------------------------------------------------------
+
+def test_resolve_accepts_latest_numbers_names_and_decimal_strings(run):
+    r = SnapshotReader(run.url)
+    assert r.resolve("latest") == 6
+    assert r.resolve(3) == 3
+    assert r.resolve("v00000003") == 3
+    assert r.resolve("3") == 3
+    assert r.manifest("v00000005").version == 5
+
+
+@pytest.mark.parametrize("bad", [
+    "../manifests/000000000001.json", "/etc/passwd", "v00000001/..", "manifests/000000000001.json", "..",
+    "v00000001\n", "3\n", " 3", "v1", "V00000001", "LATEST", "", "-1", "3.0", "0x3", "\u0663",
+    "v0000000\u0663", "9" * 40, -1, True, 2.0, None, 99, "v00000099",
+])
+def test_resolve_refuses_anything_else(shared_run, bad):
+    r = SnapshotReader(shared_run.url)
+    with pytest.raises(SnapshotNotFoundError):
+        r.resolve(bad)
+
+
+def test_latest_looks_past_a_lagging_head(tmp_path):
+    run = make_run(str(tmp_path / "run"), n_versions=5, head_lag=2)
+    r = SnapshotReader(run.url)
+    assert json.loads(run.store.get(HEAD_KEY))["version"] == 2
+    assert r.latest() == 4
+
+
+def test_latest_without_head_lists_manifests(run):
+    run.store.delete([HEAD_KEY])
+    assert SnapshotReader(run.url).latest() == 6
+
+
+def test_run_id_mismatch_and_missing_run(run, tmp_path):
+    assert SnapshotReader(run.url).run_id == "run-test"
+    with pytest.raises(RunMismatchError):
+        SnapshotReader(run.url, run_id="another-run").manifest(1)
+    with pytest.raises(SnapshotNotFoundError):
+        SnapshotReader(str(tmp_path / "nothing")).latest()
+
+
+def test_manifest_claiming_unchanged_tensor_that_changed_is_refused(run):
+    raw = json.loads(run.store.get(manifest_key(2)))
+    entry = raw["tensors"]["model.layers.0.frozen.bias"]
+    assert entry["object"] is None
+    entry["xxh3"] = "0123456789abcdef"
+    run.store.put(manifest_key(2), json.dumps(raw).encode())
+    with pytest.raises(ManifestError, match="frozen.bias"):
+        SnapshotReader(run.url).read_tensors(3)
+
+
+# --- cache ---------------------------------------------------------------------------------------
+
+def test_cache_is_shared_by_two_readers(run, tmp_path):
+    cache = str(tmp_path / "cache")
+    first = SnapshotReader(run.url, cache_dir=cache)
+    assert_same(first.read_tensors(6), run.truth[6])
+    second = SnapshotReader(run.url, cache_dir=cache)
+    assert_same(second.read_tensors(6), run.truth[6])
+    metadata = sum(len(run.store.get(k)) for k in ("RUN.json", *(manifest_key(v) for v in (4, 5, 6))))
+    assert second.stats["cache_hits"] > 0
+    assert second.stats["bytes_fetched"] <= metadata   # no tensor byte came from the store
+
+
+def test_damaged_cache_entry_is_detected_and_refetched(run, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    SnapshotReader(run.url, cache_dir=cache_dir).read_tensors(6)
+    entries = DiskCache(cache_dir).entries()
+    assert entries
+    path = max(entries, key=lambda e: e[1])[0]
+    with open(path, "r+b") as f:                      # flip a payload byte: the entry's own checksum fails
+        f.seek(-10, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = SnapshotReader(run.url, cache_dir=cache_dir)
+    assert_same(r.read_tensors(6), run.truth[6])
+    assert r.stats["bytes_fetched"] > 0
+    again = SnapshotReader(run.url, cache_dir=cache_dir)  # the entry was rewritten whole
+    again.read_tensors(6)
+    assert again.stats["cache_hits"] == r.stats["cache_hits"] + 1
+
+
+def test_well_formed_cache_entry_with_wrong_content_is_refetched(run, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    r0 = SnapshotReader(run.url, cache_dir=cache_dir)
+    r0.read_tensors(6)
+    m = r0.manifest(5)
+    name, e = next((n, e) for n, e in sorted(m.tensors.items()) if e.object is not None)
+    obj = m.objects[e.object]
+    cache = DiskCache(cache_dir)
+    good = cache.get(obj.xxh3, obj.size, e.offset, e.offset + e.length)
+    cache.put(obj.xxh3, obj.size, e.offset, e.offset + e.length, bytes(len(good)))  # a valid entry, wrong bytes
+    r = SnapshotReader(run.url, cache_dir=cache_dir)
+    assert bits_equal(r.read_tensor(6, name), run.truth[6][name])
+    assert cache.get(obj.xxh3, obj.size, e.offset, e.offset + e.length) == good
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "0123456789abcdeg", "0123456789ABCDEF", "01/3456789abcdef"])
+def test_cache_keys_are_never_paths_from_strings(tmp_path, bad):
+    with pytest.raises(ValueError):
+        DiskCache(str(tmp_path)).path(bad, 10, 0, 5)
+    with pytest.raises(ValueError):
+        DiskCache(str(tmp_path)).path("0123456789abcdef", 10, 5, 11)
+
+
+def test_cache_prune_drops_least_recently_used(tmp_path):
+    c = DiskCache(str(tmp_path / "c"))
+    for i in range(5):
+        c.put(f"{i:016x}", 1000, 0, 1000, bytes([i]) * 1000)
+        os.utime(c.path(f"{i:016x}", 1000, 0, 1000), (i, i))
+    c.get(f"{0:016x}", 1000, 0, 1000)               # a hit refreshes entry 0
+    c.prune(max_bytes=2 * 1100)
+    assert c.get(f"{0:016x}", 1000, 0, 1000) is not None
+    assert c.get(f"{4:016x}", 1000, 0, 1000) is not None
+    assert c.get(f"{1:016x}", 1000, 0, 1000) is None
+
+
+# --- materialize -----------------------------------------------------------------------------------
+
+def test_materialize_writes_a_loadable_hf_directory(run, tmp_path):
+    r = SnapshotReader(run.url)
+    out = r.materialize(6, str(tmp_path / "ckpt"))
+    files = sorted(os.listdir(out))
+    assert files == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert_same(load_file(os.path.join(out, "model.safetensors")), run.truth[6])
+    with open(os.path.join(out, "config.json"), "rb") as f:
+        assert f.read() == CONFIG_JSON
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert f.metadata()["format"] == "pt" and f.metadata()["ckptdelta_version"] == "6"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".ckpt")]
+
+
+def test_materialize_shards_with_an_index(run, tmp_path):
+    r = SnapshotReader(run.url)
+    out = write_checkpoint(r, 3, str(tmp_path / "ckpt"), shard_bytes=8000)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    got = {}
+    for s in shards:
+        got.update(load_file(os.path.join(out, s)))
+    assert_same(got, run.truth[3])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in run.truth[3].values())
+
+
+def test_materialize_refuses_a_non_empty_directory_and_leaves_nothing_on_failure(run, tmp_path):
+    r = SnapshotReader(run.url)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    with pytest.raises(FileExistsError):
+        r.materialize(1, str(tmp_path / "busy"))
+    m = r.manifest(0)
+    flip_byte(run.store, m.objects[0].key, m.objects[0].size - 3)   # corrupt the last tensor's data
+    with pytest.raises(ChecksumError):
+        SnapshotReader(run.url).materialize(0, str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["busy", "run"]
+
+
+# --- verify -----------------------------------------------------------------------------------------
+
+def test_verify_passes_on_a_good_run(run):
+    rep = SnapshotReader(run.url).verify()
+    assert rep.version == 6 and rep.chain == [4, 5, 6]
+    assert rep.tensors_checked == 3 * len(run.truth[6])
+    assert rep.objects_checked == sum(len(run.manifests[v].objects) + len(run.manifests[v].extra_files)
+                                      for v in (4, 5, 6))
+
+
+def test_verify_catches_a_flipped_byte_in_an_anchor_shard(run):
+    key = run.manifests[4].objects[1].key
+    flip_byte(run.store, key, run.store.size(key) // 2)
+    with pytest.raises(ChecksumError, match=key):
+        SnapshotReader(run.url).verify(6)
+    SnapshotReader(run.url).verify(3)  # another anchor's chain is unaffected
+
+
+def test_verify_catches_a_flipped_byte_in_a_delta_object(run):
+    key = run.manifests[5].objects[0].key
+    flip_byte(run.store, key, 20)
+    with pytest.raises(ChecksumError, match=key):
+        SnapshotReader(run.url).verify(6)
+
+
+def test_verify_catches_a_flipped_byte_in_a_manifest(run):
+    raw = run.store.get(manifest_key(5))
+    e = json.loads(raw)["tensors"]["model.norm.weight"]["xxh3"]
+    i = raw.index(e.encode())
+    bad = bytearray(raw)
+    bad[i] = ord("0") if bad[i] != ord("0") else ord("1")
+    run.store.put(manifest_key(5), bytes(bad))
+    with pytest.raises(ChecksumError, match="model.norm.weight"):
+        SnapshotReader(run.url).verify(6)
+    bad = bytearray(raw)
+    bad[0] ^= 0x01                                       # not JSON any more
+    run.store.put(manifest_key(5), bytes(bad))
+    with pytest.raises(ManifestError):
+        SnapshotReader(run.url).verify(6)
+
+
+def test_verify_checks_the_head_manifest_digest(run):
+    raw = json.loads(run.store.get(manifest_key(6)))
+    raw["metadata"] = {"tampered": "yes"}               # schema-valid, but not what the head pointer hashed
+    run.store.put(manifest_key(6), json.dumps(raw).encode())
+    with pytest.raises(ChecksumError, match="head pointer"):
+        SnapshotReader(run.url).verify(6)
+
+
+def test_reads_refuse_corrupt_tensor_bytes(run):
+    m = run.manifests[0]
+    e = m.tensors["model.norm.weight"]
+    flip_byte(run.store, m.objects[e.object].key, e.offset + 1)
+    with pytest.raises(ChecksumError, match="model.norm.weight"):
+        SnapshotReader(run.url).read_tensor(2, "model.norm.weight")
+    m = run.manifests[2]
+    e = m.tensors["lm_head.weight"]
+    flip_byte(run.store, m.objects[e.object].key, e.offset + e.length - 1)
+    with pytest.raises(DeltaError, match="lm_head.weight"):
+        SnapshotReader(run.url).read_tensor(2, "lm_head.weight")
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+def test_cli_materialize_and_verify(run, tmp_path, capsys):
+    out = str(tmp_path / "m")
+    assert cli_read.main(["materialize", run.url, "v00000005", out, "--no-progress"]) == 0
+    assert_same(load_file(os.path.join(out, "model.safetensors")), run.truth[5])
+    assert cli_read.main(["verify", run.url]) == 0
+    assert "ok: v00000006" in capsys.readouterr().out
+    assert cli_read.main(["verify", run.url, "../etc"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1
+    flip_byte(run.store, run.manifests[6].objects[0].key, 30)
+    assert cli_read.main(["verify", run.url, "6"]) == 1
+    assert "error:" in capsys.readouterr().err
+    assert cli_read.main(["materialize", run.url, "1", out, "--storage-options", "[1]"]) == 1
+
+
+def test_trajectory_really_changes_and_keeps_tensors():
+    vs = trajectory(3)
+    assert not bits_equal(vs[0]["lm_head.weight"], vs[1]["lm_head.weight"])
+    assert bits_equal(vs[0]["model.layers.0.frozen.bias"], vs[2]["model.layers.0.frozen.bias"])
