@@ -192,3 +192,10 @@ def diff_positions(old, new, out_positions, out_values):
             out_values[j] = new[i]
             j += 1
     return j
+
+
+@njit(cache=True, nogil=True)
+def gather(src, positions, out):
+    """``out[j] = src[positions[j]]`` — saves what an in-place apply overwrites, for undo."""
+    for j in range(positions.shape[0]):
+        out[j] = src[positions[j]]
