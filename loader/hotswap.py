@@ -1,0 +1,437 @@
+"""Hot swap: move a serving model's weights to another version with one short pause.
+
+Everything slow happens while the model keeps serving: fetching, decoding, and
+checking that the live tensors are exactly the parent version's bits and that the
+result hashes to the target's digests (:meth:`HotSwapper.prepare`). What remains
+is a scatter of the changed elements into the live tensors, done while
+:class:`ServingGate` holds forward steps back (:meth:`HotSwapper.commit`), so no
+forward step ever sees a mix of two versions. A commit that fails half-way
+writes back the old bits it replaced: the weights and the version stay as they
+were, or the swap raises saying they could not be (and the version becomes None).
+
+Memory: staged changes are the changed elements' positions and new bits (or a
+tensor's new bits when most of it changes); besides them, at most one tensor's
+scratch copy at a time — never a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, MutableMapping
+
+import numpy as np
+import torch
+
+from delta import StagedTensor, dtypes, stage, stage_full
+from delta.errors import HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError
+from delta.manifest import Manifest, snapshot_name
+
+from .plan import Piece, UpdatePlan, make_plan
+from .reader import SnapshotReader, rebuild
+
+log = logging.getLogger("ckptdelta.loader.hotswap")
+
+Weights = "torch.nn.Module | MutableMapping[str, torch.Tensor]"
+
+
+# --- the gate ---------------------------------------------------------------------------
+
+@dataclass
+class Pause:
+    """Filled in by :meth:`ServingGate.paused`: ``waited_s`` for running steps to end, ``seconds`` in all."""
+
+    waited_s: float = 0.0
+    seconds: float = 0.0
+
+
+class ServingGate:
+    """Forward steps (many at once) against the swap (one at a time, exclusive).
+
+    ``with gate.serving():`` around each forward step; ``with gate.paused() as pause:``
+    waits for running steps to end, holds new ones back until the block exits, and
+    sets ``pause.seconds``. A pending pause has priority: new steps wait behind it,
+    so a swap is never starved by a steady stream of requests. Sections nest within
+    a thread; pausing from inside a serving section would deadlock and raises instead."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._pausing = False
+        self._writer = threading.Lock()
+        self._local = threading.local()
+
+    @property
+    def active(self) -> int:
+        """Forward steps running now."""
+        return self._active
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pausing
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            with self._cond:
+                while self._pausing:
+                    self._cond.wait()
+                self._active += 1
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if depth == 0:
+                with self._cond:
+                    self._active -= 1
+                    if self._active == 0:
+                        self._cond.notify_all()
+
+    @contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[Pause]:
+        """Exclusive access to the weights. With ``timeout``, gives up (HotLoadError) if running
+        steps have not ended by then, and lets held-back steps go on."""
+        if getattr(self._local, "depth", 0):
+            raise HotLoadError("cannot pause the model from inside a serving section (it would wait for itself)")
+        pause = Pause()
+        t0 = time.perf_counter()
+        with self._writer:
+            with self._cond:
+                self._pausing = True
+                deadline = None if timeout is None else t0 + timeout
+                while self._active:
+                    left = None if deadline is None else deadline - time.perf_counter()
+                    if left is not None and left <= 0:
+                        self._pausing = False
+                        self._cond.notify_all()
+                        raise HotLoadError(f"{self._active} forward steps still running after {timeout:.1f}s; "
+                                           "swap abandoned, weights unchanged")
+                    self._cond.wait(left)
+            pause.waited_s = time.perf_counter() - t0
+            try:
+                yield pause
+            finally:
+                with self._cond:
+                    self._pausing = False
+                    self._cond.notify_all()
+                pause.seconds = time.perf_counter() - t0
+
+
+# --- reports and prepared updates -----------------------------------------------------------
+
+@dataclass
+class HotLoadReport:
+    from_version: int | None
+    to_version: int
+    path: list[int]
+    via_anchor: bool
+    bytes_fetched: int
+    tensors_changed: int
+    elements_changed: int   # elements written (a densely staged tensor counts all of its elements)
+    fetch_s: float          # waiting for bytes (fetches overlap decoding)
+    decode_s: float         # decoding, rebuilding and verifying, while serving
+    apply_s: float          # writing the live tensors, inside the pause
+    pause_s: float          # the whole pause: waiting for running steps, then applying
+    total_s: float
+    staging_bytes: int = 0
+
+    @property
+    def snapshot(self) -> str:
+        return snapshot_name(self.to_version)
+
+
+@dataclass
+class _Staged:
+    name: str                 # checkpoint name
+    live_name: str            # name in the live module / mapping
+    st: StagedTensor
+    key: tuple                # identity of the live tensor it was staged against
+
+
+@dataclass
+class PreparedUpdate:
+    """A verified change from ``from_version`` to ``to_version``, ready for :meth:`HotSwapper.commit`."""
+
+    from_version: int | None
+    to_version: int
+    path: list[int]
+    via_anchor: bool
+    staged: list[_Staged] = field(repr=False)
+    report: HotLoadReport
+    staging_bytes: int
+    _owner: int = field(default=0, repr=False)
+    committed: bool = False
+
+    @property
+    def snapshot(self) -> str:
+        return snapshot_name(self.to_version)
+
+
+# --- the swapper ----------------------------------------------------------------------------
+
+class HotSwapper:
+    """Moves live weights (an ``nn.Module`` or a name -> tensor mapping) between a run's versions.
+
+    ``name_map`` turns a checkpoint name into the live name when they differ. One
+    prepare or commit runs at a time (another raises :class:`HotLoadConflictError`);
+    ``prepare`` may run in a background thread while forward steps run under
+    ``gate.serving()``."""
+
+    def __init__(self, weights: Weights, reader: SnapshotReader, *, version: int | None = None,
+                 gate: ServingGate | None = None, name_map: Callable[[str], str] | None = None,
+                 apply_method: str = "auto") -> None:
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"version must be a non-negative int or None, not {version!r}")
+        self.weights = weights
+        self.reader = reader
+        self.version: int | None = version
+        self.gate = gate or ServingGate()
+        self.name_map = name_map or (lambda n: n)
+        self.apply_method = apply_method
+        self._lock = threading.Lock()
+
+    @property
+    def snapshot(self) -> str | None:
+        return None if self.version is None else snapshot_name(self.version)
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    # --- public verbs --------------------------------------------------------------------
+
+    def plan(self, target: "str | int") -> list[int]:
+        """Versions whose stored bytes a hot-load to ``target`` would read, in order."""
+        return make_plan(self.reader, self.version, self.reader.resolve(target)).path
+
+    def prepare(self, target: "str | int", *, initial: bool = False) -> PreparedUpdate:
+        """Fetch, decode and verify the change to ``target``; the live weights are only read."""
+        with self._exclusive():
+            return self._prepare(target, initial)
+
+    def commit(self, prepared: PreparedUpdate) -> HotLoadReport:
+        """Apply a prepared update inside one pause of the gate."""
+        with self._exclusive():
+            return self._commit(prepared)
+
+    def hotload(self, target: "str | int") -> HotLoadReport:
+        with self._exclusive():
+            return self._commit(self._prepare(target, False))
+
+    def load_initial(self, target: "str | int") -> HotLoadReport:
+        """Like :meth:`hotload`, also from weights of unknown version (every tensor is compared and replaced
+        where it differs; names, shapes and dtypes must match the snapshot's)."""
+        with self._exclusive():
+            return self._commit(self._prepare(target, True))
+
+    # --- internals ------------------------------------------------------------------------
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise HotLoadConflictError(f"a hot-load is already running on this replica (live {self.snapshot})")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _live_map(self) -> dict[str, torch.Tensor]:
+        w = self.weights
+        if not isinstance(w, torch.nn.Module):
+            return dict(w.items())
+        out: dict[str, torch.Tensor] = {}
+        for n, p in w.named_parameters(remove_duplicate=False):
+            out[n] = p
+        for n, b in w.named_buffers(remove_duplicate=False):
+            mod_name, _, attr = n.rpartition(".")
+            mod = w.get_submodule(mod_name) if mod_name else w
+            if attr not in getattr(mod, "_non_persistent_buffers_set", ()):
+                out[n] = b
+        return out
+
+    def _prepare(self, target: "str | int", initial: bool) -> PreparedUpdate:
+        t0 = time.perf_counter()
+        current = self.version
+        if current is None and not initial:
+            raise HotLoadError("the live weights have no known version; use load_initial() for the first load")
+        v = self.reader.resolve(target)
+        plan = make_plan(self.reader, current, v)
+        tgt = plan.target
+        live = self._live_map()
+        mapping = {n: self.name_map(n) for n in tgt.tensors}
+        _check_names(tgt, mapping, live)
+        for n, e in tgt.tensors.items():
+            t = live[mapping[n]]
+            if dtypes.of(t).name != e.dtype or tuple(t.shape) != tuple(e.shape):
+                raise ShapeMismatchError(f"tensor {n!r}: live tensor {mapping[n]!r} is {dtypes.of(t).name}"
+                                         f"{list(t.shape)}, {tgt.where()} has {e.dtype}{list(e.shape)}")
+        names, groups = _dedupe_aliases(plan, mapping, live)
+        cur = None if current is None else self.reader.manifest(current)
+        counter: dict = {}
+        staged: list[_Staged] = []
+        decode_s = 0.0
+        for gi, values in self.reader.iter_fetched(groups, counter=counter):
+            td = time.perf_counter()
+            name = names[gi]
+            t = live[mapping[name]]
+            st = _stage_one(name, t, groups[gi], values, plan, cur)
+            if st.dense is not None or st.positions.shape[0]:
+                staged.append(_Staged(name, mapping[name], st, _identity(t)))
+            decode_s += time.perf_counter() - td
+        staging = sum(s.st.nbytes for s in staged)
+        report = HotLoadReport(
+            from_version=current, to_version=v, path=plan.path, via_anchor=plan.via_anchor,
+            bytes_fetched=counter.get("bytes", 0), tensors_changed=len(staged),
+            elements_changed=sum(s.st.n_changed for s in staged), fetch_s=counter.get("fetch_s", 0.0),
+            decode_s=decode_s, apply_s=0.0, pause_s=0.0, total_s=time.perf_counter() - t0, staging_bytes=staging)
+        log.info("prepared %s -> %s via %s: %d tensors, %d bytes fetched, %d bytes staged",
+                 snapshot_name(current) if current is not None else "unknown weights", snapshot_name(v),
+                 "anchor" if plan.via_anchor else "deltas", len(staged), report.bytes_fetched, staging)
+        return PreparedUpdate(current, v, plan.path, plan.via_anchor, staged, report, staging, id(self))
+
+    def _commit(self, p: PreparedUpdate) -> HotLoadReport:
+        t0 = time.perf_counter()
+        if p._owner != id(self):
+            raise HotLoadError(f"update to {p.snapshot} was prepared by another swapper")
+        if p.committed:
+            raise HotLoadError(f"update to {p.snapshot} was already committed")
+        if p.from_version != self.version:
+            raise HotLoadError(f"update to {p.snapshot} was prepared from version {p.from_version}, "
+                               f"the live version is now {self.version}; prepare it again")
+        if p.from_version == p.to_version:
+            p.committed = True
+            return replace(p.report, total_s=p.report.total_s + time.perf_counter() - t0)
+        module_map = self._live_map() if isinstance(self.weights, torch.nn.Module) else None
+        applied: list[tuple[torch.Tensor, StagedTensor]] = []
+        with self.gate.paused() as pause:
+            ta = time.perf_counter()
+            try:
+                for s in p.staged:
+                    live = module_map[s.live_name] if module_map is not None else self.weights[s.live_name]
+                    if _identity(live) != s.key:
+                        raise HotLoadError(f"tensor {s.name!r}: the live tensor {s.live_name!r} was replaced or "
+                                           "moved after prepare(); prepare again")
+                    applied.append((live, _undo_of(live, s.st)))
+                    s.st.apply_(live, method=self.apply_method)
+                _synchronize(applied)
+            except BaseException as e:
+                self._roll_back(applied, p, e)
+                if not isinstance(e, Exception):
+                    raise
+                raise HotLoadError(f"hot-load {_name(p.from_version)} -> {p.snapshot} failed while applying "
+                                   f"({type(e).__name__}: {e}); the {len(applied)} tensors already written were "
+                                   f"restored, live weights and version are unchanged") from e
+            self.version = p.to_version
+            apply_s = time.perf_counter() - ta
+        p.committed = True
+        report = replace(p.report, apply_s=apply_s, pause_s=pause.seconds,
+                         total_s=p.report.total_s + time.perf_counter() - t0)
+        log.info("hot-loaded %s -> %s: %d tensors, %d elements, pause %.3fs (apply %.3fs)",
+                 _name(p.from_version), p.snapshot, report.tensors_changed, report.elements_changed,
+                 report.pause_s, apply_s)
+        return report
+
+    def _roll_back(self, applied: list[tuple[torch.Tensor, StagedTensor]], p: PreparedUpdate,
+                   cause: BaseException) -> None:
+        try:
+            for live, undo in reversed(applied):
+                undo.apply_(live, method=self.apply_method)
+            _synchronize(applied)
+        except BaseException as e2:
+            self.version = None
+            log.critical("hot-load to %s failed (%s) and restoring the old weights failed too (%s): "
+                         "the live weights are now of unknown version", p.snapshot, cause, e2)
+            raise HotLoadError(f"hot-load to {p.snapshot} failed ({cause}) and the old weights could not be "
+                               f"restored ({e2}); the live version is now unknown: load_initial() again") from e2
+
+
+def _name(v: int | None) -> str:
+    return "unknown weights" if v is None else snapshot_name(v)
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What must not change between prepare and commit: where the tensor lives and how it is laid out."""
+    return (t.device.type, t.device.index, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def _check_names(tgt: Manifest, mapping: dict[str, str], live: dict[str, torch.Tensor]) -> None:
+    missing = sorted(n for n, ln in mapping.items() if ln not in live)
+    mapped = set(mapping.values())
+    covered = {_identity(live[ln]) for ln in mapped if ln in live}
+    extra = sorted(ln for ln, t in live.items() if ln not in mapped and _identity(t) not in covered)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing from the live weights: {', '.join(map(repr, missing[:10]))}"
+                         + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+        if extra:
+            parts.append(f"live tensors not in the snapshot: {', '.join(map(repr, extra[:10]))}"
+                         + (f" (+{len(extra) - 10} more)" if len(extra) > 10 else ""))
+        raise HotLoadError(f"{tgt.where()} does not match the live weights: " + "; ".join(parts))
+
+
+def _dedupe_aliases(plan: UpdatePlan, mapping: dict[str, str],
+                    live: dict[str, torch.Tensor]) -> tuple[list[str], list[list[Piece]]]:
+    """Tied weights share storage: stage one name per storage, once the snapshot agrees they are equal."""
+    tgt = plan.target
+    first: dict[tuple, str] = {}
+    for n in sorted(tgt.tensors):
+        other = first.setdefault(_identity(live[mapping[n]]), n)
+        if other != n and tgt.tensors[other].xxh3 != tgt.tensors[n].xxh3:
+            raise HotLoadError(f"tensors {other!r} and {n!r} share storage in the live model but differ in "
+                               f"{tgt.where()}")
+    names, groups, seen = [], [], set()
+    for n, g in zip(plan.names, plan.groups):
+        k = _identity(live[mapping[n]])
+        if k not in seen:
+            seen.add(k)
+            names.append(n)
+            groups.append(g)
+    return names, groups
+
+
+def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list, plan: UpdatePlan,
+               cur: Manifest | None) -> StagedTensor:
+    expected = int(plan.target.tensors[name].xxh3, 16)
+    if not plan.via_anchor:
+        first = values[0]
+        if len(pieces) == 1 and first.header.has_parent:
+            return stage(live, first)          # verifies parent and result digests, one chunk of scratch
+        base = live.detach().to("cpu", copy=True).contiguous() if first.header.has_parent else None
+        new = rebuild(pieces, values, base=base)  # the first record checks base against its parent digest
+        return stage_full(live, new, name=name, expected_digest=expected)
+    new = rebuild(pieces, values)
+    st = stage_full(live, new, name=name, expected_digest=expected)
+    ce = None if cur is None else cur.tensors.get(name)
+    if ce is not None and st.parent_digest != int(ce.xxh3, 16):
+        raise ParentMismatchError(f"tensor {name!r}: the live tensor hashes to {st.parent_digest:016x}, "
+                                  f"{cur.where()} says {ce.xxh3}: the live weights are not the version they claim")
+    return st
+
+
+def _undo_of(live: torch.Tensor, st: StagedTensor) -> StagedTensor:
+    """The old bits ``st`` will overwrite, as a staged change that writes them back."""
+    empty_pos, empty_val = np.empty(0, np.int64), np.empty(0, st.dtype.bits_dtype)
+    if st.dense is not None:
+        bits = dtypes.host_bits(live)
+        if live.device.type == "cpu" and live.is_contiguous():  # a view of the live tensor: copy it
+            bits = bits.copy()
+        return StagedTensor(st.name, st.dtype, st.shape, st.parent_digest, st.digest, empty_pos, empty_val, bits)
+    if live.device.type == "cpu" and live.is_contiguous():
+        old = dtypes.host_bits(live)[st.positions]
+    else:
+        ints = dtypes.torch_bits_view(live.detach().reshape(-1).contiguous())
+        idx = torch.from_numpy(st.positions).to(live.device)
+        old = ints[idx].cpu().numpy().view(st.dtype.bits_dtype)
+    return StagedTensor(st.name, st.dtype, st.shape, st.parent_digest, st.digest, st.positions, old)
+
+
+def _synchronize(applied: list[tuple[torch.Tensor, StagedTensor]]) -> None:
+    devices = {t.device for t, _ in applied if t.device.type == "cuda"}
+    for d in devices:
+        torch.cuda.synchronize(d)

@@ -1,0 +1,422 @@
+"""loader.hotswap: moving live weights between versions with one pause, or not at all."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import MutableMapping
+
+import pytest
+import torch
+
+from delta import digest
+from delta.errors import (DeltaError, HotLoadConflictError, HotLoadError, ParentMismatchError,
+                          ShapeMismatchError)
+from loader.hotswap import HotSwapper, ServingGate
+from loader.reader import SnapshotReader
+from tests.bucketgen import bits_equal, make_run, write_run
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Anchors at 0 and 5; deltas 1-4 and 6-7."""
+    return make_run(str(tmp_path / "run"), n_versions=8, anchors={5})
+
+
+def clone(d: dict) -> dict:
+    return {k: t.clone() for k, t in d.items()}
+
+
+def assert_at(live: dict, run, v: int) -> None:
+    assert sorted(live) == sorted(run.truth[v])
+    for k, t in run.truth[v].items():
+        assert bits_equal(live[k], t), (v, k)
+
+
+def swapper_at(run, v: int, **kw) -> tuple[dict, HotSwapper]:
+    live = clone(run.truth[v])
+    return live, HotSwapper(live, SnapshotReader(run.url), version=v, **kw)
+
+
+# --- routes ---------------------------------------------------------------------------------
+
+def test_forward_one_delta(run):
+    live, sw = swapper_at(run, 0)
+    assert sw.plan(1) == [1]
+    rep = sw.hotload(1)
+    assert_at(live, run, 1)
+    assert (sw.version, sw.snapshot) == (1, "v00000001")
+    assert rep.from_version == 0 and rep.to_version == 1 and rep.path == [1] and not rep.via_anchor
+    assert rep.tensors_changed == len(run.truth[1]) - 1      # the frozen tensor is untouched
+    assert 0 < rep.bytes_fetched <= run.manifests[1].stored_bytes
+    assert rep.pause_s >= rep.apply_s >= 0 and rep.total_s >= rep.pause_s
+
+
+def test_forward_several_deltas_in_one_swap(run):
+    live, sw = swapper_at(run, 1)
+    rep = sw.hotload(4)
+    assert rep.path == [2, 3, 4] and not rep.via_anchor
+    assert_at(live, run, 4)
+
+
+def test_backward_rollback(run):
+    live, sw = swapper_at(run, 4)
+    rep = sw.hotload("v00000002")
+    assert_at(live, run, 2)
+    assert rep.via_anchor and rep.path == [0, 1, 2]
+    sw.hotload(3)
+    assert_at(live, run, 3)
+
+
+def test_through_an_anchor(run):
+    live, sw = swapper_at(run, 2)
+    rep = sw.hotload(7)
+    assert rep.via_anchor and rep.path == [5, 6, 7]
+    assert_at(live, run, 7)
+    sw.hotload("latest")
+    assert sw.version == 7
+
+
+def test_every_pair_of_versions(tmp_path):
+    run = make_run(str(tmp_path / "run"), n_versions=5, anchors={3}, seed=9)
+    for a in range(5):
+        for b in range(5):
+            live, sw = swapper_at(run, a)
+            sw.hotload(b)
+            assert_at(live, run, b)
+
+
+def test_from_unknown_weights_only_through_load_initial(run):
+    live = {k: torch.zeros_like(t) for k, t in run.truth[0].items()}
+    sw = HotSwapper(live, SnapshotReader(run.url))
+    with pytest.raises(HotLoadError, match="load_initial"):
+        sw.hotload(6)
+    rep = sw.load_initial(6)
+    assert rep.from_version is None and rep.via_anchor and rep.path == [5, 6]
+    assert_at(live, run, 6)
+    sw.hotload(7)
+    assert_at(live, run, 7)
+
+
+def test_same_version_is_a_no_op(run):
+    live, sw = swapper_at(run, 3)
+    rep = sw.hotload(3)
+    assert rep.tensors_changed == 0 and rep.bytes_fetched == 0 and rep.path == []
+    assert_at(live, run, 3)
+
+
+# --- refusals that leave the weights untouched ----------------------------------------------------
+
+def test_corrupt_delta_fails_prepare_and_keeps_old_weights(run):
+    m = run.manifests[2]
+    e = m.tensors["lm_head.weight"]
+    key = m.objects[e.object].key
+    data = bytearray(run.store.get(key))
+    data[e.offset + e.length - 2] ^= 0x10                    # inside a chunk payload
+    run.store.put(key, bytes(data))
+    live, sw = swapper_at(run, 1)
+    with pytest.raises(DeltaError, match="lm_head.weight"):
+        sw.hotload(3)
+    assert sw.version == 1
+    assert_at(live, run, 1)
+
+
+def test_live_weights_not_of_their_version_are_refused(run):
+    live, sw = swapper_at(run, 1)
+    live["lm_head.weight"].view(-1).view(torch.int16)[3] += 1
+    before = clone(live)
+    with pytest.raises(ParentMismatchError, match="lm_head.weight"):
+        sw.hotload(2)
+    with pytest.raises(ParentMismatchError, match="lm_head.weight"):
+        sw.hotload(7)                                          # the anchor route checks too
+    assert sw.version == 1
+    for k in live:
+        assert bits_equal(live[k], before[k])
+
+
+def test_names_and_shapes_must_match(run):
+    live = clone(run.truth[0])
+    live["surplus"] = torch.zeros(3)
+    del live["model.norm.weight"]
+    sw = HotSwapper(live, SnapshotReader(run.url))
+    with pytest.raises(HotLoadError, match=r"model\.norm\.weight.*surplus"):
+        sw.load_initial(1)
+    live = clone(run.truth[0])
+    live["lm_head.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    with pytest.raises(ShapeMismatchError, match="lm_head.weight"):
+        HotSwapper(live, SnapshotReader(run.url)).load_initial(1)
+
+
+class ArmedDict(MutableMapping):
+    """A live mapping that raises when one key is looked up after being armed (a fault in the pause)."""
+
+    def __init__(self, d: dict, bad: str):
+        self.d, self.bad, self.armed = d, bad, False
+
+    def __getitem__(self, k):
+        if self.armed and k == self.bad:
+            raise RuntimeError("device lost")
+        return self.d[k]
+
+    def __setitem__(self, k, v):
+        self.d[k] = v
+
+    def __delitem__(self, k):
+        del self.d[k]
+
+    def __iter__(self):
+        return iter(self.d)
+
+    def __len__(self):
+        return len(self.d)
+
+
+def test_failure_mid_commit_restores_applied_tensors(run):
+    names = sorted(run.truth[0])
+    bad = names[-2]                                   # applied in name order: most are done before it fails
+    live = ArmedDict(clone(run.truth[0]), bad)
+    sw = HotSwapper(live, SnapshotReader(run.url), version=0)
+    prepared = sw.prepare(3)
+    live.armed = True
+    with pytest.raises(HotLoadError, match="restored"):
+        sw.commit(prepared)
+    assert sw.version == 0
+    assert_at(live.d, run, 0)
+    live.armed = False
+    sw.commit(prepared)
+    assert_at(live.d, run, 3)
+
+
+def test_failure_mid_commit_restores_densely_staged_tensors(run):
+    live = {k: torch.zeros_like(t) for k, t in run.truth[0].items()}
+    zeros = clone(live)
+    sw = HotSwapper(live, SnapshotReader(run.url))
+    prepared = sw.prepare(2, initial=True)
+    assert any(s.st.dense is not None for s in prepared.staged)
+    last = prepared.staged[-1].live_name
+    live[last] = live[last].clone()                  # replaced after prepare: commit must refuse it
+    with pytest.raises(HotLoadError, match="replaced"):
+        sw.commit(prepared)
+    assert sw.version is None
+    for k in live:
+        assert bits_equal(live[k], zeros[k]), k
+
+
+def test_stale_prepared_update_is_refused(run):
+    live, sw = swapper_at(run, 1)
+    p2 = sw.prepare(2)
+    sw.hotload(3)
+    with pytest.raises(HotLoadError, match="prepared from version 1"):
+        sw.commit(p2)
+    assert_at(live, run, 3)
+
+
+def test_one_hot_load_at_a_time(run):
+    live, sw = swapper_at(run, 0)
+    result = {}
+    gate_entered, release = threading.Event(), threading.Event()
+
+    def step():
+        with sw.gate.serving():
+            gate_entered.set()
+            release.wait(30)
+
+    server = threading.Thread(target=step)
+    server.start()
+    gate_entered.wait(30)
+    loader = threading.Thread(target=lambda: result.setdefault("rep", sw.hotload(1)))
+    loader.start()
+    deadline = time.monotonic() + 30
+    while not sw.gate.is_paused and time.monotonic() < deadline:   # the swap waits for the running step
+        time.sleep(0.01)
+    assert sw.gate.is_paused
+    with pytest.raises(HotLoadConflictError):
+        sw.hotload(2)
+    release.set()
+    server.join(30)
+    loader.join(30)
+    assert result["rep"].to_version == 1
+    assert_at(live, run, 1)
+
+
+# --- the gate ---------------------------------------------------------------------------------------
+
+def paired_versions(n: int, size: int = 50_000) -> list[dict[str, torch.Tensor]]:
+    """Versions whose tensors "a" and "b" are always equal to each other, and differ from version to version."""
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(size, generator=g) * 0.02).bfloat16()
+    out = []
+    for _v in range(n):
+        a = a.clone()
+        mask = torch.rand(size, generator=g) < 0.5
+        a.view(torch.int16)[mask] += 1
+        out.append({"a": a.clone(), "b": a.clone()})
+    return out
+
+
+def test_no_forward_step_sees_half_applied_weights(tmp_path):
+    run = write_run(str(tmp_path / "run"), versions=paired_versions(6), anchors={3}, chunk_elems=4096)
+    digests = {v: digest(t["a"]) for v, t in run.truth.items()}
+    live = clone(run.truth[0])
+    sw = HotSwapper(live, SnapshotReader(run.url), version=0)
+    stop = threading.Event()
+    errors, steps = [], []
+
+    def forward():
+        last = -1
+        n = 0
+        while not stop.is_set():
+            with sw.gate.serving():
+                v = sw.version
+                da, db = digest(live["a"]), digest(live["b"])
+            if not (da == db == digests[v]):
+                errors.append(f"version {v}: a and b are not both that version's")
+            if v < last:
+                errors.append(f"version went back from {last} to {v}")
+            last = v
+            n += 1
+        steps.append(n)
+
+    threads = [threading.Thread(target=forward) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for v in (1, 2, 4, 5):
+        sw.hotload(v)
+        time.sleep(0.02)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:5]
+    assert min(steps) > 0
+    assert_at(live, run, 5)
+
+
+def test_gate_refuses_to_pause_from_inside_a_step_and_times_out():
+    gate = ServingGate()
+    with gate.serving():
+        with gate.serving():                                   # nested sections are fine
+            pass
+        with pytest.raises(HotLoadError, match="inside a serving section"):
+            with gate.paused():
+                pass
+    held, release = threading.Event(), threading.Event()
+
+    def step():
+        with gate.serving():
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=step)
+    t.start()
+    held.wait(30)
+    with pytest.raises(HotLoadError, match="still running"):
+        with gate.paused(timeout=0.05):
+            pass
+    with gate.serving():                                       # steps are not held back after giving up
+        pass
+    release.set()
+    t.join(30)
+    with gate.paused() as pause:
+        assert gate.is_paused and gate.active == 0
+    assert pause.seconds >= pause.waited_s >= 0 and not gate.is_paused
+
+
+# --- apply paths and real modules -----------------------------------------------------------------------
+
+def test_torch_apply_path_gives_the_same_bits(run):
+    live_a, sw_a = swapper_at(run, 0)
+    live_b, sw_b = swapper_at(run, 0, apply_method="torch")
+    for v in (3, 1, 7, 6):
+        sw_a.hotload(v)
+        sw_b.hotload(v)
+        assert_at(live_a, run, v)
+        assert_at(live_b, run, v)
+
+
+def test_non_contiguous_live_tensors(run):
+    live = {k: (t.t().contiguous().t() if t.dim() == 2 else t.clone()) for k, t in run.truth[0].items()}
+    assert not live["lm_head.weight"].is_contiguous()
+    sw = HotSwapper(live, SnapshotReader(run.url), version=0)
+    sw.hotload(2)
+    assert_at(live, run, 2)
+    sw.hotload(6)
+    assert_at(live, run, 6)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8).to(torch.bfloat16)
+        self.head = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
+        self.head.weight = self.embed.weight                     # tied
+        self.norm = torch.nn.LayerNorm(8)
+        self.register_buffer("scale", torch.ones(8))
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+
+def test_module_with_tied_weights_and_buffers(tmp_path):
+    ref = Tied()
+    sd = {k: v.clone() for k, v in ref.state_dict().items() if k != "head.weight"}   # saved once, like HF
+    v1 = clone(sd)
+    v1["embed.weight"].view(torch.int16)[0, :3] += 1
+    v1["scale"][2] = -0.0
+    run = write_run(str(tmp_path / "run"), versions=[sd, v1])
+    model = Tied()
+    model.load_state_dict({**sd, "head.weight": sd["embed.weight"]})
+    sw = HotSwapper(model, SnapshotReader(run.url), version=0)
+    rep = sw.hotload(1)
+    assert rep.tensors_changed == 2
+    assert bits_equal(model.embed.weight.detach(), v1["embed.weight"])
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert bits_equal(model.scale, v1["scale"])
+    sw.hotload(0)
+    assert bits_equal(model.head.weight.detach(), sd["embed.weight"])
+
+
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def _rl_step(sd: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in sd.items():
+        mask = torch.rand(t.shape, generator=g) < 0.05
+        out[k] = torch.where(mask, (t.float() + torch.randn(t.shape, generator=g) * 0.05).to(t.dtype), t)
+    return out
+
+
+def test_real_model_after_swaps_matches_a_fresh_load_of_the_materialized_snapshot(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = _tiny_llama(0)
+    sd0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    versions = [sd0]
+    for i in range(1, 5):
+        versions.append(_rl_step(versions[-1], i))
+    run = write_run(str(tmp_path / "run"), versions=versions, anchors={3},
+                    extra_files={"config.json": model.config.to_json_string().encode()})
+    reader = SnapshotReader(run.url)
+
+    def load(v: int):   # as a replica starts: from the materialized snapshot (so buffers match too)
+        return LlamaForCausalLM.from_pretrained(reader.materialize(v, str(tmp_path / f"v{v}")),
+                                                dtype=torch.bfloat16).eval()
+
+    live = load(0)
+    ids = torch.tensor([[1, 5, 9, 33, 2, 70, 11]])
+    with torch.no_grad():
+        before = live(ids).logits
+    sw = HotSwapper(live, reader, version=0)
+    sw.hotload(2)
+    sw.hotload(4)
+    sw.hotload(2)
+    with torch.no_grad():
+        got, want = live(ids).logits, load(2)(ids).logits
+    assert bits_equal(got, want)
+    assert not bits_equal(got, before)                                 # the swap did change the policy
