@@ -34,7 +34,8 @@ from .plan import ChainState, Plan, decide
 from .rebuild import read_chain, rebuild
 from .runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id, read_manifest,
                    read_run_info)
-from .snapshot import Partition, Schema, Weights, copy_to_host, gather_sources, nan_tensor_names, pinned_spares, schema_of
+from .nan import nan_tensor_names
+from .snapshot import Partition, Schema, Weights, copy_to_host, gather_sources, pinned_spares, schema_of
 from .writer import Written, merge, write_anchor, write_delta_object
 
 log = logging.getLogger("ckptdelta.publisher")
@@ -130,6 +131,11 @@ class Publisher:
         self._extra = _read_extra_files(extra_files)
         self._store = Store.from_url(url, storage_options)
         self._comm = make_comm(process_group, distributed)
+        if self._comm.world > 1 and max_in_flight > 1:
+            # Ranks must agree on which publishes run; with one slot each publish() starts only after
+            # the previous one finished on this rank, so every rank sees the same failures.
+            log.warning("max_in_flight=%d is reduced to 1 for a sharded publisher", max_in_flight)
+            max_in_flight = 1
         # rank 0's view of the run (others follow its decisions)
         self._chain = ChainState()
         self._anchor_extra: tuple[ObjectRef, ...] = ()
@@ -208,41 +214,29 @@ class Publisher:
         next publish(), wait_until_finished() or close().
         """
         t_start = time.perf_counter()
-        self._check_usable()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise PublishInputError(f"step must be a non-negative int, got {step!r}")
-        metadata = dict(metadata or {})
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise PublishInputError("metadata must map strings to strings")
-        err: BaseException | None = None
-        sources: dict = {}
+        if self._closed:
+            raise PublishError(f"publisher for {self.url} is closed")
+        self._slots.acquire()  # with one slot, every earlier publish has finished once this returns
         try:
-            sources = gather_sources(weights, self._partition)
-            if not sources and self._comm.world == 1:
-                raise PublishInputError("nothing to publish: no tensors")
-            with self._lock:
-                last = self._last_step
-            if last is not None and step < last:
-                raise PublishInputError(f"step {step} is lower than the run's last step {last} "
-                                        f"(run {self.run_id} at {self.url}); steps may not go backwards")
-        except PublishInputError as e:
-            if self._comm.world == 1:
-                raise
-            err = e  # every rank must take part in this publish, so the error travels with it
-        self._slots.acquire()
-        try:
+            self._check_usable()
+            err: BaseException | None = None
             snapshot, copy_s = None, 0.0
-            if err is None:
+            try:
+                step, metadata, sources = self._check_inputs(weights, step, metadata)
                 t0 = time.perf_counter()
                 with self._lock:
                     spare, self._spare = self._spare, {}
                 snapshot = copy_to_host(sources, spare)
                 copy_s = time.perf_counter() - t0
+            except Exception as e:
+                if self._comm.world == 1:
+                    raise
+                err = e  # every rank must take part in this publish, so the error travels with it
             with self._lock:
                 self._last_step = step if err is None else self._last_step
                 failures = self._n_failures
-            job = _Job(snapshot, None if snapshot is None else schema_of(snapshot), step, metadata, anchor, err,
-                       failures, t_start, wait, copy_s)
+            job = _Job(snapshot, None if snapshot is None else schema_of(snapshot), step,
+                       metadata if err is None else {}, anchor, err, failures, t_start, wait, copy_s)
             fut = self._worker.submit(self._run_job, job)
         except BaseException:
             self._slots.release()
@@ -251,6 +245,22 @@ class Publisher:
             self._futures.add(fut)
         fut.add_done_callback(self._job_done)
         return fut.result() if wait else fut
+
+    def _check_inputs(self, weights: Weights, step: Any, metadata: Any) -> tuple[int, dict[str, str], dict]:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise PublishInputError(f"step must be a non-negative int, got {step!r}")
+        metadata = dict(metadata or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise PublishInputError("metadata must map strings to strings")
+        sources = gather_sources(weights, self._partition)
+        if not sources and self._comm.world == 1:
+            raise PublishInputError("nothing to publish: no tensors")
+        with self._lock:
+            last = self._last_step
+        if last is not None and step < last:
+            raise PublishInputError(f"step {step} is lower than the run's last step {last} "
+                                    f"(run {self.run_id} at {self.url}); steps may not go backwards")
+        return step, metadata, sources
 
     def wait_until_finished(self) -> None:
         """Block until every publish in flight is committed or failed; raise the first background failure."""

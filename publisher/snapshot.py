@@ -135,15 +135,3 @@ def pinned_spares(snapshot: Mapping[str, torch.Tensor] | None) -> dict[str, torc
     if not snapshot:
         return {}
     return {n: t for n, t in snapshot.items() if t.is_pinned()}
-
-
-def nan_tensor_names(tensors: Mapping[str, torch.Tensor], names: Collection[str], already: set[str]) -> list[str]:
-    """Floating tensors among ``names`` holding a NaN, skipping names already reported."""
-    found = []
-    for n in names:
-        if n in already:
-            continue
-        t = tensors[n]
-        if t.is_floating_point() and t.numel() and bool(torch.isnan(t).any()):
-            found.append(n)
-    return found

@@ -103,6 +103,11 @@ class Uploader:
             self._t1 = time.perf_counter()
             self._bar.update(n)
 
+    def drain(self) -> None:
+        """Wait for every upload, ignoring failures (the caller is already failing)."""
+        for f in self._futures:
+            f.exception()
+
     def wait(self) -> float:
         """Wait for every upload; the first failure is raised (after all have stopped)."""
         first: BaseException | None = None
@@ -131,23 +136,27 @@ def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, 
             up.submit_bytes(key, data)
             out.extra_files.append(ObjectRef(key, len(data), digest_hex(xxhash.xxh3_64_intdigest(data))))
         with tempfile.TemporaryDirectory(prefix="ckptdelta-anchor-") as tmp:
-            t0 = time.perf_counter()
-            for i, names in enumerate(shards):
-                fname = anchor_fmt.shard_file_name(first_shard + i, total_shards)
-                layout = anchor_fmt.layout_shard(snapshot, names)
-                path = os.path.join(tmp, fname)
-                with open(path, "wb") as f:
-                    shard = anchor_fmt.write_shard(f, snapshot, layout)
-                idx = len(out.objects)
-                out.objects.append(ObjectRef(f"{prefix}/{fname}", shard.size, shard.xxh3))
-                for n in names:
-                    off, ln = shard.ranges[n]
-                    t = snapshot[n]
-                    out.entries[n] = TensorEntry(dtypes.of(t).name, tuple(t.shape), shard.digests[n],
-                                                 idx, off, ln)
-                    out.weight_map[n] = fname
-                out.encode_s = time.perf_counter() - t0  # serialization only; uploads run meanwhile
-                up.submit_file(f"{prefix}/{fname}", path, shard.size)
+            try:
+                for i, names in enumerate(shards):
+                    t0 = time.perf_counter()
+                    fname = anchor_fmt.shard_file_name(first_shard + i, total_shards)
+                    layout = anchor_fmt.layout_shard(snapshot, names)
+                    path = os.path.join(tmp, fname)
+                    with open(path, "wb") as f:
+                        shard = anchor_fmt.write_shard(f, snapshot, layout)
+                    idx = len(out.objects)
+                    out.objects.append(ObjectRef(f"{prefix}/{fname}", shard.size, shard.xxh3))
+                    for n in names:
+                        off, ln = shard.ranges[n]
+                        t = snapshot[n]
+                        out.entries[n] = TensorEntry(dtypes.of(t).name, tuple(t.shape), shard.digests[n],
+                                                     idx, off, ln)
+                        out.weight_map[n] = fname
+                    out.encode_s += time.perf_counter() - t0  # serialization only; uploads run meanwhile
+                    up.submit_file(f"{prefix}/{fname}", path, shard.size)
+            except BaseException:
+                up.drain()  # no upload may still read the temporary files once they are removed
+                raise
             out.upload_s = up.wait()
     finally:
         bar.close()

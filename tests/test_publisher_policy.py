@@ -263,3 +263,33 @@ def test_extra_files_may_not_shadow_the_anchor_weights(url, tmp_path):
         pub.publish(weights(), 0)
         m = read_manifest(pub.store, 0, None)
     assert sorted(o.key.split("/", 2)[2] for o in m.extra_files) == ["config.json", "tokenizer/vocab.txt"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+def test_nan_scan_agrees_with_torch_isnan_on_every_bit_pattern_class(dtype):
+    from delta import dtypes
+    from publisher.nan import has_nan
+
+    width = torch.finfo(dtype).bits
+    rng = np.random.default_rng(width)
+    bits = rng.integers(0, 2**min(width, 63), size=200_000, dtype=np.uint64).astype(f"<u{width // 8}")
+    dt = dtypes.of(torch.empty(0, dtype=dtype))
+    t = dtypes.from_bits(bits, dt, (bits.size,))
+    is_nan = torch.isnan(t.double()).numpy()  # the reference: torch's own NaN test, after an exact widening
+    assert is_nan.any() and has_nan(t)
+    finite = bits.copy()
+    finite[is_nan] = 0
+    assert not has_nan(dtypes.from_bits(finite, dt, (bits.size,)))
+    finite[-1] = bits[np.flatnonzero(is_nan)[0]]
+    assert has_nan(dtypes.from_bits(finite, dt, (bits.size,)))
+
+
+def test_progress_bars_over_bytes_when_asked(url, capsys):
+    w = weights()
+    with Publisher(url, progress=True) as pub:
+        pub.publish(w, 0)
+        perturb(w, seed=0)
+        pub.publish(w, 1)
+    err = capsys.readouterr().err
+    assert "anchor v0" in err and "delta v1" in err
