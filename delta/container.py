@@ -74,12 +74,14 @@ def read_index(buf: bytes | memoryview, object_size: int, *, what: str = "delta 
         raise ChecksumError(f"{what}: footer checksum mismatch")
     try:
         records = json.loads(footer)["records"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise FormatError(f"{what}: footer is not a valid index") from None
+    if not isinstance(records, dict):
+        raise FormatError(f"{what}: footer is not a valid index (records is not a mapping)")
     limit = object_size - n - TRAILER.size
     out: dict[str, tuple[int, int]] = {}
     for name, v in records.items():
-        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and x >= 0 for x in v)
+        if not (isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 0 for x in v)
                 and len(OBJECT_MAGIC) <= v[0] and v[0] + v[1] <= limit):
             raise FormatError(f"{what}: footer entry for tensor {name!r} is out of bounds")
         out[name] = (v[0], v[1])

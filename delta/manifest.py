@@ -157,7 +157,7 @@ class Manifest:
         _expect(kind in ("anchor", "delta"), what, f"kind {kind!r}")
         parent = d.get("parent_version")
         if parent is not None:
-            _expect(isinstance(parent, int) and 0 <= parent < version, what, f"parent_version {parent!r}")
+            _expect(type(parent) is int and 0 <= parent < version, what, f"parent_version {parent!r}")
         _expect(kind == "anchor" or parent is not None, what, "a delta without parent_version")
         anchor = _int(d, "anchor_version", what)
         _expect(anchor <= version and (kind != "anchor" or anchor == version), what, f"anchor_version {anchor}")
@@ -235,8 +235,8 @@ class RunInfo:
 def _load_json(data: bytes, what: str) -> dict[str, Any]:
     try:
         d = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{what}: not valid JSON ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{what}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     _expect(isinstance(d, dict), what, "top level must be an object")
     return d
 
@@ -254,8 +254,16 @@ def _int(d: dict, k: str, what: str) -> int:
 
 def _str(d: dict, k: str, what: str) -> str:
     v = d.get(k)
-    _expect(isinstance(v, str) and 0 < len(v) <= 256, what, f"{k} {v!r}")
+    _expect(isinstance(v, str) and 0 < len(v) <= 256 and _utf8(v) is not None, what, f"{k} {v!r}")
     return v
+
+
+def _utf8(v: Any) -> bytes | None:
+    """UTF-8 bytes of a JSON string, or None (not a string, or a lone surrogate from a \\udXXX escape)."""
+    try:
+        return v.encode("utf-8") if isinstance(v, str) else None
+    except UnicodeEncodeError:
+        return None
 
 
 def _list(d: dict, k: str, what: str) -> list:
@@ -275,10 +283,11 @@ def _object(o: Any, what: str) -> ObjectRef:
 
 def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: str) -> TensorEntry:
     where = f"{what} tensor {name!r}"
-    _expect(isinstance(name, str) and 0 < len(name.encode()) <= 4096, what, f"tensor name {name!r}")
+    nb = _utf8(name)
+    _expect(nb is not None and 0 < len(nb) <= 4096, what, f"tensor name {name!r}")
     _expect(isinstance(t, dict), where, "entry")
     dt = t.get("dtype")
-    _expect(dt in dtypes.BY_NAME, where, f"dtype {dt!r}")
+    _expect(isinstance(dt, str) and dt in dtypes.BY_NAME, where, f"dtype {dt!r}")
     shape = t.get("shape")
     _expect(isinstance(shape, list) and len(shape) <= 32
             and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 48 for s in shape), where, "shape")
@@ -290,7 +299,7 @@ def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: 
     if obj is None:
         _expect(kind == "delta" and off == 0 and length == 0, where, "unchanged entry outside a delta")
     else:
-        _expect(isinstance(obj, int) and 0 <= obj < len(objects), where, f"object index {obj!r}")
+        _expect(type(obj) is int and 0 <= obj < len(objects), where, f"object index {obj!r}")
         _expect(off + length <= objects[obj].size, where, "byte range beyond its object")
         if kind == "anchor":
             nbytes = math.prod(shape) * dtypes.by_name(dt).itemsize

@@ -127,6 +127,7 @@ def peek_header_size(buf: bytes | memoryview, *, what: str = "record") -> int:
     if len(buf) < FIXED_SIZE:
         raise TruncatedError(f"{what}: {len(buf)} bytes, need at least {FIXED_SIZE} for a record header")
     magic, version, _code, ndim, _flags, _ce, _numel, _d, _pd, n_chunks, name_len, _r = _FIXED.unpack_from(buf, 0)
+    what = _claimed(buf, what)
     if magic != MAGIC:
         raise FormatError(f"{what}: bad magic {bytes(magic)!r}, expected {MAGIC!r} (not a ckptdelta tensor record)")
     if version != FORMAT_VERSION:
@@ -142,11 +143,11 @@ def parse_header(buf: bytes | memoryview, *, what: str = "record") -> RecordHead
     """Parse and validate a record header from the start of ``buf``."""
     size = peek_header_size(buf, what=what)
     if len(buf) < size:
-        raise TruncatedError(f"{what}: header needs {size} bytes, only {len(buf)} present")
+        raise TruncatedError(f"{_claimed(buf, what)}: header needs {size} bytes, only {len(buf)} present")
     mv = memoryview(buf)[:size]
     (stored,) = struct.unpack_from("<Q", mv, size - 8)
     if xxhash.xxh3_64_intdigest(mv[: size - 8]) != stored:
-        raise ChecksumError(f"{what}: header checksum mismatch (corrupt record header)")
+        raise ChecksumError(f"{_claimed(buf, what)}: header checksum mismatch (corrupt record header)")
     (_m, _v, code, ndim, flags, chunk_elems, numel, digest, parent_digest,
      n_chunks, name_len, _r) = _FIXED.unpack_from(mv, 0)
     off = FIXED_SIZE
@@ -157,27 +158,51 @@ def parse_header(buf: bytes | memoryview, *, what: str = "record") -> RecordHead
     except UnicodeDecodeError:
         raise FormatError(f"{what}: tensor name is not valid UTF-8") from None
     where = f"{what} (tensor {name!r})"
+    if any(mv[off + name_len: off + _pad8(name_len)]):
+        raise FormatError(f"{where}: nonzero bytes in the name's padding")
     off += _pad8(name_len)
-    dt = dtypes.by_code(code)
-    if flags & ~FLAG_HAS_PARENT:
-        raise FormatError(f"{where}: unknown flags {flags:#x}")
+    dt = dtypes.BY_CODE.get(code)
+    if dt is None:
+        raise FormatError(f"{where}: unknown dtype code {code}")
+    if flags & ~FLAG_HAS_PARENT or _r:
+        raise FormatError(f"{where}: unknown flags {flags:#x} or nonzero reserved field {_r:#x}")
     if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
         raise FormatError(f"{where}: chunk size {chunk_elems} elements is outside [1, {MAX_CHUNK_ELEMS}]")
-    if math.prod(shape) != numel or numel > MAX_NUMEL:
+    if math.prod(shape) != numel or numel > MAX_NUMEL or any(s > MAX_NUMEL for s in shape):
         raise FormatError(f"{where}: numel {numel} does not match shape {list(shape)} (or exceeds {MAX_NUMEL})")
     if n_chunks != n_chunks_for(numel, chunk_elems):
         raise FormatError(f"{where}: {n_chunks} chunks declared, {n_chunks_for(numel, chunk_elems)} expected")
     has_parent = bool(flags & FLAG_HAS_PARENT)
+    if not has_parent and parent_digest:
+        raise FormatError(f"{where}: a parent digest in a record without parent")
     chunks = []
     for i in range(n_chunks):
-        enc, pa, pb, _r2, count, length, checksum = _CHUNK.unpack_from(mv, off)
+        enc, pa, pb, r2, count, length, checksum = _CHUNK.unpack_from(mv, off)
         off += CHUNK_ENTRY_SIZE
         start = i * chunk_elems
         n = min(numel, start + chunk_elems) - start
+        if r2:
+            raise FormatError(f"{where} chunk {i}: nonzero reserved byte {r2:#x}")
         _check_entry(where, i, enc, pa, pb, count, n, dt.itemsize, has_parent, length)
         chunks.append(ChunkEntry(enc, pa, pb, count, length, checksum))
     return RecordHeader(name, dt, tuple(shape), numel, chunk_elems, digest, parent_digest,
                         has_parent, tuple(chunks), size)
+
+
+def _claimed(buf: bytes | memoryview, what: str) -> str:
+    """``what``, plus the tensor name the header claims when its bytes are present.
+
+    Only for error messages about a header that failed its checks: the name is
+    unverified, but it is usually what a user needs to find the broken tensor."""
+    try:
+        ndim, name_len = buf[7], struct.unpack_from("<H", buf, 44)[0]
+        start = FIXED_SIZE + 8 * ndim
+        if ndim > MAX_NDIM or name_len == 0 or len(buf) < start + name_len:
+            return what
+        name = bytes(buf[start: start + name_len]).decode("utf-8")
+    except (UnicodeDecodeError, struct.error, IndexError):
+        return what
+    return f"{what} (claims tensor {name[:200]!r})"
 
 
 def _check_entry(where: str, i: int, enc: int, pa: int, pb: int, count: int, n: int,
@@ -185,15 +210,15 @@ def _check_entry(where: str, i: int, enc: int, pa: int, pb: int, count: int, n: 
     bad = None
     if enc not in ENCODING_NAMES:
         bad = f"unknown encoding id {enc}"
-    elif enc == UNCHANGED and (count or length):
-        bad = "unchanged chunk with a payload"
+    elif enc == UNCHANGED and (count or length or pa or pb):
+        bad = "unchanged chunk with a payload or planes"
     elif enc in (UNCHANGED, SPARSE, DENSE_XOR) and not has_parent:
         bad = f"{ENCODING_NAMES[enc]} chunk in a record without parent"
     elif enc == SPARSE and not (1 <= count <= n and 1 <= pa <= 4 and 1 <= pb <= itemsize):
         bad = f"sparse chunk fields out of range (count={count}, planes={pa}/{pb})"
-    elif enc == DENSE_XOR and not (1 <= count <= n and pb == itemsize):
-        bad = f"dense chunk fields out of range (count={count}, planes={pb})"
-    elif enc == RAW and not (count == n and pb == itemsize):
-        bad = f"raw chunk fields out of range (count={count}, planes={pb})"
+    elif enc == DENSE_XOR and not (1 <= count <= n and pa == 0 and pb == itemsize):
+        bad = f"dense chunk fields out of range (count={count}, planes={pa}/{pb})"
+    elif enc == RAW and not (count == n and pa == 0 and pb == itemsize):
+        bad = f"raw chunk fields out of range (count={count}, planes={pa}/{pb})"
     if bad:
         raise FormatError(f"{where} chunk {i}: {bad}")
