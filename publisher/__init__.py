@@ -8,7 +8,8 @@ codec in :mod:`delta`, and a create-only manifest per snapshot is the commit
 from delta.errors import ConcurrentPublisherError, PublishError, PublishInputError
 
 from .gc import GcReport, collect
-from .publisher import Publisher, PublishResult
+from .publisher import Publisher
+from .result import PublishResult
 
 __all__ = ["ConcurrentPublisherError", "GcReport", "PublishError", "PublishInputError", "PublishResult", "Publisher",
            "collect"]

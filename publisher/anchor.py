@@ -15,6 +15,7 @@ by decreasing element size, so every tensor starts aligned to its element size
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import xxhash
 
 from delta import dtypes
 from delta.codec import digest_hex
+from delta.errors import PublishInputError
+from delta.manifest import is_safe_key
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -116,3 +119,20 @@ def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
     """``model.safetensors.index.json`` as ``transformers`` writes and reads it."""
     return json.dumps({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
                       indent=2).encode() + b"\n"
+
+
+def read_extra_files(extra: Mapping[str, str | os.PathLike[str] | bytes] | None) -> dict[str, bytes]:
+    """Extra files are read once, here: an anchor written later must not see a half-edited config."""
+    out: dict[str, bytes] = {}
+    for name, src in (extra or {}).items():
+        if not (isinstance(name, str) and is_safe_key(name)):
+            raise PublishInputError(f"extra file name {name!r} must be a relative path of [A-Za-z0-9._-] segments")
+        base = name.rsplit("/", 1)[-1]
+        if name == INDEX_FILE or base.endswith(".safetensors") and name == base:
+            raise PublishInputError(f"extra file {name!r} would collide with the anchor's own weight files")
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            out[name] = bytes(src)
+        else:
+            with open(src, "rb") as f:
+                out[name] = f.read()
+    return out

@@ -76,8 +76,10 @@ def decide(state: ChainState, schema: Schema, *, anchor_every: int, chain_fracti
 
 def _anchor_reason(state: ChainState, schema: Schema, anchor_every: int, chain_fraction: float,
                    force: bool, max_chain: int) -> str | None:
-    if state.last_version is None or state.anchor_version is None:
+    if state.last_version is None:
         return "first publish of the run"
+    if state.anchor_version is None:
+        return "the run's newest chain could not be read"
     if force:
         return "anchor=True"
     if state.chain_length + 1 >= anchor_every:

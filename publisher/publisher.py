@@ -25,43 +25,21 @@ import xxhash
 
 from delta.codec import digest_hex
 from delta.errors import CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError
-from delta.manifest import Kind, Manifest, ObjectRef, anchor_prefix, is_safe_key, now_iso
+from delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
 from delta.storage import Store
 
 from . import anchor as anchor_fmt
 from .distributed import describe, make_comm
+from .nan import nan_tensor_names
 from .plan import ChainState, Plan, decide
 from .rebuild import read_chain, rebuild
+from .result import PublishResult
 from .runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id, read_manifest,
                    read_run_info)
-from .nan import nan_tensor_names
 from .snapshot import Partition, Schema, Weights, copy_to_host, gather_sources, pinned_spares, schema_of
 from .writer import Written, merge, write_anchor, write_delta_object
 
 log = logging.getLogger("ckptdelta.publisher")
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    """A committed snapshot, as this publish saw it. Seconds are wall-clock; encode and upload overlap for anchors."""
-
-    version: int
-    name: str
-    kind: Kind
-    parent_version: int | None
-    anchor_version: int
-    step: int
-    stored_bytes: int          # bytes this snapshot wrote (data objects, extra files; not the manifest)
-    full_bytes: int            # sum of the tensors' sizes
-    ratio: float               # stored_bytes / full_bytes: 0.017 = 1.7% of the full size
-    copy_s: float              # weights -> host copy, in the caller's thread
-    encode_s: float            # delta encoding, or anchor serialization (this rank)
-    upload_s: float            # first upload start -> last upload end (this rank)
-    commit_s: float            # index, manifest and HEAD (rank 0)
-    total_s: float             # publish() call -> committed
-    n_changed_tensors: int     # tensors with bytes in this snapshot (all of them for an anchor)
-    n_tensors: int
-    reason: str                # why an anchor or a delta
 
 
 @dataclass
@@ -128,7 +106,7 @@ class Publisher:
         self.anchor_every, self.anchor_chain_fraction = anchor_every, float(anchor_chain_fraction)
         self.shard_bytes, self.level, self.progress = shard_bytes, level, progress
         self._partition = partition
-        self._extra = _read_extra_files(extra_files)
+        self._extra = anchor_fmt.read_extra_files(extra_files)
         self._store = Store.from_url(url, storage_options)
         self._comm = make_comm(process_group, distributed)
         if self._comm.world > 1 and max_in_flight > 1:
@@ -473,7 +451,7 @@ class Publisher:
             self._spare = pinned_spares(old)
         del old
         r = PublishResult(
-            version=plan.version, name=f"v{plan.version:08d}", kind=plan.kind, parent_version=plan.parent_version,
+            version=plan.version, name=snapshot_name(plan.version), kind=plan.kind, parent_version=plan.parent_version,
             anchor_version=plan.anchor_version, step=job.step, stored_bytes=outcome["stored"],
             full_bytes=outcome["full"], ratio=outcome["stored"] / max(1, outcome["full"]), copy_s=job.copy_s,
             encode_s=written.encode_s, upload_s=written.upload_s, commit_s=outcome["commit_s"],
@@ -483,20 +461,3 @@ class Publisher:
                  r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes, 100 * r.ratio,
                  r.full_bytes, r.total_s, r.reason)
         return r
-
-
-def _read_extra_files(extra: Mapping[str, str | os.PathLike[str] | bytes] | None) -> dict[str, bytes]:
-    """Extra files are read once, here: an anchor written later must not see a half-edited config."""
-    out: dict[str, bytes] = {}
-    for name, src in (extra or {}).items():
-        if not (isinstance(name, str) and is_safe_key(name)):
-            raise PublishInputError(f"extra file name {name!r} must be a relative path of [A-Za-z0-9._-] segments")
-        base = name.rsplit("/", 1)[-1]
-        if name == anchor_fmt.INDEX_FILE or base.endswith(".safetensors") and name == base:
-            raise PublishInputError(f"extra file {name!r} would collide with the anchor's own weight files")
-        if isinstance(src, (bytes, bytearray, memoryview)):
-            out[name] = bytes(src)
-        else:
-            with open(src, "rb") as f:
-                out[name] = f.read()
-    return out
