@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from delta.errors import PublishError, PublishInputError, RunMismatchError, StorageError
+from delta.errors import ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError, StorageError
 from delta.manifest import RUN_KEY
 from publisher import Publisher
 from publisher.plan import MAX_CHAIN, ChainState, decide
@@ -293,3 +293,33 @@ def test_progress_bars_over_bytes_when_asked(url, capsys):
         pub.publish(w, 1)
     err = capsys.readouterr().err
     assert "anchor v0" in err and "delta v1" in err
+
+
+def test_a_stale_publisher_is_stopped_before_it_uploads_anything(url):
+    w = weights()
+    with Publisher(url) as first:
+        first.publish(w, 0)
+    a, b = Publisher(url), Publisher(url)
+    a.publish(w, 1)
+    before = a.store.list_prefix("")
+    with pytest.raises(ConcurrentPublisherError, match="version 1"):
+        b.publish(w, 1)
+    assert a.store.list_prefix("") == before   # b found version 1 taken before writing any data
+    a.close()
+    b.close()
+
+
+def test_close_raises_a_background_failure_not_yet_reported(url):
+    w = weights()
+    pub = Publisher(url)
+
+    def outage(key, path):
+        raise StorageError("simulated outage")
+
+    pub.store.put_file = outage
+    fut = pub.publish(w, 0, wait=False)
+    with pytest.raises(StorageError):
+        pub.close()
+    assert isinstance(fut.exception(), StorageError)
+    with pytest.raises(PublishError, match="closed"):
+        pub.publish(w, 1)
