@@ -307,7 +307,8 @@ class HotSwapper:
             p.committed = True
             return replace(p.report, total_s=p.report.total_s + time.perf_counter() - t0)
         module_map = self._live_map() if isinstance(self.weights, torch.nn.Module) else None
-        applied: list[tuple[torch.Tensor, StagedTensor]] = []
+        undo: list[tuple[torch.Tensor, Callable[[], None]]] = []
+        method = self.apply_method
         with self.gate.paused() as pause:
             ta = time.perf_counter()
             try:
@@ -316,19 +317,25 @@ class HotSwapper:
                     if _identity(live) != s.key:
                         raise HotLoadError(f"tensor {s.name!r}: the live tensor {s.live_name!r} was replaced or "
                                            "moved after prepare(); prepare again")
-                    applied.append((live, _undo_of(live, s.st)))
-                    s.st.apply_(live, method=self.apply_method)
-                _synchronize(applied)
+                    if s.st.dense is not None:
+                        _swap_dense(live, s.st, method)          # all or nothing; swapping again undoes it
+                        undo.append((live, lambda live=live, st=s.st: _swap_dense(live, st, method)))
+                    else:
+                        old = _old_bits(live, s.st)
+                        undo.append((live, lambda live=live, old=old: old.apply_(live, method=method)))
+                        s.st.apply_(live, method=method)
+                _synchronize(undo)
             except BaseException as e:
-                self._roll_back(applied, p, e)
+                self._roll_back(undo, p, e)
                 if not isinstance(e, Exception):
                     raise
                 raise HotLoadError(f"hot-load {_name(p.from_version)} -> {p.snapshot} failed while applying "
-                                   f"({type(e).__name__}: {e}); the {len(applied)} tensors already written were "
+                                   f"({type(e).__name__}: {e}); the {len(undo)} tensors already written were "
                                    f"restored, live weights and version are unchanged") from e
             self.version = p.to_version
             apply_s = time.perf_counter() - ta
         p.committed = True
+        p.staged = []          # densely staged tensors now hold the old bits: nothing left worth keeping
         report = replace(p.report, apply_s=apply_s, pause_s=pause.seconds,
                          total_s=p.report.total_s + time.perf_counter() - t0)
         log.info("hot-loaded %s -> %s: %d tensors, %d elements, pause %.3fs (apply %.3fs)",
@@ -336,12 +343,12 @@ class HotSwapper:
                  report.pause_s, apply_s)
         return report
 
-    def _roll_back(self, applied: list[tuple[torch.Tensor, StagedTensor]], p: PreparedUpdate,
+    def _roll_back(self, undo: list[tuple[torch.Tensor, Callable[[], None]]], p: PreparedUpdate,
                    cause: BaseException) -> None:
         try:
-            for live, undo in reversed(applied):
-                undo.apply_(live, method=self.apply_method)
-            _synchronize(applied)
+            for _live, restore in reversed(undo):
+                restore()
+            _synchronize(undo)
         except BaseException as e2:
             self.version = None
             log.critical("hot-load to %s failed (%s) and restoring the old weights failed too (%s): "
@@ -414,14 +421,8 @@ def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list,
     return st
 
 
-def _undo_of(live: torch.Tensor, st: StagedTensor) -> StagedTensor:
-    """The old bits ``st`` will overwrite, as a staged change that writes them back."""
-    empty_pos, empty_val = np.empty(0, np.int64), np.empty(0, st.dtype.bits_dtype)
-    if st.dense is not None:
-        bits = dtypes.host_bits(live)
-        if live.device.type == "cpu" and live.is_contiguous():  # a view of the live tensor: copy it
-            bits = bits.copy()
-        return StagedTensor(st.name, st.dtype, st.shape, st.parent_digest, st.digest, empty_pos, empty_val, bits)
+def _old_bits(live: torch.Tensor, st: StagedTensor) -> StagedTensor:
+    """The bits a sparse ``st`` will overwrite, as a staged change that writes them back."""
     if live.device.type == "cpu" and live.is_contiguous():
         old = dtypes.host_bits(live)[st.positions]
     else:
@@ -431,7 +432,41 @@ def _undo_of(live: torch.Tensor, st: StagedTensor) -> StagedTensor:
     return StagedTensor(st.name, st.dtype, st.shape, st.parent_digest, st.digest, st.positions, old)
 
 
-def _synchronize(applied: list[tuple[torch.Tensor, StagedTensor]]) -> None:
+_SWAP_CHUNK = 1 << 20
+
+
+def _swap_dense(live: torch.Tensor, st: StagedTensor, method: str) -> None:
+    """Exchange the live tensor's bits with ``st.dense``: the live tensor gets the new bits and
+    ``st.dense`` keeps the old ones, so calling it again restores both. Nothing the size of
+    the tensor is allocated on the host (the pause must not page-fault in a copy of the
+    model); the device path uploads the new bits, as any dense apply must."""
+    dense = st.dense
+    if method == "auto" and live.device.type == "cpu" and live.is_contiguous():
+        bits = dtypes.host_bits(live)
+        if bits.ctypes.data != live.data_ptr():
+            raise ShapeMismatchError(f"tensor {st.name!r}: cannot get a writable view of the live tensor")
+        n = bits.shape[0]
+        tmp = np.empty(min(_SWAP_CHUNK, n), bits.dtype)
+        for s in range(0, n, _SWAP_CHUNK):
+            e = min(n, s + _SWAP_CHUNK)
+            tmp[:e - s] = bits[s:e]
+            bits[s:e] = dense[s:e]
+            dense[s:e] = tmp[:e - s]
+        return
+    np_int = np.dtype(f"<i{st.dtype.itemsize}") if st.dtype.itemsize > 1 else np.dtype(np.uint8)
+    with torch.no_grad():
+        host = torch.from_numpy(dense.view(np_int))             # shares memory with st.dense
+        new = host.to(live.device, copy=True)                   # may fail (memory): nothing changed yet
+        try:
+            host.copy_(dtypes.torch_bits_view(live.detach().contiguous()))
+            live.copy_(new.view(st.dtype.torch_dtype).reshape(st.shape))
+        except BaseException:
+            live.copy_(host.to(live.device).view(st.dtype.torch_dtype).reshape(st.shape))
+            host.copy_(new)
+            raise
+
+
+def _synchronize(applied: list[tuple[torch.Tensor, object]]) -> None:
     devices = {t.device for t, _ in applied if t.device.type == "cuda"}
     for d in devices:
         torch.cuda.synchronize(d)

@@ -15,6 +15,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
@@ -45,6 +46,8 @@ MAX_REQUEST_BYTES = 64 << 20
 #: Whole objects are hashed in reads of this size (verify never holds a shard in memory).
 VERIFY_READ_BYTES = 64 << 20
 MAX_CHAIN = 1 << 20
+#: Manifests kept in memory (least recently used dropped first); a chain rarely exceeds a few hundred.
+MANIFEST_CACHE = 1024
 
 _NAME = re.compile(r"v([0-9]{8,18})", re.ASCII)
 _DECIMAL = re.compile(r"[0-9]{1,18}", re.ASCII)
@@ -75,7 +78,7 @@ class SnapshotReader:
         self.cache = DiskCache(cache_dir) if cache_dir else None
         self._expected_run_id = run_id
         self._run_id: str | None = None
-        self._manifests: dict[int, Manifest] = {}
+        self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._lock = threading.Lock()
         self.stats: dict[str, int] = {"bytes_fetched": 0, "requests": 0, "cache_hits": 0}
 
@@ -365,8 +368,9 @@ class SnapshotReader:
     def _manifest(self, v: int) -> Manifest:
         with self._lock:
             m = self._manifests.get(v)
-        if m is not None:
-            return m
+            if m is not None:
+                self._manifests.move_to_end(v)
+                return m
         run_id = self.run_id
         key = manifest_key(v)
         try:
@@ -379,6 +383,8 @@ class SnapshotReader:
             raise ManifestError(f"manifest {self.store.key_url(key)} describes version {m.version}, not {v}")
         with self._lock:
             self._manifests[v] = m
+            while len(self._manifests) > MANIFEST_CACHE:
+                self._manifests.popitem(last=False)
         return m
 
     def _verify_object(self, o: ObjectRef) -> None:

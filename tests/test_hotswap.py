@@ -194,12 +194,16 @@ def test_failure_mid_commit_restores_densely_staged_tensors(run):
     prepared = sw.prepare(2, initial=True)
     assert any(s.st.dense is not None for s in prepared.staged)
     last = prepared.staged[-1].live_name
-    live[last] = live[last].clone()                  # replaced after prepare: commit must refuse it
+    original = live[last]
+    live[last] = original.clone()                    # replaced after prepare: commit must refuse it
     with pytest.raises(HotLoadError, match="replaced"):
         sw.commit(prepared)
     assert sw.version is None
     for k in live:
         assert bits_equal(live[k], zeros[k]), k
+    live[last] = original                            # the failed commit left the prepared update whole
+    sw.commit(prepared)
+    assert_at(live, run, 2)
 
 
 def test_stale_prepared_update_is_refused(run):
@@ -331,6 +335,28 @@ def test_torch_apply_path_gives_the_same_bits(run):
         sw_b.hotload(v)
         assert_at(live_a, run, v)
         assert_at(live_b, run, v)
+    live = {k: torch.zeros_like(t) for k, t in run.truth[0].items()}   # dense changes
+    sw = HotSwapper(live, SnapshotReader(run.url), apply_method="torch")
+    sw.load_initial(4)
+    assert_at(live, run, 4)
+
+
+def test_failed_torch_path_commit_restores_dense_and_sparse_tensors(run):
+    names = sorted(run.truth[0])
+    start = {k: (torch.zeros_like(t) if i % 2 else t.clone()) for i, (k, t) in enumerate(sorted(run.truth[0].items()))}
+    live = ArmedDict(clone(start), names[-1])
+    sw = HotSwapper(live, SnapshotReader(run.url), apply_method="torch")
+    prepared = sw.prepare(1, initial=True)
+    kinds = {s.st.dense is None for s in prepared.staged}
+    assert kinds == {True, False}
+    live.armed = True
+    with pytest.raises(HotLoadError):
+        sw.commit(prepared)
+    for k in start:
+        assert bits_equal(live.d[k], start[k]), k
+    live.armed = False
+    sw.commit(prepared)
+    assert_at(live.d, run, 1)
 
 
 def test_non_contiguous_live_tensors(run):
@@ -341,6 +367,11 @@ def test_non_contiguous_live_tensors(run):
     assert_at(live, run, 2)
     sw.hotload(6)
     assert_at(live, run, 6)
+    for t in live.values():
+        t.zero_()
+    sw = HotSwapper(live, SnapshotReader(run.url))
+    sw.load_initial(3)                                          # dense changes into strided tensors
+    assert_at(live, run, 3)
 
 
 class Tied(torch.nn.Module):
@@ -420,3 +451,21 @@ def test_real_model_after_swaps_matches_a_fresh_load_of_the_materialized_snapsho
         got, want = live(ids).logits, load(2)(ids).logits
     assert bits_equal(got, want)
     assert not bits_equal(got, before)                                 # the swap did change the policy
+
+
+def test_swaps_across_a_run_written_by_the_real_publisher(tmp_path):
+    from publisher.publisher import Publisher
+
+    from tests.bucketgen import trajectory
+
+    versions = trajectory(6, seed=8)
+    with Publisher(str(tmp_path / "run"), anchor_every=4) as pub:
+        for i, w in enumerate(versions):
+            pub.publish(w, step=i)
+    live = clone(versions[0])
+    sw = HotSwapper(live, SnapshotReader(str(tmp_path / "run")), version=0)
+    for v, route in ((2, [1, 2]), (5, [4, 5]), (1, [0, 1]), (3, [2, 3])):
+        rep = sw.hotload(v)
+        assert rep.path == route
+        for k, t in versions[v].items():
+            assert bits_equal(live[k], t), (v, k)

@@ -358,3 +358,22 @@ def test_trajectory_really_changes_and_keeps_tensors():
     vs = trajectory(3)
     assert not bits_equal(vs[0]["lm_head.weight"], vs[1]["lm_head.weight"])
     assert bits_equal(vs[0]["model.layers.0.frozen.bias"], vs[2]["model.layers.0.frozen.bias"])
+
+
+def test_runs_written_by_the_real_publisher_read_back(tmp_path):
+    from publisher.publisher import Publisher
+
+    versions = trajectory(5, seed=4)
+    with Publisher(str(tmp_path / "run"), anchor_every=3, shard_bytes=6000,
+                   extra_files={"config.json": CONFIG_JSON}) as pub:
+        for i, w in enumerate(versions):
+            pub.publish(w, step=10 * i)
+    r = SnapshotReader(str(tmp_path / "run"))
+    assert r.versions() == [0, 1, 2, 3, 4] and r.latest() == 4
+    assert [m.version for m in r.chain(4)] == [3, 4]
+    for v in range(5):
+        assert_same(r.read_tensors(v), versions[v])
+    assert r.verify().chain == [3, 4]
+    out = r.materialize(2, str(tmp_path / "m"))
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert_same(load_file(os.path.join(out, "model.safetensors")), versions[2])
