@@ -68,7 +68,8 @@ class HotLoadJob:
 class HotLoadManager:
     """Runs hot-loads against a HotSwapper, at most one at a time.
 
-    ``on_done(job)`` is called from the job thread after READY or FAILED (metrics)."""
+    ``on_done(job, state)`` is called when a job ends (READY or FAILED, or a no-op),
+    before the job shows that state to anyone polling it (metrics stay consistent)."""
 
     def __init__(self, swapper: Any, reader: Any, *, on_done: Any = None):
         self.swapper = swapper
@@ -115,7 +116,7 @@ class HotLoadManager:
                 job = self._new_job(requested, target, current)
                 job.state, job.noop, job.finished = READY, True, time.time()
                 self._last = job
-                self._notify(job)
+                self._notify(job, READY)
                 return job, "noop"
             job = self._new_job(requested, target, current)
             self._running = job
@@ -135,6 +136,7 @@ class HotLoadManager:
         return job
 
     def _run(self, job: HotLoadJob) -> None:
+        state = FAILED
         try:
             # Weights of unknown version (an HF directory): only an anchor can establish one ("initial").
             prepared = self.swapper.prepare(job.target_version, initial=self.swapper.version is None)
@@ -142,26 +144,28 @@ class HotLoadManager:
             report = self.swapper.commit(prepared)
             del prepared
             job.report = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
-            job.state = READY
+            state = READY
             log.info("hot-load %s: %s ready (pause %.4fs, %d bytes fetched)", job.id,
                      snapshot_name(job.target_version), job.report.get("pause_s", 0.0),
                      job.report.get("bytes_fetched", 0))
         except Exception as e:  # noqa: BLE001 - any failure must leave the replica serving
             job.reason, job.error_type = f"{type(e).__name__}: {e}", type(e).__name__
-            job.state = FAILED
             log.error("hot-load %s to %s failed; still serving %s: %s", job.id, snapshot_name(job.target_version),
                       _name(self.swapper.version), job.reason)
         finally:
-            job.finished = time.time()
+            # Everything an observer may check after seeing the final state (metrics, the
+            # running slot, "last") is settled first; the state, which clients poll, goes last.
             with self._lock:
+                job.finished = time.time()
+                self._notify(job, state)
                 self._running = None
                 self._last = job
-            self._notify(job)
+                job.state = state
 
-    def _notify(self, job: HotLoadJob) -> None:
+    def _notify(self, job: HotLoadJob, state: str) -> None:
         if self.on_done is not None:
             try:
-                self.on_done(job)
+                self.on_done(job, state)
             except Exception:  # noqa: BLE001 - metrics must not break hot-loads
                 log.exception("hot-load %s: on_done callback failed", job.id)
 

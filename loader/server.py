@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -250,7 +251,7 @@ def _usage(gen: Generation) -> dict[str, int]:
 # --- the app -------------------------------------------------------------------------------------
 
 def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, max_concurrent_requests: int = 64) -> FastAPI:
     """The replica's HTTP app over ``engine`` (whose ``swapper`` hot-loads from ``reader``).
 
     Without a reader/swapper the replica serves fixed weights and answers hot-load
@@ -261,12 +262,12 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
     metrics.set_version(engine.version)
     started = time.time()
 
-    def on_done(job: HotLoadJob) -> None:
+    def on_done(job: HotLoadJob, state: str) -> None:
         metrics.set_version(engine.version)
         if job.noop:
             metrics.hotloads.labels(result="noop").inc()
             return
-        metrics.hotloads.labels(result="ready" if job.state == "READY" else "failed").inc()
+        metrics.hotloads.labels(result="ready" if state == "READY" else "failed").inc()
         if job.finished is not None:
             metrics.hotload_duration.observe(job.finished - job.created)
         if job.report:
@@ -276,6 +277,10 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
     manager = HotLoadManager(engine.swapper, reader, on_done=on_done) if (
         engine.swapper is not None and reader is not None) else None
     run_id = getattr(reader, "run_id", None)
+    # Sampling requests block in their decode loops; they get threads of their own so
+    # that status, metrics and hot-load requests are answered however busy the replica is.
+    sampling_threads = CapacityLimiter(max_concurrent_requests)
+    control_threads = CapacityLimiter(4)
 
     app = FastAPI(title="ckptdelta replica", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.metrics, app.state.hotloads, app.state.replica_id = engine, metrics, manager, replica_id
@@ -323,7 +328,10 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
         return body
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest) -> dict[str, Any]:
+    async def completions(req: CompletionRequest) -> dict[str, Any]:
+        return await to_thread.run_sync(_completions, req, limiter=sampling_threads)
+
+    def _completions(req: CompletionRequest) -> dict[str, Any]:
         prompt_ids = engine.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         gen = run(prompt_ids, req, req.logprobs, req.max_tokens)
         choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
@@ -333,7 +341,10 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
         return envelope("cmpl", gen, req, choices)
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatCompletionRequest) -> dict[str, Any]:
+    async def chat(req: ChatCompletionRequest) -> dict[str, Any]:
+        return await to_thread.run_sync(_chat, req, limiter=sampling_threads)
+
+    def _chat(req: ChatCompletionRequest) -> dict[str, Any]:
         prompt_ids = engine.encode_chat([m.model_dump() for m in req.messages])
         k = (req.top_logprobs or 0) if req.logprobs else None
         gen = run(prompt_ids, req, k, req.max_completion_tokens or req.max_tokens)
@@ -344,7 +355,10 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
         return envelope("chatcmpl", gen, req, choices)
 
     @app.post("/v1/hotload", status_code=202)
-    def hotload(req: HotLoadRequest) -> JSONResponse:
+    async def hotload(req: HotLoadRequest) -> JSONResponse:
+        return await to_thread.run_sync(_hotload, req, limiter=control_threads)
+
+    def _hotload(req: HotLoadRequest) -> JSONResponse:
         if manager is None:
             raise APIError(409, "hotload_unavailable", f"replica {replica_id} was started without a bucket")
         ref = req.snapshot
@@ -371,14 +385,14 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
         return JSONResponse(body, status_code=200 if how == "noop" else 202)
 
     @app.get("/v1/hotload/{job_id}")
-    def hotload_status(job_id: str) -> dict[str, Any]:
+    async def hotload_status(job_id: str) -> dict[str, Any]:
         job = manager.get(job_id) if manager is not None else None
         if job is None:
             raise APIError(404, "hotload_not_found", f"no hot-load with id {job_id[:80]!r} on replica {replica_id}")
         return job.to_dict()
 
     @app.get("/v1/status")
-    def status() -> dict[str, Any]:
+    async def status() -> dict[str, Any]:
         running = manager.running if manager is not None else None
         last = manager.last if manager is not None else None
         return {
@@ -390,16 +404,16 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
         }
 
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "ckptdelta",
                                             "policy_version": engine.version}]}
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
         return {"ok": True, "policy_version": engine.version}
 
     @app.get("/metrics")
-    def prometheus() -> Response:
+    async def prometheus() -> Response:
         metrics.set_version(engine.version)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

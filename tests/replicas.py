@@ -13,10 +13,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import httpx
+import pytest
 import torch
 import uvicorn
 
 from tests.lm import hf_extra_files, rl_step, save_tiny_lm
+
+PROMPT = "hello world, hello replica"
 
 
 @dataclass
@@ -93,6 +97,19 @@ class LiveServer:
         self.sock.close()
 
 
+def corrupt_delta(run: PublishedRun, version: int) -> str:
+    """Flip one bit in the middle of a stored delta object of ``version``; returns its path."""
+    deltas = os.path.join(run.url, "deltas")
+    d = next(x for x in sorted(os.listdir(deltas)) if x.startswith(f"{version:012d}-"))
+    path = os.path.join(deltas, d, sorted(os.listdir(os.path.join(deltas, d)))[0])
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0x40
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
 def state_bits_equal(model: torch.nn.Module, truth: dict[str, torch.Tensor]) -> list[str]:
     """Names whose live bits differ from ``truth`` (empty when bit-identical)."""
     live = model.state_dict()
@@ -103,3 +120,75 @@ def state_bits_equal(model: torch.nn.Module, truth: dict[str, torch.Tensor]) -> 
             if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                 bad.append(k)
     return bad
+
+
+# --- fixtures (import them into a test module to use them) ----------------------------------------
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    return make_lm_dir(str(tmp_path_factory.mktemp("lm")))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, lm_dir):
+    """A run with an anchor (v0) and three deltas (v1..v3); read-only for the tests that share it."""
+    r = publish_run(str(tmp_path_factory.mktemp("bucket") / "run"), lm_dir, n_versions=4)
+    yield r
+    r.close()
+
+
+class Replica:
+    """A started replica: its URL, its engine and reader (in-process), and an HTTP client for it."""
+
+    def __init__(self, server: LiveServer, engine, reader, api_key: str | None):
+        self.server, self.engine, self.reader, self.url = server, engine, reader, server.url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=server.url, timeout=60, headers=headers)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return self.http.post(path, json=body)
+
+    def complete(self, **body) -> dict:
+        r = self.post("/v1/completions", {"prompt": PROMPT, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def hotload(self, snapshot, *, wait: bool = True) -> dict:
+        r = self.post("/v1/hotload", {"snapshot": snapshot})
+        assert r.status_code in (200, 202), r.text
+        return self.wait(r.json()["id"]) if wait else r.json()
+
+    def wait(self, job_id: str, states=("READY", "FAILED")) -> dict:
+        deadline = time.monotonic() + 60
+        while True:
+            job = self.http.get(f"/v1/hotload/{job_id}").json()
+            if job["state"] in states:
+                return job
+            assert time.monotonic() < deadline, job
+            time.sleep(0.01)
+
+    def status(self) -> dict:
+        return self.http.get("/v1/status").json()
+
+
+@pytest.fixture
+def start_replica(run):
+    """Factory: a live replica of ``run`` (or another bucket) at a snapshot; stopped after the test."""
+    started: list[Replica] = []
+
+    from loader.engine import build_engine
+    from loader.server import create_app
+
+    def start(snapshot="latest", *, bucket: str | None = None, model_dir: str | None = None,
+              api_key: str | None = None, cache_policy: str = "recompute", replica_id: str = "r0") -> Replica:
+        engine, reader = build_engine(bucket=bucket or run.url, snapshot=snapshot, model_dir=model_dir,
+                                      cache_policy=cache_policy)
+        app = create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key)
+        rep = Replica(LiveServer(app).__enter__(), engine, reader, api_key)
+        started.append(rep)
+        return rep
+
+    yield start
+    for rep in started:
+        rep.http.close()
+        rep.server.__exit__()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 
@@ -14,77 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loader.engine import Engine, SamplingParams, build_engine, load_model
 from loader.reader import SnapshotReader
-from loader.server import create_app
-from tests.replicas import LiveServer, make_lm_dir, publish_run, state_bits_equal
-
-PROMPT = "hello world, hello replica"
-
-
-# --- fixtures ---------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory):
-    return make_lm_dir(str(tmp_path_factory.mktemp("lm")))
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, lm_dir):
-    """A run with an anchor (v0) and three deltas (v1..v3); read-only for the tests that share it."""
-    r = publish_run(str(tmp_path_factory.mktemp("bucket") / "run"), lm_dir, n_versions=4)
-    yield r
-    r.close()
-
-
-class Replica:
-    def __init__(self, server: LiveServer, engine: Engine, reader: SnapshotReader | None, api_key: str | None):
-        self.server, self.engine, self.reader, self.url = server, engine, reader, server.url
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=server.url, timeout=60, headers=headers)
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return self.http.post(path, json=body)
-
-    def complete(self, **body) -> dict:
-        r = self.post("/v1/completions", {"prompt": PROMPT, **body})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def hotload(self, snapshot, *, wait: bool = True) -> dict:
-        r = self.post("/v1/hotload", {"snapshot": snapshot})
-        assert r.status_code in (200, 202), r.text
-        return self.wait(r.json()["id"]) if wait else r.json()
-
-    def wait(self, job_id: str, states=("READY", "FAILED")) -> dict:
-        deadline = time.monotonic() + 60
-        while True:
-            job = self.http.get(f"/v1/hotload/{job_id}").json()
-            if job["state"] in states:
-                return job
-            assert time.monotonic() < deadline, job
-            time.sleep(0.01)
-
-    def status(self) -> dict:
-        return self.http.get("/v1/status").json()
-
-
-@pytest.fixture
-def start_replica(run):
-    """Factory: a live replica of ``run`` (or another bucket) at a snapshot; stopped after the test."""
-    started: list[Replica] = []
-
-    def start(snapshot="latest", *, bucket: str | None = None, model_dir: str | None = None,
-              api_key: str | None = None, cache_policy: str = "recompute", replica_id: str = "r0") -> Replica:
-        engine, reader = build_engine(bucket=bucket or run.url, snapshot=snapshot, model_dir=model_dir,
-                                      cache_policy=cache_policy)
-        app = create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key)
-        rep = Replica(LiveServer(app).__enter__(), engine, reader, api_key)
-        started.append(rep)
-        return rep
-
-    yield start
-    for rep in started:
-        rep.http.close()
-        rep.server.__exit__()
+from tests.replicas import PROMPT, Replica, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
 
 
 def fresh_engine(run, version: int, tmp_path) -> Engine:
@@ -305,12 +233,7 @@ def test_corrupt_delta_object_fails_the_hotload_and_keeps_serving_the_old_weight
     run = publish_run(str(tmp_path / "bucket" / "run"), lm_dir, n_versions=3)
     try:
         rep = start_replica(1, bucket=run.url)
-        delta_dir = next(d for d in os.listdir(os.path.join(run.url, "deltas")) if d.startswith("000000000002"))
-        obj = os.path.join(run.url, "deltas", delta_dir, os.listdir(os.path.join(run.url, "deltas", delta_dir))[0])
-        data = bytearray(open(obj, "rb").read())
-        data[len(data) // 2] ^= 0x40
-        with open(obj, "wb") as f:
-            f.write(data)
+        corrupt_delta(run, 2)
 
         job = rep.hotload(2)
         assert job["state"] == "FAILED" and job["reason"] and job["error_type"], job
@@ -478,4 +401,4 @@ def test_metrics_record_versions_pause_bytes_and_requests(start_replica):
     # every family has HELP and TYPE lines: the text parses as Prometheus exposition format
     text = rep.http.get("/metrics").text
     assert "# TYPE ckptdelta_hotload_pause_seconds histogram" in text
-    assert json.loads(json.dumps(rep.status()))["last_hotload"]["report"]["pause_s"] == job["report"]["pause_s"]
+    assert rep.status()["last_hotload"]["report"]["pause_s"] == job["report"]["pause_s"]

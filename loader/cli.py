@@ -1,0 +1,82 @@
+"""``ckptdelta serve`` (run a replica) and ``ckptdelta hotload`` (ask one to load a snapshot)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from delta.errors import CkptDeltaError
+
+log = logging.getLogger("ckptdelta.server")
+
+
+def add_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run a sampling replica that hot-loads snapshots of a run",
+        description="Serve a causal LM over an OpenAI-compatible API (docs/SERVING.md) and hot-load new "
+                    "snapshots of a run from its bucket while serving.")
+    p.add_argument("--bucket", help="the run's URL (local dir, s3://, gs://, any fsspec URL)")
+    p.add_argument("--snapshot", default="latest", help="snapshot to start from (default: latest)")
+    p.add_argument("--model", metavar="DIR", help="start from this HF model directory instead (version unknown)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--replica-id", default=None, help="name in engine_data and /v1/status (default: host:port)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $CKPTDELTA_API_KEY)")
+    p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                   help="fsspec storage options for the bucket, as JSON")
+    p.add_argument("--cache-dir", default=None, help="local cache for fetched objects and materialized snapshots")
+    p.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda, cuda:1...)")
+    p.add_argument("--cache-policy", choices=["recompute", "keep"], default="recompute",
+                   help="what in-flight requests do with their KV cache after a swap (docs/SERVING.md)")
+    p.add_argument("--model-name", default=None, help="the 'model' field of responses")
+    p.set_defaults(func=cmd_serve)
+
+    h = subparsers.add_parser(
+        "hotload", help="ask a replica to hot-load a snapshot",
+        description="POST /v1/hotload to a replica and print its state as JSON; exit 0 when READY (or "
+                    "accepted, without --wait), 1 when it FAILED or was refused.")
+    h.add_argument("replica_url", metavar="REPLICA_URL")
+    h.add_argument("snapshot", metavar="SNAPSHOT", help="'latest', a snapshot name (v00000042) or a version")
+    h.add_argument("--wait", action="store_true", help="wait until READY or FAILED")
+    h.add_argument("--api-key", default=None, help="bearer key (default: $CKPTDELTA_API_KEY)")
+    h.add_argument("--timeout", type=float, default=600.0, help="seconds to wait with --wait (default 600)")
+    h.set_defaults(func=cmd_hotload)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .engine import build_engine
+    from .server import create_app
+
+    engine, reader = build_engine(bucket=args.bucket, snapshot=args.snapshot, model_dir=args.model,
+                                  storage_options=args.storage_options, cache_dir=args.cache_dir, device=args.device,
+                                  cache_policy=args.cache_policy, model_name=args.model_name)
+    replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
+    api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
+    app = create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key)
+    log.warning("replica %s serving policy version %s on http://%s:%d%s", replica_id, engine.version, args.host,
+                args.port, " (API key required)" if api_key else "")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_hotload(args: argparse.Namespace) -> int:
+    from .client import RolloutClient
+
+    snapshot: str | int = int(args.snapshot) if args.snapshot.isdigit() else args.snapshot
+    api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
+    with RolloutClient([args.replica_url], api_key=api_key) as client:
+        try:
+            states = client.hotload(snapshot, wait=args.wait, timeout=args.timeout)
+        except CkptDeltaError as e:  # FAILED, refused, timeout: the replica's own answer is the useful part
+            print(json.dumps(getattr(e, "states", {}), indent=2))
+            print(f"ckptdelta hotload: {e}", file=sys.stderr)
+            return 1
+    print(json.dumps(states, indent=2))
+    return 0 if all(s.get("state") in ("READY", "PREPARING", "SWAPPING") for s in states.values()) else 1

@@ -1,0 +1,212 @@
+"""The trainer's view of a fleet of replicas: sample rollouts, hot-load a snapshot everywhere.
+
+A trainer that has just published version v asks for rollouts with
+``min_policy_version=v``: replicas still serving an older policy answer 408 and
+this client retries, with exponential backoff and jitter, until one has
+hot-loaded v or ``ready_timeout`` passes. ``affinity_key`` pins related
+requests (a GRPO group, one conversation) to one replica so they share its
+prefix cache and its policy version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import httpx
+
+from delta.errors import (HotLoadConflictError, HotLoadError, HotLoadTimeoutError, PolicyVersionTimeoutError,
+                          ReplicaError, SnapshotNotFoundError)
+
+log = logging.getLogger("ckptdelta.client")
+
+_RETRY_STATUS = frozenset({502, 503, 504})
+
+
+class RolloutClient:
+    """Round-robin (or affinity-pinned) sampling over replicas, and fleet-wide hot-loads."""
+
+    def __init__(self, replica_urls: Sequence[str], *, api_key: str | None = None, timeout: float = 60.0,
+                 ready_timeout: float = 300.0, backoff_base: float = 0.1, backoff_max: float = 5.0):
+        if not replica_urls:
+            raise ValueError("RolloutClient needs at least one replica URL")
+        self.replicas = [u.rstrip("/") for u in replica_urls]
+        self.ready_timeout = ready_timeout
+        self.backoff_base, self.backoff_max = backoff_base, backoff_max
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(timeout=timeout, headers=headers)
+        self._rr = itertools.count()
+        self._rr_lock = threading.Lock()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- choosing a replica -----------------------------------------------------------
+
+    def replica_for(self, affinity_key: str | None = None) -> str:
+        """The replica for a key (stable across processes: a hash, not Python's ``hash``), else the next in turn."""
+        if affinity_key is not None:
+            h = int.from_bytes(hashlib.blake2b(affinity_key.encode(), digest_size=8).digest(), "little")
+            return self.replicas[h % len(self.replicas)]
+        with self._rr_lock:
+            return self.replicas[next(self._rr) % len(self.replicas)]
+
+    def _delay(self, attempt: int) -> float:
+        cap = min(self.backoff_max, self.backoff_base * 2 ** attempt)
+        return random.uniform(cap / 2, cap)
+
+    # --- sampling ------------------------------------------------------------------------
+
+    def sample(self, prompt: str | Sequence[int] | Sequence[dict[str, str]], *, n: int = 1,
+               min_policy_version: int | None = None, affinity_key: str | None = None,
+               return_engine_data: bool = True, **sampling: Any) -> dict[str, Any]:
+        """One completion request; a list of ``{"role", "content"}`` messages goes to the chat endpoint.
+
+        ``sampling`` passes through (max_tokens, temperature, top_p, seed, stop,
+        logprobs, top_logprobs, ...). Retries 408 (policy too old), 502-504 and
+        unreachable replicas until ``ready_timeout``; any other error is raised."""
+        chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body: dict[str, Any] = {("messages" if chat else "prompt"): list(prompt) if not isinstance(prompt, str)
+                                else prompt, "n": n, "return_engine_data": return_engine_data, **sampling}
+        if min_policy_version is not None:
+            body["min_policy_version"] = min_policy_version
+        deadline = time.monotonic() + self.ready_timeout
+        last = ""
+        for attempt in itertools.count():
+            url = self.replica_for(affinity_key)
+            try:
+                r = self._http.post(url + path, json=body)
+            except httpx.TransportError as e:
+                last = f"{url}: {type(e).__name__}: {e}"
+            else:
+                if r.status_code == 200:
+                    return r.json()
+                err = _error_of(r)
+                if r.status_code == 408 and err.get("type") == "policy_version_too_old":
+                    last = (f"{url} serves policy version {err.get('policy_version')}, "
+                            f"needs >= {min_policy_version}")
+                elif r.status_code not in _RETRY_STATUS:
+                    raise ReplicaError(f"replica {url} answered {path} with {r.status_code}: "
+                                       f"{err.get('message') or r.text[:500]}")
+                else:
+                    last = f"{url}: {r.status_code} {err.get('message', '')}"
+            delay = self._delay(attempt)
+            if time.monotonic() + delay > deadline:
+                if "policy version" in last:
+                    raise PolicyVersionTimeoutError(
+                        f"no replica reached policy version {min_policy_version} within {self.ready_timeout}s "
+                        f"({attempt + 1} tries; last: {last})")
+                raise ReplicaError(f"{path} failed on every try for {self.ready_timeout}s; last: {last}")
+            log.debug("retrying %s in %.2fs: %s", path, delay, last)
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # --- hot-loads ---------------------------------------------------------------------------
+
+    def hotload(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
+                poll_interval: float = 0.1) -> dict[str, dict[str, Any]]:
+        """Hot-load ``snapshot`` on every replica; with ``wait``, until each is READY at that version.
+
+        "latest" is resolved by the first replica and the others are asked for
+        that exact version, so a snapshot published meanwhile cannot split the
+        fleet. Raises HotLoadError (FAILED somewhere), HotLoadTimeoutError,
+        HotLoadConflictError (a replica runs another hot-load) or
+        SnapshotNotFoundError; each carries ``.states`` (replica -> its answer)."""
+        states: dict[str, dict[str, Any]] = {}
+        first = self._post_hotload(self.replicas[0], snapshot, states)
+        target = first["target_version"]
+        if len(self.replicas) > 1:
+            with ThreadPoolExecutor(max_workers=min(16, len(self.replicas) - 1)) as pool:
+                list(pool.map(lambda u: self._post_hotload(u, target, states), self.replicas[1:]))
+        if not wait:
+            return states
+        deadline = time.monotonic() + timeout
+        pending = {u for u, s in states.items() if s.get("state") != "READY"}
+        while pending:
+            for url in sorted(pending):
+                r = self._get(url, f"/v1/hotload/{states[url]['id']}")
+                states[url] = r
+                if r.get("state") == "READY" and r.get("target_version") == target:
+                    pending.discard(url)
+                elif r.get("state") == "FAILED":
+                    raise _with_states(HotLoadError(
+                        f"hot-load of version {target} FAILED on {url}: {r.get('reason')} "
+                        f"(states: {_summary(states)})"), states)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise _with_states(HotLoadTimeoutError(
+                        f"hot-load of version {target} not READY within {timeout}s on {sorted(pending)} "
+                        f"(states: {_summary(states)})"), states)
+                time.sleep(poll_interval)
+        return states
+
+    def _post_hotload(self, url: str, snapshot: str | int, states: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        try:
+            r = self._http.post(url + "/v1/hotload", json={"snapshot": snapshot})
+        except httpx.TransportError as e:
+            raise _with_states(ReplicaError(f"replica {url} unreachable for hot-load: {e}"), states) from None
+        body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+        if r.status_code in (200, 202):
+            states[url] = body
+            return body
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        states[url] = {"state": "REJECTED", "status": r.status_code, "error": err}
+        msg = f"replica {url} refused hot-load of {snapshot!r}: {r.status_code} {err.get('message', r.text[:300])}"
+        if r.status_code == 404:
+            raise _with_states(SnapshotNotFoundError(msg), states)
+        if r.status_code == 409:
+            raise _with_states(HotLoadConflictError(msg), states)
+        raise _with_states(ReplicaError(msg), states)
+
+    # --- status -----------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """``GET /v1/status`` of every replica; an unreachable one maps to ``{"error": ...}``."""
+        out = {}
+        for url in self.replicas:
+            try:
+                out[url] = self._get(url, "/v1/status")
+            except ReplicaError as e:
+                out[url] = {"error": str(e)}
+        return out
+
+    def _get(self, url: str, path: str) -> dict[str, Any]:
+        try:
+            r = self._http.get(url + path)
+        except httpx.TransportError as e:
+            raise ReplicaError(f"replica {url} unreachable ({path}): {e}") from None
+        if r.status_code != 200:
+            raise ReplicaError(f"replica {url} answered {path} with {r.status_code}: "
+                               f"{_error_of(r).get('message') or r.text[:300]}")
+        return r.json()
+
+
+def _error_of(r: httpx.Response) -> dict[str, Any]:
+    try:
+        body = r.json()
+    except ValueError:
+        return {}
+    err = body.get("error") if isinstance(body, dict) else None
+    return err if isinstance(err, dict) else {}
+
+
+def _with_states(exc: Exception, states: dict[str, dict[str, Any]]) -> Exception:
+    exc.states = dict(states)  # type: ignore[attr-defined]
+    return exc
+
+
+def _summary(states: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{u}={s.get('state')}" for u, s in states.items())
