@@ -9,6 +9,7 @@ to those specials. Equality is equality of bits, never of values.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,8 @@ INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 SHAPES = [(), (0,), (1,), (7,), (3, 0, 2), (5, 3), (2, 3, 5), (13, 11), (1031,), (33, 31), (4, 1, 9)]
 GOLDEN = Path(__file__).parent / "golden"
 
-SETTINGS = settings(max_examples=120, deadline=None, derandomize=False,
+# CKPTDELTA_EXAMPLES=2000 for a deeper hunt than CI's
+SETTINGS = settings(max_examples=int(os.environ.get("CKPTDELTA_EXAMPLES", "120")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
