@@ -30,8 +30,9 @@ from delta import StagedTensor, dtypes, stage, stage_full
 from delta.errors import HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError
 from delta.manifest import Manifest, snapshot_name
 
-from .plan import Piece, UpdatePlan, make_plan
-from .reader import SnapshotReader, rebuild
+from .pieces import Piece, rebuild
+from .plan import UpdatePlan, make_plan
+from .reader import SnapshotReader
 
 log = logging.getLogger("ckptdelta.loader.hotswap")
 

@@ -16,44 +16,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from delta.errors import SnapshotNotFoundError
-from delta.manifest import Manifest, ObjectRef, TensorEntry
+from delta.manifest import Manifest, TensorEntry
 
-
-@dataclass(frozen=True)
-class Piece:
-    """One stored byte range a tensor needs: an anchor's tensor data or a delta record."""
-
-    manifest: Manifest
-    name: str
-
-    @property
-    def entry(self) -> TensorEntry:
-        return self.manifest.tensors[self.name]
-
-    @property
-    def obj(self) -> ObjectRef:
-        return self.manifest.objects[self.entry.object]
-
-    @property
-    def is_record(self) -> bool:
-        return self.manifest.kind == "delta"
-
-    @property
-    def start(self) -> int:
-        return self.entry.offset
-
-    @property
-    def end(self) -> int:
-        return self.entry.offset + self.entry.length
-
-    @property
-    def nbytes(self) -> int:
-        return self.entry.length
-
-    def where(self) -> str:
-        kind = "record" if self.is_record else "data"
-        return (f"{kind} of tensor {self.name!r} in {self.obj.key} bytes {self.start}-{self.end} "
-                f"({self.manifest.where()})")
+from .pieces import Piece
 
 
 def rebuild_pieces(chain: Sequence[Manifest], name: str) -> list[Piece]:

@@ -20,29 +20,25 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
-import numpy as np
 import torch
 import xxhash
 
-from delta import EncodedTensor, apply_, decode, digest, digest_hex, dtypes
-from delta.errors import (ChecksumError, DeltaError, FormatError, ManifestError, ObjectNotFoundError,
-                          ParentMismatchError, RunMismatchError, SnapshotNotFoundError, TruncatedError)
+from delta import EncodedTensor, digest, digest_hex
+from delta.errors import (ChecksumError, DeltaError, ManifestError, ObjectNotFoundError, RunMismatchError,
+                          SnapshotNotFoundError)
 from delta.manifest import (ANCHOR_DIR, DELTA_DIR, HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES,
                             RUN_KEY, Head, Manifest, ObjectRef, RunInfo, manifest_key, snapshot_name,
                             version_of_manifest_key)
 from delta.storage import Store
 
 from .cache import DiskCache
-from .plan import Piece, rebuild_pieces
+from .pieces import Piece, check_piece, coalesce, rebuild
+from .plan import rebuild_pieces
 
 log = logging.getLogger("ckptdelta.loader")
 
 #: Bytes of pieces fetched per batch; one more batch is fetched while the last one decodes.
 BATCH_BYTES = 256 << 20
-#: Neighbouring ranges of one object closer than this are fetched as one request.
-COALESCE_GAP = 64 << 10
-#: Upper bound of one coalesced request.
-MAX_REQUEST_BYTES = 64 << 20
 #: Whole objects are hashed in reads of this size (verify never holds a shard in memory).
 VERIFY_READ_BYTES = 64 << 20
 MAX_CHAIN = 1 << 20
@@ -272,7 +268,7 @@ class SnapshotReader:
                         log.warning("cache entry for %s failed its check (%s); refetching", p.where(), e)
                         self.cache.discard(p.obj.xxh3, p.obj.size, p.start, p.end)
             misses.append(i)
-        requests = _coalesce([(pieces[i], i) for i in misses])
+        requests = coalesce([(pieces[i], i) for i in misses])
         datas = self._get_many([(key, (s, e)) for key, s, e, _members in requests])
         fetched = 0
         for (key, s, e, members), data in zip(requests, datas):
@@ -444,50 +440,6 @@ def select_names(m: Manifest, names: Names) -> list[str]:
     return out
 
 
-def check_piece(p: Piece, data: bytes) -> "bytes | EncodedTensor":
-    """Bytes of a piece, checked: an anchor tensor's digest, or a record's checksums and its fit to the manifest."""
-    e = p.entry
-    if len(data) != e.length:
-        raise TruncatedError(f"{p.where()}: got {len(data)} bytes, expected {e.length}")
-    if not p.is_record:
-        if _xxh(data) != e.xxh3:
-            raise ChecksumError(f"{p.where()}: tensor bytes hash to {_xxh(data)}, the manifest says {e.xxh3}")
-        return data
-    enc = EncodedTensor.from_bytes(data, what=p.where())
-    h = enc.header
-    if h.name != p.name or h.dtype.name != e.dtype or tuple(h.shape) != tuple(e.shape):
-        raise FormatError(f"{p.where()}: the record holds tensor {h.name!r} {h.dtype.name}{list(h.shape)}, "
-                          f"the manifest expects {e.dtype}{list(e.shape)}")
-    if digest_hex(h.digest) != e.xxh3:
-        raise ChecksumError(f"{p.where()}: the record yields digest {digest_hex(h.digest)}, "
-                            f"the manifest says {e.xxh3}")
-    return enc
-
-
-def tensor_from_bytes(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
-    """A writable CPU tensor holding a copy of ``data`` (an anchor tensor's little-endian bytes)."""
-    dt = dtypes.by_name(dtype)
-    return dtypes.from_bits(np.frombuffer(data, dt.bits_dtype).copy(), dt, tuple(shape))
-
-
-def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | None = None) -> torch.Tensor:
-    """Apply checked payloads in order, starting from ``base`` (a writable CPU tensor, modified
-    in place) or from the first piece's whole copy. Each record checks its parent and result digests."""
-    t = base
-    for p, v in zip(pieces, values):
-        if not p.is_record:
-            t = tensor_from_bytes(v, p.entry.dtype, p.entry.shape)
-        elif not v.header.has_parent:
-            t = decode(None, v)
-        elif t is None:
-            raise ParentMismatchError(f"{p.where()}: the record needs the tensor's previous version")
-        else:
-            apply_(t, v)
-    if t is None:
-        raise ValueError("rebuild: no pieces")
-    return t
-
-
 def relative_name(key: str) -> str:
     """Path of an anchor/delta file relative to its version's prefix (``anchors/<v>-<writer>/x/y`` -> ``x/y``)."""
     parts = key.split("/")
@@ -506,29 +458,6 @@ def _check_link(child: Manifest, parent: Manifest) -> None:
             if pe is None or (pe.dtype, pe.shape, pe.xxh3) != (e.dtype, e.shape, e.xxh3):
                 raise ManifestError(f"{child.where()}: tensor {name!r} is marked unchanged but differs from "
                                     f"(or is absent in) its parent {parent.where()}")
-
-
-def _coalesce(items: list[tuple[Piece, int]]) -> list[tuple[str, int, int, list[tuple[Piece, int]]]]:
-    """Group pieces of one object into requests: (key, start, end, [(piece, index)])."""
-    by_key: dict[str, list[tuple[Piece, int]]] = {}
-    for p, i in items:
-        by_key.setdefault(p.obj.key, []).append((p, i))
-    out = []
-    for key, members in by_key.items():
-        members.sort(key=lambda x: (x[0].start, x[0].end))
-        cur: list[tuple[Piece, int]] = []
-        s = e = 0
-        for p, i in members:
-            if cur and p.start - e <= COALESCE_GAP and max(e, p.end) - s <= MAX_REQUEST_BYTES:
-                cur.append((p, i))
-                e = max(e, p.end)
-                continue
-            if cur:
-                out.append((key, s, e, cur))
-            cur, s, e = [(p, i)], p.start, p.end
-        if cur:
-            out.append((key, s, e, cur))
-    return out
 
 
 def _xxh(data: bytes) -> str:

@@ -1,0 +1,134 @@
+"""The unit of fetching: one stored byte range a tensor needs, how it is checked, and how tensors are rebuilt.
+
+A piece is an anchor tensor's data (checked against the tensor's digest) or a
+delta record (checked by its header and chunk checksums, then against the
+manifest's dtype, shape and digest); :func:`rebuild` applies checked pieces in
+order, each record checking its parent and result digests on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from delta import EncodedTensor, apply_, decode, digest_hex, dtypes
+from delta.errors import ChecksumError, FormatError, ParentMismatchError, TruncatedError
+from delta.manifest import Manifest, ObjectRef, TensorEntry
+
+#: Neighbouring ranges of one object closer than this are fetched as one request.
+COALESCE_GAP = 64 << 10
+#: Upper bound of one coalesced request.
+MAX_REQUEST_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored byte range a tensor needs: an anchor's tensor data or a delta record."""
+
+    manifest: Manifest
+    name: str
+
+    @property
+    def entry(self) -> TensorEntry:
+        return self.manifest.tensors[self.name]
+
+    @property
+    def obj(self) -> ObjectRef:
+        return self.manifest.objects[self.entry.object]
+
+    @property
+    def is_record(self) -> bool:
+        return self.manifest.kind == "delta"
+
+    @property
+    def start(self) -> int:
+        return self.entry.offset
+
+    @property
+    def end(self) -> int:
+        return self.entry.offset + self.entry.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.length
+
+    def where(self) -> str:
+        kind = "record" if self.is_record else "data"
+        return (f"{kind} of tensor {self.name!r} in {self.obj.key} bytes {self.start}-{self.end} "
+                f"({self.manifest.where()})")
+
+
+
+def check_piece(p: Piece, data: bytes) -> "bytes | EncodedTensor":
+    """Bytes of a piece, checked: an anchor tensor's digest, or a record's checksums and its fit to the manifest."""
+    e = p.entry
+    if len(data) != e.length:
+        raise TruncatedError(f"{p.where()}: got {len(data)} bytes, expected {e.length}")
+    if not p.is_record:
+        if _xxh(data) != e.xxh3:
+            raise ChecksumError(f"{p.where()}: tensor bytes hash to {_xxh(data)}, the manifest says {e.xxh3}")
+        return data
+    enc = EncodedTensor.from_bytes(data, what=p.where())
+    h = enc.header
+    if h.name != p.name or h.dtype.name != e.dtype or tuple(h.shape) != tuple(e.shape):
+        raise FormatError(f"{p.where()}: the record holds tensor {h.name!r} {h.dtype.name}{list(h.shape)}, "
+                          f"the manifest expects {e.dtype}{list(e.shape)}")
+    if digest_hex(h.digest) != e.xxh3:
+        raise ChecksumError(f"{p.where()}: the record yields digest {digest_hex(h.digest)}, "
+                            f"the manifest says {e.xxh3}")
+    return enc
+
+
+def tensor_from_bytes(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """A writable CPU tensor holding a copy of ``data`` (an anchor tensor's little-endian bytes)."""
+    dt = dtypes.by_name(dtype)
+    return dtypes.from_bits(np.frombuffer(data, dt.bits_dtype).copy(), dt, tuple(shape))
+
+
+def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply checked payloads in order, starting from ``base`` (a writable CPU tensor, modified
+    in place) or from the first piece's whole copy. Each record checks its parent and result digests."""
+    t = base
+    for p, v in zip(pieces, values):
+        if not p.is_record:
+            t = tensor_from_bytes(v, p.entry.dtype, p.entry.shape)
+        elif not v.header.has_parent:
+            t = decode(None, v)
+        elif t is None:
+            raise ParentMismatchError(f"{p.where()}: the record needs the tensor's previous version")
+        else:
+            apply_(t, v)
+    if t is None:
+        raise ValueError("rebuild: no pieces")
+    return t
+
+
+def coalesce(items: list[tuple[Piece, int]]) -> list[tuple[str, int, int, list[tuple[Piece, int]]]]:
+    """Group pieces of one object into requests: (key, start, end, [(piece, index)])."""
+    by_key: dict[str, list[tuple[Piece, int]]] = {}
+    for p, i in items:
+        by_key.setdefault(p.obj.key, []).append((p, i))
+    out = []
+    for key, members in by_key.items():
+        members.sort(key=lambda x: (x[0].start, x[0].end))
+        cur: list[tuple[Piece, int]] = []
+        s = e = 0
+        for p, i in members:
+            if cur and p.start - e <= COALESCE_GAP and max(e, p.end) - s <= MAX_REQUEST_BYTES:
+                cur.append((p, i))
+                e = max(e, p.end)
+                continue
+            if cur:
+                out.append((key, s, e, cur))
+            cur, s, e = [(p, i)], p.start, p.end
+        if cur:
+            out.append((key, s, e, cur))
+    return out
+
+
+def _xxh(data: bytes) -> str:
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
