@@ -105,6 +105,10 @@ def test_chat_completions_apply_the_chat_template_with_top_logprobs(start_replic
     no_lp = rep.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2}).json()
     assert no_lp["choices"][0]["logprobs"] is None
 
+    tok.chat_template = None  # a tokenizer without a template gets the plain fallback
+    plain = rep.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    assert plain["prompt_token_ids"] == rep.engine.encode("system: be brief\nuser: two plus two?\nassistant:")
+
 
 def test_greedy_is_deterministic_and_stop_strings_truncate(start_replica):
     rep = start_replica()
@@ -316,28 +320,52 @@ def test_min_policy_version_above_the_served_one_is_408(start_replica):
 
 # --- what a request in flight sees at a swap -----------------------------------------------------------
 
-def _generate_across_a_swap(engine: Engine, target: int, prompt: list[int], params: SamplingParams):
-    """Run one request whose first step uses the old weights and every later step the new ones."""
+def _across_a_swap(engine: Engine, request, swap):
+    """Run ``request()`` so that its first step uses the old weights and every later step the new ones.
+
+    A forward hook holds step 1 open until the test has queued behind it on the
+    engine's FIFO step lock; the test then owns the gap between step 1 and step 2
+    and runs ``swap()`` in it."""
     first_step = threading.Event()
 
     def hook(module, args, output):
         if not first_step.is_set():
             first_step.set()
-            while engine.steps_waiting == 0:  # let the test queue up before step 2 can
+            while engine.steps_waiting == 0:
                 time.sleep(0.001)
 
     handle = engine.model.register_forward_hook(hook)
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("gen", engine.generate(prompt, params)))
+    t = threading.Thread(target=lambda: out.setdefault("result", request()))
     t.start()
     try:
         assert first_step.wait(60)
         with engine.hold():  # between step 1 and step 2
-            engine.swapper.hotload(target)
+            swap()
     finally:
         t.join(60)
         handle.remove()
-    return out["gen"]
+    return out["result"]
+
+
+def _generate_across_a_swap(engine: Engine, target: int, prompt: list[int], params: SamplingParams):
+    return _across_a_swap(engine, lambda: engine.generate(prompt, params), lambda: engine.swapper.hotload(target))
+
+
+def test_a_request_in_flight_crosses_a_hotload_and_reports_the_span(start_replica):
+    rep = start_replica(1)
+    with httpx.Client(base_url=rep.url, timeout=60) as other:
+        body = _across_a_swap(
+            rep.engine,
+            lambda: other.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "n": 2, "ignore_eos": True,
+                                                        "return_engine_data": True}),
+            lambda: rep.hotload(2))  # over HTTP, to READY, while the request waits between two steps
+    assert body.status_code == 200, body.text
+    ed = body.json()["engine_data"]
+    assert ed["policy_versions"] == [1, 2] and ed["policy_version"] == 2 and ed["crossed_swap"] is True
+    assert ed["prefix_recomputes"] == 1 and all(len(c["token_ids"]) == 5 for c in body.json()["choices"])
+    m = metric_samples(rep)
+    assert m[("ckptdelta_requests_crossed_swap_total", ())] == 1
 
 
 def test_recompute_policy_reruns_the_prefix_with_the_new_weights(run, tmp_path):
