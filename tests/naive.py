@@ -89,6 +89,10 @@ def scatter(live: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None
     live[positions] = values
 
 
+def gather(src: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    return src[positions].copy()
+
+
 def to_planes(values: np.ndarray, nplanes: int) -> np.ndarray:
     v = values.astype(_U64)
     return np.concatenate([((v >> _U64(8 * p)) & _U64(0xFF)).astype(np.uint8) for p in range(nplanes)]) \

@@ -96,9 +96,16 @@ def test_change_kernels_match_reference(case):
     np.testing.assert_array_equal(pos, ref_pos, err_msg=msg)
     np.testing.assert_array_equal(vals, ref_vals, err_msg=msg)
 
+    saved = np.empty(k, old.dtype)
+    kernels.gather(new, pos, saved)
+    np.testing.assert_array_equal(saved, naive.gather(new, pos), err_msg=msg)
     live = old.copy()
+    kernels.gather(live, pos, saved)
+    np.testing.assert_array_equal(saved, naive.gather(old, pos), err_msg=msg)
     kernels.scatter(live, pos, vals)
     np.testing.assert_array_equal(live, new, err_msg=msg)
+    kernels.scatter(live, pos, saved)  # the undo of an in-place apply
+    np.testing.assert_array_equal(live, old, err_msg=msg)
 
     for sm in (False, True):
         gaps, steps, max_gap, max_step = kernels.sparse_extract(old, new, k, w, sm)
