@@ -98,6 +98,13 @@ def test_from_unknown_weights_only_through_load_initial(run):
     assert_at(live, run, 7)
 
 
+def test_name_map_translates_checkpoint_names(run):
+    live = {"module." + k: t.clone() for k, t in run.truth[0].items()}
+    sw = HotSwapper(live, SnapshotReader(run.url), version=0, name_map=lambda n: "module." + n)
+    sw.hotload(6)
+    assert_at({k[len("module."):]: t for k, t in live.items()}, run, 6)
+
+
 def test_same_version_is_a_no_op(run):
     live, sw = swapper_at(run, 3)
     rep = sw.hotload(3)

@@ -268,11 +268,14 @@ def test_materialize_refuses_a_non_empty_directory_and_leaves_nothing_on_failure
     (tmp_path / "busy" / "x").write_text("x")
     with pytest.raises(FileExistsError):
         r.materialize(1, str(tmp_path / "busy"))
+    (tmp_path / "empty").mkdir()
+    r.materialize(1, str(tmp_path / "empty"))                   # an empty directory is fine
+    assert_same(load_file(str(tmp_path / "empty" / "model.safetensors")), run.truth[1])
     m = r.manifest(0)
     flip_byte(run.store, m.objects[0].key, m.objects[0].size - 3)   # corrupt the last tensor's data
     with pytest.raises(ChecksumError):
         SnapshotReader(run.url).materialize(0, str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path)) == ["busy", "run"]
+    assert sorted(os.listdir(tmp_path)) == ["busy", "empty", "run"]
 
 
 # --- verify -----------------------------------------------------------------------------------------
