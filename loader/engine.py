@@ -129,10 +129,15 @@ class FairLock:
         self.release()
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers renamed ``past_key_values`` to ``cache`` (5.x); use whichever forward takes."""
+def _forward_kwargs(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
+    """Keyword names this transformers version uses: the KV cache (``cache`` in 5.x, before that
+    ``past_key_values``) and computing logits for the last position only (when supported)."""
     params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    cache = "cache" if "cache" in params else "past_key_values"
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return cache, {name: 1}
+    return cache, {}
 
 
 def _new_cache(model: torch.nn.Module) -> Any:
@@ -172,7 +177,7 @@ class Engine:
         self.max_model_len = int(max_model_len or cfg_len or 2048)
         self._step_lock = FairLock()
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
-        self._cache_kwarg = _cache_kwarg(model)
+        self._cache_kwarg, self._last_only = _forward_kwargs(model)
         self.eos_token_id: int | None = tokenizer.eos_token_id
         self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_token_id or 0)
         self.vocab_size = int(model.config.vocab_size)
@@ -250,7 +255,7 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         with torch.inference_mode():
-            out = self.model(input_ids=input_ids.to(self.device), use_cache=True, logits_to_keep=1,
+            out = self.model(input_ids=input_ids.to(self.device), use_cache=True, **self._last_only,
                              **{self._cache_kwarg: cache})
         return out.logits[:, -1, :].float().cpu()
 

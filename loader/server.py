@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from delta.errors import HotLoadConflictError, SnapshotNotFoundError, StorageError
+from delta.errors import DeltaError, HotLoadConflictError, SnapshotNotFoundError, StorageError
 
 from .engine import MAX_TOP_LOGPROBS, Engine, Generation, SamplingParams
 from .hotload_jobs import HotLoadJob, HotLoadManager
@@ -379,6 +379,8 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
                            running=running.to_dict() if running is not None else None) from None
         except StorageError as e:
             raise APIError(503, "storage_error", str(e)) from None
+        except DeltaError as e:  # the snapshot exists but its manifest cannot be trusted
+            raise APIError(502, "snapshot_unreadable", str(e)) from None
         except ValueError as e:
             raise APIError(400, "invalid_snapshot", str(e)) from None
         body = {**job.to_dict(), "joined": how == "joined"}

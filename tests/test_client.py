@@ -150,11 +150,9 @@ def test_serve_command_runs_a_replica_from_a_bucket(run, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import argparse, sys; from loader import cli; p = argparse.ArgumentParser(); "
-            "cli.add_commands(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
     env = {**os.environ, "CKPTDELTA_API_KEY": "env-key"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--bucket", run.url, "--snapshot", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "ckptdelta.cli", "serve", "--bucket", run.url, "--snapshot", "1",
                              "--port", str(port), "--replica-id", "cli-replica", "--cache-dir", str(tmp_path / "cache")],
                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
