@@ -152,6 +152,7 @@ class _Staged:
     live_name: str            # name in the live module / mapping
     st: StagedTensor
     key: tuple                # identity of the live tensor it was staged against
+    undo: StagedTensor | None = None   # a sparse change's old bits, gathered while serving, not in the pause
 
 
 @dataclass
@@ -282,7 +283,8 @@ class HotSwapper:
             t = live[mapping[name]]
             st = _stage_one(name, t, groups[gi], values, plan, cur)
             if st.dense is not None or st.positions.shape[0]:
-                staged.append(_Staged(name, mapping[name], st, _identity(t)))
+                undo = None if st.dense is not None else _old_bits(t, st)
+                staged.append(_Staged(name, mapping[name], st, _identity(t), undo))
             decode_s += time.perf_counter() - td
         staging = sum(s.st.nbytes for s in staged)
         report = HotLoadReport(
@@ -322,7 +324,7 @@ class HotSwapper:
                         _swap_dense(live, s.st, method)          # all or nothing; swapping again undoes it
                         undo.append((live, lambda live=live, st=s.st: _swap_dense(live, st, method)))
                     else:
-                        old = _old_bits(live, s.st)
+                        old = s.undo if s.undo is not None else _old_bits(live, s.st)
                         undo.append((live, lambda live=live, old=old: old.apply_(live, method=method)))
                         s.st.apply_(live, method=method)
                 _synchronize(undo)

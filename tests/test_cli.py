@@ -1,0 +1,74 @@
+"""The ``ckptdelta`` command as a user meets it: help that lists every command, inspect, clean errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import torch
+
+import delta
+from ckptdelta.cli import main
+from delta.container import ObjectWriter
+
+COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "materialize", "verify", "inspect")
+
+
+def test_help_lists_every_command_with_examples():
+    out = subprocess.run([sys.executable, "-m", "ckptdelta", "--help"], capture_output=True, text=True, check=True)
+    for cmd in COMMANDS:
+        assert f"    {cmd}" in out.stdout
+    assert "examples:" in out.stdout
+
+
+def test_every_subcommand_has_help(capsys):
+    for cmd in COMMANDS:
+        try:
+            main([cmd, "--help"])
+        except SystemExit as e:
+            assert e.code == 0
+        assert "usage: ckptdelta " + cmd in capsys.readouterr().out
+
+
+def _object(tmp_path):
+    old = torch.randn(300, 40).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[::97] = 1.5
+    buf = io.BytesIO()
+    w = ObjectWriter(buf)
+    w.add("w", delta.encode(old, new, name="w").to_bytes())
+    w.add("b", delta.encode(None, torch.arange(5, dtype=torch.int64), name="b").to_bytes())
+    w.finish()
+    path = tmp_path / "rank-00000.ckd"
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def test_inspect_describes_each_tensor_of_a_delta_object(tmp_path, capsys):
+    path = _object(tmp_path)
+    assert main(["inspect", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    by_name = {t["name"]: t for t in got["tensors"]}
+    assert by_name["w"]["dtype"] == "BF16" and by_name["w"]["shape"] == [300, 40]
+    assert by_name["w"]["chunks"] == {"sparse": 1}
+    assert by_name["b"]["has_parent"] is False
+
+
+def test_a_corrupt_object_is_a_one_line_error_with_exit_status_1(tmp_path, capsys):
+    path = _object(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ckptdelta inspect: error:") and "\n" not in err
+    assert "'w'" in err or "tensor" in err
+
+
+def test_a_missing_run_is_a_clean_error(tmp_path, capsys):
+    rc = main(["ls", str(tmp_path / "no-such-run")])
+    out = capsys.readouterr()
+    assert rc in (0, 1)
+    assert "Traceback" not in out.err
