@@ -228,6 +228,23 @@ def _check_live(live, name: str, dt: dtypes.DType, shape: tuple[int, ...]) -> No
             f"the delta expects {dt.name}{list(shape)}")
 
 
+def _decode_against(enc: EncodedTensor, bits: np.ndarray, verify: bool, threads: int | None):
+    """Check ``bits`` is the record's parent (with ``verify``) and decode every chunk's changes against it."""
+    h = enc.header
+    if verify and h.has_parent:
+        got = xxhash.xxh3_64_intdigest(bits)
+        if got != h.parent_digest:
+            raise ParentMismatchError(
+                f"tensor {h.name!r}: the delta was encoded against a tensor with digest "
+                f"{digest_hex(h.parent_digest)}, the live tensor has {digest_hex(got)} (wrong parent snapshot?)")
+
+    def one(i: int):
+        s, e = h.chunk_range(i)
+        return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"tensor {h.name!r} chunk {i}")
+
+    return _map(one, list(range(len(h.chunks))), threads)
+
+
 def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bool = True,
           threads: int | None = None) -> StagedTensor:
     """Decode ``enc`` against the current content of ``live`` without modifying it.
@@ -240,18 +257,7 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     h = enc.header
     _check_live(live, h.name, h.dtype, h.shape)
     bits = dtypes.host_bits(live)
-    if verify and h.has_parent:
-        got = xxhash.xxh3_64_intdigest(bits)
-        if got != h.parent_digest:
-            raise ParentMismatchError(
-                f"tensor {h.name!r}: the delta was encoded against a tensor with digest "
-                f"{digest_hex(h.parent_digest)}, the live tensor has {digest_hex(got)} (wrong parent snapshot?)")
-
-    def one(i: int):
-        s, e = h.chunk_range(i)
-        return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"tensor {h.name!r} chunk {i}")
-
-    per_chunk = _map(one, list(range(len(h.chunks))), threads)
+    per_chunk = _decode_against(enc, bits, verify, threads)
     if verify:
         hasher = xxhash.xxh3_64()
         for i, (pos, vals) in enumerate(per_chunk):
@@ -372,18 +378,7 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
     if not _shares(bits, live):
         stage(live, enc, verify=verify, threads=threads).apply_(live, method=method)
         return
-    if verify and h.has_parent:
-        got = xxhash.xxh3_64_intdigest(bits)
-        if got != h.parent_digest:
-            raise ParentMismatchError(
-                f"tensor {h.name!r}: the delta was encoded against a tensor with digest "
-                f"{digest_hex(h.parent_digest)}, the live tensor has {digest_hex(got)} (wrong parent snapshot?)")
-
-    def one(i: int):
-        s, e = h.chunk_range(i)
-        return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"tensor {h.name!r} chunk {i}")
-
-    per_chunk = _map(one, list(range(len(h.chunks))), threads)
+    per_chunk = _decode_against(enc, bits, verify, threads)
     saved = []
     for i, (pos, vals) in enumerate(per_chunk):
         if pos.shape[0]:
