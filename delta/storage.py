@@ -164,6 +164,11 @@ def check_key(key: str, *, what: str = "key") -> str:
     return key
 
 
+def is_temp_key(key: str) -> bool:
+    """Whether ``key`` is the temp file of a local write: never an object, debris if its writer died."""
+    return key.rsplit("/", 1)[-1].startswith(_TMP_PREFIX)
+
+
 def _mtime(info: dict[str, Any]) -> float | None:
     """Modification time in epoch seconds from whatever field the backend reports."""
     for name in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
@@ -424,11 +429,14 @@ class Store:
             return False
         return True
 
-    def list_prefix(self, prefix: str = "") -> list[str]:
+    def list_prefix(self, prefix: str = "", *, include_temp: bool = False) -> list[str]:
         """Sorted keys starting with ``prefix`` (plain string prefix, as S3 lists), recursive.
 
         ``list_prefix("a/")`` lists everything under a/; ``list_prefix("a")`` also
-        matches "ab". Listings are never served from a cache.
+        matches "ab". Listings are never served from a cache. Temp files of local
+        writes (in flight, or left by a writer killed mid-write: see
+        :func:`is_temp_key`) are hidden unless ``include_temp``, which gc uses to
+        remove them.
         """
         if prefix:
             check_key(prefix[:-1] if prefix.endswith("/") else prefix, what="prefix")
@@ -450,7 +458,7 @@ class Store:
             key = path[len(root_prefix):]
             if not key.startswith(prefix):
                 continue
-            if self.backend == "local" and key.rsplit("/", 1)[-1].startswith(_TMP_PREFIX):
+            if self.backend == "local" and not include_temp and is_temp_key(key):
                 continue
             keys.append(key)
         return sorted(keys)

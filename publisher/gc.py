@@ -5,7 +5,9 @@ complete chains): once a manifest is gone no reader can resolve its snapshot,
 and only then are its data objects deleted. Objects no manifest references are
 debris of failed or racing publishes; they are deleted once older than
 ``grace_seconds``, which is what protects a publish still in flight (its data
-exists before its manifest). RUN.json and HEAD are never touched, nor anything a
+exists before its manifest). The temp files of local writes whose writer was
+killed mid-write are debris too, under the same grace period (a live writer's
+temp file is younger than it). RUN.json and HEAD are never touched, nor anything a
 kept snapshot needs (its chain is followed to its anchor), nor the objects of a
 manifest that cannot be read (what it references is unknown, so everything
 under its version stays).
@@ -22,7 +24,7 @@ from typing import Any
 
 from delta.errors import CkptDeltaError
 from delta.manifest import ANCHOR_DIR, DELTA_DIR, Manifest, manifest_key
-from delta.storage import Store
+from delta.storage import Store, is_temp_key
 
 from .runs import committed_versions, read_manifest, read_run_info
 
@@ -74,8 +76,8 @@ def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: 
 
     to_delete: dict[str, int] = {}
     young: list[str] = []
-    for key in store.list_prefix(ANCHOR_DIR + "/") + store.list_prefix(DELTA_DIR + "/"):
-        if key in referenced:
+    for key in store.list_prefix("", include_temp=True):
+        if key in referenced or not (is_temp_key(key) or key.startswith((ANCHOR_DIR + "/", DELTA_DIR + "/"))):
             continue
         m = _DATA_KEY.match(key)
         if m and int(m.group(1)) in unreadable:
