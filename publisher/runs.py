@@ -87,19 +87,35 @@ def commit(store: Store, manifest: Manifest) -> str:
 
     HEAD is best effort: a failure there is logged, the snapshot is committed regardless."""
     data = manifest.to_json()
+    key = manifest_key(manifest.version)
     try:
-        store.put_if_absent(manifest_key(manifest.version), data)
+        store.put_if_absent(key, data)
     except ObjectExistsError:
-        raise ConcurrentPublisherError(
-            f"run {manifest.run_id} at {store.url}: snapshot {manifest.name} (version {manifest.version}) was "
-            "committed by another publisher while this one was publishing it; refusing to fork the run "
-            "(one publisher per run; a new Publisher on this URL continues after the latest snapshot)") from None
+        if _holds(store, key, data):
+            # Our create landed and its answer was lost, then a retry below the Store (aiohttp
+            # resends an idempotent PUT once when a kept-alive connection drops) found it. The
+            # manifest names this session's writer id and creation time: those bytes are ours.
+            log.warning("%s: the create answered 'exists' but the manifest holds this publisher's bytes "
+                        "(a lost answer to our own commit); committed", store.key_url(key))
+        else:
+            raise ConcurrentPublisherError(
+                f"run {manifest.run_id} at {store.url}: snapshot {manifest.name} (version {manifest.version}) was "
+                "committed by another publisher while this one was publishing it; refusing to fork the run "
+                "(one publisher per run; a new Publisher on this URL continues after the latest snapshot)") from None
     h = digest_hex(xxhash.xxh3_64_intdigest(data))
     try:
         store.put(HEAD_KEY, Head(manifest.run_id, manifest.version, h).to_json())
     except Exception as e:  # the commit happened; a stale HEAD only costs readers a listing
         log.warning("committed %s but could not update %s: %s", manifest.where(), store.key_url(HEAD_KEY), e)
     return h
+
+
+def _holds(store: Store, key: str, data: bytes) -> bool:
+    """Whether ``key`` holds exactly ``data`` (an object of another size is not even downloaded)."""
+    try:
+        return store.size(key) == len(data) and store.get(key, max_size=len(data)) == data
+    except ObjectNotFoundError:
+        return False
 
 
 def check_not_committed(store: Store, version: int, run_id: str) -> None:
