@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 
 from delta.codec import digest_hex
-from delta.errors import (ConcurrentPublisherError, ManifestError, ObjectExistsError, ObjectNotFoundError,
-                          RunMismatchError)
+from delta.errors import (CkptDeltaError, ConcurrentPublisherError, ManifestError, ObjectExistsError,
+                          ObjectNotFoundError, RunMismatchError, StorageError)
 from delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head, Manifest,
                             RunInfo, manifest_key, now_iso, version_of_manifest_key)
 from delta.storage import Store
@@ -102,6 +102,17 @@ def commit(store: Store, manifest: Manifest) -> str:
                 f"run {manifest.run_id} at {store.url}: snapshot {manifest.name} (version {manifest.version}) was "
                 "committed by another publisher while this one was publishing it; refusing to fork the run "
                 "(one publisher per run; a new Publisher on this URL continues after the latest snapshot)") from None
+    except StorageError:
+        # Every try failed, yet one may have landed with its answer lost: then the snapshot is
+        # committed, and saying otherwise would make the next publish find "its" version taken.
+        try:
+            ours = _holds(store, key, data)
+        except CkptDeltaError:
+            ours = False
+        if not ours:
+            raise
+        log.warning("%s: the create failed, but the manifest holds this publisher's bytes (an answer was "
+                    "lost); committed", store.key_url(key))
     h = digest_hex(xxhash.xxh3_64_intdigest(data))
     try:
         store.put(HEAD_KEY, Head(manifest.run_id, manifest.version, h).to_json())
