@@ -54,6 +54,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob + k alternatives
     ignore_eos: bool = False
+    score_logprobs: bool = False  # report logprobs from one scoring pass per completion (see score_logprobs)
 
 
 @dataclass
@@ -322,6 +323,10 @@ class Engine:
                         c.finish_reason, done[i] = "stop", True
             if all(done):
                 break
+        if params.logprobs is not None and params.score_logprobs:
+            version = self._rescore(prompt, comps, k_top)
+            if version not in versions:
+                versions.append(version)
         for c in comps:
             if c.stop_reason is None:
                 c.text = self.decode(c.token_ids)
@@ -330,7 +335,49 @@ class Engine:
                           stale_kv_steps=stale_steps, duration_s=time.perf_counter() - t0)
 
 
+    def _rescore(self, prompt: list[int], comps: list[Completion], k_top: int) -> int | None:
+        """Replace each completion's logprobs by :func:`score_logprobs` of prompt + completion.
+
+        All completions are scored inside one step, so by one version (returned):
+        the version a trainer must hold to reproduce these numbers bit for bit."""
+        with self.step() as version, torch.inference_mode():
+            for c in comps:
+                lp = score_logprobs(self.model, prompt + c.token_ids, len(prompt)).cpu()
+                rows = torch.arange(len(c.token_ids))
+                c.logprobs = lp[rows, torch.tensor(c.token_ids)].tolist()
+                top = torch.topk(lp, k_top, dim=-1) if k_top else None
+                c.top_logprobs = ([[(int(j), float(v)) for v, j in zip(top.values[i], top.indices[i])]
+                                   for i in range(len(c.token_ids))] if top is not None else [[] for _ in rows])
+        return version
+
+
 _NO_VERSION = object()
+
+
+def score_logprobs(model: torch.nn.Module, token_ids: Sequence[int], prompt_len: int) -> torch.Tensor:
+    """Float32 log-probabilities, ``[len(token_ids) - prompt_len, vocab]``, of every position after the prompt.
+
+    One forward of the whole sequence at batch 1, no KV cache, in the model's own
+    dtype, then ``log_softmax`` in float32. Decoding token by token with a cache
+    rounds differently from a trainer's full-sequence forward even on identical
+    weights; a trainer that calls this (or :func:`score_tokens`) on the published
+    bits gets exactly the replica's numbers, so sampler/trainer divergence measures
+    the weights and nothing else. Autograd works through it (inference mode is the
+    caller's choice and does not change the arithmetic)."""
+    ids = list(token_ids)
+    if not 1 <= prompt_len < len(ids):
+        raise ValueError(f"prompt_len {prompt_len} must be in [1, {len(ids)}) for a sequence of {len(ids)} tokens")
+    device = next(model.parameters()).device
+    inp = torch.tensor([ids], dtype=torch.long, device=device)
+    logits = model(input_ids=inp, use_cache=False).logits[0, prompt_len - 1:-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def score_tokens(model: torch.nn.Module, token_ids: Sequence[int], prompt_len: int) -> torch.Tensor:
+    """Float32 logprob of each token after the prompt under ``model``: :func:`score_logprobs`, gathered."""
+    lp = score_logprobs(model, token_ids, prompt_len)
+    target = torch.tensor(list(token_ids)[prompt_len:], dtype=torch.long, device=lp.device)
+    return lp.gather(-1, target[:, None]).squeeze(-1)
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:

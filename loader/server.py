@@ -59,6 +59,7 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     min_policy_version: StrictInt | None = Field(None, ge=0)
     return_engine_data: StrictBool = False
+    score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (loader.engine.score_logprobs)
 
     @field_validator("stop")
     @classmethod
@@ -308,7 +309,8 @@ def create_app(engine: Engine, *, reader: Any = None, replica_id: str, api_key: 
     def run(prompt_ids: list[int], req: _Sampling, logprobs: int | None, max_tokens: int) -> Generation:
         check_version(req.min_policy_version)
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, n=req.n,
-                                seed=req.seed, stop=tuple(req.stop or ()), logprobs=logprobs, ignore_eos=req.ignore_eos)
+                                seed=req.seed, stop=tuple(req.stop or ()), logprobs=logprobs, ignore_eos=req.ignore_eos,
+                                score_logprobs=req.score_logprobs)
         try:
             engine.check_prompt(prompt_ids, max_tokens)
         except ValueError as e:
