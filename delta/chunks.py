@@ -16,10 +16,10 @@ import numpy as np
 import xxhash
 import zstandard
 
-from . import kernels
+from . import ctxcoder, kernels
 from .dtypes import DType
 from .errors import ChecksumError, FormatError
-from .record import DENSE_XOR, RAW, SPARSE, UNCHANGED, ChunkEntry
+from .record import CTX, CTX_LAYOUT, DENSE_XOR, RAW, SPARSE, UNCHANGED, ChunkEntry
 
 DEFAULT_LEVEL = 3
 # Above this fraction of changed elements the dense XOR form is tried as well and the smaller kept.
@@ -97,6 +97,9 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
     if changed == 0:
         return ChunkEntry(UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b"")), b""
     best = _encode_sparse(old, new, dt, changed, level)
+    ctx = ctxcoder.encode_ctx(old, new, dt, changed)
+    if ctx is not None and len(ctx) < best[0].length:
+        best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx), ctx
     if changed > DENSE_TRY_FRACTION * n:
         dense = _compressor(level).compress(kernels.xor_planes(old, new, dt.itemsize))
         if len(dense) < best[0].length:
@@ -164,6 +167,8 @@ def decode_changes(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarr
         values = np.empty(k, dt.bits_dtype)
         kernels.sparse_new_values(old, positions, steps, 8 * dt.itemsize, dt.sign_magnitude, values)
         return positions, values
+    if entry.encoding == CTX:
+        return ctxcoder.decode_ctx(payload, old, entry.count, dt, where)
     if entry.encoding == DENSE_XOR:
         planes = np.frombuffer(_unzstd(payload, n * dt.itemsize, where), np.uint8)
         positions = np.empty(entry.count, np.int64)

@@ -26,7 +26,10 @@ UNCHANGED = 0
 SPARSE = 1
 DENSE_XOR = 2
 RAW = 3
-ENCODING_NAMES = {UNCHANGED: "unchanged", SPARSE: "sparse", DENSE_XOR: "dense_xor", RAW: "raw"}
+CTX = 4
+ENCODING_NAMES = {UNCHANGED: "unchanged", SPARSE: "sparse", DENSE_XOR: "dense_xor", RAW: "raw", CTX: "ctx"}
+# ctx: an element's context is its parent's exponent field; (planes_a, planes_b) = (mantissa bits, exponent bits)
+CTX_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F8_E4M3": (3, 4), "F8_E5M2": (2, 5)}
 
 FLAG_HAS_PARENT = 1
 
@@ -183,7 +186,7 @@ def parse_header(buf: bytes | memoryview, *, what: str = "record") -> RecordHead
         n = min(numel, start + chunk_elems) - start
         if r2:
             raise FormatError(f"{where} chunk {i}: nonzero reserved byte {r2:#x}")
-        _check_entry(where, i, enc, pa, pb, count, n, dt.itemsize, has_parent, length)
+        _check_entry(where, i, enc, pa, pb, count, n, dt.itemsize, has_parent, length, dtype_name=dt.name)
         chunks.append(ChunkEntry(enc, pa, pb, count, length, checksum))
     return RecordHeader(name, dt, tuple(shape), numel, chunk_elems, digest, parent_digest,
                         has_parent, tuple(chunks), size)
@@ -206,13 +209,13 @@ def _claimed(buf: bytes | memoryview, what: str) -> str:
 
 
 def _check_entry(where: str, i: int, enc: int, pa: int, pb: int, count: int, n: int,
-                 itemsize: int, has_parent: bool, length: int) -> None:
+                 itemsize: int, has_parent: bool, length: int, dtype_name: str = "") -> None:
     bad = None
     if enc not in ENCODING_NAMES:
         bad = f"unknown encoding id {enc}"
     elif enc == UNCHANGED and (count or length or pa or pb):
         bad = "unchanged chunk with a payload or planes"
-    elif enc in (UNCHANGED, SPARSE, DENSE_XOR) and not has_parent:
+    elif enc in (UNCHANGED, SPARSE, DENSE_XOR, CTX) and not has_parent:
         bad = f"{ENCODING_NAMES[enc]} chunk in a record without parent"
     elif enc == SPARSE and not (1 <= count <= n and 1 <= pa <= 4 and 1 <= pb <= itemsize):
         bad = f"sparse chunk fields out of range (count={count}, planes={pa}/{pb})"
@@ -220,5 +223,7 @@ def _check_entry(where: str, i: int, enc: int, pa: int, pb: int, count: int, n: 
         bad = f"dense chunk fields out of range (count={count}, planes={pa}/{pb})"
     elif enc == RAW and not (count == n and pa == 0 and pb == itemsize):
         bad = f"raw chunk fields out of range (count={count}, planes={pa}/{pb})"
+    elif enc == CTX and not (1 <= count <= n and CTX_LAYOUT.get(dtype_name) == (pa, pb)):
+        bad = f"ctx chunk fields out of range for {dtype_name or 'this dtype'} (count={count}, planes={pa}/{pb})"
     if bad:
         raise FormatError(f"{where} chunk {i}: {bad}")

@@ -1,6 +1,6 @@
 """Write the golden records once: small tensors of several dtypes in every chunk encoding.
 
-    python -m tests.golden.make_golden            # writes only files that do not exist yet
+    python -m tests.golden.make_golden            # writes only new cases; released ones stay as they are
     python -m tests.golden.make_golden --force    # rewrites everything (only for a new format version)
 
 tests/test_codec.py decodes every record listed in index.json on each run and
@@ -109,7 +109,31 @@ def cases() -> list[dict]:
             un = u.copy()
             un[4] = 0
             add(f"{name.lower()}_sparse", name, u, un, 1 << 20, {"sparse"})
+    _ctx_cases(add)
     return out
+
+
+def _ctx_cases(add) -> None:
+    """Encoding 4 (ctx): optimizer-like one-ulp moves, most likely for the smallest weights,
+    plus special values changing (NaN payloads, infinities, -0.0, subnormals). Its own
+    generator, so the cases above keep their random streams."""
+    rng = np.random.default_rng(20250107)
+    w = _bf16_weights(rng, 3000)
+    w[:8] = [0x7FC1, 0xFF80, 0x8000, 0x0001, 0x807F, 0x7F80, 0x0000, 0xFFFF]
+    ulp_small = (w & 0x7FFF) < 0x3C00        # |w| < 2**-7
+    moves = rng.random(3000) < np.where(ulp_small, 0.2, 0.01)
+    keys = np.where(w & 0x8000, 0xFFFF - w.astype(np.int64), w.astype(np.int64) + 0x8000)
+    keys = (keys + np.where(moves, rng.choice([-1, 1, -3, 2], size=3000, p=[.45, .45, .05, .05]), 0)) % 65536
+    w2 = np.where(keys & 0x8000, keys - 0x8000, 0xFFFF - keys).astype(np.uint16)
+    w2[:8] = [0x7FC2, 0x7F80, 0x0000, 0x8001, 0x007F, 0xFF80, 0x0000, 0xFFFF]
+    add("bf16_ctx", "BF16", w, w2, 1024, {"ctx"})
+
+    e5 = rng.integers(0x30, 0x48, size=600, dtype=np.uint8) | (rng.integers(0, 2, 600, dtype=np.uint8) << 7)
+    e5n = e5.copy()
+    idx = rng.choice(600, 90, replace=False)
+    e5n[idx] = (e5n[idx].astype(np.int64) + rng.choice([-1, 1], size=90)) & 0xFF
+    e5n[[0, 1]] = [0x7D, 0x80]            # a NaN, -0.0
+    add("f8e5m2_ctx", "F8_E5M2", e5, e5n, 1 << 20, {"ctx"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     index = []
     wrote = 0
+    idx = HERE / "index.json"
+    frozen = {} if args.force or not idx.exists() else {c["name"]: c for c in json.loads(idx.read_text())["cases"]}
     for c in cases():
+        if c["name"] in frozen and (HERE / frozen[c["name"]]["record"]).exists():
+            index.append(frozen[c["name"]])   # released: never re-encoded (the encoder may choose differently now)
+            continue
         shape = list(c["new"].shape)
         new = _tensor(c["new"], c["dtype"]).reshape(shape)
         old = None if c["old"] is None else _tensor(c["old"], c["dtype"]).reshape(shape)
@@ -143,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         record.parse_header((HERE / files["record"]).read_bytes())
         index.append({"name": c["name"], "dtype": c["dtype"], "shape": shape, "encodings": counts,
                       "record_format_version": record.FORMAT_VERSION, **files})
-    idx = HERE / "index.json"
-    if not idx.exists() or args.force:
+    if [c["name"] for c in index] != list(frozen) or args.force:
         idx.write_text(json.dumps({"cases": index}, indent=1) + "\n")
         wrote += 1
     print(f"{wrote} files written under {HERE.name}/", file=sys.stderr)

@@ -1,0 +1,792 @@
+"""Chunk encoding 4 ("ctx"): changes coded with contexts the decoder already holds.
+
+Why: the parent's bits predict the change. An element's exponent fixes its ulp,
+and an optimizer step of roughly ``lr`` moves an element with a small ulp almost
+surely and one with a large ulp rarely; an element that moves nearly always moves
+one ulp. So every element is put in a *class*, its parent's exponent field (known
+to encoder and decoder alike), and each class gets its own model: the changed
+positions are Golomb-coded gaps inside the class's own index sequence, the steps a
+sign bit plus a Golomb-coded "moved more than one ulp" sequence and magnitude.
+Golomb codes are within ~1% of the entropy of geometric gaps, need one parameter
+byte per class (no frequency tables), and decode with a bit reader and no
+divisions: on the reference workloads this is within a few percent of the
+conditional entropy (benchmarks/entropy.py) at ~2x the order-0 codecs.
+
+Layout, classes, parameters and bit order are fixed by docs/FORMAT.md
+("Encoding 4: ctx"). The kernels are pure numba functions over numpy arrays; the
+decoder validates every length, count and value it derives from the payload (numba
+does no bounds checks) and never reads past the payload: a bad payload yields an
+error code that :func:`decode_ctx` turns into a :class:`FormatError`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+from numba.core import config
+
+if config.DISABLE_JIT:  # the kernels run as plain Python (coverage runs): no LLVM intrinsic
+    def leading_zeros(x):
+        return 64 - int(x).bit_length()
+else:
+    from numba.cpython.unsafe.numbers import leading_zeros
+
+from .dtypes import DType
+from .errors import FormatError
+from .record import CTX_LAYOUT
+
+MAX_J = 95          # largest Golomb parameter index; m(95) = 7 * 2**21
+HEADER_MIN = 4      # u16 lo, u16 hi
+
+_U64 = np.uint64
+_NONE, _ALL, _GOLOMB = 0, 1, 2
+_BIG = 1 << 62      # a countdown that never reaches zero inside a chunk (<= 2**24 elements)
+
+_ERRORS = {
+    1: "payload shorter than its class table",
+    2: "class range outside the dtype's exponent classes",
+    3: "invalid parameter byte",
+    4: "non-canonical class table",
+    5: "a coded gap or step exceeds its bound",
+    6: "more changed elements than the chunk entry's count",
+    7: "fewer changed elements than the chunk entry's count",
+    8: "a class's position gaps do not end at the chunk's end",
+    9: "a class's step flags do not end with its changes",
+    10: "bit stream read past the payload's end",
+    11: "trailing bytes or nonzero padding after the bit stream",
+    12: "a step outside the dtype's key space",
+}
+
+
+def layout_of(dt: DType) -> tuple[int, int] | None:
+    """(mantissa bits, exponent bits) when encoding 4 serves ``dt``, else None."""
+    return CTX_LAYOUT.get(dt.name)
+
+
+def golomb_m(j: int) -> int:
+    """The Golomb parameter of index ``j``: four steps per octave, exact in integers."""
+    return ((4 + (j & 3)) << (j >> 2)) >> 2
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+@njit(cache=True, nogil=True, inline="always")
+def _m_of(j):
+    return ((4 + (j & 3)) << (j >> 2)) >> 2
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ceil_log2(m):
+    b = 0
+    while (1 << b) < m:
+        b += 1
+    return b
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _key(b, signbit, mask):
+    if b & signbit:
+        return (~b) & mask
+    return b | signbit
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _unkey(k, signbit, mask):
+    if k & signbit:
+        return k ^ signbit
+    return (~k) & mask
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _golomb_bits(v, m, b, cut):
+    q = v // m
+    r = v - q * m
+    if b == 0:
+        return q + 1
+    return q + 1 + (b - 1 if r < cut else b)
+
+
+@njit(cache=True, nogil=True)
+def _j_for_p(p):
+    """Parameter index of the Golomb code for geometric gaps with event probability p (0 < p <= 1)."""
+    if p >= 0.5:
+        return 0
+    m = math.ceil(math.log(2.0 - p) / -math.log1p(-p))
+    j = 0
+    while j < MAX_J and _m_of(j) < m:
+        j += 1
+    return j
+
+
+# --------------------------------------------------------------------------- bit writer
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(out, acc, nb, pos, val, k):
+    """Append the ``k`` (<= 32) low bits of ``val``, most significant first."""
+    acc = (acc << _U64(k)) | _U64(val)
+    nb += k
+    while nb >= 8:
+        nb -= 8
+        out[pos] = np.uint8((acc >> _U64(nb)) & _U64(0xFF))
+        pos += 1
+    return acc, nb, pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_golomb(out, acc, nb, pos, v, m, b, cut):
+    q = v // m
+    r = v - q * m
+    while q >= 32:
+        acc, nb, pos = _put(out, acc, nb, pos, 0xFFFFFFFF, 32)
+        q -= 32
+    acc, nb, pos = _put(out, acc, nb, pos, ((1 << q) - 1) << 1, q + 1)
+    if b > 0:
+        if r < cut:
+            acc, nb, pos = _put(out, acc, nb, pos, r, b - 1)
+        else:
+            acc, nb, pos = _put(out, acc, nb, pos, r + cut, b)
+    return acc, nb, pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _param_byte(mode, pol, j):
+    if mode == _NONE:
+        return 0
+    if mode == _ALL:
+        return 1
+    return 2 + 2 * j + pol
+
+
+# --------------------------------------------------------------------------- encoder
+
+@njit(cache=True, nogil=True)
+def _class_params(j):
+    """(m, b, cut) arrays of the Golomb code of each class's parameter index."""
+    C = j.shape[0]
+    m = np.empty(C, np.int64)
+    b = np.empty(C, np.int64)
+    cut = np.empty(C, np.int64)
+    for c in range(C):
+        m[c] = _m_of(j[c])
+        b[c] = _ceil_log2(m[c])
+        cut[c] = (1 << b[c]) - m[c]
+    return m, b, cut
+
+
+@njit(cache=True, nogil=True)
+def _flag_model(n_items, n_set):
+    """(mode, polarity, j) of a flag sequence with ``n_set`` of ``n_items`` set: the rarer
+    value is the event, its gaps Golomb-coded with the parameter fit to its rate."""
+    if n_set == 0:
+        return _NONE, 0, 0
+    if n_set == n_items:
+        return _ALL, 1, 0
+    pol = 1 if 2 * n_set > n_items else 0
+    ev = n_items - n_set if pol else n_set
+    return _GOLOMB, pol, _j_for_p(ev / n_items)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
+            cpos, ccls, crank, csign, ca, kcls, j):
+    """Record element ``i`` (changed) at slot ``j``; its rank is the class count after the
+    group of four minus the group's later elements of the same class."""
+    o = _U64(old[i])
+    c = np.int64(o >> _U64(mbits)) & cmask
+    v = _U64(new[i])
+    d = (_key(v, signbit, mask) - _key(o, signbit, mask)) & mask
+    if d < signbit:
+        u = (d << _U64(1)) - _U64(1)
+    else:
+        u = (mask - d) << _U64(1)
+    cpos[j] = i
+    ccls[j] = c
+    crank[j] = h0[c] + h1[c] + h2[c] + h3[c] - 1 - later
+    csign[j] = np.int64(u & _U64(1))
+    ca[j] = np.int64(u >> _U64(1))
+    kcls[c] += 1
+
+
+@njit(cache=True, nogil=True)
+def _scan(old, new, count, mbits, C, signbit, mask):
+    """Class sizes, changes per class, and every change: position, class, class-local rank,
+    sign and magnitude - 1 of its step. Four histogram banks (element i counts in bank
+    i % 4) keep consecutive elements of one class from serialising on one counter.
+    Returns arrays of length 0 for the changes when ``count`` is wrong."""
+    n = old.shape[0]
+    cmask = C - 1
+    h0 = np.zeros(C, np.int64)
+    h1 = np.zeros(C, np.int64)
+    h2 = np.zeros(C, np.int64)
+    h3 = np.zeros(C, np.int64)
+    kcls = np.zeros(C, np.int64)
+    cpos = np.empty(count, np.int64)
+    ccls = np.empty(count, np.int64)
+    crank = np.empty(count, np.int64)
+    ca = np.empty(count, np.int64)       # magnitude - 1
+    csign = np.empty(count, np.int64)    # 1: the key goes up
+    bad = np.empty(0, np.int64)
+    j = 0
+    n4 = n - n % 4
+    for i in range(0, n4, 4):
+        c0 = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
+        c1 = np.int64(_U64(old[i + 1]) >> _U64(mbits)) & cmask
+        c2 = np.int64(_U64(old[i + 2]) >> _U64(mbits)) & cmask
+        c3 = np.int64(_U64(old[i + 3]) >> _U64(mbits)) & cmask
+        h0[c0] += 1
+        h1[c1] += 1
+        h2[c2] += 1
+        h3[c3] += 1
+        x0 = old[i] != new[i]
+        x1 = old[i + 1] != new[i + 1]
+        x2 = old[i + 2] != new[i + 2]
+        x3 = old[i + 3] != new[i + 3]
+        if x0 | x1 | x2 | x3:
+            if j + x0 + x1 + x2 + x3 > count:
+                return h0, kcls, bad, bad, bad, bad, bad
+            if x0:
+                later = np.int64(c1 == c0) + np.int64(c2 == c0) + np.int64(c3 == c0)
+                _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
+                        cpos, ccls, crank, csign, ca, kcls, j)
+                j += 1
+            if x1:
+                later = np.int64(c2 == c1) + np.int64(c3 == c1)
+                _change(old, new, i + 1, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
+                        cpos, ccls, crank, csign, ca, kcls, j)
+                j += 1
+            if x2:
+                later = np.int64(c3 == c2)
+                _change(old, new, i + 2, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
+                        cpos, ccls, crank, csign, ca, kcls, j)
+                j += 1
+            if x3:
+                _change(old, new, i + 3, mbits, cmask, h0, h1, h2, h3, 0, signbit, mask,
+                        cpos, ccls, crank, csign, ca, kcls, j)
+                j += 1
+    for i in range(n4, n):
+        c = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
+        h0[c] += 1
+        if old[i] != new[i]:
+            if j >= count:
+                return h0, kcls, bad, bad, bad, bad, bad
+            _change(old, new, i, mbits, cmask, h0, h1, h2, h3, 0, signbit, mask,
+                    cpos, ccls, crank, csign, ca, kcls, j)
+            j += 1
+    if j != count:
+        return h0, kcls, bad, bad, bad, bad, bad
+    return h0 + h1 + h2 + h3, kcls, cpos, ccls, crank, csign, ca
+
+
+@njit(cache=True, nogil=True)
+def ctx_encode(old, new, count, width_bits, mbits, ebits):
+    """Encoding-4 payload of one chunk in which exactly ``count`` >= 1 elements differ.
+
+    One pass over the elements collects class sizes and the changes (class-local
+    rank, step); a second runs only when some class is coded by its unchanged
+    elements (more than half of it changed). The rest is work per change."""
+    n = old.shape[0]
+    C = 1 << ebits
+    cmask = C - 1
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+
+    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, count, mbits, C, signbit, mask)
+    if cpos.shape[0] != count:
+        return np.empty(0, np.uint8)
+
+    # ---- position model per class
+    pmode = np.zeros(C, np.int64)
+    ppol = np.zeros(C, np.int64)
+    pj = np.zeros(C, np.int64)
+    ucount = 0
+    for c in range(C):
+        pmode[c], ppol[c], pj[c] = _flag_model(ncls[c], kcls[c])
+        if pmode[c] == _GOLOMB and ppol[c] == 1:
+            ucount += ncls[c] - kcls[c]
+    upos = np.empty(ucount, np.int64)
+    ucls = np.empty(ucount, np.int64)
+    urank = np.empty(ucount, np.int64)
+    if ucount:
+        want = np.zeros(C, np.uint8)
+        for c in range(C):
+            want[c] = pmode[c] == _GOLOMB and ppol[c] == 1
+        cnt = np.zeros(C, np.int64)
+        t = 0
+        for i in range(n):
+            o = old[i]
+            c = np.int64(_U64(o) >> _U64(mbits)) & cmask
+            if not want[c]:
+                continue
+            r = cnt[c]
+            cnt[c] = r + 1
+            if o == new[i]:
+                upos[t] = i
+                ucls[t] = c
+                urank[t] = r
+                t += 1
+    # gap after each event: to the next event of its class, or to the class's end
+    nxt = ncls.copy()
+    cgap = np.full(count, -1, np.int64)
+    for t in range(count - 1, -1, -1):
+        c = ccls[t]
+        if pmode[c] == _GOLOMB and ppol[c] == 0:
+            cgap[t] = nxt[c] - crank[t] - 1
+            nxt[c] = crank[t]
+    ugap = np.empty(ucount, np.int64)
+    for t in range(ucount - 1, -1, -1):
+        c = ucls[t]
+        ugap[t] = nxt[c] - urank[t] - 1
+        nxt[c] = urank[t]
+    pinit = nxt
+
+    # ---- step model per class: sign bit; flags "moved more than one ulp"; magnitude
+    nzc = np.zeros(C, np.int64)
+    vsum = np.zeros(C, np.float64)
+    for t in range(count):
+        if ca[t] > 0:
+            nzc[ccls[t]] += 1
+            vsum[ccls[t]] += ca[t] - 1
+    zmode = np.zeros(C, np.int64)
+    zpol = np.zeros(C, np.int64)
+    zj = np.zeros(C, np.int64)
+    for c in range(C):
+        zmode[c], zpol[c], zj[c] = _flag_model(kcls[c], nzc[c])
+    nxt2 = kcls.copy()
+    seen = kcls.copy()
+    zgap = np.full(count, -1, np.int64)
+    for t in range(count - 1, -1, -1):
+        c = ccls[t]
+        seen[c] -= 1        # index of this change among its class's changes
+        if zmode[c] == _GOLOMB and ((ca[t] > 0) != (zpol[c] == 1)):
+            zgap[t] = nxt2[c] - seen[c] - 1
+            nxt2[c] = seen[c]
+    zinit = nxt2
+    # magnitudes are not geometric (heavier tails): pick the cheapest of a few parameters
+    NV = 6
+    vj0 = np.zeros(C, np.int64)
+    for c in range(C):
+        if nzc[c] > 0:
+            vj0[c] = max(0, _j_for_p(1.0 / (vsum[c] / nzc[c] + 1.0)) - NV // 2)
+    vcost = np.zeros((C, NV), np.int64)
+    cm = np.empty((C, NV), np.int64)
+    cb = np.empty((C, NV), np.int64)
+    for c in range(C):
+        for k in range(NV):
+            cm[c, k] = _m_of(min(MAX_J, vj0[c] + k))
+            cb[c, k] = _ceil_log2(cm[c, k])
+    for t in range(count):
+        if ca[t] > 0:
+            c = ccls[t]
+            for k in range(NV):
+                vcost[c, k] += _golomb_bits(ca[t] - 1, cm[c, k], cb[c, k], (1 << cb[c, k]) - cm[c, k])
+    vj = np.zeros(C, np.int64)
+    for c in range(C):
+        if nzc[c] > 0:
+            vj[c] = min(MAX_J, vj0[c] + np.argmin(vcost[c]))
+
+    pm, pb, pc = _class_params(pj)
+    zm, zb, zc = _class_params(zj)
+    vm, vb, vc = _class_params(vj)
+    # ---- exact sizes
+    pbits = 0
+    sbits = count
+    for c in range(C):
+        if pmode[c] == _GOLOMB:
+            pbits += _golomb_bits(pinit[c], pm[c], pb[c], pc[c])
+        if zmode[c] == _GOLOMB:
+            sbits += _golomb_bits(zinit[c], zm[c], zb[c], zc[c])
+    for t in range(count):
+        c = ccls[t]
+        if cgap[t] >= 0:
+            pbits += _golomb_bits(cgap[t], pm[c], pb[c], pc[c])
+        if zgap[t] >= 0:
+            sbits += _golomb_bits(zgap[t], zm[c], zb[c], zc[c])
+        if ca[t] > 0:
+            sbits += _golomb_bits(ca[t] - 1, vm[c], vb[c], vc[c])
+    for t in range(ucount):
+        c = ucls[t]
+        pbits += _golomb_bits(ugap[t], pm[c], pb[c], pc[c])
+
+    # ---- class table
+    lo = C
+    hi = -1
+    A = 0
+    for c in range(C):
+        if pmode[c] != _NONE:
+            lo = min(lo, c)
+            hi = max(hi, c)
+            A += 1
+    R = hi - lo + 1
+    P = (pbits + 7) // 8
+    hdr = HEADER_MIN + R + 2 * A + 4
+    out = np.zeros(hdr + P + (sbits + 7) // 8, np.uint8)
+    out[0] = lo & 0xFF
+    out[1] = lo >> 8
+    out[2] = hi & 0xFF
+    out[3] = hi >> 8
+    q = HEADER_MIN + R
+    for c in range(lo, hi + 1):
+        out[HEADER_MIN + c - lo] = _param_byte(pmode[c], ppol[c], pj[c])
+        if pmode[c] != _NONE:
+            out[q] = _param_byte(zmode[c], zpol[c], zj[c])
+            out[q + 1] = vj[c]
+            q += 2
+    for k in range(4):
+        out[q + k] = (P >> (8 * k)) & 0xFF
+
+    # ---- position stream: initial gaps, then the gap after each event, in element order
+    acc = _U64(0)
+    nb = 0
+    pos = hdr
+    for c in range(C):
+        if pmode[c] == _GOLOMB:
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, pinit[c], pm[c], pb[c], pc[c])
+    t = 0
+    s = 0
+    while t < count or s < ucount:
+        if s < ucount and (t == count or upos[s] < cpos[t]):
+            c = ucls[s]
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, ugap[s], pm[c], pb[c], pc[c])
+            s += 1
+        else:
+            if cgap[t] >= 0:
+                c = ccls[t]
+                acc, nb, pos = _put_golomb(out, acc, nb, pos, cgap[t], pm[c], pb[c], pc[c])
+            t += 1
+    if nb > 0:
+        out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
+        pos += 1
+        nb = 0
+    if pos != hdr + P:
+        return np.empty(0, np.uint8)
+    # ---- step stream: initial flag gaps, then per change: sign, flag gap at events, magnitude
+    for c in range(C):
+        if zmode[c] == _GOLOMB:
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, zinit[c], zm[c], zb[c], zc[c])
+    for t in range(count):
+        c = ccls[t]
+        acc, nb, pos = _put(out, acc, nb, pos, csign[t], 1)
+        if zgap[t] >= 0:
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, zgap[t], zm[c], zb[c], zc[c])
+        if ca[t] > 0:
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, ca[t] - 1, vm[c], vb[c], vc[c])
+    if nb > 0:
+        out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
+        pos += 1
+    if pos != out.shape[0]:
+        return np.empty(0, np.uint8)
+    return out
+
+
+# --------------------------------------------------------------------------- decoder
+
+_PAD = 64   # zero bytes after a copied stream: with bp <= len + 8 checked once per element or
+            # change (at most 5 refills of 8 bytes between checks), refills stay inside the copy
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _refill(buf, acc, nacc, bp):
+    while nacc <= 56:
+        acc |= _U64(buf[bp]) << _U64(56 - nacc)
+        nacc += 8
+        bp += 1
+    return acc, nacc, bp
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _get_golomb(buf, acc, nacc, bp, m, b, cut, vmax):
+    """One Golomb code; returns (value, or -1 when it exceeds ``vmax``, acc, nacc, bp).
+
+    ``buf`` holds the stream plus _PAD zero bytes and the caller stops once ``bp`` passes
+    the stream's end by 8, so the reads here stay inside ``buf``: past the stream the
+    bits are zeros, which end a unary run."""
+    qmax = vmax // m
+    q = 0
+    while True:
+        acc, nacc, bp = _refill(buf, acc, nacc, bp)
+        inv = ~acc
+        ones = 64 if inv == _U64(0) else np.int64(leading_zeros(inv))
+        if ones < nacc:
+            q += ones
+            acc = (acc << _U64(ones)) << _U64(1)
+            nacc -= ones + 1
+            break
+        # cannot happen past the stream (padding is zeros): a long run of ones inside it
+        q += nacc
+        acc = _U64(0)
+        nacc = 0
+        if q > qmax or bp >= buf.shape[0] - 8:
+            return -1, acc, nacc, bp
+    if q > qmax:
+        return -1, acc, nacc, bp
+    r = 0
+    if b > 0:
+        acc, nacc, bp = _refill(buf, acc, nacc, bp)
+        x = 0
+        if b > 1:
+            x = np.int64(acc >> _U64(65 - b))
+            acc = acc << _U64(b - 1)
+            nacc -= b - 1
+        if x >= cut:
+            x = 2 * x + np.int64(acc >> _U64(63))
+            acc = acc << _U64(1)
+            nacc -= 1
+            r = x - cut
+        else:
+            r = x
+    v = q * m + r
+    if v > vmax:
+        return -1, acc, nacc, bp
+    return v, acc, nacc, bp
+
+
+@njit(cache=True, nogil=True)
+def _parse_param(byte):
+    """(mode, polarity, j) of a parameter byte, or mode -1 when it is invalid."""
+    if byte == 0:
+        return _NONE, 0, 0
+    if byte == 1:
+        return _ALL, 1, 0
+    v = byte - 2
+    j = v >> 1
+    if j > MAX_J:
+        return -1, 0, 0
+    return _GOLOMB, v & 1, j
+
+
+@njit(cache=True, nogil=True)
+def _padded(payload, start, stop):
+    out = np.zeros(stop - start + _PAD, np.uint8)
+    out[:stop - start] = payload[start:stop]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _stream_end_ok(acc, nacc, bp, L):
+    """0 when the stream was read to its last byte, not beyond, and its padding bits are zero."""
+    used = 8 * bp - nacc
+    if used > 8 * L:
+        return 10
+    if (used + 7) // 8 != L:
+        return 11
+    k = 8 * L - used          # padding bits: the next k bits held in acc (bp >= L here)
+    if k > 0 and (acc >> _U64(64 - k)) != _U64(0):
+        return 11
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
+    """Decode an encoding-4 payload against the chunk's parent bits ``old``.
+
+    Writes ``count`` chunk-local positions and new bits into ``out_pos``/``out_val``
+    (each at least ``count`` long). Returns 0, or an error code (``_ERRORS``)."""
+    n = old.shape[0]
+    C = 1 << ebits
+    cmask = C - 1
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    vmax_step = (1 << (width_bits - 1)) - 2
+    L = payload.shape[0]
+    if L < HEADER_MIN:
+        return 1
+    lo = np.int64(payload[0]) | (np.int64(payload[1]) << 8)
+    hi = np.int64(payload[2]) | (np.int64(payload[3]) << 8)
+    if lo > hi or hi >= C:
+        return 2
+    R = hi - lo + 1
+    if L < HEADER_MIN + R:
+        return 1
+    cd = np.full(C, _BIG, np.int64)     # countdown to the class's next position event
+    pol = np.zeros(C, np.uint8)         # 1: the events are the unchanged elements
+    pmode = np.zeros(C, np.int64)
+    pj = np.zeros(C, np.int64)
+    zcd = np.full(C, _BIG, np.int64)
+    zpol = np.zeros(C, np.uint8)
+    zmode = np.zeros(C, np.int64)
+    zj = np.zeros(C, np.int64)
+    vj = np.zeros(C, np.int64)
+    A = 0
+    for c in range(lo, hi + 1):
+        mode, p, jj = _parse_param(payload[HEADER_MIN + c - lo])
+        if mode < 0:
+            return 3
+        pmode[c] = mode
+        pol[c] = p
+        pj[c] = jj
+        if mode != _NONE:
+            A += 1
+    if pmode[lo] == _NONE or pmode[hi] == _NONE:
+        return 4
+    q = HEADER_MIN + R
+    if L < q + 2 * A + 4:
+        return 1
+    for c in range(lo, hi + 1):
+        if pmode[c] == _NONE:
+            continue
+        mode, p, jj = _parse_param(payload[q])
+        v = np.int64(payload[q + 1])
+        q += 2
+        if mode < 0 or v > MAX_J:
+            return 3
+        if mode == _NONE and v != 0:
+            return 4
+        zmode[c] = mode
+        zpol[c] = p
+        zj[c] = jj
+        vj[c] = v
+    P = 0
+    for k in range(4):
+        P |= np.int64(payload[q + k]) << (8 * k)
+    q += 4
+    if P > L - q:
+        return 1
+    pm, pb, pc = _class_params(pj)
+    zm, zb, zc = _class_params(zj)
+    vm, vb, vc = _class_params(vj)
+
+    # ---- positions: one pass over the elements, a countdown per class
+    buf = _padded(payload, q, q + P)
+    lim = P + 8
+    acc = _U64(0)
+    nacc = 0
+    bp = 0
+    # cd[c] > 0: a class coded by its changes, that many elements before its next event;
+    # cd[c] <= 0: a class coded by its unchanged elements (or all changed), -cd[c] before
+    # its next event. Elements of NONE classes (cd = _BIG) take the one-compare path.
+    for c in range(lo, hi + 1):
+        if pmode[c] == _GOLOMB:
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], n)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            cd[c] = g if pol[c] == 0 else -g
+        elif pmode[c] == _ALL:
+            cd[c] = -_BIG
+    ccls = np.empty(count, np.uint16)
+    j = 0
+    for i in range(n):
+        c = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
+        r = cd[c]
+        if r > 0:
+            cd[c] = r - 1
+            continue
+        if r == 0 and pol[c] == 0:       # an event: this element changed
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], n)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            cd[c] = g
+        elif r == 0:                     # an event of a class coded by unchanged elements
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], n)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            cd[c] = -g
+            continue
+        else:
+            cd[c] = r + 1
+        if j >= count:
+            return 6
+        out_pos[j] = i
+        ccls[j] = c
+        j += 1
+    if j != count:
+        return 7
+    for c in range(lo, hi + 1):
+        if pmode[c] == _GOLOMB and cd[c] != 0:
+            return 8
+    err = _stream_end_ok(acc, nacc, bp, P)
+    if err:
+        return err
+
+    # ---- steps: one pass over the changes
+    S = L - q - P
+    buf = _padded(payload, q + P, L)
+    lim = S + 8
+    acc = _U64(0)
+    nacc = 0
+    bp = 0
+    for c in range(lo, hi + 1):
+        if zmode[c] == _GOLOMB:
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], count)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            zcd[c] = g
+        elif zmode[c] == _ALL:
+            zpol[c] = 1
+    for t in range(count):
+        c = np.int64(ccls[t])
+        acc, nacc, bp = _refill(buf, acc, nacc, bp)
+        s = np.int64(acc >> _U64(63))
+        acc = acc << _U64(1)
+        nacc -= 1
+        r = zcd[c]
+        if r != 0:
+            zcd[c] = r - 1
+            big = zpol[c] == 1
+        else:
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], count)
+            if g < 0:
+                return 5
+            zcd[c] = g
+            big = zpol[c] == 0
+        a = 0
+        if big:
+            v, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, vm[c], vb[c], vc[c], vmax_step)
+            if v < 0:
+                return 5
+            a = v + 1
+        if bp > lim:
+            return 10
+        z = _U64(2 * a + s + 1)
+        if z > mask:
+            return 12
+        if z & _U64(1):
+            d = mask - (z >> _U64(1))
+        else:
+            d = z >> _U64(1)
+        o = _U64(old[out_pos[t]])
+        out_val[t] = _unkey((_key(o, signbit, mask) + d) & mask, signbit, mask)
+    for c in range(lo, hi + 1):
+        if zmode[c] == _GOLOMB and zcd[c] != 0:
+            return 9
+    return _stream_end_ok(acc, nacc, bp, S)
+
+
+# --------------------------------------------------------------------------- glue
+
+def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int) -> bytes | None:
+    """The encoding-4 payload for one chunk with ``changed`` >= 1 differing elements, or None
+    when the dtype has no context layout."""
+    lay = layout_of(dt)
+    if lay is None or changed < 1:
+        return None
+    out = ctx_encode(old, new, changed, 8 * dt.itemsize, lay[0], lay[1])
+    if out.shape[0] == 0:
+        raise AssertionError("ctx encoder: inconsistent change count")  # a bug, never data
+    return out.tobytes()
+
+
+def decode_ctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DType,
+               where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk-local positions (int64) and new bits of an encoding-4 chunk."""
+    lay = layout_of(dt)
+    if lay is None:
+        raise FormatError(f"{where}: encoding ctx is not defined for dtype {dt.name}")
+    if not 1 <= count <= old.shape[0]:
+        raise FormatError(f"{where}: ctx chunk count {count} outside [1, {old.shape[0]}]")
+    buf = np.frombuffer(payload, np.uint8)
+    positions = np.empty(count, np.int64)
+    values = np.empty(count, dt.bits_dtype)
+    err = ctx_decode(buf, old, count, 8 * dt.itemsize, lay[0], lay[1], positions, values)
+    if err:
+        raise FormatError(f"{where}: corrupt ctx payload ({_ERRORS.get(err, f'error {err}')})")
+    return positions, values
