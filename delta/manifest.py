@@ -232,9 +232,20 @@ class RunInfo:
 
 # --- validation helpers ----------------------------------------------------------
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON objects with a repeated key are malformed: json would keep the last silently, so one flipped
+    bit that turns a tensor name into another's ('layers.1' -> 'layers.0') would swap their data."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup[:200]!r}")
+    return d
+
+
 def _load_json(data: bytes, what: str) -> dict[str, Any]:
     try:
-        d = json.loads(data)
+        d = json.loads(data, object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ManifestError(f"{what}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     _expect(isinstance(d, dict), what, "top level must be an object")
