@@ -11,8 +11,10 @@ header and chunk checksums and, once applied, the digest of the tensor it yields
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -27,7 +29,7 @@ from delta import EncodedTensor, digest, digest_hex
 from delta.errors import (ChecksumError, DeltaError, ManifestError, ObjectNotFoundError, RunMismatchError,
                           SnapshotNotFoundError)
 from delta.manifest import (ANCHOR_DIR, DELTA_DIR, HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES,
-                            RUN_KEY, Head, Manifest, ObjectRef, RunInfo, manifest_key, snapshot_name,
+                            RUN_KEY, Head, Manifest, ObjectRef, RunInfo, TensorEntry, manifest_key, snapshot_name,
                             version_of_manifest_key)
 from delta.storage import Store
 
@@ -42,6 +44,8 @@ BATCH_BYTES = 256 << 20
 #: Whole objects are hashed in reads of this size (verify never holds a shard in memory).
 VERIFY_READ_BYTES = 64 << 20
 MAX_CHAIN = 1 << 20
+#: safetensors' own cap on a file's JSON header.
+MAX_SAFETENSORS_HEADER = 100 << 20
 #: Manifests kept in memory (least recently used dropped first); a chain rarely exceeds a few hundred.
 MANIFEST_CACHE = 1024
 
@@ -239,6 +243,9 @@ class SnapshotReader:
                 objects[o.key] = o
         for o in objects.values():
             self._verify_object(o)
+        for m in chain:
+            if m.kind == "anchor":
+                self._verify_anchor_names(m)
         n_tensors = self._verify_tensors(chain)
         return VerifyReport(v, snapshot_name(v), [m.version for m in chain], len(objects), n_tensors,
                             self.stats["bytes_fetched"] - before, time.perf_counter() - t0)
@@ -397,6 +404,33 @@ class SnapshotReader:
             h.update(data)
         if h.hexdigest() != o.xxh3:
             raise ChecksumError(f"object {o.key}: content hashes to {h.hexdigest()}, its manifest says {o.xxh3}")
+
+    def _verify_anchor_names(self, m: Manifest) -> None:
+        """Each shard's safetensors header must hold exactly the tensors the manifest places in it, with the
+        same names, dtypes, shapes and byte ranges. Digests bind an anchor tensor's bits to its entry;
+        only this binds the entry's name (a damaged manifest could otherwise rename a tensor unnoticed).
+        Runs after the shard's own xxh3 was checked, so the header is the published one."""
+        placed: dict[int, dict[str, TensorEntry]] = {}
+        for name, e in m.tensors.items():
+            placed.setdefault(e.object, {})[name] = e
+        for i, o in enumerate(m.objects):
+            if not o.key.endswith(".safetensors"):
+                continue  # the shard index
+            (n,) = struct.unpack("<Q", self._get(o.key, (0, 8)).ljust(8, b"\xff"))
+            if n > min(o.size - 8, MAX_SAFETENSORS_HEADER):
+                raise ChecksumError(f"{m.where()}: shard {o.key} declares a {n}-byte header in {o.size} bytes")
+            try:
+                header = json.loads(self._get(o.key, (8, 8 + n)))
+                layout = {k: (v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0],
+                              v["data_offsets"][1] - v["data_offsets"][0])
+                          for k, v in header.items() if k != "__metadata__"}
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+                raise ChecksumError(f"{m.where()}: shard {o.key} has an unreadable safetensors header ({e})") from None
+            want = {k: (e.dtype, tuple(e.shape), e.offset, e.length) for k, e in placed.get(i, {}).items()}
+            if layout != want:
+                diff = sorted(k for k in set(layout) | set(want) if layout.get(k) != want.get(k))
+                raise ChecksumError(f"{m.where()}: shard {o.key} does not hold what its manifest says about "
+                                    f"tensors {', '.join(map(repr, diff[:5]))} (a damaged manifest?)")
 
     def _verify_tensors(self, chain: list[Manifest]) -> int:
         """Rebuild every tensor at every version of the chain, checking each version's digest."""
