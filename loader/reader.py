@@ -282,7 +282,14 @@ class SnapshotReader:
             fetched += len(data)
             for p, i in members:
                 chunk = data[p.start - s: p.end - s]
-                out[i] = check_piece(p, chunk)
+                try:
+                    out[i] = check_piece(p, chunk)
+                except DeltaError:
+                    # the bytes or the manifest that describes them is damaged: if it is the (cached)
+                    # manifest, keeping it would fail this version forever, even once it is repaired
+                    with self._lock:
+                        self._manifests.pop(p.manifest.version, None)
+                    raise
                 if use_cache and self.cache is not None:
                     self.cache.put(p.obj.xxh3, p.obj.size, p.start, p.end, chunk)
         if counter is not None:
