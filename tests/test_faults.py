@@ -293,7 +293,7 @@ def _assert_faults(fig: FaultFigures) -> None:
 
 def test_publishes_and_hotloads_through_throttling_resets_stalls_and_truncation(s3_root, proxy):
     url, base = s3_root
-    fig = FaultCampaign(url, base, proxy, ops=32, label="fast").run()
+    fig = FaultCampaign(url, base, proxy, ops=24, label="fast").run()
     print()
     print(fig.report())
     _assert_faults(fig)
