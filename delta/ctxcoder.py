@@ -100,9 +100,23 @@ def _unkey(k, signbit, mask):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _golomb_bits(v, m, b, cut):
-    q = v // m
+def _qr(v, m, rinv):
+    """(v div m, v mod m) for 0 <= v < 2**52 without an integer division: the float
+    quotient is off by at most one, and one correction fixes it."""
+    q = np.int64(v * rinv)
     r = v - q * m
+    if r < 0:
+        q -= 1
+        r += m
+    elif r >= m:
+        q += 1
+        r -= m
+    return q, r
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _golomb_bits(v, m, b, cut, rinv):
+    q, r = _qr(v, m, rinv)
     if b == 0:
         return q + 1
     return q + 1 + (b - 1 if r < cut else b)
@@ -135,9 +149,8 @@ def _put(out, acc, nb, pos, val, k):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put_golomb(out, acc, nb, pos, v, m, b, cut):
-    q = v // m
-    r = v - q * m
+def _put_golomb(out, acc, nb, pos, v, m, b, cut, rinv):
+    q, r = _qr(v, m, rinv)
     while q >= 32:
         acc, nb, pos = _put(out, acc, nb, pos, 0xFFFFFFFF, 32)
         q -= 32
@@ -163,16 +176,18 @@ def _param_byte(mode, pol, j):
 
 @njit(cache=True, nogil=True)
 def _class_params(j):
-    """(m, b, cut) arrays of the Golomb code of each class's parameter index."""
+    """(m, b, cut, 1/m) arrays of the Golomb code of each class's parameter index."""
     C = j.shape[0]
     m = np.empty(C, np.int64)
     b = np.empty(C, np.int64)
     cut = np.empty(C, np.int64)
+    rinv = np.empty(C, np.float64)
     for c in range(C):
         m[c] = _m_of(j[c])
         b[c] = _ceil_log2(m[c])
         cut[c] = (1 << b[c]) - m[c]
-    return m, b, cut
+        rinv[c] = 1.0 / m[c]
+    return m, b, cut, rinv
 
 
 @njit(cache=True, nogil=True)
@@ -204,8 +219,8 @@ def _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
     cpos[j] = i
     ccls[j] = c
     crank[j] = h0[c] + h1[c] + h2[c] + h3[c] - 1 - later
-    csign[j] = np.int64(u & _U64(1))
-    ca[j] = np.int64(u >> _U64(1))
+    csign[j] = np.uint8(u & _U64(1))
+    ca[j] = np.int32(u >> _U64(1))
     kcls[c] += 1
 
 
@@ -222,12 +237,12 @@ def _scan(old, new, count, mbits, C, signbit, mask):
     h2 = np.zeros(C, np.int64)
     h3 = np.zeros(C, np.int64)
     kcls = np.zeros(C, np.int64)
-    cpos = np.empty(count, np.int64)
-    ccls = np.empty(count, np.int64)
-    crank = np.empty(count, np.int64)
-    ca = np.empty(count, np.int64)       # magnitude - 1
-    csign = np.empty(count, np.int64)    # 1: the key goes up
-    bad = np.empty(0, np.int64)
+    cpos = np.empty(count, np.int32)     # chunks hold at most 2**24 elements
+    ccls = np.empty(count, np.int32)
+    crank = np.empty(count, np.int32)
+    ca = np.empty(count, np.int32)       # magnitude - 1 (< 2**15: widths 8 and 16)
+    csign = np.empty(count, np.uint8)    # 1: the key goes up
+    bad = np.empty(0, np.int32)
     j = 0
     n4 = n - n % 4
     for i in range(0, n4, 4):
@@ -245,7 +260,7 @@ def _scan(old, new, count, mbits, C, signbit, mask):
         x3 = old[i + 3] != new[i + 3]
         if x0 | x1 | x2 | x3:
             if j + x0 + x1 + x2 + x3 > count:
-                return h0, kcls, bad, bad, bad, bad, bad
+                return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
             if x0:
                 later = np.int64(c1 == c0) + np.int64(c2 == c0) + np.int64(c3 == c0)
                 _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
@@ -270,33 +285,20 @@ def _scan(old, new, count, mbits, C, signbit, mask):
         h0[c] += 1
         if old[i] != new[i]:
             if j >= count:
-                return h0, kcls, bad, bad, bad, bad, bad
+                return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
             _change(old, new, i, mbits, cmask, h0, h1, h2, h3, 0, signbit, mask,
                     cpos, ccls, crank, csign, ca, kcls, j)
             j += 1
     if j != count:
-        return h0, kcls, bad, bad, bad, bad, bad
+        return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
     return h0 + h1 + h2 + h3, kcls, cpos, ccls, crank, csign, ca
 
 
 @njit(cache=True, nogil=True)
-def ctx_encode(old, new, count, width_bits, mbits, ebits):
-    """Encoding-4 payload of one chunk in which exactly ``count`` >= 1 elements differ.
-
-    One pass over the elements collects class sizes and the changes (class-local
-    rank, step); a second runs only when some class is coded by its unchanged
-    elements (more than half of it changed). The rest is work per change."""
-    n = old.shape[0]
-    C = 1 << ebits
-    cmask = C - 1
-    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
-    signbit = _U64(1) << _U64(width_bits - 1)
-
-    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, count, mbits, C, signbit, mask)
-    if cpos.shape[0] != count:
-        return np.empty(0, np.uint8)
-
-    # ---- position model per class
+def _position_models(ncls, kcls):
+    """Per class: (mode, polarity, j) of its "changed" flags, and how many unchanged
+    elements are events (classes whose events are their unchanged elements)."""
+    C = ncls.shape[0]
     pmode = np.zeros(C, np.int64)
     ppol = np.zeros(C, np.int64)
     pj = np.zeros(C, np.int64)
@@ -305,43 +307,70 @@ def ctx_encode(old, new, count, width_bits, mbits, ebits):
         pmode[c], ppol[c], pj[c] = _flag_model(ncls[c], kcls[c])
         if pmode[c] == _GOLOMB and ppol[c] == 1:
             ucount += ncls[c] - kcls[c]
-    upos = np.empty(ucount, np.int64)
-    ucls = np.empty(ucount, np.int64)
-    urank = np.empty(ucount, np.int64)
-    if ucount:
-        want = np.zeros(C, np.uint8)
-        for c in range(C):
-            want[c] = pmode[c] == _GOLOMB and ppol[c] == 1
-        cnt = np.zeros(C, np.int64)
-        t = 0
-        for i in range(n):
-            o = old[i]
-            c = np.int64(_U64(o) >> _U64(mbits)) & cmask
-            if not want[c]:
-                continue
-            r = cnt[c]
-            cnt[c] = r + 1
-            if o == new[i]:
-                upos[t] = i
-                ucls[t] = c
-                urank[t] = r
-                t += 1
-    # gap after each event: to the next event of its class, or to the class's end
+    return pmode, ppol, pj, ucount
+
+
+@njit(cache=True, nogil=True)
+def _unchanged_events(old, new, mbits, pmode, ppol, ucount):
+    """Position, class and class-local rank of the unchanged elements of the classes
+    whose events are their unchanged elements (a second pass; only when there are any)."""
+    C = pmode.shape[0]
+    cmask = C - 1
+    upos = np.empty(ucount, np.int32)
+    ucls = np.empty(ucount, np.int32)
+    urank = np.empty(ucount, np.int32)
+    if ucount == 0:
+        return upos, ucls, urank
+    want = np.zeros(C, np.uint8)
+    for c in range(C):
+        want[c] = pmode[c] == _GOLOMB and ppol[c] == 1
+    cnt = np.zeros(C, np.int64)
+    t = 0
+    for i in range(old.shape[0]):
+        o = old[i]
+        c = np.int64(_U64(o) >> _U64(mbits)) & cmask
+        if not want[c]:
+            continue
+        r = cnt[c]
+        cnt[c] = r + 1
+        if o == new[i]:
+            upos[t] = i
+            ucls[t] = c
+            urank[t] = r
+            t += 1
+    return upos, ucls, urank
+
+
+@njit(cache=True, nogil=True)
+def _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank):
+    """The gap after each event (to the next event of its class, or to the class's end;
+    -1 for changes that are not events) and each class's first gap."""
+    count = ccls.shape[0]
     nxt = ncls.copy()
-    cgap = np.full(count, -1, np.int64)
+    cgap = np.empty(count, np.int32)
     for t in range(count - 1, -1, -1):
         c = ccls[t]
         if pmode[c] == _GOLOMB and ppol[c] == 0:
             cgap[t] = nxt[c] - crank[t] - 1
             nxt[c] = crank[t]
-    ugap = np.empty(ucount, np.int64)
+        else:
+            cgap[t] = -1
+    ucount = ucls.shape[0]
+    ugap = np.empty(ucount, np.int32)
     for t in range(ucount - 1, -1, -1):
         c = ucls[t]
         ugap[t] = nxt[c] - urank[t] - 1
         nxt[c] = urank[t]
-    pinit = nxt
+    return cgap, ugap, nxt
 
-    # ---- step model per class: sign bit; flags "moved more than one ulp"; magnitude
+
+@njit(cache=True, nogil=True)
+def _step_models(kcls, ccls, ca):
+    """Per class: the big-flag model, each big-flag event's gap (-1 elsewhere), the first
+    gaps, and the magnitude parameter index (the cheapest of six around the fit to the
+    mean: magnitudes have heavier tails than a geometric law)."""
+    C = kcls.shape[0]
+    count = ccls.shape[0]
     nzc = np.zeros(C, np.int64)
     vsum = np.zeros(C, np.float64)
     for t in range(count):
@@ -353,63 +382,71 @@ def ctx_encode(old, new, count, width_bits, mbits, ebits):
     zj = np.zeros(C, np.int64)
     for c in range(C):
         zmode[c], zpol[c], zj[c] = _flag_model(kcls[c], nzc[c])
-    nxt2 = kcls.copy()
+    nxt = kcls.copy()
     seen = kcls.copy()
-    zgap = np.full(count, -1, np.int64)
+    zgap = np.empty(count, np.int32)
     for t in range(count - 1, -1, -1):
         c = ccls[t]
         seen[c] -= 1        # index of this change among its class's changes
         if zmode[c] == _GOLOMB and ((ca[t] > 0) != (zpol[c] == 1)):
-            zgap[t] = nxt2[c] - seen[c] - 1
-            nxt2[c] = seen[c]
-    zinit = nxt2
-    # magnitudes are not geometric (heavier tails): pick the cheapest of a few parameters
+            zgap[t] = nxt[c] - seen[c] - 1
+            nxt[c] = seen[c]
+        else:
+            zgap[t] = -1
     NV = 6
     vj0 = np.zeros(C, np.int64)
     for c in range(C):
         if nzc[c] > 0:
-            vj0[c] = max(0, _j_for_p(1.0 / (vsum[c] / nzc[c] + 1.0)) - NV // 2)
+            vj0[c] = max(0, min(MAX_J - NV + 1, _j_for_p(1.0 / (vsum[c] / nzc[c] + 1.0)) - NV // 2))
     vcost = np.zeros((C, NV), np.int64)
     cm = np.empty((C, NV), np.int64)
     cb = np.empty((C, NV), np.int64)
+    cr = np.empty((C, NV), np.float64)
     for c in range(C):
         for k in range(NV):
-            cm[c, k] = _m_of(min(MAX_J, vj0[c] + k))
+            cm[c, k] = _m_of(vj0[c] + k)
             cb[c, k] = _ceil_log2(cm[c, k])
+            cr[c, k] = 1.0 / cm[c, k]
     for t in range(count):
         if ca[t] > 0:
             c = ccls[t]
             for k in range(NV):
-                vcost[c, k] += _golomb_bits(ca[t] - 1, cm[c, k], cb[c, k], (1 << cb[c, k]) - cm[c, k])
+                vcost[c, k] += _golomb_bits(ca[t] - 1, cm[c, k], cb[c, k], (1 << cb[c, k]) - cm[c, k], cr[c, k])
     vj = np.zeros(C, np.int64)
     for c in range(C):
         if nzc[c] > 0:
-            vj[c] = min(MAX_J, vj0[c] + np.argmin(vcost[c]))
+            vj[c] = vj0[c] + np.argmin(vcost[c])
+    return zmode, zpol, zj, zgap, nxt, vj
 
-    pm, pb, pc = _class_params(pj)
-    zm, zb, zc = _class_params(zj)
-    vm, vb, vc = _class_params(vj)
-    # ---- exact sizes
+
+@njit(cache=True, nogil=True)
+def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
+              zmode, zpol, zj, zinit, zgap, vj, csign, ca):
+    """Class table, position stream and step stream, in the decoder's order."""
+    C = pmode.shape[0]
+    count = cpos.shape[0]
+    ucount = upos.shape[0]
+    pm, pb, pc, pr = _class_params(pj)
+    zm, zb, zc, zr = _class_params(zj)
+    vm, vb, vc, vr = _class_params(vj)
+    # exact sizes first: one allocation, no copy
     pbits = 0
     sbits = count
     for c in range(C):
         if pmode[c] == _GOLOMB:
-            pbits += _golomb_bits(pinit[c], pm[c], pb[c], pc[c])
+            pbits += _golomb_bits(pinit[c], pm[c], pb[c], pc[c], pr[c])
         if zmode[c] == _GOLOMB:
-            sbits += _golomb_bits(zinit[c], zm[c], zb[c], zc[c])
+            sbits += _golomb_bits(zinit[c], zm[c], zb[c], zc[c], zr[c])
     for t in range(count):
         c = ccls[t]
         if cgap[t] >= 0:
-            pbits += _golomb_bits(cgap[t], pm[c], pb[c], pc[c])
+            pbits += _golomb_bits(cgap[t], pm[c], pb[c], pc[c], pr[c])
         if zgap[t] >= 0:
-            sbits += _golomb_bits(zgap[t], zm[c], zb[c], zc[c])
+            sbits += _golomb_bits(zgap[t], zm[c], zb[c], zc[c], zr[c])
         if ca[t] > 0:
-            sbits += _golomb_bits(ca[t] - 1, vm[c], vb[c], vc[c])
+            sbits += _golomb_bits(ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
     for t in range(ucount):
-        c = ucls[t]
-        pbits += _golomb_bits(ugap[t], pm[c], pb[c], pc[c])
-
-    # ---- class table
+        pbits += _golomb_bits(ugap[t], pm[ucls[t]], pb[ucls[t]], pc[ucls[t]], pr[ucls[t]])
     lo = C
     hi = -1
     A = 0
@@ -435,25 +472,24 @@ def ctx_encode(old, new, count, width_bits, mbits, ebits):
             q += 2
     for k in range(4):
         out[q + k] = (P >> (8 * k)) & 0xFF
-
-    # ---- position stream: initial gaps, then the gap after each event, in element order
+    # position stream: first gaps, then the gap after each event, in element order
     acc = _U64(0)
     nb = 0
     pos = hdr
     for c in range(C):
         if pmode[c] == _GOLOMB:
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, pinit[c], pm[c], pb[c], pc[c])
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, pinit[c], pm[c], pb[c], pc[c], pr[c])
     t = 0
     s = 0
     while t < count or s < ucount:
         if s < ucount and (t == count or upos[s] < cpos[t]):
             c = ucls[s]
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, ugap[s], pm[c], pb[c], pc[c])
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, ugap[s], pm[c], pb[c], pc[c], pr[c])
             s += 1
         else:
             if cgap[t] >= 0:
                 c = ccls[t]
-                acc, nb, pos = _put_golomb(out, acc, nb, pos, cgap[t], pm[c], pb[c], pc[c])
+                acc, nb, pos = _put_golomb(out, acc, nb, pos, cgap[t], pm[c], pb[c], pc[c], pr[c])
             t += 1
     if nb > 0:
         out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
@@ -461,23 +497,46 @@ def ctx_encode(old, new, count, width_bits, mbits, ebits):
         nb = 0
     if pos != hdr + P:
         return np.empty(0, np.uint8)
-    # ---- step stream: initial flag gaps, then per change: sign, flag gap at events, magnitude
+    # step stream: first big-flag gaps, then per change: sign, big-flag gap at events, magnitude
     for c in range(C):
         if zmode[c] == _GOLOMB:
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, zinit[c], zm[c], zb[c], zc[c])
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, zinit[c], zm[c], zb[c], zc[c], zr[c])
     for t in range(count):
         c = ccls[t]
         acc, nb, pos = _put(out, acc, nb, pos, csign[t], 1)
         if zgap[t] >= 0:
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, zgap[t], zm[c], zb[c], zc[c])
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, zgap[t], zm[c], zb[c], zc[c], zr[c])
         if ca[t] > 0:
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, ca[t] - 1, vm[c], vb[c], vc[c])
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
     if nb > 0:
         out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
         pos += 1
     if pos != out.shape[0]:
         return np.empty(0, np.uint8)
     return out
+
+
+@njit(cache=True, nogil=True)
+def ctx_encode(old, new, count, width_bits, mbits, ebits):
+    """Encoding-4 payload of one chunk in which exactly ``count`` >= 1 elements differ
+    (an empty array if they do not: a caller bug).
+
+    One pass over the elements finds the changes; a second runs only when some class
+    is coded by its unchanged elements (more than half of it changed). The rest is
+    work per change."""
+    C = 1 << ebits
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, count, mbits, C, signbit, mask)
+    if cpos.shape[0] != count:
+        return np.empty(0, np.uint8)
+    pmode, ppol, pj, ucount = _position_models(ncls, kcls)
+    upos, ucls, urank = _unchanged_events(old, new, mbits, pmode, ppol, ucount)
+    cgap, ugap, pinit = _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank)
+    zmode, zpol, zj, zgap, zinit, vj = _step_models(kcls, ccls, ca)
+    return _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
+                     zmode, zpol, zj, zinit, zgap, vj, csign, ca)
+
 
 
 # --------------------------------------------------------------------------- decoder
@@ -488,21 +547,24 @@ _PAD = 64   # zero bytes after a copied stream: with bp <= len + 8 checked once 
 
 @njit(cache=True, nogil=True, inline="always")
 def _refill(buf, acc, nacc, bp):
-    while nacc <= 56:
-        acc |= _U64(buf[bp]) << _U64(56 - nacc)
-        nacc += 8
-        bp += 1
+    """Top up the bit buffer to at least 33 bits, four bytes at a time."""
+    if nacc <= 32:
+        x = ((_U64(buf[bp]) << _U64(24)) | (_U64(buf[bp + 1]) << _U64(16))
+             | (_U64(buf[bp + 2]) << _U64(8)) | _U64(buf[bp + 3]))
+        acc |= x << _U64(32 - nacc)
+        nacc += 32
+        bp += 4
     return acc, nacc, bp
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _get_golomb(buf, acc, nacc, bp, m, b, cut, vmax):
-    """One Golomb code; returns (value, or -1 when it exceeds ``vmax``, acc, nacc, bp).
+def _get_golomb(buf, acc, nacc, bp, m, b, cut, qmax, vmax):
+    """One Golomb code; returns (value, or -1 when over ``vmax``, acc, nacc, bp).
+    ``qmax`` = vmax div m (precomputed: no division here).
 
     ``buf`` holds the stream plus _PAD zero bytes and the caller stops once ``bp`` passes
     the stream's end by 8, so the reads here stay inside ``buf``: past the stream the
     bits are zeros, which end a unary run."""
-    qmax = vmax // m
     q = 0
     while True:
         acc, nacc, bp = _refill(buf, acc, nacc, bp)
@@ -513,7 +575,7 @@ def _get_golomb(buf, acc, nacc, bp, m, b, cut, vmax):
             acc = (acc << _U64(ones)) << _U64(1)
             nacc -= ones + 1
             break
-        # cannot happen past the stream (padding is zeros): a long run of ones inside it
+        # all buffered bits are ones: only inside the stream (its padding is zeros)
         q += nacc
         acc = _U64(0)
         nacc = 0
@@ -524,18 +586,13 @@ def _get_golomb(buf, acc, nacc, bp, m, b, cut, vmax):
     r = 0
     if b > 0:
         acc, nacc, bp = _refill(buf, acc, nacc, bp)
-        x = 0
-        if b > 1:
-            x = np.int64(acc >> _U64(65 - b))
-            acc = acc << _U64(b - 1)
-            nacc -= b - 1
-        if x >= cut:
-            x = 2 * x + np.int64(acc >> _U64(63))
-            acc = acc << _U64(1)
-            nacc -= 1
-            r = x - cut
-        else:
-            r = x
+        peek = np.int64(acc >> _U64(64 - b))       # b bits; the first b - 1 are x
+        x = peek >> 1
+        longer = np.int64(x >= cut)                # branch-free: this bit is a coin toss
+        r = x + longer * (peek - cut - x)
+        used = b - 1 + longer
+        acc = acc << _U64(used)
+        nacc -= used
     v = q * m + r
     if v > vmax:
         return -1, acc, nacc, bp
@@ -578,51 +635,42 @@ def _stream_end_ok(acc, nacc, bp, L):
 
 
 @njit(cache=True, nogil=True)
-def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
-    """Decode an encoding-4 payload against the chunk's parent bits ``old``.
-
-    Writes ``count`` chunk-local positions and new bits into ``out_pos``/``out_val``
-    (each at least ``count`` long). Returns 0, or an error code (``_ERRORS``)."""
-    n = old.shape[0]
-    C = 1 << ebits
-    cmask = C - 1
-    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
-    signbit = _U64(1) << _U64(width_bits - 1)
-    vmax_step = (1 << (width_bits - 1)) - 2
+def _parse_table(payload, C):
+    """The class table: (error, lo, hi, position modes, polarities, j, big-flag modes,
+    polarities, j, magnitude j, offset of the position stream, P)."""
+    z = np.zeros(C, np.int64)
     L = payload.shape[0]
     if L < HEADER_MIN:
-        return 1
+        return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
     lo = np.int64(payload[0]) | (np.int64(payload[1]) << 8)
     hi = np.int64(payload[2]) | (np.int64(payload[3]) << 8)
     if lo > hi or hi >= C:
-        return 2
+        return 2, 0, 0, z, z, z, z, z, z, z, 0, 0
     R = hi - lo + 1
     if L < HEADER_MIN + R:
-        return 1
-    cd = np.full(C, _BIG, np.int64)     # countdown to the class's next position event
-    pol = np.zeros(C, np.uint8)         # 1: the events are the unchanged elements
+        return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
     pmode = np.zeros(C, np.int64)
+    ppol = np.zeros(C, np.int64)
     pj = np.zeros(C, np.int64)
-    zcd = np.full(C, _BIG, np.int64)
-    zpol = np.zeros(C, np.uint8)
     zmode = np.zeros(C, np.int64)
+    zpol = np.zeros(C, np.int64)
     zj = np.zeros(C, np.int64)
     vj = np.zeros(C, np.int64)
     A = 0
     for c in range(lo, hi + 1):
         mode, p, jj = _parse_param(payload[HEADER_MIN + c - lo])
         if mode < 0:
-            return 3
+            return 3, 0, 0, z, z, z, z, z, z, z, 0, 0
         pmode[c] = mode
-        pol[c] = p
+        ppol[c] = p
         pj[c] = jj
         if mode != _NONE:
             A += 1
     if pmode[lo] == _NONE or pmode[hi] == _NONE:
-        return 4
+        return 4, 0, 0, z, z, z, z, z, z, z, 0, 0
     q = HEADER_MIN + R
     if L < q + 2 * A + 4:
-        return 1
+        return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
     for c in range(lo, hi + 1):
         if pmode[c] == _NONE:
             continue
@@ -630,9 +678,9 @@ def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
         v = np.int64(payload[q + 1])
         q += 2
         if mode < 0 or v > MAX_J:
-            return 3
+            return 3, 0, 0, z, z, z, z, z, z, z, 0, 0
         if mode == _NONE and v != 0:
-            return 4
+            return 4, 0, 0, z, z, z, z, z, z, z, 0, 0
         zmode[c] = mode
         zpol[c] = p
         zj[c] = jj
@@ -642,31 +690,37 @@ def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
         P |= np.int64(payload[q + k]) << (8 * k)
     q += 4
     if P > L - q:
-        return 1
-    pm, pb, pc = _class_params(pj)
-    zm, zb, zc = _class_params(zj)
-    vm, vb, vc = _class_params(vj)
+        return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
+    return 0, lo, hi, pmode, ppol, pj, zmode, zpol, zj, vj, q, P
 
-    # ---- positions: one pass over the elements, a countdown per class
-    buf = _padded(payload, q, q + P)
+
+@njit(cache=True, nogil=True)
+def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_pos, ccls):
+    """The position stream (``buf``: its P bytes then _PAD zeros): changed positions and
+    their classes into ``out_pos``/``ccls``. Returns 0 or an error code."""
+    n = old.shape[0]
+    C = pmode.shape[0]
+    cmask = C - 1
+    pm, pb, pc, _ = _class_params(pj)
+    pq = n // pm          # the longest unary run a valid gap can have
     lim = P + 8
     acc = _U64(0)
     nacc = 0
     bp = 0
     # cd[c] > 0: a class coded by its changes, that many elements before its next event;
     # cd[c] <= 0: a class coded by its unchanged elements (or all changed), -cd[c] before
-    # its next event. Elements of NONE classes (cd = _BIG) take the one-compare path.
+    # its next event. NONE classes (cd = _BIG) and quiet stretches take the first branch.
+    cd = np.full(C, _BIG, np.int64)
     for c in range(lo, hi + 1):
         if pmode[c] == _GOLOMB:
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], n)
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
             if g < 0:
                 return 5
             if bp > lim:
                 return 10
-            cd[c] = g if pol[c] == 0 else -g
+            cd[c] = g if ppol[c] == 0 else -g
         elif pmode[c] == _ALL:
             cd[c] = -_BIG
-    ccls = np.empty(count, np.uint16)
     j = 0
     for i in range(n):
         c = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
@@ -674,21 +728,16 @@ def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
         if r > 0:
             cd[c] = r - 1
             continue
-        if r == 0 and pol[c] == 0:       # an event: this element changed
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], n)
+        if r == 0:                       # an event
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
             if g < 0:
                 return 5
             if bp > lim:
                 return 10
+            if ppol[c] == 1:             # of a class whose events are its unchanged elements
+                cd[c] = -g
+                continue
             cd[c] = g
-        elif r == 0:                     # an event of a class coded by unchanged elements
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], n)
-            if g < 0:
-                return 5
-            if bp > lim:
-                return 10
-            cd[c] = -g
-            continue
         else:
             cd[c] = r + 1
         if j >= count:
@@ -701,27 +750,39 @@ def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
     for c in range(lo, hi + 1):
         if pmode[c] == _GOLOMB and cd[c] != 0:
             return 8
-    err = _stream_end_ok(acc, nacc, bp, P)
-    if err:
-        return err
+    return _stream_end_ok(acc, nacc, bp, P)
 
-    # ---- steps: one pass over the changes
-    S = L - q - P
-    buf = _padded(payload, q + P, L)
+
+@njit(cache=True, nogil=True)
+def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos, ccls, out_val):
+    """The step stream (``buf``: its S bytes then _PAD zeros): the new bits of every
+    change into ``out_val``. Returns 0 or an error code."""
+    count = out_pos.shape[0]
+    C = zmode.shape[0]
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    vmax = (1 << (width_bits - 1)) - 2
+    zm, zb, zc, _ = _class_params(zj)
+    vm, vb, vc, _ = _class_params(vj)
+    zq = count // zm
+    vq = vmax // vm
     lim = S + 8
     acc = _U64(0)
     nacc = 0
     bp = 0
+    zcd = np.full(C, _BIG, np.int64)    # as cd in _decode_positions, over the changes
+    big_if_quiet = np.zeros(C, np.uint8)
     for c in range(lo, hi + 1):
         if zmode[c] == _GOLOMB:
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], count)
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], zq[c], count)
             if g < 0:
                 return 5
             if bp > lim:
                 return 10
             zcd[c] = g
+            big_if_quiet[c] = zpol[c]
         elif zmode[c] == _ALL:
-            zpol[c] = 1
+            big_if_quiet[c] = 1
     for t in range(count):
         c = np.int64(ccls[t])
         acc, nacc, bp = _refill(buf, acc, nacc, bp)
@@ -731,16 +792,16 @@ def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
         r = zcd[c]
         if r != 0:
             zcd[c] = r - 1
-            big = zpol[c] == 1
+            big = big_if_quiet[c] == 1
         else:
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], count)
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], zq[c], count)
             if g < 0:
                 return 5
             zcd[c] = g
-            big = zpol[c] == 0
+            big = big_if_quiet[c] == 0
         a = 0
         if big:
-            v, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, vm[c], vb[c], vc[c], vmax_step)
+            v, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, vm[c], vb[c], vc[c], vq[c], vmax)
             if v < 0:
                 return 5
             a = v + 1
@@ -759,6 +820,26 @@ def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
         if zmode[c] == _GOLOMB and zcd[c] != 0:
             return 9
     return _stream_end_ok(acc, nacc, bp, S)
+
+
+@njit(cache=True, nogil=True)
+def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
+    """Decode an encoding-4 payload against the chunk's parent bits ``old``.
+
+    Writes ``count`` chunk-local positions and new bits into ``out_pos``/``out_val``
+    (each exactly ``count`` long). Returns 0, or an error code (``_ERRORS``)."""
+    C = 1 << ebits
+    err, lo, hi, pmode, ppol, pj, zmode, zpol, zj, vj, q, P = _parse_table(payload, C)
+    if err:
+        return err
+    ccls = np.empty(count, np.uint16)
+    err = _decode_positions(_padded(payload, q, q + P), P, old, count, mbits, lo, hi,
+                            pmode, ppol, pj, out_pos, ccls)
+    if err:
+        return err
+    L = payload.shape[0]
+    return _decode_steps(_padded(payload, q + P, L), L - q - P, old, width_bits, lo, hi,
+                         zmode, zpol, zj, vj, out_pos, ccls, out_val)
 
 
 # --------------------------------------------------------------------------- glue

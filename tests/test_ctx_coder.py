@@ -1,0 +1,443 @@
+"""Encoding 4 (ctx): kernels agree with the plain-Python reference, round trips are bit-exact on every
+bit pattern, and a corrupt payload is always reported, never crashes, hangs or reads out of bounds.
+
+The reference (tests/naive_ctx.py) is written from docs/FORMAT.md; the kernels live in
+delta/ctxcoder.py. Seeds are printed in assertion messages so a failure can be replayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from benchmarks import entropy
+from delta import chunks, codec, ctxcoder, dtypes, errors, record
+from tests import naive_ctx
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent / "golden"
+CTX_DTYPES = sorted(record.CTX_LAYOUT)
+
+
+# --- inputs -------------------------------------------------------------------------------
+
+def specials(name: str) -> list[int]:
+    """Bit patterns a non-bit-exact codec breaks on: zeros, subnormals, extremes, inf, NaN payloads."""
+    w, m, e = naive_ctx.LAYOUT[name]
+    sign, exp_all = 1 << (w - 1), ((1 << e) - 1) << m
+    out = set()
+    for s in (0, sign):
+        out |= {s, s | 1, s | ((1 << m) - 1), s | (1 << m), s | (exp_all - 1), s | exp_all,
+                s | exp_all | 1, s | exp_all | (1 << (m - 1)), s | exp_all | ((1 << m) - 1)}
+    return sorted(out)
+
+
+def nan_bits(name: str) -> np.ndarray:
+    """Every NaN bit pattern of ``name`` (float8_e4m3fn has only S.1111.111)."""
+    w, m, e = naive_ctx.LAYOUT[name]
+    exp_all = ((1 << e) - 1) << m
+    payloads = [(1 << m) - 1] if name == "F8_E4M3" else range(1, 1 << m)
+    return np.array([s | exp_all | x for s in (0, 1 << (w - 1)) for x in payloads], dtypes.BY_NAME[name].bits_dtype)
+
+
+def weights(rng: np.random.Generator, name: str, n: int) -> np.ndarray:
+    """Trained-looking weights of dtype ``name`` as bits (|w| ~ 0.02; fp8 scaled into its range)."""
+    dt = dtypes.BY_NAME[name]
+    scale = 64.0 if name.startswith("F8") else 1.0
+    t = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02 * scale).to(dt.torch_dtype)
+    return dtypes.host_bits(t).copy()
+
+
+def optimizer_step(rng: np.random.Generator, old: np.ndarray, name: str, p_small: float, p_large: float) -> np.ndarray:
+    """Move elements one or a few ulps, small-magnitude ones (small ulp) far more often."""
+    w, m, _e = naive_ctx.LAYOUT[name]
+    mask = (1 << w) - 1
+    mag = old.astype(np.int64) & (mask >> 1)
+    p = np.where(mag < np.median(mag), p_small, p_large)
+    moves = rng.random(old.size) < p
+    step = rng.choice([-1, 1, -2, 2, -7, 30], size=old.size, p=[.43, .43, .05, .05, .02, .02])
+    keys = np.where(old.astype(np.int64) & (1 << (w - 1)), mask - old.astype(np.int64), old.astype(np.int64) | (1 << (w - 1)))
+    keys = (keys + np.where(moves, step, 0)) & mask
+    new = np.where(keys & (1 << (w - 1)), keys ^ (1 << (w - 1)), mask - keys)
+    return new.astype(old.dtype)
+
+
+def as_tensor(bits: np.ndarray, name: str) -> torch.Tensor:
+    return dtypes.from_bits(bits.copy(), dtypes.BY_NAME[name], bits.shape)
+
+
+def same_bits(a, b) -> bool:
+    return np.array_equal(dtypes.host_bits(a), dtypes.host_bits(b))
+
+
+def kernel_round_trip(old: np.ndarray, new: np.ndarray, name: str) -> bytes | None:
+    """Encode one chunk with the kernel, decode it with kernel and reference, check both."""
+    dt = dtypes.BY_NAME[name]
+    k = int(np.count_nonzero(old != new))
+    if k == 0:
+        return None
+    payload = ctxcoder.encode_ctx(old, new, dt, k)
+    pos, val = ctxcoder.decode_ctx(payload, old, k, dt, "t")
+    want = np.flatnonzero(old != new)
+    assert np.array_equal(pos, want) and np.array_equal(val, new[want])
+    rp, rv = naive_ctx.decode(payload, old, k, name)
+    assert rp == want.tolist() and rv == new[want].tolist()
+    return payload
+
+
+# --- kernels against the reference ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", CTX_DTYPES)
+def test_kernel_payload_equals_the_reference_encoder_with_the_same_parameters(name):
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(1, 2500))
+        old = weights(rng, name, n)
+        new = optimizer_step(rng, old, name, *rng.choice([0.0, 0.005, 0.1, 0.6, 1.0], size=2))
+        payload = kernel_round_trip(old, new, name)
+        if payload is None:
+            continue
+        pos, flag, val, _ = naive_ctx.parse_table(payload, naive_ctx.LAYOUT[name][2])
+        assert naive_ctx.encode(old, new, name, pos, flag, val) == payload, f"seed {seed}"
+
+
+@pytest.mark.parametrize("name", CTX_DTYPES)
+def test_kernel_decodes_payloads_with_parameters_its_encoder_never_picks(name):
+    """Any valid model choice (either polarity, any Golomb parameter) decodes: the format, not the
+    encoder's policy, defines what a reader accepts."""
+    w, mbits, ebits = naive_ctx.LAYOUT[name]
+    dt = dtypes.BY_NAME[name]
+    for seed in range(10):
+        rng = np.random.default_rng(100 + seed)
+        n = int(rng.integers(2, 800))
+        old = weights(rng, name, n)
+        new = optimizer_step(rng, old, name, 0.3, 0.05)
+        changed = old != new
+        if not changed.any():
+            continue
+        cls = np.array(naive_ctx.classes(old, mbits, ebits))
+        pos, flag, val = {}, {}, {}
+        for c in np.unique(cls[changed]).tolist():
+            members = cls == c
+            k, nc = int(changed[members].sum()), int(members.sum())
+            pos[c] = naive_ctx.FlagModel(naive_ctx.ALL, 1) if k == nc and rng.random() < 0.5 else \
+                naive_ctx.FlagModel(naive_ctx.GOLOMB, int(rng.integers(2)), int(rng.integers(0, 30)))
+            z = [naive_ctx.step_z(int(o), int(v), w) for o, v in zip(old[members & changed], new[members & changed])]
+            big = [((x - 1) >> 1) > 0 for x in z]
+            flag[c] = naive_ctx.FlagModel(naive_ctx.GOLOMB, int(rng.integers(2)), int(rng.integers(0, 12)))
+            if not any(big):
+                flag[c] = naive_ctx.FlagModel(naive_ctx.NONE)
+            val[c] = 0 if flag[c].mode == naive_ctx.NONE else int(rng.integers(0, 20))
+        payload = naive_ctx.encode(old, new, name, pos, flag, val)
+        p, v = ctxcoder.decode_ctx(payload, old, int(changed.sum()), dt, "t")
+        want = np.flatnonzero(changed)
+        assert np.array_equal(p, want) and np.array_equal(v, new[want]), f"seed {seed}"
+
+
+def test_golomb_parameters_follow_the_documented_grid():
+    assert [naive_ctx.golomb_m(j) for j in range(17)] == [1, 1, 1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert all(ctxcoder.golomb_m(j) == naive_ctx.golomb_m(j) for j in range(ctxcoder.MAX_J + 1))
+    for m in (1, 2, 3, 5, 7, 10, 1 << 20):
+        for v in (0, 1, m - 1, m, 3 * m + 1, 1000):
+            bits = naive_ctx.golomb_code(v, m)
+            assert naive_ctx.Bits(naive_ctx._pack(bits)).golomb(m, 1 << 30) == v
+
+
+# --- round trips through the codec ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CTX_DTYPES)
+def test_optimizer_like_changes_choose_ctx_and_round_trip(name):
+    rng = np.random.default_rng(7)
+    old = weights(rng, name, 50_000)
+    new = optimizer_step(rng, old, name, 0.03, 0.002)
+    enc = codec.encode(as_tensor(old, name), as_tensor(new, name), name="w", chunk_elems=20_000)
+    assert enc.encoding_counts().get("ctx", 0) == 3
+    out = codec.decode(as_tensor(old, name), enc.to_bytes())
+    assert same_bits(out, as_tensor(new, name))
+    live = as_tensor(old, name)
+    codec.apply_(live, enc.to_bytes())
+    assert same_bits(live, as_tensor(new, name))
+
+
+@pytest.mark.parametrize("name", CTX_DTYPES)
+def test_special_values_round_trip_bit_exactly(name):
+    """NaN payloads, infinities, -0.0 and subnormals as parents and as results, in every pairing."""
+    sp = np.array(specials(name), dtype=dtypes.BY_NAME[name].bits_dtype)
+    old = np.repeat(sp, sp.size)
+    new = np.tile(sp, sp.size)
+    rng = np.random.default_rng(11)
+    for o, nw in ((old, new), (np.concatenate([old, weights(rng, name, 3000)]),
+                               np.concatenate([new, optimizer_step(rng, weights(rng, name, 3000), name, .1, .1)]))):
+        kernel_round_trip(o, nw, name)
+        enc = codec.encode(as_tensor(o, name), as_tensor(nw, name), name="s", chunk_elems=512)
+        assert same_bits(codec.decode(as_tensor(o, name), enc.to_bytes()), as_tensor(nw, name))
+
+
+@pytest.mark.parametrize("name", CTX_DTYPES)
+def test_adversarial_change_patterns_round_trip(name):
+    dt = dtypes.BY_NAME[name]
+    w = 8 * dt.itemsize
+    rng = np.random.default_rng(13)
+    n = 4096
+    base = weights(rng, name, n)
+    every = optimizer_step(rng, base, name, 1.0, 1.0)
+    every[every == base] ^= dt.bits_dtype.type(1)
+    single = base.copy()
+    single[1234] ^= dt.bits_dtype.type(1)
+    edges = base.copy()
+    for s in range(0, n, 1000):                      # first and last element of each chunk of 1000
+        edges[s] ^= dt.bits_dtype.type(1)
+        edges[min(n, s + 1000) - 1] ^= dt.bits_dtype.type(1 << (w - 1))
+    nan = nan_bits(name)
+    all_nan_old = nan[rng.integers(0, nan.size, n)]
+    all_nan_new = nan[rng.integers(0, nan.size, n)]
+    cases = {
+        "every element changes": (base, every),
+        "random bits": (rng.integers(0, 1 << w, n, dtype=dt.bits_dtype), rng.integers(0, 1 << w, n, dtype=dt.bits_dtype)),
+        "all NaN, other payloads": (all_nan_old, all_nan_new),
+        "a single change": (base, single),
+        "changes at chunk edges": (base, edges),
+        "sign flips": (base, base ^ dt.bits_dtype.type(1 << (w - 1))),
+    }
+    for what, (old, new) in cases.items():
+        kernel_round_trip(old, new, name)
+        for s in range(0, n, 1000):
+            kernel_round_trip(old[s:s + 1000], new[s:s + 1000], name)
+        enc = codec.encode(as_tensor(old, name), as_tensor(new, name), name="a", chunk_elems=1000)
+        assert same_bits(codec.decode(as_tensor(old, name), enc.to_bytes()), as_tensor(new, name)), what
+
+
+def test_chunks_of_one_element_and_a_chunk_tail_round_trip():
+    rng = np.random.default_rng(17)
+    old = weights(rng, "BF16", 37)
+    new = optimizer_step(rng, old, "BF16", 0.5, 0.5)
+    for ce in (1, 2, 5, 36):
+        enc = codec.encode(as_tensor(old, "BF16"), as_tensor(new, "BF16"), name="t", chunk_elems=ce)
+        assert same_bits(codec.decode(as_tensor(old, "BF16"), enc.to_bytes()), as_tensor(new, "BF16"))
+
+
+def test_ctx_is_only_used_where_it_is_smaller_and_only_for_its_dtypes():
+    rng = np.random.default_rng(19)
+    for name in ("BF16", "F8_E5M2", "F32", "I16", "U8"):
+        dt = dtypes.BY_NAME[name]
+        old = rng.integers(0, 1 << (8 * dt.itemsize), 30_000, dtype=dt.bits_dtype, endpoint=False)
+        new = old.copy()
+        new[rng.random(old.size) < 0.01] += dt.bits_dtype.type(1)
+        enc = codec.encode(as_tensor(old, name), as_tensor(new, name), chunk_elems=10_000)
+        if name not in record.CTX_LAYOUT:
+            assert "ctx" not in enc.encoding_counts(), name
+        for i, c in enumerate(enc.header.chunks):
+            s, e = enc.header.chunk_range(i)
+            k = int(np.count_nonzero(old[s:e] != new[s:e]))
+            sparse, _ = chunks._encode_sparse(old[s:e], new[s:e], dt, k, chunks.DEFAULT_LEVEL)
+            assert c.length <= sparse.length
+            if c.encoding == record.CTX:
+                assert c.length < sparse.length and (c.planes_a, c.planes_b) == record.CTX_LAYOUT[name]
+
+
+# --- corruption --------------------------------------------------------------------------------
+
+def _ctx_record(name: str = "BF16", n: int = 3000, seed: int = 23) -> tuple[np.ndarray, np.ndarray, codec.EncodedTensor]:
+    rng = np.random.default_rng(seed)
+    old = weights(rng, name, n)
+    new = optimizer_step(rng, old, name, 0.05, 0.01)
+    enc = codec.encode(as_tensor(old, name), as_tensor(new, name), name="model.layers.3.mlp.w", chunk_elems=1000)
+    assert [c.encoding for c in enc.header.chunks] == [record.CTX] * 3
+    return old, new, enc
+
+
+def _with_payload(enc: codec.EncodedTensor, i: int, payload: bytes) -> bytes:
+    """The record with chunk i's payload replaced, its length and checksum made consistent."""
+    h = enc.header
+    chunks_ = list(h.chunks)
+    chunks_[i] = dataclasses.replace(chunks_[i], length=len(payload),
+                                     checksum=xxhash.xxh3_64_intdigest(payload))
+    h2 = dataclasses.replace(h, chunks=tuple(chunks_))
+    pays = [bytes(p) for p in enc.payloads]
+    pays[i] = payload
+    return record.pack_header(h2) + b"".join(pays)
+
+
+def _must_reject_or_be_exact(old, new, name, data: bytes, what: str) -> None:
+    try:
+        out = codec.decode(as_tensor(old, name), data)
+    except errors.DeltaError as e:
+        assert "model.layers.3.mlp.w" in str(e), f"{what}: error does not name the tensor: {e}"
+        if isinstance(e, errors.FormatError):
+            assert "chunk" in str(e), f"{what}: format error does not name the chunk: {e}"
+        return
+    assert same_bits(out, as_tensor(new, name)), f"{what}: decoded a wrong tensor without an error"
+
+
+@pytest.mark.parametrize("name", ["BF16", "F8_E4M3"])
+def test_flipped_payload_bytes_are_detected_even_with_a_valid_checksum(name):
+    old, new, enc = _ctx_record(name)
+    payload = bytes(enc.payloads[1])
+    for pos in range(len(payload)):
+        for x in (0x01, 0x80, 0xFF):
+            bad = bytearray(payload)
+            bad[pos] ^= x
+            _must_reject_or_be_exact(old, new, name, _with_payload(enc, 1, bytes(bad)), f"byte {pos} ^ {x:#x}")
+    flipped = bytearray(enc.to_bytes())
+    flipped[-5] ^= 1                                  # without resealing: the payload checksum catches it
+    with pytest.raises(errors.ChecksumError, match="chunk 2"):
+        codec.decode(as_tensor(old, name), bytes(flipped))
+
+
+def test_truncated_and_extended_payloads_are_rejected():
+    old, _new, enc = _ctx_record()
+    payload = bytes(enc.payloads[0])
+    for cut in range(len(payload)):
+        with pytest.raises(errors.DeltaError):
+            codec.decode(as_tensor(old, "BF16"), _with_payload(enc, 0, payload[:cut]))
+    for extra in (b"\0", b"\x80", b"\0" * 9):
+        with pytest.raises(errors.FormatError, match="chunk 0"):
+            codec.decode(as_tensor(old, "BF16"), _with_payload(enc, 0, payload + extra))
+
+
+def test_a_count_that_disagrees_with_the_payload_is_rejected():
+    old, _new, enc = _ctx_record()
+    dt = dtypes.BY_NAME["BF16"]
+    c = enc.header.chunks[0]
+    s, e = enc.header.chunk_range(0)
+    for count in (c.count - 1, c.count + 1, 1, e - s):
+        if count == c.count:
+            continue
+        with pytest.raises(errors.FormatError, match="ctx"):
+            ctxcoder.decode_ctx(bytes(enc.payloads[0]), old[s:e], count, dt, "tensor 't' chunk 0")
+
+
+def test_hostile_class_tables_are_rejected_before_decoding():
+    old = weights(np.random.default_rng(29), "BF16", 100)
+    dt = dtypes.BY_NAME["BF16"]
+    f8 = dtypes.BY_NAME["F8_E4M3"]
+    cases = {
+        "empty": b"",
+        "short": b"\x00\x00",
+        "lo > hi": b"\x05\x00\x04\x00" + b"\x02" * 8,
+        "hi past the classes": b"\x00\x00\x10\x00" + b"\x02" * 40,
+        "bad model byte": b"\x70\x00\x70\x00\xc2" + b"\0" * 10,
+        "NONE at the range's end": b"\x70\x00\x71\x00\x02\x00\x00\x00" + b"\0" * 10,
+        "magnitude index too large": b"\x70\x00\x70\x00\x02\x00\x60" + b"\0" * 10,
+        "P past the payload": b"\x70\x00\x70\x00\x01\x00\x00\xff\xff\xff\xff",
+        "unary run of ones": b"\x70\x00\x70\x00\x02\x00\x00\x40\x00\x00\x00" + b"\xff" * 64,
+        "all ones": b"\xff" * 300,
+    }
+    for what, payload in cases.items():
+        for d, o in ((dt, old), (f8, old.astype(np.uint8))):
+            with pytest.raises(errors.FormatError, match="chunk 0"):
+                ctxcoder.decode_ctx(payload, o, 3, d, "tensor 't' chunk 0")
+    with pytest.raises(errors.FormatError, match="U8"):
+        ctxcoder.decode_ctx(b"\0" * 16, old.astype(np.uint8), 1, dtypes.BY_NAME["U8"], "tensor 't' chunk 0")
+
+
+def test_random_payloads_never_crash_the_decoder():
+    rng = np.random.default_rng(31)
+    old = weights(rng, "BF16", 2000)
+    dt = dtypes.BY_NAME["BF16"]
+    for trial in range(300):
+        payload = rng.integers(0, 256, int(rng.integers(0, 400)), dtype=np.uint8).tobytes()
+        if trial % 3 == 0 and len(payload) > 8:   # a plausible table in front of random streams
+            payload = bytes([0x70, 0, 0x7d, 0]) + bytes(rng.integers(2, 40, 14, dtype=np.uint8)) + payload
+        try:
+            ctxcoder.decode_ctx(payload, old, int(rng.integers(1, 50)), dt, "t")
+        except errors.FormatError:
+            pass
+
+
+@pytest.mark.slow  # ~15-40 s: a fresh compile of the decoder with bounds checks
+def test_decoder_stays_in_bounds_under_numba_boundscheck(tmp_path):
+    """Numba checks no index by default: recompile the decoder with bounds checks on and feed it
+    corrupt and random payloads; an out-of-bounds access would raise IndexError there."""
+    rng = np.random.default_rng(37)
+    cases = {}
+    for name in ("BF16", "F8_E5M2"):
+        dt = dtypes.BY_NAME[name]
+        old = weights(rng, name, 1500)
+        new = optimizer_step(rng, old, name, 0.2, 0.02)
+        k = int((old != new).sum())
+        good = ctxcoder.encode_ctx(old, new, dt, k)
+        payloads = [good]
+        for _trial in range(300):
+            bad = bytearray(good)
+            for _ in range(int(rng.integers(1, 4))):
+                bad[int(rng.integers(len(bad)))] ^= int(rng.integers(1, 256))
+            payloads.append(bytes(bad[: len(bad) - int(rng.integers(0, 3))]))
+        payloads += [rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes() for _ in range(100)]
+        cases[name] = (old, k, payloads)
+    np.save(tmp_path / "cases.npy", np.array([cases], dtype=object), allow_pickle=True)
+    script = r"""
+import sys
+import numpy as np
+from numba.core import config
+assert config.BOUNDSCHECK
+from delta import ctxcoder, dtypes, errors
+cases = np.load(sys.argv[1], allow_pickle=True)[0]
+for name, (old, k, payloads) in cases.items():
+    dt = dtypes.BY_NAME[name]
+    ctxcoder.decode_ctx(payloads[0], old, k, dt, "t")
+    for i, p in enumerate(payloads):
+        for count in (k, k - 1, k + 1):
+            try:
+                ctxcoder.decode_ctx(p, old, count, dt, "t")
+            except errors.FormatError:
+                pass
+print("IN BOUNDS")
+"""
+    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.npy")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "IN BOUNDS" in r.stdout, r.stderr[-3000:]
+
+
+# --- golden records ------------------------------------------------------------------------------
+
+def test_golden_ctx_records_decode_with_kernel_and_reference():
+    cases = [c for c in json.loads((GOLDEN / "index.json").read_text())["cases"] if "ctx" in c["encodings"]]
+    assert {c["dtype"] for c in cases} >= {"BF16", "F8_E5M2"}
+    for case in cases:
+        buf = (GOLDEN / case["record"]).read_bytes()
+        parent = np.load(GOLDEN / case["parent"]).reshape(-1)
+        expected = np.load(GOLDEN / case["expected"]).reshape(-1)
+        enc = codec.EncodedTensor.from_bytes(buf)
+        live = as_tensor(parent, case["dtype"])
+        codec.apply_(live, buf)
+        assert np.array_equal(dtypes.host_bits(live), expected)
+        for i, c in enumerate(enc.header.chunks):
+            if c.encoding != record.CTX:
+                continue
+            s, e = enc.header.chunk_range(i)
+            p, v = naive_ctx.decode(bytes(enc.payloads[i]), parent[s:e], c.count, case["dtype"])
+            assert np.array_equal(expected[s:e][p], np.array(v, expected.dtype))
+
+
+# --- the entropy estimate the benchmark prints -----------------------------------------------------
+
+def test_conditional_entropy_of_a_known_mixture():
+    """Two exponent classes of 1000 elements: one changes half its elements by +-1 ulp (1 bit
+    each for position and sign), the other never changes: 2 bits per change in all."""
+    a = np.full(2000, 0x3C00, np.uint16)              # exponent 120
+    a[1000:] = 0x4000                                 # exponent 128
+    b = a.copy()
+    b[0:1000:2] += 1                                  # every other element of class 120 moves
+    b[1:1000:4] -= 1                                  # and every fourth moves down
+    old = {"w": as_tensor(a, "BF16")}
+    new = {"w": as_tensor(b, "BF16")}
+    e = entropy.conditional_entropy(old, new)
+    k = int(np.count_nonzero(a != b))
+    assert e["n_changed"] == k == 750
+    p = 750 / 1000
+    h = -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    assert e["pos_bits"] == pytest.approx(1000 * h / k)
+    assert e["step_bits"] == pytest.approx(-(2 / 3 * np.log2(2 / 3) + 1 / 3 * np.log2(1 / 3)))
+    assert entropy.conditional_entropy(old, new, per="tensor")["pos_bits"] == pytest.approx(e["pos_bits"])
+    assert e["ratio_limit"] == pytest.approx(4000 / ((e["pos_bits"] + e["step_bits"]) * k / 8))
