@@ -1,0 +1,418 @@
+"""Weight-update latency: ``publish()`` called -> the replica's live weights swapped, beside full checkpoints.
+
+For bf16 snapshots of about 0.1 and 1 GB (``--sizes 0.1,1,4`` adds 4 GB; it
+needs ~16 GB of RAM) built by :func:`benchmarks.workloads.scaled_pair` (real
+AdamW steps at lr 1e-6, tiled), through a real S3 API (moto on 127.0.0.1, or
+``--s3-url`` with ``--storage-options``) and through a local directory:
+
+- **ckptdelta**: the previous step is the run's anchor (published, not timed);
+  then ``Publisher.publish(new)`` and a :class:`loader.HotSwapper` over a live
+  state dict in this process hot-loads it. Broken into host copy, encode,
+  upload, commit (PublishResult) and fetch, decode, pause (HotLoadReport).
+- **a sparse step** at the same model size with ~10x fewer changed elements
+  (1 ulp at random positions), to show that the pause follows the changed
+  bytes, not the model size.
+- **full checkpoint** (what a user does today): ``safetensors.torch.save_file``
+  of the whole snapshot (to a temp file then uploaded by fsspec for S3), then
+  downloaded, ``load_file`` and ``copy_`` into the live tensors (the copy is the
+  pause: the model cannot serve half-copied weights).
+
+Every swap is checked bit-exact against the trainer's tensors (untimed).
+Timings are wall-clock, one run per size (these are seconds, not microseconds).
+
+    python -m benchmarks.update_latency                    # 0.1 and 1 GB, local dir + S3 (moto)
+    python -m benchmarks.update_latency --sizes 0.1,1,4
+    python -m benchmarks.update_latency --quick            # 0.02 GB, local dir only, < 30 s
+
+Writes benchmarks/results/update_latency{,-quick}.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+DELTA_PARTS = ("copy_s", "encode_s", "upload_s", "commit_s", "fetch_s", "decode_s", "pause_s")
+FULL_PARTS = ("save_s", "upload_s", "download_s", "load_s", "copy_s")
+SPARSE_FACTOR = 10  # the sparse step changes ~1/10 of the elements a real step changes
+
+log = logging.getLogger("ckptdelta.bench")
+
+
+# --- storage backends ---------------------------------------------------------------------
+
+@contextmanager
+def backend(kind: str, s3_url: str | None, storage_options: dict | None) -> Iterator[tuple[str, dict | None]]:
+    """(root URL, storage options) of an empty place for this benchmark's runs; removed afterwards."""
+    if kind == "local":
+        d = tempfile.mkdtemp(prefix="ckptdelta-latency-")
+        try:
+            yield d, None
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        return
+    if kind != "s3":
+        raise ValueError(f"backend {kind!r}: expected local or s3")
+    import fsspec
+
+    if s3_url:  # a real bucket: a fresh prefix in it
+        root = f"{s3_url.rstrip('/')}/latency-{uuid.uuid4().hex[:8]}"
+        try:
+            yield root, storage_options
+        finally:
+            fsspec.filesystem("s3", **(storage_options or {})).rm(root, recursive=True)
+        return
+    from tests.servers import S3_TEST_CREDENTIALS, start_moto_server
+
+    server = start_moto_server()
+    try:
+        opts = {**S3_TEST_CREDENTIALS, "client_kwargs": {"endpoint_url": server.endpoint}}
+        bucket = f"latency-{uuid.uuid4().hex[:12]}"
+        fsspec.filesystem("s3", skip_instance_cache=True, **opts).mkdir(bucket)
+        yield f"s3://{bucket}", opts
+    finally:
+        server.stop()
+
+
+# --- one size on one backend --------------------------------------------------------------------
+
+def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    from delta import dtypes
+
+    return a.keys() == b.keys() and all(
+        torch.equal(dtypes.torch_bits_view(a[k].reshape(-1)), dtypes.torch_bits_view(b[k].reshape(-1))) for k in a)
+
+
+def _changed_elements(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    from delta import dtypes
+
+    return sum(int((dtypes.torch_bits_view(old[k].reshape(-1)) != dtypes.torch_bits_view(new[k].reshape(-1))).sum())
+               for k in old)
+
+
+def _sparse_step(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> int:
+    """Move ~``fraction`` of the elements of every tensor by one ulp, in place; returns the count."""
+    from delta import dtypes
+
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    for t in weights.values():
+        k = max(1, int(t.numel() * fraction))
+        pos = torch.unique(torch.randint(t.numel(), (k,), generator=g))
+        bits = dtypes.torch_bits_view(t.reshape(-1))
+        bits[pos] ^= 1  # the lowest mantissa bit: the neighbouring representable value
+        n += pos.numel()
+    return n
+
+
+def _delta_step(pub: Any, swapper: Any, weights: dict, step: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    res = pub.publish(weights, step)
+    t1 = time.perf_counter()
+    rep = swapper.hotload(res.version)
+    t2 = time.perf_counter()
+    return {"version": res.version, "kind": res.kind, "stored_bytes": res.stored_bytes,
+            "full_bytes": res.full_bytes, "copy_s": res.copy_s, "encode_s": res.encode_s,
+            "upload_s": res.upload_s, "commit_s": res.commit_s, "publish_s": t1 - t0,
+            "fetch_s": rep.fetch_s, "decode_s": rep.decode_s, "apply_s": rep.apply_s, "pause_s": rep.pause_s,
+            "hotload_s": t2 - t1, "bytes_fetched": rep.bytes_fetched, "elements_changed": rep.elements_changed,
+            "changed_bytes": rep.elements_changed * 2, "total_s": t2 - t0}
+
+
+def _full_checkpoint(root: str, opts: dict | None, new: dict[str, torch.Tensor], live: dict[str, torch.Tensor],
+                     scratch: str) -> dict[str, Any]:
+    """What users do today: write the whole snapshot, read it back whole, copy it into the live tensors."""
+    import fsspec
+    from safetensors.torch import load_file, save_file
+
+    remote = "://" in root
+    fs, base = fsspec.core.url_to_fs(root, **(opts or {}))
+    key = f"{base}/full/step-00000001.safetensors"
+    fs.makedirs(f"{base}/full", exist_ok=True)
+    local_out = os.path.join(scratch, "out.safetensors") if remote else key
+    t0 = time.perf_counter()
+    save_file(new, local_out)
+    t1 = time.perf_counter()
+    if remote:
+        fs.put_file(local_out, key)
+        os.unlink(local_out)
+    t2 = time.perf_counter()
+    local_in = os.path.join(scratch, "in.safetensors") if remote else key
+    if remote:
+        fs.get_file(key, local_in)
+    t3 = time.perf_counter()
+    loaded = load_file(local_in)
+    t4 = time.perf_counter()
+    with torch.no_grad():
+        for k, t in loaded.items():
+            live[k].copy_(t)
+    t5 = time.perf_counter()
+    nbytes = fs.size(key)
+    del loaded
+    if remote:
+        os.unlink(local_in)
+    return {"stored_bytes": nbytes, "save_s": t1 - t0, "upload_s": t2 - t1, "download_s": t3 - t2,
+            "load_s": t4 - t3, "copy_s": t5 - t4, "pause_s": t5 - t4, "total_s": t5 - t0}
+
+
+def warm_up(root: str, opts: dict | None) -> None:
+    """One small publish/hot-load cycle first, so that numba's compile-or-load, thread pools and first-use
+    imports are not charged to the first size measured (a trainer pays them once per process)."""
+    from loader import HotSwapper, SnapshotReader
+    from publisher import Publisher
+
+    g = torch.Generator().manual_seed(0)
+    w = {f"w{i}": torch.randn(256, 1024, generator=g).to(torch.bfloat16) for i in range(4)}
+    live = {k: v.clone() for k, v in w.items()}
+    with Publisher(f"{root}/warm-up", storage_options=opts, progress=False) as pub:
+        v0 = pub.publish(w, 0).version
+        swapper = HotSwapper(live, SnapshotReader(f"{root}/warm-up", storage_options=opts), version=v0)
+        for step in (1, 2):
+            _sparse_step(w, 0.01, seed=step)
+            swapper.hotload(pub.publish(w, step).version)
+
+
+def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: bool) -> dict[str, Any]:
+    from benchmarks.workloads import scaled_pair
+    from loader import HotSwapper, SnapshotReader
+    from publisher import Publisher
+
+    t = time.perf_counter()
+    old, new = scaled_pair(int(size_gb * 1e9), lr=1e-6, size="tiny" if quick else "small")
+    build_s = time.perf_counter() - t
+    model_bytes = sum(x.numel() * x.element_size() for x in new.values())
+    expected_changed = _changed_elements(old, new)
+    run = f"{root}/run-{size_gb:g}gb"
+    out: dict[str, Any] = {"backend": kind, "size_gb": size_gb, "model_bytes": model_bytes,
+                           "tensors": len(new), "build_s": build_s}
+    with tempfile.TemporaryDirectory(prefix="ckptdelta-latency-") as scratch:
+        pub = Publisher(run, storage_options=opts, progress=False, anchor_every=1000, anchor_chain_fraction=100.0)
+        try:
+            t = time.perf_counter()
+            anchor = pub.publish(old, 0)
+            out["anchor"] = {"stored_bytes": anchor.stored_bytes, "publish_s": time.perf_counter() - t}
+            live = old  # the replica's live weights are these very tensors: no extra copy
+            old = None
+            swapper = HotSwapper(live, SnapshotReader(run, storage_options=opts), version=anchor.version)
+            step = _delta_step(pub, swapper, new, 1)
+            step["elements_changed_expected"] = expected_changed
+            step["bit_exact"] = _bits_equal(live, new)
+            out["delta"] = step
+            n_sparse = _sparse_step(new, expected_changed / max(1, sum(x.numel() for x in new.values()))
+                                    / SPARSE_FACTOR, seed=1)
+            sparse = _delta_step(pub, swapper, new, 2)
+            sparse["elements_changed_expected"] = n_sparse
+            sparse["bit_exact"] = _bits_equal(live, new)
+            out["sparse"] = sparse
+        finally:
+            pub.close()
+        del pub
+        gc.collect()
+        out["full"] = _full_checkpoint(run, opts, new, live, scratch)
+        out["full"]["bit_exact"] = _bits_equal(live, new)
+    out["speedup"] = out["full"]["total_s"] / out["delta"]["total_s"]
+    return out
+
+
+# --- tables, report ------------------------------------------------------------------------------
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:.1f}"
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [
+        "# Weight-update latency: publish() -> live weights swapped",
+        "",
+        f"{meta['machine']}; bf16 snapshots from `scaled_pair(..., lr=1e-6)`; one run per row; "
+        f"times in ms unless marked. ckptdelta = publish a delta + hot-load it (HotSwapper, same process); "
+        f"full = safetensors save_file + upload, download + load_file + copy_ into the live tensors.",
+        "",
+        "| backend | model | changed | delta stored | host copy | encode | upload | commit | fetch | decode | "
+        "pause | **ckptdelta total** | full: save | upload | download | load | copy (pause) | **full total** | "
+        "full / ckptdelta |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        d, f = r["delta"], r["full"]
+        lines.append(
+            f"| {r['backend']} | {r['model_bytes'] / 1e9:.2f} GB | {d['changed_bytes'] / 1e6:.1f} MB "
+            f"({100 * d['elements_changed'] * 2 / r['model_bytes']:.2f}%) | {d['stored_bytes'] / 1e6:.1f} MB | "
+            + " | ".join(_ms(d[k]) for k in DELTA_PARTS) + f" | **{d['total_s']:.2f} s** | "
+            + " | ".join(_ms(f[k]) for k in FULL_PARTS) + f" | **{f['total_s']:.2f} s** | "
+            f"{r['speedup']:.1f}x |")
+    lines += [
+        "",
+        "Pause vs changed bytes and model size (the pause scatters the changed elements; "
+        f"'sparse' = a step with ~{SPARSE_FACTOR}x fewer changed elements at the same model size):",
+        "",
+        "| backend | model | step | changed bytes | pause (ms) | apply (ms) | full-checkpoint copy pause (ms) |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        for name in ("delta", "sparse"):
+            d = r[name]
+            lines.append(f"| {r['backend']} | {r['model_bytes'] / 1e9:.2f} GB | {'lr 1e-6' if name == 'delta' else 'sparse'}"
+                         f" | {d['changed_bytes'] / 1e6:.2f} MB | {_ms(d['pause_s'])} | {_ms(d['apply_s'])} | "
+                         f"{_ms(r['full']['copy_s'])} |")
+    lines += ["", "Growth with size (largest / smallest size, per backend):", ""]
+    lines += growth_lines(results)
+    lines += ["", "Targets:", ""] + [f"- {t}" for t in targets(results)]
+    lines += ["", f"Every swap bit-exact: {all(r[k]['bit_exact'] for r in results for k in ('delta', 'sparse', 'full'))}."]
+    return "\n".join(lines) + "\n"
+
+
+def growth_lines(results: list[dict]) -> list[str]:
+    out = []
+    for kind in sorted({r["backend"] for r in results}):
+        rs = sorted((r for r in results if r["backend"] == kind), key=lambda r: r["model_bytes"])
+        if len(rs) < 2:
+            continue
+        a, b = rs[0], rs[-1]
+        size_x = b["model_bytes"] / a["model_bytes"]
+        parts = [f"{k[:-2]} x{b['delta'][k] / max(a['delta'][k], 1e-9):.1f}" for k in DELTA_PARTS]
+        fparts = [f"{k[:-2]} x{b['full'][k] / max(a['full'][k], 1e-9):.1f}" for k in FULL_PARTS
+                  if a["full"][k] > 1e-4]
+        out.append(f"- {kind}: model x{size_x:.1f}; ckptdelta {', '.join(parts)}, total "
+                   f"x{b['delta']['total_s'] / a['delta']['total_s']:.1f}; full {', '.join(fparts)}, total "
+                   f"x{b['full']['total_s'] / a['full']['total_s']:.1f}")
+    return out
+
+
+def targets(results: list[dict]) -> list[str]:
+    out = []
+    for r in results:
+        if abs(r["size_gb"] - 1.0) > 1e-9:
+            continue
+        frac = r["delta"]["total_s"] / r["full"]["total_s"]
+        if r["backend"] == "s3":
+            out.append(f"publish-to-swapped at 1 GB through S3 <= 1/5 of the full checkpoint: "
+                       f"{r['delta']['total_s']:.2f} s vs {r['full']['total_s']:.2f} s = 1/{1 / frac:.1f} "
+                       f"-> {'met' if frac <= 0.2 else 'NOT met'}")
+        out.append(f"pause at 1 GB ({r['backend']}) < 50 ms: {_ms(r['delta']['pause_s'])} ms "
+                   f"-> {'met' if r['delta']['pause_s'] < 0.05 else 'NOT met'}")
+    by = {(r["backend"], r["size_gb"]): r for r in results}
+    for kind in sorted({r["backend"] for r in results}):
+        sizes = sorted(s for (k, s) in by if k == kind)
+        if len(sizes) >= 2:
+            small, big = by[(kind, sizes[0])], by[(kind, sizes[-1])]
+            out.append(
+                f"pause follows changed bytes, not model size ({kind}): {big['model_bytes'] / 1e9:.1f} GB model with "
+                f"{big['sparse']['changed_bytes'] / 1e6:.2f} MB changed pauses {_ms(big['sparse']['pause_s'])} ms; "
+                f"{small['model_bytes'] / 1e9:.1f} GB model with {small['delta']['changed_bytes'] / 1e6:.2f} MB "
+                f"changed pauses {_ms(small['delta']['pause_s'])} ms")
+    return out
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(19, 5.5))
+    delta_colors = plt.get_cmap("Blues")([0.35 + 0.6 * i / len(DELTA_PARTS) for i in range(len(DELTA_PARTS))])
+    full_colors = plt.get_cmap("Oranges")([0.35 + 0.6 * i / len(FULL_PARTS) for i in range(len(FULL_PARTS))])
+    labels = []
+    for x, r in enumerate(results):
+        labels.append(f"{r['backend']}\n{r['model_bytes'] / 1e9:.2f} GB")
+        for name, parts, cols, off in (("delta", DELTA_PARTS, delta_colors, -0.2), ("full", FULL_PARTS, full_colors, 0.2)):
+            bottom = 0.0
+            for k, c in zip(parts, cols):
+                ax[0].bar(x + off, r[name][k], 0.38, bottom=bottom, color=c,
+                          label=f"{'ckptdelta' if name == 'delta' else 'full'}: {k[:-2]}" if x == 0 else None)
+                bottom += r[name][k]
+            ax[0].annotate(f"{r[name]['total_s']:.2f}s", (x + off, r[name]["total_s"]), ha="center", va="bottom",
+                           fontsize=8)
+    ax[0].set_xticks(range(len(labels)), labels)
+    ax[0].set(ylabel="seconds", title="publish() -> live weights swapped\nckptdelta (left, blues) vs full checkpoint "
+                                      "(right, oranges)")
+    ax[0].legend(fontsize=7, ncol=2)
+
+    for r in results:
+        tag = f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB"
+        for name, marker in (("delta", "o"), ("sparse", "s")):
+            d = r[name]
+            ax[1].scatter(d["changed_bytes"] / 1e6, 1000 * d["pause_s"], marker=marker,
+                          label=f"{tag}: {'lr 1e-6 step' if name == 'delta' else 'sparse step'}")
+        ax[1].scatter(r["model_bytes"] / 1e6, 1000 * r["full"]["copy_s"], marker="x",
+                      label=f"{tag}: full reload (every byte)")
+    ax[1].set(xlabel="bytes written into the live weights (MB)", ylabel="pause (ms)", xscale="log", yscale="log",
+              title="the pause follows the changed bytes")
+    ax[1].legend(fontsize=7)
+
+    for kind, ls in (("local", "-"), ("s3", "--")):
+        rs = sorted((r for r in results if r["backend"] == kind), key=lambda r: r["model_bytes"])
+        if not rs:
+            continue
+        xs = [r["model_bytes"] / 1e9 for r in rs]
+        for k, c in zip(DELTA_PARTS, plt.get_cmap("tab10").colors):
+            ax[2].plot(xs, [max(r["delta"][k], 1e-5) for r in rs], ls, color=c, marker="o",
+                       label=f"ckptdelta {k[:-2]}" if kind == "local" or not any(
+                           r["backend"] == "local" for r in results) else None)
+        ax[2].plot(xs, [r["delta"]["total_s"] for r in rs], ls, color="navy", lw=2, label=f"ckptdelta total ({kind})")
+        ax[2].plot(xs, [r["full"]["total_s"] for r in rs], ls, color="darkorange", lw=2, label=f"full total ({kind})")
+    ax[2].set(xlabel="model size (GB)", ylabel="seconds", xscale="log", yscale="log",
+              title="growth with model size (solid: local dir, dashed: S3)")
+    ax[2].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.update_latency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="0.1,1", help="snapshot sizes in GB, comma-separated (default 0.1,1)")
+    p.add_argument("--backends", default="local,s3", help="local and/or s3 (default both)")
+    p.add_argument("--s3-url", default=None, help="run against this s3:// prefix instead of a local moto server")
+    p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON")
+    p.add_argument("--quick", action="store_true", help="0.02 GB, local directory only (a smoke test)")
+    p.add_argument("--out-dir", default=RESULTS)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sizes = [0.02] if a.quick else [float(s) for s in a.sizes.split(",") if s]
+    kinds = ["local"] if a.quick else [k for k in a.backends.split(",") if k]
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+            "sizes_gb": sizes, "backends": kinds, "quick": a.quick}
+    results = []
+    for kind in kinds:
+        with backend(kind, a.s3_url, a.storage_options) as (root, opts):
+            warm_up(root, opts)
+            for size in sizes:
+                r = measure(size, kind, root, opts, quick=a.quick)
+                results.append(r)
+                d, f = r["delta"], r["full"]
+                print(f"{kind:>5} {r['model_bytes'] / 1e9:5.2f} GB: ckptdelta {d['total_s']:6.2f} s "
+                      f"(delta {d['stored_bytes'] / 1e6:.1f} MB, pause {_ms(d['pause_s'])} ms), "
+                      f"full checkpoint {f['total_s']:6.2f} s (pause {_ms(f['copy_s'])} ms): "
+                      f"{r['speedup']:.1f}x", flush=True)
+                gc.collect()
+    md = markdown(results, meta)
+    print()
+    print(md)
+    os.makedirs(a.out_dir, exist_ok=True)
+    stem = os.path.join(a.out_dir, "update_latency" + ("-quick" if a.quick else ""))
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    plot(results, stem + ".png")
+    ok = all(r[k]["bit_exact"] for r in results for k in ("delta", "sparse", "full"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
