@@ -17,11 +17,12 @@ scratch copy at a time — never a second copy of the model.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, MutableMapping
+from typing import Any, Callable, Iterator, MutableMapping
 
 import numpy as np
 import torch
@@ -186,7 +187,7 @@ class HotSwapper:
 
     def __init__(self, weights: Weights, reader: SnapshotReader, *, version: int | None = None,
                  gate: ServingGate | None = None, name_map: Callable[[str], str] | None = None,
-                 apply_method: str = "auto") -> None:
+                 apply_method: str = "auto", progress: bool | None = None) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative int or None, not {version!r}")
         self.weights = weights
@@ -195,6 +196,7 @@ class HotSwapper:
         self.gate = gate or ServingGate()
         self.name_map = name_map or (lambda n: n)
         self.apply_method = apply_method
+        self.progress = progress  # a tqdm bar while preparing: None = on a terminal, for >= 64 MiB to fetch
         self._lock = threading.Lock()
 
     @property
@@ -277,15 +279,18 @@ class HotSwapper:
         counter: dict = {}
         staged: list[_Staged] = []
         decode_s = 0.0
-        for gi, values in self.reader.iter_fetched(groups, counter=counter):
-            td = time.perf_counter()
-            name = names[gi]
-            t = live[mapping[name]]
-            st = _stage_one(name, t, groups[gi], values, plan, cur)
-            if st.dense is not None or st.positions.shape[0]:
-                undo = None if st.dense is not None else _old_bits(t, st)
-                staged.append(_Staged(name, mapping[name], st, _identity(t), undo))
-            decode_s += time.perf_counter() - td
+        to_fetch = sum(p.nbytes for g in groups for p in g)
+        with _progress_bar(self.progress, to_fetch, f"hot-load {snapshot_name(v)}") as bar:
+            for gi, values in self.reader.iter_fetched(groups, counter=counter):
+                td = time.perf_counter()
+                name = names[gi]
+                t = live[mapping[name]]
+                st = _stage_one(name, t, groups[gi], values, plan, cur)
+                if st.dense is not None or st.positions.shape[0]:
+                    undo = None if st.dense is not None else _old_bits(t, st)
+                    staged.append(_Staged(name, mapping[name], st, _identity(t), undo))
+                decode_s += time.perf_counter() - td
+                bar.update(sum(p.nbytes for p in groups[gi]))
         staging = sum(s.st.nbytes for s in staged)
         report = HotLoadReport(
             from_version=current, to_version=v, path=plan.path, via_anchor=plan.via_anchor,
@@ -358,6 +363,19 @@ class HotSwapper:
                          "the live weights are now of unknown version", p.snapshot, cause, e2)
             raise HotLoadError(f"hot-load to {p.snapshot} failed ({cause}) and the old weights could not be "
                                f"restored ({e2}); the live version is now unknown: load_initial() again") from e2
+
+
+PROGRESS_MIN_BYTES = 64 << 20
+
+
+def _progress_bar(enabled: bool | None, total: int, desc: str) -> Any:
+    """A tqdm bar over the bytes to fetch; by default only on a terminal and for a large hot-load."""
+    from tqdm import tqdm
+
+    if enabled is None:
+        enabled = sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                disable=not enabled)
 
 
 def _name(v: int | None) -> str:
