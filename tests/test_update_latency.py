@@ -31,3 +31,23 @@ def test_quick_run_swaps_bit_exact_and_writes_markdown_json_and_png(tmp_path, ca
     for k in update_latency.DELTA_PARTS:
         assert d[k] >= 0
     assert "ckptdelta" in capsys.readouterr().out
+
+
+def test_hot_load_and_publish_show_progress_bars_when_asked_and_stay_quiet_otherwise(tmp_path, capfd):
+    import torch
+
+    from loader import HotSwapper, SnapshotReader
+    from publisher import Publisher
+
+    w = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64).to(torch.bfloat16)}
+    live = {"w": w["w"].clone()}
+    url = str(tmp_path / "run")
+    for progress in (False, True):
+        with Publisher(url, progress=progress) as pub:
+            version = pub.publish(w, 2 * progress).version
+            w["w"][0, :8] += 1
+            swapper = HotSwapper(live, SnapshotReader(url), version=version, progress=progress)
+            swapper.hotload(pub.publish(w, 2 * progress + 1).version)
+        err = capfd.readouterr().err
+        assert ("hot-load v" in err) is progress and ("delta v" in err) is progress
+        assert torch.equal(live["w"].view(torch.int16), w["w"].view(torch.int16))
