@@ -96,10 +96,10 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
     changed = kernels.count_changed(old, new)
     if changed == 0:
         return ChunkEntry(UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b"")), b""
-    best = _encode_sparse(old, new, dt, changed, level)
     ctx = ctxcoder.encode_ctx(old, new, dt, changed)
-    if ctx is not None and len(ctx) < best[0].length:
-        best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx), ctx
+    best = _encode_sparse(old, new, dt, changed, level, None if ctx is None else ctx[1])
+    if ctx is not None and len(ctx[0]) < best[0].length:
+        best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx[0]), ctx[0]
     if changed > DENSE_TRY_FRACTION * n:
         dense = _compressor(level).compress(kernels.xor_planes(old, new, dt.itemsize))
         if len(dense) < best[0].length:
@@ -113,8 +113,9 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
     return best
 
 
-def _encode_sparse(old, new, dt: DType, changed: int, level: int) -> tuple[ChunkEntry, bytes]:
-    gaps, steps, max_gap, max_step = kernels.sparse_extract(old, new, changed, 8 * dt.itemsize, dt.sign_magnitude)
+def _encode_sparse(old, new, dt: DType, changed: int, level: int, extracted=None) -> tuple[ChunkEntry, bytes]:
+    gaps, steps, max_gap, max_step = extracted or kernels.sparse_extract(
+        old, new, changed, 8 * dt.itemsize, dt.sign_magnitude)
     pa, pb = _planes_needed(max_gap), _planes_needed(max_step)
     c = _compressor(level)
     pos = c.compress(kernels.to_planes(gaps, pa))

@@ -87,16 +87,15 @@ def _ceil_log2(m):
 
 @njit(cache=True, nogil=True, inline="always")
 def _key(b, signbit, mask):
-    if b & signbit:
-        return (~b) & mask
-    return b | signbit
+    """Ordered key of sign-magnitude bits (docs/FORMAT.md): ``~b & mask`` when the sign bit is
+    set, else ``b | signbit``. Branch-free: the sign of a weight is a coin toss."""
+    return b ^ signbit ^ ((mask >> _U64(1)) * _U64((b & signbit) != _U64(0)))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _unkey(k, signbit, mask):
-    if k & signbit:
-        return k ^ signbit
-    return (~k) & mask
+    """Inverse of :func:`_key`: ``k ^ signbit`` when the key has the sign bit, else ``~k & mask``."""
+    return k ^ mask ^ ((mask >> _U64(1)) * _U64((k & signbit) != _U64(0)))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -136,31 +135,48 @@ def _j_for_p(p):
 
 # --------------------------------------------------------------------------- bit writer
 
+_SLACK = 8  # spare bytes after the encoder's output: _put stores seven bytes whatever it appends
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _put(out, acc, nb, pos, val, k):
-    """Append the ``k`` (<= 32) low bits of ``val``, most significant first."""
+    """Append the ``k`` (<= 56) low bits of ``val``, most significant first. ``acc`` holds
+    ``nb`` < 8 pending bits. Branch-free: seven bytes are always stored and the complete
+    ones kept (callers append at most 49 bits; ``out`` has _SLACK spare bytes at its end)."""
     acc = (acc << _U64(k)) | _U64(val)
     nb += k
-    while nb >= 8:
-        nb -= 8
-        out[pos] = np.uint8((acc >> _U64(nb)) & _U64(0xFF))
-        pos += 1
+    top = (acc << _U64(63 - nb)) << _U64(1)      # the nb pending bits, left-aligned
+    out[pos] = np.uint8(top >> _U64(56))
+    out[pos + 1] = np.uint8((top >> _U64(48)) & _U64(0xFF))
+    out[pos + 2] = np.uint8((top >> _U64(40)) & _U64(0xFF))
+    out[pos + 3] = np.uint8((top >> _U64(32)) & _U64(0xFF))
+    out[pos + 4] = np.uint8((top >> _U64(24)) & _U64(0xFF))
+    out[pos + 5] = np.uint8((top >> _U64(16)) & _U64(0xFF))
+    out[pos + 6] = np.uint8((top >> _U64(8)) & _U64(0xFF))
+    pos += nb >> 3
+    nb &= 7
     return acc, nb, pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _flush(out, acc, nb, pos):
+    """Complete the last byte with zero bits."""
+    if nb > 0:
+        out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
+        pos += 1
+    return _U64(0), 0, pos
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _put_golomb(out, acc, nb, pos, v, m, b, cut, rinv):
     q, r = _qr(v, m, rinv)
-    while q >= 32:
-        acc, nb, pos = _put(out, acc, nb, pos, 0xFFFFFFFF, 32)
-        q -= 32
-    acc, nb, pos = _put(out, acc, nb, pos, ((1 << q) - 1) << 1, q + 1)
-    if b > 0:
-        if r < cut:
-            acc, nb, pos = _put(out, acc, nb, pos, r, b - 1)
-        else:
-            acc, nb, pos = _put(out, acc, nb, pos, r + cut, b)
-    return acc, nb, pos
+    while q > 24:
+        acc, nb, pos = _put(out, acc, nb, pos, 0xFFFFFF, 24)
+        q -= 24
+    longer = np.int64(r >= cut) if b > 0 else 0
+    rb = b - 1 + longer if b > 0 else 0         # remainder bits: b - 1 or b (0 when m = 1)
+    code = ((((1 << q) - 1) << 1) << rb) | (r + longer * cut)
+    return _put(out, acc, nb, pos, code, q + 1 + rb)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -212,10 +228,8 @@ def _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
     c = np.int64(o >> _U64(mbits)) & cmask
     v = _U64(new[i])
     d = (_key(v, signbit, mask) - _key(o, signbit, mask)) & mask
-    if d < signbit:
-        u = (d << _U64(1)) - _U64(1)
-    else:
-        u = (mask - d) << _U64(1)
+    up = _U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
+    u = up * ((d << _U64(1)) - _U64(1)) + (_U64(1) - up) * ((mask - d) << _U64(1))
     cpos[j] = i
     ccls[j] = c
     crank[j] = h0[c] + h1[c] + h2[c] + h3[c] - 1 - later
@@ -295,18 +309,35 @@ def _scan(old, new, count, mbits, C, signbit, mask):
 
 
 @njit(cache=True, nogil=True)
-def _position_models(ncls, kcls):
+def _position_models(ncls, kcls, count):
     """Per class: (mode, polarity, j) of its "changed" flags, and how many unchanged
-    elements are events (classes whose events are their unchanged elements)."""
+    elements are events.
+
+    Coding a mostly-changed class by its unchanged elements (polarity 1) needs a second
+    pass over the chunk to find them; it is used only when it saves about 1% of the
+    payload (it saves ~n (1 - H(p)) bits over Golomb m = 1 on the changes)."""
     C = ncls.shape[0]
     pmode = np.zeros(C, np.int64)
     ppol = np.zeros(C, np.int64)
     pj = np.zeros(C, np.int64)
-    ucount = 0
+    est = 1.5 * count             # bits: the steps' share, roughly
+    gain = 0.0
     for c in range(C):
         pmode[c], ppol[c], pj[c] = _flag_model(ncls[c], kcls[c])
+        if pmode[c] == _GOLOMB:
+            p = kcls[c] / ncls[c]
+            h = -(p * math.log2(p) + (1.0 - p) * math.log2(1.0 - p))
+            est += ncls[c] * h
+            if ppol[c] == 1:
+                gain += ncls[c] * (1.0 - h)
+    ucount = 0
+    for c in range(C):
         if pmode[c] == _GOLOMB and ppol[c] == 1:
-            ucount += ncls[c] - kcls[c]
+            if gain < 0.01 * est:
+                ppol[c] = 0
+                pj[c] = 0
+            else:
+                ucount += ncls[c] - kcls[c]
     return pmode, ppol, pj, ucount
 
 
@@ -458,7 +489,8 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
     R = hi - lo + 1
     P = (pbits + 7) // 8
     hdr = HEADER_MIN + R + 2 * A + 4
-    out = np.zeros(hdr + P + (sbits + 7) // 8, np.uint8)
+    size = hdr + P + (sbits + 7) // 8
+    out = np.zeros(size + _SLACK, np.uint8)
     out[0] = lo & 0xFF
     out[1] = lo >> 8
     out[2] = hi & 0xFF
@@ -491,10 +523,7 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
                 c = ccls[t]
                 acc, nb, pos = _put_golomb(out, acc, nb, pos, cgap[t], pm[c], pb[c], pc[c], pr[c])
             t += 1
-    if nb > 0:
-        out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
-        pos += 1
-        nb = 0
+    acc, nb, pos = _flush(out, acc, nb, pos)
     if pos != hdr + P:
         return np.empty(0, np.uint8)
     # step stream: first big-flag gaps, then per change: sign, big-flag gap at events, magnitude
@@ -508,18 +537,38 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
             acc, nb, pos = _put_golomb(out, acc, nb, pos, zgap[t], zm[c], zb[c], zc[c], zr[c])
         if ca[t] > 0:
             acc, nb, pos = _put_golomb(out, acc, nb, pos, ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
-    if nb > 0:
-        out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
-        pos += 1
-    if pos != out.shape[0]:
+    acc, nb, pos = _flush(out, acc, nb, pos)
+    if pos != size:
         return np.empty(0, np.uint8)
-    return out
+    return out[:size]
+
+
+@njit(cache=True, nogil=True)
+def _sparse_parts(cpos, csign, ca):
+    """Encoding 1's gaps and zigzag steps of the same changes, so the encoder can compare
+    both encodings without a second pass over the chunk."""
+    count = cpos.shape[0]
+    gaps = np.empty(count, np.uint32)
+    steps = np.empty(count, np.uint64)
+    prev = -1
+    max_gap = 0
+    max_step = 0
+    for t in range(count):
+        g = cpos[t] - prev - 1
+        prev = cpos[t]
+        gaps[t] = g
+        z = 2 * np.int64(ca[t]) + csign[t] + 1
+        steps[t] = z
+        max_gap = max(max_gap, g)
+        max_step = max(max_step, z)
+    return gaps, steps, max_gap, max_step
 
 
 @njit(cache=True, nogil=True)
 def ctx_encode(old, new, count, width_bits, mbits, ebits):
     """Encoding-4 payload of one chunk in which exactly ``count`` >= 1 elements differ
-    (an empty array if they do not: a caller bug).
+    (an empty array if they do not: a caller bug), and encoding 1's gaps and steps
+    (:func:`_sparse_parts`).
 
     One pass over the elements finds the changes; a second runs only when some class
     is coded by its unchanged elements (more than half of it changed). The rest is
@@ -529,13 +578,13 @@ def ctx_encode(old, new, count, width_bits, mbits, ebits):
     signbit = _U64(1) << _U64(width_bits - 1)
     ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, count, mbits, C, signbit, mask)
     if cpos.shape[0] != count:
-        return np.empty(0, np.uint8)
-    pmode, ppol, pj, ucount = _position_models(ncls, kcls)
+        return np.empty(0, np.uint8), _sparse_parts(cpos, csign, ca)
+    pmode, ppol, pj, ucount = _position_models(ncls, kcls, count)
     upos, ucls, urank = _unchanged_events(old, new, mbits, pmode, ppol, ucount)
     cgap, ugap, pinit = _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank)
     zmode, zpol, zj, zgap, zinit, vj = _step_models(kcls, ccls, ca)
     return _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
-                     zmode, zpol, zj, zinit, zgap, vj, csign, ca)
+                     zmode, zpol, zj, zinit, zgap, vj, csign, ca), _sparse_parts(cpos, csign, ca)
 
 
 
@@ -844,16 +893,17 @@ def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
 
 # --------------------------------------------------------------------------- glue
 
-def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int) -> bytes | None:
-    """The encoding-4 payload for one chunk with ``changed`` >= 1 differing elements, or None
-    when the dtype has no context layout."""
+def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int) -> tuple[bytes, tuple] | None:
+    """The encoding-4 payload of one chunk with ``changed`` >= 1 differing elements, and the
+    sparse encoding's ``(gaps, steps, max_gap, max_step)`` found on the way (what
+    ``kernels.sparse_extract`` returns); None when the dtype has no context layout."""
     lay = layout_of(dt)
     if lay is None or changed < 1:
         return None
-    out = ctx_encode(old, new, changed, 8 * dt.itemsize, lay[0], lay[1])
+    out, sparse = ctx_encode(old, new, changed, 8 * dt.itemsize, lay[0], lay[1])
     if out.shape[0] == 0:
         raise AssertionError("ctx encoder: inconsistent change count")  # a bug, never data
-    return out.tobytes()
+    return out.tobytes(), sparse
 
 
 def decode_ctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DType,

@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from benchmarks import entropy
-from delta import chunks, codec, ctxcoder, dtypes, errors, record
+from delta import chunks, codec, ctxcoder, dtypes, errors, kernels, record
 from tests import naive_ctx
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,9 +85,11 @@ def kernel_round_trip(old: np.ndarray, new: np.ndarray, name: str) -> bytes | No
     k = int(np.count_nonzero(old != new))
     if k == 0:
         return None
-    payload = ctxcoder.encode_ctx(old, new, dt, k)
+    payload, sparse = ctxcoder.encode_ctx(old, new, dt, k)
     pos, val = ctxcoder.decode_ctx(payload, old, k, dt, "t")
     want = np.flatnonzero(old != new)
+    ref = kernels.sparse_extract(old, new, k, 8 * dt.itemsize, True)   # what encoding 1 would store
+    assert all(np.array_equal(a, b) for a, b in zip(sparse, ref))
     assert np.array_equal(pos, want) and np.array_equal(val, new[want])
     rp, rv = naive_ctx.decode(payload, old, k, name)
     assert rp == want.tolist() and rv == new[want].tolist()
@@ -365,7 +367,7 @@ def test_decoder_stays_in_bounds_under_numba_boundscheck(tmp_path):
         old = weights(rng, name, 1500)
         new = optimizer_step(rng, old, name, 0.2, 0.02)
         k = int((old != new).sum())
-        good = ctxcoder.encode_ctx(old, new, dt, k)
+        good = ctxcoder.encode_ctx(old, new, dt, k)[0]
         payloads = [good]
         for _trial in range(300):
             bad = bytearray(good)
