@@ -35,7 +35,8 @@ def _emit(ev: str, **fields: Any) -> None:
 
 
 def _warm_up() -> None:
-    """Compile the codec kernels here, so that no child spends its life in the JIT."""
+    """Compile (or load) the codec kernels here, so that no child spends its life in the JIT: encoding
+    anchors and deltas, and the decoding a restarted publisher does to rebuild its parent."""
     import tempfile
 
     from publisher import Publisher
@@ -45,6 +46,8 @@ def _warm_up() -> None:
         with Publisher(os.path.join(d, "run"), progress=False) as pub:
             pub.publish(weights_for(0, 0), 0)
             pub.publish(weights_for(0, 1), 1)
+        with Publisher(os.path.join(d, "run"), progress=False) as pub:
+            pub.publish(weights_for(0, 2), 2)
 
 
 def serve() -> None:
