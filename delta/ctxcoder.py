@@ -43,6 +43,8 @@ HEADER_MIN = 4      # u16 lo, u16 hi
 _U64 = np.uint64
 _NONE, _ALL, _GOLOMB = 0, 1, 2
 _BIG = 1 << 62      # a countdown that never reaches zero inside a chunk (<= 2**24 elements)
+_SPECIAL = -(1 << 62)   # decoder: countdowns of classes coded by unchanged elements sit here
+_BIG_SPECIAL = 1 << 40
 
 _ERRORS = {
     1: "payload shorter than its class table",
@@ -756,9 +758,10 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
     acc = _U64(0)
     nacc = 0
     bp = 0
-    # cd[c] > 0: a class coded by its changes, that many elements before its next event;
-    # cd[c] <= 0: a class coded by its unchanged elements (or all changed), -cd[c] before
-    # its next event. NONE classes (cd = _BIG) and quiet stretches take the first branch.
+    # cd[c] >= 0: a class coded by its changes (or NONE: _BIG), cd[c] elements of it before
+    # its next event; every element decrements it and the event is where it goes negative.
+    # Classes coded by their unchanged elements, and ALL classes, live far below zero
+    # (_SPECIAL + countdown), so the common path is one decrement and one sign test.
     cd = np.full(C, _BIG, np.int64)
     for c in range(lo, hi + 1):
         if pmode[c] == _GOLOMB:
@@ -767,28 +770,31 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
                 return 5
             if bp > lim:
                 return 10
-            cd[c] = g if ppol[c] == 0 else -g
+            cd[c] = g if ppol[c] == 0 else _SPECIAL + g
         elif pmode[c] == _ALL:
-            cd[c] = -_BIG
+            cd[c] = _SPECIAL + _BIG_SPECIAL
     j = 0
     for i in range(n):
         c = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
-        r = cd[c]
-        if r > 0:
-            cd[c] = r - 1
+        r = cd[c] - 1
+        cd[c] = r
+        if r >= 0:
             continue
-        if r == 0:                       # an event
+        if r == -1:                      # an event of a class coded by its changes
             g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
             if g < 0:
                 return 5
             if bp > lim:
                 return 10
-            if ppol[c] == 1:             # of a class whose events are its unchanged elements
-                cd[c] = -g
-                continue
             cd[c] = g
-        else:
-            cd[c] = r + 1
+        elif r - _SPECIAL == -1:         # an event of a class coded by its unchanged elements
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            cd[c] = _SPECIAL + g
+            continue
         if j >= count:
             return 6
         out_pos[j] = i
@@ -797,7 +803,7 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
     if j != count:
         return 7
     for c in range(lo, hi + 1):
-        if pmode[c] == _GOLOMB and cd[c] != 0:
+        if pmode[c] == _GOLOMB and cd[c] != (0 if ppol[c] == 0 else _SPECIAL):
             return 8
     return _stream_end_ok(acc, nacc, bp, P)
 
