@@ -401,6 +401,38 @@ print("IN BOUNDS")
     assert r.returncode == 0 and "IN BOUNDS" in r.stdout, r.stderr[-3000:]
 
 
+def test_kernels_give_the_same_bytes_as_plain_python(tmp_path):
+    """The kernels run unchanged as Python under NUMBA_DISABLE_JIT (coverage runs): same payloads,
+    same decodes, so their integer arithmetic does not depend on LLVM."""
+    rng = np.random.default_rng(41)
+    cases = {}
+    for name in CTX_DTYPES:
+        old = weights(rng, name, 1500)
+        old[:20] = np.resize(np.array(specials(name), old.dtype), 20)
+        new = optimizer_step(rng, old, name, 0.6, 0.01)
+        k = int((old != new).sum())
+        cases[name] = (old, new, ctxcoder.encode_ctx(old, new, dtypes.BY_NAME[name], k)[0])
+    np.save(tmp_path / "cases.npy", np.array([cases], dtype=object), allow_pickle=True)
+    script = r"""
+import sys
+import numpy as np
+from numba.core import config
+assert config.DISABLE_JIT
+from delta import ctxcoder, dtypes
+for name, (old, new, payload) in np.load(sys.argv[1], allow_pickle=True)[0].items():
+    dt = dtypes.BY_NAME[name]
+    k = int((old != new).sum())
+    assert ctxcoder.encode_ctx(old, new, dt, k)[0] == payload, name
+    pos, val = ctxcoder.decode_ctx(payload, old, k, dt, "t")
+    assert (pos == np.flatnonzero(old != new)).all() and (val == new[pos]).all(), name
+print("SAME")
+"""
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.npy")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "SAME" in r.stdout, r.stderr[-3000:]
+
+
 # --- golden records ------------------------------------------------------------------------------
 
 def test_golden_ctx_records_decode_with_kernel_and_reference():
