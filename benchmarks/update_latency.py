@@ -18,7 +18,8 @@ AdamW steps at lr 1e-6, tiled), through a real S3 API (moto on 127.0.0.1, or
   pause: the model cannot serve half-copied weights).
 
 Every swap is checked bit-exact against the trainer's tensors (untimed).
-Timings are wall-clock, one run per size (these are seconds, not microseconds).
+Timings are wall-clock; each ckptdelta step is the median of ``--repeats`` publishes and hot-loads (the
+step forward, back and forward again: the same elements change each time), the full checkpoint one run.
 
     python -m benchmarks.update_latency                    # 0.1 and 1 GB, local dir + S3 (moto)
     python -m benchmarks.update_latency --sizes 0.1,1,4
@@ -36,6 +37,7 @@ import logging
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 import uuid
@@ -185,7 +187,25 @@ def warm_up(root: str, opts: dict | None) -> None:
             swapper.hotload(pub.publish(w, step).version)
 
 
-def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: bool) -> dict[str, Any]:
+def _median_step(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-field medians of repeated steps (a shared 2-core machine is noisy), with the samples kept."""
+    out: dict[str, Any] = {}
+    for k, v in samples[0].items():
+        vals = [s[k] for s in samples]
+        if isinstance(v, bool):
+            out[k] = all(vals)
+        elif isinstance(v, (int, float)):
+            out[k] = statistics.median(vals)
+        else:
+            out[k] = v
+    out["samples"] = samples
+    return out
+
+
+def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: bool,
+            repeats: int = 3) -> dict[str, Any]:
+    """One size on one backend. With ``repeats`` > 1 the step is published forward, back and forward again
+    (the same changed elements each time; one extra copy of the weights is held for the way back)."""
     from benchmarks.workloads import scaled_pair
     from loader import HotSwapper, SnapshotReader
     from publisher import Publisher
@@ -194,29 +214,43 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
     old, new = scaled_pair(int(size_gb * 1e9), lr=1e-6, size="tiny" if quick else "small")
     build_s = time.perf_counter() - t
     model_bytes = sum(x.numel() * x.element_size() for x in new.values())
+    n_elements = sum(x.numel() for x in new.values())
     expected_changed = _changed_elements(old, new)
     run = f"{root}/run-{size_gb:g}gb"
     out: dict[str, Any] = {"backend": kind, "size_gb": size_gb, "model_bytes": model_bytes,
-                           "tensors": len(new), "build_s": build_s}
+                           "tensors": len(new), "build_s": build_s, "repeats": repeats}
     with tempfile.TemporaryDirectory(prefix="ckptdelta-latency-") as scratch:
         pub = Publisher(run, storage_options=opts, progress=False, anchor_every=1000, anchor_chain_fraction=100.0)
         try:
             t = time.perf_counter()
             anchor = pub.publish(old, 0)
             out["anchor"] = {"stored_bytes": anchor.stored_bytes, "publish_s": time.perf_counter() - t}
+            back = {k: v.clone() for k, v in old.items()} if repeats > 1 else None  # the trainer's v0 bits
             live = old  # the replica's live weights are these very tensors: no extra copy
             old = None
             swapper = HotSwapper(live, SnapshotReader(run, storage_options=opts), version=anchor.version)
-            step = _delta_step(pub, swapper, new, 1)
-            step["elements_changed_expected"] = expected_changed
-            step["bit_exact"] = _bits_equal(live, new)
-            out["delta"] = step
-            n_sparse = _sparse_step(new, expected_changed / max(1, sum(x.numel() for x in new.values()))
-                                    / SPARSE_FACTOR, seed=1)
-            sparse = _delta_step(pub, swapper, new, 2)
-            sparse["elements_changed_expected"] = n_sparse
-            sparse["bit_exact"] = _bits_equal(live, new)
-            out["sparse"] = sparse
+            version, samples = 0, []
+            for i in range(repeats):
+                target = new if i % 2 == 0 else back
+                version += 1
+                step = _delta_step(pub, swapper, target, version)
+                step["elements_changed_expected"] = expected_changed
+                step["bit_exact"] = _bits_equal(live, target)
+                samples.append(step)
+            if repeats % 2 == 0:  # end on ``new``: the sparse steps and the full checkpoint start from it
+                version += 1
+                _delta_step(pub, swapper, new, version)
+            del back
+            out["delta"] = _median_step(samples)
+            samples = []
+            for i in range(repeats):  # the same positions each time: on, off, on
+                n_sparse = _sparse_step(new, expected_changed / max(1, n_elements) / SPARSE_FACTOR, seed=1)
+                version += 1
+                step = _delta_step(pub, swapper, new, version)
+                step["elements_changed_expected"] = n_sparse
+                step["bit_exact"] = _bits_equal(live, new)
+                samples.append(step)
+            out["sparse"] = _median_step(samples)
         finally:
             pub.close()
         del pub
@@ -237,7 +271,8 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines = [
         "# Weight-update latency: publish() -> live weights swapped",
         "",
-        f"{meta['machine']}; bf16 snapshots from `scaled_pair(..., lr=1e-6)`; one run per row; "
+        f"{meta['machine']}; bf16 snapshots from `scaled_pair(..., lr=1e-6)`; ckptdelta columns: median of "
+        f"{meta['repeats']} publish+hot-load cycles, full checkpoint: one run; "
         f"times in ms unless marked. ckptdelta = publish a delta + hot-load it (HotSwapper, same process); "
         f"full = safetensors save_file + upload, download + load_file + copy_ into the live tensors.",
         "",
@@ -260,7 +295,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         "Pause vs changed bytes and model size (the pause scatters the changed elements; "
         f"'sparse' = a step with ~{SPARSE_FACTOR}x fewer changed elements at the same model size):",
         "",
-        "| backend | model | step | bytes written into the live weights | pause (ms) | apply (ms) | "
+        "| backend | model | step | bytes written into the live weights | pause (ms, median) | pause (ms, min-max) | "
         "full-checkpoint copy pause (ms) |",
         "|---|---:|---|---:|---:|---:|---:|",
     ]
@@ -268,9 +303,10 @@ def markdown(results: list[dict], meta: dict) -> str:
         for name in ("delta", "sparse"):
             d = r[name]
             step = "lr 1e-6" if name == "delta" else "sparse"
+            pauses = [x["pause_s"] for x in d["samples"]]
             lines.append(f"| {r['backend']} | {r['model_bytes'] / 1e9:.2f} GB | {step}"
-                         f" | {d['changed_bytes'] / 1e6:.2f} MB | {_ms(d['pause_s'])} | {_ms(d['apply_s'])} | "
-                         f"{_ms(r['full']['copy_s'])} |")
+                         f" | {d['changed_bytes'] / 1e6:.2f} MB | {_ms(d['pause_s'])} | "
+                         f"{_ms(min(pauses))}-{_ms(max(pauses))} | {_ms(r['full']['copy_s'])} |")
     lines += ["", "Growth with size (largest / smallest size, per backend):", ""]
     lines += growth_lines(results)
     lines += ["", "Targets:", ""] + [f"- {t}" for t in targets(results)]
@@ -369,7 +405,7 @@ def plot(results: list[dict], path: str) -> None:
                        label=f"ckptdelta {k[:-2]}" if kind == "local" or not any(
                            r["backend"] == "local" for r in results) else None)
         ax[2].plot(xs, [r["delta"]["total_s"] for r in rs], ls, color="navy", lw=2, label=f"ckptdelta total ({kind})")
-        ax[2].plot(xs, [r["full"]["total_s"] for r in rs], ls, color="darkorange", lw=2, label=f"full total ({kind})")
+        ax[2].plot(xs, [r["full"]["total_s"] for r in rs], ls, color="black", lw=2, label=f"full total ({kind})")
     ax[2].set(xlabel="model size (GB)", ylabel="seconds", xscale="log", yscale="log",
               title="growth with model size (solid: local dir, dashed: S3)")
     ax[2].legend(fontsize=7, ncol=2)
@@ -385,19 +421,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--s3-url", default=None, help="run against this s3:// prefix instead of a local moto server")
     p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON")
     p.add_argument("--quick", action="store_true", help="0.02 GB, local directory only (a smoke test)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="hot-loads per step kind, median reported (default 3; 1 above 2 GB to bound memory)")
     p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     sizes = [0.02] if a.quick else [float(s) for s in a.sizes.split(",") if s]
     kinds = ["local"] if a.quick else [k for k in a.backends.split(",") if k]
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-            "sizes_gb": sizes, "backends": kinds, "quick": a.quick}
+            "sizes_gb": sizes, "backends": kinds, "quick": a.quick, "repeats": a.repeats}
     results = []
     for kind in kinds:
         with backend(kind, a.s3_url, a.storage_options) as (root, opts):
             warm_up(root, opts)
             for size in sizes:
-                r = measure(size, kind, root, opts, quick=a.quick)
+                r = measure(size, kind, root, opts, quick=a.quick, repeats=a.repeats if size <= 2 else 1)
                 results.append(r)
                 d, f = r["delta"], r["full"]
                 print(f"{kind:>5} {r['model_bytes'] / 1e9:5.2f} GB: ckptdelta {d['total_s']:6.2f} s "
