@@ -1,0 +1,333 @@
+"""The ctx decoder (chunk encoding 4): numba kernels from a payload and the parent's bits to
+the changed positions and their new bits.
+
+Every length, count and value taken from the payload is checked before it is used
+as an index or a bound (numba checks none): streams are read from copies padded
+with zeros, the read position is checked against the stream's end once per element
+or change, unary runs are bounded, and the end state (counters at zero, streams
+consumed exactly) is verified. Errors are small integer codes; delta/ctxcoder.py
+turns them into FormatError messages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from numba.core import config
+
+from .ctx_bits import (HEADER_MIN, MAX_J, _ALL, _GOLOMB, _NONE, _U64, class_params, key, unkey)
+
+if config.DISABLE_JIT:  # the kernels run as plain Python (coverage runs): no LLVM intrinsic
+    def leading_zeros(x):
+        return 64 - int(x).bit_length()
+else:
+    from numba.cpython.unsafe.numbers import leading_zeros
+
+_BIG = 1 << 62          # a countdown that never runs out inside a chunk (<= 2**24 elements)
+_SPECIAL = -(1 << 62)   # countdowns of classes coded by their unchanged elements sit here
+_BIG_SPECIAL = 1 << 40
+
+
+_PAD = 64   # zero bytes after a copied stream: with bp <= len + 8 checked once per element or
+            # change (at most 5 refills of 8 bytes between checks), refills stay inside the copy
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _refill(buf, acc, nacc, bp):
+    """Top up the bit buffer to at least 33 bits, four bytes at a time."""
+    if nacc <= 32:
+        x = ((_U64(buf[bp]) << _U64(24)) | (_U64(buf[bp + 1]) << _U64(16))
+             | (_U64(buf[bp + 2]) << _U64(8)) | _U64(buf[bp + 3]))
+        acc |= x << _U64(32 - nacc)
+        nacc += 32
+        bp += 4
+    return acc, nacc, bp
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _get_golomb(buf, acc, nacc, bp, m, b, cut, qmax, vmax):
+    """One Golomb code; returns (value, or -1 when over ``vmax``, acc, nacc, bp).
+    ``qmax`` = vmax div m (precomputed: no division here).
+
+    ``buf`` holds the stream plus _PAD zero bytes and the caller stops once ``bp`` passes
+    the stream's end by 8, so the reads here stay inside ``buf``: past the stream the
+    bits are zeros, which end a unary run."""
+    q = 0
+    while True:
+        acc, nacc, bp = _refill(buf, acc, nacc, bp)
+        inv = ~acc
+        ones = 64 if inv == _U64(0) else np.int64(leading_zeros(inv))
+        if ones < nacc:
+            q += ones
+            acc = (acc << _U64(ones)) << _U64(1)
+            nacc -= ones + 1
+            break
+        # all buffered bits are ones: only inside the stream (its padding is zeros)
+        q += nacc
+        acc = _U64(0)
+        nacc = 0
+        if q > qmax or bp >= buf.shape[0] - 8:
+            return -1, acc, nacc, bp
+    if q > qmax:
+        return -1, acc, nacc, bp
+    r = 0
+    if b > 0:
+        acc, nacc, bp = _refill(buf, acc, nacc, bp)
+        peek = np.int64(acc >> _U64(64 - b))       # b bits; the first b - 1 are x
+        x = peek >> 1
+        longer = np.int64(x >= cut)                # branch-free: this bit is a coin toss
+        r = x + longer * (peek - cut - x)
+        used = b - 1 + longer
+        acc = acc << _U64(used)
+        nacc -= used
+    v = q * m + r
+    if v > vmax:
+        return -1, acc, nacc, bp
+    return v, acc, nacc, bp
+
+
+@njit(cache=True, nogil=True)
+def _parse_param(byte):
+    """(mode, polarity, j) of a parameter byte, or mode -1 when it is invalid."""
+    if byte == 0:
+        return _NONE, 0, 0
+    if byte == 1:
+        return _ALL, 1, 0
+    v = byte - 2
+    j = v >> 1
+    if j > MAX_J:
+        return -1, 0, 0
+    return _GOLOMB, v & 1, j
+
+
+@njit(cache=True, nogil=True)
+def _padded(payload, start, stop):
+    out = np.zeros(stop - start + _PAD, np.uint8)
+    out[:stop - start] = payload[start:stop]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _stream_end_ok(acc, nacc, bp, L):
+    """0 when the stream was read to its last byte, not beyond, and its padding bits are zero."""
+    used = 8 * bp - nacc
+    if used > 8 * L:
+        return 10
+    if (used + 7) // 8 != L:
+        return 11
+    k = 8 * L - used          # padding bits: the next k bits held in acc (bp >= L here)
+    if k > 0 and (acc >> _U64(64 - k)) != _U64(0):
+        return 11
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _parse_table(payload, C):
+    """The class table: (error, lo, hi, position modes, polarities, j, big-flag modes,
+    polarities, j, magnitude j, offset of the position stream, P)."""
+    z = np.zeros(C, np.int64)
+    L = payload.shape[0]
+    if L < HEADER_MIN:
+        return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
+    lo = np.int64(payload[0]) | (np.int64(payload[1]) << 8)
+    hi = np.int64(payload[2]) | (np.int64(payload[3]) << 8)
+    if lo > hi or hi >= C:
+        return 2, 0, 0, z, z, z, z, z, z, z, 0, 0
+    R = hi - lo + 1
+    if L < HEADER_MIN + R:
+        return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
+    pmode = np.zeros(C, np.int64)
+    ppol = np.zeros(C, np.int64)
+    pj = np.zeros(C, np.int64)
+    zmode = np.zeros(C, np.int64)
+    zpol = np.zeros(C, np.int64)
+    zj = np.zeros(C, np.int64)
+    vj = np.zeros(C, np.int64)
+    A = 0
+    for c in range(lo, hi + 1):
+        mode, p, jj = _parse_param(payload[HEADER_MIN + c - lo])
+        if mode < 0:
+            return 3, 0, 0, z, z, z, z, z, z, z, 0, 0
+        pmode[c] = mode
+        ppol[c] = p
+        pj[c] = jj
+        if mode != _NONE:
+            A += 1
+    if pmode[lo] == _NONE or pmode[hi] == _NONE:
+        return 4, 0, 0, z, z, z, z, z, z, z, 0, 0
+    q = HEADER_MIN + R
+    if L < q + 2 * A + 4:
+        return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
+    for c in range(lo, hi + 1):
+        if pmode[c] == _NONE:
+            continue
+        mode, p, jj = _parse_param(payload[q])
+        v = np.int64(payload[q + 1])
+        q += 2
+        if mode < 0 or v > MAX_J:
+            return 3, 0, 0, z, z, z, z, z, z, z, 0, 0
+        if mode == _NONE and v != 0:
+            return 4, 0, 0, z, z, z, z, z, z, z, 0, 0
+        zmode[c] = mode
+        zpol[c] = p
+        zj[c] = jj
+        vj[c] = v
+    P = 0
+    for k in range(4):
+        P |= np.int64(payload[q + k]) << (8 * k)
+    q += 4
+    if P > L - q:
+        return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
+    return 0, lo, hi, pmode, ppol, pj, zmode, zpol, zj, vj, q, P
+
+
+@njit(cache=True, nogil=True)
+def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_pos, ccls):
+    """The position stream (``buf``: its P bytes then _PAD zeros): changed positions and
+    their classes into ``out_pos``/``ccls``. Returns 0 or an error code."""
+    n = old.shape[0]
+    C = pmode.shape[0]
+    cmask = C - 1
+    pm, pb, pc, _ = class_params(pj)
+    pq = n // pm          # the longest unary run a valid gap can have
+    lim = P + 8
+    acc = _U64(0)
+    nacc = 0
+    bp = 0
+    # cd[c] >= 0: a class coded by its changes (or NONE: _BIG), cd[c] elements of it before
+    # its next event; every element decrements it and the event is where it goes negative.
+    # Classes coded by their unchanged elements, and ALL classes, live far below zero
+    # (_SPECIAL + countdown), so the common path is one decrement and one sign test.
+    cd = np.full(C, _BIG, np.int64)
+    for c in range(lo, hi + 1):
+        if pmode[c] == _GOLOMB:
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            cd[c] = g if ppol[c] == 0 else _SPECIAL + g
+        elif pmode[c] == _ALL:
+            cd[c] = _SPECIAL + _BIG_SPECIAL
+    j = 0
+    for i in range(n):
+        c = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
+        r = cd[c] - 1
+        cd[c] = r
+        if r >= 0:
+            continue
+        if r == -1:                      # an event of a class coded by its changes
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            cd[c] = g
+        elif r - _SPECIAL == -1:         # an event of a class coded by its unchanged elements
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            cd[c] = _SPECIAL + g
+            continue
+        if j >= count:
+            return 6
+        out_pos[j] = i
+        ccls[j] = c
+        j += 1
+    if j != count:
+        return 7
+    for c in range(lo, hi + 1):
+        if pmode[c] == _GOLOMB and cd[c] != (0 if ppol[c] == 0 else _SPECIAL):
+            return 8
+    return _stream_end_ok(acc, nacc, bp, P)
+
+
+@njit(cache=True, nogil=True)
+def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos, ccls, out_val):
+    """The step stream (``buf``: its S bytes then _PAD zeros): the new bits of every
+    change into ``out_val``. Returns 0 or an error code."""
+    count = out_pos.shape[0]
+    C = zmode.shape[0]
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    vmax = (1 << (width_bits - 1)) - 2
+    zm, zb, zc, _ = class_params(zj)
+    vm, vb, vc, _ = class_params(vj)
+    zq = count // zm
+    vq = vmax // vm
+    lim = S + 8
+    acc = _U64(0)
+    nacc = 0
+    bp = 0
+    zcd = np.full(C, _BIG, np.int64)    # as cd in _decode_positions, over the changes
+    big_if_quiet = np.zeros(C, np.uint8)
+    for c in range(lo, hi + 1):
+        if zmode[c] == _GOLOMB:
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], zq[c], count)
+            if g < 0:
+                return 5
+            if bp > lim:
+                return 10
+            zcd[c] = g
+            big_if_quiet[c] = zpol[c]
+        elif zmode[c] == _ALL:
+            big_if_quiet[c] = 1
+    for t in range(count):
+        c = np.int64(ccls[t])
+        acc, nacc, bp = _refill(buf, acc, nacc, bp)
+        s = np.int64(acc >> _U64(63))
+        acc = acc << _U64(1)
+        nacc -= 1
+        r = zcd[c]
+        if r != 0:
+            zcd[c] = r - 1
+            big = big_if_quiet[c] == 1
+        else:
+            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], zq[c], count)
+            if g < 0:
+                return 5
+            zcd[c] = g
+            big = big_if_quiet[c] == 0
+        a = 0
+        if big:
+            v, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, vm[c], vb[c], vc[c], vq[c], vmax)
+            if v < 0:
+                return 5
+            a = v + 1
+        if bp > lim:
+            return 10
+        z = _U64(2 * a + s + 1)
+        if z > mask:
+            return 12
+        if z & _U64(1):
+            d = mask - (z >> _U64(1))
+        else:
+            d = z >> _U64(1)
+        o = _U64(old[out_pos[t]])
+        out_val[t] = unkey((key(o, signbit, mask) + d) & mask, signbit, mask)
+    for c in range(lo, hi + 1):
+        if zmode[c] == _GOLOMB and zcd[c] != 0:
+            return 9
+    return _stream_end_ok(acc, nacc, bp, S)
+
+
+@njit(cache=True, nogil=True)
+def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
+    """Decode an encoding-4 payload against the chunk's parent bits ``old``.
+
+    Writes ``count`` chunk-local positions and new bits into ``out_pos``/``out_val``
+    (each exactly ``count`` long). Returns 0, or an error code (``_ERRORS``)."""
+    C = 1 << ebits
+    err, lo, hi, pmode, ppol, pj, zmode, zpol, zj, vj, q, P = _parse_table(payload, C)
+    if err:
+        return err
+    ccls = np.empty(count, np.uint16)
+    err = _decode_positions(_padded(payload, q, q + P), P, old, count, mbits, lo, hi,
+                            pmode, ppol, pj, out_pos, ccls)
+    if err:
+        return err
+    L = payload.shape[0]
+    return _decode_steps(_padded(payload, q + P, L), L - q - P, old, width_bits, lo, hi,
+                         zmode, zpol, zj, vj, out_pos, ccls, out_val)

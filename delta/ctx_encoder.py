@@ -1,0 +1,490 @@
+"""The ctx encoder (chunk encoding 4): numba kernels from a chunk's parent and new bits to a payload.
+
+Passes: :func:`_scan` goes once over the chunk (class sizes; every change with its
+class, class-local rank and step); :func:`_unchanged_events` goes again only when a
+mostly-changed class is worth coding by its unchanged elements; everything else is
+work per change: models (:func:`_position_models`, :func:`_step_models`), gaps, and
+:func:`_assemble`, which writes the class table and both bit streams in the order
+the decoder reads them. Policy choices (polarities, Golomb parameters) are the
+encoder's; docs/FORMAT.md fixes only what they mean.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .ctx_bits import (HEADER_MIN, MAX_J, _ALL, _GOLOMB, _NONE, _U64, ceil_log2, class_params, key, m_of)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _qr(v, m, rinv):
+    """(v div m, v mod m) for 0 <= v < 2**52 without an integer division: the float
+    quotient is off by at most one, and one correction fixes it."""
+    q = np.int64(v * rinv)
+    r = v - q * m
+    if r < 0:
+        q -= 1
+        r += m
+    elif r >= m:
+        q += 1
+        r -= m
+    return q, r
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _golomb_bits(v, m, b, cut, rinv):
+    q, r = _qr(v, m, rinv)
+    if b == 0:
+        return q + 1
+    return q + 1 + (b - 1 if r < cut else b)
+
+
+@njit(cache=True, nogil=True)
+def _j_for_p(p):
+    """Parameter index of the Golomb code for geometric gaps with event probability p (0 < p <= 1)."""
+    if p >= 0.5:
+        return 0
+    m = math.ceil(math.log(2.0 - p) / -math.log1p(-p))
+    j = 0
+    while j < MAX_J and m_of(j) < m:
+        j += 1
+    return j
+
+
+# --------------------------------------------------------------------------- bit writer
+
+_SLACK = 8  # spare bytes after the encoder's output: _put stores seven bytes whatever it appends
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(out, acc, nb, pos, val, k):
+    """Append the ``k`` (<= 56) low bits of ``val``, most significant first. ``acc`` holds
+    ``nb`` < 8 pending bits. Branch-free: seven bytes are always stored and the complete
+    ones kept (callers append at most 49 bits; ``out`` has _SLACK spare bytes at its end)."""
+    acc = (acc << _U64(k)) | _U64(val)
+    nb += k
+    top = (acc << _U64(63 - nb)) << _U64(1)      # the nb pending bits, left-aligned
+    out[pos] = np.uint8(top >> _U64(56))
+    out[pos + 1] = np.uint8((top >> _U64(48)) & _U64(0xFF))
+    out[pos + 2] = np.uint8((top >> _U64(40)) & _U64(0xFF))
+    out[pos + 3] = np.uint8((top >> _U64(32)) & _U64(0xFF))
+    out[pos + 4] = np.uint8((top >> _U64(24)) & _U64(0xFF))
+    out[pos + 5] = np.uint8((top >> _U64(16)) & _U64(0xFF))
+    out[pos + 6] = np.uint8((top >> _U64(8)) & _U64(0xFF))
+    pos += nb >> 3
+    nb &= 7
+    return acc, nb, pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _flush(out, acc, nb, pos):
+    """Complete the last byte with zero bits."""
+    if nb > 0:
+        out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
+        pos += 1
+    return _U64(0), 0, pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_golomb(out, acc, nb, pos, v, m, b, cut, rinv):
+    q, r = _qr(v, m, rinv)
+    while q > 24:
+        acc, nb, pos = _put(out, acc, nb, pos, 0xFFFFFF, 24)
+        q -= 24
+    longer = np.int64(r >= cut) if b > 0 else 0
+    rb = b - 1 + longer if b > 0 else 0         # remainder bits: b - 1 or b (0 when m = 1)
+    code = ((((1 << q) - 1) << 1) << rb) | (r + longer * cut)
+    return _put(out, acc, nb, pos, code, q + 1 + rb)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _param_byte(mode, pol, j):
+    if mode == _NONE:
+        return 0
+    if mode == _ALL:
+        return 1
+    return 2 + 2 * j + pol
+
+
+@njit(cache=True, nogil=True)
+def _flag_model(n_items, n_set):
+    """(mode, polarity, j) of a flag sequence with ``n_set`` of ``n_items`` set: the rarer
+    value is the event, its gaps Golomb-coded with the parameter fit to its rate."""
+    if n_set == 0:
+        return _NONE, 0, 0
+    if n_set == n_items:
+        return _ALL, 1, 0
+    pol = 1 if 2 * n_set > n_items else 0
+    ev = n_items - n_set if pol else n_set
+    return _GOLOMB, pol, _j_for_p(ev / n_items)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
+            cpos, ccls, crank, csign, ca, kcls, j):
+    """Record element ``i`` (changed) at slot ``j``; its rank is the class count after the
+    group of four minus the group's later elements of the same class."""
+    o = _U64(old[i])
+    c = np.int64(o >> _U64(mbits)) & cmask
+    v = _U64(new[i])
+    d = (key(v, signbit, mask) - key(o, signbit, mask)) & mask
+    up = _U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
+    u = up * ((d << _U64(1)) - _U64(1)) + (_U64(1) - up) * ((mask - d) << _U64(1))
+    cpos[j] = i
+    ccls[j] = c
+    crank[j] = h0[c] + h1[c] + h2[c] + h3[c] - 1 - later
+    csign[j] = np.uint8(u & _U64(1))
+    ca[j] = np.int32(u >> _U64(1))
+    kcls[c] += 1
+
+
+@njit(cache=True, nogil=True)
+def _scan(old, new, count, mbits, C, signbit, mask):
+    """Class sizes, changes per class, and every change: position, class, class-local rank,
+    sign and magnitude - 1 of its step. Four histogram banks (element i counts in bank
+    i % 4) keep consecutive elements of one class from serialising on one counter.
+    Returns arrays of length 0 for the changes when ``count`` is wrong."""
+    n = old.shape[0]
+    cmask = C - 1
+    h0 = np.zeros(C, np.int64)
+    h1 = np.zeros(C, np.int64)
+    h2 = np.zeros(C, np.int64)
+    h3 = np.zeros(C, np.int64)
+    kcls = np.zeros(C, np.int64)
+    cpos = np.empty(count, np.int32)     # chunks hold at most 2**24 elements
+    ccls = np.empty(count, np.int32)
+    crank = np.empty(count, np.int32)
+    ca = np.empty(count, np.int32)       # magnitude - 1 (< 2**15: widths 8 and 16)
+    csign = np.empty(count, np.uint8)    # 1: the key goes up
+    bad = np.empty(0, np.int32)
+    j = 0
+    n4 = n - n % 4
+    for i in range(0, n4, 4):
+        c0 = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
+        c1 = np.int64(_U64(old[i + 1]) >> _U64(mbits)) & cmask
+        c2 = np.int64(_U64(old[i + 2]) >> _U64(mbits)) & cmask
+        c3 = np.int64(_U64(old[i + 3]) >> _U64(mbits)) & cmask
+        h0[c0] += 1
+        h1[c1] += 1
+        h2[c2] += 1
+        h3[c3] += 1
+        x0 = old[i] != new[i]
+        x1 = old[i + 1] != new[i + 1]
+        x2 = old[i + 2] != new[i + 2]
+        x3 = old[i + 3] != new[i + 3]
+        if x0 | x1 | x2 | x3:
+            if j + x0 + x1 + x2 + x3 > count:
+                return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
+            if x0:
+                later = np.int64(c1 == c0) + np.int64(c2 == c0) + np.int64(c3 == c0)
+                _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
+                        cpos, ccls, crank, csign, ca, kcls, j)
+                j += 1
+            if x1:
+                later = np.int64(c2 == c1) + np.int64(c3 == c1)
+                _change(old, new, i + 1, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
+                        cpos, ccls, crank, csign, ca, kcls, j)
+                j += 1
+            if x2:
+                later = np.int64(c3 == c2)
+                _change(old, new, i + 2, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
+                        cpos, ccls, crank, csign, ca, kcls, j)
+                j += 1
+            if x3:
+                _change(old, new, i + 3, mbits, cmask, h0, h1, h2, h3, 0, signbit, mask,
+                        cpos, ccls, crank, csign, ca, kcls, j)
+                j += 1
+    for i in range(n4, n):
+        c = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
+        h0[c] += 1
+        if old[i] != new[i]:
+            if j >= count:
+                return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
+            _change(old, new, i, mbits, cmask, h0, h1, h2, h3, 0, signbit, mask,
+                    cpos, ccls, crank, csign, ca, kcls, j)
+            j += 1
+    if j != count:
+        return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
+    return h0 + h1 + h2 + h3, kcls, cpos, ccls, crank, csign, ca
+
+
+@njit(cache=True, nogil=True)
+def _position_models(ncls, kcls, count):
+    """Per class: (mode, polarity, j) of its "changed" flags, and how many unchanged
+    elements are events.
+
+    Coding a mostly-changed class by its unchanged elements (polarity 1) needs a second
+    pass over the chunk to find them; it is used only when it saves about 1% of the
+    payload (it saves ~n (1 - H(p)) bits over Golomb m = 1 on the changes)."""
+    C = ncls.shape[0]
+    pmode = np.zeros(C, np.int64)
+    ppol = np.zeros(C, np.int64)
+    pj = np.zeros(C, np.int64)
+    est = 1.5 * count             # bits: the steps' share, roughly
+    gain = 0.0
+    for c in range(C):
+        pmode[c], ppol[c], pj[c] = _flag_model(ncls[c], kcls[c])
+        if pmode[c] == _GOLOMB:
+            p = kcls[c] / ncls[c]
+            h = -(p * math.log2(p) + (1.0 - p) * math.log2(1.0 - p))
+            est += ncls[c] * h
+            if ppol[c] == 1:
+                gain += ncls[c] * (1.0 - h)
+    ucount = 0
+    for c in range(C):
+        if pmode[c] == _GOLOMB and ppol[c] == 1:
+            if gain < 0.01 * est:
+                ppol[c] = 0
+                pj[c] = 0
+            else:
+                ucount += ncls[c] - kcls[c]
+    return pmode, ppol, pj, ucount
+
+
+@njit(cache=True, nogil=True)
+def _unchanged_events(old, new, mbits, pmode, ppol, ucount):
+    """Position, class and class-local rank of the unchanged elements of the classes
+    whose events are their unchanged elements (a second pass; only when there are any)."""
+    C = pmode.shape[0]
+    cmask = C - 1
+    upos = np.empty(ucount, np.int32)
+    ucls = np.empty(ucount, np.int32)
+    urank = np.empty(ucount, np.int32)
+    if ucount == 0:
+        return upos, ucls, urank
+    want = np.zeros(C, np.uint8)
+    for c in range(C):
+        want[c] = pmode[c] == _GOLOMB and ppol[c] == 1
+    cnt = np.zeros(C, np.int64)
+    t = 0
+    for i in range(old.shape[0]):
+        o = old[i]
+        c = np.int64(_U64(o) >> _U64(mbits)) & cmask
+        if not want[c]:
+            continue
+        r = cnt[c]
+        cnt[c] = r + 1
+        if o == new[i]:
+            upos[t] = i
+            ucls[t] = c
+            urank[t] = r
+            t += 1
+    return upos, ucls, urank
+
+
+@njit(cache=True, nogil=True)
+def _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank):
+    """The gap after each event (to the next event of its class, or to the class's end;
+    -1 for changes that are not events) and each class's first gap."""
+    count = ccls.shape[0]
+    nxt = ncls.copy()
+    cgap = np.empty(count, np.int32)
+    for t in range(count - 1, -1, -1):
+        c = ccls[t]
+        if pmode[c] == _GOLOMB and ppol[c] == 0:
+            cgap[t] = nxt[c] - crank[t] - 1
+            nxt[c] = crank[t]
+        else:
+            cgap[t] = -1
+    ucount = ucls.shape[0]
+    ugap = np.empty(ucount, np.int32)
+    for t in range(ucount - 1, -1, -1):
+        c = ucls[t]
+        ugap[t] = nxt[c] - urank[t] - 1
+        nxt[c] = urank[t]
+    return cgap, ugap, nxt
+
+
+@njit(cache=True, nogil=True)
+def _step_models(kcls, ccls, ca):
+    """Per class: the big-flag model, each big-flag event's gap (-1 elsewhere), the first
+    gaps, and the magnitude parameter index (the cheapest of six around the fit to the
+    mean: magnitudes have heavier tails than a geometric law)."""
+    C = kcls.shape[0]
+    count = ccls.shape[0]
+    nzc = np.zeros(C, np.int64)
+    vsum = np.zeros(C, np.float64)
+    for t in range(count):
+        if ca[t] > 0:
+            nzc[ccls[t]] += 1
+            vsum[ccls[t]] += ca[t] - 1
+    zmode = np.zeros(C, np.int64)
+    zpol = np.zeros(C, np.int64)
+    zj = np.zeros(C, np.int64)
+    for c in range(C):
+        zmode[c], zpol[c], zj[c] = _flag_model(kcls[c], nzc[c])
+    nxt = kcls.copy()
+    seen = kcls.copy()
+    zgap = np.empty(count, np.int32)
+    for t in range(count - 1, -1, -1):
+        c = ccls[t]
+        seen[c] -= 1        # index of this change among its class's changes
+        if zmode[c] == _GOLOMB and ((ca[t] > 0) != (zpol[c] == 1)):
+            zgap[t] = nxt[c] - seen[c] - 1
+            nxt[c] = seen[c]
+        else:
+            zgap[t] = -1
+    NV = 6
+    vj0 = np.zeros(C, np.int64)
+    for c in range(C):
+        if nzc[c] > 0:
+            vj0[c] = max(0, min(MAX_J - NV + 1, _j_for_p(1.0 / (vsum[c] / nzc[c] + 1.0)) - NV // 2))
+    vcost = np.zeros((C, NV), np.int64)
+    cm = np.empty((C, NV), np.int64)
+    cb = np.empty((C, NV), np.int64)
+    cr = np.empty((C, NV), np.float64)
+    for c in range(C):
+        for k in range(NV):
+            cm[c, k] = m_of(vj0[c] + k)
+            cb[c, k] = ceil_log2(cm[c, k])
+            cr[c, k] = 1.0 / cm[c, k]
+    for t in range(count):
+        if ca[t] > 0:
+            c = ccls[t]
+            for k in range(NV):
+                vcost[c, k] += _golomb_bits(ca[t] - 1, cm[c, k], cb[c, k], (1 << cb[c, k]) - cm[c, k], cr[c, k])
+    vj = np.zeros(C, np.int64)
+    for c in range(C):
+        if nzc[c] > 0:
+            vj[c] = vj0[c] + np.argmin(vcost[c])
+    return zmode, zpol, zj, zgap, nxt, vj
+
+
+@njit(cache=True, nogil=True)
+def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
+              zmode, zpol, zj, zinit, zgap, vj, csign, ca):
+    """Class table, position stream and step stream, in the decoder's order."""
+    C = pmode.shape[0]
+    count = cpos.shape[0]
+    ucount = upos.shape[0]
+    pm, pb, pc, pr = class_params(pj)
+    zm, zb, zc, zr = class_params(zj)
+    vm, vb, vc, vr = class_params(vj)
+    # exact sizes first: one allocation, no copy
+    pbits = 0
+    sbits = count
+    for c in range(C):
+        if pmode[c] == _GOLOMB:
+            pbits += _golomb_bits(pinit[c], pm[c], pb[c], pc[c], pr[c])
+        if zmode[c] == _GOLOMB:
+            sbits += _golomb_bits(zinit[c], zm[c], zb[c], zc[c], zr[c])
+    for t in range(count):
+        c = ccls[t]
+        if cgap[t] >= 0:
+            pbits += _golomb_bits(cgap[t], pm[c], pb[c], pc[c], pr[c])
+        if zgap[t] >= 0:
+            sbits += _golomb_bits(zgap[t], zm[c], zb[c], zc[c], zr[c])
+        if ca[t] > 0:
+            sbits += _golomb_bits(ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
+    for t in range(ucount):
+        pbits += _golomb_bits(ugap[t], pm[ucls[t]], pb[ucls[t]], pc[ucls[t]], pr[ucls[t]])
+    lo = C
+    hi = -1
+    A = 0
+    for c in range(C):
+        if pmode[c] != _NONE:
+            lo = min(lo, c)
+            hi = max(hi, c)
+            A += 1
+    R = hi - lo + 1
+    P = (pbits + 7) // 8
+    hdr = HEADER_MIN + R + 2 * A + 4
+    size = hdr + P + (sbits + 7) // 8
+    out = np.zeros(size + _SLACK, np.uint8)
+    out[0] = lo & 0xFF
+    out[1] = lo >> 8
+    out[2] = hi & 0xFF
+    out[3] = hi >> 8
+    q = HEADER_MIN + R
+    for c in range(lo, hi + 1):
+        out[HEADER_MIN + c - lo] = _param_byte(pmode[c], ppol[c], pj[c])
+        if pmode[c] != _NONE:
+            out[q] = _param_byte(zmode[c], zpol[c], zj[c])
+            out[q + 1] = vj[c]
+            q += 2
+    for k in range(4):
+        out[q + k] = (P >> (8 * k)) & 0xFF
+    # position stream: first gaps, then the gap after each event, in element order
+    acc = _U64(0)
+    nb = 0
+    pos = hdr
+    for c in range(C):
+        if pmode[c] == _GOLOMB:
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, pinit[c], pm[c], pb[c], pc[c], pr[c])
+    t = 0
+    s = 0
+    while t < count or s < ucount:
+        if s < ucount and (t == count or upos[s] < cpos[t]):
+            c = ucls[s]
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, ugap[s], pm[c], pb[c], pc[c], pr[c])
+            s += 1
+        else:
+            if cgap[t] >= 0:
+                c = ccls[t]
+                acc, nb, pos = _put_golomb(out, acc, nb, pos, cgap[t], pm[c], pb[c], pc[c], pr[c])
+            t += 1
+    acc, nb, pos = _flush(out, acc, nb, pos)
+    if pos != hdr + P:
+        return np.empty(0, np.uint8)
+    # step stream: first big-flag gaps, then per change: sign, big-flag gap at events, magnitude
+    for c in range(C):
+        if zmode[c] == _GOLOMB:
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, zinit[c], zm[c], zb[c], zc[c], zr[c])
+    for t in range(count):
+        c = ccls[t]
+        acc, nb, pos = _put(out, acc, nb, pos, csign[t], 1)
+        if zgap[t] >= 0:
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, zgap[t], zm[c], zb[c], zc[c], zr[c])
+        if ca[t] > 0:
+            acc, nb, pos = _put_golomb(out, acc, nb, pos, ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
+    acc, nb, pos = _flush(out, acc, nb, pos)
+    if pos != size:
+        return np.empty(0, np.uint8)
+    return out[:size]
+
+
+@njit(cache=True, nogil=True)
+def _sparse_parts(cpos, csign, ca):
+    """Encoding 1's gaps and zigzag steps of the same changes, so the encoder can compare
+    both encodings without a second pass over the chunk."""
+    count = cpos.shape[0]
+    gaps = np.empty(count, np.uint32)
+    steps = np.empty(count, np.uint64)
+    prev = -1
+    max_gap = 0
+    max_step = 0
+    for t in range(count):
+        g = cpos[t] - prev - 1
+        prev = cpos[t]
+        gaps[t] = g
+        z = 2 * np.int64(ca[t]) + csign[t] + 1
+        steps[t] = z
+        max_gap = max(max_gap, g)
+        max_step = max(max_step, z)
+    return gaps, steps, max_gap, max_step
+
+
+@njit(cache=True, nogil=True)
+def ctx_encode(old, new, count, width_bits, mbits, ebits):
+    """Encoding-4 payload of one chunk in which exactly ``count`` >= 1 elements differ
+    (an empty array if they do not: a caller bug), and encoding 1's gaps and steps
+    (:func:`_sparse_parts`).
+
+    One pass over the elements finds the changes; a second runs only when some class
+    is coded by its unchanged elements (more than half of it changed). The rest is
+    work per change."""
+    C = 1 << ebits
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, count, mbits, C, signbit, mask)
+    if cpos.shape[0] != count:
+        return np.empty(0, np.uint8), _sparse_parts(cpos, csign, ca)
+    pmode, ppol, pj, ucount = _position_models(ncls, kcls, count)
+    upos, ucls, urank = _unchanged_events(old, new, mbits, pmode, ppol, ucount)
+    cgap, ugap, pinit = _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank)
+    zmode, zpol, zj, zgap, zinit, vj = _step_models(kcls, ccls, ca)
+    return _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
+                     zmode, zpol, zj, zinit, zgap, vj, csign, ca), _sparse_parts(cpos, csign, ca)
