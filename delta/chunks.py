@@ -97,9 +97,12 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
     if changed == 0:
         return ChunkEntry(UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b"")), b""
     ctx = ctxcoder.encode_ctx(old, new, dt, changed)
-    best = _encode_sparse(old, new, dt, changed, level, None if ctx is None else ctx[1])
-    if ctx is not None and len(ctx[0]) < best[0].length:
-        best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx[0]), ctx[0]
+    if ctx is not None and ctx.beats_sparse:
+        best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx.payload), ctx.payload
+    else:
+        best = _encode_sparse(old, new, dt, changed, level, None if ctx is None else ctx.sparse_parts)
+        if ctx is not None and len(ctx.payload) < best[0].length:
+            best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx.payload), ctx.payload
     if changed > DENSE_TRY_FRACTION * n:
         dense = _compressor(level).compress(kernels.xor_planes(old, new, dt.itemsize))
         if len(dense) < best[0].length:

@@ -23,16 +23,19 @@ bounds checks) and never reads past it: a bad payload yields an error code that
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .ctx_bits import MAX_J
 from .ctx_decoder import ctx_decode
-from .ctx_encoder import ctx_encode
+from .ctx_encoder import ctx_encode, sparse_estimate
 from .dtypes import DType
 from .errors import FormatError
 from .record import CTX_LAYOUT
 
-__all__ = ["MAX_J", "ctx_decode", "ctx_encode", "decode_ctx", "encode_ctx", "golomb_m", "layout_of"]
+__all__ = ["MAX_J", "CtxResult", "ctx_decode", "ctx_encode", "decode_ctx", "encode_ctx", "golomb_m", "layout_of",
+           "sparse_estimate"]
 
 _ERRORS = {
     1: "payload shorter than its class table",
@@ -60,17 +63,30 @@ def golomb_m(j: int) -> int:
     return ((4 + (j & 3)) << (j >> 2)) >> 2
 
 
-def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int) -> tuple[bytes, tuple] | None:
-    """The encoding-4 payload of one chunk with ``changed`` >= 1 differing elements, and the
-    sparse encoding's ``(gaps, steps, max_gap, max_step)`` found on the way (what
-    ``kernels.sparse_extract`` returns); None when the dtype has no context layout."""
+class CtxResult(NamedTuple):
+    payload: bytes
+    sparse_parts: tuple     # encoding 1's (gaps, steps, max_gap, max_step), as kernels.sparse_extract
+    beats_sparse: bool      # payload <= SURELY_SMALLER * sparse's patternless estimate
+
+
+# Below this fraction of sparse's order-0 estimate (which its zstd frames never beat on the
+# reference workloads: actual / estimate >= 1.0, median 1.1-1.4) ctx is taken without
+# compressing sparse's planes; above it, both are encoded and the smaller kept.
+SURELY_SMALLER = 0.9
+
+
+def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int) -> CtxResult | None:
+    """The encoding-4 payload of one chunk with ``changed`` >= 1 differing elements, the
+    sparse encoding's arrays found on the way, and whether compressing those can be
+    skipped; None when the dtype has no context layout."""
     lay = layout_of(dt)
     if lay is None or changed < 1:
         return None
     out, sparse = ctx_encode(old, new, changed, 8 * dt.itemsize, lay[0], lay[1])
     if out.shape[0] == 0:
         raise AssertionError("ctx encoder: inconsistent change count")  # a bug, never data
-    return out.tobytes(), sparse
+    sure = out.shape[0] <= SURELY_SMALLER * sparse_estimate(*sparse)
+    return CtxResult(out.tobytes(), sparse, sure)
 
 
 def decode_ctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DType,

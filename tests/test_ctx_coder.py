@@ -85,7 +85,7 @@ def kernel_round_trip(old: np.ndarray, new: np.ndarray, name: str) -> bytes | No
     k = int(np.count_nonzero(old != new))
     if k == 0:
         return None
-    payload, sparse = ctxcoder.encode_ctx(old, new, dt, k)
+    payload, sparse, _sure = ctxcoder.encode_ctx(old, new, dt, k)
     pos, val = ctxcoder.decode_ctx(payload, old, k, dt, "t")
     want = np.flatnonzero(old != new)
     ref = kernels.sparse_extract(old, new, k, 8 * dt.itemsize, True)   # what encoding 1 would store
@@ -244,6 +244,30 @@ def test_ctx_is_only_used_where_it_is_smaller_and_only_for_its_dtypes():
             assert c.length <= sparse.length
             if c.encoding == record.CTX:
                 assert c.length < sparse.length and (c.planes_a, c.planes_b) == record.CTX_LAYOUT[name]
+
+
+def test_sparse_estimate_is_below_what_sparse_actually_needs():
+    """The encoder skips compressing sparse's planes when ctx is far below this estimate; the
+    estimate must not exceed the real sparse payload (zstd does not beat order-0 without repeats)."""
+    rng = np.random.default_rng(43)
+    for name in CTX_DTYPES:
+        dt = dtypes.BY_NAME[name]
+        for p_small, p_large in ((0.001, 0.0001), (0.02, 0.002), (0.3, 0.05), (0.9, 0.6)):
+            old = weights(rng, name, 40_000)
+            new = optimizer_step(rng, old, name, p_small, p_large)
+            k = int(np.count_nonzero(old != new))
+            if k == 0:
+                continue
+            res = ctxcoder.encode_ctx(old, new, dt, k)
+            sparse, payload = chunks._encode_sparse(old, new, dt, k, chunks.DEFAULT_LEVEL)
+            assert ctxcoder.sparse_estimate(*res.sparse_parts) <= len(payload), (name, p_small)
+            if res.beats_sparse:
+                assert len(res.payload) < len(payload)
+    strided = weights(rng, "BF16", 40_000)          # a pattern zstd finds: the estimate must not decide
+    new = strided.copy()
+    new[::100] += np.uint16(1)
+    res = ctxcoder.encode_ctx(strided, new, dtypes.BY_NAME["BF16"], 400)
+    assert not res.beats_sparse
 
 
 # --- corruption --------------------------------------------------------------------------------
