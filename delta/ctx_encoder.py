@@ -308,9 +308,9 @@ def _step_models(kcls, ccls, ca):
     nzc = np.zeros(C, np.int64)
     vsum = np.zeros(C, np.float64)
     for t in range(count):
-        if ca[t] > 0:
-            nzc[ccls[t]] += 1
-            vsum[ccls[t]] += ca[t] - 1
+        big = np.int64(ca[t] > 0)
+        nzc[ccls[t]] += big
+        vsum[ccls[t]] += big * (ca[t] - 1)
     zmode = np.zeros(C, np.int64)
     zpol = np.zeros(C, np.int64)
     zj = np.zeros(C, np.int64)
@@ -321,12 +321,11 @@ def _step_models(kcls, ccls, ca):
     zgap = np.empty(count, np.int32)
     for t in range(count - 1, -1, -1):
         c = ccls[t]
-        seen[c] -= 1        # index of this change among its class's changes
-        if zmode[c] == _GOLOMB and ((ca[t] > 0) != (zpol[c] == 1)):
-            zgap[t] = nxt[c] - seen[c] - 1
-            nxt[c] = seen[c]
-        else:
-            zgap[t] = -1
+        i = seen[c] - 1     # index of this change among its class's changes
+        seen[c] = i
+        ev = np.int64(zmode[c] == _GOLOMB) * np.int64((ca[t] > 0) != (zpol[c] == 1))   # branch-free
+        zgap[t] = ev * (nxt[c] - i) - 1
+        nxt[c] = ev * i + (1 - ev) * nxt[c]
     NV = 6
     vj0 = np.zeros(C, np.int64)
     for c in range(C):
