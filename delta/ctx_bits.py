@@ -14,9 +14,7 @@ MAX_J = 95          # largest Golomb parameter index; m(95) = 7 * 2**21
 HEADER_MIN = 4      # u16 lo, u16 hi
 
 U64 = np.uint64
-_U64 = U64
-NONE, ALL, GOLOMB = 0, 1, 2     # models of a flag sequence
-_NONE, _ALL, _GOLOMB = NONE, ALL, GOLOMB
+NONE, ALL, GOLOMB = 0, 1, 2     # models of a flag sequence (docs/FORMAT.md "model byte")
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -36,13 +34,13 @@ def ceil_log2(m):
 def key(b, signbit, mask):
     """Ordered key of sign-magnitude bits (docs/FORMAT.md): ``~b & mask`` when the sign bit is
     set, else ``b | signbit``. Branch-free: the sign of a weight is a coin toss."""
-    return b ^ signbit ^ ((mask >> _U64(1)) * _U64((b & signbit) != _U64(0)))
+    return b ^ signbit ^ ((mask >> U64(1)) * U64((b & signbit) != U64(0)))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def unkey(k, signbit, mask):
     """Inverse of :func:`key`: ``k ^ signbit`` when the key has the sign bit, else ``~k & mask``."""
-    return k ^ mask ^ ((mask >> _U64(1)) * _U64((k & signbit) != _U64(0)))
+    return k ^ mask ^ ((mask >> U64(1)) * U64((k & signbit) != U64(0)))
 
 
 @njit(cache=True, nogil=True)

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 from numba.core import config
 
-from .ctx_bits import (HEADER_MIN, MAX_J, _ALL, _GOLOMB, _NONE, _U64, class_params, key, unkey)
+from .ctx_bits import ALL, GOLOMB, HEADER_MIN, MAX_J, NONE, U64, class_params, key, unkey
 
 if config.DISABLE_JIT:  # the kernels run as plain Python (coverage runs): no LLVM intrinsic
     def leading_zeros(x):
@@ -36,9 +36,9 @@ _PAD = 64   # zero bytes after a copied stream: with bp <= len + 8 checked once 
 def _refill(buf, acc, nacc, bp):
     """Top up the bit buffer to at least 33 bits, four bytes at a time."""
     if nacc <= 32:
-        x = ((_U64(buf[bp]) << _U64(24)) | (_U64(buf[bp + 1]) << _U64(16))
-             | (_U64(buf[bp + 2]) << _U64(8)) | _U64(buf[bp + 3]))
-        acc |= x << _U64(32 - nacc)
+        x = ((U64(buf[bp]) << U64(24)) | (U64(buf[bp + 1]) << U64(16))
+             | (U64(buf[bp + 2]) << U64(8)) | U64(buf[bp + 3]))
+        acc |= x << U64(32 - nacc)
         nacc += 32
         bp += 4
     return acc, nacc, bp
@@ -56,15 +56,15 @@ def _get_golomb(buf, acc, nacc, bp, m, b, cut, qmax, vmax):
     while True:
         acc, nacc, bp = _refill(buf, acc, nacc, bp)
         inv = ~acc
-        ones = 64 if inv == _U64(0) else np.int64(leading_zeros(inv))
+        ones = 64 if inv == U64(0) else np.int64(leading_zeros(inv))
         if ones < nacc:
             q += ones
-            acc = (acc << _U64(ones)) << _U64(1)
+            acc = (acc << U64(ones)) << U64(1)
             nacc -= ones + 1
             break
         # all buffered bits are ones: only inside the stream (its padding is zeros)
         q += nacc
-        acc = _U64(0)
+        acc = U64(0)
         nacc = 0
         if q > qmax or bp >= buf.shape[0] - 8:
             return -1, acc, nacc, bp
@@ -73,12 +73,12 @@ def _get_golomb(buf, acc, nacc, bp, m, b, cut, qmax, vmax):
     r = 0
     if b > 0:
         acc, nacc, bp = _refill(buf, acc, nacc, bp)
-        peek = np.int64(acc >> _U64(64 - b))       # b bits; the first b - 1 are x
+        peek = np.int64(acc >> U64(64 - b))       # b bits; the first b - 1 are x
         x = peek >> 1
         longer = np.int64(x >= cut)                # branch-free: this bit is a coin toss
         r = x + longer * (peek - cut - x)
         used = b - 1 + longer
-        acc = acc << _U64(used)
+        acc = acc << U64(used)
         nacc -= used
     v = q * m + r
     if v > vmax:
@@ -90,14 +90,14 @@ def _get_golomb(buf, acc, nacc, bp, m, b, cut, qmax, vmax):
 def _parse_param(byte):
     """(mode, polarity, j) of a parameter byte, or mode -1 when it is invalid."""
     if byte == 0:
-        return _NONE, 0, 0
+        return NONE, 0, 0
     if byte == 1:
-        return _ALL, 1, 0
+        return ALL, 1, 0
     v = byte - 2
     j = v >> 1
     if j > MAX_J:
         return -1, 0, 0
-    return _GOLOMB, v & 1, j
+    return GOLOMB, v & 1, j
 
 
 @njit(cache=True, nogil=True)
@@ -116,7 +116,7 @@ def _stream_end_ok(acc, nacc, bp, L):
     if (used + 7) // 8 != L:
         return 11
     k = 8 * L - used          # padding bits: the next k bits held in acc (bp >= L here)
-    if k > 0 and (acc >> _U64(64 - k)) != _U64(0):
+    if k > 0 and (acc >> U64(64 - k)) != U64(0):
         return 11
     return 0
 
@@ -151,22 +151,22 @@ def _parse_table(payload, C):
         pmode[c] = mode
         ppol[c] = p
         pj[c] = jj
-        if mode != _NONE:
+        if mode != NONE:
             A += 1
-    if pmode[lo] == _NONE or pmode[hi] == _NONE:
+    if pmode[lo] == NONE or pmode[hi] == NONE:
         return 4, 0, 0, z, z, z, z, z, z, z, 0, 0
     q = HEADER_MIN + R
     if L < q + 2 * A + 4:
         return 1, 0, 0, z, z, z, z, z, z, z, 0, 0
     for c in range(lo, hi + 1):
-        if pmode[c] == _NONE:
+        if pmode[c] == NONE:
             continue
         mode, p, jj = _parse_param(payload[q])
         v = np.int64(payload[q + 1])
         q += 2
         if mode < 0 or v > MAX_J:
             return 3, 0, 0, z, z, z, z, z, z, z, 0, 0
-        if mode == _NONE and v != 0:
+        if mode == NONE and v != 0:
             return 4, 0, 0, z, z, z, z, z, z, z, 0, 0
         zmode[c] = mode
         zpol[c] = p
@@ -191,7 +191,7 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
     pm, pb, pc, _ = class_params(pj)
     pq = n // pm          # the longest unary run a valid gap can have
     lim = P + 8
-    acc = _U64(0)
+    acc = U64(0)
     nacc = 0
     bp = 0
     # cd[c] >= 0: a class coded by its changes (or NONE: _BIG), cd[c] elements of it before
@@ -200,18 +200,18 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
     # (_SPECIAL + countdown), so the common path is one decrement and one sign test.
     cd = np.full(C, _BIG, np.int64)
     for c in range(lo, hi + 1):
-        if pmode[c] == _GOLOMB:
+        if pmode[c] == GOLOMB:
             g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
             if g < 0:
                 return 5
             if bp > lim:
                 return 10
             cd[c] = g if ppol[c] == 0 else _SPECIAL + g
-        elif pmode[c] == _ALL:
+        elif pmode[c] == ALL:
             cd[c] = _SPECIAL + _BIG_SPECIAL
     j = 0
     for i in range(n):
-        c = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
+        c = np.int64(U64(old[i]) >> U64(mbits)) & cmask
         r = cd[c] - 1
         cd[c] = r
         if r >= 0:
@@ -239,7 +239,7 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
     if j != count:
         return 7
     for c in range(lo, hi + 1):
-        if pmode[c] == _GOLOMB and cd[c] != (0 if ppol[c] == 0 else _SPECIAL):
+        if pmode[c] == GOLOMB and cd[c] != (0 if ppol[c] == 0 else _SPECIAL):
             return 8
     return _stream_end_ok(acc, nacc, bp, P)
 
@@ -250,21 +250,21 @@ def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos,
     change into ``out_val``. Returns 0 or an error code."""
     count = out_pos.shape[0]
     C = zmode.shape[0]
-    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
-    signbit = _U64(1) << _U64(width_bits - 1)
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width_bits)
+    signbit = U64(1) << U64(width_bits - 1)
     vmax = (1 << (width_bits - 1)) - 2
     zm, zb, zc, _ = class_params(zj)
     vm, vb, vc, _ = class_params(vj)
     zq = count // zm
     vq = vmax // vm
     lim = S + 8
-    acc = _U64(0)
+    acc = U64(0)
     nacc = 0
     bp = 0
     zcd = np.full(C, _BIG, np.int64)    # as cd in _decode_positions, over the changes
     big_if_quiet = np.zeros(C, np.uint8)
     for c in range(lo, hi + 1):
-        if zmode[c] == _GOLOMB:
+        if zmode[c] == GOLOMB:
             g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], zq[c], count)
             if g < 0:
                 return 5
@@ -272,13 +272,13 @@ def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos,
                 return 10
             zcd[c] = g
             big_if_quiet[c] = zpol[c]
-        elif zmode[c] == _ALL:
+        elif zmode[c] == ALL:
             big_if_quiet[c] = 1
     for t in range(count):
         c = np.int64(ccls[t])
         acc, nacc, bp = _refill(buf, acc, nacc, bp)
-        s = np.int64(acc >> _U64(63))
-        acc = acc << _U64(1)
+        s = np.int64(acc >> U64(63))
+        acc = acc << U64(1)
         nacc -= 1
         r = zcd[c]
         if r != 0:
@@ -298,17 +298,17 @@ def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos,
             a = v + 1
         if bp > lim:
             return 10
-        z = _U64(2 * a + s + 1)
+        z = U64(2 * a + s + 1)
         if z > mask:
             return 12
-        if z & _U64(1):
-            d = mask - (z >> _U64(1))
+        if z & U64(1):
+            d = mask - (z >> U64(1))
         else:
-            d = z >> _U64(1)
-        o = _U64(old[out_pos[t]])
+            d = z >> U64(1)
+        o = U64(old[out_pos[t]])
         out_val[t] = unkey((key(o, signbit, mask) + d) & mask, signbit, mask)
     for c in range(lo, hi + 1):
-        if zmode[c] == _GOLOMB and zcd[c] != 0:
+        if zmode[c] == GOLOMB and zcd[c] != 0:
             return 9
     return _stream_end_ok(acc, nacc, bp, S)
 

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .ctx_bits import (HEADER_MIN, MAX_J, _ALL, _GOLOMB, _NONE, _U64, ceil_log2, class_params, key, m_of)
+from .ctx_bits import ALL, GOLOMB, HEADER_MIN, MAX_J, NONE, U64, ceil_log2, class_params, key, m_of
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -64,16 +64,16 @@ def _put(out, acc, nb, pos, val, k):
     """Append the ``k`` (<= 56) low bits of ``val``, most significant first. ``acc`` holds
     ``nb`` < 8 pending bits. Branch-free: seven bytes are always stored and the complete
     ones kept (callers append at most 49 bits; ``out`` has _SLACK spare bytes at its end)."""
-    acc = (acc << _U64(k)) | _U64(val)
+    acc = (acc << U64(k)) | U64(val)
     nb += k
-    top = (acc << _U64(63 - nb)) << _U64(1)      # the nb pending bits, left-aligned
-    out[pos] = np.uint8(top >> _U64(56))
-    out[pos + 1] = np.uint8((top >> _U64(48)) & _U64(0xFF))
-    out[pos + 2] = np.uint8((top >> _U64(40)) & _U64(0xFF))
-    out[pos + 3] = np.uint8((top >> _U64(32)) & _U64(0xFF))
-    out[pos + 4] = np.uint8((top >> _U64(24)) & _U64(0xFF))
-    out[pos + 5] = np.uint8((top >> _U64(16)) & _U64(0xFF))
-    out[pos + 6] = np.uint8((top >> _U64(8)) & _U64(0xFF))
+    top = (acc << U64(63 - nb)) << U64(1)      # the nb pending bits, left-aligned
+    out[pos] = np.uint8(top >> U64(56))
+    out[pos + 1] = np.uint8((top >> U64(48)) & U64(0xFF))
+    out[pos + 2] = np.uint8((top >> U64(40)) & U64(0xFF))
+    out[pos + 3] = np.uint8((top >> U64(32)) & U64(0xFF))
+    out[pos + 4] = np.uint8((top >> U64(24)) & U64(0xFF))
+    out[pos + 5] = np.uint8((top >> U64(16)) & U64(0xFF))
+    out[pos + 6] = np.uint8((top >> U64(8)) & U64(0xFF))
     pos += nb >> 3
     nb &= 7
     return acc, nb, pos
@@ -83,9 +83,9 @@ def _put(out, acc, nb, pos, val, k):
 def _flush(out, acc, nb, pos):
     """Complete the last byte with zero bits."""
     if nb > 0:
-        out[pos] = np.uint8((acc << _U64(8 - nb)) & _U64(0xFF))
+        out[pos] = np.uint8((acc << U64(8 - nb)) & U64(0xFF))
         pos += 1
-    return _U64(0), 0, pos
+    return U64(0), 0, pos
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -102,9 +102,9 @@ def _put_golomb(out, acc, nb, pos, v, m, b, cut, rinv):
 
 @njit(cache=True, nogil=True, inline="always")
 def _param_byte(mode, pol, j):
-    if mode == _NONE:
+    if mode == NONE:
         return 0
-    if mode == _ALL:
+    if mode == ALL:
         return 1
     return 2 + 2 * j + pol
 
@@ -114,12 +114,12 @@ def _flag_model(n_items, n_set):
     """(mode, polarity, j) of a flag sequence with ``n_set`` of ``n_items`` set: the rarer
     value is the event, its gaps Golomb-coded with the parameter fit to its rate."""
     if n_set == 0:
-        return _NONE, 0, 0
+        return NONE, 0, 0
     if n_set == n_items:
-        return _ALL, 1, 0
+        return ALL, 1, 0
     pol = 1 if 2 * n_set > n_items else 0
     ev = n_items - n_set if pol else n_set
-    return _GOLOMB, pol, _j_for_p(ev / n_items)
+    return GOLOMB, pol, _j_for_p(ev / n_items)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -127,17 +127,17 @@ def _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
             cpos, ccls, crank, csign, ca, kcls, j):
     """Record element ``i`` (changed) at slot ``j``; its rank is the class count after the
     group of four minus the group's later elements of the same class."""
-    o = _U64(old[i])
-    c = np.int64(o >> _U64(mbits)) & cmask
-    v = _U64(new[i])
+    o = U64(old[i])
+    c = np.int64(o >> U64(mbits)) & cmask
+    v = U64(new[i])
     d = (key(v, signbit, mask) - key(o, signbit, mask)) & mask
-    up = _U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
-    u = up * ((d << _U64(1)) - _U64(1)) + (_U64(1) - up) * ((mask - d) << _U64(1))
+    up = U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
+    u = up * ((d << U64(1)) - U64(1)) + (U64(1) - up) * ((mask - d) << U64(1))
     cpos[j] = i
     ccls[j] = c
     crank[j] = h0[c] + h1[c] + h2[c] + h3[c] - 1 - later
-    csign[j] = np.uint8(u & _U64(1))
-    ca[j] = np.int32(u >> _U64(1))
+    csign[j] = np.uint8(u & U64(1))
+    ca[j] = np.int32(u >> U64(1))
     kcls[c] += 1
 
 
@@ -163,10 +163,10 @@ def _scan(old, new, count, mbits, C, signbit, mask):
     j = 0
     n4 = n - n % 4
     for i in range(0, n4, 4):
-        c0 = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
-        c1 = np.int64(_U64(old[i + 1]) >> _U64(mbits)) & cmask
-        c2 = np.int64(_U64(old[i + 2]) >> _U64(mbits)) & cmask
-        c3 = np.int64(_U64(old[i + 3]) >> _U64(mbits)) & cmask
+        c0 = np.int64(U64(old[i]) >> U64(mbits)) & cmask
+        c1 = np.int64(U64(old[i + 1]) >> U64(mbits)) & cmask
+        c2 = np.int64(U64(old[i + 2]) >> U64(mbits)) & cmask
+        c3 = np.int64(U64(old[i + 3]) >> U64(mbits)) & cmask
         h0[c0] += 1
         h1[c1] += 1
         h2[c2] += 1
@@ -198,7 +198,7 @@ def _scan(old, new, count, mbits, C, signbit, mask):
                         cpos, ccls, crank, csign, ca, kcls, j)
                 j += 1
     for i in range(n4, n):
-        c = np.int64(_U64(old[i]) >> _U64(mbits)) & cmask
+        c = np.int64(U64(old[i]) >> U64(mbits)) & cmask
         h0[c] += 1
         if old[i] != new[i]:
             if j >= count:
@@ -227,7 +227,7 @@ def _position_models(ncls, kcls, count):
     gain = 0.0
     for c in range(C):
         pmode[c], ppol[c], pj[c] = _flag_model(ncls[c], kcls[c])
-        if pmode[c] == _GOLOMB:
+        if pmode[c] == GOLOMB:
             p = kcls[c] / ncls[c]
             h = -(p * math.log2(p) + (1.0 - p) * math.log2(1.0 - p))
             est += ncls[c] * h
@@ -235,7 +235,7 @@ def _position_models(ncls, kcls, count):
                 gain += ncls[c] * (1.0 - h)
     ucount = 0
     for c in range(C):
-        if pmode[c] == _GOLOMB and ppol[c] == 1:
+        if pmode[c] == GOLOMB and ppol[c] == 1:
             if gain < 0.01 * est:
                 ppol[c] = 0
                 pj[c] = 0
@@ -257,12 +257,12 @@ def _unchanged_events(old, new, mbits, pmode, ppol, ucount):
         return upos, ucls, urank
     want = np.zeros(C, np.uint8)
     for c in range(C):
-        want[c] = pmode[c] == _GOLOMB and ppol[c] == 1
+        want[c] = pmode[c] == GOLOMB and ppol[c] == 1
     cnt = np.zeros(C, np.int64)
     t = 0
     for i in range(old.shape[0]):
         o = old[i]
-        c = np.int64(_U64(o) >> _U64(mbits)) & cmask
+        c = np.int64(U64(o) >> U64(mbits)) & cmask
         if not want[c]:
             continue
         r = cnt[c]
@@ -284,7 +284,7 @@ def _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank):
     cgap = np.empty(count, np.int32)
     for t in range(count - 1, -1, -1):
         c = ccls[t]
-        if pmode[c] == _GOLOMB and ppol[c] == 0:
+        if pmode[c] == GOLOMB and ppol[c] == 0:
             cgap[t] = nxt[c] - crank[t] - 1
             nxt[c] = crank[t]
         else:
@@ -323,7 +323,7 @@ def _step_models(kcls, ccls, ca):
         c = ccls[t]
         i = seen[c] - 1     # index of this change among its class's changes
         seen[c] = i
-        ev = np.int64(zmode[c] == _GOLOMB) * np.int64((ca[t] > 0) != (zpol[c] == 1))   # branch-free
+        ev = np.int64(zmode[c] == GOLOMB) * np.int64((ca[t] > 0) != (zpol[c] == 1))   # branch-free
         zgap[t] = ev * (nxt[c] - i) - 1
         nxt[c] = ev * i + (1 - ev) * nxt[c]
     NV = 6
@@ -366,9 +366,9 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
     pbits = 0
     sbits = count
     for c in range(C):
-        if pmode[c] == _GOLOMB:
+        if pmode[c] == GOLOMB:
             pbits += _golomb_bits(pinit[c], pm[c], pb[c], pc[c], pr[c])
-        if zmode[c] == _GOLOMB:
+        if zmode[c] == GOLOMB:
             sbits += _golomb_bits(zinit[c], zm[c], zb[c], zc[c], zr[c])
     for t in range(count):
         c = ccls[t]
@@ -384,7 +384,7 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
     hi = -1
     A = 0
     for c in range(C):
-        if pmode[c] != _NONE:
+        if pmode[c] != NONE:
             lo = min(lo, c)
             hi = max(hi, c)
             A += 1
@@ -400,18 +400,18 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
     q = HEADER_MIN + R
     for c in range(lo, hi + 1):
         out[HEADER_MIN + c - lo] = _param_byte(pmode[c], ppol[c], pj[c])
-        if pmode[c] != _NONE:
+        if pmode[c] != NONE:
             out[q] = _param_byte(zmode[c], zpol[c], zj[c])
             out[q + 1] = vj[c]
             q += 2
     for k in range(4):
         out[q + k] = (P >> (8 * k)) & 0xFF
     # position stream: first gaps, then the gap after each event, in element order
-    acc = _U64(0)
+    acc = U64(0)
     nb = 0
     pos = hdr
     for c in range(C):
-        if pmode[c] == _GOLOMB:
+        if pmode[c] == GOLOMB:
             acc, nb, pos = _put_golomb(out, acc, nb, pos, pinit[c], pm[c], pb[c], pc[c], pr[c])
     t = 0
     s = 0
@@ -430,7 +430,7 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
         return np.empty(0, np.uint8)
     # step stream: first big-flag gaps, then per change: sign, big-flag gap at events, magnitude
     for c in range(C):
-        if zmode[c] == _GOLOMB:
+        if zmode[c] == GOLOMB:
             acc, nb, pos = _put_golomb(out, acc, nb, pos, zinit[c], zm[c], zb[c], zc[c], zr[c])
     for t in range(count):
         c = ccls[t]
@@ -504,8 +504,8 @@ def ctx_encode(old, new, count, width_bits, mbits, ebits):
     is coded by its unchanged elements (more than half of it changed). The rest is
     work per change."""
     C = 1 << ebits
-    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
-    signbit = _U64(1) << _U64(width_bits - 1)
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width_bits)
+    signbit = U64(1) << U64(width_bits - 1)
     ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, count, mbits, C, signbit, mask)
     if cpos.shape[0] != count:
         return np.empty(0, np.uint8), _sparse_parts(cpos, csign, ca)
