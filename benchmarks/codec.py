@@ -34,16 +34,16 @@ class CkptDelta(baselines.Baseline):
     """This project's codec as the benchmark sees it: one record per changed tensor;
     an unchanged tensor costs only its manifest entry (no record)."""
 
-    def __init__(self, threads: int = 1, level: int = 3):
-        self.threads, self.level = threads, level
-        self.name = "ckptdelta" + ("" if threads == 1 else f" ({threads} threads)")
+    def __init__(self, threads: int = 1, level: int = 3, context: bool = True):
+        self.threads, self.level, self.context = threads, level, context
+        self.name = "ckptdelta" + ("" if context else " fast (no ctx)") + ("" if threads == 1 else f" ({threads} threads)")
 
     def encode(self, old, new):
         out = []
         for k in sorted(new):
             o, n = old.get(k), new[k]
             parent = o if o is not None and o.shape == n.shape and o.dtype == n.dtype else None
-            enc = delta.encode(parent, n, name=k, level=self.level, threads=self.threads)
+            enc = delta.encode(parent, n, name=k, level=self.level, threads=self.threads, context=self.context)
             if enc.header.has_parent and all(c.encoding == 0 for c in enc.header.chunks):
                 out.append(b"")          # unchanged: manifest entry only
             else:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     wl = workloads.reference_workloads(size=args.size or ("tiny" if args.quick else "small"), quick=args.quick)
     if args.only:
         wl = [w for w in wl if args.only in w.name]
-    codecs = baselines.all_baselines() + [CkptDelta(threads=1)]
+    codecs = baselines.all_baselines() + [CkptDelta(threads=1), CkptDelta(threads=1, context=False)]
     if (os.cpu_count() or 1) > 1 and not args.quick:
         codecs.append(CkptDelta(threads=os.cpu_count()))
     # warm the numba kernels (encode and decode, every dtype) so compile time is not billed to a workload

@@ -87,8 +87,12 @@ def _unzstd(frame: bytes | memoryview, expected: int, where: str) -> bytes:
     return out
 
 
-def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int = DEFAULT_LEVEL) -> tuple[ChunkEntry, bytes]:
-    """Pick the smallest encoding for one chunk. ``old``/``new`` are the chunk's bits."""
+def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int = DEFAULT_LEVEL,
+                 context: bool = True) -> tuple[ChunkEntry, bytes]:
+    """Pick the smallest encoding for one chunk. ``old``/``new`` are the chunk's bits.
+
+    ``context=False`` leaves out the context coder (id 4): deltas about 1.6x larger,
+    encode and decode several times faster where many elements change."""
     n = new.shape[0]
     if old is None:
         payload = _compressor(level).compress(kernels.to_planes(new, dt.itemsize))
@@ -96,7 +100,7 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
     changed = kernels.count_changed(old, new)
     if changed == 0:
         return ChunkEntry(UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b"")), b""
-    ctx = ctxcoder.encode_ctx(old, new, dt, changed)
+    ctx = ctxcoder.encode_ctx(old, new, dt, changed) if context else None
     if ctx is not None and ctx.beats_sparse:
         best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx.payload), ctx.payload
     else:

@@ -101,13 +101,14 @@ def _as_encoded(enc: "EncodedTensor | bytes | memoryview", what: str | None = No
 
 def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: int = DEFAULT_CHUNK_ELEMS,
            level: int = chunks.DEFAULT_LEVEL, threads: int | None = None,
-           parent_digest: int | None = None) -> EncodedTensor:
+           parent_digest: int | None = None, context: bool = True) -> EncodedTensor:
     """Encode ``new`` against ``old`` (or on its own when ``old`` is None).
 
     A shape or dtype change needs no special call: pass ``old=None`` and the
     record is self-contained (raw chunks). ``parent_digest``, when the caller
     already knows ``digest(old)`` (a publisher does: it recorded it last step),
-    saves one pass over ``old``."""
+    saves one pass over ``old``. ``context=False`` skips the context coder
+    (docs/FORMAT.md, encoding 4): larger deltas, faster encode and decode."""
     dt = dtypes.of(new)
     shape = tuple(int(s) for s in new.shape)
     new_bits = dtypes.host_bits(new)
@@ -128,7 +129,7 @@ def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: 
 
     def one(i: int):
         s, e = i * chunk_elems, min(numel, (i + 1) * chunk_elems)
-        return chunks.encode_chunk(None if old_bits is None else old_bits[s:e], new_bits[s:e], dt, level)
+        return chunks.encode_chunk(None if old_bits is None else old_bits[s:e], new_bits[s:e], dt, level, context)
 
     results = _map(one, list(range(n_chunks)), threads)
     entries = tuple(r[0] for r in results)
