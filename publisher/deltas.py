@@ -1,10 +1,12 @@
-"""Deltas: every tensor encoded against the previous published snapshot, into one object per rank.
+"""Deltas: every tensor encoded against the previous published snapshot, into objects per rank.
 
-Records are streamed into a local file (hashed as they are written) and the
-object is uploaded once complete: a delta is a few percent of the model, and the
-publish as a whole already overlaps the trainer's next step (``wait=False``).
-A tensor whose bits equal its parent's gets no record at all, only a manifest
-entry with ``object: null``; a delta where nothing changed writes no object.
+Records are streamed into local part files (hashed as they are written). When a
+part passes ``part_bytes`` it is closed and handed to ``on_part``, which uploads
+it in the background while the next tensors are encoded: encoding overlaps the
+upload of what came before, and a rank's delta of any size never waits for one
+long upload at the end. A tensor whose bits equal its parent's gets no record at
+all, only a manifest entry with ``object: null``; a delta where nothing changed
+writes no object.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ from delta.container import ObjectWriter
 from delta.manifest import TensorEntry
 from delta.record import UNCHANGED
 
-#: Name of rank ``r``'s delta object inside the snapshot's delta prefix.
-def rank_object_name(rank: int) -> str:
-    return f"rank-{rank:05d}.ckd"
+#: Name of rank ``r``'s delta object ``part`` inside the snapshot's delta prefix.
+def rank_object_name(rank: int, part: int = 0) -> str:
+    return f"rank-{rank:05d}.ckd" if part == 0 else f"rank-{rank:05d}-{part:03d}.ckd"
+
+
+#: A part is closed (and its upload started) once it holds this many bytes of records.
+DEFAULT_PART_BYTES = 64 << 20
 
 
 class HashingWriter:
@@ -47,22 +53,37 @@ class HashingWriter:
 
 @dataclass
 class DeltaPart:
-    """What one rank wrote: entries with object index 0 (its object) or None (unchanged)."""
+    """What one rank wrote: entries index ``objects`` (its part files, in order) or are None (unchanged)."""
 
     entries: dict[str, TensorEntry]
-    size: int = 0                  # 0: no object was written
-    xxh3: str = ""
+    objects: list[tuple[int, str]] = field(default_factory=list)   # (size, xxh3) of each part
     changed: list[str] = field(default_factory=list)
     encode_s: float = 0.0
 
 
-def write_delta(f: BinaryIO, parent: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], *,
-                level: int, on_bytes: Callable[[int], None] | None = None) -> DeltaPart:
-    """Encode ``snapshot`` against ``parent`` (same names, dtypes and shapes) into ``f``."""
+def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch.Tensor],
+                snapshot: Mapping[str, torch.Tensor], *, level: int,
+                on_part: Callable[[int, int, str], None] | None = None,
+                on_bytes: Callable[[int], None] | None = None, part_bytes: int = DEFAULT_PART_BYTES) -> DeltaPart:
+    """Encode ``snapshot`` against ``parent`` (same names, dtypes and shapes) into part streams.
+
+    ``open_part(i)`` gives the stream for part ``i``; ``on_part(i, size, xxh3)`` is called
+    once part ``i`` is complete and closed (the caller starts its upload there)."""
     t0 = time.perf_counter()
-    out = HashingWriter(f)
-    writer: ObjectWriter | None = None
     part = DeltaPart(entries={})
+    f: BinaryIO | None = None
+    out: HashingWriter | None = None
+    writer: ObjectWriter | None = None
+
+    def close_current() -> None:
+        nonlocal f, out, writer
+        writer.finish()
+        f.close()
+        part.objects.append((out.size, out.hexdigest()))
+        if on_part is not None:
+            on_part(len(part.objects) - 1, out.size, out.hexdigest())
+        f = out = writer = None
+
     for name, new in snapshot.items():
         enc = codec.encode(parent[name], new, name=name, level=level)
         h = enc.header
@@ -71,14 +92,18 @@ def write_delta(f: BinaryIO, parent: Mapping[str, torch.Tensor], snapshot: Mappi
             part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), None)
         else:
             if writer is None:
+                f = open_part(len(part.objects))
+                out = HashingWriter(f)
                 writer = ObjectWriter(out)
             offset, length = writer.add(name, enc.to_bytes())
-            part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), 0, offset, length)
+            part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), len(part.objects),
+                                             offset, length)
             part.changed.append(name)
+            if out.size >= part_bytes:
+                close_current()
         if on_bytes is not None:
             on_bytes(h.numel * h.dtype.itemsize)
     if writer is not None:
-        writer.finish()
-        part.size, part.xxh3 = out.size, out.hexdigest()
+        close_current()
     part.encode_s = time.perf_counter() - t0
     return part

@@ -30,6 +30,7 @@ from delta.manifest import ObjectRef, TensorEntry, anchor_prefix, delta_prefix
 from delta.storage import Store
 
 from . import anchor as anchor_fmt
+from . import deltas as deltas_mod
 from .deltas import rank_object_name, write_delta
 
 log = logging.getLogger("ckptdelta.publisher")
@@ -167,23 +168,37 @@ def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, 
 
 
 def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], *,
-                       version: int, writer_id: str, rank: int, level: int, progress: bool | None) -> Written:
-    """This rank's delta object (none when nothing changed)."""
-    key = f"{delta_prefix(version, writer_id)}/{rank_object_name(rank)}"
+                       version: int, writer_id: str, rank: int, level: int, progress: bool | None,
+                       part_bytes: int | None = None) -> Written:
+    """This rank's delta objects (none when nothing changed); each finished part uploads while the
+    next tensors are encoded."""
     total = sum(t.numel() * t.element_size() for t in snapshot.values())
     bar = progress_bar(progress, total, f"delta v{version}")
     out = Written()
+    uploads: list[Future] = []
+    upload_s = [0.0]
     try:
-        with tempfile.TemporaryDirectory(prefix="ckptdelta-delta-") as tmp:
-            path = os.path.join(tmp, rank_object_name(rank))
-            with open(path, "wb") as f:
-                part = write_delta(f, parent, snapshot, level=level, on_bytes=bar.update)
-            out.encode_s = part.encode_s
-            if part.size:
+        with tempfile.TemporaryDirectory(prefix="ckptdelta-delta-") as tmp, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptdelta-delta-upload") as pool:
+            def path_of(i: int) -> str:
+                return os.path.join(tmp, rank_object_name(rank, i))
+
+            def upload(i: int) -> None:
                 t0 = time.perf_counter()
-                store.put_file(key, path)
-                out.upload_s = time.perf_counter() - t0
-                out.objects.append(ObjectRef(key, part.size, part.xxh3))
+                store.put_file(f"{delta_prefix(version, writer_id)}/{rank_object_name(rank, i)}", path_of(i))
+                upload_s[0] += time.perf_counter() - t0
+
+            part = write_delta(lambda i: open(path_of(i), "wb"), parent, snapshot, level=level,
+                               on_part=lambda i, _size, _h: uploads.append(pool.submit(upload, i)),
+                               on_bytes=bar.update,
+                               part_bytes=deltas_mod.DEFAULT_PART_BYTES if part_bytes is None else part_bytes)
+            for u in uploads:
+                u.result()
+            out.encode_s = part.encode_s
+            out.upload_s = upload_s[0]
+            for i, (size, xxh3) in enumerate(part.objects):
+                out.objects.append(ObjectRef(f"{delta_prefix(version, writer_id)}/{rank_object_name(rank, i)}",
+                                             size, xxh3))
     finally:
         bar.close()
     out.entries = part.entries
