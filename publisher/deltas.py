@@ -64,7 +64,8 @@ class DeltaPart:
 def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch.Tensor],
                 snapshot: Mapping[str, torch.Tensor], *, level: int,
                 on_part: Callable[[int, int, str], None] | None = None,
-                on_bytes: Callable[[int], None] | None = None, part_bytes: int = DEFAULT_PART_BYTES) -> DeltaPart:
+                on_bytes: Callable[[int], None] | None = None, part_bytes: int = DEFAULT_PART_BYTES,
+                context: bool = True) -> DeltaPart:
     """Encode ``snapshot`` against ``parent`` (same names, dtypes and shapes) into part streams.
 
     ``open_part(i)`` gives the stream for part ``i``; ``on_part(i, size, xxh3)`` is called
@@ -85,7 +86,7 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
         f = out = writer = None
 
     for name, new in snapshot.items():
-        enc = codec.encode(parent[name], new, name=name, level=level)
+        enc = codec.encode(parent[name], new, name=name, level=level, context=context)
         h = enc.header
         dtype, shape = h.dtype.name, tuple(h.shape)
         if all(c.encoding == UNCHANGED for c in h.chunks):

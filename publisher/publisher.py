@@ -91,7 +91,7 @@ class Publisher:
                  extra_files: Mapping[str, str | os.PathLike[str] | bytes] | None = None,
                  shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, context_coding: bool = True):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if not anchor_chain_fraction >= 0:
@@ -105,6 +105,7 @@ class Publisher:
         self.url = url
         self.anchor_every, self.anchor_chain_fraction = anchor_every, float(anchor_chain_fraction)
         self.shard_bytes, self.level, self.progress = shard_bytes, level, progress
+        self.context_coding = bool(context_coding)   # False: larger deltas, faster encode/decode (docs/FORMAT.md id 4)
         self._partition = partition
         self._extra = anchor_fmt.read_extra_files(extra_files)
         self._store = Store.from_url(url, storage_options)
@@ -402,6 +403,7 @@ class Publisher:
             assert parent is not None
             written = write_delta_object(self._store, parent, job.snapshot, version=plan.version,
                                          writer_id=self.writer_id, rank=self._comm.rank, level=self.level,
+                                         context=self.context_coding,
                                          progress=self.progress)
         with_bytes = [n for n, e in written.entries.items() if e.object is not None]
         for n in nan_tensor_names(job.snapshot, with_bytes, self._nan_warned):

@@ -169,7 +169,7 @@ def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, 
 
 def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], *,
                        version: int, writer_id: str, rank: int, level: int, progress: bool | None,
-                       part_bytes: int | None = None) -> Written:
+                       part_bytes: int | None = None, context: bool = True) -> Written:
     """This rank's delta objects (none when nothing changed); each finished part uploads while the
     next tensors are encoded."""
     total = sum(t.numel() * t.element_size() for t in snapshot.values())
@@ -188,7 +188,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
                 store.put_file(f"{delta_prefix(version, writer_id)}/{rank_object_name(rank, i)}", path_of(i))
                 upload_s[0] += time.perf_counter() - t0
 
-            part = write_delta(lambda i: open(path_of(i), "wb"), parent, snapshot, level=level,
+            part = write_delta(lambda i: open(path_of(i), "wb"), parent, snapshot, level=level, context=context,
                                on_part=lambda i, _size, _h: uploads.append(pool.submit(upload, i)),
                                on_bytes=bar.update,
                                part_bytes=deltas_mod.DEFAULT_PART_BYTES if part_bytes is None else part_bytes)

@@ -77,3 +77,20 @@ def test_a_delta_spread_over_many_parts_reads_back_bit_exactly(tmp_path, monkeyp
         for k, t in expected.items():
             assert torch.equal(got[k].view(torch.int16), t.view(torch.int16)), (v, k)
     r.verify(2)
+
+
+def test_context_coding_off_writes_only_zstd_encodings_and_reads_back(tmp_path):
+    from delta.codec import EncodedTensor
+
+    url = str(tmp_path / "run")
+    w0 = {"w": (torch.randn(256, 256) * 0.02).to(torch.bfloat16)}
+    w1 = _step(w0, 3)
+    with Publisher(url, progress=False, context_coding=False) as pub:
+        pub.publish(w0, 0)
+        pub.publish(w1, 1)
+    r = SnapshotReader(url)
+    m = r.manifest(1)
+    e = m.tensors["w"]
+    blob = Store.from_url(url).get(m.objects[e.object].key, (e.offset, e.offset + e.length))
+    assert set(EncodedTensor.from_bytes(blob).encoding_counts()) <= {"sparse", "dense_xor", "raw"}
+    assert torch.equal(r.read_tensor(1, "w").view(torch.int16), w1["w"].view(torch.int16))
