@@ -185,7 +185,7 @@ def _mtime(info: dict[str, Any]) -> float | None:
     return None
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     """Make a rename/link durable; best effort where directories cannot be opened."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -339,7 +339,7 @@ class Store:
             else:
                 os.replace(tmp, path)
                 tmp = None
-            _fsync_dir(directory)
+            fsync_dir(directory)
         finally:
             if tmp is not None:
                 try:

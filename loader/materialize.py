@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from delta import dtypes
 from delta.manifest import Manifest, snapshot_name
+from delta.storage import fsync_dir
 
 if TYPE_CHECKING:
     from .reader import SnapshotReader
@@ -95,12 +96,12 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
             if rel.endswith(".safetensors") or rel == INDEX_NAME or rel.split("/")[0] in files:
                 continue
             _write_file(os.path.join(tmp, *rel.split("/")), reader.read_object(obj))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, out_dir)
         except OSError as e:
             raise FileExistsError(f"cannot materialize into {out_dir}: {e}") from e
-        _fsync_dir(parent)
+        fsync_dir(parent)
         log.info("materialized %s (%d tensors, %d bytes) into %s", snapshot_name(version), len(m.tensors), total,
                  out_dir)
         return out_dir
@@ -130,16 +131,3 @@ def _write_file(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
