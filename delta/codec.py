@@ -12,6 +12,7 @@ part that must run in the pause: a scatter of the changed elements.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -20,8 +21,9 @@ import torch
 import xxhash
 
 from . import chunks, dtypes, kernels
-from .errors import ChecksumError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError
-from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RAW, RecordHeader,
+from .errors import (ChecksumError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError,
+                     UnsupportedDtypeError)
+from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RAW, ChunkEntry, RecordHeader,
                      header_size_for, n_chunks_for, pack_header, parse_header)
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
@@ -29,18 +31,32 @@ DEFAULT_CHUNK_ELEMS = 1 << 20
 Array = "torch.Tensor | np.ndarray"
 
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_worker = threading.local()
+
+
+def _mark_worker() -> None:
+    _worker.in_pool = True
+
+
+def in_pool_worker() -> bool:
+    """True on a thread of the codec pool. Work fanned out from there must run inline:
+    waiting on tasks queued behind every busy worker (each waiting the same way) deadlocks the pool."""
+    return getattr(_worker, "in_pool", False)
 
 
 def _executor() -> ThreadPoolExecutor:
-    """One process-wide pool: kernels and zstd release the GIL, so chunks run on all cores."""
+    """One process-wide pool: kernels, zstd and xxhash release the GIL, so chunks run on all cores."""
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="ckptdelta-codec")
-    return _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="ckptdelta-codec",
+                                       initializer=_mark_worker)
+        return _pool
 
 
 def _map(fn, items: list, threads: int | None):
-    if len(items) <= 1 or threads == 1:
+    if len(items) <= 1 or threads == 1 or in_pool_worker():
         return [fn(x) for x in items]
     return list(_executor().map(fn, items))
 
@@ -108,40 +124,83 @@ def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: 
     record is self-contained (raw chunks). ``parent_digest``, when the caller
     already knows ``digest(old)`` (a publisher does: it recorded it last step),
     saves one pass over ``old``. ``context=False`` skips the context coder
-    (docs/FORMAT.md, encoding 4): larger deltas, faster encode and decode."""
-    dt = dtypes.of(new)
-    shape = tuple(int(s) for s in new.shape)
-    new_bits = dtypes.host_bits(new)
-    numel = new_bits.shape[0]
-    if numel > MAX_NUMEL:
-        raise FormatError(f"tensor {name!r}: {numel} elements exceed the format's limit of {MAX_NUMEL}")
-    old_bits = None
-    if old is not None:
-        if dtypes.of(old) != dt or tuple(old.shape) != shape:
-            raise ShapeMismatchError(
-                f"tensor {name!r}: cannot encode {dt.name}{list(shape)} against {dtypes.of(old).name}"
-                f"{list(old.shape)}; pass old=None to store it whole")
-        old_bits = dtypes.host_bits(old)
-    chunk_elems = max(1, min(MAX_CHUNK_ELEMS, max(chunk_elems, -(-numel // MAX_CHUNKS))))
-    if numel:
-        chunk_elems = min(chunk_elems, numel)
-    n_chunks = n_chunks_for(numel, chunk_elems)
+    (docs/FORMAT.md, encoding 4): larger deltas, faster encode and decode.
+    Many tensors: :func:`delta.encode_many` spreads them over the cores as well."""
+    job = _EncodeJob.prepare(old, new, name=name, chunk_elems=chunk_elems, level=level,
+                             parent_digest=parent_digest, context=context)
+    results = _map(job.chunk, list(range(job.n_chunks)), threads)
+    return job.assemble(results, job.digest(), job.parent_digest())
 
-    def one(i: int):
-        s, e = i * chunk_elems, min(numel, (i + 1) * chunk_elems)
-        return chunks.encode_chunk(None if old_bits is None else old_bits[s:e], new_bits[s:e], dt, level, context)
 
-    results = _map(one, list(range(n_chunks)), threads)
-    entries = tuple(r[0] for r in results)
-    header = RecordHeader(
-        name=name, dtype=dt, shape=shape, numel=numel, chunk_elems=chunk_elems,
-        digest=xxhash.xxh3_64_intdigest(new_bits),
-        parent_digest=0 if old_bits is None else (
-            parent_digest if parent_digest is not None else xxhash.xxh3_64_intdigest(old_bits)),
-        has_parent=old_bits is not None, chunks=entries,
-        header_size=header_size_for(len(shape), len(name.encode("utf-8")), n_chunks),
-    )
-    return EncodedTensor(header, [r[1] for r in results])
+@dataclass
+class _EncodeJob:
+    """One tensor's encode cut into independent tasks (each chunk, each digest), so that
+    :func:`encode` and :func:`delta.encode_many` schedule the same work and give the same bytes."""
+
+    name: str
+    dt: dtypes.DType
+    shape: tuple[int, ...]
+    numel: int
+    chunk_elems: int
+    n_chunks: int
+    level: int
+    context: bool
+    new_bits: np.ndarray = field(repr=False)
+    old_bits: np.ndarray | None = field(repr=False)
+    known_parent: int | None
+
+    @classmethod
+    def prepare(cls, old: Array | None, new: Array, *, name: str, chunk_elems: int, level: int,
+                parent_digest: int | None, context: bool) -> "_EncodeJob":
+        """Check the inputs and take their bits (a host copy only for device or strided tensors)."""
+        try:
+            dt = dtypes.of(new)
+        except UnsupportedDtypeError as e:
+            raise UnsupportedDtypeError(f"tensor {name!r}: {e}") from None
+        shape = tuple(int(s) for s in new.shape)
+        new_bits = dtypes.host_bits(new)
+        numel = new_bits.shape[0]
+        if numel > MAX_NUMEL:
+            raise FormatError(f"tensor {name!r}: {numel} elements exceed the format's limit of {MAX_NUMEL}")
+        old_bits = None
+        if old is not None:
+            if dtypes.of(old) != dt or tuple(old.shape) != shape:
+                raise ShapeMismatchError(
+                    f"tensor {name!r}: cannot encode {dt.name}{list(shape)} against {dtypes.of(old).name}"
+                    f"{list(old.shape)}; pass old=None to store it whole")
+            old_bits = dtypes.host_bits(old)
+        chunk_elems = max(1, min(MAX_CHUNK_ELEMS, max(chunk_elems, -(-numel // MAX_CHUNKS))))
+        if numel:
+            chunk_elems = min(chunk_elems, numel)
+        return cls(name, dt, shape, numel, chunk_elems, n_chunks_for(numel, chunk_elems), level, context,
+                   new_bits, old_bits, parent_digest)
+
+    @property
+    def hashes_parent(self) -> bool:
+        """Whether :meth:`parent_digest` reads ``old`` (a pass worth its own task)."""
+        return self.old_bits is not None and self.known_parent is None
+
+    def chunk(self, i: int) -> tuple[ChunkEntry, bytes]:
+        s, e = i * self.chunk_elems, min(self.numel, (i + 1) * self.chunk_elems)
+        old = None if self.old_bits is None else self.old_bits[s:e]
+        return chunks.encode_chunk(old, self.new_bits[s:e], self.dt, self.level, self.context)
+
+    def digest(self) -> int:
+        return xxhash.xxh3_64_intdigest(self.new_bits)
+
+    def parent_digest(self) -> int:
+        if self.old_bits is None:
+            return 0
+        return self.known_parent if self.known_parent is not None else xxhash.xxh3_64_intdigest(self.old_bits)
+
+    def assemble(self, results: list[tuple[ChunkEntry, bytes]], digest: int, parent_digest: int) -> EncodedTensor:
+        header = RecordHeader(
+            name=self.name, dtype=self.dt, shape=self.shape, numel=self.numel, chunk_elems=self.chunk_elems,
+            digest=digest, parent_digest=parent_digest, has_parent=self.old_bits is not None,
+            chunks=tuple(r[0] for r in results),
+            header_size=header_size_for(len(self.shape), len(self.name.encode("utf-8")), self.n_chunks),
+        )
+        return EncodedTensor(header, [r[1] for r in results])
 
 
 @dataclass
@@ -229,21 +288,26 @@ def _check_live(live, name: str, dt: dtypes.DType, shape: tuple[int, ...]) -> No
             f"the delta expects {dt.name}{list(shape)}")
 
 
+def _check_parent(h: RecordHeader, got: int) -> None:
+    if got != h.parent_digest:
+        raise ParentMismatchError(
+            f"tensor {h.name!r}: the delta was encoded against a tensor with digest "
+            f"{digest_hex(h.parent_digest)}, the live tensor has {digest_hex(got)} (wrong parent snapshot?)")
+
+
+def _decode_chunk(enc: EncodedTensor, bits: np.ndarray, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk ``i``'s changes against ``bits`` (the whole parent): chunk-local positions and new bits."""
+    h = enc.header
+    s, e = h.chunk_range(i)
+    return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"tensor {h.name!r} chunk {i}")
+
+
 def _decode_against(enc: EncodedTensor, bits: np.ndarray, verify: bool, threads: int | None):
     """Check ``bits`` is the record's parent (with ``verify``) and decode every chunk's changes against it."""
     h = enc.header
     if verify and h.has_parent:
-        got = xxhash.xxh3_64_intdigest(bits)
-        if got != h.parent_digest:
-            raise ParentMismatchError(
-                f"tensor {h.name!r}: the delta was encoded against a tensor with digest "
-                f"{digest_hex(h.parent_digest)}, the live tensor has {digest_hex(got)} (wrong parent snapshot?)")
-
-    def one(i: int):
-        s, e = h.chunk_range(i)
-        return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"tensor {h.name!r} chunk {i}")
-
-    return _map(one, list(range(len(h.chunks))), threads)
+        _check_parent(h, xxhash.xxh3_64_intdigest(bits))
+    return _map(lambda i: _decode_chunk(enc, bits, i), list(range(len(h.chunks))), threads)
 
 
 def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bool = True,
@@ -366,33 +430,69 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
     On contiguous host memory this verifies after writing instead of staging a
     checked copy first: the old bits of every changed element are kept, the result
     is hashed in place, and a mismatch puts the old bits back before raising. That
-    reads the tensor twice (parent digest, result digest) and copies nothing."""
+    reads the tensor twice (parent digest, result digest) and copies only the old
+    bits of what changes. Many tensors: :func:`delta.apply_many`."""
     enc = _as_encoded(enc)
     h = enc.header
-    in_place = isinstance(live, np.ndarray) or (
-        method == "auto" and live.device.type == "cpu" and live.is_contiguous())
-    if not in_place:
-        stage(live, enc, verify=verify, threads=threads).apply_(live, method=method)
-        return
-    _check_live(live, h.name, h.dtype, h.shape)
-    bits = dtypes.host_bits(live)
-    if not _shares(bits, live):
+    bits = _writable_bits(live, h, method)
+    if bits is None:
         stage(live, enc, verify=verify, threads=threads).apply_(live, method=method)
         return
     per_chunk = _decode_against(enc, bits, verify, threads)
-    saved = []
+    undo: list[_Undo] = []
     for i, (pos, vals) in enumerate(per_chunk):
-        if pos.shape[0]:
-            seg = bits[h.chunk_range(i)[0]:]
-            old_vals = np.empty_like(vals)
-            kernels.gather(seg, pos, old_vals)
-            kernels.scatter(seg, pos, vals)
-            saved.append((seg, pos, old_vals))
+        _write_chunk(bits, h, i, pos, vals, undo)
     if verify and xxhash.xxh3_64_intdigest(bits) != h.digest:
-        for seg, pos, old_vals in saved:
-            kernels.scatter(seg, pos, old_vals)
+        _restore(bits, undo)
         raise ChecksumError(f"tensor {h.name!r}: reconstructed bytes do not match the record's digest "
                             f"{digest_hex(h.digest)}; the live tensor was left unchanged")
+
+
+def _writable_bits(live, h: RecordHeader, method: str) -> np.ndarray | None:
+    """``live``'s bits as a writable view when a delta can be written into it directly, else None
+    (device or strided tensors, ``method="torch"``: those are staged, then applied)."""
+    in_place = isinstance(live, np.ndarray) or (
+        method == "auto" and live.device.type == "cpu" and live.is_contiguous())
+    if not in_place:
+        return None
+    _check_live(live, h.name, h.dtype, h.shape)
+    bits = dtypes.host_bits(live)
+    return bits if _shares(bits, live) else None
+
+
+#: What puts one chunk's old bits back: (start, chunk-local positions or None, old bits there or the whole chunk).
+_Undo = tuple[int, "np.ndarray | None", np.ndarray]
+
+
+def _write_chunk(bits: np.ndarray, h: RecordHeader, i: int, pos: np.ndarray, vals: np.ndarray,
+                 undo: list[_Undo]) -> None:
+    """Scatter chunk ``i``'s changes into ``bits``, first appending to ``undo`` what restores it.
+
+    The undo keeps the old bits of the changed elements at uint32 chunk-local
+    positions (chunks hold at most 2**24 elements), or a copy of the chunk where that
+    is smaller: never more than the chunk's own bytes, so a caller can hold the undo
+    of many tensors (delta.apply_many rolls a whole batch back with it)."""
+    k = pos.shape[0]
+    if not k:
+        return
+    s, e = h.chunk_range(i)
+    seg = bits[s:e]
+    w = h.dtype.itemsize
+    if k * (4 + w) >= (e - s) * w:
+        undo.append((s, None, seg.copy()))
+    else:
+        old_vals = np.empty_like(vals)
+        kernels.gather(seg, pos, old_vals)
+        undo.append((s, pos.astype(np.uint32), old_vals))
+    kernels.scatter(seg, pos, vals)
+
+
+def _restore(bits: np.ndarray, undo: list[_Undo]) -> None:
+    for s, pos, old in reversed(undo):
+        if pos is None:
+            bits[s: s + old.shape[0]] = old
+        else:
+            kernels.scatter(bits[s:], pos.astype(np.int64), old)
 
 
 def _shares(bits: np.ndarray, live) -> bool:

@@ -8,6 +8,7 @@ to those specials. Equality is equality of bits, never of values.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -287,6 +288,19 @@ def test_stage_full_rejects_bytes_that_do_not_match_the_manifest_digest():
     a, b = np.zeros(10, np.float32), np.ones(10, np.float32)
     with pytest.raises(ChecksumError, match="emb"):
         codec.stage_full(a, b, name="emb", expected_digest=codec.digest(b) ^ 1)
+
+
+@pytest.mark.parametrize("changed", [3, 40, 130])   # undo: old bits at positions, a chunk's copy, both
+def test_apply_whose_result_misses_the_digest_puts_every_old_bit_back(changed):
+    a = _bf16_weights(1000)
+    b = a.clone()
+    b.view(torch.int16)[:changed] ^= 0x15
+    enc = codec.encode(a, b, chunk_elems=100)
+    lying = codec.EncodedTensor(dataclasses.replace(enc.header, digest=enc.header.digest ^ 1), enc.payloads)
+    live = a.clone()
+    with pytest.raises(ChecksumError, match="left unchanged"):
+        codec.apply_(live, lying)
+    np.testing.assert_array_equal(bits_of(live), bits_of(a))
 
 
 def test_apply_to_read_only_array_raises_a_codec_error():
