@@ -4,9 +4,10 @@ Also home to what both sides of a run share: the manifest model and bucket layou
 (:mod:`delta.manifest`) and the storage interface (:mod:`delta.storage`).
 """
 
+from .batch import apply_many, encode_many
 from .codec import (EncodedTensor, StagedTensor, apply_, decode, digest, digest_hex, encode, stage,
                     stage_full)
 from .errors import CkptDeltaError, DeltaError
 
-__all__ = ["CkptDeltaError", "DeltaError", "EncodedTensor", "StagedTensor", "apply_", "decode", "digest",
-           "digest_hex", "encode", "stage", "stage_full"]
+__all__ = ["CkptDeltaError", "DeltaError", "EncodedTensor", "StagedTensor", "apply_", "apply_many", "decode",
+           "digest", "digest_hex", "encode", "encode_many", "stage", "stage_full"]

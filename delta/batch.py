@@ -1,0 +1,359 @@
+"""Encode or apply many tensors in one call, their chunks spread over the codec's threads.
+
+:func:`~delta.codec.encode` and :func:`~delta.codec.apply_` parallelise over the
+chunks of one tensor, and a model is mostly tensors of one to sixteen chunks
+(small models: one), so tensor by tensor a second core rarely has work. Here each
+chunk of each tensor, and each tensor's digests, is a task of its own on the shared
+pool: two small tensors run on two cores at once and a big one still spreads.
+
+Work runs at most a window of chunk tasks ahead of the caller, so memory stays
+bounded on a model of any size; results come back in input order, and each one is
+exactly what the one-tensor call gives. Kernels, zstd and xxhash release the GIL,
+which is why threads (not processes) scale here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from . import chunks, codec, dtypes
+from .codec import DEFAULT_CHUNK_ELEMS, EncodedTensor, StagedTensor
+from .errors import ChecksumError
+
+#: Chunk tasks in flight per thread, by default: enough that the pool keeps busy while the caller
+#: handles a result, few enough that lookahead memory stays a handful of chunks.
+WINDOW_PER_THREAD = 4
+
+
+class _Task:
+    """One unit of work and its outcome, for the caller to collect in its own order."""
+
+    __slots__ = ("fn", "value", "error", "done")
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.value, self.error, self.done = fn, None, None, threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever collects the result
+            self.error = e
+        finally:
+            self.fn = None
+            self.done.set()
+
+    def result(self) -> Any:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Runner:
+    """One batch call's tasks on the shared codec pool, at most ``threads`` at once, in submission order.
+
+    A few workers ("lanes") take this call's tasks from its own queue, one after the
+    other, so the pool stays busy while the caller is elsewhere and :meth:`close` can
+    drop what has not started. Runs everything inline with one thread, and on a thread
+    of the codec pool itself, where waiting on the pool could deadlock it."""
+
+    def __init__(self, threads: int | None):
+        self.threads = max(1, threads if threads is not None else (os.cpu_count() or 1))
+        self.inline = self.threads == 1 or codec.in_pool_worker()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._queue: deque[_Task] = deque()
+        self._lanes = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[[], Any]) -> _Task:
+        task = _Task(fn)
+        if self.inline:
+            task.run()
+            return task
+        with self._lock:
+            self._queue.append(task)
+            if self._lanes >= self.threads:
+                return task
+            self._lanes += 1
+        try:
+            codec._executor().submit(self._lane)
+        except RuntimeError:        # the interpreter is shutting down its pools: run the lane here
+            self._lane()
+        return task
+
+    def _lane(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._queue:
+                    self._lanes -= 1
+                    self._idle.notify_all()
+                    return
+                task = self._queue.popleft()
+            task.run()
+
+    def close(self) -> None:
+        """Drop the tasks not started and wait for those running: nothing of this call runs after it returns."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            while self._lanes:
+                self._idle.wait()
+
+
+def _name_it(e: BaseException, name: str | None, index: int) -> BaseException:
+    """Make sure an error says which tensor it is about (codec errors do; anything else gets a note)."""
+    if isinstance(e, Exception) and (name is None or repr(name) not in str(e)):
+        e.add_note(f"(while handling tensor {name!r}, item {index} of the batch)" if name is not None
+                   else f"(while handling item {index} of the batch)")
+    return e
+
+
+# --- encode ---------------------------------------------------------------------------
+
+
+class _Encoding:
+    """One tensor's encode in flight: its chunk tasks and digest tasks, or the error that stopped it."""
+
+    def __init__(self, runner: _Runner, index: int, item: tuple, level: int, context: bool, chunk_elems: int):
+        self.index, self.name, self.error = index, None, None
+        try:
+            name, old, new, *rest = item
+            if len(rest) > 1:
+                raise TypeError(f"encode_many items are (name, old, new[, parent_digest]), got {len(item)} fields")
+            self.name = name
+            job = codec._EncodeJob.prepare(old, new, name=name, chunk_elems=chunk_elems, level=level,
+                                           parent_digest=rest[0] if rest else None, context=context)
+        except Exception as e:
+            self.error, self.weight = e, 1
+            return
+        self.job, self.weight = job, max(1, job.n_chunks)
+        self.chunks = [runner.submit(partial(job.chunk, i)) for i in range(job.n_chunks)]
+        self.digest = runner.submit(job.digest)
+        self.parent = runner.submit(job.parent_digest) if job.hashes_parent else None
+
+    def result(self) -> EncodedTensor:
+        if self.error is not None:
+            raise _name_it(self.error, self.name, self.index)
+        try:
+            results = [t.result() for t in self.chunks]
+            parent = self.parent.result() if self.parent is not None else self.job.parent_digest()
+            return self.job.assemble(results, self.digest.result(), parent)
+        except Exception as e:
+            raise _name_it(e, self.name, self.index) from None
+
+
+def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: int = chunks.DEFAULT_LEVEL,
+                context: bool = True, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+                window: int | None = None) -> Iterator[EncodedTensor]:
+    """:func:`~delta.codec.encode` for every ``(name, old, new)`` (or ``(name, old, new, parent_digest)``)
+    of ``items``, lazily and in order, each record byte-identical to encode()'s.
+
+    ``threads``: tasks running at once (default: every core; 1 runs all inline, in
+    this thread). ``window``: chunk tasks admitted ahead of the record the caller is
+    waiting for (default ``4 * threads``; a tensor bigger than that is admitted alone),
+    so memory holds a few chunks' work, not the model's. ``items`` is read no further
+    ahead than that. An error (naming its tensor) comes out of the iteration after the
+    records before it; leaving the iteration early drops the work not yet started."""
+    runner = _Runner(threads)
+    window = _window(window, runner)
+    pending: deque[_Encoding] = deque()
+    admitted = index = 0
+    source: Iterator[tuple] | None = iter(items)
+    try:
+        while True:
+            while source is not None and (not pending or (not runner.inline and admitted < window)):
+                item = next(source, None)
+                if item is None:
+                    source = None
+                    break
+                job = _Encoding(runner, index, item, level, context, chunk_elems)
+                index += 1
+                pending.append(job)
+                admitted += job.weight
+                if job.error is not None:
+                    source = None           # nothing after a bad item: it is where the iteration stops
+            if not pending:
+                return
+            job = pending.popleft()
+            admitted -= job.weight
+            yield job.result()
+    finally:
+        runner.close()
+
+
+def _window(window: int | None, runner: _Runner) -> int:
+    if window is None:
+        return WINDOW_PER_THREAD * runner.threads
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    return window
+
+
+# --- apply ----------------------------------------------------------------------------
+
+
+class _Applying:
+    """One tensor's apply in flight: decoded against the live bits by tasks, then written by one more
+    task (scatter, result digest), keeping the old bits of what it changed for the batch's rollback."""
+
+    def __init__(self, runner: _Runner, index: int, item: tuple, verify: bool, method: str):
+        self.index, self.name, self.error, self.weight, self.undo = index, None, None, 1, []
+        self.staged: StagedTensor | None = None
+        self.write: _Task | None = None
+        self.verify, self.method = verify, method
+        try:
+            live, enc = item
+            enc = codec._as_encoded(enc)
+            h = enc.header
+            self.name, self.live, self.enc = h.name, live, enc
+            self.bits = codec._writable_bits(live, h, method)
+        except Exception as e:
+            self.error = e
+            return
+        if self.bits is None:      # device, strided or method="torch": stage, then apply as apply_() does
+            self.stage = runner.submit(partial(codec.stage, live, enc, verify=verify, threads=1))
+            return
+        self.weight = max(1, len(h.chunks))
+        self.parent = runner.submit(partial(xxhash.xxh3_64_intdigest, self.bits)) \
+            if verify and h.has_parent else None
+        self.chunks = [runner.submit(partial(codec._decode_chunk, enc, self.bits, i)) for i in range(len(h.chunks))]
+
+    def commit(self, runner: _Runner) -> None:
+        """Check what the tasks found; then start writing (in place) or apply the staged change (here)."""
+        try:
+            if self.error is not None:
+                raise self.error
+            if self.bits is None:
+                st = self.stage.result()
+                undo = _old_bits(self.live, st)
+                st.apply_(self.live, method=self.method)
+                self.staged = undo
+                return
+            h = self.enc.header
+            if self.parent is not None:
+                codec._check_parent(h, self.parent.result())
+            per_chunk = [t.result() for t in self.chunks]
+            self.chunks = None
+            self.write = runner.submit(partial(self._write, per_chunk))
+        except Exception as e:
+            raise _name_it(e, self.name, self.index) from None
+
+    def _write(self, per_chunk: list[tuple[np.ndarray, np.ndarray]]) -> int | None:
+        h = self.enc.header
+        for i, (pos, vals) in enumerate(per_chunk):
+            codec._write_chunk(self.bits, h, i, pos, vals, self.undo)
+            per_chunk[i] = None
+        return xxhash.xxh3_64_intdigest(self.bits) if self.verify else None
+
+    def settled(self) -> bool:
+        return self.write is None or self.write.done.is_set()
+
+    def verdict(self) -> None:
+        """Wait for the write; a result that does not hash to the record's digest is this tensor's error."""
+        if self.write is None:
+            return
+        try:
+            got = self.write.result()
+        except Exception as e:
+            raise _name_it(e, self.name, self.index) from None
+        h = self.enc.header
+        if self.verify and got != h.digest:
+            raise ChecksumError(f"tensor {h.name!r}: reconstructed bytes hash to {codec.digest_hex(got)}, the "
+                                f"record says {codec.digest_hex(h.digest)}; no tensor of the batch was changed")
+
+    def rollback(self) -> None:
+        if self.staged is not None:
+            self.staged.apply_(self.live, method=self.method)
+        elif self.undo:
+            codec._restore(self.bits, self.undo)
+
+
+def _old_bits(live: "torch.Tensor | np.ndarray", st: StagedTensor) -> StagedTensor | None:
+    """The change that puts back what applying ``st`` overwrites (read on the tensor's own device)."""
+    if st.dense is None and st.positions.shape[0] == 0:
+        return None
+    if isinstance(live, torch.Tensor) and live.device.type != "cpu" and st.dense is None:
+        ints = dtypes.torch_bits_view(live.detach().contiguous())
+        old = ints[torch.from_numpy(st.positions).to(live.device)].cpu().numpy().view(st.dtype.bits_dtype)
+        return StagedTensor(st.name, st.dtype, st.shape, st.parent_digest, st.digest, st.positions, old)
+    bits = dtypes.host_bits(live)
+    if st.dense is not None:          # the whole tensor (host_bits copied it already off contiguous host memory)
+        return StagedTensor(st.name, st.dtype, st.shape, st.parent_digest, st.digest, st.positions,
+                            st.values, bits.copy() if codec._shares(bits, live) else bits)
+    return StagedTensor(st.name, st.dtype, st.shape, st.parent_digest, st.digest, st.positions, bits[st.positions])
+
+
+def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bool = True,
+               method: str = "auto", window: int | None = None) -> None:
+    """:func:`~delta.codec.apply_` for every ``(live, enc)`` of ``items`` (``enc``: an
+    EncodedTensor or a record's bytes), all or nothing.
+
+    Each tensor is checked as apply_() checks it (parent digest, result digest). If
+    any tensor fails (corrupt record, wrong parent, shape mismatch), every tensor this
+    call already wrote gets its old bits back before the error (naming the tensor)
+    propagates. The rollback keeps the old bits of the changed elements, at most
+    about their count x (4 + itemsize) bytes and never more than the tensors' own.
+    ``threads`` and ``window`` as in :func:`encode_many`. The live tensors must not
+    share memory with one another (apply tied weights once)."""
+    runner = _Runner(threads)
+    window = _window(window, runner)
+    decoding: deque[_Applying] = deque()
+    writing: deque[_Applying] = deque()
+    written: list[_Applying] = []
+    admitted = index = 0
+    judging = False
+    source: Iterator[tuple] | None = iter(items)
+    try:
+        while True:
+            while source is not None and (not (decoding or writing)
+                                          or (not runner.inline and admitted < window)):
+                item = next(source, None)
+                if item is None:
+                    source = None
+                    break
+                job = _Applying(runner, index, item, verify, method)
+                index += 1
+                decoding.append(job)
+                admitted += job.weight
+                if job.error is not None:
+                    source = None
+            while writing and (writing[0].settled() or not decoding):
+                job = writing.popleft()
+                judging = True
+                job.verdict()
+                judging = False
+                admitted -= job.weight
+            if decoding:
+                job = decoding.popleft()
+                written.append(job)        # before it writes: a failure part-way is rolled back too
+                job.commit(runner)
+                writing.append(job)
+            elif not writing and source is None:
+                return
+    except BaseException as e:
+        err = e
+        if not judging and isinstance(e, Exception):
+            for job in writing:        # all before the failure: the first tensor to fail is the one to report
+                try:
+                    job.verdict()
+                except Exception as e2:
+                    err = e2
+                    break
+        runner.close()
+        for job in reversed(written):
+            job.rollback()
+        if err is e:
+            raise
+        raise err from None
+    finally:
+        runner.close()

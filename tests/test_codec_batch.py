@@ -1,0 +1,339 @@
+"""encode_many / apply_many: the one-tensor codec calls over many tensors at once.
+
+Whatever the threads and the window, encode_many gives encode()'s bytes in input
+order and apply_many gives apply_()'s bits; apply_many is all or nothing across
+its batch; leaving an encode_many early leaves no work behind; and codec calls
+made from the codec's own pool threads cannot deadlock it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from concurrent.futures import wait
+
+import numpy as np
+import pytest
+import torch
+
+import delta
+from delta import chunks, codec, dtypes
+from delta.errors import (ChecksumError, DeltaError, ParentMismatchError, ShapeMismatchError,
+                          UnsupportedDtypeError)
+
+# bf16 patterns a codec that is not bit-exact breaks: +-0.0, NaNs with payloads (quiet, signalling,
+# negative), +-inf, subnormals, the largest finite
+BF16_SPECIALS = np.array([0x0000, 0x8000, 0x7FC1, 0xFFC5, 0x7F81, 0xFF81, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x7F7F],
+                         dtype=np.uint16)
+
+
+def bf16_with_specials(shape: tuple[int, ...], seed: int, special_rate: float = 0.05) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    bits = (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
+    bits = bits.view(torch.int16).numpy().view(np.uint16).copy()
+    pick = rng.random(n) < special_rate
+    bits[pick] = BF16_SPECIALS[rng.integers(0, BF16_SPECIALS.shape[0], int(pick.sum()))]
+    return dtypes.from_bits(bits, dtypes.BY_NAME["BF16"], shape)
+
+
+def perturb(t, fraction: float, seed: int):
+    """``t`` with about ``fraction`` of its elements given other bits (near moves and jumps to specials);
+    a tensor for a tensor, an array for an array."""
+    g = np.random.default_rng(seed)
+    dt = dtypes.of(t)
+    bits = dtypes.host_bits(t).copy()
+    pick = g.random(bits.shape[0]) < fraction
+    k = int(pick.sum())
+    bits[pick] = bits[pick] ^ g.integers(1, 1 << min(8, 8 * dt.itemsize), k).astype(bits.dtype)
+    if dt.name == "BF16" and k:
+        jump = pick & (g.random(bits.shape[0]) < 0.1)
+        bits[jump] = BF16_SPECIALS[g.integers(0, BF16_SPECIALS.shape[0], int(jump.sum()))]
+    if isinstance(t, np.ndarray):
+        return bits.view(t.dtype).reshape(t.shape)
+    return dtypes.from_bits(bits, dt, tuple(t.shape))
+
+
+def same_bits(a, b) -> bool:
+    return dtypes.of(a) == dtypes.of(b) and tuple(a.shape) == tuple(b.shape) and \
+        np.array_equal(dtypes.host_bits(a), dtypes.host_bits(b))
+
+
+def mixed_items() -> list[tuple]:
+    """(name, old, new) of every kind a checkpoint holds, and some it rarely does."""
+    g = torch.Generator().manual_seed(7)
+    w = bf16_with_specials((96, 50), 1)
+    fp8 = torch.randn(777, generator=g).to(torch.float8_e4m3fn)
+    return [
+        ("bf16.sparse", w, perturb(w, 0.01, 2)),
+        ("bf16.dense", w, perturb(w, 0.9, 3)),
+        ("bf16.unchanged", w, w.clone()),
+        ("bf16.no_parent", None, bf16_with_specials((33, 7), 4)),
+        ("empty", torch.zeros(0, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.bfloat16)),
+        ("empty.3d", torch.zeros(3, 0, 2), torch.zeros(3, 0, 2)),
+        ("zero_d", torch.tensor(1.5), torch.tensor(-0.0)),
+        ("zero_d.unchanged", torch.tensor(7, dtype=torch.int64), torch.tensor(7, dtype=torch.int64)),
+        ("f32", torch.randn(1000, generator=g), perturb(torch.randn(1000, generator=g), 0.2, 5)),
+        ("fp8", fp8, perturb(fp8, 0.03, 8)),
+        ("i32.numpy", np.arange(500, dtype=np.int32), np.arange(500, dtype=np.int32) * 3),
+        ("bool", torch.rand(300, generator=g) < 0.5, torch.rand(300, generator=g) < 0.5),
+        ("transposed", w.t(), perturb(w, 0.05, 6).t()),
+        ("u8.single", torch.tensor([3], dtype=torch.uint8), torch.tensor([4], dtype=torch.uint8)),
+    ]
+
+
+# --- encode_many ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads,window", [(1, None), (2, None), (2, 1), (4, 3), (None, None)])
+def test_encode_many_gives_encode_bytes_in_input_order(threads, window):
+    items = mixed_items()
+    ce = 256       # several chunks per tensor
+    want = [codec.encode(o, n, name=k, chunk_elems=ce).to_bytes() for k, o, n in items]
+    got = [e.to_bytes() for e in delta.encode_many(iter(items), threads=threads, window=window, chunk_elems=ce)]
+    assert got == want
+    # the default chunk size (one chunk each), and the same records whatever the thread count
+    want = [codec.encode(o, n, name=k).to_bytes() for k, o, n in items]
+    assert [e.to_bytes() for e in delta.encode_many(items, threads=threads, window=window)] == want
+
+
+def test_encode_many_passes_level_context_and_a_known_parent_digest_through():
+    w = bf16_with_specials((4000,), 11)
+    items = [("a", w, perturb(w, 0.05, 12), codec.digest(w)), ("b", w, perturb(w, 0.3, 13))]
+    for kw in ({"level": 1, "context": False}, {"level": 9, "context": True}):
+        want = [codec.encode(o, n, name=k, chunk_elems=1000, parent_digest=(p[0] if p else None), **kw).to_bytes()
+                for k, o, n, *p in items]
+        got = [e.to_bytes() for e in delta.encode_many(items, threads=2, chunk_elems=1000, **kw)]
+        assert got == want
+    # a known parent digest is trusted, as encode() trusts it (the publisher recorded it)
+    (rec,) = delta.encode_many([("c", w, w.clone(), 1234)])
+    assert rec.header.parent_digest == 1234
+
+
+def test_threads_1_runs_every_task_in_the_calling_thread(monkeypatch):
+    seen = set()
+    real = chunks.encode_chunk
+
+    def recording(*a, **k):
+        seen.add(threading.get_ident())
+        return real(*a, **k)
+
+    monkeypatch.setattr(chunks, "encode_chunk", recording)
+    list(delta.encode_many(mixed_items(), threads=1, chunk_elems=100))
+    assert seen == {threading.get_ident()}
+
+
+def test_items_are_read_no_further_ahead_than_the_window():
+    pulled = []
+    w = bf16_with_specials((512,), 3)
+
+    def items():
+        for i in range(40):
+            pulled.append(i)
+            yield f"t{i}", w, perturb(w, 0.1, i)
+
+    out = delta.encode_many(items(), threads=2, window=3)
+    first = next(out)
+    assert first.name == "t0"
+    assert len(pulled) <= 3 + 1          # the window of one-chunk tensors, at most one more
+    assert [e.name for e in out] == [f"t{i}" for i in range(1, 40)]
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_leaving_encode_many_early_leaves_no_work_running(monkeypatch, how):
+    lock = threading.Lock()
+    count = {"started": 0, "running": 0}
+    real = chunks.encode_chunk
+
+    def counting(*a, **k):
+        with lock:
+            count["started"] += 1
+            count["running"] += 1
+        try:
+            return real(*a, **k)
+        finally:
+            with lock:
+                count["running"] -= 1
+
+    monkeypatch.setattr(chunks, "encode_chunk", counting)
+    w = bf16_with_specials((20_000,), 5)
+    items = [(f"t{i}", w, perturb(w, 0.05, i)) for i in range(50)]
+    out = delta.encode_many(items, threads=2, window=40, chunk_elems=5000)   # 4 chunks a tensor, 200 in all
+    next(out)                            # ten tensors admitted: the first done, the others queued or running
+    if how == "close":
+        out.close()
+    else:
+        del out                          # garbage: the generator is closed when the last reference goes
+    with lock:
+        after = dict(count)
+    assert after["running"] == 0         # nothing of the abandoned call is still running...
+    assert after["started"] < 200        # ...and what was not started never will be:
+    (one,) = delta.encode_many(items[:1], threads=2, chunk_elems=5000)
+    with lock:
+        assert count["started"] == after["started"] + 4   # the pool ran only this new call's 4 chunks
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_encode_error_names_the_tensor_after_the_records_before_it(threads):
+    w = bf16_with_specials((3000,), 9)
+    items = [("ok.0", w, perturb(w, 0.1, 1)), ("ok.1", None, w),
+             ("layers.2.wrong_shape", w, torch.zeros(2999, dtype=torch.bfloat16)), ("never", w, w)]
+    out = delta.encode_many(items, threads=threads, chunk_elems=1000)
+    assert [next(out).name, next(out).name] == ["ok.0", "ok.1"]
+    with pytest.raises(ShapeMismatchError, match="layers.2.wrong_shape"):
+        next(out)
+    with pytest.raises(StopIteration):
+        next(out)
+    bad_dtype = [("ok", w, w), ("layers.1.cplx", None, torch.zeros(4, dtype=torch.complex64))]
+    with pytest.raises(UnsupportedDtypeError, match="layers.1.cplx"):
+        list(delta.encode_many(bad_dtype, threads=threads))
+
+
+# --- apply_many ------------------------------------------------------------------------------
+
+def encoded_pairs(seed: int, n: int = 5, elems: int = 3000, as_numpy: bool = False) -> tuple[list, list, list]:
+    """Parents, targets and records of ``n`` bf16 tensors (NaN payloads, -0.0): sparse and dense changes.
+    ``as_numpy``: the same bits as uint16 arrays (numpy has no bfloat16)."""
+    olds = [bf16_with_specials((elems // 50, 50), seed + i) for i in range(n)]
+    if as_numpy:
+        olds = [dtypes.host_bits(o).reshape(o.shape).copy() for o in olds]
+    news = [perturb(o, 0.02 if i % 2 else 0.7, seed + 100 + i) for i, o in enumerate(olds)]
+    recs = [codec.encode(o, x, name=f"layers.{i}.w", chunk_elems=1000) for i, (o, x) in enumerate(zip(olds, news))]
+    return olds, news, recs
+
+
+@pytest.mark.parametrize("threads,window", [(1, None), (2, None), (2, 1), (None, 2)])
+def test_apply_many_gives_apply_bits_for_every_kind_of_tensor(threads, window):
+    items = [(k, o, n) for k, o, n in mixed_items() if o is not None or k == "bf16.no_parent"]
+    lives, recs, wants = [], [], []
+    for i, (k, o, n) in enumerate(items):
+        if o is None:   # a record without parent applies over a live tensor of the same dtype and shape
+            o = perturb(n, 0.5, 99)
+        rec = codec.encode(o, n, name=k, chunk_elems=256)
+        live = o.copy() if isinstance(o, np.ndarray) else o.clone()   # clone() keeps a transposed layout
+        lives.append(live)
+        recs.append(rec.to_bytes() if i % 2 else rec)                 # bytes and EncodedTensor alike
+        wants.append(n)
+    delta.apply_many(zip(lives, recs), threads=threads, window=window)
+    for (k, _o, _n), live, want in zip(items, lives, wants):
+        assert same_bits(live, want), k
+
+
+@pytest.mark.parametrize("method", ["auto", "torch"])
+def test_apply_many_on_strided_and_torch_method_tensors_is_bit_exact(method):
+    olds, news, recs = encoded_pairs(20)
+    lives = [o.t().contiguous().t() if i % 2 else o.clone() for i, o in enumerate(olds)]   # column-major views
+    assert not lives[1].is_contiguous()
+    delta.apply_many(zip(lives, recs), threads=2, method=method)
+    assert all(same_bits(lv, n) for lv, n in zip(lives, news))
+
+
+def _corrupt_payload(rec) -> bytes:
+    data = bytearray(rec.to_bytes())
+    data[rec.header.header_size + 5] ^= 0x40
+    return bytes(data)
+
+
+def _wrong_result_digest(rec):
+    return codec.EncodedTensor(dataclasses.replace(rec.header, digest=rec.header.digest ^ 1), rec.payloads)
+
+
+def _failures(olds, news, recs):
+    """Ways the third record of a batch can fail, each with the error it must raise."""
+    other = perturb(olds[2], 0.01, 77)
+    return {
+        "corrupt payload": (lambda: _corrupt_payload(recs[2]), ChecksumError),
+        "wrong parent": (lambda: codec.encode(other, news[2], name="layers.2.w"), ParentMismatchError),
+        "shape mismatch": (lambda: codec.encode(olds[2][:-1], news[2][:-1], name="layers.2.w"),
+                           ShapeMismatchError),
+        # only visible once written: the result does not hash to the record's digest
+        "result digest": (lambda: _wrong_result_digest(recs[2]), ChecksumError),
+    }
+
+
+@pytest.mark.parametrize("failure", ["corrupt payload", "wrong parent", "shape mismatch", "result digest"])
+@pytest.mark.parametrize("threads,window,layout", [(1, None, "contiguous"), (2, None, "contiguous"),
+                                                   (2, 1, "contiguous"), (2, None, "strided"),
+                                                   (1, None, "numpy")])
+def test_apply_many_is_all_or_nothing_when_the_third_of_five_fails(failure, threads, window, layout):
+    olds, news, recs = encoded_pairs(30, as_numpy=layout == "numpy")
+    make_bad, error = _failures(olds, news, recs)[failure]
+    if layout == "strided":
+        lives = [o.t().contiguous().t() for o in olds]     # column-major: staged, then applied
+    else:
+        lives = [o.copy() if layout == "numpy" else o.clone() for o in olds]
+    before = [dtypes.host_bits(lv).copy() for lv in lives]
+    batch = list(recs)
+    batch[2] = make_bad()
+    with pytest.raises(error, match=r"layers\.2\.w"):
+        delta.apply_many(zip(lives, batch), threads=threads, window=window)
+    for i, (lv, b) in enumerate(zip(lives, before)):
+        assert np.array_equal(dtypes.host_bits(lv), b), f"tensor {i} changed"
+    # the same batch without the bad record applies
+    delta.apply_many(zip(lives, recs), threads=threads, window=window)
+    want = [dtypes.host_bits(n) for n in news]
+    assert all(np.array_equal(dtypes.host_bits(lv), w) for lv, w in zip(lives, want))
+
+
+def test_apply_many_reports_the_first_failing_tensor_in_input_order():
+    """A big tensor that fails only once written, then one that fails at once: the big one is reported."""
+    olds, news, recs = encoded_pairs(40, n=5)
+    big = bf16_with_specials((2048, 1024), 41)
+    big_new = perturb(big, 0.7, 42)
+    olds[1], news[1] = big, big_new
+    recs[1] = codec.encode(big, big_new, name="layers.1.w", chunk_elems=1 << 19)
+    batch = list(recs)
+    batch[1] = _wrong_result_digest(recs[1])        # fails only after it is written
+    batch[2] = _corrupt_payload(recs[2])            # fails before anything of it is decoded
+    for threads in (1, 2):
+        lives = [o.clone() for o in olds]
+        with pytest.raises(ChecksumError, match=r"layers\.1\.w"):
+            delta.apply_many(zip(lives, batch), threads=threads, window=64)
+        assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
+
+
+def test_apply_many_rolls_back_when_the_items_themselves_fail():
+    olds, news, recs = encoded_pairs(50)
+    lives = [o.clone() for o in olds]
+
+    def items():
+        yield from zip(lives[:3], recs[:3])
+        raise OSError("the store went away")
+
+    with pytest.raises(OSError, match="went away"):
+        delta.apply_many(items(), threads=1)
+    assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
+
+
+# --- nesting -----------------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_codec_calls_from_inside_the_codec_pool_cannot_deadlock_it():
+    """Every pool worker busy with a call that fans out again: inline there, or all would wait forever."""
+    olds, news, recs = encoded_pairs(60, n=3, elems=6000)
+
+    def nested(k: int) -> bool:
+        got = codec.encode(olds[0], news[0], name="layers.0.w", chunk_elems=1000)      # _map, 6 chunks
+        many = [e.to_bytes() for e in delta.encode_many(zip(["a", "b", "c"], olds, news), threads=2,
+                                                          chunk_elems=1000)]
+        lives = [o.clone() for o in olds]
+        delta.apply_many(zip(lives, recs), threads=2)
+        one = olds[1].clone()
+        codec.apply_(one, recs[1])
+        return (got.to_bytes() == recs[0].to_bytes() and len(many) == 3
+                and all(same_bits(lv, n) for lv, n in zip(lives, news)) and same_bits(one, news[1]))
+
+    pool = codec._executor()
+    futures = [pool.submit(nested, k) for k in range(2 * (os.cpu_count() or 1))]
+    done, not_done = wait(futures, timeout=240)
+    assert not not_done, "codec pool deadlocked"
+    assert all(f.result() for f in done)
+    assert not codec.in_pool_worker()        # the caller's thread is no pool thread
+
+
+def test_records_are_errors_of_the_codec_hierarchy():
+    olds, news, recs = encoded_pairs(70, n=2)
+    lives = [o.clone() for o in olds]
+    with pytest.raises(DeltaError, match="layers.1.w"):
+        delta.apply_many(zip(lives, [recs[0], _corrupt_payload(recs[1])]))
+    assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
