@@ -1,18 +1,21 @@
 """Deltas: every tensor encoded against the previous published snapshot, into objects per rank.
 
-Records are streamed into local part files (hashed as they are written). When a
-part passes ``part_bytes`` it is closed and handed to ``on_part``, which uploads
-it in the background while the next tensors are encoded: encoding overlaps the
-upload of what came before, and a rank's delta of any size never waits for one
-long upload at the end. A tensor whose bits equal its parent's gets no record at
-all, only a manifest entry with ``object: null``; a delta where nothing changed
-writes no object.
+Tensors are encoded by :func:`delta.encode_many`: small tensors encode side by side
+on every core, a little ahead of the record being written, and records still come
+out in the snapshot's order. Records are streamed into local part files (hashed as
+they are written). When a part passes ``part_bytes`` it is closed and handed to
+``on_part``, which uploads it in the background while the next tensors are encoded:
+encoding overlaps the upload of what came before, and a rank's delta of any size
+never waits for one long upload at the end. A tensor whose bits equal its parent's
+gets no record at all, only a manifest entry with ``object: null``; a delta where
+nothing changed writes no object.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -20,6 +23,7 @@ import torch
 import xxhash
 
 from delta import codec
+from delta.batch import encode_many
 from delta.container import ObjectWriter
 from delta.manifest import TensorEntry
 from delta.record import UNCHANGED
@@ -85,25 +89,27 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
             on_part(len(part.objects) - 1, out.size, out.hexdigest())
         f = out = writer = None
 
-    for name, new in snapshot.items():
-        enc = codec.encode(parent[name], new, name=name, level=level, context=context)
-        h = enc.header
-        dtype, shape = h.dtype.name, tuple(h.shape)
-        if all(c.encoding == UNCHANGED for c in h.chunks):
-            part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), None)
-        else:
-            if writer is None:
-                f = open_part(len(part.objects))
-                out = HashingWriter(f)
-                writer = ObjectWriter(out)
-            offset, length = writer.add(name, enc.to_bytes())
-            part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), len(part.objects),
-                                             offset, length)
-            part.changed.append(name)
-            if out.size >= part_bytes:
-                close_current()
-        if on_bytes is not None:
-            on_bytes(h.numel * h.dtype.itemsize)
+    records = encode_many(((name, parent[name], new) for name, new in snapshot.items()), level=level,
+                          context=context)
+    with closing(records):          # on an error here, the encoding work still queued is dropped
+        for enc in records:
+            h = enc.header
+            name, dtype, shape = h.name, h.dtype.name, tuple(h.shape)
+            if all(c.encoding == UNCHANGED for c in h.chunks):
+                part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), None)
+            else:
+                if writer is None:
+                    f = open_part(len(part.objects))
+                    out = HashingWriter(f)
+                    writer = ObjectWriter(out)
+                offset, length = writer.add(name, enc.to_bytes())
+                part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), len(part.objects),
+                                                 offset, length)
+                part.changed.append(name)
+                if out.size >= part_bytes:
+                    close_current()
+            if on_bytes is not None:
+                on_bytes(h.numel * h.dtype.itemsize)
     if writer is not None:
         close_current()
     part.encode_s = time.perf_counter() - t0

@@ -7,6 +7,7 @@ import threading
 import time
 
 import torch
+import xxhash
 
 import publisher.deltas as deltas
 from delta.storage import Store
@@ -28,15 +29,16 @@ def _step(w: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
 def test_a_finished_part_uploads_while_later_tensors_are_still_encoding(tmp_path, monkeypatch):
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
-    real_encode = deltas.codec.encode
+    real_encode_many = deltas.encode_many
 
-    def slow_encode(*a, **k):
-        with lock:
-            events.append(("encode", k["name"]))
-        time.sleep(0.05)
-        return real_encode(*a, **k)
+    def slow_encode_many(*a, **k):
+        for enc in real_encode_many(*a, **k):
+            with lock:
+                events.append(("encode", enc.name))
+            time.sleep(0.05)
+            yield enc
 
-    monkeypatch.setattr(deltas.codec, "encode", slow_encode)
+    monkeypatch.setattr(deltas, "encode_many", slow_encode_many)
     store = Store.from_url(str(tmp_path / "run"))
     real_put = store.put_file
 
@@ -94,3 +96,32 @@ def test_context_coding_off_writes_only_zstd_encodings_and_reads_back(tmp_path):
     blob = Store.from_url(url).get(m.objects[e.object].key, (e.offset, e.offset + e.length))
     assert set(EncodedTensor.from_bytes(blob).encoding_counts()) <= {"sparse", "dense_xor", "raw"}
     assert torch.equal(r.read_tensor(1, "w").view(torch.int16), w1["w"].view(torch.int16))
+
+
+def test_write_delta_writes_encode_records_in_snapshot_order_across_parts(tmp_path):
+    """Tensors encode in parallel, yet each record is encode()'s bytes and parts fill in the snapshot's order."""
+    from delta import codec
+    from delta.container import read_index
+
+    old = _weights(0, n=12)
+    new = _step(old, 1)
+    new["layer4.w"] = old["layer4.w"].clone()                     # unchanged: an entry, no record
+    seen = []
+    part = deltas.write_delta(lambda i: open(tmp_path / f"part{i}", "wb"), old, new, level=3, part_bytes=12_000,
+                              on_bytes=seen.append)
+    assert list(part.entries) == list(new)
+    assert part.changed == [k for k in new if k != "layer4.w"] and part.entries["layer4.w"].object is None
+    assert seen == [t.numel() * t.element_size() for t in new.values()]
+    objects = [part.entries[k].object for k in part.changed]
+    assert objects == sorted(objects) and len(part.objects) == objects[-1] + 1 > 1
+    for i, (size, xxh3) in enumerate(part.objects):
+        data = (tmp_path / f"part{i}").read_bytes()
+        assert len(data) == size and f"{xxhash.xxh3_64_intdigest(data):016x}" == xxh3
+        mine = [k for k in part.changed if part.entries[k].object == i]
+        assert sorted(read_index(data, size)) == sorted(mine)
+        offsets = [part.entries[k].offset for k in mine]
+        assert offsets == sorted(offsets)                         # records in snapshot order within a part
+    for k in part.changed:
+        e = part.entries[k]
+        record = (tmp_path / f"part{e.object}").read_bytes()[e.offset: e.offset + e.length]
+        assert record == codec.encode(old[k], new[k], name=k, level=3).to_bytes(), k
