@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from delta import codec, dtypes
+from delta.batch import apply_many
 from delta.codec import EncodedTensor
 from delta.errors import ChecksumError, ManifestError, SnapshotNotFoundError
 from delta.manifest import Manifest, TensorEntry
@@ -86,14 +87,16 @@ def _apply_delta(store: Store, m: Manifest, tensors: dict[str, torch.Tensor]) ->
         if n not in m.tensors:
             raise ManifestError(f"{m.where()}: tensor {n!r} of its parent is missing (a delta cannot drop tensors)")
     datas = store.get_many([(m.objects[_obj(m, n, e)].key, (e.offset, e.offset + e.length)) for n, e in todo])
+    in_place = []
     for (n, e), data in zip(todo, datas):
         what = f"{m.where()} tensor {n!r}"
         _check_record_size(e, len(data), what)
         enc = EncodedTensor.from_bytes(data, what=what)
-        if not enc.header.has_parent:
+        if not enc.header.has_parent:       # stored whole (its shape or dtype may have changed)
             tensors[n] = codec.decode(None, enc)
         else:
-            codec.apply_(tensors[n], enc)
+            in_place.append((tensors[n], enc))
+    apply_many(in_place)                    # every tensor of the delta at once, on every core
 
 
 def _check_record_size(e: TensorEntry, got: int, what: str) -> None:
