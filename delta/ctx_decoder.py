@@ -28,62 +28,98 @@ _SPECIAL = -(1 << 62)   # countdowns of classes coded by their unchanged element
 _BIG_SPECIAL = 1 << 40
 
 
-_PAD = 64   # zero bytes after a copied stream: with bp <= len + 8 checked once per element or
-            # change (at most 5 refills of 8 bytes between checks), refills stay inside the copy
+_PAD_WORDS = 8   # zero words after a copied stream: with the bit position checked against the
+                 # stream's end + 64 once per element or change, and at most five codes of
+                 # <= 64 bits read between checks (longer unary runs check every word), every
+                 # read stays inside the copy
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _refill(buf, acc, nacc, bp):
-    """Top up the bit buffer to at least 33 bits, four bytes at a time."""
-    if nacc <= 32:
-        x = ((U64(buf[bp]) << U64(24)) | (U64(buf[bp + 1]) << U64(16))
-             | (U64(buf[bp + 2]) << U64(8)) | U64(buf[bp + 3]))
-        acc |= x << U64(32 - nacc)
-        nacc += 32
-        bp += 4
-    return acc, nacc, bp
+def _peek(w, bp):
+    """The 64 bits at bit position ``bp`` of the stream held as big-endian words ``w``."""
+    k = bp >> 6
+    s = U64(bp & 63)
+    return (w[k] << s) | ((w[k + 1] >> U64(1)) >> (U64(63) - s))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _get_golomb(buf, acc, nacc, bp, m, b, cut, qmax, vmax):
-    """One Golomb code; returns (value, or -1 when over ``vmax``, acc, nacc, bp).
+def _get_golomb(w, bp, m, b, cut, qmax, vmax, end):
+    """One Golomb code at bit ``bp``; returns (value, or -1 when over ``vmax``, next bp).
     ``qmax`` = vmax div m (precomputed: no division here).
 
-    ``buf`` holds the stream plus _PAD zero bytes and the caller stops once ``bp`` passes
-    the stream's end by 8, so the reads here stay inside ``buf``: past the stream the
-    bits are zeros, which end a unary run."""
-    q = 0
-    while True:
-        acc, nacc, bp = _refill(buf, acc, nacc, bp)
-        inv = ~acc
-        ones = 64 if inv == U64(0) else np.int64(leading_zeros(inv))
-        if ones < nacc:
-            q += ones
-            acc = (acc << U64(ones)) << U64(1)
-            nacc -= ones + 1
-            break
-        # all buffered bits are ones: only inside the stream (its padding is zeros)
-        q += nacc
-        acc = U64(0)
-        nacc = 0
-        if q > qmax or bp >= buf.shape[0] - 8:
-            return -1, acc, nacc, bp
+    No bit buffer to refill: each read takes the 64 bits at ``bp`` from two words, so a
+    code is one dependent chain (load, count ones, add). Past the stream the words are
+    zeros, which end a unary run; a run of 64 ones or more is counted a word at a
+    time, and stops once past ``end`` (bits)."""
+    x = _peek(w, bp)
+    inv = ~x
+    if inv == U64(0):
+        q = 0
+        while True:                      # a long unary run: only valid for huge gaps
+            q += 64
+            bp += 64
+            if q > qmax or bp > end:
+                return -1, bp
+            x = _peek(w, bp)
+            inv = ~x
+            if inv != U64(0):
+                break
+        o = np.int64(leading_zeros(inv))
+        q += o
+        bp += o + 1
+        x = _peek(w, bp)
+    else:
+        q = np.int64(leading_zeros(inv))
+        if q >= 40:                      # the remainder may not fit after the run
+            bp += q + 1
+            x = _peek(w, bp)
+        else:
+            bp += q + 1
+            x = (x << U64(q)) << U64(1)
     if q > qmax:
-        return -1, acc, nacc, bp
-    r = 0
-    if b > 0:
-        acc, nacc, bp = _refill(buf, acc, nacc, bp)
-        peek = np.int64(acc >> U64(64 - b))       # b bits; the first b - 1 are x
-        x = peek >> 1
-        longer = np.int64(x >= cut)                # branch-free: this bit is a coin toss
-        r = x + longer * (peek - cut - x)
-        used = b - 1 + longer
-        acc = acc << U64(used)
-        nacc -= used
+        return -1, bp
+    # b <= 24 bits of remainder at the top of x; the first b - 1 are y. b = 0 (m = 1) falls
+    # out of the same arithmetic: cut = 0, peek = 0, r = 0, used = 0.
+    peek = np.int64((x >> U64(1)) >> U64(63 - b))
+    y = peek >> 1
+    longer = np.int64(y >= cut)          # branch-free: this bit is a coin toss
+    r = y + longer * (peek - cut - y)
+    bp += b - 1 + longer
     v = q * m + r
     if v > vmax:
-        return -1, acc, nacc, bp
-    return v, acc, nacc, bp
+        return -1, bp
+    return v, bp
+
+
+@njit(cache=True, nogil=True)
+def _words(payload, start, stop):
+    """The stream payload[start:stop] as big-endian 64-bit words, then _PAD_WORDS zero words."""
+    L = stop - start
+    nw = (L + 7) // 8 + _PAD_WORDS
+    out = np.zeros(nw, np.uint64)
+    for k in range(L // 8):
+        o = start + 8 * k
+        out[k] = ((U64(payload[o]) << U64(56)) | (U64(payload[o + 1]) << U64(48))
+                  | (U64(payload[o + 2]) << U64(40)) | (U64(payload[o + 3]) << U64(32))
+                  | (U64(payload[o + 4]) << U64(24)) | (U64(payload[o + 5]) << U64(16))
+                  | (U64(payload[o + 6]) << U64(8)) | U64(payload[o + 7]))
+    k = L // 8
+    for i in range(8 * k, L):
+        out[k] |= U64(payload[start + i]) << U64(56 - 8 * (i - 8 * k))
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _stream_end_ok(w, bp, L):
+    """0 when the stream was read to its last byte, not beyond, and its padding bits are zero."""
+    if bp > 8 * L:
+        return 10
+    if (bp + 7) // 8 != L:
+        return 11
+    k = 8 * L - bp            # padding bits, < 8
+    if k > 0 and (_peek(w, bp) >> U64(64 - k)) != U64(0):
+        return 11
+    return 0
 
 
 @njit(cache=True, nogil=True)
@@ -98,27 +134,6 @@ def _parse_param(byte):
     if j > MAX_J:
         return -1, 0, 0
     return GOLOMB, v & 1, j
-
-
-@njit(cache=True, nogil=True)
-def _padded(payload, start, stop):
-    out = np.zeros(stop - start + _PAD, np.uint8)
-    out[:stop - start] = payload[start:stop]
-    return out
-
-
-@njit(cache=True, nogil=True)
-def _stream_end_ok(acc, nacc, bp, L):
-    """0 when the stream was read to its last byte, not beyond, and its padding bits are zero."""
-    used = 8 * bp - nacc
-    if used > 8 * L:
-        return 10
-    if (used + 7) // 8 != L:
-        return 11
-    k = 8 * L - used          # padding bits: the next k bits held in acc (bp >= L here)
-    if k > 0 and (acc >> U64(64 - k)) != U64(0):
-        return 11
-    return 0
 
 
 @njit(cache=True, nogil=True)
@@ -182,17 +197,15 @@ def _parse_table(payload, C):
 
 
 @njit(cache=True, nogil=True)
-def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_pos, ccls):
-    """The position stream (``buf``: its P bytes then _PAD zeros): changed positions and
+def _decode_positions(w, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_pos, ccls):
+    """The position stream (``w``: its P bytes as words, then zero words): changed positions and
     their classes into ``out_pos``/``ccls``. Returns 0 or an error code."""
     n = old.shape[0]
     C = pmode.shape[0]
     cmask = C - 1
     pm, pb, pc, _ = class_params(pj)
     pq = n // pm          # the longest unary run a valid gap can have
-    lim = P + 8
-    acc = U64(0)
-    nacc = 0
+    lim = 8 * P + 64        # bits
     bp = 0
     # cd[c] >= 0: a class coded by its changes (or NONE: _BIG), cd[c] elements of it before
     # its next event; every element decrements it and the event is where it goes negative.
@@ -201,7 +214,7 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
     cd = np.full(C, _BIG, np.int64)
     for c in range(lo, hi + 1):
         if pmode[c] == GOLOMB:
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
+            g, bp = _get_golomb(w, bp, pm[c], pb[c], pc[c], pq[c], n, lim)
             if g < 0:
                 return 5
             if bp > lim:
@@ -217,14 +230,14 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
         if r >= 0:
             continue
         if r == -1:                      # an event of a class coded by its changes
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
+            g, bp = _get_golomb(w, bp, pm[c], pb[c], pc[c], pq[c], n, lim)
             if g < 0:
                 return 5
             if bp > lim:
                 return 10
             cd[c] = g
         elif r - _SPECIAL == -1:         # an event of a class coded by its unchanged elements
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, pm[c], pb[c], pc[c], pq[c], n)
+            g, bp = _get_golomb(w, bp, pm[c], pb[c], pc[c], pq[c], n, lim)
             if g < 0:
                 return 5
             if bp > lim:
@@ -241,12 +254,12 @@ def _decode_positions(buf, P, old, count, mbits, lo, hi, pmode, ppol, pj, out_po
     for c in range(lo, hi + 1):
         if pmode[c] == GOLOMB and cd[c] != (0 if ppol[c] == 0 else _SPECIAL):
             return 8
-    return _stream_end_ok(acc, nacc, bp, P)
+    return _stream_end_ok(w, bp, P)
 
 
 @njit(cache=True, nogil=True)
-def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos, ccls, out_val):
-    """The step stream (``buf``: its S bytes then _PAD zeros): the new bits of every
+def _decode_steps(w, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos, ccls, out_val):
+    """The step stream (``w``: its S bytes as words, then zero words): the new bits of every
     change into ``out_val``. Returns 0 or an error code."""
     count = out_pos.shape[0]
     C = zmode.shape[0]
@@ -257,15 +270,13 @@ def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos,
     vm, vb, vc, _ = class_params(vj)
     zq = count // zm
     vq = vmax // vm
-    lim = S + 8
-    acc = U64(0)
-    nacc = 0
+    lim = 8 * S + 64        # bits
     bp = 0
     zcd = np.full(C, _BIG, np.int64)    # as cd in _decode_positions, over the changes
     big_if_quiet = np.zeros(C, np.uint8)
     for c in range(lo, hi + 1):
         if zmode[c] == GOLOMB:
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], zq[c], count)
+            g, bp = _get_golomb(w, bp, zm[c], zb[c], zc[c], zq[c], count, lim)
             if g < 0:
                 return 5
             if bp > lim:
@@ -276,23 +287,21 @@ def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos,
             big_if_quiet[c] = 1
     for t in range(count):
         c = np.int64(ccls[t])
-        acc, nacc, bp = _refill(buf, acc, nacc, bp)
-        s = np.int64(acc >> U64(63))
-        acc = acc << U64(1)
-        nacc -= 1
+        s = np.int64(_peek(w, bp) >> U64(63))
+        bp += 1
         r = zcd[c]
         if r != 0:
             zcd[c] = r - 1
             big = big_if_quiet[c] == 1
         else:
-            g, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, zm[c], zb[c], zc[c], zq[c], count)
+            g, bp = _get_golomb(w, bp, zm[c], zb[c], zc[c], zq[c], count, lim)
             if g < 0:
                 return 5
             zcd[c] = g
             big = big_if_quiet[c] == 0
         a = 0
         if big:
-            v, acc, nacc, bp = _get_golomb(buf, acc, nacc, bp, vm[c], vb[c], vc[c], vq[c], vmax)
+            v, bp = _get_golomb(w, bp, vm[c], vb[c], vc[c], vq[c], vmax, lim)
             if v < 0:
                 return 5
             a = v + 1
@@ -310,7 +319,7 @@ def _decode_steps(buf, S, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos,
     for c in range(lo, hi + 1):
         if zmode[c] == GOLOMB and zcd[c] != 0:
             return 9
-    return _stream_end_ok(acc, nacc, bp, S)
+    return _stream_end_ok(w, bp, S)
 
 
 @njit(cache=True, nogil=True)
@@ -324,10 +333,10 @@ def ctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
     if err:
         return err
     ccls = np.empty(count, np.uint16)
-    err = _decode_positions(_padded(payload, q, q + P), P, old, count, mbits, lo, hi,
+    err = _decode_positions(_words(payload, q, q + P), P, old, count, mbits, lo, hi,
                             pmode, ppol, pj, out_pos, ccls)
     if err:
         return err
     L = payload.shape[0]
-    return _decode_steps(_padded(payload, q + P, L), L - q - P, old, width_bits, lo, hi,
+    return _decode_steps(_words(payload, q + P, L), L - q - P, old, width_bits, lo, hi,
                          zmode, zpol, zj, vj, out_pos, ccls, out_val)

@@ -56,48 +56,47 @@ def _j_for_p(p):
 
 # --------------------------------------------------------------------------- bit writer
 
-_SLACK = 8  # spare bytes after the encoder's output: _put stores seven bytes whatever it appends
+@njit(cache=True, nogil=True, inline="always")
+def _put(w, acc, nb, k, val, n):
+    """Append the ``n`` (1..32) low bits of ``val``, most significant first, to the stream of
+    32-bit words ``w``. ``acc`` holds ``nb`` < 32 pending bits, left-aligned. Branch-free:
+    the top word is stored every time and ``k`` moves on once it is complete (one store
+    per code where a byte writer needs several); bits left over past a completed word
+    stay in ``acc`` until the next call, or the caller's final store."""
+    acc |= U64(val) << U64(64 - nb - n)
+    nb += n
+    w[k] = np.uint32(acc >> U64(32))
+    full = np.int64(nb >= 32)
+    k += full
+    acc = acc << U64(32 * full)
+    nb -= 32 * full
+    return acc, nb, k
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put(out, acc, nb, pos, val, k):
-    """Append the ``k`` (<= 56) low bits of ``val``, most significant first. ``acc`` holds
-    ``nb`` < 8 pending bits. Branch-free: seven bytes are always stored and the complete
-    ones kept (callers append at most 49 bits; ``out`` has _SLACK spare bytes at its end)."""
-    acc = (acc << U64(k)) | U64(val)
-    nb += k
-    top = (acc << U64(63 - nb)) << U64(1)      # the nb pending bits, left-aligned
-    out[pos] = np.uint8(top >> U64(56))
-    out[pos + 1] = np.uint8((top >> U64(48)) & U64(0xFF))
-    out[pos + 2] = np.uint8((top >> U64(40)) & U64(0xFF))
-    out[pos + 3] = np.uint8((top >> U64(32)) & U64(0xFF))
-    out[pos + 4] = np.uint8((top >> U64(24)) & U64(0xFF))
-    out[pos + 5] = np.uint8((top >> U64(16)) & U64(0xFF))
-    out[pos + 6] = np.uint8((top >> U64(8)) & U64(0xFF))
-    pos += nb >> 3
-    nb &= 7
-    return acc, nb, pos
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _flush(out, acc, nb, pos):
-    """Complete the last byte with zero bits."""
-    if nb > 0:
-        out[pos] = np.uint8((acc << U64(8 - nb)) & U64(0xFF))
-        pos += 1
-    return U64(0), 0, pos
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _put_golomb(out, acc, nb, pos, v, m, b, cut, rinv):
+def _put_golomb(w, acc, nb, k, v, m, b, cut, rinv):
     q, r = _qr(v, m, rinv)
     while q > 24:
-        acc, nb, pos = _put(out, acc, nb, pos, 0xFFFFFF, 24)
+        acc, nb, k = _put(w, acc, nb, k, 0xFFFFFF, 24)
         q -= 24
     longer = np.int64(r >= cut) if b > 0 else 0
     rb = b - 1 + longer if b > 0 else 0         # remainder bits: b - 1 or b (0 when m = 1)
     code = ((((1 << q) - 1) << 1) << rb) | (r + longer * cut)
-    return _put(out, acc, nb, pos, code, q + 1 + rb)
+    n = q + 1 + rb                              # <= 25 + 23
+    if n > 32:
+        acc, nb, k = _put(w, acc, nb, k, code >> 16, n - 16)
+        return _put(w, acc, nb, k, code & 0xFFFF, 16)
+    return _put(w, acc, nb, k, code, n)
+
+
+@njit(cache=True, nogil=True)
+def _bytes_of(w, k, nb, out, pos):
+    """Copy the ``32 k + nb`` bits of word stream ``w`` into ``out`` at byte ``pos``,
+    the last byte completed with zero bits; returns the end position."""
+    nbytes = (32 * k + nb + 7) // 8
+    for i in range(nbytes):
+        out[pos + i] = np.uint8((w[i >> 2] >> np.uint32(24 - 8 * (i & 3))) & np.uint32(0xFF))
+    return pos + nbytes
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -298,19 +297,34 @@ def _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank):
     return cgap, ugap, nxt
 
 
+_H = 64     # magnitudes below this are costed from a per-class histogram, the rest one by one
+
+
 @njit(cache=True, nogil=True)
 def _step_models(kcls, ccls, ca):
     """Per class: the big-flag model, each big-flag event's gap (-1 elsewhere), the first
-    gaps, and the magnitude parameter index (the cheapest of six around the fit to the
-    mean: magnitudes have heavier tails than a geometric law)."""
+    gaps, the magnitude parameter index (the cheapest of six around the fit to the
+    mean: magnitudes have heavier tails than a geometric law), and the sum of the coded
+    magnitudes (for the payload's size bound)."""
     C = kcls.shape[0]
     count = ccls.shape[0]
-    nzc = np.zeros(C, np.int64)
-    vsum = np.zeros(C, np.float64)
+    hist = np.zeros((C, _H + 1), np.int32)      # ca (magnitude - 1) per class; _H: ca >= _H
     for t in range(count):
-        big = np.int64(ca[t] > 0)
-        nzc[ccls[t]] += big
-        vsum[ccls[t]] += big * (ca[t] - 1)
+        hist[ccls[t], min(np.int64(ca[t]), _H)] += 1
+    nzc = np.zeros(C, np.int64)
+    vsum = np.zeros(C, np.int64)                # sum of ca - 1 over the big steps
+    for c in range(C):
+        for a in range(1, _H):
+            nzc[c] += hist[c, a]
+            vsum[c] += hist[c, a] * (a - 1)
+        nzc[c] += hist[c, _H]
+    tail = False
+    for c in range(C):
+        tail |= hist[c, _H] > 0
+    if tail:
+        for t in range(count):
+            if ca[t] >= _H:
+                vsum[ccls[t]] += ca[t] - 1
     zmode = np.zeros(C, np.int64)
     zpol = np.zeros(C, np.int64)
     zj = np.zeros(C, np.int64)
@@ -328,58 +342,58 @@ def _step_models(kcls, ccls, ca):
         nxt[c] = ev * i + (1 - ev) * nxt[c]
     NV = 6
     vj0 = np.zeros(C, np.int64)
-    for c in range(C):
-        if nzc[c] > 0:
-            vj0[c] = max(0, min(MAX_J - NV + 1, _j_for_p(1.0 / (vsum[c] / nzc[c] + 1.0)) - NV // 2))
+    cm = np.ones((C, NV), np.int64)
+    cb = np.zeros((C, NV), np.int64)
+    cr = np.ones((C, NV), np.float64)
     vcost = np.zeros((C, NV), np.int64)
-    cm = np.empty((C, NV), np.int64)
-    cb = np.empty((C, NV), np.int64)
-    cr = np.empty((C, NV), np.float64)
     for c in range(C):
+        if nzc[c] == 0:
+            continue
+        vj0[c] = max(0, min(MAX_J - NV + 1, _j_for_p(1.0 / (vsum[c] / nzc[c] + 1.0)) - NV // 2))
         for k in range(NV):
-            cm[c, k] = m_of(vj0[c] + k)
-            cb[c, k] = ceil_log2(cm[c, k])
-            cr[c, k] = 1.0 / cm[c, k]
-    for t in range(count):
-        if ca[t] > 0:
-            c = ccls[t]
-            for k in range(NV):
-                vcost[c, k] += _golomb_bits(ca[t] - 1, cm[c, k], cb[c, k], (1 << cb[c, k]) - cm[c, k], cr[c, k])
+            m = m_of(vj0[c] + k)
+            cm[c, k] = m
+            cb[c, k] = ceil_log2(m)
+            cr[c, k] = 1.0 / m
+            for a in range(1, _H):
+                if hist[c, a]:
+                    vcost[c, k] += hist[c, a] * _golomb_bits(a - 1, m, cb[c, k], (1 << cb[c, k]) - m, cr[c, k])
+    if tail:
+        for t in range(count):
+            if ca[t] >= _H:
+                c = ccls[t]
+                for k in range(NV):
+                    vcost[c, k] += _golomb_bits(ca[t] - 1, cm[c, k], cb[c, k], (1 << cb[c, k]) - cm[c, k], cr[c, k])
     vj = np.zeros(C, np.int64)
     for c in range(C):
         if nzc[c] > 0:
             vj[c] = vj0[c] + np.argmin(vcost[c])
-    return zmode, zpol, zj, zgap, nxt, vj
+    return zmode, zpol, zj, zgap, nxt, vj, vsum
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bound(total, events, m, b):
+    """Most bits ``events`` Golomb codes (parameter m, b) with values summing to <= ``total`` take:
+    each code is (v div m) + 1 + (<= b) bits."""
+    return total // m + events * (1 + b)
 
 
 @njit(cache=True, nogil=True)
-def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
-              zmode, zpol, zj, zinit, zgap, vj, csign, ca):
-    """Class table, position stream and step stream, in the decoder's order."""
+def _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
+              zmode, zpol, zj, zinit, zgap, vj, vsum, csign, ca):
+    """Class table, position stream and step stream, in the decoder's order.
+
+    Each stream is written into 32-bit words sized by a bound (per class: the gaps of a
+    flag sequence sum to at most its length), not by a first pass that codes everything
+    twice, then copied after the class table."""
     C = pmode.shape[0]
     count = cpos.shape[0]
     ucount = upos.shape[0]
     pm, pb, pc, pr = class_params(pj)
     zm, zb, zc, zr = class_params(zj)
     vm, vb, vc, vr = class_params(vj)
-    # exact sizes first: one allocation, no copy
     pbits = 0
     sbits = count
-    for c in range(C):
-        if pmode[c] == GOLOMB:
-            pbits += _golomb_bits(pinit[c], pm[c], pb[c], pc[c], pr[c])
-        if zmode[c] == GOLOMB:
-            sbits += _golomb_bits(zinit[c], zm[c], zb[c], zc[c], zr[c])
-    for t in range(count):
-        c = ccls[t]
-        if cgap[t] >= 0:
-            pbits += _golomb_bits(cgap[t], pm[c], pb[c], pc[c], pr[c])
-        if zgap[t] >= 0:
-            sbits += _golomb_bits(zgap[t], zm[c], zb[c], zc[c], zr[c])
-        if ca[t] > 0:
-            sbits += _golomb_bits(ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
-    for t in range(ucount):
-        pbits += _golomb_bits(ugap[t], pm[ucls[t]], pb[ucls[t]], pc[ucls[t]], pr[ucls[t]])
     lo = C
     hi = -1
     A = 0
@@ -388,11 +402,54 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
             lo = min(lo, c)
             hi = max(hi, c)
             A += 1
+        if pmode[c] == GOLOMB:
+            pbits += _bound(ncls[c], ncls[c] + 1, pm[c], pb[c]) if ppol[c] else \
+                _bound(ncls[c], kcls[c] + 1, pm[c], pb[c])
+        if zmode[c] == GOLOMB:
+            sbits += _bound(kcls[c], kcls[c] + 1, zm[c], zb[c])
+        sbits += _bound(vsum[c], kcls[c], vm[c], vb[c])
     R = hi - lo + 1
-    P = (pbits + 7) // 8
     hdr = HEADER_MIN + R + 2 * A + 4
-    size = hdr + P + (sbits + 7) // 8
-    out = np.zeros(size + _SLACK, np.uint8)
+    # position stream: first gaps, then the gap after each event, in element order
+    pw = np.zeros(pbits // 32 + 2, np.uint32)
+    acc = U64(0)
+    nb = 0
+    k = 0
+    for c in range(C):
+        if pmode[c] == GOLOMB:
+            acc, nb, k = _put_golomb(pw, acc, nb, k, pinit[c], pm[c], pb[c], pc[c], pr[c])
+    t = 0
+    s = 0
+    while t < count or s < ucount:
+        if s < ucount and (t == count or upos[s] < cpos[t]):
+            c = ucls[s]
+            acc, nb, k = _put_golomb(pw, acc, nb, k, ugap[s], pm[c], pb[c], pc[c], pr[c])
+            s += 1
+        else:
+            if cgap[t] >= 0:
+                c = ccls[t]
+                acc, nb, k = _put_golomb(pw, acc, nb, k, cgap[t], pm[c], pb[c], pc[c], pr[c])
+            t += 1
+    pw[k] = np.uint32(acc >> U64(32))           # the pending bits a completed word left over
+    pk, pnb = k, nb
+    # step stream: first big-flag gaps, then per change: sign, big-flag gap at events, magnitude
+    sw = np.zeros(sbits // 32 + 2, np.uint32)
+    acc = U64(0)
+    nb = 0
+    k = 0
+    for c in range(C):
+        if zmode[c] == GOLOMB:
+            acc, nb, k = _put_golomb(sw, acc, nb, k, zinit[c], zm[c], zb[c], zc[c], zr[c])
+    for t in range(count):
+        c = ccls[t]
+        acc, nb, k = _put(sw, acc, nb, k, csign[t], 1)
+        if zgap[t] >= 0:
+            acc, nb, k = _put_golomb(sw, acc, nb, k, zgap[t], zm[c], zb[c], zc[c], zr[c])
+        if ca[t] > 0:
+            acc, nb, k = _put_golomb(sw, acc, nb, k, ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
+    sw[k] = np.uint32(acc >> U64(32))
+    P = (32 * pk + pnb + 7) // 8
+    out = np.empty(hdr + P + (32 * k + nb + 7) // 8, np.uint8)
     out[0] = lo & 0xFF
     out[1] = lo >> 8
     out[2] = hi & 0xFF
@@ -404,45 +461,11 @@ def _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
             out[q] = _param_byte(zmode[c], zpol[c], zj[c])
             out[q + 1] = vj[c]
             q += 2
-    for k in range(4):
-        out[q + k] = (P >> (8 * k)) & 0xFF
-    # position stream: first gaps, then the gap after each event, in element order
-    acc = U64(0)
-    nb = 0
-    pos = hdr
-    for c in range(C):
-        if pmode[c] == GOLOMB:
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, pinit[c], pm[c], pb[c], pc[c], pr[c])
-    t = 0
-    s = 0
-    while t < count or s < ucount:
-        if s < ucount and (t == count or upos[s] < cpos[t]):
-            c = ucls[s]
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, ugap[s], pm[c], pb[c], pc[c], pr[c])
-            s += 1
-        else:
-            if cgap[t] >= 0:
-                c = ccls[t]
-                acc, nb, pos = _put_golomb(out, acc, nb, pos, cgap[t], pm[c], pb[c], pc[c], pr[c])
-            t += 1
-    acc, nb, pos = _flush(out, acc, nb, pos)
-    if pos != hdr + P:
-        return np.empty(0, np.uint8)
-    # step stream: first big-flag gaps, then per change: sign, big-flag gap at events, magnitude
-    for c in range(C):
-        if zmode[c] == GOLOMB:
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, zinit[c], zm[c], zb[c], zc[c], zr[c])
-    for t in range(count):
-        c = ccls[t]
-        acc, nb, pos = _put(out, acc, nb, pos, csign[t], 1)
-        if zgap[t] >= 0:
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, zgap[t], zm[c], zb[c], zc[c], zr[c])
-        if ca[t] > 0:
-            acc, nb, pos = _put_golomb(out, acc, nb, pos, ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
-    acc, nb, pos = _flush(out, acc, nb, pos)
-    if pos != size:
-        return np.empty(0, np.uint8)
-    return out[:size]
+    for i in range(4):
+        out[q + i] = (P >> (8 * i)) & 0xFF
+    pos = _bytes_of(pw, pk, pnb, out, hdr)
+    pos = _bytes_of(sw, k, nb, out, pos)
+    return out
 
 
 @njit(cache=True, nogil=True)
@@ -512,6 +535,6 @@ def ctx_encode(old, new, count, width_bits, mbits, ebits):
     pmode, ppol, pj, ucount = _position_models(ncls, kcls, count)
     upos, ucls, urank = _unchanged_events(old, new, mbits, pmode, ppol, ucount)
     cgap, ugap, pinit = _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank)
-    zmode, zpol, zj, zgap, zinit, vj = _step_models(kcls, ccls, ca)
-    return _assemble(pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
-                     zmode, zpol, zj, zinit, zgap, vj, csign, ca), _sparse_parts(cpos, csign, ca)
+    zmode, zpol, zj, zgap, zinit, vj, vsum = _step_models(kcls, ccls, ca)
+    return _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
+                     zmode, zpol, zj, zinit, zgap, vj, vsum, csign, ca), _sparse_parts(cpos, csign, ca)
