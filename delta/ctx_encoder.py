@@ -141,10 +141,12 @@ def _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
 
 
 @njit(cache=True, nogil=True)
-def _scan(old, new, count, mbits, C, signbit, mask):
+def _scan(old, new, old4, new4, count, width_bits, mbits, C, signbit, mask):
     """Class sizes, changes per class, and every change: position, class, class-local rank,
     sign and magnitude - 1 of its step. Four histogram banks (element i counts in bank
     i % 4) keep consecutive elements of one class from serialising on one counter.
+    ``old4``/``new4`` are the first ``4 * len(old4)`` elements as one word per four
+    (uint64 for 16-bit dtypes, uint32 for 8-bit ones, little-endian as the elements).
     Returns arrays of length 0 for the changes when ``count`` is wrong."""
     n = old.shape[0]
     cmask = C - 1
@@ -160,21 +162,25 @@ def _scan(old, new, count, mbits, C, signbit, mask):
     csign = np.empty(count, np.uint8)    # 1: the key goes up
     bad = np.empty(0, np.int32)
     j = 0
-    n4 = n - n % 4
-    for i in range(0, n4, 4):
-        c0 = np.int64(U64(old[i]) >> U64(mbits)) & cmask
-        c1 = np.int64(U64(old[i + 1]) >> U64(mbits)) & cmask
-        c2 = np.int64(U64(old[i + 2]) >> U64(mbits)) & cmask
-        c3 = np.int64(U64(old[i + 3]) >> U64(mbits)) & cmask
+    n4 = 4 * old4.shape[0]
+    wb = U64(width_bits)
+    for g in range(old4.shape[0]):
+        # a group of four elements is one word: one compare finds the (rare) changed groups
+        a = U64(old4[g])
+        c0 = np.int64(a >> U64(mbits)) & cmask
+        c1 = np.int64(a >> (wb + U64(mbits))) & cmask
+        c2 = np.int64(a >> (U64(2) * wb + U64(mbits))) & cmask
+        c3 = np.int64(a >> (U64(3) * wb + U64(mbits))) & cmask
         h0[c0] += 1
         h1[c1] += 1
         h2[c2] += 1
         h3[c3] += 1
-        x0 = old[i] != new[i]
-        x1 = old[i + 1] != new[i + 1]
-        x2 = old[i + 2] != new[i + 2]
-        x3 = old[i + 3] != new[i + 3]
-        if x0 | x1 | x2 | x3:
+        if old4[g] != new4[g]:
+            i = 4 * g
+            x0 = old[i] != new[i]
+            x1 = old[i + 1] != new[i + 1]
+            x2 = old[i + 2] != new[i + 2]
+            x3 = old[i + 3] != new[i + 3]
             if j + x0 + x1 + x2 + x3 > count:
                 return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
             if x0:
@@ -518,10 +524,10 @@ def sparse_estimate(gaps, steps, max_gap, max_step):
 
 
 @njit(cache=True, nogil=True)
-def ctx_encode(old, new, count, width_bits, mbits, ebits):
+def ctx_encode(old, new, old4, new4, count, width_bits, mbits, ebits):
     """Encoding-4 payload of one chunk in which exactly ``count`` >= 1 elements differ
     (an empty array if they do not: a caller bug), and encoding 1's gaps and steps
-    (:func:`_sparse_parts`).
+    (:func:`_sparse_parts`). ``old4``/``new4``: see :func:`_scan`.
 
     One pass over the elements finds the changes; a second runs only when some class
     is coded by its unchanged elements (more than half of it changed). The rest is
@@ -529,7 +535,8 @@ def ctx_encode(old, new, count, width_bits, mbits, ebits):
     C = 1 << ebits
     mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width_bits)
     signbit = U64(1) << U64(width_bits - 1)
-    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, count, mbits, C, signbit, mask)
+    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, old4, new4, count, width_bits, mbits, C,
+                                                     signbit, mask)
     if cpos.shape[0] != count:
         return np.empty(0, np.uint8), _sparse_parts(cpos, csign, ca)
     pmode, ppol, pj, ucount = _position_models(ncls, kcls, count)

@@ -25,6 +25,7 @@ bounds checks) and never reads past it: a bad payload yields an error code that
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -77,6 +78,20 @@ class CtxResult(NamedTuple):
 SURELY_SMALLER = 0.9
 
 
+_WORD = {1: np.uint32, 2: np.uint64}
+
+
+def _words_of_four(x: np.ndarray) -> np.ndarray:
+    """The leading elements of ``x`` as one word per four (a view, no copy), or an empty array
+    where that view is not possible (unaligned memory, big-endian host): the encoder then
+    takes the elements one by one, slower and with the same result."""
+    word = _WORD[x.dtype.itemsize]
+    n4 = x.shape[0] - x.shape[0] % 4
+    if sys.byteorder != "little" or not x.flags.c_contiguous or x.ctypes.data % np.dtype(word).itemsize:
+        return np.empty(0, word)
+    return x[:n4].view(word)
+
+
 def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int) -> CtxResult | None:
     """The encoding-4 payload of one chunk with ``changed`` >= 1 differing elements, the
     sparse encoding's arrays found on the way, and whether compressing those can be
@@ -84,7 +99,10 @@ def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int) -> Ctx
     lay = layout_of(dt)
     if lay is None or changed < 1:
         return None
-    out, sparse = ctx_encode(old, new, changed, 8 * dt.itemsize, lay[0], lay[1])
+    old4, new4 = _words_of_four(old), _words_of_four(new)
+    if old4.shape[0] != new4.shape[0]:
+        old4, new4 = old4[:0], new4[:0]
+    out, sparse = ctx_encode(old, new, old4, new4, changed, 8 * dt.itemsize, lay[0], lay[1])
     if out.shape[0] == 0:
         raise AssertionError("ctx encoder: inconsistent change count")  # a bug, never data
     sure = out.shape[0] <= SURELY_SMALLER * sparse_estimate(*sparse)
