@@ -3,8 +3,9 @@
 :func:`~delta.codec.encode` and :func:`~delta.codec.apply_` parallelise over the
 chunks of one tensor, and a model is mostly tensors of one to sixteen chunks
 (small models: one), so tensor by tensor a second core rarely has work. Here each
-chunk of each tensor, and each tensor's digests, is a task of its own on the shared
-pool: two small tensors run on two cores at once and a big one still spreads.
+chunk of each tensor, and each tensor's digests, is a task (a one-chunk tensor is
+one task), run by the caller's thread and workers of the shared codec pool: two
+small tensors run on two cores at once and a big one still spreads.
 
 Work runs at most a window of chunk tasks ahead of the caller, so memory stays
 bounded on a model of any size; results come back in input order, and each one is
@@ -59,12 +60,15 @@ class _Task:
 
 
 class _Runner:
-    """One batch call's tasks on the shared codec pool, at most ``threads`` at once, in submission order.
+    """One batch call's tasks, at most ``threads`` at once, in submission order.
 
-    A few workers ("lanes") take this call's tasks from its own queue, one after the
-    other, so the pool stays busy while the caller is elsewhere and :meth:`close` can
-    drop what has not started. Runs everything inline with one thread, and on a thread
-    of the codec pool itself, where waiting on the pool could deadlock it."""
+    The calling thread is one of the workers: whenever it waits for a result it runs
+    queued tasks itself (the awaited one first). ``threads - 1`` workers of the shared
+    codec pool ("lanes") take tasks from this call's own queue meanwhile, so work goes
+    on while the caller is elsewhere and :meth:`close` can drop what has not started.
+    (On 2 cores, caller + 2 lanes was slower: three threads time-sliced, and each
+    short task waited on a hand-off.) Runs everything inline with one thread, and on a
+    thread of the codec pool itself, where waiting on the pool could deadlock it."""
 
     def __init__(self, threads: int | None):
         self.threads = max(1, threads if threads is not None else (os.cpu_count() or 1))
@@ -82,7 +86,7 @@ class _Runner:
             return task
         with self._lock:
             self._queue.append(task)
-            if self._lanes >= self.threads:
+            if self._lanes >= self.threads - 1:
                 return task
             self._lanes += 1
         try:
@@ -100,6 +104,20 @@ class _Runner:
                     return
                 task = self._queue.popleft()
             task.run()
+
+    def wait(self, task: _Task) -> Any:
+        """``task``'s result, running the call's queued tasks (the awaited one first) until it is done."""
+        while not task.done.is_set():
+            with self._lock:
+                try:
+                    self._queue.remove(task)
+                    todo = task
+                except ValueError:
+                    todo = self._queue.popleft() if self._queue else None
+            if todo is None:
+                break
+            todo.run()
+        return task.result()
 
     def close(self) -> None:
         """Drop the tasks not started and wait for those running: nothing of this call runs after it returns."""
@@ -122,7 +140,8 @@ def _name_it(e: BaseException, name: str | None, index: int) -> BaseException:
 
 
 class _Encoding:
-    """One tensor's encode in flight: its chunk tasks and digest tasks, or the error that stopped it."""
+    """One tensor's encode in flight: a task per chunk and one for its digests (a one-chunk tensor
+    is a single task: on small tensors a hand-off between threads costs more than it saves)."""
 
     def __init__(self, runner: _Runner, index: int, item: tuple, level: int, context: bool, chunk_elems: int):
         self.index, self.name, self.error = index, None, None
@@ -137,19 +156,30 @@ class _Encoding:
             self.error, self.weight = e, 1
             return
         self.job, self.weight = job, max(1, job.n_chunks)
-        self.chunks = [runner.submit(partial(job.chunk, i)) for i in range(job.n_chunks)]
-        self.digest = runner.submit(job.digest)
-        self.parent = runner.submit(job.parent_digest) if job.hashes_parent else None
+        if job.n_chunks <= 1:
+            self.chunks = []
+            self.digests = runner.submit(partial(_encode_whole, job))
+        else:
+            self.chunks = [runner.submit(partial(job.chunk, i)) for i in range(job.n_chunks)]
+            self.digests = runner.submit(partial(_digests, job))
 
-    def result(self) -> EncodedTensor:
+    def result(self, runner: _Runner) -> EncodedTensor:
         if self.error is not None:
             raise _name_it(self.error, self.name, self.index)
         try:
-            results = [t.result() for t in self.chunks]
-            parent = self.parent.result() if self.parent is not None else self.job.parent_digest()
-            return self.job.assemble(results, self.digest.result(), parent)
+            results = [runner.wait(t) for t in self.chunks]
+            digest, parent, *whole = runner.wait(self.digests)
+            return self.job.assemble(whole[0] if whole else results, digest, parent)
         except Exception as e:
             raise _name_it(e, self.name, self.index) from None
+
+
+def _digests(job: codec._EncodeJob) -> tuple[int, int]:
+    return job.digest(), job.parent_digest()
+
+
+def _encode_whole(job: codec._EncodeJob) -> tuple[int, int, list]:
+    return job.digest(), job.parent_digest(), [job.chunk(i) for i in range(job.n_chunks)]
 
 
 def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: int = chunks.DEFAULT_LEVEL,
@@ -158,8 +188,9 @@ def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: in
     """:func:`~delta.codec.encode` for every ``(name, old, new)`` (or ``(name, old, new, parent_digest)``)
     of ``items``, lazily and in order, each record byte-identical to encode()'s.
 
-    ``threads``: tasks running at once (default: every core; 1 runs all inline, in
-    this thread). ``window``: chunk tasks admitted ahead of the record the caller is
+    ``threads``: threads working at once, this one (while it waits for a record) and
+    ``threads - 1`` of the codec pool (default: every core; 1 runs all in this thread,
+    deterministically). ``window``: chunk tasks admitted ahead of the record the caller is
     waiting for (default ``4 * threads``; a tensor bigger than that is admitted alone),
     so memory holds a few chunks' work, not the model's. ``items`` is read no further
     ahead than that. An error (naming its tensor) comes out of the iteration after the
@@ -186,7 +217,7 @@ def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: in
                 return
             job = pending.popleft()
             admitted -= job.weight
-            yield job.result()
+            yield job.result(runner)
     finally:
         runner.close()
 
@@ -204,7 +235,9 @@ def _window(window: int | None, runner: _Runner) -> int:
 
 class _Applying:
     """One tensor's apply in flight: decoded against the live bits by tasks, then written by one more
-    task (scatter, result digest), keeping the old bits of what it changed for the batch's rollback."""
+    task (scatter, result digest), keeping the old bits of what it changed for the batch's rollback.
+    A tensor of one chunk is one task from parent check to result digest, written before its turn:
+    the batch rolls back whatever was written, so only the order in which errors are judged matters."""
 
     def __init__(self, runner: _Runner, index: int, item: tuple, verify: bool, method: str):
         self.index, self.name, self.error, self.weight, self.undo = index, None, None, 1, []
@@ -224,6 +257,9 @@ class _Applying:
             self.stage = runner.submit(partial(codec.stage, live, enc, verify=verify, threads=1))
             return
         self.weight = max(1, len(h.chunks))
+        if len(h.chunks) <= 1:
+            self.write = runner.submit(self._whole)
+            return
         self.parent = runner.submit(partial(xxhash.xxh3_64_intdigest, self.bits)) \
             if verify and h.has_parent else None
         self.chunks = [runner.submit(partial(codec._decode_chunk, enc, self.bits, i)) for i in range(len(h.chunks))]
@@ -233,20 +269,28 @@ class _Applying:
         try:
             if self.error is not None:
                 raise self.error
+            if self.write is not None:
+                return                 # one task does it all
             if self.bits is None:
-                st = self.stage.result()
+                st = runner.wait(self.stage)
                 undo = _old_bits(self.live, st)
                 st.apply_(self.live, method=self.method)
                 self.staged = undo
                 return
             h = self.enc.header
             if self.parent is not None:
-                codec._check_parent(h, self.parent.result())
-            per_chunk = [t.result() for t in self.chunks]
+                codec._check_parent(h, runner.wait(self.parent))
+            per_chunk = [runner.wait(t) for t in self.chunks]
             self.chunks = None
             self.write = runner.submit(partial(self._write, per_chunk))
         except Exception as e:
             raise _name_it(e, self.name, self.index) from None
+
+    def _whole(self) -> int | None:
+        h = self.enc.header
+        if self.verify and h.has_parent:
+            codec._check_parent(h, xxhash.xxh3_64_intdigest(self.bits))
+        return self._write([codec._decode_chunk(self.enc, self.bits, i) for i in range(len(h.chunks))])
 
     def _write(self, per_chunk: list[tuple[np.ndarray, np.ndarray]]) -> int | None:
         h = self.enc.header
@@ -258,15 +302,15 @@ class _Applying:
     def settled(self) -> bool:
         return self.write is None or self.write.done.is_set()
 
-    def verdict(self) -> None:
+    def verdict(self, runner: _Runner) -> None:
         """Wait for the write; a result that does not hash to the record's digest is this tensor's error."""
         if self.write is None:
             return
         try:
-            got = self.write.result()
+            got = runner.wait(self.write)
         except Exception as e:
             raise _name_it(e, self.name, self.index) from None
-        h = self.enc.header
+        h, self.enc, self.write = self.enc.header, None, None    # the undo is all a rollback needs
         if self.verify and got != h.digest:
             raise ChecksumError(f"tensor {h.name!r}: reconstructed bytes hash to {codec.digest_hex(got)}, the "
                                 f"record says {codec.digest_hex(h.digest)}; no tensor of the batch was changed")
@@ -309,7 +353,7 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
     window = _window(window, runner)
     decoding: deque[_Applying] = deque()
     writing: deque[_Applying] = deque()
-    written: list[_Applying] = []
+    started: list[_Applying] = []       # every tensor admitted: any may have been written
     admitted = index = 0
     judging = False
     source: Iterator[tuple] | None = iter(items)
@@ -323,6 +367,7 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
                     break
                 job = _Applying(runner, index, item, verify, method)
                 index += 1
+                started.append(job)
                 decoding.append(job)
                 admitted += job.weight
                 if job.error is not None:
@@ -330,14 +375,13 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
             while writing and (writing[0].settled() or not decoding):
                 job = writing.popleft()
                 judging = True
-                job.verdict()
+                job.verdict(runner)
                 judging = False
                 admitted -= job.weight
             if decoding:
                 job = decoding.popleft()
-                written.append(job)        # before it writes: a failure part-way is rolled back too
-                job.commit(runner)
                 writing.append(job)
+                job.commit(runner)
             elif not writing and source is None:
                 return
     except BaseException as e:
@@ -345,12 +389,12 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
         if not judging and isinstance(e, Exception):
             for job in writing:        # all before the failure: the first tensor to fail is the one to report
                 try:
-                    job.verdict()
+                    job.verdict(runner)
                 except Exception as e2:
                     err = e2
                     break
         runner.close()
-        for job in reversed(written):
+        for job in reversed(started):
             job.rollback()
         if err is e:
             raise
