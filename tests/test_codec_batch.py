@@ -191,14 +191,16 @@ def test_an_encode_error_names_the_tensor_after_the_records_before_it(threads):
 
 # --- apply_many ------------------------------------------------------------------------------
 
-def encoded_pairs(seed: int, n: int = 5, elems: int = 3000, as_numpy: bool = False) -> tuple[list, list, list]:
+def encoded_pairs(seed: int, n: int = 5, elems: int = 3000, as_numpy: bool = False,
+                  chunk_elems: int = 1000) -> tuple[list, list, list]:
     """Parents, targets and records of ``n`` bf16 tensors (NaN payloads, -0.0): sparse and dense changes.
     ``as_numpy``: the same bits as uint16 arrays (numpy has no bfloat16)."""
     olds = [bf16_with_specials((elems // 50, 50), seed + i) for i in range(n)]
     if as_numpy:
         olds = [dtypes.host_bits(o).reshape(o.shape).copy() for o in olds]
     news = [perturb(o, 0.02 if i % 2 else 0.7, seed + 100 + i) for i, o in enumerate(olds)]
-    recs = [codec.encode(o, x, name=f"layers.{i}.w", chunk_elems=1000) for i, (o, x) in enumerate(zip(olds, news))]
+    recs = [codec.encode(o, x, name=f"layers.{i}.w", chunk_elems=chunk_elems)
+            for i, (o, x) in enumerate(zip(olds, news))]
     return olds, news, recs
 
 
@@ -255,8 +257,9 @@ def _failures(olds, news, recs):
 @pytest.mark.parametrize("threads,window,layout", [(1, None, "contiguous"), (2, None, "contiguous"),
                                                    (2, 1, "contiguous"), (2, None, "strided"),
                                                    (1, None, "numpy")])
-def test_apply_many_is_all_or_nothing_when_the_third_of_five_fails(failure, threads, window, layout):
-    olds, news, recs = encoded_pairs(30, as_numpy=layout == "numpy")
+@pytest.mark.parametrize("chunk_elems", [1000, 1 << 20])      # three chunks a tensor, or one (one task)
+def test_apply_many_is_all_or_nothing_when_the_third_of_five_fails(failure, threads, window, layout, chunk_elems):
+    olds, news, recs = encoded_pairs(30, as_numpy=layout == "numpy", chunk_elems=chunk_elems)
     make_bad, error = _failures(olds, news, recs)[failure]
     if layout == "strided":
         lives = [o.t().contiguous().t() for o in olds]     # column-major: staged, then applied
@@ -290,6 +293,26 @@ def test_apply_many_reports_the_first_failing_tensor_in_input_order():
         with pytest.raises(ChecksumError, match=r"layers\.1\.w"):
             delta.apply_many(zip(lives, batch), threads=threads, window=64)
         assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
+
+
+@pytest.mark.parametrize("failure", ["wrong parent", "result digest"])
+@pytest.mark.parametrize("big_chunk_elems", [1 << 22, 1 << 19])    # the big tensor in one task, or in four
+def test_apply_many_restores_tensors_written_ahead_of_the_one_that_fails(failure, big_chunk_elems):
+    """One-chunk tensors are written by whichever thread is free, before their turn is judged:
+    while a big tensor is checked, the small ones after it get written, and must be restored."""
+    olds, news, recs = encoded_pairs(80, n=12, elems=1000, chunk_elems=1 << 22)
+    olds[2] = bf16_with_specials((2048, 1024), 81)
+    news[2] = perturb(olds[2], 0.5, 82)
+    recs[2] = codec.encode(olds[2], news[2], name="layers.2.w", chunk_elems=big_chunk_elems)
+    bad = (codec.encode(perturb(olds[2], 0.01, 83), news[2], name="layers.2.w", chunk_elems=big_chunk_elems)
+           if failure == "wrong parent" else _wrong_result_digest(recs[2]))
+    error = ParentMismatchError if failure == "wrong parent" else ChecksumError
+    for _ in range(3):
+        lives = [o.clone() for o in olds]
+        with pytest.raises(error, match=r"layers\.2\.w"):
+            delta.apply_many(zip(lives, [*recs[:2], bad, *recs[3:]]), threads=2, window=64)
+        for i, (lv, o) in enumerate(zip(lives, olds)):
+            assert same_bits(lv, o), f"tensor {i} changed"
 
 
 def test_apply_many_rolls_back_when_the_items_themselves_fail():
