@@ -60,7 +60,7 @@ class _Task:
 
 
 class _Runner:
-    """One batch call's tasks, at most ``threads`` at once, in submission order.
+    """One batch call's tasks, at most ``threads`` at once, taken in submission order.
 
     The calling thread is one of the workers: whenever it waits for a result it runs
     queued tasks itself (the awaited one first). ``threads - 1`` workers of the shared
