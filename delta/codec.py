@@ -55,6 +55,17 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool_after_fork() -> None:
+    """A forked child has none of the parent's threads, only the pool object that thinks it has
+    them: work queued there would wait forever. The child starts a pool of its own instead."""
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 def _map(fn, items: list, threads: int | None):
     if len(items) <= 1 or threads == 1 or in_pool_worker():
         return [fn(x) for x in items]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from concurrent.futures import wait
 
 import numpy as np
@@ -352,6 +353,38 @@ def test_codec_calls_from_inside_the_codec_pool_cannot_deadlock_it():
     assert not not_done, "codec pool deadlocked"
     assert all(f.result() for f in done)
     assert not codec.in_pool_worker()        # the caller's thread is no pool thread
+
+
+def test_a_forked_child_encodes_and_applies_on_threads_of_its_own():
+    """The parent's pool threads do not exist in a forked child (fork servers, multiprocessing's
+    fork start): the child must start its own pool rather than queue work no thread will run."""
+    olds, news, recs = encoded_pairs(61, n=3, elems=6000)
+    list(delta.encode_many(zip([r.name for r in recs], olds, news), threads=2, chunk_elems=1000))   # parent pool up
+    assert codec._pool is not None
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            got = [e.to_bytes() for e in delta.encode_many(zip([r.name for r in recs], olds, news), threads=2,
+                                                            chunk_elems=1000)]
+            lives = [o.clone() for o in olds]
+            delta.apply_many(zip(lives, recs), threads=2)
+            ok = got == [r.to_bytes() for r in recs] and all(same_bits(lv, n) for lv, n in zip(lives, news))
+        except BaseException as e:  # noqa: BLE001 - the child reports and exits
+            os.write(2, f"child: {e!r}\n".encode())
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 240
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the parent's pool")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 def test_records_are_errors_of_the_codec_hierarchy():
