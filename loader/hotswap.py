@@ -11,15 +11,18 @@ were, or the swap raises saying they could not be (and the version becomes None)
 
 Memory: staged changes are the changed elements' positions and new bits (or a
 tensor's new bits when most of it changes); besides them, at most one tensor's
-scratch copy at a time — never a second copy of the model.
+scratch copy per staging thread — never a second copy of the model.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, MutableMapping
@@ -180,14 +183,17 @@ class PreparedUpdate:
 class HotSwapper:
     """Moves live weights (an ``nn.Module`` or a name -> tensor mapping) between a run's versions.
 
-    ``name_map`` turns a checkpoint name into the live name when they differ. One
+    ``name_map`` turns a checkpoint name into the live name when they differ.
+    ``stage_threads`` tensors are decoded and verified at once while preparing
+    (default: one per core; 1 stages them one by one in the calling thread). One
     prepare or commit runs at a time (another raises :class:`HotLoadConflictError`);
     ``prepare`` may run in a background thread while forward steps run under
     ``gate.serving()``."""
 
     def __init__(self, weights: Weights, reader: SnapshotReader, *, version: int | None = None,
                  gate: ServingGate | None = None, name_map: Callable[[str], str] | None = None,
-                 apply_method: str = "auto", progress: bool | None = None) -> None:
+                 apply_method: str = "auto", progress: bool | None = None,
+                 stage_threads: int | None = None) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative int or None, not {version!r}")
         self.weights = weights
@@ -197,6 +203,7 @@ class HotSwapper:
         self.name_map = name_map or (lambda n: n)
         self.apply_method = apply_method
         self.progress = progress  # a tqdm bar while preparing: None = on a terminal, for >= 64 MiB to fetch
+        self.stage_threads = stage_threads  # tensors staged at once while preparing (default: every core)
         self._lock = threading.Lock()
 
     @property
@@ -280,17 +287,24 @@ class HotSwapper:
         staged: list[_Staged] = []
         decode_s = 0.0
         to_fetch = sum(p.nbytes for g in groups for p in g)
-        with _progress_bar(self.progress, to_fetch, f"hot-load {snapshot_name(v)}") as bar:
-            for gi, values in self.reader.iter_fetched(groups, counter=counter):
-                td = time.perf_counter()
-                name = names[gi]
-                t = live[mapping[name]]
-                st = _stage_one(name, t, groups[gi], values, plan, cur)
-                if st.dense is not None or st.positions.shape[0]:
-                    undo = None if st.dense is not None else _old_bits(t, st)
-                    staged.append(_Staged(name, mapping[name], st, _identity(t), undo))
-                decode_s += time.perf_counter() - td
-                bar.update(sum(p.nbytes for p in groups[gi]))
+
+        def stage_group(gi: int, values: list) -> "_Staged | None":
+            name = names[gi]
+            t = live[mapping[name]]
+            st = _stage_one(name, t, groups[gi], values, plan, cur)
+            if st.dense is None and st.positions.shape[0] == 0:
+                return None
+            undo = None if st.dense is not None else _old_bits(t, st)
+            return _Staged(name, mapping[name], st, _identity(t), undo)
+
+        threads = max(1, self.stage_threads or os.cpu_count() or 1)
+        with _progress_bar(self.progress, to_fetch, f"hot-load {snapshot_name(v)}") as bar, \
+                _Stager(stage_group, threads) as stager:
+            for done in stager.run(self.reader.iter_fetched(groups, counter=counter)):
+                if done.value is not None:
+                    staged.append(done.value)
+                bar.update(sum(p.nbytes for p in groups[done.index]))
+            decode_s = stager.wait_s
         staging = sum(s.st.nbytes for s in staged)
         report = HotLoadReport(
             from_version=current, to_version=v, path=plan.path, via_anchor=plan.via_anchor,
@@ -421,6 +435,64 @@ def _dedupe_aliases(plan: UpdatePlan, mapping: dict[str, str],
             names.append(n)
             groups.append(g)
     return names, groups
+
+
+@dataclass
+class _Done:
+    index: int
+    value: Any
+
+
+class _Stager:
+    """Stages fetched groups on ``threads`` threads, results in fetch order, a bounded number ahead.
+
+    Decoding a tensor is numba kernels, zstd and xxhash, which release the GIL, and a
+    model's tensors are independent, so a replica with many cores prepares a version
+    that many times faster; the window keeps at most a few groups' fetched bytes and
+    staged results waiting. On an error the groups not started are dropped and the
+    running ones finish before it propagates: nothing stages after prepare returns."""
+
+    def __init__(self, fn: Callable[[int, list], Any], threads: int) -> None:
+        self.fn, self.threads, self.wait_s = fn, threads, 0.0
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptdelta-stage") if threads > 1 else None
+        self._pending: deque[tuple[int, Future]] = deque()
+
+    def __enter__(self) -> "_Stager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _gi, f in self._pending:
+            f.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def run(self, fetched: Iterator[tuple[int, list]]) -> Iterator[_Done]:
+        """Time spent here other than waiting for ``fetched`` (decoding the caller waits for) adds to ``wait_s``."""
+        for gi, values in fetched:
+            t0 = time.perf_counter()
+            if self._pool is None:
+                value = self.fn(gi, values)
+                self.wait_s += time.perf_counter() - t0
+                yield _Done(gi, value)
+                continue
+            self._pending.append((gi, self._pool.submit(self.fn, gi, values)))
+            while len(self._pending) >= 2 * self.threads or (self._pending and self._pending[0][1].done()):
+                done = self._collect()
+                self.wait_s += time.perf_counter() - t0
+                yield done
+                t0 = time.perf_counter()
+            self.wait_s += time.perf_counter() - t0
+        while self._pending:
+            t0 = time.perf_counter()
+            done = self._collect()
+            self.wait_s += time.perf_counter() - t0
+            yield done
+
+    def _collect(self) -> _Done:
+        gi, fut = self._pending[0]
+        value = fut.result()
+        self._pending.popleft()
+        return _Done(gi, value)
 
 
 def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list, plan: UpdatePlan,

@@ -128,6 +128,68 @@ def test_corrupt_delta_fails_prepare_and_keeps_old_weights(run):
     assert_at(live, run, 1)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_staging_on_several_threads_gives_the_same_update(run, threads):
+    """Tensors stage side by side; the prepared update (tensors in manifest order, their positions
+    and bits) and the weights after the swap are those of staging one by one."""
+    _, one = swapper_at(run, 1, stage_threads=1)
+    want = one.prepare(4)
+    live, sw = swapper_at(run, 1, stage_threads=threads)
+    got = sw.prepare(4)
+    assert [s.name for s in got.staged] == [s.name for s in want.staged]
+    for a, b in zip(got.staged, want.staged):
+        assert (a.st.positions.tobytes(), a.st.values.tobytes()) == (b.st.positions.tobytes(), b.st.values.tobytes())
+        assert (a.st.dense is None) == (b.st.dense is None)
+    sw.commit(got)
+    assert_at(live, run, 4)
+
+
+def test_tensors_really_stage_at_the_same_time(run, monkeypatch):
+    """Two stagings must be inside _stage_one at once: one by one, the barrier would time out."""
+    import loader.hotswap as hs
+
+    barrier = threading.Barrier(2, timeout=60)
+    calls = []
+    real = hs._stage_one
+
+    def meeting(*a, **kw):
+        calls.append(threading.current_thread().name)
+        if len(calls) <= 2:
+            barrier.wait()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(hs, "_stage_one", meeting)
+    live, sw = swapper_at(run, 1, stage_threads=2)
+    sw.hotload(2)
+    assert_at(live, run, 2)
+    assert len(set(calls[:2])) == 2
+
+
+def test_a_failing_tensor_among_parallel_stagings_leaves_no_staging_running(run, monkeypatch):
+    import loader.hotswap as hs
+
+    real = hs._stage_one
+    started = []
+
+    def slow_or_failing(name, *a, **kw):
+        started.append(name)
+        if name == "lm_head.weight":
+            raise ParentMismatchError(f"tensor {name!r}: injected")
+        time.sleep(0.05)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(hs, "_stage_one", slow_or_failing)
+    live, sw = swapper_at(run, 1, stage_threads=4)
+    with pytest.raises(ParentMismatchError, match="lm_head.weight"):
+        sw.hotload(2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptdelta-stage")]
+    n = len(started)
+    time.sleep(0.2)
+    assert len(started) == n                   # nothing staged after prepare returned
+    assert sw.version == 1 and not sw.busy
+    assert_at(live, run, 1)
+
+
 def test_live_weights_not_of_their_version_are_refused(run):
     live, sw = swapper_at(run, 1)
     live["lm_head.weight"].view(-1).view(torch.int16)[3] += 1
