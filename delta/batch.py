@@ -174,6 +174,18 @@ class _Encoding:
             raise _name_it(e, self.name, self.index) from None
 
 
+class _Failed:
+    """The items' own error, raised in its turn (after the records admitted before it)."""
+
+    weight = 0
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def result(self, runner: _Runner) -> EncodedTensor:
+        raise self.error
+
+
 def _digests(job: codec._EncodeJob) -> tuple[int, int]:
     return job.digest(), job.parent_digest()
 
@@ -203,7 +215,12 @@ def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: in
     try:
         while True:
             while source is not None and (not pending or (not runner.inline and admitted < window)):
-                item = next(source, None)
+                try:
+                    item = next(source, None)
+                except Exception as e:      # the items failing: after the records admitted before it
+                    pending.append(_Failed(e))
+                    source = None
+                    break
                 if item is None:
                     source = None
                     break

@@ -393,3 +393,20 @@ def test_records_are_errors_of_the_codec_hierarchy():
     with pytest.raises(DeltaError, match="layers.1.w"):
         delta.apply_many(zip(lives, [recs[0], _corrupt_payload(recs[1])]))
     assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_items_error_comes_after_the_records_before_it(threads):
+    """The items themselves failing (a store going away) is an error like a bad item's: the records
+    already admitted come out first, whatever the thread count."""
+    w = bf16_with_specials((3000,), 15)
+
+    def items():
+        for i in range(3):
+            yield f"t{i}", w, perturb(w, 0.1, i)
+        raise OSError("the store went away")
+
+    out = delta.encode_many(items(), threads=threads, window=16)
+    assert [next(out).name for _ in range(3)] == ["t0", "t1", "t2"]
+    with pytest.raises(OSError, match="went away"):
+        next(out)
