@@ -290,6 +290,7 @@ class _Applying:
                 return                 # one task does it all
             if self.bits is None:
                 st = runner.wait(self.stage)
+                self.stage = self.enc = None    # once written, only the undo is kept for the batch
                 undo = _old_bits(self.live, st)
                 st.apply_(self.live, method=self.method)
                 self.staged = undo

@@ -410,3 +410,36 @@ def test_an_items_error_comes_after_the_records_before_it(threads):
     assert [next(out).name for _ in range(3)] == ["t0", "t1", "t2"]
     with pytest.raises(OSError, match="went away"):
         next(out)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_apply_many_keeps_no_staged_change_once_its_tensor_is_written(monkeypatch, threads):
+    """Tensors that are staged, then applied (method="torch", device or strided tensors) keep only
+    their undo: the staged new bits (for a dense change, a whole copy of the tensor) must go once
+    written, or a batch over a model holds the whole decoded update until it ends."""
+    import gc
+    import weakref
+
+    refs = []
+    real = codec.stage
+
+    def recording(*a, **k):
+        st = real(*a, **k)
+        refs.append(weakref.ref(st))
+        return st
+
+    monkeypatch.setattr(codec, "stage", recording)
+    olds, news, recs = encoded_pairs(90, n=6, chunk_elems=1 << 20)
+    lives = [o.clone() for o in olds]
+    alive = []
+
+    def items():
+        for i, (lv, rec) in enumerate(zip(lives, recs)):
+            if i >= 2:           # the window is 1 tensor: those before i-1 are written and judged
+                gc.collect()
+                alive.append(sum(r() is not None for r in refs[:i - 1]))
+            yield lv, rec
+
+    delta.apply_many(items(), threads=threads, window=1, method="torch")
+    assert all(same_bits(lv, n) for lv, n in zip(lives, news))
+    assert alive == [0] * 4
