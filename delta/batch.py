@@ -270,10 +270,10 @@ class _Applying:
         except Exception as e:
             self.error = e
             return
+        self.weight = max(1, len(h.chunks))
         if self.bits is None:      # device, strided or method="torch": stage, then apply as apply_() does
             self.stage = runner.submit(partial(codec.stage, live, enc, verify=verify, threads=1))
             return
-        self.weight = max(1, len(h.chunks))
         if len(h.chunks) <= 1:
             self.write = runner.submit(self._whole)
             return

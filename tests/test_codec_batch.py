@@ -443,3 +443,22 @@ def test_apply_many_keeps_no_staged_change_once_its_tensor_is_written(monkeypatc
     delta.apply_many(items(), threads=threads, window=1, method="torch")
     assert all(same_bits(lv, n) for lv, n in zip(lives, news))
     assert alive == [0] * 4
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_apply_many_admits_tensors_by_their_chunks_whatever_the_path(layout):
+    """The window counts chunks for staged tensors (device, strided, method="torch") too: each is
+    decoded whole on the host, so tensors of three chunks with a window of three come one at a time."""
+    olds, news, recs = encoded_pairs(95, n=5, chunk_elems=1000)          # three chunks a tensor
+    lives = [o.t().contiguous().t() if layout == "strided" else o.clone() for o in olds]
+    applied_before = []
+
+    def items():
+        for i, (lv, rec) in enumerate(zip(lives, recs)):
+            if i:
+                applied_before.append(same_bits(lives[i - 1], news[i - 1]))
+            yield lv, rec
+
+    delta.apply_many(items(), threads=2, window=3)
+    assert all(same_bits(lv, n) for lv, n in zip(lives, news))
+    assert applied_before == [True] * 4
