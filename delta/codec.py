@@ -451,8 +451,12 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
         return
     per_chunk = _decode_against(enc, bits, verify, threads)
     undo: list[_Undo] = []
-    for i, (pos, vals) in enumerate(per_chunk):
-        _write_chunk(bits, h, i, pos, vals, undo)
+    try:
+        for i, (pos, vals) in enumerate(per_chunk):
+            _write_chunk(bits, h, i, pos, vals, undo)
+    except BaseException:          # a later chunk failed (its undo found no memory): put back the earlier ones
+        _restore(bits, undo)
+        raise
     if verify and xxhash.xxh3_64_intdigest(bits) != h.digest:
         _restore(bits, undo)
         raise ChecksumError(f"tensor {h.name!r}: reconstructed bytes do not match the record's digest "

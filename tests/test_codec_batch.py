@@ -462,3 +462,28 @@ def test_apply_many_admits_tensors_by_their_chunks_whatever_the_path(layout):
     delta.apply_many(items(), threads=2, window=3)
     assert all(same_bits(lv, n) for lv, n in zip(lives, news))
     assert applied_before == [True] * 4
+
+
+@pytest.mark.parametrize("call", ["apply_", "apply_many"])
+def test_a_failure_half_way_through_a_tensors_chunks_leaves_it_unchanged(monkeypatch, call):
+    """Writing chunk 2 of 3 fails (out of memory for its undo, say): chunk 1, already written, is put back."""
+    olds, news, recs = encoded_pairs(97, n=2, chunk_elems=1000)         # three chunks a tensor
+    real = codec._write_chunk
+    writes = []
+
+    def failing_second(bits, h, i, pos, vals, undo):
+        if pos.shape[0]:
+            writes.append(i)
+            if len(writes) == 2:
+                raise MemoryError("no room for the undo")
+        return real(bits, h, i, pos, vals, undo)
+
+    monkeypatch.setattr(codec, "_write_chunk", failing_second)
+    lives = [o.clone() for o in olds]
+    with pytest.raises(MemoryError):
+        if call == "apply_":
+            codec.apply_(lives[0], recs[0], threads=1)
+        else:
+            delta.apply_many(zip(lives, recs), threads=1)
+    assert writes[:2] == [0, 1]
+    assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
