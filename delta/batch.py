@@ -412,8 +412,15 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
                     err = e2
                     break
         runner.close()
-        for job in reversed(started):
-            job.rollback()
+        lost = []
+        for job in reversed(started):   # every tensor gets its try, whatever the one before it did
+            try:
+                job.rollback()
+            except Exception as e3:     # noqa: BLE001 - reported on the error that propagates
+                lost.append(f"{job.name!r} ({type(e3).__name__}: {e3})")
+        if lost:
+            err.add_note("restoring the old bits failed for tensor(s) " + ", ".join(reversed(lost))
+                         + ": their content is unknown; reload them")
         if err is e:
             raise
         raise err from None

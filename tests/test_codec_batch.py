@@ -279,6 +279,32 @@ def test_apply_many_is_all_or_nothing_when_the_third_of_five_fails(failure, thre
     assert all(np.array_equal(dtypes.host_bits(lv), w) for lv, w in zip(lives, want))
 
 
+def test_a_tensor_that_cannot_be_restored_does_not_stop_the_others_and_is_named(monkeypatch):
+    """When putting one tensor back fails too, every other tensor is still restored, the original
+    error propagates, and a note names the tensor whose bits are now unknown."""
+    from delta import batch
+
+    olds, news, recs = encoded_pairs(31, n=5)
+    lives = [o.clone() for o in olds]
+    before = [dtypes.host_bits(lv).copy() for lv in lives]
+    bad = list(recs)
+    bad[3] = _corrupt_payload(recs[3])
+    real = batch._Applying.rollback
+
+    def rollback(self):
+        if self.name == "layers.1.w":
+            raise OSError("device lost")
+        real(self)
+
+    monkeypatch.setattr(batch._Applying, "rollback", rollback)
+    with pytest.raises(ChecksumError, match=r"layers\.3\.w") as info:
+        delta.apply_many(zip(lives, bad), threads=1)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "'layers.1.w'" in notes and "device lost" in notes
+    for i in (0, 2, 3, 4):
+        assert np.array_equal(dtypes.host_bits(lives[i]), before[i]), f"tensor {i} not restored"
+
+
 def test_apply_many_reports_the_first_failing_tensor_in_input_order():
     """A big tensor that fails only once written, then one that fails at once: the big one is reported."""
     olds, news, recs = encoded_pairs(40, n=5)
