@@ -91,7 +91,10 @@ class _Runner:
             self._lanes += 1
         try:
             codec._executor().submit(self._lane)
-        except RuntimeError:        # the interpreter is shutting down its pools: run the lane here
+        except RuntimeError:
+            # the interpreter is shutting down its pools, or no thread could be started: run the lane
+            # here. In the second case the pool had queued it already and may run it later too, like any
+            # lane; it then counts itself out once more, which close() tolerates.
             self._lane()
         return task
 
@@ -124,7 +127,7 @@ class _Runner:
         with self._lock:
             self._closed = True
             self._queue.clear()
-            while self._lanes:
+            while self._lanes > 0:      # < 0 when a lane ran twice (see submit)
                 self._idle.wait()
 
 

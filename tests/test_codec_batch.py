@@ -381,6 +381,32 @@ def test_codec_calls_from_inside_the_codec_pool_cannot_deadlock_it():
     assert not codec.in_pool_worker()        # the caller's thread is no pool thread
 
 
+def test_a_pool_that_queues_a_lane_but_cannot_start_its_thread_does_not_hang_close(monkeypatch):
+    """ThreadPoolExecutor.submit queues the work before starting a thread; when the start fails it
+    raises, the caller runs the lane itself, and the queued copy may still run later."""
+    olds, news, recs = encoded_pairs(62, n=12, elems=6000)
+    late: list[threading.Thread] = []
+
+    class FlakyPool:
+        def submit(self, fn):
+            t = threading.Thread(target=fn, daemon=True)
+            late.append(t)
+            t.start()                       # the queued copy, run later by "the pool"
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(codec, "_executor", lambda: FlakyPool())
+    out: list = []
+    worker = threading.Thread(target=lambda: out.extend(
+        e.to_bytes() for e in delta.encode_many(zip([r.name for r in recs], olds, news), threads=3,
+                                                 chunk_elems=1000)), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "encode_many hung in close()"
+    for t in late:
+        t.join(30)
+    assert out == [r.to_bytes() for r in recs]
+
+
 def test_a_forked_child_encodes_and_applies_on_threads_of_its_own():
     """The parent's pool threads do not exist in a forked child (fork servers, multiprocessing's
     fork start): the child must start its own pool rather than queue work no thread will run."""
