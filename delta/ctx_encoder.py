@@ -89,6 +89,18 @@ def _put_golomb(w, acc, nb, k, v, m, b, cut, rinv):
     return _put(w, acc, nb, k, code, n)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _first_gaps(w, mode, init, m, b, cut, rinv):
+    """Start a stream in ``w``: the first gap of every Golomb-coded class, in class order."""
+    acc = U64(0)
+    nb = 0
+    k = 0
+    for c in range(mode.shape[0]):
+        if mode[c] == GOLOMB:
+            acc, nb, k = _put_golomb(w, acc, nb, k, init[c], m[c], b[c], cut[c], rinv[c])
+    return acc, nb, k
+
+
 @njit(cache=True, nogil=True)
 def _bytes_of(w, k, nb, out, pos):
     """Copy the ``32 k + nb`` bits of word stream ``w`` into ``out`` at byte ``pos``,
@@ -418,12 +430,7 @@ def _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, 
     hdr = HEADER_MIN + R + 2 * A + 4
     # position stream: first gaps, then the gap after each event, in element order
     pw = np.zeros(pbits // 32 + 2, np.uint32)
-    acc = U64(0)
-    nb = 0
-    k = 0
-    for c in range(C):
-        if pmode[c] == GOLOMB:
-            acc, nb, k = _put_golomb(pw, acc, nb, k, pinit[c], pm[c], pb[c], pc[c], pr[c])
+    acc, nb, k = _first_gaps(pw, pmode, pinit, pm, pb, pc, pr)
     t = 0
     s = 0
     while t < count or s < ucount:
@@ -440,12 +447,7 @@ def _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, 
     pk, pnb = k, nb
     # step stream: first big-flag gaps, then per change: sign, big-flag gap at events, magnitude
     sw = np.zeros(sbits // 32 + 2, np.uint32)
-    acc = U64(0)
-    nb = 0
-    k = 0
-    for c in range(C):
-        if zmode[c] == GOLOMB:
-            acc, nb, k = _put_golomb(sw, acc, nb, k, zinit[c], zm[c], zb[c], zc[c], zr[c])
+    acc, nb, k = _first_gaps(sw, zmode, zinit, zm, zb, zc, zr)
     for t in range(count):
         c = ccls[t]
         acc, nb, k = _put(sw, acc, nb, k, csign[t], 1)
