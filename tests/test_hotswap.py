@@ -538,3 +538,121 @@ def test_swaps_across_a_run_written_by_the_real_publisher(tmp_path):
         assert rep.path == route
         for k, t in versions[v].items():
             assert bits_equal(live[k], t), (v, k)
+
+
+# --- faults between prepare and commit: allocations, copies, other writers ------------------------
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """Same logical bits, non-contiguous storage (a transposed buffer): copying it allocates."""
+    if t.dim() == 0 or t.numel() < 2:
+        return t.clone()
+    buf = torch.empty((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype)
+    out = buf[..., ::2]
+    out.copy_(t)
+    return out
+
+
+class FailNth:
+    """The n-th call (from arming) of torch.Tensor.to/contiguous/copy_/clone raises, as a failed allocation or
+    device copy does; every later call goes through. ``calls`` counts what the armed section ran."""
+
+    METHODS = ("to", "contiguous", "copy_", "clone")
+
+    def __init__(self, monkeypatch, n: int):
+        self.n, self.calls, self.armed, self.fired = n, 0, False, None
+        for name in self.METHODS:
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, real))
+
+    def _wrap(self, name, real):
+        def method(t, *a, **kw):
+            if self.armed:
+                self.calls += 1
+                if self.calls == self.n:
+                    self.fired = f"{name} of a {'non-' if not t.is_contiguous() else ''}contiguous tensor"
+                    raise RuntimeError(f"injected: cannot allocate memory ({name}, call {self.n})")
+            return real(t, *a, **kw)
+        return method
+
+
+@pytest.fixture
+def mixed_run(tmp_path):
+    """Version 1 rewrites every element of two tensors (staged densely) and a few of two others (sparsely)."""
+    g = torch.Generator().manual_seed(3)
+    v0 = {f"{kind}.{i}": torch.randn(24, 40, generator=g).to(torch.bfloat16 if i else torch.float32)
+          for kind in ("dense", "sparse") for i in range(2)}
+    v1 = clone(v0)
+    for k, t in v1.items():
+        if k.startswith("dense"):
+            t.add_(1.0)
+        else:
+            t.view(-1)[::97] += 1.0
+    return write_run(str(tmp_path / "mixed"), versions=[v0, v1])
+
+
+def test_a_commit_failing_at_any_allocation_or_copy_leaves_every_tensor_and_the_version_old(mixed_run,
+                                                                                            monkeypatch):
+    """Regression: a failed copy of a strided live tensor (or of its bits to the host) during a dense swap
+    wrote the NEW bits into it while reporting a full rollback. Fail each torch copy/allocation of the
+    commit in turn: every time, every tensor keeps its old bits, the version stays, and the same prepared
+    update then commits."""
+    run, target = mixed_run, 1
+    reader = SnapshotReader(run.url)
+    fired = []
+    for n in range(1, 10_000):
+        live = {k: strided_copy(t) if k.endswith("0") else t.clone() for k, t in run.truth[0].items()}
+        sw = HotSwapper(live, reader, version=0, stage_threads=1)
+        prepared = sw.prepare(target)
+        kinds = {(s.st.dense is not None, live[s.live_name].is_contiguous()) for s in prepared.staged}
+        assert kinds == {(True, False), (True, True), (False, False), (False, True)}  # dense/sparse, (non-)contiguous
+        fault = FailNth(monkeypatch, n)
+        fault.armed = True
+        try:
+            sw.commit(prepared)
+        except HotLoadError as e:
+            fault.armed = False
+            assert "restored" in str(e), e
+            fired.append(fault.fired)
+        else:
+            fault.armed = False
+            assert fault.calls < n      # no fault left to inject: the commit went through
+            assert_at(live, run, target)
+            break
+        assert sw.version == 0, n
+        assert_at(live, run, 0)
+        sw.commit(prepared)             # the failed commit left the prepared update whole
+        assert sw.version == target
+        assert_at(live, run, target)
+        monkeypatch.undo()
+    assert any("non-contiguous" in f for f in fired), fired
+
+
+def test_a_sparse_change_to_a_tensor_written_after_prepare_is_refused_and_the_writes_kept(run):
+    live, sw = swapper_at(run, 0)
+    prepared = sw.prepare(1)
+    s = next(s for s in prepared.staged if s.st.dense is None)
+    flat = live[s.live_name].view(-1)
+    pos = int(s.st.positions[len(s.st.positions) // 2])
+    flat[pos] = -flat[pos] if flat[pos] != 0 else 1.0          # another writer, in place
+    written = clone(live)
+    with pytest.raises(HotLoadError, match=f"{s.name!r}.*written after prepare"):
+        sw.commit(prepared)
+    assert sw.version == 0
+    for k in live:
+        assert bits_equal(live[k], written[k]), k              # nothing overwrote the other writer's bits
+
+
+@pytest.mark.parametrize("other", ["dense.0", "dense.1"])   # strided (torch copies), contiguous (chunked swap)
+def test_a_dense_change_to_a_tensor_written_after_prepare_is_refused_and_the_writes_kept(mixed_run, other):
+    run = mixed_run
+    live = {k: strided_copy(t) if k.endswith("0") else t.clone() for k, t in run.truth[0].items()}
+    sw = HotSwapper(live, SnapshotReader(run.url), version=0)
+    prepared = sw.prepare(1)
+    assert next(s for s in prepared.staged if s.live_name == other).st.dense is not None
+    live[other][-1, -1] = 7.0                                  # another writer, in place
+    written = clone(live)
+    with pytest.raises(HotLoadError, match=f"{other!r}.*written after prepare"):
+        sw.commit(prepared)
+    assert sw.version == 0
+    for k in live:
+        assert bits_equal(live[k], written[k]), k
