@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from . import dtypes
 from .errors import ManifestError, RunMismatchError
+from .record import max_record_size
 
 SCHEMA_VERSION = 1
 MANIFEST_FORMAT = "ckptdelta-manifest"
@@ -312,7 +313,11 @@ def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: 
     else:
         _expect(type(obj) is int and 0 <= obj < len(objects), where, f"object index {obj!r}")
         _expect(off + length <= objects[obj].size, where, "byte range beyond its object")
+        itemsize = dtypes.by_name(dt).itemsize
         if kind == "anchor":
-            nbytes = math.prod(shape) * dtypes.by_name(dt).itemsize
+            nbytes = math.prod(shape) * itemsize
             _expect(length == nbytes, where, f"length {length} for {nbytes} bytes of data")
+        else:
+            most = max_record_size(math.prod(shape), itemsize, len(shape), len(nb))
+            _expect(length <= most, where, f"record length {length} (a record of {dt}{shape} takes at most {most})")
     return TensorEntry(dt, tuple(shape), h, obj, off, length)

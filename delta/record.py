@@ -102,6 +102,25 @@ def header_size_for(ndim: int, name_len: int, n_chunks: int) -> int:
     return FIXED_SIZE + 8 * ndim + _pad8(name_len) + CHUNK_ENTRY_SIZE * n_chunks + 8
 
 
+#: What one zstd frame may add to its input: ZSTD_compressBound's s/256 + 64 bytes, rounded up generously.
+_FRAME_SLACK = 128
+
+
+def max_record_size(numel: int, itemsize: int, ndim: int, name_len: int) -> int:
+    """The most bytes a record of a tensor of this size may take; a longer one is refused unread.
+
+    A bucket names a record's length in its manifest, and a reader would otherwise
+    download (allocate) whatever it says before the record's own header could be
+    checked. The bound covers every record the encoder writes, with any chunk size:
+    the header of the most chunks there can be, and each chunk at its worst
+    encoding (sparse, every element changed, at the widest planes, 4 + itemsize
+    bytes an element) grown by zstd's worst case, doubled for headroom. So it is a
+    few times the tensor's own size, never the manifest's word for it."""
+    n_chunks = min(numel, MAX_CHUNKS)
+    payload = 2 * (4 + itemsize) * numel + n_chunks * (4 + 2 * _FRAME_SLACK)
+    return header_size_for(ndim, name_len, n_chunks) + payload
+
+
 def _pad8(n: int) -> int:
     return (n + 7) & ~7
 

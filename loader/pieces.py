@@ -18,6 +18,7 @@ import xxhash
 from delta import EncodedTensor, apply_, decode, digest_hex, dtypes
 from delta.errors import ChecksumError, FormatError, ParentMismatchError, TruncatedError
 from delta.manifest import Manifest, ObjectRef, TensorEntry
+from delta.record import max_record_size
 
 #: Neighbouring ranges of one object closer than this are fetched as one request.
 COALESCE_GAP = 64 << 10
@@ -61,6 +62,18 @@ class Piece:
         return (f"{kind} of tensor {self.name!r} in {self.obj.key} bytes {self.start}-{self.end} "
                 f"({self.manifest.where()})")
 
+
+
+def check_piece_size(p: Piece) -> None:
+    """Refuse, before a byte is fetched, a piece longer than its tensor can justify (a hostile manifest's
+    length is otherwise what the reader allocates): an anchor tensor's exact size, a record's bound."""
+    e = p.entry
+    dt = dtypes.by_name(e.dtype)
+    most = max_record_size(e.numel, dt.itemsize, len(e.shape), len(p.name.encode("utf-8"))) if p.is_record \
+        else e.nbytes
+    if e.length > most:
+        raise FormatError(f"{p.where()}: {e.length} bytes claimed, a {e.dtype}{list(e.shape)} tensor's "
+                          f"{'record' if p.is_record else 'data'} takes at most {most}")
 
 
 def check_piece(p: Piece, data: bytes) -> "bytes | EncodedTensor":

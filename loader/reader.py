@@ -34,7 +34,7 @@ from delta.manifest import (ANCHOR_DIR, DELTA_DIR, HEAD_KEY, MANIFEST_DIR, MAX_H
 from delta.storage import Store
 
 from .cache import DiskCache
-from .pieces import Piece, check_piece, coalesce, rebuild
+from .pieces import Piece, check_piece, check_piece_size, coalesce, rebuild
 from .plan import rebuild_pieces
 
 log = logging.getLogger("ckptdelta.loader")
@@ -260,6 +260,8 @@ class SnapshotReader:
         into few range requests, fetched in parallel, checked, then cached."""
         out: list = [None] * len(pieces)
         misses = []
+        for p in pieces:
+            check_piece_size(p)
         for i, p in enumerate(pieces):
             if p.nbytes == 0:
                 out[i] = check_piece(p, b"")

@@ -21,7 +21,7 @@ from delta.batch import apply_many
 from delta.codec import EncodedTensor
 from delta.errors import ChecksumError, ManifestError, SnapshotNotFoundError
 from delta.manifest import Manifest, TensorEntry
-from delta.record import MAX_CHUNKS, header_size_for
+from delta.record import MAX_NAME_BYTES, header_size_for, max_record_size
 from delta.storage import Store
 
 from .runs import read_manifest, read_manifests
@@ -102,7 +102,9 @@ def _apply_delta(store: Store, m: Manifest, tensors: dict[str, torch.Tensor]) ->
 def _check_record_size(e: TensorEntry, got: int, what: str) -> None:
     if got != e.length:
         raise ChecksumError(f"{what}: read {got} bytes of a {e.length}-byte record")
-    if e.length < header_size_for(len(e.shape), 0, 0) or e.length > e.nbytes * 2 + header_size_for(32, 4096, MAX_CHUNKS):
+    dt = dtypes.by_name(e.dtype)
+    if e.length < header_size_for(len(e.shape), 0, 0) or \
+            e.length > max_record_size(e.numel, dt.itemsize, len(e.shape), MAX_NAME_BYTES):
         raise ManifestError(f"{what}: implausible record length {e.length}")
 
 

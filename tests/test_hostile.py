@@ -452,3 +452,64 @@ def test_a_local_range_read_never_allocates_the_length_a_manifest_claims(tmp_pat
     for n in (1 << 33, 1 << 41):
         data, peak = _measured(lambda n=n: store.get("obj", (8, 8 + n)))
         assert data == b"x" * 992 and peak < MEMORY_LIMIT, (n, peak)
+
+
+# --- a record longer than its tensor ------------------------------------------------------------------
+
+def _claiming_run(tmp_path, claim: int) -> tuple[str, dict]:
+    """A run of one 16-element float32 tensor (anchor 0, delta 1), then a delta 2 whose manifest says the
+    tensor's record is ``claim`` bytes long, in an object (sparse on disk) that big."""
+    from tests.bucketgen import write_run
+    w0 = torch.arange(16, dtype=torch.float32)
+    run = write_run(str(tmp_path / "claims" / "run"), versions=[{"w": w0}, {"w": w0 + 1}], n_shards=1,
+                    objects_per_delta=1)
+    url = run.url
+    doc = _manifest_doc(url, 1)
+    key = "deltas/000000000002-hostile/rank-00000.ckd"
+    os.makedirs(os.path.join(url, os.path.dirname(key)), exist_ok=True)
+    with open(os.path.join(url, key), "wb") as f:
+        f.truncate(claim + 64)
+    doc["objects"] = [{"key": key, "size": claim + 64, "xxh3": "0" * 16}]
+    doc["tensors"]["w"].update(object=0, offset=64, length=claim)
+    doc.update(version=2, name="v00000002", parent_version=1)
+    _write_manifest(url, doc)
+    return url, run.truth
+
+
+def test_a_record_claiming_more_than_its_tensor_can_take_is_refused_before_it_is_downloaded(tmp_path):
+    """Regression: a 16-element float32 tensor's delta record claiming 256 MiB was downloaded whole (256 MiB
+    allocated) before its header was refused. The manifest's length is now bounded by the tensor's size
+    (delta.record.max_record_size), on every path that reads it."""
+    url, truth = _claiming_run(tmp_path, 256 << 20)
+    live = {"w": truth[1]["w"].clone()}
+    swapper = HotSwapper(live, SnapshotReader(url), version=1)
+    out = str(tmp_path / "out")
+    for what, fn in [("read_tensors", lambda: SnapshotReader(url).read_tensors(2)),
+                     ("verify", lambda: SnapshotReader(url).verify(2)),
+                     ("materialize", lambda: SnapshotReader(url).materialize(2, out)),
+                     ("hot-load", lambda: swapper.prepare(2))]:
+        err, peak = _measured(fn)
+        assert peak < 2 << 20, (what, peak, repr(err))
+        assert isinstance(err, CkptDeltaError), (what, repr(err))
+        assert "manifests/000000000002.json" in str(err) and "'w'" in str(err), (what, str(err))
+    assert swapper.version == 1 and torch.equal(live["w"], truth[1]["w"])
+    assert SnapshotReader(url).read_tensors(1)["w"].equal(truth[1]["w"])     # the run before it still reads
+
+
+def test_a_reader_refuses_an_oversized_record_before_fetching_it_even_from_a_manifest_built_in_memory(tmp_path):
+    """The manifest parser bounds a record's length; the fetch checks it again for manifests that did not come
+    through the parser (built in code), with the same bound."""
+    import dataclasses
+
+    from loader.pieces import Piece
+    url, _ = _claiming_run(tmp_path, 256 << 20)
+    reader = SnapshotReader(url)
+    m = reader.manifest(1)
+    e = m.tensors["w"]
+    o = m.objects[e.object]
+    hostile = dataclasses.replace(o, key="deltas/000000000002-hostile/rank-00000.ckd", size=(256 << 20) + 64)
+    big = dataclasses.replace(m, objects=(hostile,),
+                              tensors={"w": dataclasses.replace(e, object=0, offset=64, length=256 << 20)})
+    err, peak = _measured(lambda: reader.fetch([Piece(big, "w")], use_cache=False))
+    assert peak < 2 << 20, (peak, repr(err))
+    assert isinstance(err, FormatError) and "'w'" in str(err) and "at most" in str(err), repr(err)
