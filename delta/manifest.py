@@ -69,6 +69,27 @@ def delta_prefix(version: int, writer_id: str) -> str:
     return f"{DELTA_DIR}/{version:012d}-{writer_id}"
 
 
+#: Tensor names the format gives another meaning: a safetensors header's own metadata entry.
+RESERVED_TENSOR_NAMES = frozenset({"__metadata__"})
+#: A tensor name's longest UTF-8 form (a record header's name field, docs/FORMAT.md).
+MAX_TENSOR_NAME_BYTES = 4096
+
+
+def tensor_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a tensor in a snapshot, or None. Shared by the manifest parser and the
+    publisher, which refuses such a tensor before writing anything (it would commit what readers refuse)."""
+    if not isinstance(name, str) or not name:
+        return "tensor names must be non-empty strings"
+    if name in RESERVED_TENSOR_NAMES:
+        return f"the name {name!r} is reserved by the safetensors format (a shard header's metadata entry)"
+    nb = _utf8(name)
+    if nb is None:
+        return "the name is not valid UTF-8"
+    if len(nb) > MAX_TENSOR_NAME_BYTES:
+        return f"the name is {len(nb)} bytes in UTF-8 (at most {MAX_TENSOR_NAME_BYTES})"
+    return None
+
+
 def is_safe_key(key: str) -> bool:
     """A relative key with no empty, '.' or '..' segment: it cannot leave the run."""
     return bool(_KEY_RE.match(key)) and not any(p in (".", "..") for p in key.split("/"))
@@ -295,8 +316,8 @@ def _object(o: Any, what: str) -> ObjectRef:
 
 def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: str) -> TensorEntry:
     where = f"{what} tensor {name!r}"
+    _expect(tensor_name_problem(name) is None, what, f"tensor name {name!r}")
     nb = _utf8(name)
-    _expect(nb is not None and 0 < len(nb) <= 4096, what, f"tensor name {name!r}")
     _expect(isinstance(t, dict), where, "entry")
     dt = t.get("dtype")
     _expect(isinstance(dt, str) and dt in dtypes.BY_NAME, where, f"dtype {dt!r}")

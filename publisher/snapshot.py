@@ -20,6 +20,7 @@ import torch
 
 from delta import dtypes
 from delta.errors import PublishInputError, UnsupportedDtypeError
+from delta.manifest import tensor_name_problem
 
 log = logging.getLogger("ckptdelta.publisher")
 
@@ -46,8 +47,9 @@ def gather_sources(weights: Weights, partition: Partition = None) -> dict[str, t
     keep = _partition_filter(partition)
     out: dict[str, torch.Tensor | np.ndarray] = {}
     for name, value in items.items():
-        if not isinstance(name, str) or not name:
-            raise PublishInputError(f"tensor names must be non-empty strings, got {name!r}")
+        problem = tensor_name_problem(name)
+        if problem is not None:
+            raise PublishInputError(f"tensor {name!r} cannot be published: {problem}")
         if keep is not None and not keep(name):
             continue
         _check_value(name, value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import threading
@@ -109,6 +110,20 @@ def test_odd_tensors_publish_by_content_nan_bit_exact_and_meta_is_refused(tmp_pa
     want = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v.contiguous()) for k, v in w.items()}
     assert_same(got[1], want)
     assert dtypes.host_bits(got[1]["nan"])[10] == 0x7FC5 and dtypes.host_bits(got[1]["f32nan"])[0] == 0x7FA00001
+
+
+@pytest.mark.parametrize("name", ["__metadata__", "x" * 4097, "bad\udc80surrogate"])
+def test_a_tensor_name_the_format_reserves_or_cannot_hold_is_refused_at_publish_naming_it(tmp_path, name):
+    """Regression: a tensor named ``__metadata__`` replaced the shard header's metadata entry; the publisher
+    committed an anchor its own verify refused and safetensors could not open."""
+    url = str(tmp_path / "run")
+    w = weights()
+    with Publisher(url, progress=False) as pub:
+        with pytest.raises(PublishInputError, match=re.escape(f"tensor {name!r}"[:20])):
+            pub.publish({**w, name: torch.zeros(4)}, 0)
+        assert not os.path.exists(os.path.join(url, "manifests"))     # nothing committed
+        assert pub.publish(w, 0).version == 0                       # the publisher stays usable
+    assert SnapshotReader(url).verify(0).tensors_checked == len(w)
 
 
 def test_a_step_that_goes_back_is_refused_and_the_run_is_intact(tmp_path):
