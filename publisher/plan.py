@@ -61,6 +61,7 @@ class Plan:
     parent_version: int | None
     anchor_version: int
     reason: str
+    data_id: str = ""       # names this attempt's data prefix (<v>-<data_id>/): no two attempts share a key
 
 
 def decide(state: ChainState, schema: Schema, *, anchor_every: int, chain_fraction: float,

@@ -129,6 +129,7 @@ class Publisher:
         self._spare: dict[str, torch.Tensor] = {}
         self._nan_warned: set[str] = set()
         self._n_failures = 0
+        self._attempts = 0          # publish attempts planned by this session (rank 0): each one's data prefix
         self._pending_error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._closed = False
@@ -376,7 +377,11 @@ class Publisher:
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=self.anchor_chain_fraction,
                       force_anchor=any(g[3] for g in gathered))
         check_not_committed(self._store, plan.version, self.run_id)
-        return plan
+        # Every attempt writes under keys of its own: a retry of a failed publish gets the same version, and a
+        # PUT of the failed attempt that lands late (a stalled request completed by the server) must never
+        # replace an object the retry committed. Rank 0 decides, so all ranks of one attempt share it.
+        self._attempts += 1
+        return replace(plan, data_id=f"{self.writer_id}-{self._attempts}")
 
     def _ensure_parent(self, plan: Plan, job: _Job) -> dict[str, torch.Tensor]:
         assert job.snapshot is not None and plan.parent_version is not None
@@ -397,12 +402,12 @@ class Publisher:
         assert job.snapshot is not None
         if plan.kind == "anchor":
             written = write_anchor(self._store, self._uploads, job.snapshot, shards, version=plan.version,
-                                   writer_id=self.writer_id, first_shard=first, total_shards=total,
+                                   writer_id=plan.data_id, first_shard=first, total_shards=total,
                                    extra_files=self._extra if self._comm.rank == 0 else {}, progress=self.progress)
         else:
             assert parent is not None
             written = write_delta_object(self._store, parent, job.snapshot, version=plan.version,
-                                         writer_id=self.writer_id, rank=self._comm.rank, level=self.level,
+                                         writer_id=plan.data_id, rank=self._comm.rank, level=self.level,
                                          context=self.context_coding,
                                          progress=self.progress)
         with_bytes = [n for n, e in written.entries.items() if e.object is not None]
@@ -420,7 +425,7 @@ class Publisher:
         full = sum(e.nbytes for e in entries.values())
         if plan.kind == "anchor":
             if len(objects) > 1:
-                key = f"{anchor_prefix(plan.version, self.writer_id)}/{anchor_fmt.INDEX_FILE}"
+                key = f"{anchor_prefix(plan.version, plan.data_id)}/{anchor_fmt.INDEX_FILE}"
                 data = anchor_fmt.index_json(weight_map, full)
                 store.put(key, data)
                 objects.append(ObjectRef(key, len(data), digest_hex(xxhash.xxh3_64_intdigest(data))))

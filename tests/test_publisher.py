@@ -135,14 +135,14 @@ def test_publish_killed_at_the_commit_leaves_no_snapshot_and_gc_removes_its_debr
     crashed.close()
     store = open_store(store_url)
     assert versions(store) == [0, 1]
-    debris = [k for k in store.list_prefix("anchors/") if f"-{crashed.writer_id}/" in k]
+    debris = [k for k in store.list_prefix("anchors/") if f"-{crashed.writer_id}-" in k]
     assert debris  # its shards were uploaded, but nothing points at them
 
     young = collect(url, storage_options=opts)               # within the grace period: kept
     assert young.deleted_objects == () and set(debris) <= set(young.young_orphans)
     report = collect(url, storage_options=opts, grace_seconds=0)
     assert set(report.deleted_objects) == set(debris) and report.deleted_versions == ()
-    assert not any(f"-{crashed.writer_id}/" in k for k in store.list_prefix(""))
+    assert not any(f"-{crashed.writer_id}-" in k for k in store.list_prefix(""))
     assert_same(snapshot(store, 1), v1)  # still readable after gc
     with Publisher(url, storage_options=opts) as again:
         r = again.publish(w, 2)
@@ -213,3 +213,47 @@ def test_manifest_written_is_valid_json_with_the_documented_fields(tmp_path):
     assert raw["format"] == "ckptdelta-manifest" and raw["name"] == "v00000000"
     assert raw["metadata"] == {"git": "abc123"} and raw["kind"] == "anchor" and raw["parent_version"] is None
     assert raw["full_bytes"] == sum(t.numel() * t.element_size() for t in weights().values())
+
+
+@pytest.mark.parametrize("kind", ["delta", "anchor"])
+def test_a_retried_publish_writes_keys_of_its_own_so_a_late_write_of_the_failed_attempt_changes_nothing(
+        tmp_path, kind):
+    """Regression: a retry of a failed publish (same version) rewrote the failed attempt's data keys, so a
+    PUT of that attempt landing late (a stalled request the server completes after the client gave up)
+    replaced an object of the committed snapshot: reads and verify of it failed, and the publisher's next
+    deltas (against its in-memory parent) were unreadable until the next anchor."""
+    from loader.reader import SnapshotReader
+    url = str(tmp_path / "run")
+    w = weights()
+    with Publisher(url, shard_bytes=6000, progress=False) as pub:
+        pub.publish(w, 0)
+        store = pub.store
+        real = store.put_if_absent
+
+        def manifest_create_fails(key, data):
+            if key.startswith("manifests/"):
+                raise StorageError(f"simulated: every try of the create of {key} failed")
+            return real(key, data)
+
+        perturb(w, seed=1)
+        store.put_if_absent = manifest_create_fails
+        before = set(store.list_prefix(""))
+        with pytest.raises(StorageError):
+            pub.publish(w, 1, anchor=kind == "anchor")
+        failed = {k: store.get(k) for k in set(store.list_prefix("")) - before}
+        assert failed                                       # the failed attempt left its data objects
+        store.put_if_absent = real
+        perturb(w, seed=2)                                  # the trainer stepped: the retry publishes other bits
+        r = pub.publish(w, 1, anchor=kind == "anchor")
+        assert r.version == 1 and r.kind == kind
+        v1 = clone(w)
+        committed = {o.key for o in read_manifest(store, 1, None).objects}
+        assert not committed & set(failed)                  # the retry wrote none of the failed attempt's keys
+        for key, data in failed.items():                    # the failed attempt's PUTs land late
+            store.put(key, data)
+        perturb(w, seed=3)
+        assert pub.publish(w, 2).kind == "delta"            # against the in-memory parent: the committed v1
+    reader = SnapshotReader(url)
+    assert reader.verify(1) and reader.verify(2)
+    assert_same(reader.read_tensors(1), v1)
+    assert_same(reader.read_tensors(2), w)
