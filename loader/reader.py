@@ -66,6 +66,7 @@ class VerifyReport:
     tensors_checked: int
     bytes_read: int
     seconds: float
+    damaged: tuple[str, ...] = ()   # unreadable manifests newer than the version checked (verify of latest)
 
 
 class SnapshotReader:
@@ -116,11 +117,31 @@ class SnapshotReader:
             vs = self.versions()
             if not vs:
                 raise SnapshotNotFoundError(f"run {self.run_id!r} at {self.url} has no committed snapshot yet")
-            return vs[-1]
+            return self._last_readable(vs[-1])
         v = head
         while self._manifest_exists(v + 1):
             v += 1
-        return v
+        return self._last_readable(v)
+
+    def _last_readable(self, v: int) -> int:
+        """``v``, or the newest committed version below it whose manifest can be read: a damaged newest
+        manifest (create-only, so it stays) must not make ``latest`` fail for every replica. Logged;
+        ``verify`` and ``ckptdelta ls`` still report it."""
+        try:
+            self._manifest(v)
+            return v
+        except ManifestError as e:
+            damaged = e
+        older = [u for u in self.versions() if u < v]
+        for u in reversed(older):
+            try:
+                self._manifest(u)
+            except ManifestError:
+                continue
+            log.warning("run %s at %s: the newest manifest (version %d) is unreadable (%s); latest is version %d",
+                        self.run_id, self.url, v, damaged, u)
+            return u
+        raise damaged
 
     def resolve(self, ref: "str | int") -> int:
         """A version from "latest", a version number, a snapshot name ("v00000042") or a decimal string."""
@@ -247,8 +268,13 @@ class SnapshotReader:
             if m.kind == "anchor":
                 self._verify_anchor_names(m)
         n_tensors = self._verify_tensors(chain)
+        damaged = ()
+        if ref is None:     # latest skipped damaged newer manifests: say which
+            damaged = tuple(self.store.key_url(manifest_key(u)) for u in self.versions() if u > v)
+            for key in damaged:
+                log.warning("verify: manifest %s is unreadable; latest is %s", key, snapshot_name(v))
         return VerifyReport(v, snapshot_name(v), [m.version for m in chain], len(objects), n_tensors,
-                            self.stats["bytes_fetched"] - before, time.perf_counter() - t0)
+                            self.stats["bytes_fetched"] - before, time.perf_counter() - t0, damaged)
 
     # --- fetching (also used by loader.hotswap) -----------------------------------
 

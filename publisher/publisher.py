@@ -175,8 +175,11 @@ class Publisher:
             except CkptDeltaError as e:  # an unreadable chain: the next publish anchors
                 log.warning("run %s at %s: cannot read the chain of version %d (%s); the next publish will anchor",
                             rid, store.url, versions[-1], e)
-                last = read_manifest(store, versions[-1], rid)
-                self._chain = ChainState(last_version=last.version, last_step=last.step)
+                # The newest manifest itself may be the damaged one (manifests are create-only and gc keeps
+                # unreadable ones): the step comes from the last readable one, and the next version still
+                # follows the newest that exists, so nothing committed is ever rewritten.
+                last = _last_readable(store, versions, rid)
+                self._chain = ChainState(last_version=versions[-1], last_step=None if last is None else last.step)
             log.info("run %s at %s: resuming after version %d (step %s)", rid, store.url, versions[-1],
                      self._chain.last_step)
         return rid, new_writer_id(), self._chain.last_step
@@ -468,3 +471,13 @@ class Publisher:
                  r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes, 100 * r.ratio,
                  r.full_bytes, r.total_s, r.reason)
         return r
+
+
+def _last_readable(store: Store, versions: list[int], run_id: str) -> Manifest | None:
+    """The newest manifest of ``versions`` that parses, skipping (and logging) damaged ones."""
+    for v in reversed(versions):
+        try:
+            return read_manifest(store, v, run_id)
+        except CkptDeltaError as e:
+            log.warning("run %s at %s: manifest of version %d is unreadable (%s); skipping it", run_id, store.url, v, e)
+    return None

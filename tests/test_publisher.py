@@ -257,3 +257,36 @@ def test_a_retried_publish_writes_keys_of_its_own_so_a_late_write_of_the_failed_
     assert reader.verify(1) and reader.verify(2)
     assert_same(reader.read_tensors(1), v1)
     assert_same(reader.read_tensors(2), w)
+
+
+def test_a_damaged_newest_manifest_is_skipped_by_readers_and_a_reopened_publisher_anchors_after_it(
+        tmp_path, caplog):
+    """Regression: an unreadable newest manifest made ``Publisher(url)`` raise ManifestError (the run stayed
+    stuck until someone deleted it by hand) and ``latest`` fail for every replica."""
+    from delta.manifest import manifest_key
+    from loader.reader import SnapshotReader
+    url = str(tmp_path / "run")
+    w = weights()
+    with Publisher(url, progress=False) as pub:
+        pub.publish(w, 0)
+        v0 = clone(w)
+        perturb(w, seed=1)
+        pub.publish(w, 1)
+    path = tmp_path / "run" / manifest_key(1)
+    damaged = path.read_bytes()[:-40] + b"garbage"
+    path.write_bytes(damaged)
+    reader = SnapshotReader(url)
+    with caplog.at_level("WARNING", logger="ckptdelta.loader"):
+        assert reader.resolve("latest") == 0
+    assert "version 1" in caplog.text and "unreadable" in caplog.text
+    assert_same(reader.read_tensors("latest"), v0)
+    report = SnapshotReader(url).verify()
+    assert report.version == 0 and len(report.damaged) == 1 and manifest_key(1) in report.damaged[0], report
+    perturb(w, seed=2)
+    with Publisher(url, progress=False) as again:
+        r = again.publish(w, 2)
+    assert r.version == 2 and r.kind == "anchor"
+    assert path.read_bytes() == damaged                     # never rewritten
+    reader = SnapshotReader(url)
+    assert reader.resolve("latest") == 2 and reader.verify().damaged == ()
+    assert_same(reader.read_tensors("latest"), w)
