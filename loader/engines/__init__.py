@@ -1,0 +1,29 @@
+"""Replica engines, by name: each is one module with a ``build(**options)`` returning a ReplicaEngine.
+
+The registry imports an engine only when asked for, so the reference replica
+never imports vLLM (and vLLM's workers import only what they call).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine
+
+ENGINES: dict[str, str] = {
+    "reference": "loader.engines.reference",
+    "vllm": "loader.engines.vllm",
+}
+
+
+def build_engine(kind: str, **options: Any) -> ReplicaEngine:
+    """Build the engine ``kind`` ("reference", "vllm") from serve's options."""
+    try:
+        module = ENGINES[kind]
+    except KeyError:
+        raise ValueError(f"unknown engine {kind!r}: expected one of {sorted(ENGINES)}") from None
+    return importlib.import_module(module).build(**options)
+
+
+__all__ = ["ENGINES", "EngineApplier", "EngineResult", "ReplicaAPIError", "ReplicaEngine", "build_engine"]

@@ -1,0 +1,108 @@
+"""The seam between the replica (HTTP API, hot-load jobs, metrics, client) and the engine that samples.
+
+A replica engine owns two things: answering sampling requests, and the weights
+those requests run on. Everything else (auth, ``min_policy_version``,
+``engine_data``, hot-load jobs, metrics) is the replica's, shared by every
+engine, so a new engine is one module that implements :class:`ReplicaEngine`.
+
+A hot-load calls, in this order (loader/hotload_jobs.py)::
+
+    prepared = engine.swapper.prepare(target)   # while serving: fetch, decode, verify against
+                                                # the host copy of the current weights
+    report = engine.swapper.commit(prepared)    # the pause: generation held, the update applied
+                                                # and checked, the version set, generation resumed
+
+``swapper`` is a :class:`loader.hotswap.HotSwapper`. For the reference engine it
+patches the torch model the decode loop runs. An engine that keeps its weights
+in a layout of its own (vLLM) gives the swapper a host copy in checkpoint
+coordinates and an :class:`EngineApplier`: the swapper patches the copy inside
+the engine's pause and the applier pushes the changed tensors into the engine
+and proves them against the manifest's digests; if that fails, the copy is
+rolled back and pushed again, so the engine serves its previous version.
+
+Requests: ``await engine.complete(kind, body)`` with the OpenAI body minus the
+replica's own fields; it returns an :class:`EngineResult` whose body the server
+sends as is (with ``engine_data`` added when asked for).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+RequestKind = Literal["completions", "chat"]
+
+
+class ReplicaAPIError(Exception):
+    """An error a request is answered with, as ``{"error": {"type": ..., "message": ..., **extra}}``."""
+
+    def __init__(self, status: int, type_: str, message: str, *, headers: dict[str, str] | None = None, **extra: Any):
+        super().__init__(message)
+        self.status, self.type, self.message, self.extra, self.headers = status, type_, message, extra, headers
+
+
+@dataclass
+class EngineResult:
+    """One sampling request's answer, and what the replica knows of the weights behind it."""
+
+    status: int
+    body: dict[str, Any]
+    policy_versions: list[int | None] = field(default_factory=list)  # in the order the request used them
+    snapshot: str | None = None
+    cache_policy: str = "recompute"
+    recomputes: int = 0          # prefix re-runs after a swap
+    stale_kv_steps: int = 0      # steps on KV built by older weights ("keep")
+    duration_s: float = 0.0
+    completion_tokens: int = 0
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.policy_versions[-1] if self.policy_versions else None
+
+
+class EngineApplier(abc.ABC):
+    """Pushes changes of the host copy into an engine that keeps its own weights; called inside the pause.
+
+    ``HotSwapper(..., applier=...)``: ``pause()`` wraps the whole commit (it is the
+    swapper's gate), ``apply(names, to_version)`` runs after the host copy holds
+    the new bits and must leave the engine computing with exactly them (or
+    raise); after a failed ``apply`` the swapper restores the host copy and calls
+    ``apply(names, from_version)`` again to put the engine back."""
+
+    @abc.abstractmethod
+    def paused(self) -> Any:
+        """A context manager: the engine generates nothing inside it; yields a :class:`loader.hotswap.Pause`."""
+
+    @abc.abstractmethod
+    def apply(self, names: Sequence[str], version: int | None) -> None:
+        """Make the engine compute with the host copy's current bits of ``names`` (checkpoint names)."""
+
+
+class ReplicaEngine(abc.ABC):
+    """What the replica server needs of an engine. See the module docstring for the order of calls."""
+
+    #: the name ``ckptdelta serve --engine`` knows it by
+    kind: str = "?"
+    model_name: str = "ckptdelta"
+    cache_policy: str = "recompute"
+    swapper: Any = None  # a loader.hotswap.HotSwapper, or None for fixed weights
+
+    @property
+    def version(self) -> int | None:
+        return self.swapper.version if self.swapper is not None else None
+
+    @property
+    def snapshot(self) -> str | None:
+        return self.swapper.snapshot if self.swapper is not None else None
+
+    @abc.abstractmethod
+    async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
+        """Answer one ``/v1/completions`` or ``/v1/chat/completions`` body (replica fields removed)."""
+
+    def status(self) -> dict[str, Any]:
+        """Engine facts for ``/v1/status`` (merged under ``engine``)."""
+        return {"kind": self.kind}
+
+    def close(self) -> None:
+        """Release what the engine holds (processes, shared memory). Idempotent."""

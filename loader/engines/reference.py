@@ -1,0 +1,218 @@
+"""The reference engine: the project's own decode loop (loader/engine.py) behind the replica interface.
+
+It serves tests and CPU-only demos with exactly the trainer's numerics (transformers
+forward, the same bf16 weights), so sampler/trainer divergence is zero. Requests
+are validated here, strictly, against what this decode loop supports; each runs
+its decode loop in a worker thread and interleaves with the others at step
+granularity, while a hot-load prepares in its own thread and pauses them only for
+the swap (the gate in loader/hotswap.py).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from anyio import CapacityLimiter, to_thread
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
+                      model_validator)
+
+from ..engine import MAX_TOP_LOGPROBS, Engine, Generation, SamplingParams
+from .base import EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
+
+MAX_N = 64
+MAX_STOP = 16
+
+
+# --- request schemas -----------------------------------------------------------------
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+
+    model: str | None = None
+    max_tokens: StrictInt = Field(16, ge=1, le=1 << 16)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
+    stop: StrictStr | list[StrictStr] | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (loader.engine.score_logprobs)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP or any(not s or len(s) > 256 for s in stops):
+            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings of up to 256 characters")
+        return stops
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported by this replica; send stream=false")
+        return v
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictInt] = Field(..., min_length=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr = Field(..., max_length=1 << 20)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=1 << 16)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+
+def validation_message(exc: Any) -> str:
+    """One line naming each bad field (pydantic's and FastAPI's validation errors alike)."""
+    parts = []
+    for e in exc.errors()[:8]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{loc}: {e.get('msg')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise ReplicaAPIError(400, "invalid_request_error", validation_message(e)) from None
+
+
+# --- response shaping -------------------------------------------------------------------------
+
+def _completion_logprobs(engine: Engine, c: Any) -> dict[str, Any]:
+    tokens = engine.token_strings(c.token_ids)
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top_ids = [[j for j, _ in alts] for alts in c.top_logprobs]
+    top_strs = [engine.token_strings(ids) for ids in top_ids]
+    return {
+        "tokens": tokens, "token_logprobs": c.logprobs, "text_offset": offsets,
+        "top_logprobs": [{s: lp for s, (_, lp) in zip(strs, alts)} for strs, alts in zip(top_strs, c.top_logprobs)],
+        # Token strings can collide (two ids, one text): the id-keyed forms are the exact ones.
+        "token_ids": c.token_ids, "top_token_ids": top_ids,
+        "top_token_logprobs": [[lp for _, lp in alts] for alts in c.top_logprobs],
+    }
+
+
+def _chat_logprobs(engine: Engine, c: Any) -> dict[str, Any]:
+    def entry(tok_id: int, text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "token_id": tok_id, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    tokens = engine.token_strings(c.token_ids)
+    content = []
+    for tok_id, text, lp, alts in zip(c.token_ids, tokens, c.logprobs, c.top_logprobs):
+        alt_strs = engine.token_strings([j for j, _ in alts])
+        content.append({**entry(tok_id, text, lp),
+                        "top_logprobs": [entry(j, s, v) for (j, v), s in zip(alts, alt_strs)]})
+    return {"content": content}
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for c in gen.completions)
+    prompt = len(gen.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+class ReferenceReplica(ReplicaEngine):
+    """:class:`loader.engine.Engine` (decode loop + HotSwapper over its torch model) as a replica engine."""
+
+    kind = "reference"
+
+    def __init__(self, engine: Engine, *, max_concurrent_requests: int = 64):
+        self.engine = engine
+        self.swapper = engine.swapper
+        self.model_name = engine.model_name
+        self.cache_policy = engine.cache_policy
+        # Sampling requests block in their decode loops; they get threads of their own so
+        # that status, metrics and hot-load requests are answered however busy the replica is.
+        self._threads = CapacityLimiter(max_concurrent_requests)
+
+    @property
+    def version(self) -> int | None:
+        return self.engine.version
+
+    @property
+    def snapshot(self) -> str | None:
+        return self.engine.snapshot
+
+    async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
+        if kind == "chat":
+            return await to_thread.run_sync(self._chat, parse(ChatCompletionRequest, body), limiter=self._threads)
+        return await to_thread.run_sync(self._completions, parse(CompletionRequest, body), limiter=self._threads)
+
+    def _run(self, prompt_ids: list[int], req: _Sampling, logprobs: int | None, max_tokens: int) -> Generation:
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, n=req.n,
+                                seed=req.seed, stop=tuple(req.stop or ()), logprobs=logprobs, ignore_eos=req.ignore_eos,
+                                score_logprobs=req.score_logprobs)
+        try:
+            self.engine.check_prompt(prompt_ids, max_tokens)
+        except ValueError as e:
+            raise ReplicaAPIError(400, "invalid_request_error", str(e)) from None
+        return self.engine.generate(prompt_ids, params)
+
+    def _result(self, kind: str, gen: Generation, choices: list[dict]) -> EngineResult:
+        body = {"id": f"{kind}-{uuid.uuid4().hex}", "object": "text_completion" if kind == "cmpl" else "chat.completion",
+                "created": int(time.time()), "model": self.engine.model_name, "choices": choices, "usage": _usage(gen),
+                "prompt_token_ids": gen.prompt_token_ids}
+        return EngineResult(200, body, policy_versions=list(gen.policy_versions), snapshot=gen.snapshot,
+                            cache_policy=gen.cache_policy, recomputes=gen.recomputes,
+                            stale_kv_steps=gen.stale_kv_steps, duration_s=gen.duration_s,
+                            completion_tokens=sum(len(c.token_ids) for c in gen.completions))
+
+    def _completions(self, req: CompletionRequest) -> EngineResult:
+        eng = self.engine
+        prompt_ids = eng.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        gen = self._run(prompt_ids, req, req.logprobs, req.max_tokens)
+        choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "logprobs": _completion_logprobs(eng, c) if req.logprobs is not None else None}
+                   for c in gen.completions]
+        return self._result("cmpl", gen, choices)
+
+    def _chat(self, req: ChatCompletionRequest) -> EngineResult:
+        eng = self.engine
+        prompt_ids = eng.encode_chat([m.model_dump() for m in req.messages])
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        gen = self._run(prompt_ids, req, k, req.max_completion_tokens or req.max_tokens)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "logprobs": _chat_logprobs(eng, c) if req.logprobs else None}
+                   for c in gen.completions]
+        return self._result("chatcmpl", gen, choices)
+
+
+def build(*, bucket: str | None = None, snapshot: str | int = "latest", model_dir: str | None = None,
+          storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, device: str = "cpu",
+          cache_policy: str = "recompute", model_name: str | None = None, **_: Any) -> ReferenceReplica:
+    """``ckptdelta serve --engine reference``: weights from a bucket's snapshot, or from an HF directory."""
+    from ..engine import build_engine
+
+    engine, _reader = build_engine(bucket=bucket, snapshot=snapshot, model_dir=model_dir,
+                                   storage_options=storage_options, cache_dir=cache_dir, device=device,
+                                   cache_policy=cache_policy, model_name=model_name)
+    return ReferenceReplica(engine)
