@@ -194,7 +194,7 @@ class HotSwapper:
     def __init__(self, weights: Weights, reader: SnapshotReader, *, version: int | None = None,
                  gate: ServingGate | None = None, name_map: Callable[[str], str] | None = None,
                  apply_method: str = "auto", progress: bool | None = None,
-                 stage_threads: int | None = None) -> None:
+                 stage_threads: int | None = None, applier: Any = None) -> None:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative int or None, not {version!r}")
         self.weights = weights
@@ -205,6 +205,9 @@ class HotSwapper:
         self.apply_method = apply_method
         self.progress = progress  # a tqdm bar while preparing: None = on a terminal, for >= 64 MiB to fetch
         self.stage_threads = stage_threads  # tensors staged at once while preparing (default: every core)
+        # An engine that keeps weights of its own (loader.engines.base.EngineApplier): ``weights`` are then
+        # its host copy, the applier's pause replaces the gate and it pushes each commit into the engine.
+        self.applier = applier
         self._lock = threading.Lock()
 
     @property
@@ -332,7 +335,8 @@ class HotSwapper:
         module_map = self._live_map() if isinstance(self.weights, torch.nn.Module) else None
         undo: list[tuple[torch.Tensor, Callable[[], None]]] = []
         method = self.apply_method
-        with self.gate.paused() as pause:
+        pushed: list[str] = []
+        with (self.applier.paused() if self.applier is not None else self.gate.paused()) as pause:
             ta = time.perf_counter()
             try:
                 for s in p.staged:
@@ -349,8 +353,13 @@ class HotSwapper:
                         undo.append((live, lambda live=live, old=old: old.apply_(live, method=method)))
                         s.st.apply_(live, method=method)
                 _synchronize(undo)
+                if self.applier is not None:
+                    pushed = [s.live_name for s in p.staged]
+                    self.applier.apply(pushed, p.to_version)
             except BaseException as e:
                 self._roll_back(undo, p, e)
+                if pushed:
+                    self._push_back(pushed, p, e)
                 if not isinstance(e, Exception):
                     raise
                 raise HotLoadError(f"hot-load {_name(p.from_version)} -> {p.snapshot} failed while applying "
@@ -366,6 +375,18 @@ class HotSwapper:
                  _name(p.from_version), p.snapshot, report.tensors_changed, report.elements_changed,
                  report.pause_s, apply_s)
         return report
+
+    def _push_back(self, names: list[str], p: PreparedUpdate, cause: BaseException) -> None:
+        """After a failed push into the engine, push the restored host copy again (the old version's bits)."""
+        try:
+            self.applier.apply(names, p.from_version)
+        except BaseException as e2:
+            self.version = None
+            log.critical("hot-load to %s failed (%s) and putting the engine back failed too (%s): "
+                         "the engine's weights are now of unknown version", p.snapshot, cause, e2)
+            raise HotLoadError(f"hot-load to {p.snapshot} failed ({cause}) and the engine could not be put back "
+                               f"on {_name(p.from_version)} ({e2}); the live version is now unknown: "
+                               "load_initial() again") from e2
 
     def _roll_back(self, undo: list[tuple[torch.Tensor, Callable[[], None]]], p: PreparedUpdate,
                    cause: BaseException) -> None:
