@@ -29,6 +29,7 @@ examples:
   ckptdelta publish ./my-model .ckptdelta/bucket/run1 --step 0
   ckptdelta ls .ckptdelta/bucket/run1
   ckptdelta serve --bucket .ckptdelta/bucket/run1 --port 8000
+  ckptdelta serve --engine vllm --bucket .ckptdelta/bucket/run1 --port 8000 -- --max-model-len 4096
   ckptdelta hotload http://127.0.0.1:8000 latest --wait
   ckptdelta materialize s3://bucket/run1 v00000042 ./checkpoint
 
@@ -59,7 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after a bare "--" belongs to the engine (``serve --engine vllm ... -- --max-model-len 4096``).
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    args.passthrough = passthrough
+    if passthrough and getattr(args, "command", None) != "serve":
+        parser.error(f"arguments after '--' ({' '.join(passthrough[:3])} ...) are only for 'serve --engine vllm'")
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):

@@ -20,6 +20,9 @@ def add_commands(subparsers: Any) -> None:
         "serve", help="run a sampling replica that hot-loads snapshots of a run",
         description="Serve a causal LM over an OpenAI-compatible API (docs/SERVING.md) and hot-load new "
                     "snapshots of a run from its bucket while serving.")
+    p.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                   help="what samples: the built-in reference decode loop, or vLLM's own OpenAI server "
+                        "(options after a bare '--' go to vLLM); docs/SERVING.md")
     p.add_argument("--bucket", help="the run's URL (local dir, s3://, gs://, any fsspec URL)")
     p.add_argument("--snapshot", default="latest", help="snapshot to start from (default: latest)")
     p.add_argument("--model", metavar="DIR", help="start from this HF model directory instead (version unknown)")
@@ -34,6 +37,14 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--cache-policy", choices=["recompute", "keep"], default="recompute",
                    help="what in-flight requests do with their KV cache after a swap (docs/SERVING.md)")
     p.add_argument("--model-name", default=None, help="the 'model' field of responses")
+    v = p.add_argument_group("vLLM engine (--engine vllm)")
+    v.add_argument("--attach", metavar="URL", default=None,
+                   help="use a vLLM server already running at URL (started with --worker-extension-cls "
+                        "loader.engines.vllm_worker.CkptDeltaWorker and VLLM_SERVER_DEV_MODE=1 on the snapshot's "
+                        "weights) instead of starting one")
+    v.add_argument("--verify", choices=["pause", "off"], default="pause",
+                   help="check the live weights against the snapshot's digests inside every swap (default) or not")
+    v.add_argument("--vllm-log", default=None, metavar="PATH", help="where the started vLLM server logs")
     p.set_defaults(func=cmd_serve)
 
     h = subparsers.add_parser(
@@ -51,18 +62,27 @@ def add_commands(subparsers: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .engine import build_engine
+    from .engines import build_engine
     from .server import create_app
 
-    engine, reader = build_engine(bucket=args.bucket, snapshot=args.snapshot, model_dir=args.model,
-                                  storage_options=args.storage_options, cache_dir=args.cache_dir, device=args.device,
-                                  cache_policy=args.cache_policy, model_name=args.model_name)
+    passthrough = list(getattr(args, "passthrough", []) or [])
+    if passthrough and args.engine != "vllm":
+        raise SystemExit("ckptdelta serve: error: options after '--' are for --engine vllm only")
+    if args.engine == "vllm" and args.model:
+        raise SystemExit("ckptdelta serve: error: --engine vllm serves a run's snapshot: give --bucket, not --model")
+    engine = build_engine(args.engine, bucket=args.bucket, snapshot=args.snapshot, model_dir=args.model,
+                          storage_options=args.storage_options, cache_dir=args.cache_dir, device=args.device,
+                          cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,
+                          verify=args.verify, vllm_args=passthrough, vllm_log=args.vllm_log)
     replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
     api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
-    app = create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key)
-    log.warning("replica %s serving policy version %s on http://%s:%d%s", replica_id, engine.version, args.host,
-                args.port, " (API key required)" if api_key else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        app = create_app(engine, replica_id=replica_id, api_key=api_key)
+        log.warning("replica %s (%s engine) serving policy version %s on http://%s:%d%s", replica_id, engine.kind,
+                    engine.version, args.host, args.port, " (API key required)" if api_key else "")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
     return 0
 
 

@@ -1,0 +1,134 @@
+"""One host copy of a replica's current weights, in checkpoint coordinates, in a shared-memory file.
+
+An engine that keeps its weights in its own layout (vLLM re-packs CPU linears,
+fuses q/k/v and gate/up, pads vocabularies) cannot be the decoder's parent: a
+delta is defined on the checkpoint's tensors. So the replica keeps those tensors
+itself, once per host, in a file on ``/dev/shm``: the replica process maps it
+read-write and :class:`loader.hotswap.HotSwapper` patches it in place (undo and
+all); every engine worker of the host maps the same pages read-only-by-convention
+and hands the changed tensors to the engine's own loader. Nothing is copied per
+worker, and the file is exactly the model's checkpoint bytes plus alignment.
+
+Layout: tensors back to back, each at a 64-byte aligned offset, described by an
+index (name -> dtype, shape, offset, nbytes) stored beside the file as JSON.
+Only torch is imported here: engine workers load this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+ALIGN = 64
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"shared weights: unsupported dtype {name!r}") from None
+
+
+def default_dir() -> str:
+    """``/dev/shm`` where it exists (memory, visible to every process of the host), else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+@dataclass
+class SharedWeights:
+    """The mapped file: ``tensors`` are writable views of it (name -> tensor, checkpoint shape and dtype)."""
+
+    path: str
+    index: dict[str, dict]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def index_path(self) -> str:
+        return self.path + ".json"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e["nbytes"] for e in self.index.values())
+
+    @classmethod
+    def create(cls, tensors: Mapping[str, torch.Tensor], *, directory: str | None = None,
+               prefix: str = "ckptdelta-weights-") -> "SharedWeights":
+        """Write ``tensors`` (bit for bit) into a new shared file and map it."""
+        index: dict[str, dict] = {}
+        offset = 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            index[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                           "offset": offset, "nbytes": nbytes}
+            offset += -(-max(nbytes, 1) // ALIGN) * ALIGN
+        fd, path = tempfile.mkstemp(prefix=prefix, suffix=".bin", dir=directory or default_dir())
+        try:
+            os.ftruncate(fd, max(offset, 1))
+        finally:
+            os.close(fd)
+        shared = cls(path, index, _map(path, index, index))
+        for name, t in tensors.items():
+            shared.tensors[name].copy_(t.detach().cpu().reshape(shared.tensors[name].shape))
+        tmp = shared.index_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(index, f)
+        os.replace(tmp, shared.index_path)
+        return shared
+
+    def close(self) -> None:
+        """Unmap (drop the views) and remove the file and its index."""
+        self.tensors = {}
+        for p in (self.path, self.index_path):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+def _map(path: str, index: Mapping[str, dict], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    size = os.path.getsize(path)
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    out = {}
+    for name in names:
+        e = index[name]
+        off, n = int(e["offset"]), int(e["nbytes"])
+        if off < 0 or n < 0 or off + n > size or off % ALIGN:
+            raise ValueError(f"shared weights {path}: tensor {name!r} lies outside the file")
+        dt = _dtype(e["dtype"])
+        out[name] = flat[off:off + n].view(dt).reshape(e["shape"])
+    return out
+
+
+_opened: dict[str, tuple[float, dict, dict[str, torch.Tensor]]] = {}
+_opened_lock = threading.Lock()
+
+
+def open_tensors(path: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Views of the named tensors of a shared file (all of them without ``names``), for an engine worker.
+
+    The mapping is kept per file (one per worker process, sharing the host's pages)."""
+    with _opened_lock:
+        mtime = os.path.getmtime(path + ".json")
+        hit = _opened.get(path)
+        if hit is None or hit[0] != mtime:
+            with open(path + ".json") as f:
+                index = json.load(f)
+            _opened.clear()  # one replica's file per worker: drop a previous file's mapping
+            _opened[path] = hit = (mtime, index, _map(path, index, index))
+    _, index, tensors = hit
+    if names is None:
+        return dict(tensors)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise KeyError(f"shared weights {path}: no tensors {missing[:5]}")
+    return {n: tensors[n] for n in names}

@@ -1,0 +1,435 @@
+"""vLLM as a replica engine: its own OpenAI server samples, ckptdelta moves its weights.
+
+``ckptdelta serve --engine vllm`` materializes the snapshot, starts vLLM's
+OpenAI-compatible server on it (a child process on a loopback port, in dev mode,
+with :class:`loader.engines.vllm_worker.CkptDeltaWorker` mixed into its workers)
+and serves the replica API in front of it: sampling bodies go to vLLM as they
+are (vLLM's own options — logprobs, prompt_logprobs, n, seed, token ids — work as
+vLLM users know them), the replica adds auth, ``min_policy_version`` and
+``engine_data``. A vLLM started another way attaches with ``--attach URL``
+(docs/SERVING.md says which vLLM flags it needs).
+
+The host copy. Deltas are defined on checkpoint tensors; vLLM keeps its own
+layout (fused q/k/v and gate/up, re-packed CPU linears, padded vocabularies). So
+the replica keeps the current weights once per host in checkpoint coordinates in
+shared memory (:class:`loader.engines.shared_weights.SharedWeights`), and a
+:class:`loader.hotswap.HotSwapper` prepares every update against it while vLLM
+serves (fetch, decode, verify: nothing of it runs inside vLLM's engine loop).
+
+The swap (:class:`VllmApplier`, inside the HotSwapper's commit):
+
+1. ``POST /pause?mode=keep``: nothing is aborted, requests in flight freeze;
+2. the swapper patches the host copy in place (the changed elements only);
+3. every worker reloads the changed tensors — whole fused groups, whole expert
+   sets — from the shared file through vLLM's ``reload_weights`` (its own
+   name mapping, fusing, TP slicing and CPU re-packing), then reads them back
+   in checkpoint coordinates and their digests are compared with the host copy
+   that was verified against the manifest;
+4. ``POST /reset_prefix_cache`` (with ``reset_running_requests`` under the
+   ``recompute`` cache policy: frozen requests recompute their KV on the new
+   weights), ``POST /update_weight_version``, ``POST /resume``.
+
+If any of 3 fails, the host copy is rolled back and pushed again, so vLLM serves
+the previous version; generation resumes in every case.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import httpx
+import torch
+
+from delta.errors import CkptDeltaError, HotLoadError
+
+from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
+from .shared_weights import SharedWeights
+
+log = logging.getLogger("ckptdelta.engine.vllm")
+
+WORKER_EXTENSION = "loader.engines.vllm_worker.CkptDeltaWorker"
+#: Environment vLLM's dev endpoints and its CPU build need (set only where the user has not).
+VLLM_ENV_DEFAULTS = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
+                     "VLLM_CPU_KVCACHE_SPACE": "1"}
+START_TIMEOUT_S = 600.0
+CONTROL_TIMEOUT_S = 300.0
+_REPLICA_FIELDS = ("min_policy_version", "return_engine_data")
+
+
+class VllmError(CkptDeltaError, RuntimeError):
+    """vLLM refused or failed a control call (start, pause, reload, digests, resume)."""
+
+
+# --- the vLLM server --------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """vLLM's OpenAI server as a child process on 127.0.0.1 (its own process group, stopped with us)."""
+
+    def __init__(self, model_dir: str, *, served_name: str, args: Sequence[str] = (), port: int | None = None,
+                 log_path: str | None = None, env: dict[str, str] | None = None):
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        environ = {**os.environ, **(env or {})}
+        for k, v in VLLM_ENV_DEFAULTS.items():
+            environ.setdefault(k, v)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port),
+               "--worker-extension-cls", WORKER_EXTENSION, *args]
+        self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"ckptdelta-vllm-{self.port}.log")
+        self._log = open(self.log_path, "ab")
+        log.info("starting vLLM: %s (log: %s)", " ".join(cmd), self.log_path)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5.0) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise VllmError(f"vLLM exited with code {self.proc.returncode} while starting; its last "
+                                    f"lines:\n{self.tail()}")
+                try:
+                    if c.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        self.stop()
+        raise VllmError(f"vLLM did not answer /health within {timeout:.0f} s; its last lines:\n{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-n:]).decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        self._log.close()
+
+
+# --- control calls ------------------------------------------------------------------------------
+
+class VllmControl:
+    """vLLM's RL and dev endpoints (pause, resume, collective_rpc, prefix cache, weight version)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = CONTROL_TIMEOUT_S):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+
+    def _post(self, path: str, **kw: Any) -> Any:
+        try:
+            r = self.http.post(path, **kw)
+        except httpx.HTTPError as e:
+            raise VllmError(f"vLLM at {self.url}: POST {path} failed: {e}") from e
+        if r.status_code != 200:
+            raise VllmError(f"vLLM at {self.url}: POST {path} answered {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else None
+
+    def pause(self) -> None:
+        self._post("/pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def reset_prefix_cache(self, *, running: bool) -> bool:
+        out = self._post("/reset_prefix_cache", params={"reset_running_requests": str(running).lower()})
+        return bool(out and out.get("success"))
+
+    def set_version(self, version: int | None) -> None:
+        self._post("/update_weight_version", json={"new_version": str(version)})
+
+    def rpc(self, method: str, spec: dict[str, Any]) -> list[Any]:
+        """Call a worker method on every worker; one result per worker."""
+        out = self._post("/collective_rpc", json={"method": method, "args": [json.dumps(spec)]})
+        results = (out or {}).get("results")
+        if not isinstance(results, list) or not results:
+            raise VllmError(f"vLLM at {self.url}: {method} returned {str(out)[:200]!r}, not one result per worker")
+        return results
+
+    def close(self) -> None:
+        self.http.close()
+
+
+# --- fused groups ---------------------------------------------------------------------------------
+
+def reload_groups(names: Sequence[str], all_names: Sequence[str], packed: dict[str, list[str]]) -> list[str]:
+    """``names`` grown to whole vLLM modules: every checkpoint tensor that loads into a module one of them
+    loads into (q/k/v -> qkv_proj, gate/up -> gate_up_proj, weight with bias, all experts of a layer).
+
+    vLLM re-processes a module once all of its parameters arrived; a module fed
+    only part of its inputs is processed with uninitialised rows."""
+    member_of = {m: fused for fused, members in packed.items() for m in members}
+
+    def module_key(name: str) -> str:
+        module = name.rpartition(".")[0]
+        parent, _, leaf = module.rpartition(".")
+        if ".experts." in module + ".":
+            return module.split(".experts.")[0] + ".experts"
+        leaf = member_of.get(leaf, leaf)
+        return f"{parent}.{leaf}" if parent else leaf
+
+    wanted = {module_key(n) for n in names}
+    return [n for n in all_names if module_key(n) in wanted]
+
+
+# --- the swap -------------------------------------------------------------------------------------
+
+class VllmApplier(EngineApplier):
+    """Pauses vLLM around a commit and pushes the changed tensors of the host copy into its workers."""
+
+    def __init__(self, control: VllmControl, shared: SharedWeights, *, cache_policy: str, packed: dict[str, list[str]],
+                 verify: str = "pause"):
+        self.control, self.shared, self.cache_policy, self.packed, self.verify = (
+            control, shared, cache_policy, packed, verify)
+        self.epoch = 0                       # swaps begun; a request that saw it move crossed a swap
+        self.history: list[tuple[int, int | None]] = []  # (epoch, version after it)
+        self.swapping = False
+        self.last: dict[str, Any] = {}
+        self.current_version: Any = lambda: None  # the swapper's version (set by build); labels vLLM after a swap
+
+    @contextmanager
+    def paused(self) -> Iterator[Any]:
+        from loader.hotswap import Pause
+
+        pause = Pause()
+        t0 = time.perf_counter()
+        self.control.pause()
+        self.swapping = True
+        self.epoch += 1
+        pause.waited_s = time.perf_counter() - t0
+        try:
+            yield pause
+        finally:
+            try:
+                ok = self.control.reset_prefix_cache(running=self.cache_policy == "recompute")
+                if not ok:
+                    log.warning("vLLM did not reset its prefix cache (blocks held by frozen requests under the "
+                                "'keep' policy); per-version cache salts keep new requests off the old prefixes")
+                self.control.set_version(self.current_version())
+            finally:
+                self.control.resume()
+                self.history.append((self.epoch, self.current_version()))
+                del self.history[:-64]
+                self.swapping = False
+                pause.seconds = time.perf_counter() - t0
+
+    def apply(self, names: Sequence[str], version: int | None) -> None:
+        """Reload ``names`` (grown to whole modules) in every worker from the host copy, then prove them."""
+        groups = reload_groups(names, list(self.shared.index), self.packed)
+        t0 = time.perf_counter()
+        spec = {"path": self.shared.path, "names": groups}
+        self.control.rpc("ckptdelta_reload", spec)
+        t1 = time.perf_counter()
+        if self.verify == "pause":
+            self.check(groups)
+        self.last = {"reloaded_tensors": len(groups), "reload_s": t1 - t0, "verify_s": time.perf_counter() - t1}
+
+    def check(self, names: Sequence[str] | None = None) -> int:
+        """Compare the live weights (read back in checkpoint coordinates by every worker) with the host copy."""
+        names = list(self.shared.index) if names is None else list(names)
+        expected = expected_digests(self.shared, names)
+        for w, got in enumerate(self.control.rpc("ckptdelta_digests", {"names": names})):
+            if not isinstance(got, dict):
+                raise VllmError(f"worker {w} returned {str(got)[:200]!r} for its digests")
+            bad = sorted(n for n in names if got.get(n) != expected[n])
+            if bad:
+                raise HotLoadError(f"vLLM worker {w}: live weights differ from the snapshot for {len(bad)} "
+                                   f"tensors ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+        return len(names)
+
+
+def expected_digests(shared: SharedWeights, names: Sequence[str]) -> dict[str, str]:
+    """xxh3 of each host-copy tensor, as the worker's read-back reports it (see ``vllm_readback.digests``)."""
+    from loader.engines.vllm_readback import digests
+
+    return digests({n: shared.tensors[n] for n in names})
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+class VllmReplica(ReplicaEngine):
+    """A vLLM server whose weights a HotSwapper over the host copy moves; requests are forwarded to it."""
+
+    kind = "vllm"
+
+    def __init__(self, *, url: str, served_name: str, swapper: Any, applier: VllmApplier, shared: SharedWeights,
+                 cache_policy: str, server: VllmServer | None = None, model_dir: str | None = None,
+                 owned_dir: str | None = None):
+        self.url, self.model_name, self.swapper, self.applier, self.shared = url, served_name, swapper, applier, shared
+        self.cache_policy, self.server, self.model_dir, self._owned_dir = cache_policy, server, model_dir, owned_dir
+        self._http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10.0),
+                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def _versions_since(self, epoch0: int, v0: int | None) -> list[int | None]:
+        versions = [v0]
+        for e, v in list(self.applier.history):
+            if e > epoch0 and v is not None and v not in versions:
+                versions.append(v)
+        if self.version not in versions:
+            versions.append(self.version)
+        return versions
+
+    async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
+        if body.get("stream"):
+            raise ReplicaAPIError(400, "invalid_request_error",
+                                  "stream: streaming is not supported through the ckptdelta replica API; send "
+                                  "stream=false")
+        t0 = time.perf_counter()
+        epoch0, v0 = self.applier.epoch, self.version
+        crossing = self.applier.swapping
+        body = dict(body)
+        body.setdefault("model", self.model_name)
+        # Prefix-cache entries never outlive the weights that computed them: a salt per version.
+        salt = f"ckptdelta-v{v0}"
+        body["cache_salt"] = f"{body['cache_salt']}-{salt}" if isinstance(body.get("cache_salt"), str) else salt
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        try:
+            r = await self._http.post(path, json=body)
+        except httpx.HTTPError as e:
+            raise ReplicaAPIError(503, "engine_unavailable", f"vLLM at {self.url} did not answer: {e}") from None
+        try:
+            out = r.json()
+        except ValueError:
+            out = {"error": {"type": "engine_error", "message": r.text[:2000]}}
+        if r.status_code != 200:
+            return EngineResult(r.status_code, out if isinstance(out, dict) else {"error": out})
+        if self.applier.epoch != epoch0 or crossing:
+            versions = self._versions_since(epoch0, v0)
+        else:
+            versions = [v0]
+        usage = out.get("usage") or {}
+        return EngineResult(200, out, policy_versions=versions, snapshot=_snapshot(versions[-1]),
+                            cache_policy=self.cache_policy,
+                            recomputes=(len(versions) - 1) if self.cache_policy == "recompute" else 0,
+                            stale_kv_steps=0, duration_s=time.perf_counter() - t0,
+                            completion_tokens=int(usage.get("completion_tokens") or 0))
+
+    def status(self) -> dict[str, Any]:
+        return {"kind": self.kind, "url": self.url, "host_copy_bytes": self.shared.nbytes,
+                "last_swap": self.applier.last, "model_dir": self.model_dir}
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.applier.control.close()
+        if self.server is not None:
+            self.server.stop()
+        self.shared.close()
+        if self._owned_dir:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+
+def _snapshot(version: int | None) -> str | None:
+    from delta.manifest import snapshot_name
+
+    return None if version is None else snapshot_name(version)
+
+
+def _served_name(url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30.0)
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise VllmError(f"vLLM at {url}: GET /v1/models did not name the served model ({e})") from e
+
+
+def _load_dir(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(model_dir, f)))
+    return out
+
+
+def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_options: dict[str, Any] | None = None,
+          cache_dir: str | None = None, cache_policy: str = "recompute", model_name: str | None = None,
+          attach: str | None = None, vllm_args: Sequence[str] = (), verify: str = "pause",
+          vllm_api_key: str | None = None, vllm_log: str | None = None, **_: Any) -> VllmReplica:
+    """``ckptdelta serve --engine vllm``: vLLM on a snapshot of the run, hot-loaded by ckptdelta.
+
+    With ``attach``, vLLM already runs there (started with the worker extension and
+    dev mode, on the weights of ``snapshot``); the replica checks that its live
+    weights are that snapshot's before it serves."""
+    from loader.hotswap import HotSwapper
+    from loader.reader import SnapshotReader
+
+    if bucket is None:
+        raise ValueError("serve --engine vllm needs --bucket URL (the run whose snapshots it hot-loads)")
+    if cache_policy not in ("recompute", "keep"):
+        raise ValueError(f"cache_policy {cache_policy!r}: expected 'recompute' or 'keep'")
+    reader = SnapshotReader(bucket, storage_options=storage_options, cache_dir=cache_dir)
+    version = reader.resolve(snapshot)
+    name = model_name or reader.run_id
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="ckptdelta-vllm-", dir=cache_dir)
+    server = shared = control = None
+    try:
+        model_dir = reader.materialize(version, os.path.join(scratch, "model"))
+        shared = SharedWeights.create(_load_dir(model_dir))
+        if attach:
+            url = attach.rstrip("/")
+            name = model_name or _served_name(url, vllm_api_key)
+        else:
+            server = VllmServer(model_dir, served_name=name, args=vllm_args, log_path=vllm_log)
+            server.wait_ready()
+            url = server.url
+        control = VllmControl(url, api_key=vllm_api_key)
+        layout = control.rpc("ckptdelta_layout", {})[0]
+        applier = VllmApplier(control, shared, cache_policy=cache_policy, packed=layout.get("packed") or {},
+                              verify=verify)
+        t0 = time.perf_counter()
+        n = applier.check()
+        log.info("vLLM at %s serves %s of run %s: %d tensors match the snapshot's digests (%.2fs)", url,
+                 _snapshot(version), reader.run_id, n, time.perf_counter() - t0)
+        control.set_version(version)
+        swapper = HotSwapper(shared.tensors, reader, version=version, applier=applier)
+        applier.current_version = lambda: swapper.version
+        return VllmReplica(url=url, served_name=name, swapper=swapper, applier=applier, shared=shared,
+                           cache_policy=cache_policy, server=server, model_dir=model_dir, owned_dir=scratch)
+    except BaseException:
+        if control is not None:
+            control.close()
+        if server is not None:
+            server.stop()
+        if shared is not None:
+            shared.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
