@@ -110,8 +110,11 @@ def _check_tp(name: str, layer: torch.nn.Module) -> None:
 
 
 def _kernel_matrix(name: str, layer: torch.nn.Module, n_out: int, n_in: int, dtype: torch.dtype,
-                   strict: bool) -> torch.Tensor:
-    """The [n_out, n_in] matrix a linear kernel multiplies with, via identity products."""
+                   strict: bool, keep_rows: int | None = None) -> torch.Tensor:
+    """The [n_out, n_in] matrix a linear kernel multiplies with, via identity products.
+
+    ``keep_rows`` keeps (and checks) only the first rows: vocabulary padding is
+    zeros, or anything, and is not part of the checkpoint."""
     apply = layer.quant_method.apply
     out = torch.empty(n_out, n_in, dtype=dtype)
     dev = _device_of(layer)
@@ -128,6 +131,8 @@ def _kernel_matrix(name: str, layer: torch.nn.Module, n_out: int, n_in: int, dty
                 raise ReadbackError(name, f"kernel returned {tuple(y.shape)} {y.dtype} for an identity of "
                                           f"{r1 - r0}x{n_in} {dtype}; expected ({r1 - r0}, {n_out}) {dtype}")
             out[:, r0:r1] = y.t().to("cpu")
+    if keep_rows is not None:
+        out = out[:keep_rows].contiguous()
     bad = ~torch.isfinite(out)
     if bool(bad.any()):
         rows = bad.any(dim=1).nonzero().flatten().tolist()
@@ -198,9 +203,14 @@ def _tied(model: torch.nn.Module) -> bool:
 # --- one producer per vLLM module -----------------------------------------------------------------
 
 class _Producer:
-    def __init__(self, names: list[str], read: Callable[[], dict[str, torch.Tensor]]):
+    """``names``: the checkpoint tensors it emits; ``triggers``: requested names that make it run (a tied
+    lm_head emits nothing but must check its logits kernel whenever the embedding is read)."""
+
+    def __init__(self, names: list[str], read: Callable[[], dict[str, torch.Tensor]],
+                 triggers: list[str] | None = None):
         self.names = names
         self.read = read
+        self.triggers = list(names) + list(triggers or [])
 
 
 def _linear_producer(model, path, layer, strict) -> _Producer:
@@ -251,7 +261,7 @@ def _embedding_producer(model, path, layer, strict, embed_of: dict) -> _Producer
             out[wname] = _plain(wname, layer.weight)[:vocab].contiguous()
             return out
         rows = int(layer.num_embeddings_per_partition)
-        w = _kernel_matrix(wname, layer, rows, int(layer.embedding_dim), layer.weight.dtype, strict)[:vocab]
+        w = _kernel_matrix(wname, layer, rows, int(layer.embedding_dim), layer.weight.dtype, strict, vocab)
         if tied:
             src = next((p for p, e in embed_of.items() if e.weight is layer.weight), None)
             emb = embed_of[src].weight if src is not None else None
@@ -270,7 +280,8 @@ def _embedding_producer(model, path, layer, strict, embed_of: dict) -> _Producer
                                             layer.weight.dtype)[:vocab].contiguous()
         return out
 
-    return _Producer(names, read)
+    triggers = [f"{p}.weight" for p, e in embed_of.items() if e.weight is layer.weight] if tied else []
+    return _Producer(names, read, triggers)
 
 
 def _moe_unpack(name: str, packed: torch.Tensor, isa: str) -> torch.Tensor:
@@ -304,7 +315,11 @@ def _moe_unpack(name: str, packed: torch.Tensor, isa: str) -> torch.Tensor:
 
 def _moe_producer(model, path, layer) -> _Producer:
     mapping = layer.get_expert_mapping()
-    base = path[: -len("experts")] if path.endswith("experts") else None
+    # get_expert_mapping() names are relative to the module the checkpoint calls "experts" (vLLM 0.32
+    # nests RoutedExperts under it: model.layers.0.mlp.experts.routed_experts).
+    segs = path.split(".")
+    cut = max((i for i, s in enumerate(segs) if s == "experts"), default=None)
+    base = None if cut is None else ".".join(segs[:cut] + [""]).lstrip(".")
     per: dict[tuple[int, str], str] = {}
     for param_name, weight_name, expert_id, shard_id in mapping:
         if not weight_name.startswith("experts.") or base is None:
@@ -416,7 +431,7 @@ def checkpoint_tensors(model: torch.nn.Module, names: Iterable[str] | None = Non
                                             f"(e.g. {missing[:5]})")
     out: dict[str, torch.Tensor] = {}
     for p in producers:
-        if wanted is not None and not wanted.intersection(p.names):
+        if wanted is not None and not wanted.intersection(p.triggers):
             continue
         got = p.read()
         for n, t in got.items():
