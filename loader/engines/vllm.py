@@ -174,6 +174,11 @@ class VllmControl:
         results = (out or {}).get("results")
         if not isinstance(results, list) or not results:
             raise VllmError(f"vLLM at {self.url}: {method} returned {str(out)[:200]!r}, not one result per worker")
+        for w, r in enumerate(results):
+            if not isinstance(r, dict):
+                raise VllmError(f"vLLM at {self.url}: worker {w} answered {method} with {str(r)[:200]!r}")
+            if "error" in r:
+                raise VllmError(f"vLLM at {self.url}: worker {w} failed {method}: {r['error']}")
         return results
 
     def close(self) -> None:
@@ -258,9 +263,8 @@ class VllmApplier(EngineApplier):
         """Compare the live weights (read back in checkpoint coordinates by every worker) with the host copy."""
         names = list(self.shared.index) if names is None else list(names)
         expected = expected_digests(self.shared, names)
-        for w, got in enumerate(self.control.rpc("ckptdelta_digests", {"names": names})):
-            if not isinstance(got, dict):
-                raise VllmError(f"worker {w} returned {str(got)[:200]!r} for its digests")
+        for w, answer in enumerate(self.control.rpc("ckptdelta_digests", {"names": names})):
+            got = answer.get("digests") or {}
             bad = sorted(n for n in names if got.get(n) != expected[n])
             if bad:
                 raise HotLoadError(f"vLLM worker {w}: live weights differ from the snapshot for {len(bad)} "
@@ -287,10 +291,20 @@ class VllmReplica(ReplicaEngine):
                  owned_dir: str | None = None):
         self.url, self.model_name, self.swapper, self.applier, self.shared = url, served_name, swapper, applier, shared
         self.cache_policy, self.server, self.model_dir, self._owned_dir = cache_policy, server, model_dir, owned_dir
-        self._http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10.0),
-                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self._clients: dict[int, httpx.AsyncClient] = {}  # one per event loop (an app may be served twice)
         self._closed = False
         self._close_lock = threading.Lock()
+
+    def _http(self) -> httpx.AsyncClient:
+        import asyncio
+
+        key = id(asyncio.get_running_loop())
+        client = self._clients.get(key)
+        if client is None:
+            client = self._clients[key] = httpx.AsyncClient(
+                base_url=self.url, timeout=httpx.Timeout(None, connect=10.0),
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        return client
 
     def _versions_since(self, epoch0: int, v0: int | None) -> list[int | None]:
         versions = [v0]
@@ -316,7 +330,7 @@ class VllmReplica(ReplicaEngine):
         body["cache_salt"] = f"{body['cache_salt']}-{salt}" if isinstance(body.get("cache_salt"), str) else salt
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         try:
-            r = await self._http.post(path, json=body)
+            r = await self._http().post(path, json=body)
         except httpx.HTTPError as e:
             raise ReplicaAPIError(503, "engine_unavailable", f"vLLM at {self.url} did not answer: {e}") from None
         try:

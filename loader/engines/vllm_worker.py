@@ -10,17 +10,32 @@ layers are re-packed), and read the live weights back in checkpoint coordinates
 to prove they are the published bits. Arguments travel as one JSON string:
 vLLM's HTTP RPC passes strings only.
 
-Method names carry a ``ckptdelta_`` prefix so they can never clash with the
-worker's own.
+No method raises: an exception escaping a collective RPC takes vLLM's engine
+core down with it, so errors come back as ``{"error": ...}`` and the replica
+raises them on its side. Method names carry a ``ckptdelta_`` prefix so they can
+never clash with the worker's own.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from typing import Any
+import traceback
+from typing import Any, Callable
 
 import torch
+
+
+def _answer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapped(self: Any, spec: str = "") -> Any:
+        try:
+            return fn(self, json.loads(spec) if spec else {})
+        except Exception as e:  # noqa: BLE001 - see the module docstring
+            return {"error": f"{type(e).__name__}: {e}", "where": fn.__name__,
+                    "traceback": traceback.format_exc(limit=6)[-2000:]}
+    return wrapped
 
 
 class CkptDeltaWorker:
@@ -29,40 +44,61 @@ class CkptDeltaWorker:
     def _ckptdelta_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
 
-    def ckptdelta_reload(self, spec: str) -> dict[str, Any]:
-        """Reload the named tensors from the shared weights file through vLLM's own loader."""
-        from loader.engines.shared_weights import open_tensors
-
-        req = json.loads(spec)
-        t0 = time.perf_counter()
-        tensors = open_tensors(req["path"], req.get("names"))
-        t1 = time.perf_counter()
-        self.model_runner.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return {"tensors": len(tensors), "map_s": t1 - t0, "reload_s": time.perf_counter() - t1}
-
-    def ckptdelta_layout(self, spec: str = "") -> dict[str, Any]:
+    @_answer
+    def ckptdelta_layout(self, req: dict) -> dict[str, Any]:
         """What the replica needs to group tensors into whole vLLM modules (fused q/k/v, gate/up, experts)."""
         model = self._ckptdelta_model()
         packed = getattr(model, "packed_modules_mapping", None) or {}
         return {"packed": {k: list(v) for k, v in dict(packed).items()}}
 
-    def ckptdelta_digests(self, spec: str) -> dict[str, str]:
+    @_answer
+    def ckptdelta_reload(self, req: dict) -> dict[str, Any]:
+        """Reload the named tensors from the shared weights file through vLLM's own loader."""
+        from loader.engines.shared_weights import open_tensors
+
+        t0 = time.perf_counter()
+        tensors = open_tensors(req["path"], req.get("names"))
+        t1 = time.perf_counter()
+        self.model_runner.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        _refresh_tied_head(self._ckptdelta_model(), tensors)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"tensors": len(tensors), "map_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+
+    @_answer
+    def ckptdelta_digests(self, req: dict) -> dict[str, str]:
         """xxh3 digests of the live weights in checkpoint coordinates (all of them, or ``names``)."""
         from loader.engines.vllm_readback import checkpoint_tensors, digests
 
-        req = json.loads(spec) if spec else {}
-        return digests(checkpoint_tensors(self._ckptdelta_model(), req.get("names")))
+        return {"digests": digests(checkpoint_tensors(self._ckptdelta_model(), req.get("names")))}
 
-    def ckptdelta_read(self, spec: str) -> dict[str, Any]:
+    @_answer
+    def ckptdelta_read(self, req: dict) -> dict[str, Any]:
         """The live weights in checkpoint coordinates, written to ``path`` as safetensors (tests, verify)."""
         from safetensors.torch import save_file
 
         from loader.engines.vllm_readback import checkpoint_tensors
 
-        req = json.loads(spec)
         tensors = checkpoint_tensors(self._ckptdelta_model(), req.get("names"))
         save_file({k: v.contiguous() for k, v in tensors.items()}, req["path"])
         return {"tensors": len(tensors)}
+
+
+def _refresh_tied_head(model: torch.nn.Module, reloaded: dict[str, torch.Tensor]) -> None:
+    """Re-pack a tied LM head after its embedding was reloaded.
+
+    On CPU the head's logits kernel holds its own packed copy of the embedding,
+    made when the model loaded; ``reload_weights`` re-processes the embedding
+    module only (the checkpoint has no ``lm_head.weight`` to send), so without
+    this the logits keep the old version's embedding (seen on vLLM 0.32's CPU
+    build)."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    if head is None or not getattr(config, "tie_word_embeddings", False):
+        return
+    if not any(n.endswith("embed_tokens.weight") for n in reloaded):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
