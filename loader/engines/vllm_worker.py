@@ -7,7 +7,11 @@ swap the replica calls these methods on every worker through vLLM's
 tensors to vLLM's own ``reload_weights`` (so names, fused qkv / gate_up groups,
 tied embeddings and tensor-parallel slicing follow vLLM's loaders, and CPU
 layers are re-packed), and read the live weights back in checkpoint coordinates
-to prove they are the published bits. Arguments travel as one JSON string:
+to prove they are the published bits. One exception: the routed experts of a
+CPU MoE layer never go through ``reload_weights`` (vLLM 0.32 skips the CPU
+prepack on a reload and copies unpacked weights into the packed storage);
+loader/engines/vllm_moe.py writes them with the layer's own loader, padding and
+prepack op instead. Arguments travel as one JSON string:
 vLLM's HTTP RPC passes strings only.
 
 No method raises: an exception escaping a collective RPC takes vLLM's engine
@@ -55,23 +59,34 @@ class CkptDeltaWorker:
     def ckptdelta_reload(self, req: dict) -> dict[str, Any]:
         """Reload the named tensors from the shared weights file through vLLM's own loader."""
         from loader.engines.shared_weights import open_tensors
+        from loader.engines.vllm_moe import reload_cpu_experts, split_expert_tensors
 
         t0 = time.perf_counter()
         tensors = open_tensors(req["path"], req.get("names"))
         t1 = time.perf_counter()
-        self.model_runner.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-        _refresh_tied_head(self._ckptdelta_model(), tensors)
+        model = self._ckptdelta_model()
+        rest, experts = split_expert_tensors(model, tensors)
+        if rest:
+            self.model_runner.reload_weights(  # type: ignore[attr-defined]
+                weights_iterator=iter(rest.items()), is_checkpoint_format=True)
+        direct = sum(reload_cpu_experts(model, path, named) for path, named in experts)
+        _refresh_tied_head(model, tensors)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return {"tensors": len(tensors), "map_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+        return {"tensors": len(tensors), "experts_direct": direct, "map_s": t1 - t0,
+                "reload_s": time.perf_counter() - t1}
 
     @_answer
     def ckptdelta_digests(self, req: dict) -> dict[str, str]:
         """xxh3 digests of the live weights in checkpoint coordinates (all of them, or ``names``)."""
-        from loader.engines.vllm_readback import checkpoint_tensors, digests
+        from loader.engines.vllm_readback import checkpoint_tensors, digests, kernel_view
 
-        return {"digests": digests(checkpoint_tensors(self._ckptdelta_model(), req.get("names")))}
+        # Tensors read through a GEMM kernel are compared as the kernel sees them (vllm_readback.kernel_view).
+        kernel: set[str] = set()
+        tensors = checkpoint_tensors(self._ckptdelta_model(), req.get("names"), strict=False, kernel_read=kernel)
+        for n in kernel:
+            tensors[n] = kernel_view(tensors[n])
+        return {"digests": digests(tensors), "kernel_view": sorted(kernel)}
 
     @_answer
     def ckptdelta_read(self, req: dict) -> dict[str, Any]:
@@ -80,9 +95,11 @@ class CkptDeltaWorker:
 
         from loader.engines.vllm_readback import checkpoint_tensors
 
-        tensors = checkpoint_tensors(self._ckptdelta_model(), req.get("names"))
+        kernel: set[str] = set()
+        tensors = checkpoint_tensors(self._ckptdelta_model(), req.get("names"), strict=req.get("strict", True),
+                                     kernel_read=kernel)
         save_file({k: v.contiguous() for k, v in tensors.items()}, req["path"])
-        return {"tensors": len(tensors)}
+        return {"tensors": len(tensors), "kernel_view": sorted(kernel)}
 
 
 def _refresh_tied_head(model: torch.nn.Module, reloaded: dict[str, torch.Tensor]) -> None:
