@@ -262,9 +262,9 @@ class VllmApplier(EngineApplier):
     def check(self, names: Sequence[str] | None = None) -> int:
         """Compare the live weights (read back in checkpoint coordinates by every worker) with the host copy."""
         names = list(self.shared.index) if names is None else list(names)
-        expected = expected_digests(self.shared, names)
         for w, answer in enumerate(self.control.rpc("ckptdelta_digests", {"names": names})):
             got = answer.get("digests") or {}
+            expected = expected_digests(self.shared, names, set(answer.get("kernel_view") or ()))
             bad = sorted(n for n in names if got.get(n) != expected[n])
             if bad:
                 raise HotLoadError(f"vLLM worker {w}: live weights differ from the snapshot for {len(bad)} "
@@ -272,11 +272,12 @@ class VllmApplier(EngineApplier):
         return len(names)
 
 
-def expected_digests(shared: SharedWeights, names: Sequence[str]) -> dict[str, str]:
-    """xxh3 of each host-copy tensor, as the worker's read-back reports it (see ``vllm_readback.digests``)."""
-    from loader.engines.vllm_readback import digests
+def expected_digests(shared: SharedWeights, names: Sequence[str], kernel: set[str] = frozenset()) -> dict[str, str]:
+    """xxh3 of each host-copy tensor as the worker's read-back reports it: its bits, or for a tensor the worker
+    read through a GEMM kernel, its :func:`loader.engines.vllm_readback.kernel_view`."""
+    from loader.engines.vllm_readback import digests, kernel_view
 
-    return digests({n: shared.tensors[n] for n in names})
+    return digests({n: kernel_view(shared.tensors[n]) if n in kernel else shared.tensors[n] for n in names})
 
 
 # --- the engine -----------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["ReadbackError", "checkpoint_tensors", "digests"]
+__all__ = ["ReadbackError", "checkpoint_tensors", "digests", "kernel_view"]
 
 #: Identity rows pushed through a linear kernel per call (bounds the temporary output).
 _IDENTITY_CHUNK = 1024
@@ -134,7 +134,7 @@ def _kernel_matrix(name: str, layer: torch.nn.Module, n_out: int, n_in: int, dty
     if keep_rows is not None:
         out = out[:keep_rows].contiguous()
     bad = ~torch.isfinite(out)
-    if bool(bad.any()):
+    if strict and bool(bad.any()):
         rows = bad.any(dim=1).nonzero().flatten().tolist()
         raise ReadbackError(name, f"{len(rows)} row(s) (first: {rows[:5]}) hold NaN/Inf; a GEMM multiplies "
                                   "them by the identity's zeros, so their bits cannot be read through the kernel")
@@ -153,7 +153,7 @@ def _device_of(layer: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _linear_weight(name: str, layer: torch.nn.Module, strict: bool) -> torch.Tensor:
+def _linear_weight(name: str, layer: torch.nn.Module, strict: bool) -> tuple[torch.Tensor, bool]:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     if not isinstance(layer.quant_method, UnquantizedLinearMethod):
@@ -163,8 +163,8 @@ def _linear_weight(name: str, layer: torch.nn.Module, strict: bool) -> torch.Ten
     n_in = int(layer.input_size_per_partition if hasattr(layer, "input_size_per_partition") else layer.input_size)
     w = layer.weight
     if not w.is_meta and tuple(w.shape) == (n_out, n_in):
-        return _plain(name, w)
-    return _kernel_matrix(name, layer, n_out, n_in, w.dtype, strict)
+        return _plain(name, w), False
+    return _kernel_matrix(name, layer, n_out, n_in, w.dtype, strict), True
 
 
 # --- naming ---------------------------------------------------------------------------------------
@@ -211,6 +211,7 @@ class _Producer:
         self.names = names
         self.read = read
         self.triggers = list(names) + list(triggers or [])
+        self.kernel_names: set[str] = set()  # set by read(): tensors it read through a GEMM kernel
 
 
 def _linear_producer(model, path, layer, strict) -> _Producer:
@@ -224,7 +225,9 @@ def _linear_producer(model, path, layer, strict) -> _Producer:
 
     def read():
         wname = f"{path}.weight"
-        w = _linear_weight(wname, layer, strict)
+        w, via_kernel = _linear_weight(wname, layer, strict)
+        if via_kernel:
+            prod.kernel_names = {f"{m}.weight" for m in members}
         out = {}
         parts = [w] if not fused else list(torch.split(w, sizes, dim=0))
         if fused and sum(sizes) != w.shape[0]:
@@ -237,7 +240,8 @@ def _linear_producer(model, path, layer, strict) -> _Producer:
                 out[f"{m}.bias"] = p.contiguous()
         return out
 
-    return _Producer(names, read)
+    prod = _Producer(names, read)
+    return prod
 
 
 def _embedding_producer(model, path, layer, strict, embed_of: dict) -> _Producer:
@@ -275,13 +279,15 @@ def _embedding_producer(model, path, layer, strict, embed_of: dict) -> _Producer
                                            f"from {src}.weight it is tied to")
         else:
             out[wname] = w.contiguous()
+            prod.kernel_names = {wname}
         if has_bias:
             out[f"{path}.bias"] = _as_dtype(f"{path}.bias", _plain(f"{path}.bias", layer.bias),
                                             layer.weight.dtype)[:vocab].contiguous()
         return out
 
     triggers = [f"{p}.weight" for p, e in embed_of.items() if e.weight is layer.weight] if tied else []
-    return _Producer(names, read, triggers)
+    prod = _Producer(names, read, triggers)
+    return prod
 
 
 def _moe_unpack(name: str, packed: torch.Tensor, isa: str) -> torch.Tensor:
@@ -414,13 +420,14 @@ def _producers(model: torch.nn.Module, strict: bool) -> list[_Producer]:
 # --- public API -----------------------------------------------------------------------------------
 
 def checkpoint_tensors(model: torch.nn.Module, names: Iterable[str] | None = None, *,
-                       strict: bool = True) -> dict[str, torch.Tensor]:
+                       strict: bool = True, kernel_read: set[str] | None = None) -> dict[str, torch.Tensor]:
     """CPU tensors, keyed by checkpoint name, holding the bits ``model`` computes with.
 
     ``names`` restricts the work to the layers those tensors live in (a fused
     layer is read once for all its members); an unknown name raises
     :class:`ReadbackError`. ``strict``: see the module docstring (zeros read
-    through a GEMM kernel)."""
+    through a GEMM kernel). ``kernel_read``, when given, receives the names that
+    were read through a GEMM kernel (compare those under :func:`kernel_view`)."""
     producers = _producers(model, strict)
     wanted = None if names is None else set(names)
     if wanted is not None:
@@ -439,7 +446,28 @@ def checkpoint_tensors(model: torch.nn.Module, names: Iterable[str] | None = Non
                 raise ReadbackError(n, "produced by two runtime layers")
             if wanted is None or n in wanted:
                 out[n] = t
+                if kernel_read is not None and n in p.kernel_names:
+                    kernel_read.add(n)
     return out
+
+
+def kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """What a GEMM kernel can show of a weight matrix: the bits, except what no identity product tells apart.
+
+    -0.0 and subnormals become +0.0 (a product with them is a zero the kernel
+    cannot sign, and bf16 dot-product units flush subnormals), and a row holding a
+    NaN or an Inf becomes all NaN (its zeros times the NaN poison the row).
+    Applied to both the live read-back and the expected tensor, equality then
+    means the kernel computes with the published values."""
+    if not t.is_floating_point() or t.dim() != 2:
+        return t
+    x = t.detach().to("cpu").clone()
+    tiny = torch.finfo(x.dtype).tiny
+    x[x.abs() < tiny] = 0.0          # -0.0 and subnormals become +0.0 (NaN compares False: left alone)
+    rows = (~torch.isfinite(x)).any(dim=1)
+    if bool(rows.any()):
+        x[rows] = float("nan")
+    return x
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -1,0 +1,136 @@
+"""Real vLLM replicas for tests: a published run of a small model and ``ckptdelta serve --engine vllm``'s
+engine behind the replica app, on 127.0.0.1.
+
+Nothing is mocked: vLLM's CPU build starts its own OpenAI server in a child
+process (its engine core and worker in theirs), ckptdelta's app forwards to it
+and hot-loads it. A start costs 20-40 s on two cores, so a module starts one
+replica per model and its tests share it, in the order they are written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+
+from tests.lm import hf_extra_files, rl_step
+from tests.replicas import LiveServer
+
+#: vLLM options for the tests' tiny models on a 2-core machine.
+VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "16",
+             "--disable-log-stats"]
+PROMPT = "hello world, hello replica"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def bit_diff(live: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> list[str]:
+    """Checkpoint names whose live bits differ from ``truth`` (or are missing): empty when bit-identical."""
+    bad = sorted(set(truth) ^ set(live))
+    for n in sorted(set(truth) & set(live)):
+        a, b = live[n], truth[n]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bits(a), bits(b)):
+            bad.append(n)
+    return bad
+
+
+@dataclass
+class VllmRun:
+    """A run of one model: version v's exact weights are ``truth[v]`` (checkpoint names)."""
+
+    url: str
+    model_dir: str
+    publisher: object
+    truth: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def publish(self, weights: dict[str, torch.Tensor], *, anchor: bool = False) -> int:
+        v = max(self.truth) + 1 if self.truth else 0
+        r = self.publisher.publish(weights, v, anchor=anchor)
+        self.truth[r.version] = {k: t.clone() for k, t in weights.items()}
+        return r.version
+
+    def step(self, seed: int) -> int:
+        return self.publish(rl_step(self.truth[max(self.truth)], seed=seed))
+
+
+def publish_vllm_run(url: str, model_dir: str, *, deltas: int = 2) -> VllmRun:
+    from publisher import Publisher
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(model_dir, f)))
+    run = VllmRun(url, model_dir, Publisher(url, extra_files=hf_extra_files(model_dir)))
+    run.publish(weights)
+    for i in range(deltas):
+        run.step(seed=100 + i)
+    return run
+
+
+class VllmReplicaHandle:
+    """The engine (in this process), the replica app on a live socket, and an HTTP client for it."""
+
+    def __init__(self, engine, *, replica_id: str = "vllm-0", api_key: str | None = None):
+        from loader.server import create_app
+
+        self.engine = engine
+        self.server = LiveServer(create_app(engine, replica_id=replica_id, api_key=api_key)).__enter__()
+        self.url = self.server.url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, timeout=120, headers=headers)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return self.http.post(path, json=body)
+
+    def complete(self, **body) -> dict:
+        r = self.post("/v1/completions", {"prompt": PROMPT, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def hotload(self, snapshot, *, timeout: float = 120.0) -> dict:
+        import time
+
+        r = self.post("/v1/hotload", {"snapshot": snapshot})
+        assert r.status_code in (200, 202), r.text
+        job = r.json()
+        deadline = time.monotonic() + timeout
+        while job["state"] not in ("READY", "FAILED"):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.02)
+            job = self.http.get(f"/v1/hotload/{job['id']}").json()
+        return job
+
+    def live_weights(self, tmp_dir: str, *, strict: bool = True) -> dict[str, torch.Tensor]:
+        """Every runtime parameter read back by the worker, in checkpoint coordinates.
+
+        ``strict=False`` also reads zeros through a GEMM kernel (as +0.0); ``self.kernel_read`` then names the
+        tensors that came through one."""
+        from safetensors.torch import load_file
+
+        path = os.path.join(tmp_dir, "live.safetensors")
+        answer = self.engine.applier.control.rpc("ckptdelta_read", {"path": path, "strict": strict})[0]
+        self.kernel_read = set(answer.get("kernel_view") or ())
+        out = load_file(path)
+        os.unlink(path)
+        return out
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.__exit__()
+        self.engine.close()
+
+
+def start_vllm_replica(run: VllmRun, snapshot="latest", *, cache_dir: str | None = None,
+                       cache_policy: str = "recompute", replica_id: str = "vllm-0",
+                       api_key: str | None = None) -> VllmReplicaHandle:
+    from loader.engines import build_engine
+
+    engine = build_engine("vllm", bucket=run.url, snapshot=snapshot, cache_dir=cache_dir, cache_policy=cache_policy,
+                          vllm_args=VLLM_ARGS)
+    return VllmReplicaHandle(engine, replica_id=replica_id, api_key=api_key)
