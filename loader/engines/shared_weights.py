@@ -70,7 +70,9 @@ class SharedWeights:
             index[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                            "offset": offset, "nbytes": nbytes}
             offset += -(-max(nbytes, 1) // ALIGN) * ALIGN
-        fd, path = tempfile.mkstemp(prefix=prefix, suffix=".bin", dir=directory or default_dir())
+        directory = directory or default_dir()
+        remove_orphans(directory, prefix)
+        fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", suffix=".bin", dir=directory)
         try:
             os.ftruncate(fd, max(offset, 1))
         finally:
@@ -92,6 +94,33 @@ class SharedWeights:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def remove_orphans(directory: str, prefix: str) -> list[str]:
+    """Remove the shared files of replicas that died without closing theirs (the pid in the name is gone)."""
+    removed = []
+    for f in os.listdir(directory):
+        if not f.startswith(prefix):
+            continue
+        pid = f[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, f))
+            removed.append(f)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _map(path: str, index: Mapping[str, dict], names: Iterable[str]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,88 @@
+"""The pieces of the vLLM engine that need no vLLM: the shared host copy and the grouping into whole modules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loader.engines.shared_weights import ALIGN, SharedWeights, open_tensors, remove_orphans
+from loader.engines.vllm import reload_groups
+
+LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_the_shared_copy_holds_every_dtype_bit_for_bit_and_a_second_mapping_sees_writes(tmp_path):
+    special = torch.tensor([0x7FC5, 0xFFC1, 0x8000, 0x0001, 0x7F80], dtype=torch.int32).to(torch.int16)
+    tensors = {
+        "bf16": special.view(torch.bfloat16).clone(),
+        "f32": torch.tensor([float("nan"), -0.0, 1e-45, 3.5]),
+        "f16": torch.tensor([-0.0, 6e-8, 1.0], dtype=torch.float16),
+        "i64": torch.arange(7, dtype=torch.int64).reshape(7, 1),
+        "u8": torch.tensor([1, 2, 3], dtype=torch.uint8),
+        "empty": torch.zeros(0, 3),
+        "fp8": torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn),
+    }
+    shared = SharedWeights.create(tensors, directory=str(tmp_path))
+    try:
+        for name, t in tensors.items():
+            live = shared.tensors[name]
+            assert live.dtype == t.dtype and live.shape == t.shape and torch.equal(_bits(live), _bits(t)), name
+        index = json.load(open(shared.index_path))
+        assert all(e["offset"] % ALIGN == 0 for e in index.values())
+        worker = open_tensors(shared.path, ["bf16", "f32"])  # as an engine worker maps it
+        shared.tensors["f32"][3] = 7.25
+        assert worker["f32"][3].item() == 7.25  # the same pages, no copy
+    finally:
+        shared.close()
+    assert not os.path.exists(shared.path) and not os.path.exists(shared.index_path)
+
+
+def test_an_index_pointing_outside_the_file_is_refused(tmp_path):
+    shared = SharedWeights.create({"a": torch.ones(4)}, directory=str(tmp_path))
+    try:
+        index = json.load(open(shared.index_path))
+        index["a"]["offset"] = 1 << 20
+        json.dump(index, open(shared.index_path, "w"))
+        os.utime(shared.index_path, (1, 1))
+        with pytest.raises(ValueError, match="outside the file"):
+            open_tensors(shared.path)
+    finally:
+        shared.close()
+
+
+def test_files_of_dead_replicas_are_removed_and_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    for name in (f"ckptdelta-weights-{pid}-x.bin", f"ckptdelta-weights-{pid}-x.bin.json",
+                 f"ckptdelta-weights-{os.getpid()}-y.bin", "other.bin"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_orphans(str(tmp_path), "ckptdelta-weights-")) == [
+        f"ckptdelta-weights-{pid}-x.bin", f"ckptdelta-weights-{pid}-x.bin.json"]
+    assert sorted(os.listdir(tmp_path)) == [f"ckptdelta-weights-{os.getpid()}-y.bin", "other.bin"]
+
+
+def test_a_changed_tensor_brings_its_whole_vllm_module():
+    names = [f"model.layers.0.self_attn.{m}.{p}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")
+             for p in ("weight", "bias")]
+    names += [f"model.layers.0.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+    names += [f"model.layers.1.mlp.experts.{e}.{m}.weight" for e in range(3) for m in ("gate_proj", "down_proj")]
+    names += ["model.layers.1.mlp.gate.weight", "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    qkv = {n for n in names if any(f".{m}." in n for m in ("q_proj", "k_proj", "v_proj"))}
+    assert set(reload_groups(["model.layers.0.self_attn.k_proj.weight"], names, LLAMA_PACKED)) == qkv
+    assert set(reload_groups(["model.layers.0.mlp.up_proj.weight"], names, LLAMA_PACKED)) == {
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"}
+    experts = {n for n in names if ".experts." in n}
+    assert set(reload_groups(["model.layers.1.mlp.experts.2.down_proj.weight"], names, LLAMA_PACKED)) == experts
+    assert reload_groups(["model.norm.weight"], names, LLAMA_PACKED) == ["model.norm.weight"]
+    assert reload_groups(["model.layers.0.self_attn.o_proj.bias"], names, LLAMA_PACKED) == [
+        "model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.bias"]
+    assert reload_groups([], names, LLAMA_PACKED) == []
