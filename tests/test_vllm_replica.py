@@ -136,6 +136,86 @@ def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapsh
     assert hot["logprobs"]["top_logprobs"] == cold["logprobs"]["top_logprobs"]
 
 
+def test_a_vllm_started_by_the_user_attaches_and_is_checked_before_it_serves(llama_run, tmp_path):
+    """``serve --engine vllm --attach URL``: vLLM started the user's way with the two documented settings."""
+    from loader.engines import build_engine
+    from loader.engines.vllm import VllmError, VllmServer
+    from loader.reader import SnapshotReader
+
+    model_dir = SnapshotReader(llama_run.url).materialize(1, str(tmp_path / "v1"))
+    theirs = VllmServer(model_dir, served_name="their-name", args=VLLM_ARGS)  # worker extension + dev mode
+    try:
+        theirs.wait_ready()
+        with pytest.raises(VllmError, match="differ from the snapshot"):
+            build_engine("vllm", bucket=llama_run.url, snapshot=2, attach=theirs.url)  # not the weights it serves
+        rep = VllmReplicaHandle(build_engine("vllm", bucket=llama_run.url, snapshot=1, attach=theirs.url))
+        try:
+            assert rep.engine.model_name == "their-name"
+            assert rep.complete(max_tokens=2, return_engine_data=True)["engine_data"]["policy_version"] == 1
+            assert rep.hotload(2)["state"] == "READY"
+            assert bit_diff(rep.live_weights(str(tmp_path)), llama_run.truth[2]) == []
+        finally:
+            rep.close()
+        assert theirs.proc.poll() is None  # closing an attached replica leaves the user's vLLM running
+    finally:
+        theirs.stop()
+
+
+def test_serve_engine_vllm_from_the_command_line_and_a_replica_killed_mid_hotload_restarts_on_latest(llama_run,
+                                                                                                     tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    def start(snapshot: str) -> tuple[subprocess.Popen, str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [os.path.join(os.path.dirname(sys.executable), "ckptdelta"), "serve", "--engine", "vllm",
+               "--bucket", llama_run.url, "--snapshot", snapshot, "--port", str(port),
+               "--cache-dir", str(tmp_path / "cache"), "--", *VLLM_ARGS]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"serve-{port}.log", "wb"))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/v1/status", timeout=2).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError("ckptdelta serve --engine vllm did not come up")
+
+    proc, url = start("1")
+    st = httpx.get(url + "/v1/status", timeout=30).json()
+    assert st["policy_version"] == 1 and st["engine"]["kind"] == "vllm"
+    vllm_url = st["engine"]["url"]
+    assert httpx.post(url + "/v1/hotload", json={"snapshot": 0}, timeout=30).status_code == 202
+    proc.send_signal(signal.SIGKILL)  # mid hot-load
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # its vLLM goes with it
+        try:
+            httpx.get(vllm_url + "/health", timeout=1)
+        except httpx.HTTPError:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the killed replica's vLLM server is still answering")
+    proc, url = start("latest")
+    try:
+        latest = max(llama_run.truth)
+        body = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "return_engine_data": True},
+                          timeout=60).json()
+        assert body["engine_data"]["policy_version"] == latest == httpx.get(url + "/v1/status").json()["policy_version"]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 @pytest.mark.parametrize("cache_policy", ["recompute", "keep"])
 def test_requests_in_flight_through_a_hotload_all_finish_and_report_the_span(rep, llama_run, cache_policy):
     rep.engine.cache_policy = rep.engine.applier.cache_policy = cache_policy

@@ -442,7 +442,12 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         applier = VllmApplier(control, shared, cache_policy=cache_policy, packed=layout.get("packed") or {},
                               verify=verify)
         t0 = time.perf_counter()
-        n = applier.check()
+        try:
+            n = applier.check()
+        except HotLoadError as e:
+            raise VllmError(f"vLLM at {url} does not serve {_snapshot(version)} of run {reader.run_id}: {e}; start "
+                            "it on that snapshot's weights (ckptdelta materialize) or pick the snapshot it "
+                            "serves") from None
         log.info("vLLM at %s serves %s of run %s: %d tensors match the snapshot's digests (%.2fs)", url,
                  _snapshot(version), reader.run_id, n, time.perf_counter() - t0)
         control.set_version(version)
