@@ -269,7 +269,7 @@ class SnapshotReader:
                 self._verify_anchor_names(m)
         n_tensors = self._verify_tensors(chain)
         damaged = ()
-        if ref is None:     # latest skipped damaged newer manifests: say which
+        if ref is None or ref == "latest":     # latest skipped damaged newer manifests: say which
             damaged = tuple(self.store.key_url(manifest_key(u)) for u in self.versions() if u > v)
             for key in damaged:
                 log.warning("verify: manifest %s is unreadable; latest is %s", key, snapshot_name(v))

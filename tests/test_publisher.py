@@ -260,7 +260,7 @@ def test_a_retried_publish_writes_keys_of_its_own_so_a_late_write_of_the_failed_
 
 
 def test_a_damaged_newest_manifest_is_skipped_by_readers_and_a_reopened_publisher_anchors_after_it(
-        tmp_path, caplog):
+        tmp_path, caplog, capsys):
     """Regression: an unreadable newest manifest made ``Publisher(url)`` raise ManifestError (the run stayed
     stuck until someone deleted it by hand) and ``latest`` fail for every replica."""
     from delta.manifest import manifest_key
@@ -282,6 +282,14 @@ def test_a_damaged_newest_manifest_is_skipped_by_readers_and_a_reopened_publishe
     assert_same(reader.read_tensors("latest"), v0)
     report = SnapshotReader(url).verify()
     assert report.version == 0 and len(report.damaged) == 1 and manifest_key(1) in report.damaged[0], report
+    from ckptdelta.cli import main
+    capsys.readouterr()
+    assert main(["ls", url]) == 0
+    listed = capsys.readouterr().out
+    assert "unreadable" in next(line for line in listed.splitlines() if line.split()[:1] == ["1"])
+    assert main(["verify", url]) == 0
+    out = capsys.readouterr()
+    assert "ok: v00000000" in out.out and manifest_key(1) in out.err and "unreadable" in out.err
     perturb(w, seed=2)
     with Publisher(url, progress=False) as again:
         r = again.publish(w, 2)
