@@ -77,6 +77,19 @@ class CkptDeltaWorker:
                 "reload_s": time.perf_counter() - t1}
 
     @_answer
+    def ckptdelta_reload_dir(self, req: dict) -> dict[str, Any]:
+        """vLLM's own full reload from a checkpoint directory (``reload_weights(weights_path=dir)``): what a user
+        without ckptdelta does after downloading a new checkpoint; benchmarks/vllm_hotload.py times it."""
+        t0 = time.perf_counter()
+        reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights  # type: ignore[attr-defined]
+        reload(weights_path=req["path"], is_checkpoint_format=True)
+        model = self._ckptdelta_model()
+        _refresh_tied_head(model, {"model.embed_tokens.weight": None})  # every tensor was reloaded
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"reload_s": time.perf_counter() - t0}
+
+    @_answer
     def ckptdelta_digests(self, req: dict) -> dict[str, str]:
         """xxh3 digests of the live weights in checkpoint coordinates (all of them, or ``names``)."""
         from loader.engines.vllm_readback import checkpoint_tensors, digests, kernel_view
