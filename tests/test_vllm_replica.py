@@ -76,6 +76,9 @@ def test_serves_the_snapshot_with_vllms_own_options_and_engine_data(rep, llama_r
     ed = body["engine_data"]
     assert ed["policy_version"] == rep.engine.version == 0 and ed["snapshot"] == "v00000000"
     assert ed["replica_id"] == "vllm-0" and ed["policy_versions"] == [0] and not ed["crossed_swap"]
+    ids = rep.post("/v1/completions", {"prompt": choice["token_ids"][:2] + [3, 4], "max_tokens": 2,
+                                       "return_token_ids": True})  # a prompt of token ids
+    assert ids.status_code == 200 and ids.json()["choices"][0]["prompt_token_ids"] == choice["token_ids"][:2] + [3, 4]
     two = rep.complete(max_tokens=6, temperature=1.0, n=2, seed=7)
     assert len(two["choices"]) == 2
     assert rep.complete(max_tokens=6, temperature=1.0, n=2, seed=7)["choices"] == two["choices"]  # seeded

@@ -336,7 +336,7 @@ class VllmReplica(ReplicaEngine):
         epoch0, v0 = self.applier.epoch, self.version
         crossing = self.applier.swapping
         body = dict(body)
-        body.setdefault("model", self.model_name)
+        body["model"] = self.model_name  # the name vLLM serves under, whatever the client calls the replica
         # Prefix-cache entries never outlive the weights that computed them: a salt per version.
         salt = f"ckptdelta-v{v0}"
         body["cache_salt"] = f"{body['cache_salt']}-{salt}" if isinstance(body.get("cache_salt"), str) else salt
@@ -432,7 +432,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         shared = SharedWeights.create(_load_dir(model_dir))
         if attach:
             url = attach.rstrip("/")
-            name = model_name or _served_name(url, vllm_api_key)
+            name = _served_name(url, vllm_api_key)  # requests must name what vLLM serves
         else:
             server = VllmServer(model_dir, served_name=name, args=vllm_args, log_path=vllm_log)
             server.wait_ready()
