@@ -87,10 +87,16 @@ class EncodedTensor:
 
     header: RecordHeader
     payloads: list[bytes | memoryview]
+    #: Where the record came from (object key, byte range, snapshot), when parsed with ``what``: every error
+    #: decoding or applying it raises names it, not only the tensor.
+    origin: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
         return self.header.name
+
+    def where(self) -> str:
+        return self.origin or f"tensor {self.header.name!r}"
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +125,7 @@ class EncodedTensor:
         if verify:
             for i, (c, p) in enumerate(zip(h.chunks, payloads)):
                 chunks.verify_payload(c, p, f"{where} chunk {i}")
-        return cls(h, payloads)
+        return cls(h, payloads, what)
 
 
 def _as_encoded(enc: "EncodedTensor | bytes | memoryview", what: str | None = None) -> EncodedTensor:
@@ -299,10 +305,11 @@ def _check_live(live, name: str, dt: dtypes.DType, shape: tuple[int, ...]) -> No
             f"the delta expects {dt.name}{list(shape)}")
 
 
-def _check_parent(h: RecordHeader, got: int) -> None:
+def _check_parent(enc: EncodedTensor, got: int) -> None:
+    h = enc.header
     if got != h.parent_digest:
         raise ParentMismatchError(
-            f"tensor {h.name!r}: the delta was encoded against a tensor with digest "
+            f"{enc.where()}: the delta was encoded against a tensor with digest "
             f"{digest_hex(h.parent_digest)}, the live tensor has {digest_hex(got)} (wrong parent snapshot?)")
 
 
@@ -310,14 +317,14 @@ def _decode_chunk(enc: EncodedTensor, bits: np.ndarray, i: int) -> tuple[np.ndar
     """Chunk ``i``'s changes against ``bits`` (the whole parent): chunk-local positions and new bits."""
     h = enc.header
     s, e = h.chunk_range(i)
-    return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"tensor {h.name!r} chunk {i}")
+    return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"{enc.where()} chunk {i}")
 
 
 def _decode_against(enc: EncodedTensor, bits: np.ndarray, verify: bool, threads: int | None):
     """Check ``bits`` is the record's parent (with ``verify``) and decode every chunk's changes against it."""
     h = enc.header
     if verify and h.has_parent:
-        _check_parent(h, xxhash.xxh3_64_intdigest(bits))
+        _check_parent(enc, xxhash.xxh3_64_intdigest(bits))
     return _map(lambda i: _decode_chunk(enc, bits, i), list(range(len(h.chunks))), threads)
 
 
@@ -346,7 +353,7 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
                 hasher.update(bits[s:e])
         if hasher.intdigest() != h.digest:
             raise ChecksumError(
-                f"tensor {h.name!r}: reconstructed bytes hash to {digest_hex(hasher.intdigest())}, "
+                f"{enc.where()}: reconstructed bytes hash to {digest_hex(hasher.intdigest())}, "
                 f"the record says {digest_hex(h.digest)}")
     total = sum(p.shape[0] for p, _ in per_chunk)
     w = h.dtype.itemsize
@@ -405,7 +412,7 @@ def decode(old: Array | None, enc: "EncodedTensor | bytes | memoryview", *, veri
         t = dtypes.from_bits(new_bits, h.dtype, h.shape)
         return t if old is None else t.to(old.device)
     if old is None:
-        raise ParentMismatchError(f"tensor {h.name!r}: the record needs its parent tensor to decode")
+        raise ParentMismatchError(f"{enc.where()}: the record needs its parent tensor to decode")
     if isinstance(old, np.ndarray):
         out = np.array(old, copy=True, order="C")
     else:
@@ -419,18 +426,18 @@ def _decode_raw(enc: EncodedTensor, verify: bool, threads: int | None) -> np.nda
     for i, c in enumerate(h.chunks):  # vet every chunk before allocating what the header claims
         s, e = h.chunk_range(i)
         if c.encoding != RAW:
-            raise FormatError(f"tensor {h.name!r} chunk {i}: non-raw chunk in a record without parent")
-        chunks.check_frame(enc.payloads[i], (e - s) * h.dtype.itemsize, f"tensor {h.name!r} chunk {i}")
+            raise FormatError(f"{enc.where()} chunk {i}: non-raw chunk in a record without parent")
+        chunks.check_frame(enc.payloads[i], (e - s) * h.dtype.itemsize, f"{enc.where()} chunk {i}")
     out = np.empty(h.numel, h.dtype.bits_dtype)
 
     def one(i: int):
         s, e = h.chunk_range(i)
         c = h.chunks[i]
-        out[s:e] = chunks.decode_raw(c, enc.payloads[i], e - s, h.dtype, f"tensor {h.name!r} chunk {i}")
+        out[s:e] = chunks.decode_raw(c, enc.payloads[i], e - s, h.dtype, f"{enc.where()} chunk {i}")
 
     _map(one, list(range(len(h.chunks))), threads)
     if verify and xxhash.xxh3_64_intdigest(out) != h.digest:
-        raise ChecksumError(f"tensor {h.name!r}: decoded bytes do not match the record's digest")
+        raise ChecksumError(f"{enc.where()}: decoded bytes do not match the record's digest")
     return out
 
 
@@ -459,7 +466,7 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
         raise
     if verify and xxhash.xxh3_64_intdigest(bits) != h.digest:
         _restore(bits, undo)
-        raise ChecksumError(f"tensor {h.name!r}: reconstructed bytes do not match the record's digest "
+        raise ChecksumError(f"{enc.where()}: reconstructed bytes do not match the record's digest "
                             f"{digest_hex(h.digest)}; the live tensor was left unchanged")
 
 

@@ -249,6 +249,7 @@ class SnapshotReader:
         chain = self.chain(v)
         head = self._head_record()
         objects: dict[str, ObjectRef] = {}
+        listed_by: dict[str, Manifest] = {}
         for m in chain:
             key = manifest_key(m.version)
             raw = self._get(key, max_size=MAX_MANIFEST_BYTES)
@@ -262,8 +263,9 @@ class SnapshotReader:
                     raise ManifestError(f"{m.where()}: object {o.key} is listed with a different size or digest "
                                         "by another manifest of the chain")
                 objects[o.key] = o
+                listed_by.setdefault(o.key, m)
         for o in objects.values():
-            self._verify_object(o)
+            self._verify_object(o, listed_by[o.key])
         for m in chain:
             if m.kind == "anchor":
                 self._verify_anchor_names(m)
@@ -425,8 +427,11 @@ class SnapshotReader:
                 self._manifests.popitem(last=False)
         return m
 
-    def _verify_object(self, o: ObjectRef) -> None:
-        size = self.store.size(o.key)
+    def _verify_object(self, o: ObjectRef, m: Manifest) -> None:
+        try:
+            size = self.store.size(o.key)
+        except ObjectNotFoundError as e:   # a damaged key in the manifest, or a lost object: say which lists it
+            raise ObjectNotFoundError(f"object {o.key}, listed by {m.where()}, is not in the store ({e})") from None
         self._count(requests=1)
         if size != o.size:
             raise ChecksumError(f"object {o.key}: {size} bytes in the store, its manifest says {o.size}")
