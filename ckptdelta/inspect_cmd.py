@@ -8,6 +8,7 @@ import os
 
 from delta import container, record
 from delta.codec import EncodedTensor
+from delta.errors import ObjectNotFoundError, StorageError
 
 
 def add_commands(sub: "argparse._SubParsersAction") -> None:
@@ -20,9 +21,14 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with open(args.path, "rb") as f:
-        data = f.read()
     what = f"delta object {os.path.basename(args.path)}"
+    try:
+        with open(args.path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ObjectNotFoundError(f"{what}: no such file {args.path}") from None
+    except OSError as e:     # a directory, no permission...: one line, not a traceback
+        raise StorageError(f"{what}: cannot read {args.path}: {e.strerror or e}") from None
     if data[:8] != container.OBJECT_MAGIC:
         raise record.FormatError(f"{what}: not a ckptdelta delta object (bad magic)")
     index = container.read_index(data, len(data), what=what)

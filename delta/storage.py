@@ -307,7 +307,9 @@ class Store:
             except CkptDeltaError:
                 raise
             except FileNotFoundError as e:
-                raise ObjectNotFoundError(f"{op} {self.key_url(key)}: no such object") from e
+                missing = ObjectNotFoundError(f"{op} {self.key_url(key)}: no such object")
+                missing.key = key      # so a caller can say which manifest entry wanted it
+                raise missing from e
             except FileExistsError as e:
                 raise ObjectExistsError(f"{op} {self.key_url(key)}: object already exists") from e
             except Exception as e:

@@ -306,7 +306,14 @@ class SnapshotReader:
                         self.cache.discard(p.obj.xxh3, p.obj.size, p.start, p.end)
             misses.append(i)
         requests = coalesce([(pieces[i], i) for i in misses])
-        datas = self._get_many([(key, (s, e)) for key, s, e, _members in requests])
+        try:
+            datas = self._get_many([(key, (s, e)) for key, s, e, _members in requests])
+        except ObjectNotFoundError as e:   # a manifest names an object the store lacks: say which entry
+            wanted = next((members[0][0] for key, _s, _e, members in requests if key == getattr(e, "key", None)),
+                          None)
+            if wanted is None:
+                raise
+            raise ObjectNotFoundError(f"{wanted.where()}: the object is not in the store ({e})") from None
         fetched = 0
         for (key, s, e, members), data in zip(requests, datas):
             fetched += len(data)

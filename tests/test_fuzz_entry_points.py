@@ -226,10 +226,11 @@ def _read_checkpoint(d: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _names_object(msg: str, key: str) -> bool:
-    """The message names the damaged object, another object of the run it led to, or the snapshot."""
+def _names_object(msg: str, key: str, url: str = "") -> bool:
+    """The message names the damaged object, another object of the run it led to (a key URL inside the run:
+    a damaged manifest may name a key that does not exist), or the snapshot."""
     base = key.rsplit("/", 1)[-1]
-    return (base in msg or "manifests/" in msg or "anchors/" in msg or "deltas/" in msg
+    return (base in msg or (url and f"{url}/" in msg) or "manifests/" in msg or "anchors/" in msg or "deltas/" in msg
             or "HEAD" in msg or "RUN.json" in msg or "v0000000" in msg or "version " in msg)
 
 
@@ -238,13 +239,14 @@ class Checker:
         self.run = run
         self.problems: list[str] = []
         self.outcomes: Counter = Counter()
+        self.url = ""      # the damaged run's URL, set per case
 
     def call(self, entry: str, where: str, key: str, fn, *, must_fail: bool = False) -> None:
         try:
             fn()
         except CkptDeltaError as e:
             self.outcomes[(entry, "refused")] += 1
-            if not _names_object(str(e), key):
+            if not _names_object(str(e), key, self.url):
                 self.problems.append(f"{where}: {entry}: {type(e).__name__} names no object: {str(e)[:200]}")
         except Exception as e:  # noqa: BLE001 - every other class is the bug this test looks for
             self.problems.append(f"{where}: {entry}: {type(e).__name__}: {str(e)[:200]}")
@@ -273,7 +275,7 @@ class Checker:
             lines = err.strip().splitlines()
             if len(lines) != 1 or "Traceback" in err:
                 self.problems.append(f"{where}: {entry}: exit 1 without a one-line message: {err[:300]!r}")
-            elif not _names_object(lines[0], key):
+            elif not _names_object(lines[0], key, self.url):
                 self.problems.append(f"{where}: {entry}: message names no object: {lines[0][:200]}")
         elif rc != 0:
             self.problems.append(f"{where}: {entry}: exit status {rc}: {err[:200]!r}")
@@ -284,6 +286,7 @@ class Checker:
 
 def _check_case(ck: Checker, url: str, kind: str, key: str, where: str, scratch: str) -> None:
     run = ck.run
+    ck.url = url
     data_object = kind not in ("HEAD", "RUN.json", "manifest")
     head_manifest = kind == "manifest" and key == manifest_key(TARGET)
     must_fail_verify = data_object or head_manifest
@@ -354,3 +357,51 @@ def test_every_entry_point_refuses_fuzzed_bucket_bytes_with_a_ckptdelta_error_na
         print(f"  {entry:<28} {outcome:<8} {c}")
     assert n_cases >= 200
     assert not ck.problems, f"{len(ck.problems)} problems:\n" + "\n".join(ck.problems[:60])
+
+
+# --- regressions of what the fuzzing found ---------------------------------------------------------
+
+def _copy_with(run, tmp_path, key: str, data: bytes) -> str:
+    url = str(tmp_path / "run")
+    shutil.copytree(run["url"], url)
+    with open(os.path.join(url, key), "wb") as f:
+        f.write(data)
+    return url
+
+
+def test_a_parent_mismatch_found_while_hot_loading_names_the_record_and_snapshot(run, tmp_path):
+    """Regression: a flipped bit renamed 'head.weight' in v1's manifest, so v2's record (encoded against v1's
+    tensor) became the first piece of the forward route from v0; the codec's ParentMismatchError named only
+    the tensor. Errors from decoding or applying a parsed record now name its object, range and snapshot."""
+    key = manifest_key(1)
+    data = run["files"][key]
+    assert data.count(b'"head.weight"') == 1
+    url = _copy_with(run, tmp_path, key, data.replace(b'"head.weight"', b'"head.weigxt"'))
+    live = {k: t.clone() for k, t in run["truth"][0].items()}
+    with pytest.raises(CkptDeltaError) as ei:
+        HotSwapper(live, SnapshotReader(url), version=0, progress=False).prepare(TARGET)
+    assert "deltas/" in str(ei.value) and "v00000002" in str(ei.value), str(ei.value)
+    assert _fingerprint(live) == _fingerprint(run["truth"][0])
+
+
+def test_an_object_a_manifest_names_but_the_store_lacks_is_reported_with_the_entry_that_wants_it(run, tmp_path):
+    """Regression: a manifest whose object key was damaged into another valid key ('1') failed reads with
+    'get .../run/1: no such object', verify with 'info .../1: ...': neither said which snapshot or tensor."""
+    key = manifest_key(1)      # not the one HEAD names: verify would refuse it by HEAD's digest first
+    doc = json.loads(run["files"][key])
+    doc["objects"][0]["key"] = "deltas/missing.ckd"
+    url = _copy_with(run, tmp_path, key, json.dumps(doc).encode())
+    for call in (lambda: SnapshotReader(url).read_tensors(TARGET), lambda: SnapshotReader(url).verify(TARGET)):
+        with pytest.raises(CkptDeltaError, match="v00000001") as ei:
+            call()
+        assert "deltas/missing.ckd" in str(ei.value)
+    rc, _, err = _cli(["verify", url, str(TARGET)])
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "deltas/missing.ckd" in err
+
+
+def test_inspect_of_a_path_that_is_not_a_readable_file_exits_1_with_one_line(tmp_path):
+    """Regression: ``ckptdelta inspect`` of a missing file or a directory ended in a traceback."""
+    for path in (str(tmp_path / "missing.ckd"), str(tmp_path)):
+        rc, _, err = _cli(["inspect", path])
+        assert rc == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert os.path.basename(path) in err
