@@ -2,27 +2,39 @@
 
 One process trains, one serves. The trainer pre-trains a tiny Llama on noisy
 addition (benchmarks/rl_task.py), publishes it as the run's anchor and starts a
-replica (``ckptdelta serve``) on it. Then each step:
+replica on it: ``ckptdelta serve --engine vllm`` (vLLM's own OpenAI server,
+hot-loaded by ckptdelta; the default) or ``--engine reference`` (ckptdelta's
+built-in torch engine). Then each step:
 
 1. rollouts over HTTP: groups of ``--group-size`` completions per prompt, with
    ``min_policy_version`` = the version published last (the client retries the
-   replica's 408 until it serves it) and the sampled tokens' logprobs, scored by
-   the replica with :func:`loader.engine.score_logprobs`;
+   replica's 408 until it serves it) and the sampled tokens' logprobs. On vLLM
+   these are vLLM's own ``logprobs`` of the sampled tokens from its completions
+   API (``logprobs=0``: raw log-softmax of its logits, before temperature, so the
+   same quantity the trainer computes); on the reference engine the replica
+   rescores them with :func:`loader.engine.score_logprobs`;
 2. rewards, advantages normalised within each group (zero when a group's
    rewards are all equal), a PPO clipped importance-sampling loss with the
    replica's logprobs as the behaviour policy; the trainer scores the same tokens
    with :func:`loader.engine.score_tokens` on its bf16 weights (the published
-   bits), so sampler/trainer divergence k1/k2/k3 is exactly 0 when the weights
-   are exact;
+   bits). Sampler/trainer divergence k1/k2/k3 is exactly 0 on the reference
+   engine; on vLLM it is not (its kernels are not the trainer's), and it must not
+   grow over the run, since the weights are the same bits at every step;
 3. AdamW on fp32 master weights (the bf16 forward's gradients are copied to the
    masters), the masters cast to bf16 and published with ``wait=False``, then a
-   hot-load of that version on the replica.
+   hot-load of that version on the replica. On vLLM the replica proves the swap
+   itself: inside the pause every worker reads the reloaded tensors back and
+   their digests must equal the verified host copy's (``VllmApplier.check``);
+   the demo reads that result from ``/v1/status`` (``engine.last_swap``) and
+   prints it ("exact"). At the end the demo also asks vLLM's workers for the
+   digests of every live tensor and compares them with the trainer's own bf16
+   policy.
 
 One line per step, then a summary; ``.ckptdelta/report/`` gets the rows as JSON
-and a PNG (reward, bytes per step, publish/hot-load/pause latency).
+and a PNG (reward, bytes per step, publish/hot-load/pause latency, k1/k2/k3).
 
-    python -m benchmarks.demo [--bucket DIR|s3://...|gs://...] [--steps N] [--model-size tiny|small|base]
-                              [--group-size G] [--lr LR] [--port P]
+    python -m benchmarks.demo [--engine vllm|reference] [--bucket DIR|s3://...|gs://...] [--steps N]
+                              [--model-size tiny|small|base] [--group-size G] [--lr LR] [--port P]
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.rl_task import (MODEL_SIZES, AdditionTask, build_model, build_tokenizer, encode, greedy_accuracy,
+from benchmarks.rl_task import (EOS, MODEL_SIZES, AdditionTask, build_model, build_tokenizer, encode, greedy_accuracy,
                                 pretrain, save_model_dir)
 
 log = logging.getLogger("ckptdelta.demo")
@@ -55,6 +67,10 @@ log = logging.getLogger("ckptdelta.demo")
 DEFAULT_BUCKET = os.path.join(".ckptdelta", "bucket")
 DEFAULT_REPORT = os.path.join(".ckptdelta", "report")
 SCORE_WITH = ("published", "master")
+ENGINES = ("vllm", "reference")
+#: vLLM options for the demo's model on a small CPU machine (after ``serve ... --``).
+VLLM_ARGS = ("--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "32", "--max-num-seqs", "64",
+             "--disable-log-stats")
 
 
 @dataclass
@@ -62,6 +78,8 @@ class DemoConfig:
     """Everything a demo run depends on; the defaults are ``make demo``."""
 
     bucket: str = DEFAULT_BUCKET
+    engine: str = "vllm"                 # the replica: "vllm" or "reference"
+    vllm_args: tuple[str, ...] = VLLM_ARGS
     run_name: str | None = None          # default: demo-<UTC time>
     storage_options: dict[str, Any] | None = None
     steps: int = 20
@@ -94,15 +112,23 @@ class Replica:
     """``ckptdelta serve`` as a subprocess: output to a log file, stopped (only this process) on close."""
 
     def __init__(self, run_url: str, *, port: int, replica_id: str, log_path: str, threads: int,
-                 storage_options: dict[str, Any] | None = None, timeout: float = 180.0):
+                 storage_options: dict[str, Any] | None = None, engine: str = "reference",
+                 vllm_args: tuple[str, ...] = VLLM_ARGS, timeout: float | None = None):
         import httpx
 
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        argv = [sys.executable, "-m", "ckptdelta", "serve", "--bucket", run_url, "--snapshot", "latest",
-                "--port", str(port), "--replica-id", replica_id]
+        self.engine = engine
+        argv = [sys.executable, "-m", "ckptdelta", "serve", "--engine", engine, "--bucket", run_url,
+                "--snapshot", "latest", "--port", str(port), "--replica-id", replica_id]
         if storage_options:
             argv += ["--storage-options", json.dumps(storage_options)]
+        if engine == "vllm":  # vLLM's own log beside the replica's; its options after "--"
+            self.vllm_log = os.path.splitext(log_path)[0] + "-vllm.log"
+            open(self.vllm_log, "wb").close()  # the server appends: one run's log per file
+            argv += ["--vllm-log", self.vllm_log, "--", *vllm_args]
+        if timeout is None:
+            timeout = 420.0 if engine == "vllm" else 180.0
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "TOKENIZERS_PARALLELISM": "false"}
         self._log = open(log_path, "wb")
@@ -249,26 +275,34 @@ class Trainer:
 
 def _rollouts(client: Any, task: AdditionTask, tokenizer: Any, problems: list[tuple[str, str]], cfg: DemoConfig,
               min_version: int, step: int) -> tuple[list[list[Sample]], list[dict]]:
+    # reference: the replica rescores the sampled tokens (score_logprobs) with the trainer's function;
+    # vLLM: its own logprobs of the sampled tokens (logprobs=0) and the token ids it sampled
+    extra = {"score_logprobs": True} if cfg.engine == "reference" else {"return_token_ids": True}
+
     def one(i: int) -> dict:
         prompt, _ = problems[i]
         return client.sample(prompt, n=cfg.group_size, max_tokens=task.max_tokens, temperature=cfg.temperature,
-                             logprobs=0, score_logprobs=True, min_policy_version=min_version,
-                             seed=(cfg.seed * 1_000_003 + step * 1009 + i) % (1 << 62))
+                             logprobs=0, min_policy_version=min_version,
+                             seed=(cfg.seed * 1_000_003 + step * 1009 + i) % (1 << 62), **extra)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         bodies = list(pool.map(one, range(len(problems))))
     groups = []
     for (prompt, answer), body in zip(problems, bodies):
-        prompt_ids = list(body["prompt_token_ids"])
-        if prompt_ids != encode(tokenizer, prompt):
-            raise RuntimeError(f"the replica tokenized {prompt!r} as {prompt_ids}, the trainer does not")
         version = body["engine_data"]["policy_version"]
         group = []
         for ch in body["choices"]:
+            # vLLM names the prompt's token ids in each choice, the reference engine once per response
+            prompt_ids = list(ch.get("prompt_token_ids") or body["prompt_token_ids"])
+            if prompt_ids != encode(tokenizer, prompt):
+                raise RuntimeError(f"the replica tokenized {prompt!r} as {prompt_ids}, the trainer does not")
             lp = ch["logprobs"]
-            if lp["token_ids"] != ch["token_ids"]:
+            if len(lp["token_logprobs"]) != len(ch["token_ids"]) or lp.get("token_ids", ch["token_ids"]) != \
+                    ch["token_ids"]:
                 raise RuntimeError("logprobs and completion disagree on the sampled tokens")
-            group.append(Sample(prompt_ids, list(ch["token_ids"]), list(lp["token_logprobs"]),
+            if ch["finish_reason"] == "stop" and ch["token_ids"][-1:] != [EOS]:
+                raise RuntimeError(f"a completion ended with 'stop' but not with EOS: {ch['token_ids']}")
+            group.append(Sample(prompt_ids, list(ch["token_ids"]), [float(x) for x in lp["token_logprobs"]],
                                 task.reward(ch["text"], ch["finish_reason"], answer), version=version))
         for s, a in zip(group, group_advantages([s.reward for s in group])):
             s.advantage = a
@@ -285,14 +319,24 @@ def _fmt_bytes(n: float) -> str:
 
 
 HEADER = (f"{'step':>4} {'reward':>6} {'served':>7} {'kind':>6} {'bytes':>9} {'ratio':>6} {'publish':>8} "
-          f"{'hotload':>8} {'pause':>8} {'k1':>9} {'k2':>9} {'k3':>9}")
+          f"{'hotload':>8} {'pause':>8} {'exact':>5} {'k1':>9} {'k2':>9} {'k3':>9}")
+#: printed under the header: what "exact" is
+EXACT_NOTE = {"vllm": "exact: the replica's own in-pause check (every vLLM worker's read-back digests of the "
+                      "reloaded tensors = the verified host copy's), from /v1/status engine.last_swap",
+              "reference": "exact: '-' (the reference engine has no separate read-back; its proof is k1 = k2 = k3 "
+                           "= 0: the replica's logprobs are the trainer's, bit for bit)"}
+
+
+def _exact(r: dict[str, Any]) -> str:
+    v = r.get("replica_verified")
+    return "-" if v is None else ("yes" if v else "NO")
 
 
 def format_row(r: dict[str, Any]) -> str:
     served = ",".join(f"v{v}" for v in r["served_versions"])
     return (f"{r['step']:>4} {r['reward']:>6.3f} {served:>7} {r['kind']:>6} {_fmt_bytes(r['stored_bytes']):>9} "
             f"{100 * r['ratio']:>5.1f}% {r['publish_s']:>7.3f}s {r['hotload_s']:>7.3f}s {r['pause_ms']:>6.2f}ms "
-            f"{r['k1']:>9.2e} {r['k2']:>9.2e} {r['k3']:>9.2e}")
+            f"{_exact(r):>5} {r['k1']:>9.2e} {r['k2']:>9.2e} {r['k3']:>9.2e}")
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -305,6 +349,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     say = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     if cfg.model_size not in MODEL_SIZES:
         raise ValueError(f"--model-size {cfg.model_size!r}: expected one of {sorted(MODEL_SIZES)}")
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"--engine {cfg.engine!r}: expected one of {ENGINES}")
     if cfg.group_size < 2:
         raise ValueError("--group-size must be at least 2 (advantages are relative to the group)")
     torch.set_num_threads(cfg.threads)
@@ -325,6 +371,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     rows: list[dict[str, Any]] = []
     replica = None
+    final: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="ckptdelta-demo-") as tmp:
         # the HF directory the anchor carries; the trainer's bf16 policy is loaded from it like the replica's
         model_dir = os.path.join(tmp, "model")
@@ -339,12 +386,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         try:
             first = pub.publish(trainer.policy, 0)
             say(f"published v{first.version} ({first.kind}, {_fmt_bytes(first.stored_bytes)}) to {run_url}")
+            say(f"starting replica demo-0: ckptdelta serve --engine {cfg.engine}"
+                + (f" -- {' '.join(cfg.vllm_args)}" if cfg.engine == "vllm" else "") + " ...")
             replica = Replica(run_url, port=cfg.port or free_port(), replica_id="demo-0", threads=cfg.threads,
                               log_path=os.path.join(cfg.report_dir, "demo-replica.log"),
-                              storage_options=cfg.storage_options)
-            say(f"replica demo-0 serving v{replica.status['policy_version']} on {replica.url} "
+                              storage_options=cfg.storage_options, engine=cfg.engine, vllm_args=cfg.vllm_args)
+            say(f"replica demo-0 ({cfg.engine}) serving v{replica.status['policy_version']} on {replica.url} "
                 f"(started in {replica.startup_s:.1f}s)\n")
             say(HEADER)
+            say(EXACT_NOTE[cfg.engine])
             rng = random.Random(cfg.seed + 1)
             version = first.version
             with RolloutClient([replica.url], ready_timeout=120.0) as client:
@@ -353,11 +403,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                     version = row["published_version"]
                     rows.append(row)
                     say(format_row(row))
+            if cfg.engine == "vllm":
+                final = live_vs_trainer(replica.url, trainer.policy)
         finally:
             if replica is not None:
                 replica.close()
             pub.close()
-    summary = summarize(rows, pre, first, cfg, run_url, time.perf_counter() - t_start, replica.startup_s)
+    summary = summarize(rows, pre, first, cfg, run_url, time.perf_counter() - t_start, replica.startup_s, final)
     report = {"config": {k: v for k, v in asdict(cfg).items() if k != "storage_options"}, "run_url": run_url,
               "replica_url": replica.url if replica is not None else None,
               "pretrain": pre, "anchor": {"version": first.version, "stored_bytes": first.stored_bytes,
@@ -383,6 +435,7 @@ def _one_step(cfg: DemoConfig, task: AdditionTask, tokenizer: Any, trainer: Trai
     t4 = time.perf_counter()
     job = next(iter(states.values()))
     rep = job.get("report") or {}
+    proof = replica_proof(cfg, client, res.version, rep)
     served = sorted({v for ed in engine_data for v in ed["policy_versions"]})
     return {
         "step": step, "reward": sum(s.reward for s in samples) / len(samples), "samples": len(samples),
@@ -396,16 +449,84 @@ def _one_step(cfg: DemoConfig, task: AdditionTask, tokenizer: Any, trainer: Trai
         "decode_s": float(rep.get("decode_s") or 0.0), "apply_s": float(rep.get("apply_s") or 0.0),
         "pause_ms": 1000 * float(rep.get("pause_s") or 0.0), "bytes_fetched": int(rep.get("bytes_fetched") or 0),
         "elements_changed": int(rep.get("elements_changed") or 0), "update_s": t4 - t2,
-        "rollout_s": t1 - t0, "train_s": t2 - t1, "step_s": t4 - t0,
+        "rollout_s": t1 - t0, "train_s": t2 - t1, "step_s": t4 - t0, **proof,
         **{k: stats[k] for k in ("k1", "k2", "k3", "max_abs_diff", "loss", "tokens", "trained_tokens",
                                   "clipped_tokens")},
     }
 
 
+def live_vs_trainer(replica_url: str, policy: torch.nn.Module) -> dict[str, Any]:
+    """Every live tensor of the vLLM replica, read back by its workers, against the trainer's own bf16 policy.
+
+    Digests from the worker method ``ckptdelta_digests`` (through vLLM's
+    ``/collective_rpc``, at the internal URL ``/v1/status`` names) against the
+    trainer's tensors, both under ``kernel_view`` where a worker read a tensor
+    through a GEMM kernel (a kernel cannot show -0.0 or a flushed subnormal)."""
+    import httpx
+
+    from loader.engines.vllm import VllmControl
+    from loader.engines.vllm_readback import digests, kernel_view
+
+    truth = {n: t.detach() for n, t in policy.state_dict().items()}
+    control = VllmControl(httpx.get(replica_url + "/v1/status", timeout=30).json()["engine"]["url"])
+    try:
+        answers = control.rpc("ckptdelta_digests", {"names": sorted(truth)})
+    finally:
+        control.close()
+    differ: set[str] = set()
+    kernel: set[str] = set()
+    for a in answers:
+        k = set(a.get("kernel_view") or ())
+        kernel |= k
+        want = digests({n: kernel_view(t) if n in k else t for n, t in truth.items()})
+        got = a.get("digests") or {}
+        differ |= {n for n in truth if got.get(n) != want[n]}
+    return {"tensors": len(truth), "workers": len(answers), "differ": sorted(differ), "kernel_view": len(kernel)}
+
+
+def replica_proof(cfg: DemoConfig, client: Any, version: int, report: dict[str, Any]) -> dict[str, Any]:
+    """What the replica itself says about the weights it swapped in for ``version``.
+
+    vLLM: ``/v1/status`` -> ``engine.last_swap``, written by ``VllmApplier.apply``
+    inside the pause once every worker's read-back digests of the reloaded tensors
+    equalled the host copy's (a mismatch fails the hot-load and rolls it back).
+    A step that changed no bits reloads and reads back nothing (0 tensors).
+    Reference: the engine's live tensors are the host copy the swapper verified
+    against the manifest's digests; there is no separate read-back (``None``)."""
+    if cfg.engine != "vllm":
+        return {"replica_verified": None, "verified_tensors": 0, "verify_ms": 0.0}
+    last = next(iter(client.status().values())).get("engine", {}).get("last_swap") or {}
+    ok = last.get("version") == version and last.get("verified") is True and \
+        last.get("verified_tensors", 0) >= int(report.get("tensors_changed") or 0)
+    return {"replica_verified": bool(ok), "verified_tensors": int(last.get("verified_tensors") or 0),
+            "verify_ms": 1000 * float(last.get("verify_s") or 0.0)}
+
+
 # --- summary and report -----------------------------------------------------------------------
 
+def drift(rows: list[dict], key: str) -> dict[str, float]:
+    """Whether ``key`` grows over the run: the means of the first and last thirds of the steps, and the
+    least-squares slope per step with its standard error."""
+    ys = [float(r[key]) for r in rows]
+    n = len(ys)
+    if n < 3:
+        return {"first_third": float("nan"), "last_third": float("nan"), "slope": float("nan"),
+                "slope_se": float("nan"), "upward": False}
+    t = max(1, n // 3)
+    xs = [float(r["step"]) for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    resid = [y - my - slope * (x - mx) for x, y in zip(xs, ys)]
+    se = math.sqrt(sum(e * e for e in resid) / (n - 2) / sxx) if n > 2 else float("nan")
+    first, last = statistics.fmean(ys[:t]), statistics.fmean(ys[-t:])
+    # upward drift: the slope is positive by more than two standard errors and the last third is above the first
+    upward = slope > 2 * se and last > first and (last > 0 or first > 0)
+    return {"first_third": first, "last_third": last, "slope": slope, "slope_se": se, "upward": bool(upward)}
+
+
 def summarize(rows: list[dict], pre: dict, first: Any, cfg: DemoConfig, run_url: str, wall_s: float,
-              startup_s: float) -> dict[str, Any]:
+              startup_s: float, final: dict[str, Any] | None = None) -> dict[str, Any]:
     k = max(1, min(3, len(rows) // 3))
     first_r = statistics.fmean(r["reward"] for r in rows[:k]) if rows else float("nan")
     last_r = statistics.fmean(r["reward"] for r in rows[-k:]) if rows else float("nan")
@@ -424,6 +545,14 @@ def summarize(rows: list[dict], pre: dict, first: Any, cfg: DemoConfig, run_url:
         "k_max": max((max(abs(r["k1"]), abs(r["k2"]), abs(r["k3"])) for r in rows), default=0.0),
         "max_abs_diff": max((r["max_abs_diff"] for r in rows), default=0.0),
         "all_served_by_previous_version": all(r["served_ok"] for r in rows),
+        "engine": cfg.engine,
+        "k_drift": {k: drift(rows, k) for k in ("k1", "k2", "k3")},
+        "k_mean": {k: statistics.fmean(r[k] for r in rows) if rows else float("nan") for k in ("k1", "k2", "k3")},
+        "replica_verified_all": all(r.get("replica_verified") is True for r in rows) if cfg.engine == "vllm"
+        else None,
+        "replica_verified_tensors": sum(r.get("verified_tensors", 0) for r in rows),
+        "verify_ms_median": med("verify_ms") if cfg.engine == "vllm" else None,
+        "final_live_check": final,
         "wall_s": wall_s, "pretrain_s": pre["seconds"], "replica_startup_s": startup_s, "run_url": run_url,
     }
 
@@ -437,14 +566,49 @@ def format_summary(s: dict[str, Any], report_dir: str) -> str:
         + (f"; median delta {100 * s['delta_ratio_median']:.1f}% of full" if s["delta_ratio_median"] else ""),
         f"latency (median): publish {s['publish_s_median']:.3f}s, hot-load {s['hotload_s_median']:.3f}s, "
         f"pause {s['pause_ms_median']:.2f}ms; publish() to replica swapped {s['update_s_median']:.3f}s",
-        f"sampler/trainer divergence: max |k| {s['k_max']:.2e}, max |logp diff| {s['max_abs_diff']:.2e}"
-        + (" (bit-exact)" if s["max_abs_diff"] == 0 else ""),
+        *_divergence_lines(s),
+        *_exact_lines(s),
         "every step's rollouts were served by the version published before it: "
         + ("yes" if s["all_served_by_previous_version"] else "NO"),
         f"wall time {s['wall_s']:.1f}s (pre-train {s['pretrain_s']:.1f}s, replica start {s['replica_startup_s']:.1f}s)",
         f"report: {os.path.join(report_dir, 'demo.json')}, {os.path.join(report_dir, 'demo.png')}",
     ]
     return "\n".join(lines)
+
+
+def _divergence_lines(s: dict[str, Any]) -> list[str]:
+    head = (f"sampler/trainer divergence: max |k| {s['k_max']:.2e}, max |logp diff| {s['max_abs_diff']:.2e}"
+            + (" (bit-exact)" if s["max_abs_diff"] == 0 else ""))
+    if s.get("engine") != "vllm" or s["steps"] < 3:
+        return [head]
+    head += " (vLLM's sampled logprobs vs the trainer's score_tokens on the same tokens)"
+    lines = [head]
+    for k in ("k1", "k2", "k3"):
+        d = s["k_drift"][k]
+        lines.append(f"  {k}: mean {s['k_mean'][k]:.2e}; first third {d['first_third']:.2e} -> last third "
+                     f"{d['last_third']:.2e}; slope {d['slope']:+.1e}/step (se {d['slope_se']:.1e})"
+                     + ("  [DRIFTS UP]" if d["upward"] else ""))
+    up = [k for k in ("k1", "k2", "k3") if s["k_drift"][k]["upward"]]
+    lines.append("  drift upward over the run: " + (f"YES ({', '.join(up)})" if up else
+                 "no (same bits every step; only vLLM's kernels differ from the trainer's)"))
+    return lines
+
+
+def _exact_lines(s: dict[str, Any]) -> list[str]:
+    if s.get("engine") != "vllm":
+        return []
+    lines = ["weights bit-exact, checked by the replica itself on every hot-load: "
+             + ("yes" if s["replica_verified_all"] else "NO")
+             + f" ({s['replica_verified_tensors']} tensor read-backs in all; median in-pause check "
+               f"{s['verify_ms_median']:.1f}ms)"]
+    f = s.get("final_live_check")
+    if f:
+        lines.append(f"final live weights (all {f['tensors']} tensors read back by {f['workers']} vLLM worker(s)) = "
+                     "the trainer's bf16 policy: " + ("yes" if not f["differ"] else
+                                                       f"NO ({len(f['differ'])} differ: {', '.join(f['differ'][:4])})")
+                     + (f"; {f['kernel_view']} read through GEMM kernels, compared as the kernel sees them"
+                        if f["kernel_view"] else ""))
+    return lines
 
 
 def write_report(report: dict[str, Any], report_dir: str) -> None:
@@ -462,7 +626,7 @@ def plot(rows: list[dict], path: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    fig, ax = plt.subplots(1, 4, figsize=(20, 4))
     for a in ax:
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax[0].plot(steps, [r["reward"] for r in rows], marker="o")
@@ -479,6 +643,16 @@ def plot(rows: list[dict], path: str) -> None:
     ax[2].plot(steps, [r["pause_ms"] for r in rows], color="black", marker=".", label="pause (inside hot-load)")
     ax[2].set(title="weight-update latency", xlabel="step", ylabel="ms")
     ax[2].legend()
+    ks = {"|k1|": [abs(r["k1"]) for r in rows], "k2": [r["k2"] for r in rows], "k3": [r["k3"] for r in rows]}
+    for label, ys in ks.items():
+        ax[3].plot(steps, ys, marker="o", label=label)
+    if any(y > 0 for ys in ks.values() for y in ys):
+        ax[3].set_yscale("log")
+        title = "sampler/trainer divergence (same bits, other kernels)"
+    else:
+        title = "sampler/trainer divergence: exactly 0"
+    ax[3].set(title=title, xlabel="step", ylabel="estimate")
+    ax[3].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -490,6 +664,8 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
     d = DemoConfig()
     p = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=ENGINES, default=d.engine,
+                   help="the replica: 'vllm' (ckptdelta serve --engine vllm, the default) or 'reference'")
     p.add_argument("--bucket", default=d.bucket, help=f"where runs go: a local dir (default {d.bucket}), s3://, gs://")
     p.add_argument("--run-name", default=None, help="the run's prefix under the bucket (default demo-<UTC time>)")
     p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
@@ -509,7 +685,7 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
                    help="'master': score with the fp32 masters, not the published bf16 (shows nonzero divergence)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    return DemoConfig(bucket=a.bucket, run_name=a.run_name, storage_options=a.storage_options, steps=a.steps,
+    return DemoConfig(engine=a.engine, bucket=a.bucket, run_name=a.run_name, storage_options=a.storage_options, steps=a.steps,
                       model_size=a.model_size, group_size=a.group_size, prompts_per_step=a.prompts, lr=a.lr,
                       pretrain_steps=a.pretrain_steps, anchor_every=a.anchor_every, port=a.port, seed=a.seed,
                       threads=a.threads, report_dir=a.report_dir, score_with=a.score_with, quiet=a.quiet)
@@ -523,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     report = run_demo(cfg)
     s = report["summary"]
-    return 0 if s["all_served_by_previous_version"] else 1
+    return 0 if s["all_served_by_previous_version"] and s["replica_verified_all"] is not False else 1
 
 
 if __name__ == "__main__":
