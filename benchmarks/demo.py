@@ -644,13 +644,13 @@ def plot(rows: list[dict], path: str) -> None:
     ax[2].set(title="weight-update latency", xlabel="step", ylabel="ms")
     ax[2].legend()
     ks = {"|k1|": [abs(r["k1"]) for r in rows], "k2": [r["k2"] for r in rows], "k3": [r["k3"] for r in rows]}
-    for label, ys in ks.items():
-        ax[3].plot(steps, ys, marker="o", label=label)
+    for (label, ys), style in zip(ks.items(), ("o-", "x--", ".:")):
+        ax[3].plot(steps, ys, style, label=label)  # k2 and k3 nearly coincide: dashed over dotted
     if any(y > 0 for ys in ks.values() for y in ys):
         ax[3].set_yscale("log")
-        title = "sampler/trainer divergence (same bits, other kernels)"
+        title = "sampler/trainer k1/k2/k3 (same bits)"
     else:
-        title = "sampler/trainer divergence: exactly 0"
+        title = "sampler/trainer k1/k2/k3: exactly 0"
     ax[3].set(title=title, xlabel="step", ylabel="estimate")
     ax[3].legend()
     fig.tight_layout()
