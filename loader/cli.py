@@ -44,6 +44,10 @@ def add_commands(subparsers: Any) -> None:
                         "weights) instead of starting one")
     v.add_argument("--verify", choices=["pause", "off"], default="pause",
                    help="check the live weights against the snapshot's digests inside every swap (default) or not")
+    v.add_argument("--apply", choices=["auto", "reload"], default="auto", dest="apply_mode",
+                   help="auto: write only the changed elements where vLLM's kernels read the parameter as is "
+                        "(norms and embeddings; on CUDA also unquantized linears), reload the rest as whole "
+                        "modules; reload: reload every changed tensor's module")
     v.add_argument("--vllm-log", default=None, metavar="PATH", help="where the started vLLM server logs")
     p.set_defaults(func=cmd_serve)
 
@@ -73,7 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = build_engine(args.engine, bucket=args.bucket, snapshot=args.snapshot, model_dir=args.model,
                           storage_options=args.storage_options, cache_dir=args.cache_dir, device=args.device,
                           cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,
-                          verify=args.verify, vllm_args=passthrough, vllm_log=args.vllm_log)
+                          verify=args.verify, apply_mode=args.apply_mode, vllm_args=passthrough,
+                          vllm_log=args.vllm_log)
     replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
     api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
     try:

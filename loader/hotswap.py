@@ -354,12 +354,13 @@ class HotSwapper:
                         s.st.apply_(live, method=method)
                 _synchronize(undo)
                 if self.applier is not None:
-                    pushed = [s.live_name for s in p.staged]
-                    self.applier.apply(pushed, p.to_version)
+                    changed = _changed_positions(p.staged)
+                    pushed = list(changed)
+                    self.applier.apply(pushed, p.to_version, changed)
             except BaseException as e:
                 self._roll_back(undo, p, e)
                 if pushed:
-                    self._push_back(pushed, p, e)
+                    self._push_back(changed, p, e)
                 if not isinstance(e, Exception):
                     raise
                 raise HotLoadError(f"hot-load {_name(p.from_version)} -> {p.snapshot} failed while applying "
@@ -376,10 +377,10 @@ class HotSwapper:
                  report.pause_s, apply_s)
         return report
 
-    def _push_back(self, names: list[str], p: PreparedUpdate, cause: BaseException) -> None:
+    def _push_back(self, changed: dict, p: PreparedUpdate, cause: BaseException) -> None:
         """After a failed push into the engine, push the restored host copy again (the old version's bits)."""
         try:
-            self.applier.apply(names, p.from_version)
+            self.applier.apply(list(changed), p.from_version, changed)
         except BaseException as e2:
             self.version = None
             log.critical("hot-load to %s failed (%s) and putting the engine back failed too (%s): "
@@ -403,6 +404,12 @@ class HotSwapper:
 
 
 PROGRESS_MIN_BYTES = 64 << 20
+
+
+def _changed_positions(staged: list) -> dict[str, Any]:
+    """Live name -> the flat positions a staged change writes (None for a densely staged tensor): what an
+    engine applier needs to patch only those elements (the values are in the host copy by then)."""
+    return {s.live_name: (s.st.positions if s.st.dense is None else None) for s in staged}
 
 
 def _progress_bar(enabled: bool | None, total: int, desc: str) -> Any:

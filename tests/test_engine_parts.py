@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from loader.engines.shared_weights import ALIGN, SharedWeights, open_tensors, remove_orphans
+from loader.engines.shared_weights import (ALIGN, SharedWeights, open_positions, open_tensors, remove_orphans,
+                                          write_positions)
 from loader.engines.vllm import reload_groups
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -86,3 +87,14 @@ def test_a_changed_tensor_brings_its_whole_vllm_module():
     assert reload_groups(["model.layers.0.self_attn.o_proj.bias"], names, LLAMA_PACKED) == [
         "model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.bias"]
     assert reload_groups([], names, LLAMA_PACKED) == []
+
+
+def test_changed_positions_travel_to_a_worker_through_one_file(tmp_path):
+    import numpy as np
+
+    path = str(tmp_path / "pos")
+    spans = write_positions(path, [("a", np.array([3, 1, 2**31 - 1], dtype=np.int64)), ("b", np.zeros(0)),
+                                   ("c", np.array([7], dtype=np.int32))])
+    assert spans == [("a", 0, 3), ("b", 3, 0), ("c", 3, 1)]
+    assert open_positions(path).tolist() == [3, 1, 2**31 - 1, 7]
+    assert write_positions(path, []) == [] and open_positions(path).numel() == 0

@@ -113,6 +113,10 @@ def test_hotloads_forward_across_an_anchor_and_back_are_bit_exact_in_every_runti
             assert bit_diff(rep.live_weights(str(tmp_path)), llama_run.truth[target]) == [], target
         assert _weight_version(rep) == str(target)
         assert job["report"]["pause_s"] > 0 and job["report"]["via_anchor"] == (target in (4, 0))
+        last = rep.http.get("/v1/status").json()["engine"]["last_swap"]
+        assert last["verified"] and last["version"] == target
+        if target == 1:  # norms and the (untied) embedding are written in place, element by element
+            assert last["patched_tensors"] >= 5 and 0 < last["patched_elements"] < 20_000
     assert rep.complete(max_tokens=3, return_engine_data=True)["engine_data"]["policy_version"] == 2
 
 

@@ -65,18 +65,21 @@ class EngineApplier(abc.ABC):
     """Pushes changes of the host copy into an engine that keeps its own weights; called inside the pause.
 
     ``HotSwapper(..., applier=...)``: ``pause()`` wraps the whole commit (it is the
-    swapper's gate), ``apply(names, to_version)`` runs after the host copy holds
+    swapper's gate), ``apply(names, to_version, positions)`` runs after the host copy holds
     the new bits and must leave the engine computing with exactly them (or
     raise); after a failed ``apply`` the swapper restores the host copy and calls
-    ``apply(names, from_version)`` again to put the engine back."""
+    ``apply(names, from_version, positions)`` again to put the engine back."""
 
     @abc.abstractmethod
     def paused(self) -> Any:
         """A context manager: the engine generates nothing inside it; yields a :class:`loader.hotswap.Pause`."""
 
     @abc.abstractmethod
-    def apply(self, names: Sequence[str], version: int | None) -> None:
-        """Make the engine compute with the host copy's current bits of ``names`` (checkpoint names)."""
+    def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
+        """Make the engine compute with the host copy's current bits of ``names`` (checkpoint names).
+
+        ``positions[name]``, when given and not None, are the flat positions that
+        changed in that tensor (an engine may write only those)."""
 
 
 class ReplicaEngine(abc.ABC):

@@ -86,14 +86,47 @@ class SharedWeights:
         os.replace(tmp, shared.index_path)
         return shared
 
+    @property
+    def positions_path(self) -> str:
+        return self.path + ".pos"
+
     def close(self) -> None:
-        """Unmap (drop the views) and remove the file and its index."""
+        """Unmap (drop the views) and remove the file, its index and its positions file."""
         self.tensors = {}
-        for p in (self.path, self.index_path):
+        for p in (self.path, self.index_path, self.positions_path):
             try:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def write_positions(path: str, arrays: Iterable[tuple[str, "object"]]) -> list[tuple[str, int, int]]:
+    """Write each tensor's changed flat positions (int32, back to back) to ``path``; returns (name, offset, n).
+
+    What an in-place patch needs from the replica: the new values are in the
+    shared weights file already."""
+    import numpy as np
+
+    spans, parts, off = [], [], 0
+    for name, pos in arrays:
+        a = np.ascontiguousarray(pos, dtype=np.int32)
+        spans.append((name, off, int(a.shape[0])))
+        parts.append(a)
+        off += int(a.shape[0])
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        for a in parts:
+            f.write(memoryview(a).cast("B"))
+    os.replace(tmp, path)
+    return spans
+
+
+def open_positions(path: str) -> torch.Tensor:
+    """The int32 positions :func:`write_positions` wrote (a private mapping of the file)."""
+    n = os.path.getsize(path) // 4
+    if n == 0:
+        return torch.empty(0, dtype=torch.int32)
+    return torch.from_file(path, shared=False, size=n, dtype=torch.int32)
 
 
 def remove_orphans(directory: str, prefix: str) -> list[str]:

@@ -55,7 +55,7 @@ import torch
 from delta.errors import CkptDeltaError, HotLoadError
 
 from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
-from .shared_weights import SharedWeights
+from .shared_weights import SharedWeights, write_positions
 
 log = logging.getLogger("ckptdelta.engine.vllm")
 
@@ -224,9 +224,11 @@ class VllmApplier(EngineApplier):
     """Pauses vLLM around a commit and pushes the changed tensors of the host copy into its workers."""
 
     def __init__(self, control: VllmControl, shared: SharedWeights, *, cache_policy: str, packed: dict[str, list[str]],
-                 verify: str = "pause"):
+                 verify: str = "pause", patchable: Sequence[str] = (), apply_mode: str = "auto"):
         self.control, self.shared, self.cache_policy, self.packed, self.verify = (
             control, shared, cache_policy, packed, verify)
+        # tensors whose runtime parameter a kernel reads as is: their changed elements are written in place
+        self.patchable = set(patchable) if apply_mode == "auto" else set()
         self.epoch = 0                       # swaps begun; a request that saw it move crossed a swap
         self.history: list[tuple[int, int | None]] = []  # (epoch, version after it)
         self.swapping = False
@@ -259,16 +261,25 @@ class VllmApplier(EngineApplier):
                 self.swapping = False
                 pause.seconds = time.perf_counter() - t0
 
-    def apply(self, names: Sequence[str], version: int | None) -> None:
-        """Reload ``names`` (grown to whole modules) in every worker from the host copy, then prove them."""
-        groups = reload_groups(names, list(self.shared.index), self.packed)
+    def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
+        """Push ``names`` into every worker from the host copy, then prove them: the changed elements of
+        tensors with an in-place target (loader/engines/vllm_patch.py), the rest reloaded as whole modules."""
+        positions = positions or {}
+        sparse = {n for n in names if n in self.patchable and positions.get(n) is not None}
+        groups = reload_groups([n for n in names if n not in sparse], list(self.shared.index), self.packed)
+        patch = sorted(sparse - set(groups))   # a tensor reloaded with its module needs no patch
         t0 = time.perf_counter()
-        spec = {"path": self.shared.path, "names": groups}
-        self.control.rpc("ckptdelta_reload", spec)
+        if groups:
+            self.control.rpc("ckptdelta_reload", {"path": self.shared.path, "names": groups})
+        if patch:
+            spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
+            self.control.rpc("ckptdelta_patch", {"path": self.shared.path, "positions": self.shared.positions_path,
+                                                 "spans": spans})
         t1 = time.perf_counter()
-        verified = self.check(groups) if self.verify == "pause" else 0  # raises unless every digest matched
+        verified = self.check(groups + patch) if self.verify == "pause" else 0  # raises unless every digest matched
         # /v1/status's engine.last_swap: the replica's own word on the weights it pushed for ``version``
-        self.last = {"version": version, "reloaded_tensors": len(groups), "reload_s": t1 - t0,
+        self.last = {"version": version, "reloaded_tensors": len(groups), "patched_tensors": len(patch),
+                     "patched_elements": int(sum(len(positions[n]) for n in patch)), "reload_s": t1 - t0,
                      "verify_s": time.perf_counter() - t1, "verified": self.verify == "pause",
                      "verified_tensors": verified}
 
@@ -408,7 +419,7 @@ def _load_dir(model_dir: str) -> dict[str, torch.Tensor]:
 
 def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_options: dict[str, Any] | None = None,
           cache_dir: str | None = None, cache_policy: str = "recompute", model_name: str | None = None,
-          attach: str | None = None, vllm_args: Sequence[str] = (), verify: str = "pause",
+          attach: str | None = None, vllm_args: Sequence[str] = (), verify: str = "pause", apply_mode: str = "auto",
           vllm_api_key: str | None = None, vllm_log: str | None = None, **_: Any) -> VllmReplica:
     """``ckptdelta serve --engine vllm``: vLLM on a snapshot of the run, hot-loaded by ckptdelta.
 
@@ -442,7 +453,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         control = VllmControl(url, api_key=vllm_api_key)
         layout = control.rpc("ckptdelta_layout", {})[0]
         applier = VllmApplier(control, shared, cache_policy=cache_policy, packed=layout.get("packed") or {},
-                              verify=verify)
+                              verify=verify, patchable=layout.get("patchable") or (), apply_mode=apply_mode)
         t0 = time.perf_counter()
         try:
             n = applier.check() if verify != "off" else 0

@@ -52,8 +52,24 @@ class CkptDeltaWorker:
     def ckptdelta_layout(self, req: dict) -> dict[str, Any]:
         """What the replica needs to group tensors into whole vLLM modules (fused q/k/v, gate/up, experts)."""
         model = self._ckptdelta_model()
+        from loader.engines.vllm_patch import targets
+
         packed = getattr(model, "packed_modules_mapping", None) or {}
-        return {"packed": {k: list(v) for k, v in dict(packed).items()}}
+        return {"packed": {k: list(v) for k, v in dict(packed).items()}, "patchable": sorted(targets(model))}
+
+    @_answer
+    def ckptdelta_patch(self, req: dict) -> dict[str, Any]:
+        """Write only the changed elements (positions file + shared weights) into parameters kernels read."""
+        from loader.engines.shared_weights import open_positions, open_tensors
+        from loader.engines.vllm_patch import patch
+
+        t0 = time.perf_counter()
+        spans = [tuple(x) for x in req["spans"]]
+        shared = open_tensors(req["path"], [name for name, _, _ in spans])
+        written = patch(self._ckptdelta_model(), shared, open_positions(req["positions"]), spans)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"patched": len(written), "patch_s": time.perf_counter() - t0}
 
     @_answer
     def ckptdelta_reload(self, req: dict) -> dict[str, Any]:

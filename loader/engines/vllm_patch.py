@@ -1,0 +1,122 @@
+"""In-place patches of vLLM's runtime weights: write only the changed elements, where the kernel reads them.
+
+A whole-module reload costs the module's size whatever changed. Where vLLM's
+kernels compute straight from a parameter laid out like the checkpoint tensor
+(possibly as a block of rows of a fused one), the changed elements can be
+written into that parameter directly and the pause follows the changed bytes.
+This module decides which checkpoint tensors have such a target and writes them;
+everything else goes through ``reload_weights``. Runs inside a vLLM worker.
+
+Which parameters qualify (tensor parallel size 1, unquantized, same dtype as the
+checkpoint, not on the meta device, not empty):
+
+* RMSNorm / LayerNorm weights, and a ``VocabParallelEmbedding``'s weight (its
+  first ``org_vocab_size`` rows; the lookup reads the parameter), except a
+  tied embedding on CPU, whose LM head keeps a packed copy for its logits;
+* on CUDA and other GPU platforms, unquantized linear layers and untied LM
+  heads: their GEMMs read ``layer.weight`` itself; a member of a fused q/k/v or
+  gate/up layer is the block of rows at its offset (vLLM's ``output_sizes``).
+  On CPU, vLLM re-packs these for oneDNN/SGL kernels: they are reloaded.
+* never experts (CPU packing, GPU shuffles) or quantized layers.
+
+The replica's proof reads the patched tensors back afterwards like any other
+(loader/engines/vllm_readback.py), so a target chosen wrongly is caught and
+pushed back by a reload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor's element ``i`` lives: ``param.view(-1)[base + i]``."""
+
+    param: torch.nn.Parameter
+    base: int
+    numel: int
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _usable(p: torch.Tensor | None) -> bool:
+    return p is not None and not p.is_meta and p.numel() > 0 and p.is_contiguous()
+
+
+def targets(model: torch.nn.Module) -> dict[str, Target]:
+    """Checkpoint name -> in-place target, for every tensor that has one (see the module docstring)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from loader.engines.vllm_readback import _fused_members, _tied
+
+    cpu = _on_cpu()
+    tied = _tied(model)
+    out: dict[str, Target] = {}
+    for path, mod in model.named_modules():
+        if ".experts" in f".{path}." or int(getattr(mod, "tp_size", 1) or 1) != 1:
+            continue
+        if isinstance(mod, LinearBase):
+            if cpu or not isinstance(getattr(mod, "quant_method", None), UnquantizedLinearMethod):
+                continue
+            w = mod.weight
+            sizes = [int(s) for s in (getattr(mod, "output_sizes", None) or [w.shape[0] if w.dim() else 0])]
+            if not _usable(w) or w.dim() != 2 or sum(sizes) != w.shape[0]:
+                continue
+            members = _fused_members(model, path, len(sizes)) if len(sizes) > 1 else [path]
+            n_in, row = int(w.shape[1]), 0
+            bias = getattr(mod, "bias", None)
+            for m, rows in zip(members, sizes):
+                out[f"{m}.weight"] = Target(w, row * n_in, rows * n_in)
+                if _usable(bias) and bias.dim() == 1 and bias.dtype == w.dtype:
+                    out[f"{m}.bias"] = Target(bias, row, rows)
+                row += rows
+        elif isinstance(mod, VocabParallelEmbedding):
+            if isinstance(mod, ParallelLMHead) and (cpu or tied):
+                continue
+            if not isinstance(mod, ParallelLMHead) and cpu and tied:
+                continue
+            w = mod.weight
+            if _usable(w) and w.dim() == 2 and not int(getattr(mod, "num_added_embeddings", 0) or 0):
+                out[f"{path}.weight"] = Target(w, 0, int(mod.org_vocab_size) * int(w.shape[1]))
+        elif type(mod).__name__ in ("RMSNorm", "LayerNorm", "GemmaRMSNorm"):
+            for pname, p in mod.named_parameters(recurse=False):
+                if _usable(p):
+                    out[f"{path}.{pname}"] = Target(p, 0, p.numel())
+    return out
+
+
+def patch(model: torch.nn.Module, shared: dict[str, torch.Tensor], positions: torch.Tensor,
+          spans: Iterable[tuple[str, int, int]]) -> list[str]:
+    """Copy ``shared[name]``'s elements at ``positions[off:off + n]`` into each name's target, bit for bit.
+
+    Returns the names written. A name without a target, or whose host tensor does
+    not fit it, raises before anything is written."""
+    where = targets(model)
+    plan = []
+    for name, off, n in spans:
+        t = where.get(name)
+        src = shared.get(name)
+        if t is None or src is None:
+            raise KeyError(f"{name}: no in-place target in this worker")
+        if src.numel() != t.numel or src.dtype != t.param.dtype:
+            raise ValueError(f"{name}: host tensor {src.dtype}{list(src.shape)} does not fit its target "
+                             f"({t.param.dtype}, {t.numel} elements)")
+        plan.append((t, src, positions[off:off + n]))
+    with torch.no_grad():
+        for t, src, pos in plan:
+            idx = pos.to(torch.int64)
+            bits = src.reshape(-1).view(_INTS[src.element_size()])[idx]
+            dst = t.param.data.view(-1).view(_INTS[t.param.element_size()])
+            dst.index_copy_(0, (idx + t.base).to(dst.device), bits.to(dst.device))
+    return [name for name, _, _ in spans]
