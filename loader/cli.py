@@ -42,8 +42,10 @@ def add_commands(subparsers: Any) -> None:
                    help="use a vLLM server already running at URL (started with --worker-extension-cls "
                         "loader.engines.vllm_worker.CkptDeltaWorker and VLLM_SERVER_DEV_MODE=1 on the snapshot's "
                         "weights) instead of starting one")
-    v.add_argument("--verify", choices=["pause", "off"], default="pause",
-                   help="check the live weights against the snapshot's digests inside every swap (default) or not")
+    v.add_argument("--verify", choices=["sampled", "full", "off"], default="sampled",
+                   help="prove the live weights after every swap: sampled (default: in the pause, plain tensors "
+                        "whole and 16 random input columns of each re-packed matrix; after resuming, all of them), "
+                        "full (all of them inside the pause), off")
     v.add_argument("--apply", choices=["auto", "reload"], default="auto", dest="apply_mode",
                    help="auto: write only the changed elements where vLLM's kernels read the parameter as is "
                         "(norms and embeddings; on CUDA also unquantized linears), reload the rest as whole "

@@ -64,6 +64,9 @@ WORKER_EXTENSION = "loader.engines.vllm_worker.CkptDeltaWorker"
 VLLM_ENV_DEFAULTS = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
                      "VLLM_CPU_KVCACHE_SPACE": "1"}
 START_TIMEOUT_S = 600.0
+#: Input columns of each kernel-read matrix the in-pause check reads under --verify sampled (random each swap).
+SAMPLED_COLUMNS = 16
+VERIFY_MODES = ("sampled", "full", "off")
 CONTROL_TIMEOUT_S = 300.0
 _REPLICA_FIELDS = ("min_policy_version", "return_engine_data")
 
@@ -224,7 +227,9 @@ class VllmApplier(EngineApplier):
     """Pauses vLLM around a commit and pushes the changed tensors of the host copy into its workers."""
 
     def __init__(self, control: VllmControl, shared: SharedWeights, *, cache_policy: str, packed: dict[str, list[str]],
-                 verify: str = "pause", patchable: Sequence[str] = (), apply_mode: str = "auto"):
+                 verify: str = "sampled", patchable: Sequence[str] = (), apply_mode: str = "auto"):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify {verify!r}: expected one of {VERIFY_MODES}")
         self.control, self.shared, self.cache_policy, self.packed, self.verify = (
             control, shared, cache_policy, packed, verify)
         # tensors whose runtime parameter a kernel reads as is: their changed elements are written in place
@@ -234,6 +239,8 @@ class VllmApplier(EngineApplier):
         self.swapping = False
         self.last: dict[str, Any] = {}
         self.current_version: Any = lambda: None  # the swapper's version (set by build); labels vLLM after a swap
+        self.on_unverified: Any = lambda: None    # called when live weights stay unproven (build: version -> None)
+        self._to_confirm: list[str] = []
 
     @contextmanager
     def paused(self) -> Iterator[Any]:
@@ -244,6 +251,7 @@ class VllmApplier(EngineApplier):
         self.control.pause()
         self.swapping = True
         self.epoch += 1
+        self._to_confirm: list[str] = []
         pause.waited_s = time.perf_counter() - t0
         try:
             yield pause
@@ -260,6 +268,8 @@ class VllmApplier(EngineApplier):
                 del self.history[:-64]
                 self.swapping = False
                 pause.seconds = time.perf_counter() - t0
+        if self._to_confirm:
+            self._confirm(self._to_confirm)
 
     def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
         """Push ``names`` into every worker from the host copy, then prove them: the changed elements of
@@ -269,6 +279,7 @@ class VllmApplier(EngineApplier):
         groups = reload_groups([n for n in names if n not in sparse], list(self.shared.index), self.packed)
         patch = sorted(sparse - set(groups))   # a tensor reloaded with its module needs no patch
         t0 = time.perf_counter()
+        self._to_confirm = []
         if groups:
             self.control.rpc("ckptdelta_reload", {"path": self.shared.path, "names": groups})
         if patch:
@@ -276,12 +287,51 @@ class VllmApplier(EngineApplier):
             self.control.rpc("ckptdelta_patch", {"path": self.shared.path, "positions": self.shared.positions_path,
                                                  "spans": spans})
         t1 = time.perf_counter()
-        verified = self.check(groups + patch) if self.verify == "pause" else 0  # raises unless every digest matched
+        touched = sorted(set(groups) | set(patch) | set(names))   # what was sent, and every tensor that changed
+        verified = 0
+        if self.verify == "full":
+            verified = self.check(touched)            # raises unless every digest matched
+        elif self.verify == "sampled":
+            verified = self.check_sampled(touched)    # raises at the first difference it sees
         # /v1/status's engine.last_swap: the replica's own word on the weights it pushed for ``version``
         self.last = {"version": version, "reloaded_tensors": len(groups), "patched_tensors": len(patch),
                      "patched_elements": int(sum(len(positions[n]) for n in patch)), "reload_s": t1 - t0,
-                     "verify_s": time.perf_counter() - t1, "verified": self.verify == "pause",
-                     "verified_tensors": verified}
+                     "verify_s": time.perf_counter() - t1, "verify": self.verify,
+                     "verified": self.verify == "full", "verified_tensors": verified if self.verify == "full" else 0}
+        if self.verify == "sampled":
+            self._to_confirm = touched
+
+    def check_sampled(self, names: Sequence[str]) -> int:
+        """The cheap proof for inside the pause: plain tensors bit for bit, ``SAMPLED_COLUMNS`` random input
+        columns of every matrix read through a GEMM kernel; compared with the host copy in each worker."""
+        for w, answer in enumerate(self.control.rpc("ckptdelta_check", {"path": self.shared.path, "names": list(names),
+                                                                        "columns": SAMPLED_COLUMNS})):
+            bad = answer.get("mismatch") or []
+            if bad:
+                raise HotLoadError(f"vLLM worker {w}: live weights differ from the snapshot for {len(bad)} "
+                                   f"tensors ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+        return len(names)
+
+    def _confirm(self, names: list[str]) -> None:
+        """After resuming: the full proof of what the pause checked by samples. A difference the samples missed
+        is pushed again (whole modules) and checked again; if it stays, the version becomes unknown."""
+        t0 = time.perf_counter()
+        try:
+            self.last["verified_tensors"] = self.check(names)
+        except (HotLoadError, VllmError) as first:
+            log.critical("vLLM's live weights differ from the host copy after resuming (%s); reloading them", first)
+            try:
+                self.control.rpc("ckptdelta_reload", {"path": self.shared.path,
+                                                      "names": reload_groups(names, list(self.shared.index),
+                                                                             self.packed)})
+                self.last["verified_tensors"] = self.check(names)
+            except (HotLoadError, VllmError) as second:
+                self.on_unverified()
+                self.last.update(verified=False, verify_after_s=time.perf_counter() - t0)
+                raise HotLoadError(f"vLLM's live weights could not be proven after the swap ({second}); the "
+                                   "replica's version is now unknown: hot-load a snapshot to re-establish one") \
+                    from second
+        self.last.update(verified=True, verify_after_s=time.perf_counter() - t0)
 
     def check(self, names: Sequence[str] | None = None) -> int:
         """Compare the live weights (read back in checkpoint coordinates by every worker) with the host copy."""
@@ -419,7 +469,7 @@ def _load_dir(model_dir: str) -> dict[str, torch.Tensor]:
 
 def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_options: dict[str, Any] | None = None,
           cache_dir: str | None = None, cache_policy: str = "recompute", model_name: str | None = None,
-          attach: str | None = None, vllm_args: Sequence[str] = (), verify: str = "pause", apply_mode: str = "auto",
+          attach: str | None = None, vllm_args: Sequence[str] = (), verify: str = "sampled", apply_mode: str = "auto",
           vllm_api_key: str | None = None, vllm_log: str | None = None, **_: Any) -> VllmReplica:
     """``ckptdelta serve --engine vllm``: vLLM on a snapshot of the run, hot-loaded by ckptdelta.
 
@@ -466,6 +516,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         control.set_version(version)
         swapper = HotSwapper(shared.tensors, reader, version=version, applier=applier)
         applier.current_version = lambda: swapper.version
+        applier.on_unverified = lambda: setattr(swapper, "version", None)
         return VllmReplica(url=url, served_name=name, swapper=swapper, applier=applier, shared=shared,
                            cache_policy=cache_policy, server=server, model_dir=model_dir, owned_dir=scratch)
     except BaseException:

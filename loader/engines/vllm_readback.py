@@ -55,9 +55,12 @@ serves; they equal the checkpoint bits only when that is the checkpoint's dtype.
 
 from __future__ import annotations
 
+import contextvars
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -65,6 +68,9 @@ __all__ = ["ReadbackError", "checkpoint_tensors", "digests", "kernel_view"]
 
 #: Identity rows pushed through a linear kernel per call (bounds the temporary output).
 _IDENTITY_CHUNK = 1024
+#: Input columns read per kernel matrix while sampling (None: all); see checkpoint_tensors(sample_columns=...).
+_SAMPLE_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ckptdelta_sample_columns",
+                                                                             default=None)
 
 
 class ReadbackError(RuntimeError):
@@ -109,21 +115,34 @@ def _check_tp(name: str, layer: torch.nn.Module) -> None:
         raise ReadbackError(name, f"tensor parallel size {layer.tp_size} is not supported (only 1)")
 
 
+def _sampled_columns(n_in: int) -> torch.Tensor | None:
+    """Random input columns to read (fresh each call, so a fault cannot hide in the same unread columns),
+    or None for all of them."""
+    k = _SAMPLE_COLUMNS.get()
+    if k is None or k >= n_in:
+        return None
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+    return torch.randperm(n_in, generator=g)[:k].sort().values
+
+
 def _kernel_matrix(name: str, layer: torch.nn.Module, n_out: int, n_in: int, dtype: torch.dtype,
-                   strict: bool, keep_rows: int | None = None) -> torch.Tensor:
-    """The [n_out, n_in] matrix a linear kernel multiplies with, via identity products.
+                   strict: bool, keep_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The [n_out, n_in] matrix a linear kernel multiplies with, via identity products, and None; or, under
+    :func:`sampling`, the [n_out, k] columns at k random inputs and their indices.
 
     ``keep_rows`` keeps (and checks) only the first rows: vocabulary padding is
     zeros, or anything, and is not part of the checkpoint."""
     apply = layer.quant_method.apply
-    out = torch.empty(n_out, n_in, dtype=dtype)
+    cols = _sampled_columns(n_in)
+    inputs = torch.arange(n_in) if cols is None else cols
+    out = torch.empty(n_out, inputs.numel(), dtype=dtype)
     dev = _device_of(layer)
     with torch.no_grad():
-        for r0 in range(0, n_in, _IDENTITY_CHUNK):
-            r1 = min(n_in, r0 + _IDENTITY_CHUNK)
+        for r0 in range(0, inputs.numel(), _IDENTITY_CHUNK):
+            r1 = min(inputs.numel(), r0 + _IDENTITY_CHUNK)
             eye = torch.zeros(r1 - r0, n_in, dtype=dtype, device=dev)
             idx = torch.arange(r1 - r0, device=dev)
-            eye[idx, idx + r0] = 1
+            eye[idx, inputs[r0:r1].to(dev)] = 1
             y = apply(layer, eye, bias=None)
             if isinstance(y, tuple):
                 y = y[0]
@@ -144,7 +163,7 @@ def _kernel_matrix(name: str, layer: torch.nn.Module, n_out: int, n_in: int, dty
             raise ReadbackError(name, f"{zeros} element(s) read back as zero through the kernel, which cannot "
                                       "tell +0.0 from -0.0 or from a subnormal it flushes (pass strict=False "
                                       "to return them as +0.0, the value it computes with)")
-    return out
+    return out, cols
 
 
 def _device_of(layer: torch.nn.Module) -> torch.device:
@@ -153,7 +172,9 @@ def _device_of(layer: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _linear_weight(name: str, layer: torch.nn.Module, strict: bool) -> tuple[torch.Tensor, bool]:
+def _linear_weight(name: str, layer: torch.nn.Module, strict: bool) -> tuple[torch.Tensor, Any]:
+    """The weight and how it was read: False (the parameter itself), True (all of it through the kernel) or
+    the sampled input columns (a tensor of indices)."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     if not isinstance(layer.quant_method, UnquantizedLinearMethod):
@@ -164,7 +185,8 @@ def _linear_weight(name: str, layer: torch.nn.Module, strict: bool) -> tuple[tor
     w = layer.weight
     if not w.is_meta and tuple(w.shape) == (n_out, n_in):
         return _plain(name, w), False
-    return _kernel_matrix(name, layer, n_out, n_in, w.dtype, strict), True
+    w, cols = _kernel_matrix(name, layer, n_out, n_in, w.dtype, strict)
+    return w, (True if cols is None else cols)
 
 
 # --- naming ---------------------------------------------------------------------------------------
@@ -212,6 +234,7 @@ class _Producer:
         self.read = read
         self.triggers = list(names) + list(triggers or [])
         self.kernel_names: set[str] = set()  # set by read(): tensors it read through a GEMM kernel
+        self.columns: dict[str, torch.Tensor] = {}  # set by read() when sampling: the input columns it read
 
 
 def _linear_producer(model, path, layer, strict) -> _Producer:
@@ -226,8 +249,10 @@ def _linear_producer(model, path, layer, strict) -> _Producer:
     def read():
         wname = f"{path}.weight"
         w, via_kernel = _linear_weight(wname, layer, strict)
-        if via_kernel:
+        if via_kernel is not False:
             prod.kernel_names = {f"{m}.weight" for m in members}
+            if via_kernel is not True:
+                prod.columns = {f"{m}.weight": via_kernel for m in members}
         out = {}
         parts = [w] if not fused else list(torch.split(w, sizes, dim=0))
         if fused and sum(sizes) != w.shape[0]:
@@ -265,13 +290,14 @@ def _embedding_producer(model, path, layer, strict, embed_of: dict) -> _Producer
             out[wname] = _plain(wname, layer.weight)[:vocab].contiguous()
             return out
         rows = int(layer.num_embeddings_per_partition)
-        w = _kernel_matrix(wname, layer, rows, int(layer.embedding_dim), layer.weight.dtype, strict, vocab)
+        w, cols = _kernel_matrix(wname, layer, rows, int(layer.embedding_dim), layer.weight.dtype, strict, vocab)
         if tied:
             src = next((p for p, e in embed_of.items() if e.weight is layer.weight), None)
             emb = embed_of[src].weight if src is not None else None
             if emb is None:
                 raise ReadbackError(wname, "tied lm_head but no embedding module shares its weight")
             e = emb.detach().to("cpu")[:vocab]
+            e = e if cols is None else e[:, cols]
             ok = (_bits(w) == _bits(e)) | ((w.reshape(-1) == 0) & (e.reshape(-1).float().abs()
                                                                     < torch.finfo(e.dtype).tiny))
             if not bool(ok.all()):
@@ -280,6 +306,8 @@ def _embedding_producer(model, path, layer, strict, embed_of: dict) -> _Producer
         else:
             out[wname] = w.contiguous()
             prod.kernel_names = {wname}
+            if cols is not None:
+                prod.columns = {wname: cols}
         if has_bias:
             out[f"{path}.bias"] = _as_dtype(f"{path}.bias", _plain(f"{path}.bias", layer.bias),
                                             layer.weight.dtype)[:vocab].contiguous()
@@ -420,14 +448,28 @@ def _producers(model: torch.nn.Module, strict: bool) -> list[_Producer]:
 # --- public API -----------------------------------------------------------------------------------
 
 def checkpoint_tensors(model: torch.nn.Module, names: Iterable[str] | None = None, *,
-                       strict: bool = True, kernel_read: set[str] | None = None) -> dict[str, torch.Tensor]:
+                       strict: bool = True, kernel_read: set[str] | None = None,
+                       sample_columns: int | None = None,
+                       columns: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """CPU tensors, keyed by checkpoint name, holding the bits ``model`` computes with.
 
     ``names`` restricts the work to the layers those tensors live in (a fused
     layer is read once for all its members); an unknown name raises
     :class:`ReadbackError`. ``strict``: see the module docstring (zeros read
     through a GEMM kernel). ``kernel_read``, when given, receives the names that
-    were read through a GEMM kernel (compare those under :func:`kernel_view`)."""
+    were read through a GEMM kernel (compare those under :func:`kernel_view`).
+    ``sample_columns=k`` reads only k random input columns of each matrix read
+    through a kernel (k identity products instead of one per input: the cheap
+    check for inside a pause); ``columns`` then receives which, per name, and
+    those tensors come back as ``[rows, k]``."""
+    token = _SAMPLE_COLUMNS.set(sample_columns)
+    try:
+        return _checkpoint_tensors(model, names, strict, kernel_read, columns)
+    finally:
+        _SAMPLE_COLUMNS.reset(token)
+
+
+def _checkpoint_tensors(model, names, strict, kernel_read, columns) -> dict[str, torch.Tensor]:
     producers = _producers(model, strict)
     wanted = None if names is None else set(names)
     if wanted is not None:
@@ -448,6 +490,8 @@ def checkpoint_tensors(model: torch.nn.Module, names: Iterable[str] | None = Non
                 out[n] = t
                 if kernel_read is not None and n in p.kernel_names:
                     kernel_read.add(n)
+                if columns is not None and n in p.columns:
+                    columns[n] = p.columns[n]
     return out
 
 

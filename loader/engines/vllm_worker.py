@@ -118,6 +118,29 @@ class CkptDeltaWorker:
         return {"digests": digests(tensors), "kernel_view": sorted(kernel)}
 
     @_answer
+    def ckptdelta_check(self, req: dict) -> dict[str, Any]:
+        """Compare the live weights with the host copy here, in the worker; ``columns``: k random input columns
+        per kernel-read matrix instead of all (the cheap check inside a pause). Returns the names that differ."""
+        from loader.engines.shared_weights import open_tensors
+        from loader.engines.vllm_readback import checkpoint_tensors, kernel_view
+
+        names = req.get("names")
+        kernel: set[str] = set()
+        cols: dict[str, torch.Tensor] = {}
+        live = checkpoint_tensors(self._ckptdelta_model(), names, strict=False, kernel_read=kernel,
+                                  sample_columns=req.get("columns"), columns=cols)
+        host = open_tensors(req["path"], list(live))
+        bad = []
+        for n, got in live.items():
+            want = kernel_view(host[n]) if n in kernel else host[n]
+            if n in cols:
+                want = want[:, cols[n]]
+            got = kernel_view(got) if n in kernel else got
+            if want.dtype != got.dtype or want.shape != got.shape or not _same_bits(want, got):
+                bad.append(n)
+        return {"checked": len(live), "sampled": len(cols), "mismatch": sorted(bad)}
+
+    @_answer
     def ckptdelta_read(self, req: dict) -> dict[str, Any]:
         """The live weights in checkpoint coordinates, written to ``path`` as safetensors (tests, verify)."""
         from safetensors.torch import save_file
@@ -129,6 +152,11 @@ class CkptDeltaWorker:
                                      kernel_read=kernel)
         save_file({k: v.contiguous() for k, v in tensors.items()}, req["path"])
         return {"tensors": len(tensors), "kernel_view": sorted(kernel)}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 def _refresh_tied_head(model: torch.nn.Module, reloaded: dict[str, torch.Tensor]) -> None:
