@@ -98,3 +98,24 @@ def test_changed_positions_travel_to_a_worker_through_one_file(tmp_path):
     assert spans == [("a", 0, 3), ("b", 3, 0), ("c", 3, 1)]
     assert open_positions(path).tolist() == [3, 1, 2**31 - 1, 7]
     assert write_positions(path, []) == [] and open_positions(path).numel() == 0
+
+
+def test_a_sampled_kernel_view_matches_what_the_kernel_shows_and_nothing_else():
+    from loader.engines.vllm_worker import _kernel_views, _same_bits
+
+    host = torch.randn(4, 8).to(torch.bfloat16)
+    host[1, 0] = -0.0
+    host[2, 7] = float("nan")                      # outside the sampled columns: poisons row 2 all the same
+    cols = torch.tensor([0, 3, 5])
+    live = host[:, cols].clone()
+    live[1, 0] = 0.0                               # the kernel cannot sign a zero
+    live[2] = float("nan")                         # ... and shows a poisoned row as NaN
+    want, got = _kernel_views(host, live, cols)
+    assert _same_bits(want, got)
+    live[3, 1] = live[3, 1] * 2                    # a real difference is one
+    want, got = _kernel_views(host, live, cols)
+    assert not _same_bits(want, got)
+    live[3, 1] = host[3, 3]
+    live[0] = float("nan")                         # a row poisoned live but finite in the host copy is one too
+    want, got = _kernel_views(host, live, cols)
+    assert not _same_bits(want, got)
