@@ -23,8 +23,9 @@ built-in torch engine). Then each step:
 3. AdamW on fp32 master weights (the bf16 forward's gradients are copied to the
    masters), the masters cast to bf16 and published with ``wait=False``, then a
    hot-load of that version on the replica. On vLLM the replica proves the swap
-   itself: inside the pause every worker reads the reloaded tensors back and
-   their digests must equal the verified host copy's (``VllmApplier.check``);
+   itself: every worker reads the changed tensors back and they must equal the
+   verified host copy (sampled inside the pause, in full right after it, before
+   the hot-load is READY: ``VllmApplier``);
    the demo reads that result from ``/v1/status`` (``engine.last_swap``) and
    prints it ("exact"). At the end the demo also asks vLLM's workers for the
    digests of every live tensor and compares them with the trainer's own bf16
@@ -321,8 +322,9 @@ def _fmt_bytes(n: float) -> str:
 HEADER = (f"{'step':>4} {'reward':>6} {'served':>7} {'kind':>6} {'bytes':>9} {'ratio':>6} {'publish':>8} "
           f"{'hotload':>8} {'pause':>8} {'exact':>5} {'k1':>9} {'k2':>9} {'k3':>9}")
 #: printed under the header: what "exact" is
-EXACT_NOTE = {"vllm": "exact: the replica's own in-pause check (every vLLM worker's read-back digests of the "
-                      "reloaded tensors = the verified host copy's), from /v1/status engine.last_swap",
+EXACT_NOTE = {"vllm": "exact: the replica's own check (every vLLM worker's read-back of the changed tensors = "
+                      "the verified host copy; sampled in the pause, whole after it), from /v1/status "
+                      "engine.last_swap",
               "reference": "exact: '-' (the reference engine has no separate read-back; its proof is k1 = k2 = k3 "
                            "= 0: the replica's logprobs are the trainer's, bit for bit)"}
 
