@@ -300,7 +300,7 @@ class _Applying:
                 return
             h = self.enc.header
             if self.parent is not None:
-                codec._check_parent(h, runner.wait(self.parent))
+                codec._check_parent(self.enc, runner.wait(self.parent))
             per_chunk = [runner.wait(t) for t in self.chunks]
             self.chunks = None
             self.write = runner.submit(partial(self._write, per_chunk))
@@ -310,7 +310,7 @@ class _Applying:
     def _whole(self) -> int | None:
         h = self.enc.header
         if self.verify and h.has_parent:
-            codec._check_parent(h, xxhash.xxh3_64_intdigest(self.bits))
+            codec._check_parent(self.enc, xxhash.xxh3_64_intdigest(self.bits))
         return self._write([codec._decode_chunk(self.enc, self.bits, i) for i in range(len(h.chunks))])
 
     def _write(self, per_chunk: list[tuple[np.ndarray, np.ndarray]]) -> int | None:
