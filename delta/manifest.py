@@ -27,6 +27,11 @@ MAX_MANIFEST_BYTES = 128 << 20
 MAX_HEAD_BYTES = 64 << 10
 MAX_TENSORS = 1 << 20
 MAX_METADATA_BYTES = 1 << 20
+#: The largest extra file (config, tokenizer, chat template) a snapshot may carry: a reader holds one whole in
+#: memory, so a manifest may not make it allocate more (real tokenizers are tens of MB).
+MAX_EXTRA_FILE_BYTES = 256 << 20
+#: Extra files per snapshot.
+MAX_EXTRA_FILES = 4096
 
 RUN_KEY = "RUN.json"
 HEAD_KEY = "HEAD"
@@ -191,6 +196,10 @@ class Manifest:
         _expect(step is None or (isinstance(step, int) and not isinstance(step, bool)), what, f"step {step!r}")
         objects = tuple(_object(o, what) for o in _list(d, "objects", what))
         extra = tuple(_object(o, what) for o in _list(d, "extra_files", what))
+        _expect(len(extra) <= MAX_EXTRA_FILES, what, f"{len(extra)} extra files (at most {MAX_EXTRA_FILES})")
+        for o in extra:
+            _expect(o.size <= MAX_EXTRA_FILE_BYTES, what,
+                    f"extra file {o.key!r} of {o.size} bytes (at most {MAX_EXTRA_FILE_BYTES})")
         raw_tensors = d.get("tensors")
         _expect(isinstance(raw_tensors, dict) and len(raw_tensors) <= MAX_TENSORS, what, "tensors must be a mapping")
         tensors = {}

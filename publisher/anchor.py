@@ -27,7 +27,7 @@ import xxhash
 from delta import dtypes
 from delta.codec import digest_hex
 from delta.errors import PublishInputError
-from delta.manifest import is_safe_key
+from delta.manifest import MAX_EXTRA_FILE_BYTES, MAX_EXTRA_FILES, is_safe_key
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -133,6 +133,14 @@ def read_extra_files(extra: Mapping[str, str | os.PathLike[str] | bytes] | None)
         if isinstance(src, (bytes, bytearray, memoryview)):
             out[name] = bytes(src)
         else:
+            if os.path.getsize(src) > MAX_EXTRA_FILE_BYTES:
+                raise PublishInputError(f"extra file {name!r} ({src}) is larger than {MAX_EXTRA_FILE_BYTES} bytes, "
+                                        "the most a reader takes: publish weights as tensors, not as extra files")
             with open(src, "rb") as f:
                 out[name] = f.read()
+        if len(out[name]) > MAX_EXTRA_FILE_BYTES:
+            raise PublishInputError(f"extra file {name!r} is larger than {MAX_EXTRA_FILE_BYTES} bytes, the most a "
+                                    "reader takes")
+    if len(out) > MAX_EXTRA_FILES:
+        raise PublishInputError(f"{len(out)} extra files: at most {MAX_EXTRA_FILES}")
     return out

@@ -528,3 +528,35 @@ def test_a_reader_refuses_an_oversized_record_before_fetching_it_even_from_a_man
     err, peak = _measured(lambda: reader.fetch([Piece(big, "w")], use_cache=False))
     assert peak < 2 << 20, (peak, repr(err))
     assert isinstance(err, FormatError) and "'w'" in str(err) and "at most" in str(err), repr(err)
+
+
+def test_an_extra_file_claiming_more_than_a_reader_takes_is_refused_before_it_is_read(tmp_path):
+    """Extra files (config, tokenizer) are read whole: their size is bounded by the format, at publish and read."""
+    from delta.manifest import MAX_EXTRA_FILE_BYTES
+    from loader.reader import SnapshotReader
+    from publisher import Publisher
+
+    big = tmp_path / "huge.bin"
+    with open(big, "wb") as f:   # sparse: costs no disk
+        f.truncate(MAX_EXTRA_FILE_BYTES + 1)
+    with pytest.raises(PublishInputError, match="huge.bin"):
+        Publisher(str(tmp_path / "refused"), extra_files={"huge.bin": str(big)})
+    url = str(tmp_path / "run")
+    with Publisher(url, extra_files={"config.json": b"{}"}, progress=False) as pub:
+        pub.publish({"w": torch.arange(16, dtype=torch.float32)}, 0)
+    mpath = os.path.join(url, manifest_key(0))
+    m = json.load(open(mpath))
+    (extra,) = m["extra_files"]
+    with open(os.path.join(url, extra["key"]), "r+b") as f:   # the store agrees with the lie
+        f.truncate(MAX_EXTRA_FILE_BYTES + 1)
+    extra["size"] = MAX_EXTRA_FILE_BYTES + 1
+    json.dump(m, open(mpath, "w"))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CkptDeltaError, match="extra file"):
+            SnapshotReader(url).materialize(0, str(tmp_path / "out"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 << 20, peak
+    assert not os.path.exists(tmp_path / "out")
