@@ -66,6 +66,8 @@ METHODS = ("ckptdelta", "ckptdelta_full_proof", "full_reload_dir", "xor_zstd")
 LABELS = {"ckptdelta": "ckptdelta (default: sampled proof in pause, full after)",
           "ckptdelta_full_proof": "ckptdelta (--verify full: whole proof in pause)",
           "full_reload_dir": "vLLM full reload from dir", "xor_zstd": "XOR+zstd3 peer delta"}
+SHORT_LABELS = {"ckptdelta": "ckptdelta\n(default)", "ckptdelta_full_proof": "ckptdelta\n(--verify full)",
+                "full_reload_dir": "vLLM reload\nfrom dir", "xor_zstd": "XOR+zstd3\npeer delta"}
 FULL = dict(hidden=1024, layers=16, intermediate=2816, heads=8, kv_heads=4, vocab=32000)
 QUICK = dict(hidden=128, layers=2, intermediate=256, heads=4, kv_heads=2, vocab=512)
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "bfloat16", "--max-num-seqs", "16",
@@ -642,7 +644,7 @@ def plot(out: dict[str, Any], path: str) -> None:
 
     m = out["methods"]
     fig, ax = plt.subplots(1, 2, figsize=(13, 5))
-    labels = [LABELS[k].replace(" (", "\n(") for k in METHODS]
+    labels = [SHORT_LABELS[k] for k in METHODS]
     for i, (key, title) in enumerate((("pause_s", "pause (generation stopped)"),
                                       ("publish_to_serving_s", "publish() -> serving the new version"))):
         vals = [m[k][key] for k in METHODS]
