@@ -59,6 +59,7 @@ from typing import Any, Iterator
 import httpx
 import torch
 
+from benchmarks.update_latency import _median_step as median_row
 from benchmarks.update_latency import backend
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -457,20 +458,6 @@ def throughput(rep: Replica, pub: Any, trainer: Trainer, *, clients: int, max_to
 
 
 # --- the run -----------------------------------------------------------------------------------
-
-def median_row(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in samples[0].items():
-        vals = [s[k] for s in samples]
-        if isinstance(v, bool):
-            out[k] = all(vals)
-        elif isinstance(v, (int, float)):
-            out[k] = statistics.median(vals)
-        else:
-            out[k] = v
-    out["samples"] = samples
-    return out
-
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from publisher import Publisher
