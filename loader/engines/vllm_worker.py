@@ -122,7 +122,7 @@ class CkptDeltaWorker:
         """Compare the live weights with the host copy here, in the worker; ``columns``: k random input columns
         per kernel-read matrix instead of all (the cheap check inside a pause). Returns the names that differ."""
         from loader.engines.shared_weights import open_tensors
-        from loader.engines.vllm_readback import checkpoint_tensors, kernel_view
+        from loader.engines.vllm_readback import checkpoint_tensors
 
         names = req.get("names")
         kernel: set[str] = set()
