@@ -72,10 +72,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import create_app
 
     passthrough = list(getattr(args, "passthrough", []) or [])
+    usage = None
     if passthrough and args.engine != "vllm":
-        raise SystemExit("ckptdelta serve: error: options after '--' are for --engine vllm only")
-    if args.engine == "vllm" and args.model:
-        raise SystemExit("ckptdelta serve: error: --engine vllm serves a run's snapshot: give --bucket, not --model")
+        usage = "options after '--' are for --engine vllm only"
+    elif args.engine == "vllm" and (args.model or not args.bucket):
+        usage = "--engine vllm serves a run's snapshots: give --bucket URL (and not --model)"
+    elif not args.bucket and not args.model:
+        usage = "give --bucket URL (a run to serve and hot-load), --model DIR (fixed weights), or both"
+    if usage:
+        print(f"ckptdelta serve: error: {usage} (see ckptdelta serve --help)", file=sys.stderr)
+        return 2
     engine = build_engine(args.engine, bucket=args.bucket, snapshot=args.snapshot, model_dir=args.model,
                           storage_options=args.storage_options, cache_dir=args.cache_dir, device=args.device,
                           cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import delta
@@ -72,3 +73,11 @@ def test_a_missing_run_is_a_clean_error(tmp_path, capsys):
     out = capsys.readouterr()
     assert rc in (0, 1)
     assert "Traceback" not in out.err
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["serve", "--engine", "vllm"], ["serve", "--engine", "vllm", "--model", "x"],
+                                  ["serve", "--bucket", "x", "--", "--max-model-len", "8"]])
+def test_a_serve_without_what_it_needs_is_a_one_line_usage_error_with_exit_status_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "serve --help" in err and "Traceback" not in err
