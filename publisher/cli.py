@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, Callable
 
-from delta.errors import CkptDeltaError, PublishInputError
-from delta.manifest import is_safe_key
+from delta.errors import CkptDeltaError, PublishInputError, SnapshotNotFoundError
+from delta.manifest import RUN_KEY, is_safe_key
 from delta.storage import Store
 
 from . import anchor as anchor_fmt
@@ -183,6 +183,9 @@ def list_snapshots(url: str, storage_options: dict[str, Any] | None = None) -> l
         info = read_run_info(store)
         run_id = info.run_id if info else None
         versions = committed_versions(store)
+        if info is None and not versions:  # a typo, a bucket's parent, a run's own subfolder
+            raise SnapshotNotFoundError(f"no run at {url}: {RUN_KEY} does not exist and no snapshot is committed "
+                                        "there (give the run's own URL, the folder that holds RUN.json)")
 
         def row(v: int) -> dict[str, Any]:
             try:

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from delta.errors import CkptDeltaError
-from delta.manifest import ANCHOR_DIR, DELTA_DIR, Manifest, manifest_key
+from delta.errors import CkptDeltaError, SnapshotNotFoundError
+from delta.manifest import ANCHOR_DIR, DELTA_DIR, RUN_KEY, Manifest, manifest_key
 from delta.storage import Store, is_temp_key
 
 from .runs import committed_versions, read_manifest, read_run_info
@@ -64,6 +64,10 @@ def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: 
     info = read_run_info(store)
     run_id = info.run_id if info else None
     versions = committed_versions(store)
+    if info is None and not versions and not any(  # nothing of a run here: say so rather than "kept 0 snapshots"
+            store.list_prefix(f"{d}/", include_temp=True) for d in (ANCHOR_DIR, DELTA_DIR)):
+        raise SnapshotNotFoundError(f"no run at {store.url}: {RUN_KEY} does not exist and no snapshot is "
+                                    "committed there")
     manifests, unreadable = _read_all(store, versions, run_id)
     kept = _kept_versions(manifests, unreadable, keep_anchors)
     doomed = sorted((v for v in versions if v not in kept), reverse=True)

@@ -81,3 +81,17 @@ def test_a_serve_without_what_it_needs_is_a_one_line_usage_error_with_exit_statu
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "serve --help" in err and "Traceback" not in err
+
+
+def test_ls_and_gc_on_a_path_that_is_not_a_run_say_so_and_exit_1(tmp_path, capsys):
+    from publisher import Publisher
+
+    url = str(tmp_path / "bucket" / "run")
+    with Publisher(url, progress=False) as pub:
+        pub.publish({"w": torch.zeros(4)}, 0)
+    for path in (str(tmp_path / "typo"), str(tmp_path / "bucket"), url + "/manifests"):
+        for cmd in (["ls", path], ["gc", path]):
+            assert main(cmd) == 1, cmd
+            err = capsys.readouterr().err
+            assert "no run at" in err and err.count("\n") == 1, err
+    assert main(["ls", url]) == 0 and "v00000000" in capsys.readouterr().out
