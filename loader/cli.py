@@ -10,6 +10,7 @@ import socket
 import sys
 from typing import Any
 
+from ckptdelta.options import add_storage_args, storage_options
 from delta.errors import CkptDeltaError
 
 log = logging.getLogger("ckptdelta.server")
@@ -30,8 +31,7 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--replica-id", default=None, help="name in engine_data and /v1/status (default: host:port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $CKPTDELTA_API_KEY)")
-    p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
-                   help="fsspec storage options for the bucket, as JSON")
+    add_storage_args(p)
     p.add_argument("--cache-dir", default=None, help="local cache for fetched objects and materialized snapshots")
     p.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda, cuda:1...)")
     p.add_argument("--cache-policy", choices=["recompute", "keep"], default="recompute",
@@ -83,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ckptdelta serve: error: {usage} (see ckptdelta serve --help)", file=sys.stderr)
         return 2
     engine = build_engine(args.engine, bucket=args.bucket, snapshot=args.snapshot, model_dir=args.model,
-                          storage_options=args.storage_options, cache_dir=args.cache_dir, device=args.device,
+                          storage_options=storage_options(args), cache_dir=args.cache_dir, device=args.device,
                           cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,
                           verify=args.verify, apply_mode=args.apply_mode, vllm_args=passthrough,
                           vllm_log=args.vllm_log)

@@ -8,10 +8,10 @@ the exit code. Failures ckptdelta knows about print one line to stderr and exit 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
+from ckptdelta.options import add_storage_args, storage_options
 from delta.errors import CkptDeltaError
 
 log = logging.getLogger("ckptdelta.loader")
@@ -39,21 +39,8 @@ def add_commands(subparsers) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-options", default=None, metavar="JSON",
-                   help='fsspec storage options as JSON, e.g. \'{"anon": true}\'')
+    add_storage_args(p)
     p.add_argument("--cache-dir", default=None, help="shared on-disk cache of fetched ranges")
-
-
-def _storage_options(raw: str | None) -> dict | None:
-    if raw is None:
-        return None
-    try:
-        opts = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"--storage-options is not valid JSON: {e}") from None
-    if not isinstance(opts, dict):
-        raise ValueError("--storage-options must be a JSON object")
-    return opts
 
 
 def _fail(e: BaseException) -> int:
@@ -65,7 +52,7 @@ def _fail(e: BaseException) -> int:
 def cmd_materialize(args: argparse.Namespace) -> int:
     from .reader import SnapshotReader
     try:
-        reader = SnapshotReader(args.url, storage_options=_storage_options(args.storage_options),
+        reader = SnapshotReader(args.url, storage_options=storage_options(args),
                                 cache_dir=getattr(args, "cache_dir", None))
         v = reader.resolve(args.snapshot)
         out = reader.materialize(v, args.out_dir, progress=args.progress)
@@ -78,7 +65,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from .reader import SnapshotReader
     try:
-        reader = SnapshotReader(args.url, storage_options=_storage_options(args.storage_options))
+        reader = SnapshotReader(args.url, storage_options=storage_options(args))
         report = reader.verify(args.snapshot)
     except (CkptDeltaError, ValueError) as e:
         return _fail(e)

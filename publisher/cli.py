@@ -21,6 +21,8 @@ from delta.errors import CkptDeltaError, PublishInputError, SnapshotNotFoundErro
 from delta.manifest import RUN_KEY, is_safe_key
 from delta.storage import Store
 
+from ckptdelta.options import add_storage_args, storage_options
+
 from . import anchor as anchor_fmt
 from .gc import collect
 from .publisher import Publisher
@@ -46,14 +48,14 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--anchor-every", type=int, default=20, metavar="N", help="anchor every N versions (20)")
     p.add_argument("--shard-bytes", type=int, default=5 * 2**30, metavar="B", help="anchor shard size (5 GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    _storage_args(p)
+    add_storage_args(p)
     p.set_defaults(func=_guarded(cmd_publish, "publish"))
 
     p = subparsers.add_parser("ls", help="list a run's committed snapshots",
                               description="One row per committed snapshot of the run at URL.")
     p.add_argument("url", metavar="URL")
     p.add_argument("--json", action="store_true", help="print a JSON list")
-    _storage_args(p)
+    add_storage_args(p)
     p.set_defaults(func=_guarded(cmd_ls, "ls"))
 
     p = subparsers.add_parser(
@@ -66,14 +68,8 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
                    help="keep unreferenced objects younger than this (a publish may be in flight)")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    _storage_args(p)
+    add_storage_args(p)
     p.set_defaults(func=_guarded(cmd_gc, "gc"))
-
-
-def _storage_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-options", default=None, metavar="JSON", help="fsspec options as a JSON object")
-    p.add_argument("--storage-option", action="append", default=[], metavar="K=V",
-                   help="one fsspec option (repeatable; dotted keys nest: client_kwargs.endpoint_url=...)")
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int], name: str) -> Callable[[argparse.Namespace], int]:
@@ -85,29 +81,6 @@ def _guarded(fn: Callable[[argparse.Namespace], int], name: str) -> Callable[[ar
             return 1
     run.__name__ = fn.__name__
     return run
-
-
-def storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    if getattr(args, "storage_options", None):
-        try:
-            opts = json.loads(args.storage_options)
-        except ValueError as e:
-            raise PublishInputError(f"--storage-options is not valid JSON: {e}") from None
-        if not isinstance(opts, dict):
-            raise PublishInputError("--storage-options must be a JSON object")
-    for item in getattr(args, "storage_option", None) or []:
-        key, value = _split_kv(item, "--storage-option")
-        try:
-            parsed: Any = json.loads(value)
-        except ValueError:
-            parsed = value
-        node = opts
-        *parents, leaf = key.split(".")
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = parsed
-    return opts
 
 
 def _split_kv(item: str, flag: str) -> tuple[str, str]:

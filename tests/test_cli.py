@@ -95,3 +95,23 @@ def test_ls_and_gc_on_a_path_that_is_not_a_run_say_so_and_exit_1(tmp_path, capsy
             err = capsys.readouterr().err
             assert "no run at" in err and err.count("\n") == 1, err
     assert main(["ls", url]) == 0 and "v00000000" in capsys.readouterr().out
+
+
+def test_every_command_that_reaches_a_bucket_takes_the_same_storage_flags(tmp_path, capsys):
+    from ckptdelta.cli import build_parser
+    from publisher import Publisher
+
+    url = str(tmp_path / "run")
+    with Publisher(url, progress=False) as pub:
+        pub.publish({"w": torch.zeros(4)}, 0)
+    flags = ["--storage-options", '{"auto_mkdir": true}', "--storage-option", "auto_mkdir=true"]
+    assert main(["verify", url, *flags]) == 0
+    assert main(["materialize", url, "latest", str(tmp_path / "out"), *flags]) == 0
+    assert main(["ls", url, *flags]) == 0
+    assert main(["gc", url, "--dry-run", *flags]) == 0
+    capsys.readouterr()
+    args = build_parser().parse_args(["serve", "--bucket", url, "--storage-option", "client_kwargs.region=x"])
+    from ckptdelta.options import storage_options
+    assert storage_options(args) == {"client_kwargs": {"region": "x"}}
+    assert main(["verify", url, "--storage-option", "novalue"]) == 1
+    assert "K=V" in capsys.readouterr().err

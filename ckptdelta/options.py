@@ -1,0 +1,61 @@
+"""Command-line options every ckptdelta command shares: how to reach the bucket.
+
+One definition, so ``publish``, ``ls``, ``gc``, ``serve``, ``materialize`` and
+``verify`` take the same flags (docs/PUBLISHING.md): ``--storage-options JSON``
+and repeatable ``--storage-option K=V`` (dotted keys nest, values parse as JSON
+when they can), merged in that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from delta.errors import CkptDeltaError
+
+
+class UsageError(CkptDeltaError, ValueError):
+    """A command-line value the user can fix (named in the message)."""
+
+
+def add_storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-options", default=None, metavar="JSON",
+                   help='fsspec options as a JSON object, e.g. \'{"anon": true}\'')
+    p.add_argument("--storage-option", action="append", default=[], metavar="K=V",
+                   help="one fsspec option (repeatable; dotted keys nest: client_kwargs.endpoint_url=...)")
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The fsspec options the flags give, or None when none were given."""
+    raw = getattr(args, "storage_options", None)
+    items = getattr(args, "storage_option", None) or []
+    if raw is None and not items:
+        return None
+    opts: dict[str, Any] = {}
+    if isinstance(raw, dict):
+        opts = dict(raw)
+    elif raw:
+        try:
+            opts = json.loads(raw)
+        except ValueError as e:
+            raise UsageError(f"--storage-options is not valid JSON: {e}") from None
+        if not isinstance(opts, dict):
+            raise UsageError("--storage-options must be a JSON object")
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option takes K=V, got {item!r}")
+        try:
+            parsed: Any = json.loads(value)
+        except ValueError:
+            parsed = value
+        node = opts
+        *parents, leaf = key.split(".")
+        for k in parents:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"--storage-option {item!r}: {k!r} is already set to a value, not an object")
+            node = child
+        node[leaf] = parsed
+    return opts
