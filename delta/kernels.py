@@ -123,6 +123,24 @@ def scatter(live, positions, values):
 
 
 @njit(cache=True, nogil=True)
+def scatter_if_unchanged(live, positions, expected, values):
+    """``live[positions] = values`` provided ``live[positions]`` still equals ``expected``; returns -1.
+
+    At the first position that does not, the positions already written get their
+    ``expected`` bits back (so ``live`` is as it was) and its index is returned.
+    One pass: each compare reads the cache line the write needs anyway, so the
+    check costs about nothing beside the scatter (a gather first would double it)."""
+    for j in range(positions.shape[0]):
+        p = positions[j]
+        if live[p] != expected[j]:
+            for k in range(j - 1, -1, -1):
+                live[positions[k]] = expected[k]
+            return j
+        live[p] = values[j]
+    return -1
+
+
+@njit(cache=True, nogil=True)
 def to_planes(values, nplanes):
     """Split unsigned integers into ``nplanes`` little-endian byte planes, plane-major.
 

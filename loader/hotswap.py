@@ -348,6 +348,13 @@ class HotSwapper:
                         swap = _DenseSwap(live, s.st, method, s.live_name)
                         undo.append((live, swap.undo))            # before any write: undo knows how far it got
                         swap.apply()
+                    elif s.undo is not None and method == "auto" and live.device.type == "cpu" \
+                            and live.is_contiguous():
+                        # one pass: each old bit checked against prepare's as its position is written; a
+                        # refusal has put back what it wrote, so its undo is recorded once it has succeeded
+                        # (the kernel cannot be interrupted half-way)
+                        _scatter_if_unchanged(live, s)
+                        undo.append((live, lambda live=live, old=s.undo: old.apply_(live, method=method)))
                     else:
                         old = _unchanged_since_prepare(live, s)
                         undo.append((live, lambda live=live, old=old: old.apply_(live, method=method)))
@@ -699,6 +706,19 @@ def _unchanged_since_prepare(live: torch.Tensor, s: _Staged) -> StagedTensor:
         raise HotLoadError(f"tensor {s.name!r}: {n} of the {old.values.shape[0]} elements this update changes in "
                            f"the live tensor {s.live_name!r} were written after prepare(); prepare again")
     return old
+
+
+def _scatter_if_unchanged(live: torch.Tensor, s: _Staged) -> None:
+    """A sparse change written into contiguous host memory, each old bit compared with the one prepare()
+    saved as it is overwritten; a difference leaves the tensor as it was (the kernel puts back what it wrote)
+    and refuses, as :func:`_unchanged_since_prepare` does."""
+    from delta import kernels
+
+    bits = dtypes.host_bits(live)
+    j = kernels.scatter_if_unchanged(bits, s.st.positions, s.undo.values, s.st.values)
+    if j >= 0:
+        raise HotLoadError(f"tensor {s.name!r}: element {int(s.st.positions[j])} of the live tensor {s.live_name!r}, "
+                           "which this update changes, was written after prepare(); prepare again")
 
 
 def _synchronize(applied: list[tuple[torch.Tensor, object]]) -> None:

@@ -89,6 +89,15 @@ def scatter(live: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None
     live[positions] = values
 
 
+def scatter_if_unchanged(live: np.ndarray, positions: np.ndarray, expected: np.ndarray,
+                         values: np.ndarray) -> int:
+    bad = np.flatnonzero(live[positions] != expected)
+    if bad.size:
+        return int(bad[0])
+    live[positions] = values
+    return -1
+
+
 def gather(src: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return src[positions].copy()
 

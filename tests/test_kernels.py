@@ -276,3 +276,24 @@ print("ENCODINGS", sorted(seen))
                        timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "ENCODINGS ['dense_xor', 'raw', 'sparse', 'unchanged']" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_scatter_if_unchanged_writes_all_or_leaves_live_as_it_was(dtype):
+    rng = np.random.default_rng(7)
+    old = rng.integers(0, np.iinfo(dtype).max, 4096, dtype=dtype)
+    pos = np.sort(rng.choice(old.size, 300, replace=False)).astype(np.int64)
+    vals = (old[pos] + 1).astype(dtype)
+    live, ref = old.copy(), old.copy()
+    assert kernels.scatter_if_unchanged(live, pos, old[pos].copy(), vals) == -1
+    assert naive.scatter_if_unchanged(ref, pos, old[pos].copy(), vals) == -1
+    np.testing.assert_array_equal(live, ref)
+    for bad_at in (0, 150, 299):  # someone else wrote one of the positions since the bits were saved
+        live, ref = old.copy(), old.copy()
+        live[pos[bad_at]] ^= 1
+        ref[pos[bad_at]] ^= 1
+        before = live.copy()
+        assert kernels.scatter_if_unchanged(live, pos, old[pos].copy(), vals) == bad_at
+        assert naive.scatter_if_unchanged(ref, pos, old[pos].copy(), vals) == bad_at
+        np.testing.assert_array_equal(live, before)   # nothing written
+        np.testing.assert_array_equal(ref, before)
