@@ -227,7 +227,7 @@ class HotSwapper:
     def prepare(self, target: "str | int", *, initial: bool = False) -> PreparedUpdate:
         """Fetch, decode and verify the change to ``target``; the live weights are only read."""
         with self._exclusive():
-            return self._prepare(target, initial)
+            return self._staged(self._prepare(target, initial))
 
     def commit(self, prepared: PreparedUpdate) -> HotLoadReport:
         """Apply a prepared update inside one pause of the gate."""
@@ -236,7 +236,7 @@ class HotSwapper:
 
     def hotload(self, target: "str | int") -> HotLoadReport:
         with self._exclusive():
-            return self._commit(self._prepare(target, False))
+            return self._commit(self._staged(self._prepare(target, False)))
 
     def load_initial(self, target: "str | int") -> HotLoadReport:
         """Like :meth:`hotload`, also from weights of unknown version (every tensor is compared and replaced
@@ -254,6 +254,12 @@ class HotSwapper:
             yield
         finally:
             self._lock.release()
+
+    def _staged(self, p: PreparedUpdate) -> PreparedUpdate:
+        """An engine applier may get the update ready on its side too, while serving (EngineApplier.stage)."""
+        if self.applier is not None and p.from_version != p.to_version:
+            self.applier.stage(p)
+        return p
 
     def _live_map(self) -> dict[str, torch.Tensor]:
         w = self.weights

@@ -8,7 +8,8 @@ engine, so a new engine is one module that implements :class:`ReplicaEngine`.
 A hot-load calls, in this order (loader/hotload_jobs.py)::
 
     prepared = engine.swapper.prepare(target)   # while serving: fetch, decode, verify against
-                                                # the host copy of the current weights
+                                                # the host copy of the current weights; then
+                                                # applier.stage(prepared), if the engine has one
     report = engine.swapper.commit(prepared)    # the pause: generation held, the update applied
                                                 # and checked, the version set, generation resumed
 
@@ -73,6 +74,11 @@ class EngineApplier(abc.ABC):
     @abc.abstractmethod
     def paused(self) -> Any:
         """A context manager: the engine generates nothing inside it; yields a :class:`loader.hotswap.Pause`."""
+
+    def stage(self, prepared: Any) -> None:
+        """While serving, after ``prepare``: get ``prepared`` (a :class:`loader.hotswap.PreparedUpdate`) ready
+        on the engine's side so that the ``apply`` for its version does less in the pause. Optional; must
+        never change what the engine computes with, and ``apply`` must work without it."""
 
     @abc.abstractmethod
     def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
