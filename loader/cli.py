@@ -48,8 +48,10 @@ def add_commands(subparsers: Any) -> None:
                         "full (all of them inside the pause), off")
     v.add_argument("--apply", choices=["auto", "reload"], default="auto", dest="apply_mode",
                    help="auto: write only the changed elements where vLLM's kernels read the parameter as is "
-                        "(norms and embeddings; on CUDA also unquantized linears), reload the rest as whole "
-                        "modules; reload: reload every changed tensor's module")
+                        "(norms and embeddings; on CUDA also unquantized linears), build and re-pack the other "
+                        "changed modules beside the live ones while serving and swap them in during the pause "
+                        "(more host memory while a hot-load prepares: docs/SERVING.md); reload: reload every "
+                        "changed tensor's module inside the pause")
     v.add_argument("--vllm-log", default=None, metavar="PATH", help="where the started vLLM server logs")
     p.set_defaults(func=cmd_serve)
 

@@ -115,6 +115,7 @@ def test_hotloads_forward_across_an_anchor_and_back_are_bit_exact_in_every_runti
         assert job["report"]["pause_s"] > 0 and job["report"]["via_anchor"] == (target in (4, 0))
         last = rep.http.get("/v1/status").json()["engine"]["last_swap"]
         assert last["verified"] and last["version"] == target
+        assert last["apply"] == "shadow", last   # re-packed beside the live modules while serving
         if target == 1:  # norms and the (untied) embedding are written in place, element by element
             assert last["patched_tensors"] >= 5 and 0 < last["patched_elements"] < 20_000
     assert rep.complete(max_tokens=3, return_engine_data=True)["engine_data"]["policy_version"] == 2
@@ -323,13 +324,18 @@ def test_a_failed_hotload_leaves_vllm_serving_its_previous_version_bit_exact(rep
     monkeypatch.setattr(rep.engine.applier, "verify", "sampled")
     real_groups = vllm_engine.reload_groups
 
-    def half_groups(names, all_names, packed):
-        monkeypatch.setattr(vllm_engine, "reload_groups", real_groups)
+    calls = []
+
+    def half_groups(names, all_names, packed):  # wrong twice: building the shadow, then reloading in the pause
+        calls.append(1)
+        if len(calls) == 2:
+            monkeypatch.setattr(vllm_engine, "reload_groups", real_groups)
         return [n for n in real_groups(names, all_names, packed) if ".k_proj." not in n]
 
     monkeypatch.setattr(vllm_engine, "reload_groups", half_groups)
     job = rep.hotload(1)
     assert job["state"] == "FAILED" and "differ" in job["reason"] and "qkv" not in job["reason"], job
+    assert len(calls) == 2   # the shadow refused the half module (a warning), the pause's reload was caught
     assert rep.engine.version == 2 and _weight_version(rep) == "2"
     assert bit_diff(rep.live_weights(str(tmp_path)), llama_run.truth[2]) == []
     assert rep.complete(max_tokens=6, temperature=0)["choices"][0]["text"] == before
@@ -363,6 +369,9 @@ def test_tied_embeddings_and_experts_hotload_bit_exact(save, tmp_path):
             assert job["state"] == "READY", job
             assert bit_diff(rep.live_weights(str(tmp_path)), run.truth[target]) == [], target
             assert rep.complete(max_tokens=2, return_engine_data=True)["engine_data"]["policy_version"] == target
+            # a tied head is re-packed in the shadow with its embedding; CPU experts are still reloaded in the pause
+            apply = rep.http.get("/v1/status").json()["engine"]["last_swap"]["apply"]
+            assert apply == ("shadow+reload" if save is save_tiny_moe else "shadow"), apply
     finally:
         rep.close()
         run.publisher.close()

@@ -185,7 +185,11 @@ def open_tensors(path: str, names: Iterable[str] | None = None) -> dict[str, tor
         if hit is None or hit[0] != mtime:
             with open(path + ".json") as f:
                 index = json.load(f)
-            _opened.clear()  # one replica's file per worker: drop a previous file's mapping
+            # the replica's host copy and its staging file: drop mappings of removed files, keep a few
+            for gone in [p for p in _opened if p != path and not os.path.exists(p + ".json")]:
+                del _opened[gone]
+            while len(_opened) >= 4:
+                del _opened[next(iter(_opened))]
             _opened[path] = hit = (mtime, index, _map(path, index, index))
     _, index, tensors = hit
     if names is None:

@@ -16,15 +16,21 @@ shared memory (:class:`loader.engines.shared_weights.SharedWeights`), and a
 :class:`loader.hotswap.HotSwapper` prepares every update against it while vLLM
 serves (fetch, decode, verify: nothing of it runs inside vLLM's engine loop).
 
+Before the swap, still serving (:meth:`VllmApplier.stage`, after the HotSwapper's
+prepare): the changed modules are built and re-packed beside the live ones in a
+thread of each worker (loader/engines/vllm_shadow.py) and checked by samples.
+
 The swap (:class:`VllmApplier`, inside the HotSwapper's commit):
 
 1. ``POST /pause?mode=keep``: nothing is aborted, requests in flight freeze;
 2. the swapper patches the host copy in place (the changed elements only);
-3. every worker reloads the changed tensors — whole fused groups, whole expert
-   sets — from the shared file through vLLM's ``reload_weights`` (its own
-   name mapping, fusing, TP slicing and CPU re-packing), then reads them back
-   in checkpoint coordinates and their digests are compared with the host copy
-   that was verified against the manifest;
+3. every worker swaps the shadow in (packed kernels moved over, plain tensors
+   copied) or, without one, reloads the changed tensors — whole fused groups,
+   whole expert sets — from the shared file through vLLM's ``reload_weights``
+   (its own name mapping, fusing, TP slicing and CPU re-packing); tensors a
+   kernel reads as is get only their changed elements written; what the pause
+   wrote is read back in checkpoint coordinates and compared with the host
+   copy that was verified against the manifest;
 4. ``POST /reset_prefix_cache`` (with ``reset_running_requests`` under the
    ``recompute`` cache policy: frozen requests recompute their KV on the new
    weights), ``POST /update_weight_version``, ``POST /resume``.
@@ -46,7 +52,9 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import httpx
@@ -201,27 +209,45 @@ class VllmControl:
 
 # --- fused groups ---------------------------------------------------------------------------------
 
+def module_key(name: str, member_of: dict[str, str]) -> str:
+    """The vLLM module a checkpoint tensor loads into (``...q_proj.weight`` -> ``...qkv_proj``; every expert
+    tensor of a layer -> its ``...experts``); ``member_of`` maps a fused member's leaf to the fused leaf."""
+    module = name.rpartition(".")[0]
+    parent, _, leaf = module.rpartition(".")
+    if ".experts." in module + ".":
+        return module.split(".experts.")[0] + ".experts"
+    leaf = member_of.get(leaf, leaf)
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+def members_of(packed: dict[str, list[str]]) -> dict[str, str]:
+    return {m: fused for fused, members in packed.items() for m in members}
+
+
 def reload_groups(names: Sequence[str], all_names: Sequence[str], packed: dict[str, list[str]]) -> list[str]:
     """``names`` grown to whole vLLM modules: every checkpoint tensor that loads into a module one of them
     loads into (q/k/v -> qkv_proj, gate/up -> gate_up_proj, weight with bias, all experts of a layer).
 
     vLLM re-processes a module once all of its parameters arrived; a module fed
     only part of its inputs is processed with uninitialised rows."""
-    member_of = {m: fused for fused, members in packed.items() for m in members}
-
-    def module_key(name: str) -> str:
-        module = name.rpartition(".")[0]
-        parent, _, leaf = module.rpartition(".")
-        if ".experts." in module + ".":
-            return module.split(".experts.")[0] + ".experts"
-        leaf = member_of.get(leaf, leaf)
-        return f"{parent}.{leaf}" if parent else leaf
-
-    wanted = {module_key(n) for n in names}
-    return [n for n in all_names if module_key(n) in wanted]
+    member_of = members_of(packed)
+    wanted = {module_key(n, member_of) for n in names}
+    return [n for n in all_names if module_key(n, member_of) in wanted]
 
 
 # --- the swap -------------------------------------------------------------------------------------
+
+@dataclass
+class _Shadow:
+    """The next version's modules, built in every worker while serving (loader/engines/vllm_shadow.py)."""
+
+    token: str
+    version: int
+    names: frozenset[str]          # the checkpoint tensors it holds (whole vLLM modules)
+    stage: SharedWeights           # the staging file it was loaded from
+    reload: tuple[str, ...] = ()   # of ``names``, those the pause still reloads (CPU MoE experts)
+    facts: dict[str, Any] = field(default_factory=dict)
+
 
 class VllmApplier(EngineApplier):
     """Pauses vLLM around a commit and pushes the changed tensors of the host copy into its workers."""
@@ -234,6 +260,9 @@ class VllmApplier(EngineApplier):
             control, shared, cache_policy, packed, verify)
         # tensors whose runtime parameter a kernel reads as is: their changed elements are written in place
         self.patchable = set(patchable) if apply_mode == "auto" else set()
+        # modules re-packed beside the live ones while serving (stage), swapped in during the pause
+        self.shadows = apply_mode == "auto"
+        self._shadow: _Shadow | None = None
         self.epoch = 0                       # swaps begun; a request that saw it move crossed a swap
         self.history: list[tuple[int, int | None]] = []  # (epoch, version after it)
         self.swapping = False
@@ -271,33 +300,121 @@ class VllmApplier(EngineApplier):
         if self._to_confirm:
             self._confirm(self._to_confirm)
 
-    def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
-        """Push ``names`` into every worker from the host copy, then prove them: the changed elements of
-        tensors with an in-place target (loader/engines/vllm_patch.py), the rest reloaded as whole modules."""
-        positions = positions or {}
+    def _plan(self, names: Sequence[str], positions: dict[str, Any]) -> tuple[list[str], list[str]]:
+        """(tensors to push as whole vLLM modules, tensors to patch element-wise in place)."""
         sparse = {n for n in names if n in self.patchable and positions.get(n) is not None}
         groups = reload_groups([n for n in names if n not in sparse], list(self.shared.index), self.packed)
-        patch = sorted(sparse - set(groups))   # a tensor reloaded with its module needs no patch
+        return groups, sorted(sparse - set(groups))   # a tensor reloaded with its module needs no patch
+
+    def stage(self, prepared: Any) -> None:
+        """While serving: have every worker build the modules ``prepared`` changes, re-packed, beside the
+        live ones, and check them by samples against the staged bits; :meth:`apply` then swaps them in. Any
+        failure leaves it to the pause to reload them (logged, never raised: staging only saves pause time)."""
+        self.unstage()
+        if not self.shadows:
+            return
+        changes = {s.live_name: s.st for s in prepared.staged}
+        groups, _ = self._plan(list(changes), {n: (st.positions if st.dense is None else None)
+                                               for n, st in changes.items()})
+        if not groups:
+            return
+        t0 = time.perf_counter()
+        stage = SharedWeights.create({n: self.shared.tensors[n] for n in groups}, prefix="ckptdelta-stage-")
+        token = f"{prepared.to_version}-{uuid.uuid4().hex[:12]}"
+        try:
+            for n in groups:
+                if n in changes:
+                    changes[n].apply_(stage.tensors[n])
+            member_of = members_of(self.packed)
+            self.control.rpc("ckptdelta_stage", {
+                "path": stage.path, "names": groups, "token": token, "columns": SAMPLED_COLUMNS,
+                "modules": sorted({module_key(n, member_of) for n in groups})})
+            answers = self._staged(token)
+        except (VllmError, OSError, RuntimeError, ValueError) as e:
+            log.warning("vLLM: could not build %s beside the live weights (%s); the pause reloads them instead",
+                        _snapshot(prepared.to_version), e)
+            self._drop(token, stage)
+            return
+        why = sorted({str(a.get("why") or a.get("state")) for a in answers if a.get("state") != "ready"})
+        if why:
+            log.warning("vLLM: could not build %s beside the live weights (%s); the pause reloads them instead",
+                        _snapshot(prepared.to_version), "; ".join(why))
+            self._drop(token, stage)
+            return
+        facts = {"stage_s": time.perf_counter() - t0, "build_s": max(a.get("build_s", 0.0) for a in answers),
+                 "check_s": max(a.get("check_s", 0.0) for a in answers), "modules": answers[0].get("modules")}
+        reload = tuple(answers[0].get("deferred") or ())
+        self._shadow = _Shadow(token, prepared.to_version, frozenset(groups), stage, reload, facts)
+        log.info("vLLM: %s built beside the live weights: %d tensors in %s modules, %.2fs",
+                 _snapshot(prepared.to_version), len(groups), facts["modules"], facts["stage_s"])
+
+    def _staged(self, token: str, timeout: float = CONTROL_TIMEOUT_S) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            answers = self.control.rpc("ckptdelta_staged", {"token": token})
+            if all(a.get("state") != "building" for a in answers):
+                return answers
+            if time.monotonic() > deadline:
+                raise VllmError(f"building the shadow {token} took more than {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def _drop(self, token: str, stage: SharedWeights) -> None:
+        try:
+            self.control.rpc("ckptdelta_unstage", {"token": token})
+        except VllmError as e:
+            log.debug("vLLM: dropping shadow %s: %s", token, e)
+        stage.close()
+
+    def unstage(self) -> None:
+        """Forget a shadow that will not be swapped in (its worker side, its staging file)."""
+        shadow, self._shadow = self._shadow, None
+        if shadow is not None:
+            self._drop(shadow.token, shadow.stage)
+
+    def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
+        """Push ``names`` into every worker from the host copy, then prove them: the changed elements of
+        tensors with an in-place target (loader/engines/vllm_patch.py); the rest as whole modules, swapped in
+        from the shadow :meth:`stage` built for ``version`` while serving, else reloaded here."""
+        positions = positions or {}
+        groups, patch = self._plan(names, positions)
+        shadow, self._shadow = self._shadow, None
+        swapped = shadow is not None and shadow.version == version and shadow.names == frozenset(groups)
         t0 = time.perf_counter()
         self._to_confirm = []
-        if groups:
-            self.control.rpc("ckptdelta_reload", {"path": self.shared.path, "names": groups})
+        try:
+            if groups and swapped:
+                self.control.rpc("ckptdelta_swap", {"token": shadow.token})
+                if shadow.reload:
+                    self.control.rpc("ckptdelta_reload", {"path": self.shared.path, "names": list(shadow.reload)})
+            elif groups:
+                self.control.rpc("ckptdelta_reload", {"path": self.shared.path, "names": groups})
+        finally:
+            if shadow is not None:
+                if swapped:
+                    shadow.stage.close()
+                else:
+                    self._drop(shadow.token, shadow.stage)
         if patch:
             spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
             self.control.rpc("ckptdelta_patch", {"path": self.shared.path, "positions": self.shared.positions_path,
                                                  "spans": spans})
         t1 = time.perf_counter()
         touched = sorted(set(groups) | set(patch) | set(names))   # what was sent, and every tensor that changed
+        # a swapped-in shadow was checked (by samples) against the staged bits before the pause
+        in_pause = sorted(set(touched) - (set(groups) - set(shadow.reload))) if swapped else touched
         verified = 0
         if self.verify == "full":
             verified = self.check(touched)            # raises unless every digest matched
-        elif self.verify == "sampled":
-            verified = self.check_sampled(touched)    # raises at the first difference it sees
+        elif self.verify == "sampled" and in_pause:
+            verified = self.check_sampled(in_pause)   # raises at the first difference it sees
         # /v1/status's engine.last_swap: the replica's own word on the weights it pushed for ``version``
-        self.last = {"version": version, "reloaded_tensors": len(groups), "patched_tensors": len(patch),
+        self.last = {"version": version, "apply": ("shadow+reload" if shadow.reload else "shadow") if swapped and
+                     groups else "reload" if groups else "patch", "reloaded_tensors": len(groups), "patched_tensors": len(patch),
                      "patched_elements": int(sum(len(positions[n]) for n in patch)), "reload_s": t1 - t0,
                      "verify_s": time.perf_counter() - t1, "verify": self.verify,
                      "verified": self.verify == "full", "verified_tensors": verified if self.verify == "full" else 0}
+        if swapped and groups:
+            self.last["shadow"] = shadow.facts
         if self.verify == "sampled":
             self._to_confirm = touched
 

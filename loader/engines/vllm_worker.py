@@ -121,23 +121,78 @@ class CkptDeltaWorker:
     def ckptdelta_check(self, req: dict) -> dict[str, Any]:
         """Compare the live weights with the host copy here, in the worker; ``columns``: k random input columns
         per kernel-read matrix instead of all (the cheap check inside a pause). Returns the names that differ."""
-        from loader.engines.shared_weights import open_tensors
-        from loader.engines.vllm_readback import checkpoint_tensors
+        return _compare(self._ckptdelta_model(), req["path"], req.get("names"), req.get("columns"))
 
-        names = req.get("names")
-        kernel: set[str] = set()
-        cols: dict[str, torch.Tensor] = {}
-        live = checkpoint_tensors(self._ckptdelta_model(), names, strict=False, kernel_read=kernel,
-                                  sample_columns=req.get("columns"), columns=cols)
-        host = open_tensors(req["path"], list(live))
-        bad = []
-        for n, got in live.items():
-            want = host[n]
-            if n in kernel:
-                want, got = _kernel_views(want, got, cols.get(n))
-            if want.dtype != got.dtype or want.shape != got.shape or not _same_bits(want, got):
-                bad.append(n)
-        return {"checked": len(live), "sampled": len(cols), "mismatch": sorted(bad)}
+    @_answer
+    def ckptdelta_stage(self, req: dict) -> dict[str, Any]:
+        """Start building the next version of the named tensors' modules beside the live ones
+        (loader/engines/vllm_shadow.py), from a staging file of whole tensors, in a thread of this worker: the
+        RPC returns at once and the engine keeps generating. Poll with ``ckptdelta_staged``; its ``deferred``
+        names the tensors left to a reload inside the pause (CPU MoE experts)."""
+        from loader.engines.shared_weights import open_tensors
+        from loader.engines.vllm_moe import split_expert_tensors
+        from loader.engines.vllm_shadow import ShadowBuild, ShadowError, build_shadow
+
+        old = getattr(self, "_ckptdelta_shadow", None)
+        if old is not None and old.state == "building":
+            return {"error": f"shadow {old.token} is still being built", "where": "ckptdelta_stage"}
+        self._ckptdelta_shadow = None
+        model = self._ckptdelta_model()
+        path, names, modules, columns = req["path"], list(req["names"]), list(req["modules"]), req.get("columns")
+        config = self.model_runner.vllm_config.model_config  # type: ignore[attr-defined]
+
+        def work() -> Any:
+            # routed experts of CPU MoE layers bypass vLLM's reload (vllm_moe.py): they stay for the pause
+            tensors, experts = split_expert_tensors(model, open_tensors(path, names))
+            if not tensors:
+                raise ShadowError("only routed experts of CPU MoE layers changed; they are reloaded in the pause")
+            # the replica names every experts set "<layer>.experts" (vllm.module_key): those left to the pause
+            mine = [m for m in modules if not m.endswith(".experts") or any(n.startswith(m + ".") for n in tensors)]
+            tree = build_shadow(model, config, tensors, mine, extra=_tied_head(model, tensors),
+                                after_load=lambda root: _refresh_tied_head(root, tensors))
+            tree.deferred = sorted(n for _, named in experts for n in named)
+            return tree
+
+        def check(tree: Any) -> dict[str, Any]:
+            answer = _compare(tree.root, path, [n for n in names if n not in set(tree.deferred)], columns)
+            if answer["mismatch"]:
+                raise ShadowError(f"the shadow differs from the staged weights for {answer['mismatch'][:4]}")
+            return {"checked": answer["checked"], "sampled": answer["sampled"], "deferred": tree.deferred}
+
+        self._ckptdelta_shadow = ShadowBuild(str(req["token"]), work, check)
+        return {"token": self._ckptdelta_shadow.token, "state": "building"}
+
+    @_answer
+    def ckptdelta_staged(self, req: dict) -> dict[str, Any]:
+        """Where the shadow ``token`` stands: building, ready or failed (with why). Never waits."""
+        shadow = getattr(self, "_ckptdelta_shadow", None)
+        if shadow is None or shadow.token != str(req.get("token")):
+            return {"token": req.get("token"), "state": "missing"}
+        return shadow.answer()
+
+    @_answer
+    def ckptdelta_swap(self, req: dict) -> dict[str, Any]:
+        """Inside the pause: the live modules take the ready shadow's tensors and packed kernels."""
+        from loader.engines.vllm_shadow import swap_in
+
+        shadow = getattr(self, "_ckptdelta_shadow", None)
+        if shadow is None or shadow.token != str(req.get("token")) or shadow.state != "ready":
+            state = "missing" if shadow is None or shadow.token != str(req.get("token")) else shadow.state
+            return {"error": f"shadow {req.get('token')} is {state}, not ready", "where": "ckptdelta_swap"}
+        t0 = time.perf_counter()
+        self._ckptdelta_shadow = None
+        n = swap_in(shadow.tree)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"swapped_modules": n, "swap_s": time.perf_counter() - t0}
+
+    @_answer
+    def ckptdelta_unstage(self, req: dict) -> dict[str, Any]:
+        """Drop a shadow that will not be swapped in (a failed or abandoned hot-load)."""
+        shadow = getattr(self, "_ckptdelta_shadow", None)
+        if shadow is not None and shadow.state != "building":
+            self._ckptdelta_shadow = None
+        return {"dropped": shadow is not None and shadow.state != "building"}
 
     @_answer
     def ckptdelta_read(self, req: dict) -> dict[str, Any]:
@@ -151,6 +206,35 @@ class CkptDeltaWorker:
                                      kernel_read=kernel)
         save_file({k: v.contiguous() for k, v in tensors.items()}, req["path"])
         return {"tensors": len(tensors), "kernel_view": sorted(kernel)}
+
+
+def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns: int | None) -> dict[str, Any]:
+    """Read ``names`` back from ``model`` (the live model or a shadow of it) and compare their bits with the
+    shared file at ``path``; ``columns``: that many random input columns per kernel-read matrix."""
+    from loader.engines.shared_weights import open_tensors
+    from loader.engines.vllm_readback import checkpoint_tensors
+
+    kernel: set[str] = set()
+    cols: dict[str, torch.Tensor] = {}
+    live = checkpoint_tensors(model, names, strict=False, kernel_read=kernel, sample_columns=columns, columns=cols)
+    host = open_tensors(path, list(live))
+    bad = []
+    for n, got in live.items():
+        want = host[n]
+        if n in kernel:
+            want, got = _kernel_views(want, got, cols.get(n))
+        if want.dtype != got.dtype or want.shape != got.shape or not _same_bits(want, got):
+            bad.append(n)
+    return {"checked": len(live), "sampled": len(cols), "mismatch": sorted(bad)}
+
+
+def _tied_head(model: torch.nn.Module, tensors: dict[str, Any]) -> list[str]:
+    """``["lm_head"]`` when the head's logits kernel packs the embedding being loaded (see _refresh_tied_head)."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    if head is None or not getattr(config, "tie_word_embeddings", False):
+        return []
+    return ["lm_head"] if any(n.endswith("embed_tokens.weight") for n in tensors) else []
 
 
 def _kernel_views(host: torch.Tensor, live: torch.Tensor, cols: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
