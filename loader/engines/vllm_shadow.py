@@ -71,9 +71,23 @@ def _rebind(t: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Module) -> 
 
 
 def _meta_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of one of vLLM's restore-metadata tensors for a shadow module.
+
+    A reload of the live model leaves its metadata tensors' ``weight_loader``
+    wrapped in vLLM's ``online_process_loader`` (a closure over the *live* layer's
+    reload state). A shadow must get the original loader, or its loads would be
+    routed to the live layer's state, dropped as excess, and the shadow would
+    keep the old kernels."""
     out = torch.empty_strided(tuple(t.size()), tuple(t.stride()), dtype=t.dtype, device="meta")
     out.__class__ = t.__class__
     out.__dict__ = t.__dict__.copy()
+    for key in ("weight_loader", "_weight_loader"):   # vLLM's own parameter classes keep it behind a property
+        loader = out.__dict__.get(key)
+        while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+            loader = getattr(loader, "__wrapped__", None)
+            if loader is None:
+                raise ShadowError("vLLM's layerwise loader wrapper does not say what it wraps")
+            out.__dict__[key] = loader
     return out
 
 
