@@ -63,6 +63,10 @@ class InvalidKeyError(StorageError, ValueError):
     """A storage key is not a safe relative '/'-separated path (absolute, '..', '\\', NUL, empty segment)."""
 
 
+class StorageURLError(StorageError, ValueError):
+    """A URL no storage backend serves: an unknown protocol, a client library not installed, rejected options."""
+
+
 # --- snapshots, manifests, runs --------------------------------------------
 
 class ManifestError(DeltaError):

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -31,6 +31,7 @@ from delta.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
+    StorageURLError,
 )
 
 log = logging.getLogger("ckptdelta.storage")
@@ -60,18 +61,45 @@ _TRANSIENT_CODES = frozenset({
 })
 _MEMORY_CREATE_LOCK = threading.Lock()  # MemoryFileSystem's store is process-global
 
+#: Seconds one storage operation may take, its retries included, before it fails (docs/PUBLISHING.md).
+DEFAULT_TIMEOUT_S = 60.0
+#: Environment variable that replaces DEFAULT_TIMEOUT_S (``ckptdelta --storage-timeout`` sets it); 0: no bound.
+TIMEOUT_ENV = "CKPTDELTA_STORAGE_TIMEOUT"
+#: A transfer's time bound grows by one second per this many bytes it moves: slow big uploads are not cut off.
+_MIN_RATE = 1 << 20
+
+
+def default_timeout() -> float | None:
+    """The storage timeout in force: ``$CKPTDELTA_STORAGE_TIMEOUT`` if set (0: none), else DEFAULT_TIMEOUT_S."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise StorageError(f"${TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise StorageError(f"${TIMEOUT_ENV}={raw!r} must be >= 0 seconds (0: no bound)")
+    return None if value == 0 or math.isinf(value) else value
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with jitter for transient errors.
+    """Exponential backoff with jitter for transient errors, within a time bound.
 
     ``attempts`` counts every try, the first one included. Jitter spreads the
     replicas of a fleet that all hit the same throttled prefix at once.
+    ``timeout`` bounds the seconds one operation takes, its retries and the client
+    libraries' own retries included (None: no bound; the default comes from
+    :func:`default_timeout`): no retry starts past it, and on s3:// and gs:// a try
+    still running then is cancelled. A transfer's bound grows by one second per MiB
+    it moves, so only a stalled or unreachable store hits it.
     """
 
     attempts: int = 6
     base_delay: float = 0.1
     max_delay: float = 5.0
+    timeout: float | None = field(default_factory=default_timeout)
 
     def delay(self, attempt: int) -> float:
         """Sleep before try ``attempt + 1``: uniform in [cap/2, cap], cap doubling per try."""
@@ -242,6 +270,8 @@ class Store:
         else:
             self.backend = "other"
         self.atomic_create: bool = self.backend != "other"
+        # s3fs and gcsfs (fsspec async backends) take a per-call ``timeout`` that cancels the request
+        self._cancellable = self.backend in ("s3", "gcs") and bool(getattr(fs, "async_impl", False))
         self._max_workers = max_workers
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -258,7 +288,19 @@ class Store:
         protocol = fsspec.core.split_protocol(url)[0] or "file"
         if protocol not in ("file", "local", "memory"):
             opts.setdefault("use_listings_cache", False)
-        fs, root = fsspec.core.url_to_fs(url, **opts)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **opts)
+        except ImportError as e:   # fsspec: "Install s3fs to access S3"
+            extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(protocol)
+            how = f"pip install 'ckptdelta[{extra}]'" if extra else "install the fsspec backend for it"
+            raise StorageURLError(f"{url}: the {protocol}:// client library is not installed ({how}): {e}") from None
+        except ValueError as e:
+            if "protocol" not in str(e).lower():
+                raise StorageURLError(f"{url}: {e}") from None
+            raise StorageURLError(f"{url}: unknown storage protocol {protocol!r} (use a local path, file://, "
+                                  "s3://, gs:// or another fsspec protocol)") from None
+        except TypeError as e:     # an option the backend's constructor does not take
+            raise StorageURLError(f"{url}: the {protocol}:// backend refused the storage options: {e}") from None
         return cls(fs, root, retry=retry)
 
     def __repr__(self) -> str:
@@ -296,14 +338,21 @@ class Store:
             pool = self._pool
         return list(pool.map(fn, items))
 
-    def _run(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """Run one backend call with retries, translating errors to delta.errors."""
+    def _run(self, op: str, key: str, fn: Callable[..., T], *, nbytes: int = 0) -> T:
+        """Run one backend call with retries within the policy's time bound, translating errors to
+        delta.errors. ``fn(**kw)`` passes ``kw`` (a ``timeout`` on cancellable backends) to the fsspec call."""
         policy = self.retry
-        for attempt in range(1, max(1, policy.attempts) + 1):
+        t0 = time.monotonic()
+        bound = None if policy.timeout is None else policy.timeout + nbytes / _MIN_RATE
+        attempts = max(1, policy.attempts)
+        for attempt in range(1, attempts + 1):
             with self._lock:
                 self.stats["requests"] += 1
+            kw: dict[str, Any] = {}
+            if bound is not None and self._cancellable:
+                kw["timeout"] = max(0.1, bound - (time.monotonic() - t0))
             try:
-                return fn()
+                return fn(**kw)
             except CkptDeltaError:
                 raise
             except FileNotFoundError as e:
@@ -313,17 +362,24 @@ class Store:
             except FileExistsError as e:
                 raise ObjectExistsError(f"{op} {self.key_url(key)}: object already exists") from e
             except Exception as e:
-                cause = f"{type(e).__name__}: {e}"
+                cause = _describe(e, kw.get("timeout"))
                 if not is_transient(e):
                     raise StorageError(f"{op} {self.key_url(key)} failed: {cause}") from e
-                if attempt >= policy.attempts:
-                    raise StorageError(f"{op} {self.key_url(key)} failed after {attempt} "
-                                       f"attempts: {cause}") from e
+                elapsed = time.monotonic() - t0
                 delay = policy.delay(attempt)
+                if bound is not None and elapsed + delay >= bound:
+                    tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+                    raise StorageError(
+                        f"{op} {self.key_url(key)} failed within the {policy.timeout:g} s storage timeout "
+                        f"({tries}, last: {cause}); check the URL, the endpoint and the network, or raise the "
+                        f"bound (--storage-timeout SECONDS, ${TIMEOUT_ENV})") from e
+                if attempt >= attempts:
+                    raise StorageError(f"{op} {self.key_url(key)} failed after {attempt} "
+                                       f"attempts in {elapsed:.1f}s: {cause}") from e
                 with self._lock:
                     self.stats["retries"] += 1
-                log.warning("%s %s: transient error (attempt %d/%d), retrying in %.2fs: %s",
-                            op, self.key_url(key), attempt, policy.attempts, delay, cause)
+                log.info("%s %s: transient error (attempt %d/%d), retrying in %.2fs: %s",
+                         op, self.key_url(key), attempt, attempts, delay, cause)
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -378,16 +434,16 @@ class Store:
         if start is not None and start == end:
             self.size(key)  # an empty range still requires the object (S3 would send it all)
             return b""
-        def read() -> bytes:
+        def read(**kw: Any) -> bytes:
             stop = end
             if self.backend == "local" and stop is not None:
                 # a local read allocates the whole length asked for before reading: a range taken
                 # from a hostile manifest must not turn into a terabyte-sized buffer
                 stop = min(stop, max(start, os.path.getsize(path)))
-            return self.fs.cat_file(path, start=start, end=stop)
+            return self.fs.cat_file(path, start=start, end=stop, **kw)
 
         try:
-            data = self._run("get", key, read)
+            data = self._run("get", key, read, nbytes=0 if start is None or end is None else end - start)
         except ObjectNotFoundError:
             raise
         except StorageError:
@@ -421,8 +477,8 @@ class Store:
         """``{"size": int, "mtime": float | None}``; a 'directory' is not an object."""
         path = self._path(key)
 
-        def fn() -> dict[str, Any]:
-            info = self.fs.info(path)
+        def fn(**kw: Any) -> dict[str, Any]:
+            info = self.fs.info(path, **kw)
             if info.get("type") == "directory":
                 raise FileNotFoundError(path)
             return {"size": int(info["size"]), "mtime": _mtime(info)}
@@ -453,10 +509,10 @@ class Store:
         directory = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         dpath = f"{self.root}/{directory}".rstrip("/") if directory else self.root
 
-        def fn() -> list[str]:
+        def fn(**kw: Any) -> list[str]:
             self.fs.invalidate_cache(dpath)
             try:
-                return list(self.fs.find(dpath))
+                return list(self.fs.find(dpath, **kw))
             except FileNotFoundError:
                 return []
 
@@ -483,7 +539,7 @@ class Store:
                                                             create_only=False))
             return
         payload = bytes(data)
-        self._run("put", key, lambda: self.fs.pipe_file(path, payload))
+        self._run("put", key, lambda **kw: self.fs.pipe_file(path, payload, **kw), nbytes=len(payload))
 
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Create ``key`` or raise ObjectExistsError; see the class docstring per backend."""
@@ -491,7 +547,7 @@ class Store:
         payload = bytes(data)
         attempts = 0
 
-        def create() -> None:
+        def create(kw: dict[str, Any]) -> None:
             if self.backend == "local":
                 self._local_write(path, lambda f: f.write(payload), create_only=True)
             elif self.backend == "memory":
@@ -500,27 +556,27 @@ class Store:
                         raise FileExistsError(path)
                     self.fs.pipe_file(path, payload)
             elif self.backend == "s3":
-                self.fs.pipe_file(path, payload, mode="create")
+                self.fs.pipe_file(path, payload, mode="create", **kw)
             elif self.backend == "gcs":
                 chunksize = max(_GCS_SIMPLE_UPLOAD_MIN_CHUNK, len(payload) + 1)
-                self.fs.pipe_file(path, payload, mode="create", chunksize=chunksize)
+                self.fs.pipe_file(path, payload, mode="create", chunksize=chunksize, **kw)
             else:
-                if self.fs.exists(path):
+                if self.fs.exists(path, **kw):
                     raise FileExistsError(path)
-                self.fs.pipe_file(path, payload)
+                self.fs.pipe_file(path, payload, **kw)
 
-        def fn() -> None:
+        def fn(**kw: Any) -> None:
             nonlocal attempts
             attempts += 1
             try:
-                create()
+                create(kw)
             except FileExistsError:
                 # An earlier try of ours may have landed with its answer lost.
-                if attempts > 1 and self.fs.cat_file(path) == payload:
+                if attempts > 1 and self.fs.cat_file(path, **kw) == payload:
                     return
                 raise
 
-        self._run("put_if_absent", key, fn)
+        self._run("put_if_absent", key, fn, nbytes=len(payload))
 
     def put_file(self, key: str, local_path: str | os.PathLike[str]) -> None:
         """Upload a local file without reading it whole (multipart on S3, resumable on GCS)."""
@@ -537,10 +593,12 @@ class Store:
                     self.fs.pipe_file(path, fin.read())
             self._run("put_file", key, pipe)
         elif self.backend == "s3":
-            chunk = max(_S3_PART_SIZE, math.ceil(os.path.getsize(src) / _S3_MAX_PARTS))
-            self._run("put_file", key, lambda: self.fs.put_file(src, path, chunksize=chunk))
+            size = os.path.getsize(src)
+            chunk = max(_S3_PART_SIZE, math.ceil(size / _S3_MAX_PARTS))
+            self._run("put_file", key, lambda **kw: self.fs.put_file(src, path, chunksize=chunk, **kw), nbytes=size)
         else:
-            self._run("put_file", key, lambda: self.fs.put_file(src, path))
+            self._run("put_file", key, lambda **kw: self.fs.put_file(src, path, **kw),
+                      nbytes=os.path.getsize(src))
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys``; missing ones are ignored (deletes are retried, so must be idempotent)."""
@@ -551,15 +609,23 @@ class Store:
         if self.backend == "s3":  # batched DeleteObjects; S3 ignores missing keys itself
             for i in range(0, len(paths), 1000):
                 batch = paths[i:i + 1000]
-                self._run("delete", keys[i], lambda b=batch: self.fs.rm(b))
+                self._run("delete", keys[i], lambda b=batch, **kw: self.fs.rm(b, **kw))
             return
 
         def rm(kp: tuple[str, str]) -> None:
-            def fn() -> None:
+            def fn(**kw: Any) -> None:
                 try:
-                    self.fs.rm_file(kp[1])
+                    self.fs.rm_file(kp[1], **kw)
                 except FileNotFoundError:
                     pass
             self._run("delete", kp[0], fn)
 
         self._map(rm, list(zip(keys, paths)))
+
+
+def _describe(exc: BaseException, timeout: float | None) -> str:
+    """One line for a backend error (a cancelled call's TimeoutError says nothing by itself)."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, TimeoutError) and not text and timeout is not None:
+        text = f"no answer within {timeout:.1f} s"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
