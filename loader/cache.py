@@ -5,15 +5,25 @@ Entries are content-addressed: the key is the stored object's xxh3 and size plus
 byte range, all validated numbers, so two runs (or two buckets) holding the same
 object share entries and no key is ever built from a string a bucket controls.
 
-Several processes use one directory without locks: an entry is written to a temp
-file and published with ``os.replace`` (readers see a whole entry or none), and every
-entry carries its own xxh3, checked on each read. A damaged entry is deleted and
-reported as a miss, so the caller refetches; the caller still verifies what it gets
-against the manifest, so the cache can only cost time, never correctness.
+Several processes use one directory: an entry is written to a temp file and
+published with ``os.replace`` (readers see a whole entry or none), and every entry
+carries its own xxh3, checked on each read. A damaged entry is deleted and reported
+as a miss, so the caller refetches; the caller still verifies what it gets against
+the manifest, so the cache can only cost time, never correctness.
+
+Replicas that hot-load the same step at the same moment fetch each range once
+(single flight): a miss takes a claim on the entry (an ``flock`` on a file beside
+it) and returns None, the caller fetches and ``put`` releases the claim; a reader
+that finds the entry claimed by another process waits for it to appear, at most
+``wait_s`` seconds, then fetches it itself. A claim held by a process that died is
+free at once (the kernel drops its lock); one whose fetch failed without a ``put``
+is passed over after ``wait_s``. Claims are never taken in one process against
+another thread of the same process (the second fetches too, as without claims).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -32,6 +42,11 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 _SUBDIR = re.compile(r"[0-9a-f]{2}")
 _ENTRY = re.compile(r"[0-9a-f]{16}(-[0-9]{1,19}){3}")
 _TMP = ".tmp-"
+_CLAIM = ".tmp-claim-"   # beside the entry; a temp name, so stale ones are removed with stale temp files
+
+# entry path -> (locked claim fd, monotonic time taken): the claims this process holds, over all instances
+_CLAIMS: dict[str, tuple[int, float]] = {}
+_CLAIMS_LOCK = threading.Lock()
 
 
 class DiskCache:
@@ -39,11 +54,14 @@ class DiskCache:
 
     ``max_bytes`` bounds the directory: once writes have added about a tenth of it,
     the least recently used entries (by mtime, refreshed on every hit) are deleted
-    until the total fits. Other processes pruning the same directory is harmless."""
+    until the total fits. Other processes pruning the same directory is harmless.
+    ``wait_s``: how long a miss waits for another process fetching the same entry
+    (see the module docstring); 0 turns single flight off."""
 
-    def __init__(self, root: str, *, max_bytes: int | None = None) -> None:
+    def __init__(self, root: str, *, max_bytes: int | None = None, wait_s: float = 60.0) -> None:
         self.root = os.path.abspath(root)
         self.max_bytes = max_bytes
+        self.wait_s = float(wait_s)
         os.makedirs(self.root, exist_ok=True)
         self._lock = threading.Lock()
         self._written_since_prune = 0
@@ -59,28 +77,85 @@ class DiskCache:
         return os.path.join(self.root, obj_xxh3[:2], f"{obj_xxh3}-{obj_size}-{start}-{end}")
 
     def get(self, obj_xxh3: str, obj_size: int, start: int, end: int) -> bytes | None:
-        """The cached bytes, or None (absent or damaged; a damaged entry is removed)."""
+        """The cached bytes, or None (absent or damaged; a damaged entry is removed). A None from a miss
+        claims the entry for the caller, who is expected to ``put`` it (or ``discard`` it on failure)."""
         path = self.path(obj_xxh3, obj_size, start, end)
+        data = self._read(path, end - start)
+        if data is not None or self.wait_s <= 0:
+            return data
+        deadline = time.monotonic() + self.wait_s
+        nap = 0.002
+        while True:
+            claimed, data = self._claim(path, end - start)
+            if claimed or data is not None:
+                return data
+            if time.monotonic() >= deadline:
+                log.info("cache entry %s: still being fetched by another process after %.0f s; fetching it too",
+                         path, self.wait_s)
+                return None
+            time.sleep(nap)
+            nap = min(2 * nap, 0.05)
+            data = self._read(path, end - start)
+            if data is not None:
+                return data
+
+    def _read(self, path: str, length: int) -> bytes | None:
         try:
             with open(path, "rb") as f:
-                blob = f.read(_HEAD.size + (end - start) + 1)
+                blob = f.read(_HEAD.size + length + 1)
         except FileNotFoundError:
             return None
         except OSError as e:
             log.warning("cache entry %s unreadable (%s); treating as a miss", path, e)
             return None
-        if len(blob) == _HEAD.size + (end - start):
+        if len(blob) == _HEAD.size + length:
             magic, n, h = _HEAD.unpack_from(blob, 0)
             data = blob[_HEAD.size:]
-            if magic == _MAGIC and n == end - start and xxhash.xxh3_64_intdigest(data) == h:
+            if magic == _MAGIC and n == length and xxhash.xxh3_64_intdigest(data) == h:
                 try:
                     os.utime(path)
                 except OSError:
                     pass
                 return data
         log.warning("cache entry %s is damaged; discarding it", path)
-        self.discard(obj_xxh3, obj_size, start, end)
+        _unlink(path)
         return None
+
+    def _claim(self, path: str, length: int) -> tuple[bool, bytes | None]:
+        """(True, None): this process now holds the claim (or already did); (False, data): the entry
+        appeared; (False, None): another process holds it."""
+        with _CLAIMS_LOCK:
+            held = _CLAIMS.get(path)
+            if held is not None:
+                if time.monotonic() - held[1] < self.wait_s:
+                    return True, None          # ours already: another thread, or a try that failed
+                _CLAIMS.pop(path)             # ours but stale (a fetch that never put): take it anew
+                _drop_claim(path, held[0])
+            directory, name = os.path.split(path)
+            try:
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(os.path.join(directory, _CLAIM + name), os.O_CREAT | os.O_RDWR, 0o600)
+            except OSError as e:
+                log.warning("could not claim cache entry %s (%s); fetching without a claim", path, e)
+                return True, None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False, None
+            data = self._read(path, length)    # published between our miss and our lock?
+            if data is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+                return False, data
+            _CLAIMS[path] = (fd, time.monotonic())
+            return True, None
+
+    def _release(self, path: str) -> None:
+        with _CLAIMS_LOCK:
+            held = _CLAIMS.pop(path, None)
+            if held is not None:
+                _drop_claim(path, held[0])
 
     def put(self, obj_xxh3: str, obj_size: int, start: int, end: int, data: bytes | memoryview) -> None:
         """Store verified bytes. Failures (disk full, permissions) are logged, never raised."""
@@ -101,7 +176,9 @@ class DiskCache:
                 os.unlink(tmp)
             except OSError:
                 pass
+            self._release(path)
             return
+        self._release(path)
         if self.max_bytes is not None:
             with self._lock:
                 self._written_since_prune += len(data) + _HEAD.size
@@ -112,10 +189,9 @@ class DiskCache:
                 self.prune()
 
     def discard(self, obj_xxh3: str, obj_size: int, start: int, end: int) -> None:
-        try:
-            os.unlink(self.path(obj_xxh3, obj_size, start, end))
-        except OSError:
-            pass
+        path = self.path(obj_xxh3, obj_size, start, end)
+        _unlink(path)
+        self._release(path)
 
     def entries(self) -> list[tuple[str, int, float]]:
         """(path, size, mtime) of every entry. Only names this class writes count: temp files of writers
@@ -180,6 +256,24 @@ class DiskCache:
                             os.unlink(path)
                     except OSError:
                         pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _drop_claim(path: str, fd: int) -> None:
+    """Remove the claim file, then unlock: a waiter that locks the old file finds the entry (or none and
+    claims it; a newcomer may then claim a new file too, which costs a second fetch, never a wrong byte)."""
+    directory, name = os.path.split(path)
+    _unlink(os.path.join(directory, _CLAIM + name))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _listdir(path: str) -> list[str]:
