@@ -15,6 +15,7 @@ by decreasing element size, so every tensor starts aligned to its element size
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -29,10 +30,14 @@ from delta.codec import digest_hex
 from delta.errors import PublishInputError
 from delta.manifest import MAX_EXTRA_FILE_BYTES, MAX_EXTRA_FILES, is_safe_key
 
+log = logging.getLogger("ckptdelta.publisher")
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 #: File names an anchor directory reserves for itself (extra files may not use them).
 RESERVED_PREFIX = "model"
+#: Files of a model directory that are weights in another format: never copied as extra files.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
 
 
 def shard_file_name(index: int, total: int) -> str:
@@ -121,8 +126,58 @@ def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
                       indent=2).encode() + b"\n"
 
 
-def read_extra_files(extra: Mapping[str, str | os.PathLike[str] | bytes] | None) -> dict[str, bytes]:
-    """Extra files are read once, here: an anchor written later must not see a half-edited config."""
+def model_dir_files(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The files of a Hugging Face model directory an anchor carries, name -> path: config.json,
+    generation_config.json, the tokenizer's files, everything at its top level except weights (any format),
+    the shard index and dotfiles. ``ckptdelta publish DIR`` and ``Publisher(extra_files=DIR)`` take these."""
+    src = os.fspath(path)
+    if not os.path.isdir(src):
+        raise PublishInputError(f"extra_files={src!r}: not a directory (give a model directory, or a mapping of "
+                                "file name -> path or bytes)")
+    out = {}
+    for name in sorted(os.listdir(src)):
+        full = os.path.join(src, name)
+        if not os.path.isfile(full) or name.startswith(".") or name == INDEX_FILE:
+            continue
+        if name.endswith(WEIGHT_SUFFIXES):
+            log.info("%s: not copying %s (weights in another format)", src, name)
+        elif not is_safe_key(name):
+            log.warning("%s: not copying %s (name outside [A-Za-z0-9._-])", src, name)
+        else:
+            out[name] = full
+    return out
+
+
+def model_files(model: object) -> dict[str, bytes]:
+    """config.json (and generation_config.json) of a transformers model, as ``save_pretrained`` writes them
+    (its dtype and class recorded); {} for anything else. Duck-typed: transformers is not imported here."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return {}
+    import copy
+
+    config = copy.deepcopy(config)
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", str(dtype).split(".")[1])
+    config.architectures = [type(model).__name__]
+    out = {"config.json": config.to_json_string().encode()}
+    gen = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if gen is not None and callable(getattr(gen, "to_json_string", None)) and callable(can_generate) \
+            and can_generate():
+        out["generation_config.json"] = gen.to_json_string().encode()
+    return out
+
+
+ExtraFiles = "Mapping[str, str | os.PathLike[str] | bytes] | str | os.PathLike[str] | None"
+
+
+def read_extra_files(extra: ExtraFiles) -> dict[str, bytes]:
+    """Extra files are read once, here: an anchor written later must not see a half-edited config.
+    ``extra`` is a mapping (name -> path or bytes) or a model directory (:func:`model_dir_files`)."""
+    if isinstance(extra, (str, os.PathLike)):
+        extra = model_dir_files(extra)
     out: dict[str, bytes] = {}
     for name, src in (extra or {}).items():
         if not (isinstance(name, str) and is_safe_key(name)):
@@ -133,11 +188,15 @@ def read_extra_files(extra: Mapping[str, str | os.PathLike[str] | bytes] | None)
         if isinstance(src, (bytes, bytearray, memoryview)):
             out[name] = bytes(src)
         else:
-            if os.path.getsize(src) > MAX_EXTRA_FILE_BYTES:
-                raise PublishInputError(f"extra file {name!r} ({src}) is larger than {MAX_EXTRA_FILE_BYTES} bytes, "
-                                        "the most a reader takes: publish weights as tensors, not as extra files")
-            with open(src, "rb") as f:
-                out[name] = f.read()
+            try:
+                if os.path.getsize(src) > MAX_EXTRA_FILE_BYTES:
+                    raise PublishInputError(f"extra file {name!r} ({src}) is larger than {MAX_EXTRA_FILE_BYTES} "
+                                            "bytes, the most a reader takes: publish weights as tensors, not as "
+                                            "extra files")
+                with open(src, "rb") as f:
+                    out[name] = f.read()
+            except OSError as e:
+                raise PublishInputError(f"extra file {name!r}: cannot read {src}: {e.strerror or e}") from None
         if len(out[name]) > MAX_EXTRA_FILE_BYTES:
             raise PublishInputError(f"extra file {name!r} is larger than {MAX_EXTRA_FILE_BYTES} bytes, the most a "
                                     "reader takes")

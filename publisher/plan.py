@@ -62,6 +62,7 @@ class Plan:
     anchor_version: int
     reason: str
     data_id: str = ""       # names this attempt's data prefix (<v>-<data_id>/): no two attempts share a key
+    schema_change: str = ""  # tensor names, dtypes or shapes that differ from the previous snapshot's ('' if none)
 
 
 def decide(state: ChainState, schema: Schema, *, anchor_every: int, chain_fraction: float,
@@ -69,8 +70,10 @@ def decide(state: ChainState, schema: Schema, *, anchor_every: int, chain_fracti
     """The next snapshot's version and kind, with the reason (logged, and in PublishResult)."""
     version = 0 if state.last_version is None else state.last_version + 1
     reason = _anchor_reason(state, schema, anchor_every, chain_fraction, force_anchor, max_chain)
+    # said whatever else made this an anchor: replicas on the old tensors cannot hot-load it
+    change = describe_schema_change(state.schema, schema) if state.schema else ""
     if reason is not None:
-        return Plan(version, "anchor", state.last_version, version, reason)
+        return Plan(version, "anchor", state.last_version, version, reason, schema_change=change)
     assert state.anchor_version is not None
     return Plan(version, "delta", state.last_version, state.anchor_version, "delta against the previous snapshot")
 

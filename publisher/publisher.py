@@ -25,6 +25,7 @@ import xxhash
 
 from delta.codec import digest_hex
 from delta.errors import CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError
+from delta.hf import serving_gaps
 from delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
 from delta.storage import Store
 
@@ -76,7 +77,16 @@ class Publisher:
     Anchors are written for the first publish of a run, every ``anchor_every``
     versions, when the chain's delta bytes since the last anchor pass
     ``anchor_chain_fraction`` of that anchor's size, when tensor names, dtypes or
-    shapes change, when a delta chain would pass 128, and on ``anchor=True``.
+    shapes change, when a delta chain would pass 128, and on ``anchor=True``. A
+    change of tensor names, dtypes or shapes is logged as a warning: replicas
+    serving the old tensors cannot hot-load the new anchor (docs/PUBLISHING.md).
+
+    ``extra_files`` travel with every anchor, so a replica can load it with
+    transformers: a model directory (its config, generation config and tokenizer
+    files, what ``ckptdelta publish DIR`` takes) or a mapping of file name -> path
+    or bytes. Publishing a transformers model adds its own ``config.json`` and
+    ``generation_config.json`` when ``extra_files`` has none; the tokenizer must
+    come from ``extra_files`` (``ckptdelta serve`` refuses a snapshot without one).
 
     Sharded trainers (torch.distributed up with more than one rank, unless
     ``distributed=False``): build a Publisher on every rank (a collective call);
@@ -88,7 +98,7 @@ class Publisher:
 
     def __init__(self, url: str, *, anchor_every: int = 20, anchor_chain_fraction: float = 0.5,
                  storage_options: dict[str, Any] | None = None,
-                 extra_files: Mapping[str, str | os.PathLike[str] | bytes] | None = None,
+                 extra_files: Mapping[str, str | os.PathLike[str] | bytes] | str | os.PathLike[str] | None = None,
                  shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
                  progress: bool | None = None, context_coding: bool = True):
@@ -128,6 +138,7 @@ class Publisher:
         self._last_step: int | None = last_step
         self._spare: dict[str, torch.Tensor] = {}
         self._nan_warned: set[str] = set()
+        self._files_checked = False   # the model's own config added and serving gaps warned about (first publish)
         self._n_failures = 0
         self._attempts = 0          # publish attempts planned by this session (rank 0): each one's data prefix
         self._pending_error: BaseException | None = None
@@ -206,6 +217,8 @@ class Publisher:
             snapshot, copy_s = None, 0.0
             try:
                 step, metadata, sources = self._check_inputs(weights, step, metadata)
+                if not self._files_checked:
+                    self._check_files(weights)
                 t0 = time.perf_counter()
                 with self._lock:
                     spare, self._spare = self._spare, {}
@@ -244,6 +257,21 @@ class Publisher:
             raise PublishInputError(f"step {step} is lower than the run's last step {last} "
                                     f"(run {self.run_id} at {self.url}); steps may not go backwards")
         return step, metadata, sources
+
+    def _check_files(self, weights: Weights) -> None:
+        """First publish: take a transformers model's config where extra_files has none, and warn (once)
+        when anchors would lack what serving needs."""
+        self._files_checked = True
+        is_model = isinstance(weights, torch.nn.Module)
+        if is_model:
+            own = anchor_fmt.model_files(weights)
+            if own:
+                self._extra = {**own, **self._extra}   # one assignment: an anchor being written keeps its dict
+        gaps = serving_gaps(self._extra)
+        if gaps and (is_model or self._extra) and self._comm.rank == 0:
+            log.warning("run %s at %s: anchors will carry no %s, so `ckptdelta serve` refuses them; pass "
+                        "extra_files=MODEL_DIR (the directory the model and its tokenizer were saved to)",
+                        self.run_id, self.url, " and no ".join(gaps))
 
     def wait_until_finished(self) -> None:
         """Block until every publish in flight is committed or failed; raise the first background failure."""
@@ -424,7 +452,8 @@ class Publisher:
         t0 = time.perf_counter()
         store = self._store
         objects, entries, weight_map, extra = merge(parts)
-        stored = sum(o.size for o in objects) + sum(o.size for o in extra)
+        extra_bytes = sum(o.size for o in extra)
+        stored = sum(o.size for o in objects) + extra_bytes
         full = sum(e.nbytes for e in entries.values())
         if plan.kind == "anchor":
             if len(objects) > 1:
@@ -451,7 +480,7 @@ class Publisher:
             self._anchor_extra = extra_refs
         n_changed = sum(1 for e in entries.values() if e.object is not None)
         return {"stored": stored, "full": full, "n_changed": n_changed, "n_tensors": len(entries),
-                "commit_s": time.perf_counter() - t0}
+                "commit_s": time.perf_counter() - t0, "extra": extra_bytes}
 
     def _committed(self, plan: Plan, job: _Job, written: Written | None, outcome: dict[str, Any]) -> PublishResult:
         assert job.snapshot is not None and written is not None
@@ -463,13 +492,20 @@ class Publisher:
         r = PublishResult(
             version=plan.version, name=snapshot_name(plan.version), kind=plan.kind, parent_version=plan.parent_version,
             anchor_version=plan.anchor_version, step=job.step, stored_bytes=outcome["stored"],
-            full_bytes=outcome["full"], ratio=outcome["stored"] / max(1, outcome["full"]), copy_s=job.copy_s,
-            encode_s=written.encode_s, upload_s=written.upload_s, commit_s=outcome["commit_s"],
+            full_bytes=outcome["full"], ratio=(outcome["stored"] - outcome["extra"]) / max(1, outcome["full"]),
+            copy_s=job.copy_s, encode_s=written.encode_s, upload_s=written.upload_s, commit_s=outcome["commit_s"],
             total_s=time.perf_counter() - job.t_start, n_changed_tensors=outcome["n_changed"],
-            n_tensors=outcome["n_tensors"], reason=plan.reason)
-        log.info("published %s of run %s: %s, %d of %d tensors changed, %d bytes (%.2f%% of %d) in %.2fs (%s)",
-                 r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes, 100 * r.ratio,
-                 r.full_bytes, r.total_s, r.reason)
+            n_tensors=outcome["n_tensors"], reason=plan.reason, extra_bytes=outcome["extra"],
+            schema_change=plan.schema_change)
+        log.info("published %s of run %s: %s, %d of %d tensors changed, %d bytes (weights: %.2f%% of %d) in "
+                 "%.2fs (%s)", r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes,
+                 100 * r.ratio, r.full_bytes, r.total_s, r.reason)
+        if r.schema_change and self._comm.rank == 0:
+            log.warning("run %s: %s is an anchor with other tensors than %s (%s); every replica serving the run "
+                        "fails to hot-load it (ShapeMismatchError or HotLoadError) until it restarts on it: "
+                        "ckptdelta serve --snapshot %s (docs/PUBLISHING.md, 'Changing tensors')",
+                        self.run_id, r.name, snapshot_name(plan.parent_version) if plan.parent_version is not None
+                        else "the previous snapshot", r.schema_change, r.name)
         return r
 
 

@@ -19,7 +19,7 @@ class PublishResult:
     step: int
     stored_bytes: int          # bytes this snapshot wrote (data objects, extra files; not the manifest)
     full_bytes: int            # sum of the tensors' sizes
-    ratio: float               # stored_bytes / full_bytes: 0.017 = 1.7% of the full size
+    ratio: float               # the weights' stored bytes (stored_bytes - extra_bytes) / full_bytes: 0.017 = 1.7%
     copy_s: float              # weights -> host copy, in the caller's thread
     encode_s: float            # delta encoding, or anchor serialization (this rank)
     upload_s: float            # first upload start -> last upload end (this rank)
@@ -28,3 +28,6 @@ class PublishResult:
     n_changed_tensors: int     # tensors with bytes in this snapshot (all of them for an anchor)
     n_tensors: int
     reason: str                # why an anchor or a delta
+    extra_bytes: int = 0       # of stored_bytes, the extra files (config, tokenizer) an anchor wrote
+    schema_change: str = ""    # tensors added, removed or with a new dtype/shape since the previous snapshot:
+                               # replicas on the old tensors cannot hot-load this one (docs/PUBLISHING.md)
