@@ -113,5 +113,9 @@ class PolicyVersionTimeoutError(HotLoadTimeoutError):
     """Replicas kept answering 408 (below the request's min_policy_version) past the ready timeout."""
 
 
+class NotServableError(CkptDeltaError, ValueError):
+    """A snapshot or model directory lacks what serving needs (config.json, a tokenizer, weights)."""
+
+
 class ReplicaError(CkptDeltaError, RuntimeError):
     """A replica refused a request or could not be reached; the message names the replica and its answer."""

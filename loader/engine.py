@@ -434,15 +434,22 @@ def build_engine(*, bucket: str | None = None, snapshot: str | int = "latest", m
     stays bf16) and the scratch directory is removed: the swapper then knows the
     exact version it serves. From ``model_dir`` the version is unknown (None);
     with a bucket too, the first hot-load goes through an anchor
-    (HotSwapper.load_initial). Returns (engine, reader or None)."""
+    (HotSwapper.load_initial). Returns (engine, reader or None).
+
+    What serving needs is checked first (loader/servable.py): the device, and
+    config.json and a tokenizer in the directory or the snapshot's anchor."""
     import shutil
     import tempfile
 
     from loader.hotswap import HotSwapper
     from loader.reader import SnapshotReader
+    from loader.servable import check_device, check_model_dir, check_snapshot
 
     if bucket is None and model_dir is None:
         raise ValueError("serve needs --bucket URL, --model DIR, or both")
+    check_device(device)
+    if model_dir is not None:
+        check_model_dir(model_dir)
     reader = SnapshotReader(bucket, storage_options=storage_options, cache_dir=cache_dir) if bucket else None
     version = None
     if model_dir is not None:
@@ -450,6 +457,7 @@ def build_engine(*, bucket: str | None = None, snapshot: str | int = "latest", m
         name = model_name or os.path.basename(os.path.normpath(model_dir))
     else:
         version = reader.resolve(snapshot)
+        check_snapshot(reader, version)
         if cache_dir:
             os.makedirs(cache_dir, exist_ok=True)
         scratch = tempfile.mkdtemp(prefix="ckptdelta-serve-", dir=cache_dir)
