@@ -1,19 +1,18 @@
 """The ``ckptdelta`` command: one entry point whose subcommands live beside the code they drive.
 
 publisher/ and loader/ each register their own subcommands, so this module only
-assembles the parser, sets up logging and turns ckptdelta errors into one-line
-messages with exit status 1 (a traceback is for bugs, not for a wrong URL).
+assembles the parser and sets up logging; every command reports through
+ckptdelta/console.py: a usage error is one line and exit status 2, a failure one
+line and exit status 1, a traceback only with -v (it is for bugs, not for a wrong URL).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from delta.errors import CkptDeltaError
-
 from . import __version__
+from .console import CommandParser, guarded, set_up_logging, usage_error
 
 DESCRIPTION = """\
 Ship bit-exact policy weights from an RL trainer to its sampling replicas as small
@@ -23,6 +22,8 @@ trainer side:   publish, ls, gc
 replica side:   serve, hotload, materialize, verify
 inspection:     inspect
 """
+
+COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "materialize", "verify", "inspect")
 
 EPILOG = """\
 examples:
@@ -35,6 +36,7 @@ examples:
 
 Credentials and endpoints for s3:// and gs:// come from the usual places (environment,
 config files) or --storage-options '{"client_kwargs": {"endpoint_url": "..."}}'.
+Errors are one line (exit 2: a usage error, 1: a failure); -v adds the traceback.
 """
 
 
@@ -45,16 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import inspect_cmd
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="ckptdelta", description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ckptdelta {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging and tracebacks of errors (-vv: debug, storage clients' logs too)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     publisher_cli.add_commands(sub)
     loader_serve_cli.add_commands(sub)
     loader_read_cli.add_commands(sub)
     inspect_cmd.add_commands(sub)
+    for p in sub.choices.values():  # -v after the command too (SUPPRESS: it adds to the count before it)
+        p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                       help="more logging and the traceback of an error (-vv: debug)")
     return parser
 
 
@@ -68,20 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         argv, passthrough = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     args.passthrough = passthrough
-    if passthrough and getattr(args, "command", None) != "serve":
-        parser.error(f"arguments after '--' ({' '.join(passthrough[:3])} ...) are only for 'serve --engine vllm'")
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command = getattr(args, "command", None)
+    if passthrough and command != "serve":
+        return usage_error(command or "", f"arguments after '--' ({' '.join(passthrough[:3])} ...) are only "
+                                          "for 'serve --engine vllm'")
+    set_up_logging(args.verbose)
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except CkptDeltaError as e:
-        print(f"ckptdelta {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        return usage_error("", f"give a command: {', '.join(COMMANDS)}")
+    return guarded(args.func, command)(args)   # each command is guarded already; this catches what is not
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from delta import container, record
 from delta.codec import EncodedTensor
 from delta.errors import ObjectNotFoundError, StorageError
 
+from .console import guarded
+
 
 def add_commands(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("inspect", help="describe a delta object (.ckd) file: tensors, encodings, sizes",
@@ -17,7 +19,7 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
                                    "and encoded size. Every checksum is verified.")
     p.add_argument("path", help="a .ckd delta object on the local filesystem")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
+    p.set_defaults(func=guarded(run, "inspect"))
 
 
 def run(args: argparse.Namespace) -> int:

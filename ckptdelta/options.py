@@ -3,16 +3,20 @@
 One definition, so ``publish``, ``ls``, ``gc``, ``serve``, ``materialize`` and
 ``verify`` take the same flags (docs/PUBLISHING.md): ``--storage-options JSON``
 and repeatable ``--storage-option K=V`` (dotted keys nest, values parse as JSON
-when they can), merged in that order.
+when they can), merged in that order; and ``--storage-timeout SECONDS``, the most
+one storage operation may take, its retries included (delta.storage.RetryPolicy).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from delta.errors import CkptDeltaError
+from delta.storage import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 
 class UsageError(CkptDeltaError, ValueError):
@@ -24,6 +28,30 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
                    help='fsspec options as a JSON object, e.g. \'{"anon": true}\'')
     p.add_argument("--storage-option", action="append", default=[], metavar="K=V",
                    help="one fsspec option (repeatable; dotted keys nest: client_kwargs.endpoint_url=...)")
+    p.add_argument("--storage-timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"fail a storage operation that has not succeeded after this long, retries included "
+                        f"(default: {DEFAULT_TIMEOUT_S:g}, or ${TIMEOUT_ENV} when set; 0: no bound)")
+
+
+@contextmanager
+def storage_timeout(args: argparse.Namespace) -> Iterator[None]:
+    """While a command runs, every Store it opens uses ``--storage-timeout`` (through $CKPTDELTA_STORAGE_TIMEOUT,
+    which is what delta.storage reads: engines open their own stores)."""
+    value = getattr(args, "storage_timeout", None)
+    if value is None:
+        yield
+        return
+    if not value >= 0:
+        raise UsageError(f"--storage-timeout {value:g}: must be >= 0 seconds (0: no bound)")
+    old = os.environ.get(TIMEOUT_ENV)
+    os.environ[TIMEOUT_ENV] = repr(float(value))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(TIMEOUT_ENV, None)
+        else:
+            os.environ[TIMEOUT_ENV] = old
 
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -10,7 +10,8 @@ import socket
 import sys
 from typing import Any
 
-from ckptdelta.options import add_storage_args, storage_options
+from ckptdelta.console import guarded, usage_error
+from ckptdelta.options import UsageError, add_storage_args, storage_options
 from delta.errors import CkptDeltaError
 
 log = logging.getLogger("ckptdelta.server")
@@ -27,15 +28,17 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--bucket", help="the run's URL (local dir, s3://, gs://, any fsspec URL)")
     p.add_argument("--snapshot", default="latest", help="snapshot to start from (default: latest)")
     p.add_argument("--model", metavar="DIR", help="start from this HF model directory instead (version unknown)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--replica-id", default=None, help="name in engine_data and /v1/status (default: host:port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $CKPTDELTA_API_KEY)")
     add_storage_args(p)
     p.add_argument("--cache-dir", default=None, help="local cache for fetched objects and materialized snapshots")
-    p.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda, cuda:1...)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device for the model of the reference engine (cpu, cuda, cuda:1...; default: cpu)")
     p.add_argument("--cache-policy", choices=["recompute", "keep"], default="recompute",
-                   help="what in-flight requests do with their KV cache after a swap (docs/SERVING.md)")
+                   help="what in-flight requests do with their KV cache after a swap (default: recompute; "
+                        "docs/SERVING.md)")
     p.add_argument("--model-name", default=None, help="the 'model' field of responses")
     v = p.add_argument_group("vLLM engine (--engine vllm)")
     v.add_argument("--attach", metavar="URL", default=None,
@@ -53,7 +56,7 @@ def add_commands(subparsers: Any) -> None:
                         "(more host memory while a hot-load prepares: docs/SERVING.md); reload: reload every "
                         "changed tensor's module inside the pause")
     v.add_argument("--vllm-log", default=None, metavar="PATH", help="where the started vLLM server logs")
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=guarded(cmd_serve, "serve"))
 
     h = subparsers.add_parser(
         "hotload", help="ask a replica to hot-load a snapshot",
@@ -61,10 +64,11 @@ def add_commands(subparsers: Any) -> None:
                     "accepted, without --wait), 1 when it FAILED or was refused.")
     h.add_argument("replica_url", metavar="REPLICA_URL")
     h.add_argument("snapshot", metavar="SNAPSHOT", help="'latest', a snapshot name (v00000042) or a version")
-    h.add_argument("--wait", action="store_true", help="wait until READY or FAILED")
+    h.add_argument("--wait", action="store_true",
+                   help="wait for the replica to answer (it may be starting), then until READY or FAILED")
     h.add_argument("--api-key", default=None, help="bearer key (default: $CKPTDELTA_API_KEY)")
     h.add_argument("--timeout", type=float, default=600.0, help="seconds to wait with --wait (default 600)")
-    h.set_defaults(func=cmd_hotload)
+    h.set_defaults(func=guarded(cmd_hotload, "hotload"))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -82,9 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif not args.bucket and not args.model:
         usage = "give --bucket URL (a run to serve and hot-load), --model DIR (fixed weights), or both"
     if usage:
-        print(f"ckptdelta serve: error: {usage} (see ckptdelta serve --help)", file=sys.stderr)
-        return 2
-    engine = build_engine(args.engine, bucket=args.bucket, snapshot=args.snapshot, model_dir=args.model,
+        return usage_error("serve", usage)
+    snapshot = _check_before_loading(args)
+    engine = build_engine(args.engine, bucket=args.bucket, snapshot=snapshot, model_dir=args.model,
                           storage_options=storage_options(args), cache_dir=args.cache_dir, device=args.device,
                           cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,
                           verify=args.verify, apply_mode=args.apply_mode, vllm_args=passthrough,
@@ -101,17 +105,72 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_before_loading(args: argparse.Namespace) -> "str | int":
+    """What can fail in seconds fails before minutes of download and load (loader/servable.py): the device,
+    the port, the model directory or the snapshot's config and tokenizer. Returns the snapshot to serve,
+    resolved, so the engine serves the version checked."""
+    from .reader import SnapshotReader
+    from .servable import check_device, check_model_dir, check_snapshot
+
+    if args.engine == "reference":
+        try:
+            check_device(args.device)
+        except ValueError as e:
+            if isinstance(e, CkptDeltaError):
+                raise
+            raise UsageError(str(e)) from None
+    try:
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (pick another --port or "
+                      "--host)") from None
+    if args.model:
+        check_model_dir(args.model)
+        return args.snapshot
+    reader = SnapshotReader(args.bucket, storage_options=storage_options(args))
+    try:
+        version = reader.resolve(args.snapshot)
+        check_snapshot(reader, version)
+    finally:
+        reader.store.close()
+    return version
+
+
+def _wait_until_up(url: str, timeout: float) -> None:
+    """Until something answers HTTP at ``url`` (a replica started a moment ago is still loading its model)."""
+    import time
+
+    import httpx
+
+    from delta.errors import ReplicaError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            httpx.get(url.rstrip("/") + "/health", timeout=5.0)
+            return
+        except (httpx.ConnectError, httpx.TimeoutException) as e:
+            if time.monotonic() > deadline:
+                raise ReplicaError(f"replica {url} did not answer within {timeout:g}s: {e}") from None
+            time.sleep(0.25)
+
+
 def cmd_hotload(args: argparse.Namespace) -> int:
     from .client import RolloutClient
 
     snapshot: str | int = int(args.snapshot) if args.snapshot.isdigit() else args.snapshot
     api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
+    if args.wait:
+        _wait_until_up(args.replica_url, args.timeout)
     with RolloutClient([args.replica_url], api_key=api_key) as client:
         try:
             states = client.hotload(snapshot, wait=args.wait, timeout=args.timeout)
         except CkptDeltaError as e:  # FAILED, refused, timeout: the replica's own answer is the useful part
-            print(json.dumps(getattr(e, "states", {}), indent=2))
-            print(f"ckptdelta hotload: {e}", file=sys.stderr)
+            states = getattr(e, "states", None)
+            if states:
+                print(json.dumps(states, indent=2))
+            print(f"ckptdelta hotload: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 1
     print(json.dumps(states, indent=2))
     return 0 if all(s.get("state") in ("READY", "PREPARING", "SWAPPING") for s in states.values()) else 1

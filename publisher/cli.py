@@ -12,16 +12,16 @@ import argparse
 import json
 import logging
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 from delta.errors import CkptDeltaError, PublishInputError, SnapshotNotFoundError
-from delta.manifest import RUN_KEY, is_safe_key
+from delta.manifest import RUN_KEY
 from delta.storage import Store
 
-from ckptdelta.options import add_storage_args, storage_options
+from ckptdelta.console import guarded
+from ckptdelta.options import UsageError, add_storage_args, storage_options
 
 from . import anchor as anchor_fmt
 from .gc import collect
@@ -30,8 +30,17 @@ from .runs import committed_versions, read_manifest, read_run_info
 
 log = logging.getLogger("ckptdelta.publisher")
 
-#: Files of a model directory that are weights in another format: never copied as extra files.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+    return parse
 
 
 def add_commands(subparsers: "argparse._SubParsersAction") -> None:
@@ -42,51 +51,46 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
                     "files, generation_config.json) travel with anchors.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("url", metavar="URL")
-    p.add_argument("--step", type=int, required=True, help="the trainer step of these weights")
+    p.add_argument("--step", type=_count(0), required=True, help="the trainer step of these weights")
     p.add_argument("--anchor", action="store_true", help="write a full anchor whatever the policy says")
     p.add_argument("--metadata", action="append", default=[], metavar="K=V", help="string metadata (repeatable)")
-    p.add_argument("--anchor-every", type=int, default=20, metavar="N", help="anchor every N versions (20)")
-    p.add_argument("--shard-bytes", type=int, default=5 * 2**30, metavar="B", help="anchor shard size (5 GiB)")
+    p.add_argument("--anchor-every", type=_count(1), default=20, metavar="N",
+                   help="anchor every N versions (default: 20)")
+    p.add_argument("--shard-bytes", type=_count(1), default=5 * 2**30, metavar="B",
+                   help="anchor shard size (default: 5 GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_storage_args(p)
-    p.set_defaults(func=_guarded(cmd_publish, "publish"))
+    p.set_defaults(func=guarded(cmd_publish, "publish"))
 
     p = subparsers.add_parser("ls", help="list a run's committed snapshots",
-                              description="One row per committed snapshot of the run at URL.")
+                              description="One row per committed snapshot of the run at URL: the bytes its "
+                                          "weights take in the bucket, its extra files (an anchor's config and "
+                                          "tokenizer) apart, and the weights' ratio to their full size.")
     p.add_argument("url", metavar="URL")
     p.add_argument("--json", action="store_true", help="print a JSON list")
     add_storage_args(p)
-    p.set_defaults(func=_guarded(cmd_ls, "ls"))
+    p.set_defaults(func=guarded(cmd_ls, "ls"))
 
     p = subparsers.add_parser(
         "gc", help="delete old snapshots and debris of failed publishes",
         description="Keep the last K anchors and every snapshot after the oldest of them; delete older manifests, "
                     "their data, and unreferenced objects older than the grace period.")
     p.add_argument("url", metavar="URL")
-    p.add_argument("--keep-anchors", type=int, default=2, metavar="K")
+    p.add_argument("--keep-anchors", type=_count(1), default=2, metavar="K",
+                   help="keep the newest K anchors and every snapshot after the oldest of them (default: 2)")
     p.add_argument("--grace-seconds", type=float, default=3600, metavar="S",
-                   help="keep unreferenced objects younger than this (a publish may be in flight)")
+                   help="keep unreferenced objects younger than this, since a publish may be in flight "
+                        "(default: 3600)")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_storage_args(p)
-    p.set_defaults(func=_guarded(cmd_gc, "gc"))
-
-
-def _guarded(fn: Callable[[argparse.Namespace], int], name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except CkptDeltaError as e:
-            print(f"ckptdelta {name}: error: {e}", file=sys.stderr)
-            return 1
-    run.__name__ = fn.__name__
-    return run
+    p.set_defaults(func=guarded(cmd_gc, "gc"))
 
 
 def _split_kv(item: str, flag: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise PublishInputError(f"{flag} takes K=V, got {item!r}")
+        raise UsageError(f"{flag} takes K=V, got {item!r}")
     return key, value
 
 
@@ -116,18 +120,7 @@ def load_source(src: str) -> tuple[dict[str, Any], dict[str, str]]:
             if k in tensors:
                 raise PublishInputError(f"{src}: tensor {k!r} appears in more than one shard")
             tensors[k] = v
-    extra = {}
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if not os.path.isfile(path) or name.startswith(".") or name == anchor_fmt.INDEX_FILE:
-            continue
-        if name.endswith(_WEIGHT_SUFFIXES):
-            log.info("%s: not copying %s (weights in another format)", src, name)
-        elif not is_safe_key(name):
-            log.warning("%s: not copying %s (name outside [A-Za-z0-9._-])", src, name)
-        else:
-            extra[name] = path
-    return tensors, extra
+    return tensors, anchor_fmt.model_dir_files(src)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -139,8 +132,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run_id": pub.run_id, **_result_dict(r)}))
     else:
-        print(f"{r.name} ({r.kind}, step {r.step}): {r.stored_bytes} bytes stored of {r.full_bytes} "
-              f"({100 * r.ratio:.2f}%), {r.n_changed_tensors}/{r.n_tensors} tensors changed, {r.total_s:.2f}s")
+        extra = f" + {_human(r.extra_bytes)} extra files" if r.extra_bytes else ""
+        print(f"{r.name} ({r.kind}, step {r.step}): weights {_human(r.stored_bytes - r.extra_bytes)} stored of "
+              f"{_human(r.full_bytes)} ({100 * r.ratio:.2f}%){extra}, {r.n_changed_tensors}/{r.n_tensors} tensors "
+              f"changed, {r.total_s:.2f}s ({r.reason})")
     return 0
 
 
@@ -165,9 +160,11 @@ def list_snapshots(url: str, storage_options: dict[str, Any] | None = None) -> l
                 m = read_manifest(store, v, run_id)
             except CkptDeltaError as e:
                 return {"version": v, "name": f"v{v:08d}", "error": str(e)}
+            weights = min(m.stored_bytes, sum(o.size for o in m.objects))   # shards (+ index) or delta objects
             return {"version": m.version, "name": m.name, "kind": m.kind, "parent": m.parent_version,
                     "anchor": m.anchor_version, "step": m.step, "stored_bytes": m.stored_bytes,
-                    "full_bytes": m.full_bytes, "ratio": m.stored_bytes / max(1, m.full_bytes),
+                    "weights_bytes": weights, "extra_bytes": m.stored_bytes - weights,
+                    "full_bytes": m.full_bytes, "ratio": weights / max(1, m.full_bytes),
                     "tensors": len(m.tensors), "created": m.created}
 
         with ThreadPoolExecutor(min(16, max(1, len(versions)))) as pool:
@@ -179,16 +176,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'version':>8} {'name':<10} {'kind':<7} {'parent':>7} {'step':>8} {'stored':>12} {'full':>12} "
-          f"{'ratio':>8}  created")
+    print(f"{'version':>8} {'name':<10} {'kind':<7} {'parent':>7} {'step':>8} {'weights':>11} {'full':>11} "
+          f"{'ratio':>8} {'extra files':>11}  created")
     for r in rows:
         if "error" in r:
             print(f"{r['version']:>8} {r['name']:<10} unreadable: {r['error']}")
             continue
         parent = "-" if r["parent"] is None else r["parent"]
         step = "-" if r["step"] is None else r["step"]
-        print(f"{r['version']:>8} {r['name']:<10} {r['kind']:<7} {parent:>7} {step:>8} {_human(r['stored_bytes']):>12} "
-              f"{_human(r['full_bytes']):>12} {100 * r['ratio']:>7.2f}%  {r['created']}")
+        extra = _human(r["extra_bytes"]) if r["extra_bytes"] else "-"
+        print(f"{r['version']:>8} {r['name']:<10} {r['kind']:<7} {parent:>7} {step:>8} "
+              f"{_human(r['weights_bytes']):>11} {_human(r['full_bytes']):>11} {100 * r['ratio']:>7.2f}% "
+              f"{extra:>11}  {r['created']}")
     return 0
 
 

@@ -113,5 +113,5 @@ def test_every_command_that_reaches_a_bucket_takes_the_same_storage_flags(tmp_pa
     args = build_parser().parse_args(["serve", "--bucket", url, "--storage-option", "client_kwargs.region=x"])
     from ckptdelta.options import storage_options
     assert storage_options(args) == {"client_kwargs": {"region": "x"}}
-    assert main(["verify", url, "--storage-option", "novalue"]) == 1
+    assert main(["verify", url, "--storage-option", "novalue"]) == 2   # a usage error
     assert "K=V" in capsys.readouterr().err

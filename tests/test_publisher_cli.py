@@ -92,7 +92,7 @@ def test_cli_errors_are_one_line_and_exit_1(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("ckptdelta publish: error:") and "step 4" in err and err.count("\n") == 1
     assert run_cli(["publish", str(tmp_path / "missing"), url, "--step", "6"]) == 1
-    assert run_cli(["ls", url, "--storage-options", "[1]"]) == 1
+    assert run_cli(["ls", url, "--storage-options", "[1]"]) == 2   # a usage error
 
 
 def test_storage_option_flags_nest_and_parse_json_values():
