@@ -98,7 +98,9 @@ class HotLoadManager:
 
         Raises SnapshotNotFoundError for a snapshot the run lacks and
         HotLoadConflictError while a hot-load to another version runs."""
-        target = self.reader.resolve(ref)  # storage I/O: outside the lock
+        # storage I/O, outside the lock; fresh: a snapshot gc deleted, or a run deleted and published again,
+        # is refused here (404) instead of failing later on objects its cached manifests still name
+        target = self.reader.resolve(ref, fresh=True)
         requested = str(ref)
         with self._lock:
             run = self._running

@@ -11,10 +11,8 @@ header and chunk checksums and, once applied, the digest of the tensor it yields
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -25,11 +23,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import xxhash
 
-from delta import EncodedTensor, digest, digest_hex
+from delta import EncodedTensor
 from delta.errors import (ChecksumError, DeltaError, ManifestError, ObjectNotFoundError, RunMismatchError,
                           SnapshotNotFoundError)
 from delta.manifest import (ANCHOR_DIR, DELTA_DIR, HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES,
-                            RUN_KEY, Head, Manifest, ObjectRef, RunInfo, TensorEntry, manifest_key, snapshot_name,
+                            RUN_KEY, Head, Manifest, ObjectRef, RunInfo, manifest_key, snapshot_name,
                             version_of_manifest_key)
 from delta.storage import Store
 
@@ -41,11 +39,7 @@ log = logging.getLogger("ckptdelta.loader")
 
 #: Bytes of pieces fetched per batch; one more batch is fetched while the last one decodes.
 BATCH_BYTES = 256 << 20
-#: Whole objects are hashed in reads of this size (verify never holds a shard in memory).
-VERIFY_READ_BYTES = 64 << 20
 MAX_CHAIN = 1 << 20
-#: safetensors' own cap on a file's JSON header.
-MAX_SAFETENSORS_HEADER = 100 << 20
 #: Manifests kept in memory (least recently used dropped first); a chain rarely exceeds a few hundred.
 MANIFEST_CACHE = 1024
 
@@ -70,7 +64,13 @@ class VerifyReport:
 
 
 class SnapshotReader:
-    """One run's snapshots, read-only. Thread-safe; manifests are cached (they never change once committed)."""
+    """One run's snapshots, read-only. Thread-safe; manifests are cached (they never change once committed).
+
+    The cache belongs to the run the reader opened (its RUN.json) and to snapshots
+    that still exist: ``resolve(ref, fresh=True)`` (what a replica's hot-load asks)
+    re-reads RUN.json and the snapshot's manifest key, so a snapshot gc deleted, or a
+    run deleted and published again (a new RUN.json), is SnapshotNotFoundError rather
+    than a hot-load planned from manifests that describe objects no longer there."""
 
     def __init__(self, url: str, *, storage_options: dict | None = None, cache_dir: str | None = None,
                  run_id: str | None = None) -> None:
@@ -79,6 +79,7 @@ class SnapshotReader:
         self.cache = DiskCache(cache_dir) if cache_dir else None
         self._expected_run_id = run_id
         self._run_id: str | None = None
+        self._run_info: RunInfo | None = None
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._lock = threading.Lock()
         self.stats: dict[str, int] = {"bytes_fetched": 0, "requests": 0, "cache_hits": 0}
@@ -99,8 +100,30 @@ class SnapshotReader:
             info = RunInfo.from_json(data, what=self.store.key_url(RUN_KEY))
             if self._expected_run_id is not None and info.run_id != self._expected_run_id:
                 raise RunMismatchError(f"{self.url} holds run {info.run_id!r}, expected run {self._expected_run_id!r}")
-            self._run_id = info.run_id
+            self._run_info, self._run_id = info, info.run_id
         return self._run_id
+
+    def check_run(self) -> None:
+        """Raise SnapshotNotFoundError, and drop every cached manifest, if the run this reader opened is no longer
+        the one at its URL: RUN.json deleted, or written anew (the run deleted and published again)."""
+        rid = self.run_id
+        opened = self._run_info
+        try:
+            data = self._get(RUN_KEY, max_size=MAX_HEAD_BYTES)
+        except ObjectNotFoundError:
+            self._forget()
+            raise SnapshotNotFoundError(f"run {rid!r} at {self.url} is gone ({RUN_KEY} was deleted): its "
+                                        "snapshots no longer exist") from None
+        info = RunInfo.from_json(data, what=self.store.key_url(RUN_KEY))
+        if opened is not None and info != opened:
+            self._forget()
+            raise SnapshotNotFoundError(
+                f"run {rid!r} at {self.url} was deleted and the URL now holds run {info.run_id!r} (created "
+                f"{info.created}): the snapshots of run {rid!r} no longer exist; restart on the new run")
+
+    def _forget(self) -> None:
+        with self._lock:
+            self._manifests.clear()
 
     def versions(self) -> list[int]:
         """Committed versions, ascending (a manifest is the commit)."""
@@ -143,10 +166,15 @@ class SnapshotReader:
             return u
         raise damaged
 
-    def resolve(self, ref: "str | int") -> int:
-        """A version from "latest", a version number, a snapshot name ("v00000042") or a decimal string."""
+    def resolve(self, ref: "str | int", *, fresh: bool = False) -> int:
+        """A version from "latest", a version number, a snapshot name ("v00000042") or a decimal string.
+
+        ``fresh``: also confirm against the store, not the cache, that the run is still the one this reader
+        opened (:meth:`check_run`) and that the snapshot's manifest still exists (gc may have deleted it)."""
         if isinstance(ref, bool) or not isinstance(ref, (int, str)):
             raise SnapshotNotFoundError(f"not a snapshot reference: {ref!r}")
+        if fresh:
+            self.check_run()
         if isinstance(ref, str):
             if ref == "latest":
                 return self.latest()
@@ -162,6 +190,13 @@ class SnapshotReader:
             v = ref
         if not 0 <= v < 1 << 62:
             raise SnapshotNotFoundError(f"no snapshot with version {v} in {self.url}")
+        if fresh and not self.store.exists(manifest_key(v)):
+            self._count(requests=1)
+            with self._lock:
+                known = self._manifests.pop(v, None) is not None
+            raise SnapshotNotFoundError(f"no committed snapshot {snapshot_name(v)} (version {v}) in run "
+                                        f"{self.run_id!r} at {self.url}" + (" any more (deleted, by gc?)" if known
+                                                                           else ""))
         self._manifest(v)
         return v
 
@@ -238,45 +273,14 @@ class SnapshotReader:
         from .materialize import write_checkpoint
         return write_checkpoint(self, self.resolve(ref), out_dir, progress=progress)
 
-    def verify(self, ref: "str | int | None" = None) -> VerifyReport:
-        """Check every object and every tensor of every version on the chain (default: latest).
+    def verify(self, ref: "str | int | None" = None, *, progress: bool | None = None) -> VerifyReport:
+        """Check every object and every tensor of every version on the chain (default: latest), reading each
+        object once (loader/verify.py); a progress bar with ``progress`` (default: when stderr is a terminal).
 
         Reads the store directly, never the cache. Raises the first failure
         (:class:`ChecksumError` and friends) naming the object, tensor and snapshot."""
-        t0 = time.perf_counter()
-        before = self.stats["bytes_fetched"]
-        v = self.resolve("latest" if ref is None else ref)
-        chain = self.chain(v)
-        head = self._head_record()
-        objects: dict[str, ObjectRef] = {}
-        listed_by: dict[str, Manifest] = {}
-        for m in chain:
-            key = manifest_key(m.version)
-            raw = self._get(key, max_size=MAX_MANIFEST_BYTES)
-            if head is not None and head.version == m.version and _xxh(raw) != head.manifest_xxh3:
-                raise ChecksumError(f"manifest {self.store.key_url(key)}: hashes to {_xxh(raw)}, "
-                                    f"the head pointer says {head.manifest_xxh3}")
-            if Manifest.from_json(raw, what=f"manifest {self.store.key_url(key)}", run_id=self.run_id) != m:
-                raise ChecksumError(f"manifest {self.store.key_url(key)} changed since this reader first read it")
-            for o in (*m.objects, *m.extra_files):
-                if o.key in objects and objects[o.key] != o:
-                    raise ManifestError(f"{m.where()}: object {o.key} is listed with a different size or digest "
-                                        "by another manifest of the chain")
-                objects[o.key] = o
-                listed_by.setdefault(o.key, m)
-        for o in objects.values():
-            self._verify_object(o, listed_by[o.key])
-        for m in chain:
-            if m.kind == "anchor":
-                self._verify_anchor_names(m)
-        n_tensors = self._verify_tensors(chain)
-        damaged = ()
-        if ref is None or ref == "latest":     # latest skipped damaged newer manifests: say which
-            damaged = tuple(self.store.key_url(manifest_key(u)) for u in self.versions() if u > v)
-            for key in damaged:
-                log.warning("verify: manifest %s is unreadable; latest is %s", key, snapshot_name(v))
-        return VerifyReport(v, snapshot_name(v), [m.version for m in chain], len(objects), n_tensors,
-                            self.stats["bytes_fetched"] - before, time.perf_counter() - t0, damaged)
+        from .verify import verify
+        return verify(self, ref, progress=progress)
 
     # --- fetching (also used by loader.hotswap) -----------------------------------
 
@@ -434,75 +438,6 @@ class SnapshotReader:
                 self._manifests.popitem(last=False)
         return m
 
-    def _verify_object(self, o: ObjectRef, m: Manifest) -> None:
-        try:
-            size = self.store.size(o.key)
-        except ObjectNotFoundError as e:   # a damaged key in the manifest, or a lost object: say which lists it
-            raise ObjectNotFoundError(f"object {o.key}, listed by {m.where()}, is not in the store ({e})") from None
-        self._count(requests=1)
-        if size != o.size:
-            raise ChecksumError(f"object {o.key}: {size} bytes in the store, its manifest says {o.size}")
-        h = xxhash.xxh3_64()
-        for s in range(0, o.size, VERIFY_READ_BYTES):
-            e = min(o.size, s + VERIFY_READ_BYTES)
-            data = self._get(o.key, (s, e))
-            if len(data) != e - s:
-                raise ChecksumError(f"object {o.key}: read {len(data)} bytes at offset {s}, expected {e - s}")
-            h.update(data)
-        if h.hexdigest() != o.xxh3:
-            raise ChecksumError(f"object {o.key}: content hashes to {h.hexdigest()}, its manifest says {o.xxh3}")
-
-    def _verify_anchor_names(self, m: Manifest) -> None:
-        """Each shard's safetensors header must hold exactly the tensors the manifest places in it, with the
-        same names, dtypes, shapes and byte ranges. Digests bind an anchor tensor's bits to its entry;
-        only this binds the entry's name (a damaged manifest could otherwise rename a tensor unnoticed).
-        Runs after the shard's own xxh3 was checked, so the header is the published one."""
-        placed: dict[int, dict[str, TensorEntry]] = {}
-        for name, e in m.tensors.items():
-            placed.setdefault(e.object, {})[name] = e
-        for i, o in enumerate(m.objects):
-            if not o.key.endswith(".safetensors"):
-                continue  # the shard index
-            (n,) = struct.unpack("<Q", self._get(o.key, (0, 8)).ljust(8, b"\xff"))
-            if n > min(o.size - 8, MAX_SAFETENSORS_HEADER):
-                raise ChecksumError(f"{m.where()}: shard {o.key} declares a {n}-byte header in {o.size} bytes")
-            try:
-                header = json.loads(self._get(o.key, (8, 8 + n)))
-                layout = {k: (v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0],
-                              v["data_offsets"][1] - v["data_offsets"][0])
-                          for k, v in header.items() if k != "__metadata__"}
-            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-                raise ChecksumError(f"{m.where()}: shard {o.key} has an unreadable safetensors header ({e})") from None
-            want = {k: (e.dtype, tuple(e.shape), e.offset, e.length) for k, e in placed.get(i, {}).items()}
-            if layout != want:
-                diff = sorted(k for k in set(layout) | set(want) if layout.get(k) != want.get(k))
-                raise ChecksumError(f"{m.where()}: shard {o.key} does not hold what its manifest says about "
-                                    f"tensors {', '.join(map(repr, diff[:5]))} (a damaged manifest?)")
-
-    def _verify_tensors(self, chain: list[Manifest]) -> int:
-        """Rebuild every tensor at every version of the chain, checking each version's digest."""
-        names = sorted({n for m in chain for n in m.tensors})
-        groups = []
-        for n in names:
-            groups.append([Piece(m, n) for m in chain if n in m.tensors and m.tensors[n].object is not None])
-        checked = 0
-        for gi, values in self.iter_fetched(groups, use_cache=False):
-            name = names[gi]
-            by_version = {p.manifest.version: v for p, v in zip(groups[gi], values)}
-            t: torch.Tensor | None = None
-            for m in chain:
-                e = m.tensors.get(name)
-                if e is None:
-                    t = None
-                    continue
-                if e.object is not None:
-                    t = rebuild([Piece(m, name)], [by_version[m.version]], base=t)
-                if t is None or digest_hex(digest(t)) != e.xxh3:
-                    raise ChecksumError(f"tensor {name!r} of {m.where()}: rebuilt tensor does not match "
-                                        f"the manifest digest {e.xxh3}")
-                checked += 1
-        return checked
-
 
 # --- helpers shared with loader.hotswap and loader.materialize ----------------------------
 
@@ -510,7 +445,12 @@ def select_names(m: Manifest, names: Names) -> list[str]:
     if names is None:
         return sorted(m.tensors)
     if callable(names):
-        return [n for n in sorted(m.tensors) if names(n)]
+        out = [n for n in sorted(m.tensors) if names(n)]
+        if not out and m.tensors:
+            sample = sorted(m.tensors)
+            log.warning("%s: the names filter matched none of its %d tensors (they are named like %s)", m.where(),
+                        len(sample), ", ".join(repr(n) for n in sample[:: max(1, len(sample) // 3)][:3]))
+        return out
     if isinstance(names, str):
         names = [names]
     out = list(dict.fromkeys(names))

@@ -288,6 +288,30 @@ def test_verify_passes_on_a_good_run(run):
                                       for v in (4, 5, 6))
 
 
+def test_verify_reads_each_object_of_the_chain_once_and_shows_progress(run, monkeypatch, capsys):
+    """Regression (issue 15, item 7): verify read the chain twice (every object whole for its digest, then every
+    tensor again to rebuild it). Bytes are counted where they leave fsspec, below the code under test."""
+    reader = SnapshotReader(run.url)
+    real = reader.store.fs.cat_file
+    read: dict[str, int] = {}
+
+    def counting(path, start=None, end=None, **kw):
+        data = real(path, start=start, end=end, **kw)
+        read[path] = read.get(path, 0) + len(data)
+        return data
+
+    monkeypatch.setattr(reader.store.fs, "cat_file", counting)
+    rep = reader.verify(6, progress=True)
+    objects = {o.key: o.size for v in (4, 5, 6) for o in (*run.manifests[v].objects, *run.manifests[v].extra_files)}
+    assert len(objects) == rep.objects_checked and any(k.endswith(".safetensors") for k in objects)
+    by_key = {p[len(reader.store.root) + 1:]: n for p, n in read.items()}
+    assert {k: by_key.get(k) for k in objects} == objects        # each object's bytes exactly once
+    others = {k: n for k, n in by_key.items() if k not in objects}
+    assert set(others) <= {"RUN.json", "HEAD", *(manifest_key(v) for v in (4, 5, 6))}
+    assert rep.bytes_read == sum(by_key.values())
+    assert "verify v00000006" in capsys.readouterr().err         # tqdm, asked for; off when not a terminal
+
+
 def test_verify_catches_a_flipped_byte_in_an_anchor_shard(run):
     key = run.manifests[4].objects[1].key
     flip_byte(run.store, key, run.store.size(key) // 2)
@@ -350,11 +374,11 @@ def test_cli_materialize_and_verify(run, tmp_path, capsys):
     assert "ok: v00000006" in capsys.readouterr().out
     assert cli_read.main(["verify", run.url, "../etc"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error:") and err.count("\n") == 1
+    assert err.startswith("ckptdelta verify: error:") and err.count("\n") == 1
     flip_byte(run.store, run.manifests[6].objects[0].key, 30)
     assert cli_read.main(["verify", run.url, "6"]) == 1
-    assert "error:" in capsys.readouterr().err
-    assert cli_read.main(["materialize", run.url, "1", out, "--storage-options", "[1]"]) == 1
+    assert "ckptdelta verify: error:" in capsys.readouterr().err
+    assert cli_read.main(["materialize", run.url, "1", out, "--storage-options", "[1]"]) == 2   # a usage error
 
 
 def test_trajectory_really_changes_and_keeps_tensors():

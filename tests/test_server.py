@@ -306,6 +306,41 @@ def test_start_from_hf_directory_then_first_hotload_goes_through_an_anchor(start
     assert rep.status()["policy_version"] == 2
 
 
+def test_a_snapshot_gc_deleted_or_of_a_deleted_run_is_404_not_a_failed_hotload(start_replica, lm_dir, tmp_path):
+    """Regression (issue 15, item 8): manifests cached by the replica outlived their snapshots. After gc
+    removed v0-v3, a hot-load of v2 was accepted (202) and FAILED on a missing anchor; after the run was
+    deleted and published again (a new run id), hot-loads FAILED with ObjectNotFoundError or a
+    ShapeMismatchError taken from the deleted run's manifests. Both are 404 snapshot_not_found now."""
+    import shutil
+
+    from publisher import Publisher, collect
+    from tests.lm import hf_extra_files, rl_step
+
+    url = str(tmp_path / "bucket" / "run")
+    weights = load_model(lm_dir)[0].state_dict()
+    with Publisher(url, anchor_every=2, extra_files=hf_extra_files(lm_dir), progress=False) as pub:
+        for step in range(6):                     # anchors 0, 2, 4; deltas 1, 3, 5
+            pub.publish(weights, step)
+            weights = rl_step(weights, seed=step)
+    rep = start_replica(3, bucket=url)            # its reader holds the manifests of v2 and v3
+    assert collect(url, keep_anchors=1, grace_seconds=0).deleted_versions == (0, 1, 2, 3)
+    r = rep.post("/v1/hotload", {"snapshot": 2})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "snapshot_not_found", r.text
+    assert "v00000002" in r.json()["error"]["message"] and "deleted" in r.json()["error"]["message"]
+    assert rep.hotload(5)["state"] == "READY"     # what gc kept still loads
+
+    shutil.rmtree(url)                            # the run deleted, then published again: another run id
+    with Publisher(url, extra_files=hf_extra_files(lm_dir), progress=False) as pub:
+        for step in range(4):
+            pub.publish({k: v.float() if k.endswith("norm.weight") else v for k, v in weights.items()}, step)
+    for snapshot in (0, 3, "latest"):
+        r = rep.post("/v1/hotload", {"snapshot": snapshot})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "snapshot_not_found", (snapshot, r.text)
+        assert "no longer exist" in r.json()["error"]["message"]
+    assert rep.status()["policy_version"] == 5 and rep.status()["last_hotload"]["state"] == "READY"
+    rep.complete(max_tokens=2)
+
+
 def test_min_policy_version_above_the_served_one_is_408(start_replica):
     rep = start_replica(1)
     r = rep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "min_policy_version": 2})

@@ -1,0 +1,352 @@
+"""Check a snapshot's whole chain, reading each stored object once (``SnapshotReader.verify``).
+
+Every object of the chain (anchor shards and index, delta objects, extra files) is
+read whole, in order, and hashed against its manifest entry, and the same bytes
+rebuild every tensor at every version of the chain, each version's digest checked.
+Delta objects are read first and kept (in memory up to ``SPOOL_MEMORY_BYTES``, in
+a temporary directory beyond: the anchor policy keeps a chain under about half an
+anchor); then each anchor shard streams through once: its safetensors header is
+checked against the manifest, and each tensor, as soon as its bytes have passed, is
+rebuilt through the deltas and checked. Memory: a read or two plus the tensors
+being rebuilt, whatever the model's size.
+
+Failures keep their order of priority: bytes that do not hash to their object's
+digest are reported before what they would mean (a shard's remaining bytes are
+hashed even once one of its tensors failed), a shard's header before its tensors.
+This module is the reader's own: it reads through the reader's counted accessors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import xxhash
+
+from delta import digest, digest_hex
+from delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
+from delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
+
+from .pieces import Piece, check_piece, check_piece_size, rebuild
+
+if TYPE_CHECKING:
+    import torch
+
+    from .reader import SnapshotReader, VerifyReport
+
+#: Objects are read in requests of this size (verify never holds a whole shard in memory).
+READ_BYTES = 64 << 20
+#: Delta objects kept in memory for the rebuild up to this total; the rest goes to a temporary directory.
+SPOOL_MEMORY_BYTES = 64 << 20
+#: safetensors' own cap on a file's JSON header.
+MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
+           progress: bool | None = None) -> "VerifyReport":
+    from tqdm import tqdm
+
+    from .reader import VerifyReport, _xxh
+
+    t0 = time.perf_counter()
+    before = reader.stats["bytes_fetched"]
+    v = reader.resolve("latest" if ref is None else ref)
+    chain = reader.chain(v)
+    head = reader._head_record()
+    objects: dict[str, ObjectRef] = {}
+    listed_by: dict[str, Manifest] = {}
+    for m in chain:
+        key = manifest_key(m.version)
+        raw = reader._get(key, max_size=MAX_MANIFEST_BYTES)
+        if head is not None and head.version == m.version and _xxh(raw) != head.manifest_xxh3:
+            raise ChecksumError(f"manifest {reader.store.key_url(key)}: hashes to {_xxh(raw)}, "
+                                f"the head pointer says {head.manifest_xxh3}")
+        if Manifest.from_json(raw, what=f"manifest {reader.store.key_url(key)}", run_id=reader.run_id) != m:
+            raise ChecksumError(f"manifest {reader.store.key_url(key)} changed since this reader first read it")
+        for o in (*m.objects, *m.extra_files):
+            if o.key in objects and objects[o.key] != o:
+                raise ManifestError(f"{m.where()}: object {o.key} is listed with a different size or digest "
+                                    "by another manifest of the chain")
+            objects[o.key] = o
+            listed_by.setdefault(o.key, m)
+    anchor = chain[0]
+    shards = [i for i, o in enumerate(anchor.objects) if o.key.endswith(".safetensors")]
+    shard_keys = {anchor.objects[i].key for i in shards}
+    delta_keys = {o.key for m in chain[1:] for o in m.objects}
+    show = sys.stderr.isatty() if progress is None else progress
+    checker = _TensorChecker(chain)
+    with _Spool() as spool, tqdm(total=sum(o.size for o in objects.values()), unit="B", unit_scale=True,
+                                 disable=not show, desc=f"verify {snapshot_name(v)}") as bar:
+        checker.spool = spool
+        for key, o in objects.items():       # everything but the shards: hashed, and the deltas kept
+            if key not in shard_keys:
+                sink = spool.open(key, o.size) if key in delta_keys else None
+                _read_whole(reader, o, listed_by[key], bar, sink)
+        for i in shards:
+            _stream_shard(reader, anchor, i, bar, checker.check)
+        for name in checker.names:           # tensors the anchor lacks (added by a delta)
+            if name not in anchor.tensors:
+                checker.check(name, None)
+    damaged = ()
+    if ref is None or ref == "latest":     # latest skipped damaged newer manifests: say which
+        damaged = tuple(reader.store.key_url(manifest_key(u)) for u in reader.versions() if u > v)
+        for key in damaged:
+            _log().warning("verify: manifest %s is unreadable; latest is %s", key, snapshot_name(v))
+    return VerifyReport(v, snapshot_name(v), [m.version for m in chain], len(objects), checker.checked,
+                        reader.stats["bytes_fetched"] - before, time.perf_counter() - t0, damaged)
+
+
+def _log():
+    import logging
+    return logging.getLogger("ckptdelta.loader")
+
+
+class _TensorChecker:
+    """Rebuild one tensor at every version of the chain from its anchor bytes and the spooled deltas."""
+
+    def __init__(self, chain: list[Manifest]) -> None:
+        self.chain = chain
+        self.names = sorted({n for m in chain for n in m.tensors})
+        self.checked = 0
+        self.spool: _Spool | None = None
+
+    def check(self, name: str, anchor_data: bytes | None) -> None:
+        t: "torch.Tensor | None" = None
+        for m in self.chain:
+            e = m.tensors.get(name)
+            if e is None:
+                t = None
+                continue
+            if e.object is not None:
+                p = Piece(m, name)
+                check_piece_size(p)
+                if not p.is_record:
+                    assert anchor_data is not None
+                    value = check_piece(p, anchor_data)
+                else:
+                    assert self.spool is not None
+                    value = check_piece(p, self.spool.read(p.obj.key, p.start, p.end))
+                t = rebuild([p], [value], base=t)
+            if t is None or digest_hex(digest(t)) != e.xxh3:
+                raise ChecksumError(f"tensor {name!r} of {m.where()}: rebuilt tensor does not match "
+                                    f"the manifest digest {e.xxh3}")
+            self.checked += 1
+
+
+def _size(reader: "SnapshotReader", o: ObjectRef, m: Manifest) -> None:
+    try:
+        size = reader.store.size(o.key)
+    except ObjectNotFoundError as e:   # a damaged key in the manifest, or a lost object: say which lists it
+        raise ObjectNotFoundError(f"object {o.key}, listed by {m.where()}, is not in the store ({e})") from None
+    reader._count(requests=1)
+    if size != o.size:
+        raise ChecksumError(f"object {o.key}: {size} bytes in the store, its manifest says {o.size}")
+
+
+def _chunks(reader: "SnapshotReader", o: ObjectRef) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of ``o`` in order, the next read in flight while the caller works on this one."""
+    spans = [(s, min(o.size, s + READ_BYTES)) for s in range(0, o.size, READ_BYTES)]
+    if not spans:
+        return
+
+    def get(span: tuple[int, int]) -> bytes:
+        data = reader._get(o.key, span)
+        if len(data) != span[1] - span[0]:
+            raise ChecksumError(f"object {o.key}: read {len(data)} bytes at offset {span[0]}, "
+                                f"expected {span[1] - span[0]}")
+        return data
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-verify") as ex:
+        fut = ex.submit(get, spans[0])
+        for i, span in enumerate(spans):
+            data = fut.result()
+            if i + 1 < len(spans):
+                fut = ex.submit(get, spans[i + 1])
+            yield span[0], data
+
+
+def _hash_mismatch(o: ObjectRef, h: "xxhash.xxh3_64") -> ChecksumError | None:
+    if h.hexdigest() != o.xxh3:
+        return ChecksumError(f"object {o.key}: content hashes to {h.hexdigest()}, its manifest says {o.xxh3}")
+    return None
+
+
+def _read_whole(reader: "SnapshotReader", o: ObjectRef, m: Manifest, bar, sink: "_Sink | None") -> None:
+    _size(reader, o, m)
+    h = xxhash.xxh3_64()
+    for _s, data in _chunks(reader, o):
+        h.update(data)
+        if sink is not None:
+            sink.write(data)
+        bar.update(len(data))
+    if sink is not None:
+        sink.close()
+    err = _hash_mismatch(o, h)
+    if err is not None:
+        raise err
+
+
+def _stream_shard(reader: "SnapshotReader", m: Manifest, index: int, bar,
+                  on_tensor: Callable[[str, bytes], None]) -> None:
+    """Hash shard ``index`` of anchor ``m`` in one pass; check its header; hand each tensor's bytes on."""
+    o = m.objects[index]
+    _size(reader, o, m)
+    placed = {name: e for name, e in m.tensors.items() if e.object == index}
+    problem = _overlaps(m, o, placed)          # a damaged manifest: hash the shard, then say so
+    order = sorted(placed, key=lambda n: (placed[n].offset, n))
+    nxt = 0
+    active: dict[str, bytearray] = {}
+    prefix = bytearray()                      # the 8-byte length, then the JSON header
+    header_len: int | None = None
+    header_done = False
+    failure: CkptDeltaError | None = None
+    h = xxhash.xxh3_64()
+    for s, data in _chunks(reader, o):
+        h.update(data)
+        bar.update(len(data))
+        e_ = s + len(data)
+        while not header_done and len(prefix) < e_:
+            want = 8 if header_len is None else 8 + header_len
+            pos = len(prefix)
+            prefix += data[pos - s: min(want, e_) - s]
+            if header_len is None and len(prefix) >= 8:
+                (header_len,) = struct.unpack("<Q", bytes(prefix[:8]))
+                if header_len > min(o.size - 8, MAX_SAFETENSORS_HEADER):
+                    problem = problem or (f"{m.where()}: shard {o.key} declares a {header_len}-byte header in "
+                                          f"{o.size} bytes")
+                    header_done = True
+            elif header_len is not None and len(prefix) >= 8 + header_len:
+                header_done = True
+                problem = problem or _header_problem(m, o, bytes(prefix[8:]), placed)
+                prefix = bytearray()
+        if problem is not None or failure is not None or not header_done:
+            continue
+        while nxt < len(order) and placed[order[nxt]].offset < e_:
+            active[order[nxt]] = bytearray()
+            nxt += 1
+        for name in list(active):
+            ent = placed[name]
+            buf = active[name]
+            lo = ent.offset + len(buf)
+            hi = min(ent.offset + ent.length, e_)
+            if lo < hi:
+                buf += data[lo - s: hi - s]
+            if len(buf) == ent.length:
+                del active[name]
+                try:
+                    on_tensor(name, bytes(buf))
+                except CkptDeltaError as err:   # reported once the shard's own hash is known
+                    failure = err
+                    active.clear()
+                    break
+    err = _hash_mismatch(o, h)
+    if err is not None:
+        raise err
+    if not header_done:
+        problem = problem or f"{m.where()}: shard {o.key} ends inside its safetensors header ({o.size} bytes)"
+    if problem is not None:
+        raise ChecksumError(problem)
+    if failure is not None:
+        raise failure
+    if active or nxt < len(order):             # only if the object ended early, which its size check rules out
+        raise ChecksumError(f"{m.where()}: shard {o.key} ended before tensor {next(iter(active), order[nxt])!r}")
+
+
+def _overlaps(m: Manifest, o: ObjectRef, placed: dict[str, TensorEntry]) -> str | None:
+    """The manifest's ranges in a shard must lie inside it without overlapping (as safetensors requires)."""
+    end, prev = 0, None
+    for name in sorted(placed, key=lambda n: (placed[n].offset, n)):
+        e = placed[name]
+        check_piece_size(Piece(m, name))
+        if e.offset < end or e.offset + e.length > o.size:
+            return (f"{m.where()}: shard {o.key} does not hold what its manifest says about tensors "
+                    f"{prev!r}, {name!r} (ranges overlap or pass the end: a damaged manifest?)")
+        end, prev = e.offset + e.length, name
+    return None
+
+
+def _header_problem(m: Manifest, o: ObjectRef, raw: bytes, placed: dict[str, TensorEntry]) -> str | None:
+    """Each shard's safetensors header must hold exactly the tensors the manifest places in it, with the same
+    names, dtypes, shapes and byte ranges. Digests bind an anchor tensor's bits to its entry; only this binds the
+    entry's name (a damaged manifest could otherwise rename a tensor unnoticed)."""
+    n = len(raw)
+    try:
+        header = json.loads(raw)
+        layout = {k: (v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0],
+                      v["data_offsets"][1] - v["data_offsets"][0])
+                  for k, v in header.items() if k != "__metadata__"}
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        return f"{m.where()}: shard {o.key} has an unreadable safetensors header ({e})"
+    want = {k: (e.dtype, tuple(e.shape), e.offset, e.length) for k, e in placed.items()}
+    if layout != want:
+        diff = sorted(k for k in set(layout) | set(want) if layout.get(k) != want.get(k))
+        return (f"{m.where()}: shard {o.key} does not hold what its manifest says about "
+                f"tensors {', '.join(map(repr, diff[:5]))} (a damaged manifest?)")
+    return None
+
+
+# --- the delta objects, kept for the rebuild -------------------------------------------------------
+
+class _Sink:
+    def __init__(self, spool: "_Spool", key: str, size: int) -> None:
+        self.spool, self.key = spool, key
+        if spool.in_memory + size <= SPOOL_MEMORY_BYTES:
+            spool.in_memory += size
+            self.buf: bytearray | None = bytearray()
+            self.f = None
+        else:
+            self.buf = None
+            self.f = open(os.path.join(spool.directory(), f"{len(spool.files)}.bin"), "wb")
+
+    def write(self, data: bytes) -> None:
+        if self.buf is not None:
+            self.buf += data
+        else:
+            self.f.write(data)
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.spool.memory[self.key] = bytes(self.buf)
+        else:
+            self.f.close()
+            self.spool.files[self.key] = self.f.name
+
+
+class _Spool:
+    """Objects kept for the rebuild, by key: small ones in memory, the rest in a temporary directory."""
+
+    def __init__(self) -> None:
+        self.memory: dict[str, bytes] = {}
+        self.files: dict[str, str] = {}
+        self.in_memory = 0
+        self._dir: str | None = None
+
+    def directory(self) -> str:
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="ckptdelta-verify-")
+        return self._dir
+
+    def open(self, key: str, size: int) -> _Sink:
+        return _Sink(self, key, size)
+
+    def read(self, key: str, start: int, end: int) -> bytes:
+        if key in self.memory:
+            return self.memory[key][start:end]
+        with open(self.files[key], "rb") as f:   # a key not kept: the manifest names an object it does not list
+            f.seek(start)
+            return f.read(end - start)
+
+    def __enter__(self) -> "_Spool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.memory.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
