@@ -156,3 +156,25 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, task: AdditionTask, 
         text = tokenizer.decode(out, skip_special_tokens=True)
         ok += task.reward(text, "stop" if out[-1] == EOS else "length", answer) == 1.0
     return ok / n
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.rl_task DIR``: the demo's tiny Llama (random weights, bf16) and its tokenizer,
+    saved as a Hugging Face model directory, for trying ckptdelta without a model at hand (README.md)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.rl_task", description=main.__doc__)
+    p.add_argument("out_dir", metavar="DIR")
+    p.add_argument("--size", choices=sorted(MODEL_SIZES), default="small", help="default: small (188k parameters)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer), args.size, seed=args.seed).to(torch.bfloat16)
+    save_model_dir(model, tokenizer, args.out_dir)
+    n = sum(t.numel() for t in model.parameters())
+    print(f"saved a {n // 1000}k-parameter Llama and its tokenizer to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
