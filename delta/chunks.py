@@ -92,6 +92,9 @@ def _unzstd(frame: bytes | memoryview, expected: int, where: str) -> bytes:
     return out
 
 
+_UNCHANGED_ENTRY = ChunkEntry(UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b""))
+
+
 def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int = DEFAULT_LEVEL,
                  context: bool = True) -> tuple[ChunkEntry, bytes]:
     """Pick the smallest encoding for one chunk. ``old``/``new`` are the chunk's bits.
@@ -102,10 +105,10 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
     if old is None:
         payload = _compressor(level).compress(kernels.to_planes(new, dt.itemsize))
         return _entry(RAW, 0, dt.itemsize, n, payload), payload
-    changed = kernels.count_changed(old, new)
+    ctx = ctxcoder.encode_ctx(old, new, dt) if context else None    # its scan counts the changes
+    changed = kernels.count_changed(old, new) if ctx is None else ctx.sparse_parts[0].shape[0]
     if changed == 0:
-        return ChunkEntry(UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b"")), b""
-    ctx = ctxcoder.encode_ctx(old, new, dt, changed) if context else None
+        return _UNCHANGED_ENTRY, b""
     if ctx is not None and ctx.beats_sparse:
         best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx.payload), ctx.payload
     else:

@@ -1,7 +1,7 @@
 """The ctx encoder (chunk encoding 4): numba kernels from a chunk's parent and new bits to a payload.
 
 Passes: :func:`_scan` goes once over the chunk (class sizes; every change with its
-class, class-local rank and step); :func:`_unchanged_events` goes again only when a
+class, class-local rank and step; it also counts them); :func:`_unchanged_events` goes again only when a
 mostly-changed class is worth coding by its unchanged elements; everything else is
 work per change: models (:func:`_position_models`, :func:`_step_models`), gaps, and
 :func:`_assemble`, which writes the class table and both bit streams in the order
@@ -134,98 +134,84 @@ def _flag_model(n_items, n_set):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
-            cpos, ccls, crank, csign, ca, kcls, j):
-    """Record element ``i`` (changed) at slot ``j``; its rank is the class count after the
-    group of four minus the group's later elements of the same class."""
-    o = U64(old[i])
-    c = np.int64(o >> U64(mbits)) & cmask
-    v = U64(new[i])
+def _change(a, b, sh, wb, mb, cmask, signbit, mask, later, h, i, j, cpos, ccls, crank, csign, ca):
+    """Record the changed element held at bit ``sh`` of words ``a`` (parent) and ``b`` (new) as
+    change ``j``: position ``i``, class, class-local rank (the class count after the element's
+    group of four, minus the group's later elements of its class), sign and magnitude - 1."""
+    o = (a >> sh) & mask
+    v = (b >> sh) & mask
+    c = np.int64((o >> mb) & cmask)
     d = (key(v, signbit, mask) - key(o, signbit, mask)) & mask
     up = U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
     u = up * ((d << U64(1)) - U64(1)) + (U64(1) - up) * ((mask - d) << U64(1))
     cpos[j] = i
     ccls[j] = c
-    crank[j] = h0[c] + h1[c] + h2[c] + h3[c] - 1 - later
+    crank[j] = h[0, c] + h[1, c] + h[2, c] + h[3, c] - 1 - later
     csign[j] = np.uint8(u & U64(1))
     ca[j] = np.int32(u >> U64(1))
-    kcls[c] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _later(a, k, wb, mb, cmask, c):
+    """How many elements after lane ``k`` of group word ``a`` have class ``c``."""
+    n = 0
+    for k2 in range(k + 1, 4):
+        n += np.int64(((a >> (U64(k2) * wb + mb)) & cmask) == U64(c))
+    return n
 
 
 @njit(cache=True, nogil=True)
-def _scan(old, new, old4, new4, count, width_bits, mbits, C, signbit, mask):
+def _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask):
     """Class sizes, changes per class, and every change: position, class, class-local rank,
-    sign and magnitude - 1 of its step. Four histogram banks (element i counts in bank
-    i % 4) keep consecutive elements of one class from serialising on one counter.
+    sign and magnitude - 1 of its step; one pass, which also counts the changes.
+
     ``old4``/``new4`` are the first ``4 * len(old4)`` elements as one word per four
-    (uint64 for 16-bit dtypes, uint32 for 8-bit ones, little-endian as the elements).
-    Returns arrays of length 0 for the changes when ``count`` is wrong."""
+    (uint64 for 16-bit dtypes, uint32 for 8-bit ones, little-endian as the elements):
+    one compare finds the (rare) changed groups. Element ``4g + k`` counts in histogram
+    bank ``k``, so consecutive elements of one class do not serialise on one counter.
+    The change arrays are allocated for every element (only the pages written are
+    touched) and returned cut to the changes found."""
     n = old.shape[0]
-    cmask = C - 1
-    h0 = np.zeros(C, np.int64)
-    h1 = np.zeros(C, np.int64)
-    h2 = np.zeros(C, np.int64)
-    h3 = np.zeros(C, np.int64)
-    kcls = np.zeros(C, np.int64)
-    cpos = np.empty(count, np.int32)     # chunks hold at most 2**24 elements
-    ccls = np.empty(count, np.int32)
-    crank = np.empty(count, np.int32)
-    ca = np.empty(count, np.int32)       # magnitude - 1 (< 2**15: widths 8 and 16)
-    csign = np.empty(count, np.uint8)    # 1: the key goes up
-    bad = np.empty(0, np.int32)
+    cm = U64(C - 1)
+    h = np.zeros((4, C), np.int32)
+    cpos = np.empty(n, np.int32)     # chunks hold at most 2**24 elements
+    ccls = np.empty(n, np.int32)
+    crank = np.empty(n, np.int32)
+    ca = np.empty(n, np.int32)       # magnitude - 1 (< 2**15: widths 8 and 16)
+    csign = np.empty(n, np.uint8)    # 1: the key goes up
     j = 0
-    n4 = 4 * old4.shape[0]
     wb = U64(width_bits)
+    mb = U64(mbits)
     for g in range(old4.shape[0]):
-        # a group of four elements is one word: one compare finds the (rare) changed groups
         a = U64(old4[g])
-        c0 = np.int64(a >> U64(mbits)) & cmask
-        c1 = np.int64(a >> (wb + U64(mbits))) & cmask
-        c2 = np.int64(a >> (U64(2) * wb + U64(mbits))) & cmask
-        c3 = np.int64(a >> (U64(3) * wb + U64(mbits))) & cmask
-        h0[c0] += 1
-        h1[c1] += 1
-        h2[c2] += 1
-        h3[c3] += 1
-        if old4[g] != new4[g]:
-            i = 4 * g
-            x0 = old[i] != new[i]
-            x1 = old[i + 1] != new[i + 1]
-            x2 = old[i + 2] != new[i + 2]
-            x3 = old[i + 3] != new[i + 3]
-            if j + x0 + x1 + x2 + x3 > count:
-                return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
-            if x0:
-                later = np.int64(c1 == c0) + np.int64(c2 == c0) + np.int64(c3 == c0)
-                _change(old, new, i, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
-                        cpos, ccls, crank, csign, ca, kcls, j)
-                j += 1
-            if x1:
-                later = np.int64(c2 == c1) + np.int64(c3 == c1)
-                _change(old, new, i + 1, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
-                        cpos, ccls, crank, csign, ca, kcls, j)
-                j += 1
-            if x2:
-                later = np.int64(c3 == c2)
-                _change(old, new, i + 2, mbits, cmask, h0, h1, h2, h3, later, signbit, mask,
-                        cpos, ccls, crank, csign, ca, kcls, j)
-                j += 1
-            if x3:
-                _change(old, new, i + 3, mbits, cmask, h0, h1, h2, h3, 0, signbit, mask,
-                        cpos, ccls, crank, csign, ca, kcls, j)
-                j += 1
-    for i in range(n4, n):
-        c = np.int64(U64(old[i]) >> U64(mbits)) & cmask
-        h0[c] += 1
-        if old[i] != new[i]:
-            if j >= count:
-                return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
-            _change(old, new, i, mbits, cmask, h0, h1, h2, h3, 0, signbit, mask,
-                    cpos, ccls, crank, csign, ca, kcls, j)
+        b = U64(new4[g])
+        h[0, (a >> mb) & cm] += 1
+        h[1, (a >> (wb + mb)) & cm] += 1
+        h[2, (a >> (U64(2) * wb + mb)) & cm] += 1
+        h[3, (a >> (U64(3) * wb + mb)) & cm] += 1
+        if a != b:
+            x = a ^ b
+            for k in range(4):
+                sh = U64(k) * wb
+                if (x >> sh) & mask:
+                    c = np.int64(((a >> sh) >> mb) & cm)
+                    _change(a, b, sh, wb, mb, cm, signbit, mask, _later(a, k, wb, mb, cm, c), h,
+                            4 * g + k, j, cpos, ccls, crank, csign, ca)
+                    j += 1
+    for i in range(4 * old4.shape[0], n):
+        a = U64(old[i])
+        b = U64(new[i])
+        h[0, (a >> mb) & cm] += 1
+        if a != b:
+            _change(a, b, U64(0), wb, mb, cm, signbit, mask, 0, h, i, j, cpos, ccls, crank, csign, ca)
             j += 1
-    if j != count:
-        return h0, kcls, bad, bad, bad, np.empty(0, np.uint8), bad
-    return h0 + h1 + h2 + h3, kcls, cpos, ccls, crank, csign, ca
+    ncls = np.zeros(C, np.int64)
+    for c in range(C):
+        ncls[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+    kcls = np.zeros(C, np.int64)
+    for t in range(j):
+        kcls[ccls[t]] += 1
+    return ncls, kcls, cpos[:j], ccls[:j], crank[:j], csign[:j], ca[:j]
 
 
 @njit(cache=True, nogil=True)
@@ -261,35 +247,54 @@ def _position_models(ncls, kcls, count):
     return pmode, ppol, pj, ucount
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _unchanged_one(o, v, c, i, cnt, upos, ucls, urank, t):
+    r = cnt[c]
+    cnt[c] = r + 1
+    upos[t] = i
+    ucls[t] = c
+    urank[t] = r
+    return t + np.int64(o == v)
+
+
 @njit(cache=True, nogil=True)
-def _unchanged_events(old, new, mbits, pmode, ppol, ucount):
+def _unchanged_events(old, new, old4, new4, width_bits, mbits, pmode, ppol, ucount):
     """Position, class and class-local rank of the unchanged elements of the classes
-    whose events are their unchanged elements (a second pass; only when there are any)."""
+    whose events are their unchanged elements (a second pass; only when there are any).
+    Groups of four (``old4``/``new4`` as in :func:`_scan`) holding none of those classes,
+    nearly all of them, are passed over on four table look-ups."""
     C = pmode.shape[0]
-    cmask = C - 1
-    upos = np.empty(ucount, np.int32)
-    ucls = np.empty(ucount, np.int32)
-    urank = np.empty(ucount, np.int32)
+    cm = U64(C - 1)
+    upos = np.empty(ucount + 4, np.int32)
+    ucls = np.empty(ucount + 4, np.int32)
+    urank = np.empty(ucount + 4, np.int32)
     if ucount == 0:
-        return upos, ucls, urank
+        return upos[:0], ucls[:0], urank[:0]
     want = np.zeros(C, np.uint8)
     for c in range(C):
         want[c] = pmode[c] == GOLOMB and ppol[c] == 1
     cnt = np.zeros(C, np.int64)
     t = 0
-    for i in range(old.shape[0]):
-        o = old[i]
-        c = np.int64(U64(o) >> U64(mbits)) & cmask
-        if not want[c]:
-            continue
-        r = cnt[c]
-        cnt[c] = r + 1
-        if o == new[i]:
-            upos[t] = i
-            ucls[t] = c
-            urank[t] = r
-            t += 1
-    return upos, ucls, urank
+    wb = U64(width_bits)
+    mb = U64(mbits)
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width_bits)
+    for g in range(old4.shape[0]):
+        a = U64(old4[g])
+        if (want[(a >> mb) & cm] | want[(a >> (wb + mb)) & cm] | want[(a >> (U64(2) * wb + mb)) & cm]
+                | want[(a >> (U64(3) * wb + mb)) & cm]):
+            b = U64(new4[g])
+            for k in range(4):
+                sh = U64(k) * wb
+                o = (a >> sh) & mask
+                c = np.int64((o >> mb) & cm)
+                if want[c]:
+                    t = _unchanged_one(o, (b >> sh) & mask, c, 4 * g + k, cnt, upos, ucls, urank, t)
+    for i in range(4 * old4.shape[0], old.shape[0]):
+        o = U64(old[i])
+        c = np.int64((o >> mb) & cm)
+        if want[c]:
+            t = _unchanged_one(o, U64(new[i]), c, i, cnt, upos, ucls, urank, t)
+    return upos[:t], ucls[:t], urank[:t]
 
 
 @njit(cache=True, nogil=True)
@@ -526,23 +531,23 @@ def sparse_estimate(gaps, steps, max_gap, max_step):
 
 
 @njit(cache=True, nogil=True)
-def ctx_encode(old, new, old4, new4, count, width_bits, mbits, ebits):
-    """Encoding-4 payload of one chunk in which exactly ``count`` >= 1 elements differ
-    (an empty array if they do not: a caller bug), and encoding 1's gaps and steps
-    (:func:`_sparse_parts`). ``old4``/``new4``: see :func:`_scan`.
+def ctx_encode(old, new, old4, new4, width_bits, mbits, ebits):
+    """Encoding-4 payload of one chunk (empty when no element differs), and encoding 1's
+    gaps and steps of the same changes (:func:`_sparse_parts`; their length is the
+    number of changes). ``old4``/``new4``: see :func:`_scan`.
 
-    One pass over the elements finds the changes; a second runs only when some class
-    is coded by its unchanged elements (more than half of it changed). The rest is
-    work per change."""
+    One pass over the elements finds and counts the changes; a second runs only when
+    some class is coded by its unchanged elements (more than half of it changed). The
+    rest is work per change."""
     C = 1 << ebits
     mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width_bits)
     signbit = U64(1) << U64(width_bits - 1)
-    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, old4, new4, count, width_bits, mbits, C,
-                                                     signbit, mask)
-    if cpos.shape[0] != count:
+    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask)
+    count = cpos.shape[0]
+    if count == 0:
         return np.empty(0, np.uint8), _sparse_parts(cpos, csign, ca)
     pmode, ppol, pj, ucount = _position_models(ncls, kcls, count)
-    upos, ucls, urank = _unchanged_events(old, new, mbits, pmode, ppol, ucount)
+    upos, ucls, urank = _unchanged_events(old, new, old4, new4, width_bits, mbits, pmode, ppol, ucount)
     cgap, ugap, pinit = _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank)
     zmode, zpol, zj, zgap, zinit, vj, vsum = _step_models(kcls, ccls, ca)
     return _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,

@@ -92,19 +92,23 @@ def _words_of_four(x: np.ndarray) -> np.ndarray:
     return x[:n4].view(word)
 
 
-def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int) -> CtxResult | None:
-    """The encoding-4 payload of one chunk with ``changed`` >= 1 differing elements, the
-    sparse encoding's arrays found on the way, and whether compressing those can be
-    skipped; None when the dtype has no context layout."""
+def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None = None) -> CtxResult | None:
+    """The encoding-4 payload of one chunk, the sparse encoding's arrays found on the way
+    (their length is the number of changed elements: the scan counts them), and whether
+    compressing those can be skipped; None when the dtype has no context layout. With no
+    element changed the payload is empty. ``changed``, when the caller counted already,
+    must agree with the scan."""
     lay = layout_of(dt)
-    if lay is None or changed < 1:
+    if lay is None:
         return None
     old4, new4 = _words_of_four(old), _words_of_four(new)
     if old4.shape[0] != new4.shape[0]:
         old4, new4 = old4[:0], new4[:0]
-    out, sparse = ctx_encode(old, new, old4, new4, changed, 8 * dt.itemsize, lay[0], lay[1])
-    if out.shape[0] == 0:
+    out, sparse = ctx_encode(old, new, old4, new4, 8 * dt.itemsize, lay[0], lay[1])
+    if changed is not None and sparse[0].shape[0] != changed:
         raise AssertionError("ctx encoder: inconsistent change count")  # a bug, never data
+    if out.shape[0] == 0:
+        return CtxResult(b"", sparse, False)
     sure = out.shape[0] <= SURELY_SMALLER * sparse_estimate(*sparse)
     return CtxResult(out.tobytes(), sparse, sure)
 
