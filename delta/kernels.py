@@ -217,3 +217,140 @@ def gather(src, positions, out):
     """``out[j] = src[positions[j]]`` — saves what an in-place apply overwrites, for undo."""
     for j in range(positions.shape[0]):
         out[j] = src[positions[j]]
+
+
+# --- the hot-swap commit: every changed tensor of one element width in one call ----------------------
+#
+# A commit writes each changed tensor in one of two ways (loader/hotswap.py picks the cheaper per tensor):
+# MODE_SCATTER writes the changed elements only, each old bit compared with prepare's as it is overwritten
+# (as scatter_if_unchanged); MODE_COPY copies a whole staged copy of the new tensor over the live one,
+# block by block, each block's live bytes first hashed and compared with the hash prepare took of them.
+# A task is one row of ``tasks``: (tensor, mode, ja, jb, ba, bb, hoff): the changed elements
+# ``positions[ja:jb]`` (tensor-local) with their old bits ``expected[ja:jb]`` and new bits ``values[ja:jb]``;
+# for a copy also the blocks [ba, bb) of ``block_elems`` elements and the index ``hoff`` of block 0's hash
+# in ``hashes``. The changed elements of a copy task are the ones inside its blocks, so undoing any task,
+# finished or not, is writing ``expected`` back at its positions.
+
+MODE_SCATTER = 0
+MODE_COPY = 1
+HASH_BLOCK_BYTES = 1 << 16   # a copy's check-and-write unit: the hash reads it into cache, the copy writes it
+
+_H1 = _U64(0x9E3779B185EBCA87)
+_H3 = _U64(0x165667B19E3779F9)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _hround(acc, x):
+    acc = (acc ^ x) * _H1
+    return acc ^ (acc >> _U64(29))   # carries the high bits down: two sign flips in a lane cannot cancel
+
+
+@njit(cache=True, nogil=True)
+def block_hash(b8):
+    """A 64-bit hash of the bytes ``b8``: eight lanes over its 64-bit words (xor, multiply, xorshift), then
+    the leftover words and bytes.
+
+    Each lane's update is a bijection of its state and of its input word, so changing any one word (any
+    element, whatever its width) always changes the hash; a change of several collides with probability
+    about 2**-64. Not the xxh3 of the format: a check between prepare and commit in one process, at the
+    speed of memory (the lanes are independent: eight multiplies in flight)."""
+    n = b8.shape[0]
+    nw = n >> 3
+    w = b8[:nw << 3].view(np.uint64)
+    a0, a1, a2, a3 = _U64(1), _U64(2), _U64(3), _U64(4)
+    a4, a5, a6, a7 = _U64(5), _U64(6), _U64(7), _U64(8)
+    for i in range(nw >> 3):
+        k = i << 3
+        a0 = _hround(a0, w[k])
+        a1 = _hround(a1, w[k + 1])
+        a2 = _hround(a2, w[k + 2])
+        a3 = _hround(a3, w[k + 3])
+        a4 = _hround(a4, w[k + 4])
+        a5 = _hround(a5, w[k + 5])
+        a6 = _hround(a6, w[k + 6])
+        a7 = _hround(a7, w[k + 7])
+    h = _U64(n) * _H3
+    for k in range((nw >> 3) << 3, nw):
+        h = _hround(h, w[k])
+    tail = _U64(0)
+    for k in range(nw << 3, n):
+        tail |= _U64(b8[k]) << _U64(8 * (k - (nw << 3)))
+    h = _hround(h, tail)
+    return h ^ a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7
+
+
+@njit(cache=True, nogil=True)
+def block_hashes(bits, block_elems, out):
+    """``out[b]`` = :func:`block_hash` of elements ``[b * block_elems, (b + 1) * block_elems)`` of ``bits``."""
+    n = bits.shape[0]
+    for b in range(out.shape[0]):
+        s = b * block_elems
+        out[b] = block_hash(bits[s:min(n, s + block_elems)].view(np.uint8))
+
+
+@njit(cache=True, nogil=True)
+def count_lines(positions, shift):
+    """Number of distinct ``positions >> shift`` in sorted ``positions``: the cache lines a scatter touches."""
+    n = 0
+    last = -1
+    for j in range(positions.shape[0]):
+        line = positions[j] >> shift
+        if line != last:
+            n += 1
+            last = line
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _undo_range(live, positions, expected, ja, jb):
+    for j in range(jb - 1, ja - 1, -1):
+        live[positions[j]] = expected[j]
+
+
+@njit(cache=True, nogil=True)
+def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, t1, block_elems, abort):
+    """Run tasks ``[t0, t1)`` in order into ``lives`` (a typed list of every tensor's live bits; ``wholes``:
+    the staged new bits of each copied tensor, anything for the others). Returns ``(done, kind, where)``.
+
+    ``done == t1 - t0``: every task written. Otherwise tasks ``[t0, t0 + done)`` are written and task
+    ``t0 + done`` is not (whatever of it was written has been put back): ``kind`` 0 = its element
+    ``positions[where]`` no longer held ``expected[where]``, 1 = its block ``where`` no longer hashed to
+    ``hashes[hoff + where]``, 2 = stopped because ``abort[0]`` was set (by another thread's refusal).
+    A refusal sets ``abort[0]``. The caller puts back the written tasks with :func:`undo_tasks`."""
+    for t in range(t0, t1):
+        if abort[0] != 0:
+            return t - t0, 2, -1
+        ti, mode, ja, jb = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
+        live = lives[ti]
+        if mode == MODE_SCATTER:
+            for j in range(ja, jb):
+                p = positions[j]
+                if live[p] != expected[j]:
+                    _undo_range(live, positions, expected, ja, j)
+                    abort[0] = 1
+                    return t - t0, 0, j
+                live[p] = values[j]
+            continue
+        whole = wholes[ti]
+        n = live.shape[0]
+        hoff = tasks[t, 6]
+        for b in range(tasks[t, 4], tasks[t, 5]):
+            s = b * block_elems
+            e = min(n, s + block_elems)
+            lv = live[s:e]
+            if block_hash(lv.view(np.uint8)) != hashes[hoff + b]:
+                # blocks before b hold the new bits: put back the old ones at their changed elements
+                _undo_range(live, positions, expected, ja, ja + np.searchsorted(positions[ja:jb], s))
+                abort[0] = 1
+                return t - t0, 1, b
+            wv = whole[s:e]
+            for i in range(lv.shape[0]):
+                lv[i] = wv[i]
+    return t1 - t0, -1, -1
+
+
+@njit(cache=True, nogil=True)
+def undo_tasks(lives, positions, expected, tasks, t0, t1):
+    """Put back the old bits of tasks ``[t0, t1)`` written by :func:`commit_tasks` (last task first)."""
+    for t in range(t1 - 1, t0 - 1, -1):
+        _undo_range(lives[tasks[t, 0]], positions, expected, tasks[t, 2], tasks[t, 3])

@@ -30,8 +30,8 @@ def _pair(dtype: torch.dtype, n: int, frac: float, seed: int) -> tuple[torch.Ten
 
 
 def warm_up() -> float:
-    """Run encode (both codec modes), the batch paths, stage and apply once per dtype, each checked bit-exact;
-    returns the seconds it took."""
+    """Run encode (both codec modes), the batch paths, stage and apply once per dtype, and the hot-swap commit
+    kernels once per element width, each checked bit-exact; returns the seconds it took."""
     from delta import apply_, apply_many, encode, encode_many, stage, stage_full
 
     t0 = time.perf_counter()
@@ -60,7 +60,41 @@ def warm_up() -> float:
             want = new.view(torch.uint8)
             if not all(torch.equal(o.view(torch.uint8), want) for o in outs):
                 raise AssertionError(f"warm-up round trip of {dtype} is not bit-exact")
+    _warm_commit()
     return time.perf_counter() - t0
+
+
+def _warm_commit() -> None:
+    """The hot-swap commit kernels (both ways, undo) for every element width, and the int32-position scatter
+    of Publisher(device_diff=True), each checked bit-exact."""
+    import numpy as np
+    from numba import typed
+
+    from . import kernels
+
+    rng = np.random.default_rng(0)
+    for width in (1, 2, 4, 8):
+        dt = np.dtype(f"<u{width}")
+        old = rng.integers(0, np.iinfo(dt).max, 3 << 14, dtype=dt)
+        pos = np.flatnonzero(rng.random(old.shape[0]) < 0.05).astype(np.int64)
+        new = old.copy()
+        new[pos] ^= dt.type(1)
+        block = kernels.HASH_BLOCK_BYTES // width
+        hashes = np.empty(-(-old.shape[0] // block), np.uint64)
+        kernels.block_hashes(old, block, hashes)
+        kernels.count_lines(pos, 5)
+        m = pos.shape[0]
+        tasks = np.array([[0, kernels.MODE_SCATTER, 0, m, 0, 0, 0],
+                          [1, kernels.MODE_COPY, 0, m, 0, hashes.shape[0], 0]], np.int64)
+        lives = typed.List([old.copy(), old.copy()])
+        done, _kind, _where = kernels.commit_tasks(lives, typed.List([new, new]), pos, old[pos], new[pos], hashes,
+                                                   tasks, 0, 2, block, np.zeros(1, np.int64))
+        ok = done == 2 and all(np.array_equal(x, new) for x in lives)
+        kernels.undo_tasks(lives, pos, old[pos], tasks, 0, 2)
+        live = old.copy()
+        kernels.scatter(live, pos.astype(np.int32), new[pos])
+        if not (ok and all(np.array_equal(x, old) for x in lives) and np.array_equal(live, new)):
+            raise AssertionError(f"warm-up of the commit kernels ({width}-byte elements) is not bit-exact")
 
 
 def main() -> int:

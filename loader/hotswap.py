@@ -3,15 +3,20 @@
 Everything slow happens while the model keeps serving: fetching, decoding, and
 checking that the live tensors are exactly the parent version's bits and that the
 result hashes to the target's digests (:meth:`HotSwapper.prepare`). What remains
-is a scatter of the changed elements into the live tensors, done while
-:class:`ServingGate` holds forward steps back (:meth:`HotSwapper.commit`), so no
-forward step ever sees a mix of two versions. A commit that fails half-way
-writes back the old bits it replaced: the weights and the version stay as they
-were, or the swap raises saying they could not be (and the version becomes None).
+is writing the changed tensors, done while :class:`ServingGate` holds forward
+steps back (:meth:`HotSwapper.commit`), so no forward step ever sees a mix of two
+versions. In contiguous host memory each changed tensor is either scattered (its
+changed elements) or copied whole from a staged copy, whichever costs less
+(loader/batch_commit.py), all of them in one kernel call per element width and
+thread. A commit that fails half-way writes back the old bits it replaced: the
+weights and the version stay as they were, or the swap raises saying they could
+not be (and the version becomes None).
 
 Memory: staged changes are the changed elements' positions and new bits (or a
-tensor's new bits when most of it changes); besides them, at most one tensor's
-scratch copy per staging thread — never a second copy of the model.
+tensor's new bits when most of it changes), plus a copy of the new bits of each
+tensor the commit copies whole (up to one copy of the model when every tensor
+changes that much; ``commit_mode="scatter"`` never stages one); besides them, at
+most one tensor's scratch copy per staging thread.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from delta import StagedTensor, dtypes, stage, stage_full
 from delta.errors import HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError
 from delta.manifest import Manifest, snapshot_name
 
+from . import batch_commit
 from .pieces import Piece, rebuild
 from .plan import UpdatePlan, make_plan
 from .reader import SnapshotReader
@@ -145,6 +151,7 @@ class HotLoadReport:
     pause_s: float          # the whole pause: waiting for running steps, then applying
     total_s: float
     staging_bytes: int = 0
+    tensors_copied: int = 0  # tensors the commit copies whole from a staged copy (the rest: changed elements)
 
     @property
     def snapshot(self) -> str:
@@ -158,6 +165,8 @@ class _Staged:
     st: StagedTensor
     key: tuple                # identity of the live tensor it was staged against
     undo: StagedTensor | None = None   # a sparse change's old bits, gathered while serving, not in the pause
+    bits: np.ndarray | None = field(default=None, repr=False)   # the live bits, when batched (contiguous host)
+    choice: batch_commit.Choice | None = None                   # how the batch writes it: scatter or copy
 
 
 @dataclass
@@ -172,6 +181,7 @@ class PreparedUpdate:
     report: HotLoadReport
     staging_bytes: int
     _owner: int = field(default=0, repr=False)
+    batch: batch_commit.CommitBatch | None = field(default=None, repr=False)
     committed: bool = False
 
     @property
@@ -186,15 +196,21 @@ class HotSwapper:
 
     ``name_map`` turns a checkpoint name into the live name when they differ.
     ``stage_threads`` tensors are decoded and verified at once while preparing
-    (default: one per core; 1 stages them one by one in the calling thread). One
-    prepare or commit runs at a time (another raises :class:`HotLoadConflictError`);
+    (default: one per core; 1 stages them one by one in the calling thread), and
+    as many threads write the batch in the pause. ``commit_mode`` says how a
+    sparsely changed tensor in contiguous host memory is written: "auto" (the
+    cheaper of scattering its changed elements and copying a staged whole copy,
+    by the share of elements changed: batch_commit.COPY_ABOVE), "scatter" (never
+    stage a whole copy) or "copy" (always). One prepare or commit runs at a time (another raises :class:`HotLoadConflictError`);
     ``prepare`` may run in a background thread while forward steps run under
     ``gate.serving()``."""
 
     def __init__(self, weights: Weights, reader: SnapshotReader, *, version: int | None = None,
                  gate: ServingGate | None = None, name_map: Callable[[str], str] | None = None,
                  apply_method: str = "auto", progress: bool | None = None,
-                 stage_threads: int | None = None, applier: Any = None) -> None:
+                 stage_threads: int | None = None, applier: Any = None, commit_mode: str = "auto") -> None:
+        if commit_mode not in batch_commit.MODES:
+            raise ValueError(f"commit_mode must be one of {batch_commit.MODES}, not {commit_mode!r}")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative int or None, not {version!r}")
         self.weights = weights
@@ -205,6 +221,7 @@ class HotSwapper:
         self.apply_method = apply_method
         self.progress = progress  # a tqdm bar while preparing: None = on a terminal, for >= 64 MiB to fetch
         self.stage_threads = stage_threads  # tensors staged at once while preparing (default: every core)
+        self.commit_mode = commit_mode
         # An engine that keeps weights of its own (loader.engines.base.EngineApplier): ``weights`` are then
         # its host copy, the applier's pause replaces the gate and it pushes each commit into the engine.
         self.applier = applier
@@ -305,7 +322,13 @@ class HotSwapper:
             if st.dense is None and st.positions.shape[0] == 0:
                 return None
             undo = None if st.dense is not None else _old_bits(t, st)
-            return _Staged(name, mapping[name], st, _identity(t), undo)
+            s = _Staged(name, mapping[name], st, _identity(t), undo)
+            if st.dense is None and self.apply_method == "auto" and t.device.type == "cpu" and t.is_contiguous():
+                bits = dtypes.host_bits(t)
+                if bits.ctypes.data == t.data_ptr():
+                    s.bits = bits
+                    s.choice = batch_commit.choose(bits, st.positions, st.values, self.commit_mode)
+            return s
 
         threads = max(1, self.stage_threads or os.cpu_count() or 1)
         with _progress_bar(self.progress, to_fetch, f"hot-load {snapshot_name(v)}") as bar, \
@@ -315,16 +338,18 @@ class HotSwapper:
                     staged.append(done.value)
                 bar.update(sum(p.nbytes for p in groups[done.index]))
             decode_s = stager.wait_s
-        staging = sum(s.st.nbytes for s in staged)
+        batch = _batch(staged, threads)
+        staging = sum(s.st.nbytes + (s.choice.nbytes if s.choice is not None else 0) for s in staged)
         report = HotLoadReport(
             from_version=current, to_version=v, path=plan.path, via_anchor=plan.via_anchor,
             bytes_fetched=counter.get("bytes", 0), tensors_changed=len(staged),
             elements_changed=sum(s.st.n_changed for s in staged), fetch_s=counter.get("fetch_s", 0.0),
-            decode_s=decode_s, apply_s=0.0, pause_s=0.0, total_s=time.perf_counter() - t0, staging_bytes=staging)
+            decode_s=decode_s, apply_s=0.0, pause_s=0.0, total_s=time.perf_counter() - t0, staging_bytes=staging,
+            tensors_copied=0 if batch is None else batch.tensors_copied)
         log.info("prepared %s -> %s via %s: %d tensors, %d bytes fetched, %d bytes staged",
                  snapshot_name(current) if current is not None else "unknown weights", snapshot_name(v),
                  "anchor" if plan.via_anchor else "deltas", len(staged), report.bytes_fetched, staging)
-        return PreparedUpdate(current, v, plan.path, plan.via_anchor, staged, report, staging, id(self))
+        return PreparedUpdate(current, v, plan.path, plan.via_anchor, staged, report, staging, id(self), batch)
 
     def _commit(self, p: PreparedUpdate) -> HotLoadReport:
         t0 = time.perf_counter()
@@ -339,17 +364,31 @@ class HotSwapper:
             p.committed = True
             return replace(p.report, total_s=p.report.total_s + time.perf_counter() - t0)
         module_map = self._live_map() if isinstance(self.weights, torch.nn.Module) else None
-        undo: list[tuple[torch.Tensor, Callable[[], None]]] = []
+        undo: list[tuple[torch.Tensor | None, Callable[[], None]]] = []
         method = self.apply_method
+        batch = p.batch if method == "auto" else None
         pushed: list[str] = []
+        written = 0
         with (self.applier.paused() if self.applier is not None else self.gate.paused()) as pause:
             ta = time.perf_counter()
             try:
-                for s in p.staged:
+                lives = []
+                for s in p.staged:      # every tensor is where prepare() saw it before anything is written
                     live = module_map[s.live_name] if module_map is not None else self.weights[s.live_name]
                     if _identity(live) != s.key:
                         raise HotLoadError(f"tensor {s.name!r}: the live tensor {s.live_name!r} was replaced or "
                                            "moved after prepare(); prepare again")
+                    lives.append(live)
+                if batch is not None:
+                    # one kernel call per width and thread; a refusal or failure has put back what it wrote
+                    # (the kernels cannot be interrupted half-way), so its undo is recorded once it has succeeded
+                    batch.run()
+                    undo.append((None, batch.undo))
+                    written += len(batch.items)
+                for s, live in zip(p.staged, lives):
+                    if batch is not None and s.choice is not None:
+                        continue
+                    written += 1
                     if s.st.dense is not None:
                         swap = _DenseSwap(live, s.st, method, s.live_name)
                         undo.append((live, swap.undo))            # before any write: undo knows how far it got
@@ -377,12 +416,12 @@ class HotSwapper:
                 if not isinstance(e, Exception):
                     raise
                 raise HotLoadError(f"hot-load {_name(p.from_version)} -> {p.snapshot} failed while applying "
-                                   f"({type(e).__name__}: {e}); the {len(undo)} tensors already written were "
+                                   f"({type(e).__name__}: {e}); the {written} tensors already written were "
                                    f"restored, live weights and version are unchanged") from e
             self.version = p.to_version
             apply_s = time.perf_counter() - ta
         p.committed = True
-        p.staged = []          # densely staged tensors now hold the old bits: nothing left worth keeping
+        p.staged, p.batch = [], None   # densely staged tensors now hold the old bits: nothing left worth keeping
         report = replace(p.report, apply_s=apply_s, pause_s=pause.seconds,
                          total_s=p.report.total_s + time.perf_counter() - t0)
         log.info("hot-loaded %s -> %s: %d tensors, %d elements, pause %.3fs (apply %.3fs)",
@@ -417,6 +456,21 @@ class HotSwapper:
 
 
 PROGRESS_MIN_BYTES = 64 << 20
+
+
+def _batch(staged: list[_Staged], threads: int) -> "batch_commit.CommitBatch | None":
+    """The commit's batch of the tensors staged with a choice (contiguous host memory, sparse changes); their
+    staged arrays become views of the batch's concatenated ones."""
+    chosen = [s for s in staged if s.choice is not None]
+    if not chosen:
+        return None
+    items = [batch_commit.Item(s.name, s.live_name, s.bits, s.st.positions, s.undo.values, s.st.values, s.choice)
+             for s in chosen]
+    batch = batch_commit.CommitBatch(items, threads)
+    for s, it in zip(chosen, items):
+        s.st.positions, s.st.values = it.positions, it.values
+        s.undo.positions, s.undo.values = it.positions, it.expected
+    return batch
 
 
 def _changed_positions(staged: list) -> dict[str, Any]:
@@ -727,7 +781,7 @@ def _scatter_if_unchanged(live: torch.Tensor, s: _Staged) -> None:
                            "which this update changes, was written after prepare(); prepare again")
 
 
-def _synchronize(applied: list[tuple[torch.Tensor, object]]) -> None:
-    devices = {t.device for t, _ in applied if t.device.type == "cuda"}
+def _synchronize(applied: list[tuple[torch.Tensor | None, object]]) -> None:
+    devices = {t.device for t, _ in applied if t is not None and t.device.type == "cuda"}
     for d in devices:
         torch.cuda.synchronize(d)

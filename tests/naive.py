@@ -128,3 +128,64 @@ def xor_apply_planes(old: np.ndarray, planes: np.ndarray, nplanes: int):
 def diff_positions(old: np.ndarray, new: np.ndarray):
     pos = np.flatnonzero(old != new).astype(np.int64)
     return pos, new[pos]
+
+
+_M64 = (1 << 64) - 1
+_H1 = 0x9E3779B185EBCA87
+_H3 = 0x165667B19E3779F9
+
+
+def _hround(acc: int, x: int) -> int:
+    acc = ((acc ^ x) * _H1) & _M64
+    return acc ^ (acc >> 29)
+
+
+def block_hash(b8: np.ndarray) -> int:
+    """kernels.block_hash in Python integers: lane ``i % 8`` takes the i-th 64-bit word of each full group
+    of eight, the words left over and the tail bytes (little-endian) go through one more state seeded by
+    the length, and the lanes are xored with it."""
+    data = bytes(np.ascontiguousarray(b8).view(np.uint8))
+    n = len(data)
+    words = [int.from_bytes(data[8 * i: 8 * i + 8], "little") for i in range(n // 8)]
+    lanes = list(range(1, 9))
+    full = (len(words) // 8) * 8
+    for i, w in enumerate(words[:full]):
+        lanes[i % 8] = _hround(lanes[i % 8], w)
+    h = (n * _H3) & _M64
+    for w in words[full:]:
+        h = _hround(h, w)
+    h = _hround(h, int.from_bytes(data[8 * len(words):], "little"))
+    for a in lanes:
+        h ^= a
+    return h
+
+
+def count_lines(positions: np.ndarray, shift: int) -> int:
+    return int(np.unique(positions >> shift).shape[0])
+
+
+def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, t1, block_elems, abort):
+    """kernels.commit_tasks checking before writing (the kernel writes, then puts back on a refusal)."""
+    for t in range(t0, t1):
+        if abort[0]:
+            return t - t0, 2, -1
+        ti, mode, ja, jb, ba, bb, hoff = (int(x) for x in tasks[t])
+        live = lives[ti]
+        pos = positions[ja:jb]
+        if mode == 0:
+            bad = np.flatnonzero(live[pos] != expected[ja:jb])
+            if bad.size:
+                abort[0] = 1
+                return t - t0, 0, ja + int(bad[0])
+            live[pos] = values[ja:jb]
+            continue
+        n = live.shape[0]
+        for b in range(ba, bb):
+            s, e = b * block_elems, min(n, (b + 1) * block_elems)
+            if block_hash(live[s:e]) != int(hashes[hoff + b]):
+                done = pos < s
+                live[pos[done]] = expected[ja:jb][done]
+                abort[0] = 1
+                return t - t0, 1, b
+            live[s:e] = wholes[ti][s:e]
+    return t1 - t0, -1, -1

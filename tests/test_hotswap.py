@@ -656,3 +656,181 @@ def test_a_dense_change_to_a_tensor_written_after_prepare_is_refused_and_the_wri
     assert sw.version == 0
     for k in live:
         assert bits_equal(live[k], written[k]), k
+
+
+# --- the commit's choice: scatter the changed elements or copy a staged whole tensor ------------------------
+
+import numpy as np  # noqa: E402
+
+from delta import dtypes as _dtypes  # noqa: E402
+from loader import batch_commit  # noqa: E402
+
+ALL_DTYPES = [d.torch_dtype for d in _dtypes.BY_NAME.values()]
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _special_bits(dt: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    """``n`` random elements of ``dt`` with NaN payloads (either sign), -0.0, +0.0, infinities and subnormals."""
+    w = torch.empty(0, dtype=dt).element_size()
+    raw = np.random.default_rng(seed).integers(0, 256, n * w, dtype=np.uint8)
+    if dt == torch.bool:
+        return torch.from_numpy(raw[:n] & 1).to(torch.bool)
+    t = torch.from_numpy(raw).view(dt).clone()
+    if dt.is_floating_point:
+        t[0::7] = -0.0
+        t[1::7] = 0.0
+        t[2::11] = float("inf")
+        t[4::13] = torch.finfo(dt).smallest_normal / 4             # a subnormal (fp8 e4m3 has some too)
+        bits = t.view(_INTS[w])
+        nan = int(torch.tensor(float("nan"), dtype=dt).view(_INTS[w]))
+        bits[3::11] = nan
+        if w > 1:
+            bits[5::17] = nan ^ 1                                  # other payloads, and negative NaNs
+            bits[6::19] = (nan ^ 2) | (-1 << (8 * w - 1))
+    return t
+
+
+def _changed(t: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
+    """``t`` with about ``frac`` of its elements given other bits: their sign flipped (-0.0 <-> +0.0, NaN
+    signs) or low bits changed (NaN payload -> another payload, subnormals, ...)."""
+    rng = np.random.default_rng(seed)
+    new = t.clone()
+    flat = new.view(-1)
+    idx = torch.from_numpy(np.flatnonzero(rng.random(flat.numel()) < frac))
+    if t.dtype == torch.bool:
+        flat[idx] = ~flat[idx]
+        return new
+    w = t.element_size()
+    bits = flat.view(_INTS[w])
+    half = idx[: idx.numel() // 2]
+    bits[half] = bits[half] ^ (-1 << (8 * w - 1)) if w > 1 else bits[half] ^ 0x80
+    rest = idx[idx.numel() // 2:]
+    bits[rest] = bits[rest] ^ torch.from_numpy(rng.integers(1, 127, rest.numel())).to(_INTS[w])
+    return new
+
+
+@pytest.fixture
+def every_dtype_run(tmp_path):
+    """Versions 0-2 of one tensor per dtype (specials included), ~2% then ~12% of each one's elements changed."""
+    v0 = {f"t.{str(dt).split('.')[-1]}": _special_bits(dt, 3000, i).reshape(30, 100) for i, dt in enumerate(ALL_DTYPES)}
+    v1 = {k: _changed(t, 0.02, 100 + i) for i, (k, t) in enumerate(v0.items())}
+    v2 = {k: _changed(t, 0.12, 200 + i) for i, (k, t) in enumerate(v1.items())}
+    return write_run(str(tmp_path / "dtypes"), versions=[v0, v1, v2])
+
+
+@pytest.mark.parametrize("mode", ["scatter", "copy", "auto"])
+def test_each_commit_mode_is_bit_exact_for_every_dtype_nan_payloads_and_signed_zeros(every_dtype_run, mode):
+    run = every_dtype_run
+    live, sw = swapper_at(run, 0, commit_mode=mode)
+    for v in (1, 2, 0, 2, 1):                   # forward, back through the anchor, and again
+        prepared = sw.prepare(v)
+        sparse = sum(1 for s in prepared.staged if s.st.dense is None)
+        assert prepared.report.tensors_copied == (sparse if mode == "copy" else 0), (mode, v)   # tiny: auto scatters
+        assert sw.commit(prepared).tensors_copied == prepared.report.tensors_copied
+        assert_at(live, run, v)
+
+
+def test_auto_copies_the_tensors_changed_past_the_threshold_and_scatters_the_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(batch_commit, "COPY_ABOVE", {w: 0.05 for w in batch_commit.COPY_ABOVE})
+    n = batch_commit.MIN_COPY_BYTES // 2        # bf16: exactly the smallest tensor auto may copy
+    v0 = {"few": _special_bits(torch.bfloat16, n, 1), "many": _special_bits(torch.bfloat16, n, 2),
+          "small": _special_bits(torch.bfloat16, 1000, 3)}
+    v1 = {"few": _changed(v0["few"], 0.01, 4), "many": _changed(v0["many"], 0.10, 5),
+          "small": _changed(v0["small"], 0.10, 6)}
+    run = write_run(str(tmp_path / "auto"), versions=[v0, v1], chunk_elems=1 << 16)
+    live, sw = swapper_at(run, 0)
+    prepared = sw.prepare(1)
+    modes = {s.name: s.choice.mode for s in prepared.staged}
+    assert modes == {"few": 0, "many": 1, "small": 0}           # MODE_SCATTER, MODE_COPY, too small to copy
+    assert prepared.report.tensors_copied == 1
+    assert prepared.staging_bytes >= 2 * n                    # the staged whole copy of "many"
+    sw.commit(prepared)
+    assert_at(live, run, 1)
+    sw.hotload(0)
+    assert_at(live, run, 0)
+
+
+@pytest.mark.parametrize("mode", ["scatter", "copy"])
+@pytest.mark.parametrize("where", ["changed", "unchanged"])
+def test_a_batched_tensor_written_after_prepare_is_refused_in_either_mode_and_every_write_kept(run, mode, where,
+                                                                                             monkeypatch):
+    """The refusal may come from either commit thread: every tensor either thread wrote is put back."""
+    monkeypatch.setattr(batch_commit, "THREADS_ABOVE_NS", 0.0)
+    monkeypatch.setattr(batch_commit, "TASK_ELEMS", 8)        # many small tasks, shared out to two threads
+    monkeypatch.setattr(batch_commit, "TASK_BLOCKS", 1)
+    live, sw = swapper_at(run, 0, commit_mode=mode, stage_threads=2)
+    prepared = sw.prepare(1)
+    assert prepared.batch is not None and prepared.batch.threads == 2
+    s = [s for s in prepared.staged if s.choice is not None][-1]   # the last batched tensor: the second thread's
+    assert prepared.batch.parts[-1][-1][0] == len(prepared.batch.groups) - 1
+    flat = live[s.live_name].view(-1).view(_INTS[live[s.live_name].element_size()])
+    if where == "changed":
+        pos = int(s.st.positions[len(s.st.positions) // 2])
+    else:
+        pos = int(next(i for i in range(flat.numel()) if i not in set(s.st.positions.tolist())))
+    flat[pos] ^= 1                                             # another writer, in place
+    written = clone(live)
+    if mode == "scatter" and where == "unchanged":             # not seen: the scatter checks what it writes
+        sw.commit(prepared)
+        assert sw.version == 1
+        return
+    with pytest.raises(HotLoadError, match=f"{s.name!r}.*written after prepare"):
+        sw.commit(prepared)
+    assert sw.version == 0
+    for k in live:
+        assert bits_equal(live[k], written[k]), k
+    flat[pos] ^= 1                                             # the other writer undoes its write
+    sw.commit(prepared)                                        # and the prepared update is still whole
+    assert_at(live, run, 1)
+
+
+@pytest.mark.parametrize("mode", ["scatter", "copy"])
+def test_a_failure_after_the_batch_puts_back_every_batched_tensor(mixed_run, mode, monkeypatch):
+    """The batch (sparse tensors) writes first; a dense tensor refused afterwards rolls the batch back."""
+    run = mixed_run
+    calls = []
+    for verb in ("run", "undo"):
+        real = getattr(batch_commit.CommitBatch, verb)
+        monkeypatch.setattr(batch_commit.CommitBatch, verb,
+                            lambda self, real=real, verb=verb: (calls.append(verb), real(self))[1])
+    live = {k: t.clone() for k, t in run.truth[0].items()}
+    sw = HotSwapper(live, SnapshotReader(run.url), version=0, commit_mode=mode)
+    prepared = sw.prepare(1)
+    assert {s.live_name for s in prepared.staged if s.choice is not None} == {"sparse.0", "sparse.1"}
+    live["dense.1"][-1, -1] = 7.0                             # another writer, in a densely changed tensor
+    written = clone(live)
+    with pytest.raises(HotLoadError, match=r"'dense.1'.*written after prepare.*tensors already written were rest"):
+        sw.commit(prepared)
+    assert calls == ["run", "undo"] and sw.version == 0
+    for k in live:
+        assert bits_equal(live[k], written[k]), k
+    live["dense.1"].copy_(run.truth[0]["dense.1"])
+    sw.commit(prepared)
+    assert_at(live, run, 1)
+
+
+def test_an_error_inside_a_commit_thread_puts_back_what_every_thread_wrote(run, monkeypatch):
+    monkeypatch.setattr(batch_commit, "THREADS_ABOVE_NS", 0.0)
+    monkeypatch.setattr(batch_commit, "TASK_ELEMS", 8)
+    live, sw = swapper_at(run, 0, stage_threads=2)
+    prepared = sw.prepare(1)
+    calls = []
+    real = batch_commit._Group.run
+
+    def failing(self, t0, t1, abort):
+        calls.append(threading.current_thread().name)
+        if not threading.current_thread().name.startswith("ckptdelta-commit"):
+            return real(self, t0, t1, abort)
+        raise MemoryError("injected in a commit thread")
+
+    monkeypatch.setattr(batch_commit._Group, "run", failing)
+    with pytest.raises(HotLoadError, match="MemoryError.*restored"):
+        sw.commit(prepared)
+    assert any(c.startswith("ckptdelta-commit") for c in calls)
+    assert sw.version == 0
+    assert_at(live, run, 0)
+    monkeypatch.setattr(batch_commit._Group, "run", real)
+    sw.commit(prepared)
+    assert_at(live, run, 1)

@@ -297,3 +297,132 @@ def test_scatter_if_unchanged_writes_all_or_leaves_live_as_it_was(dtype):
         assert naive.scatter_if_unchanged(ref, pos, old[pos].copy(), vals) == bad_at
         np.testing.assert_array_equal(live, before)   # nothing written
         np.testing.assert_array_equal(ref, before)
+
+
+# --- the hot-swap commit kernels --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 71, 200, 4099])
+def test_block_hash_matches_reference(n):
+    rng = rng_for(n, 99)
+    b8 = random_bits(rng, n, 8)
+    assert int(kernels.block_hash(b8)) == naive.block_hash(b8), f"seed={SEED} n={n}"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_block_hash_changes_whenever_one_element_changes_and_when_two_sign_bits_flip(width):
+    """Any one element changed (random bits, one step, its sign) changes the hash; so do two sign flips in one
+    lane, which a plain multiply-xor hash would miss (its high bits never reach the low ones)."""
+    rng = rng_for(width, 98)
+    bits = random_bits(rng, (1 << 16) // (width // 8) + 3, width)
+    h0 = kernels.block_hash(bits.view(np.uint8))
+    sign = np.array(1 << (width - 1), bits.dtype)
+    for pos in rng.choice(bits.shape[0], 200, replace=False).tolist() + [0, bits.shape[0] - 1]:
+        for change in (sign, np.array(1, bits.dtype), random_bits(rng, 1, width)[0] | np.array(1, bits.dtype)):
+            b = bits.copy()
+            b[pos] ^= change
+            assert kernels.block_hash(b.view(np.uint8)) != h0, f"seed={SEED} width={width} pos={pos}"
+    per_word = 64 // width
+    b = bits.copy()
+    top = per_word - 1                  # the element holding bit 63 of word 0, and of word 8 (same lane)
+    b[top] ^= sign
+    b[top + 8 * per_word] ^= sign
+    assert kernels.block_hash(b.view(np.uint8)) != h0
+
+
+def test_block_hashes_and_count_lines_match_reference():
+    rng = rng_for(97)
+    bits = random_bits(rng, 10_000, 16)
+    out = np.empty(-(-bits.shape[0] // 4096), np.uint64)
+    kernels.block_hashes(bits, 4096, out)
+    assert [int(h) for h in out] == [naive.block_hash(bits[s:s + 4096]) for s in range(0, 10_000, 4096)]
+    for frac in (0.0, 0.001, 0.05, 1.0):
+        pos = np.flatnonzero(rng.random(10_000) < frac).astype(np.int64)
+        for shift in (0, 3, 5, 6):
+            assert kernels.count_lines(pos, shift) == naive.count_lines(pos, shift), (SEED, frac, shift)
+
+
+def _commit_case(rng, width, n_tensors=3, n=9000, block=1024):
+    """Live tensors of one width, their changes, and tasks covering both modes (each tensor cut in pieces)."""
+    from numba import typed
+
+    olds, news, rows, hashes = [], [], [], []
+    pos_all, exp_all, val_all = [], [], []
+    j = hoff = 0
+    for ti in range(n_tensors):
+        old = random_bits(rng, n + 37 * ti, width)
+        new = changed_copy(rng, old, width, (0.01, 0.2, 0.6)[ti % 3])
+        pos = np.flatnonzero(old != new).astype(np.int64)
+        olds.append(old)
+        news.append(new)
+        pos_all.append(pos)
+        exp_all.append(old[pos])
+        val_all.append(new[pos])
+        if ti % 2 == 0:   # scatter, in tasks of 50 changes
+            for a in range(0, pos.shape[0], 50):
+                rows.append((ti, kernels.MODE_SCATTER, j + a, j + min(pos.shape[0], a + 50), 0, 0, 0))
+            hashes.append(np.empty(0, np.uint64))
+        else:             # copy, in tasks of 3 blocks
+            nb = -(-old.shape[0] // block)
+            h = np.empty(nb, np.uint64)
+            kernels.block_hashes(old, block, h)
+            hashes.append(h)
+            for ba in range(0, nb, 3):
+                bb = min(nb, ba + 3)
+                rows.append((ti, kernels.MODE_COPY, j + int(np.searchsorted(pos, ba * block)),
+                             j + int(np.searchsorted(pos, bb * block)), ba, bb, hoff))
+            hoff += nb
+        j += pos.shape[0]
+    arrays = (np.concatenate(pos_all), np.concatenate(exp_all), np.concatenate(val_all),
+              np.concatenate(hashes), np.array(rows, np.int64))
+    return olds, news, arrays, block, typed
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_commit_tasks_matches_reference_writes_both_modes_and_refuses_foreign_writes(width):
+    rng = rng_for(width, 96)
+    olds, news, (pos, exp, val, hashes, tasks), block, typed = _commit_case(rng, width)
+    kinds = set(tasks[:, 1].tolist())
+    assert kinds == {kernels.MODE_SCATTER, kernels.MODE_COPY}
+
+    def run(fn, lives, t0=0, t1=None, abort=None):
+        abort = np.zeros(1, np.int64) if abort is None else abort
+        wholes = [nw.copy() for nw in news]
+        lv = typed.List(lives) if fn is kernels.commit_tasks else lives
+        wh = typed.List(wholes) if fn is kernels.commit_tasks else wholes
+        out = fn(lv, wh, pos, exp, val, hashes, tasks, t0, tasks.shape[0] if t1 is None else t1, block, abort)
+        return tuple(int(x) for x in out), abort
+
+    lives, ref = [o.copy() for o in olds], [o.copy() for o in olds]
+    assert run(kernels.commit_tasks, lives)[0] == run(naive.commit_tasks, ref)[0] == (tasks.shape[0], -1, -1)
+    for a, b, nw in zip(lives, ref, news):
+        np.testing.assert_array_equal(a, nw, err_msg=f"seed={SEED}")
+        np.testing.assert_array_equal(b, nw)
+    kernels.undo_tasks(typed.List(lives), pos, exp, tasks, 0, tasks.shape[0])
+    for a, o in zip(lives, olds):
+        np.testing.assert_array_equal(a, o)
+
+    # another writer, after prepare: at a scattered change, at a change inside a copied block, and at an
+    # element a copied block does not change (only the copy sees that one: it hashes whole blocks)
+    unchanged_in_copy = int(np.flatnonzero(olds[1] == news[1])[-1])
+    for ti, where in ((0, int(pos[tasks[tasks[:, 0] == 0][-1, 2]])), (1, int(pos[tasks[tasks[:, 0] == 1][1, 2]])),
+                      (1, unchanged_in_copy)):
+        lives, ref = [o.copy() for o in olds], [o.copy() for o in olds]
+        for lv in (lives, ref):
+            lv[ti][where] ^= np.array(1, lv[ti].dtype)
+        got, abort = run(kernels.commit_tasks, lives)
+        want, _ = run(naive.commit_tasks, ref)
+        assert got == want and got[1] == (0 if ti == 0 else 1) and abort[0] == 1, (SEED, ti, where, got, want)
+        for a, b in zip(lives, ref):
+            np.testing.assert_array_equal(a, b, err_msg=f"seed={SEED}")
+        kernels.undo_tasks(typed.List(lives), pos, exp, tasks, 0, got[0])   # what the caller does
+        for i, (a, o) in enumerate(zip(lives, olds)):
+            o = o.copy()
+            if i == ti:
+                o[where] ^= np.array(1, o.dtype)
+            np.testing.assert_array_equal(a, o, err_msg=f"seed={SEED}: the other writer's bits are kept")
+
+    lives = [o.copy() for o in olds]
+    got, _ = run(kernels.commit_tasks, lives, 1, 4, abort=np.ones(1, np.int64))   # another thread refused
+    assert got == (0, 2, -1)
+    for a, o in zip(lives, olds):
+        np.testing.assert_array_equal(a, o)

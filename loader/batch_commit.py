@@ -1,0 +1,286 @@
+"""The pause's writes into contiguous host memory, batched: one kernel call per element width and thread.
+
+Every sparsely changed tensor that lives in contiguous CPU memory is written by
+:func:`delta.kernels.commit_tasks`, in one of two ways chosen per tensor while
+preparing (:func:`choose`):
+
+- **scatter** the changed elements, each old bit compared with the one prepare()
+  saw as it is overwritten: the cost follows the changed elements (and the cache
+  lines they touch);
+- **copy** a staged whole copy of the new tensor over the live one, in 64 KiB
+  blocks, each block's live bytes hashed (``kernels.block_hash``) and compared
+  with the hash prepare() took of them before it is overwritten: the cost of a
+  copy of the tensor, whatever changed. Staging it (a copy of the tensor and its
+  hashes) happens in prepare, while serving.
+
+Copy wins where so many elements change that the scatter costs more than a copy
+(:data:`COPY_ABOVE`, measured). The tasks of every tensor (big tensors split into
+several) are shared out to the threads by their estimated cost; a refusal in any
+thread stops the others at their next task, and everything written is put back
+before the commit raises, so a refused or failed batch leaves every tensor as it
+was and the prepared update whole (it can be committed again).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numba import typed
+
+from delta import kernels
+from delta.errors import HotLoadError
+
+MODES = ("auto", "scatter", "copy")
+BLOCK_BYTES = kernels.HASH_BLOCK_BYTES
+
+#: Share of changed elements above which copying the whole tensor costs less than scattering them, per
+#: element width in bytes. Measured on the 2-core development machine with python -m
+#: benchmarks.commit_choice (both ways forced on 256 MB tensors of each width, random positions); a
+#: scatter's cost is set by the cache lines it touches (a line holds 64 / width elements), a copy's by the
+#: tensor's bytes.
+COPY_ABOVE = {1: 0.15, 2: 0.2, 4: 0.4, 8: 0.5}
+#: Tensors smaller than this are always scattered (a staged copy would save nothing worth its memory).
+MIN_COPY_BYTES = 1 << 20
+#: Work units: a scatter task writes at most this many changed elements, a copy task this many blocks.
+TASK_ELEMS = 1 << 18
+TASK_BLOCKS = 32
+#: Below this estimated cost (ns) the batch runs in the calling thread (a hand-off costs ~0.1 ms).
+THREADS_ABOVE_NS = 2e6
+# rough costs for sharing tasks out (ns): per changed element scattered, per byte copied
+_SCATTER_NS = 4.0
+_COPY_NS = 0.08
+
+
+@dataclass
+class Choice:
+    """How the commit writes one tensor: ``mode`` (kernels.MODE_SCATTER or MODE_COPY) and, for a copy,
+    the whole new bits and the block hashes of the live bits they replace."""
+
+    mode: int
+    whole: np.ndarray | None = field(default=None, repr=False)
+    hashes: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.whole is None else self.whole.nbytes + self.hashes.nbytes
+
+
+def block_elems(itemsize: int) -> int:
+    return BLOCK_BYTES // itemsize
+
+
+def choose(bits: np.ndarray, positions: np.ndarray, values: np.ndarray, mode: str = "auto") -> Choice:
+    """Scatter or copy (called while preparing, in a staging thread; ``bits`` are the live tensor's)."""
+    n, k, w = bits.shape[0], positions.shape[0], bits.dtype.itemsize
+    copy = mode == "copy" or (mode == "auto" and bits.nbytes >= MIN_COPY_BYTES and k > COPY_ABOVE[w] * n)
+    if not copy or k == 0:
+        return Choice(kernels.MODE_SCATTER)
+    whole = bits.copy()
+    kernels.scatter(whole, positions, values)
+    be = block_elems(w)
+    hashes = np.empty(-(-n // be), np.uint64)
+    kernels.block_hashes(bits, be, hashes)
+    return Choice(kernels.MODE_COPY, whole, hashes)
+
+
+@dataclass
+class Item:
+    """One tensor of a batch: its names (for errors), live bits (a view of the live tensor), the staged
+    change (positions, old bits, new bits) and the choice."""
+
+    name: str
+    live_name: str
+    bits: np.ndarray
+    positions: np.ndarray
+    expected: np.ndarray
+    values: np.ndarray
+    choice: Choice
+
+
+class _Group:
+    """The items of one element width: typed lists of live and whole bits, concatenated changes, tasks."""
+
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+        w = items[0].bits.dtype
+        self.block = block_elems(w.itemsize)
+        self.lives = typed.List([it.bits for it in items])
+        empty = np.empty(0, w)
+        self.wholes = typed.List([it.choice.whole if it.choice.whole is not None else empty for it in items])
+        sizes = [it.positions.shape[0] for it in items]
+        off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.positions = np.concatenate([it.positions for it in items]) if items else np.empty(0, np.int64)
+        self.expected = np.concatenate([it.expected for it in items])
+        self.values = np.concatenate([it.values for it in items])
+        hs = [it.choice.hashes for it in items if it.choice.hashes is not None]
+        self.hashes = np.concatenate(hs) if hs else np.empty(1, np.uint64)
+        rows, costs = [], []
+        hoff = 0
+        for ti, it in enumerate(items):
+            a, b = int(off[ti]), int(off[ti + 1])
+            # the staged arrays become views of the concatenated ones: the batch holds one copy of them
+            it.positions, it.expected, it.values = (self.positions[a:b], self.expected[a:b], self.values[a:b])
+            if it.choice.mode == kernels.MODE_SCATTER:
+                for ja in range(a, b, TASK_ELEMS):
+                    jb = min(b, ja + TASK_ELEMS)
+                    rows.append((ti, kernels.MODE_SCATTER, ja, jb, 0, 0, 0))
+                    costs.append((jb - ja) * _SCATTER_NS)
+                continue
+            nb = it.choice.hashes.shape[0]
+            pos = it.positions
+            for ba in range(0, nb, TASK_BLOCKS):
+                bb = min(nb, ba + TASK_BLOCKS)
+                ja = a + int(np.searchsorted(pos, ba * self.block))
+                jb = a + int(np.searchsorted(pos, bb * self.block))
+                rows.append((ti, kernels.MODE_COPY, ja, jb, ba, bb, hoff))
+                costs.append((min(it.bits.shape[0], bb * self.block) - ba * self.block) * w.itemsize * _COPY_NS)
+            hoff += nb
+        self.tasks = np.array(rows, np.int64).reshape(-1, 7)
+        self.costs = np.array(costs, np.float64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.positions.nbytes + self.expected.nbytes + self.values.nbytes + self.hashes.nbytes + sum(
+            it.choice.nbytes for it in self.items)
+
+    def run(self, t0: int, t1: int, abort: np.ndarray) -> tuple[int, int, int]:
+        return kernels.commit_tasks(self.lives, self.wholes, self.positions, self.expected, self.values,
+                                    self.hashes, self.tasks, t0, t1, self.block, abort)
+
+    def undo(self, t0: int, t1: int) -> None:
+        if t1 > t0:
+            kernels.undo_tasks(self.lives, self.positions, self.expected, self.tasks, t0, t1)
+
+    def refusal(self, t: int, kind: int, where: int) -> HotLoadError:
+        it = self.items[int(self.tasks[t, 0])]
+        if kind == 0:
+            what = f"element {int(self.positions[where])}"
+        else:
+            s = where * self.block
+            what = f"elements [{s}, {min(it.bits.shape[0], s + self.block)})"
+        return HotLoadError(f"tensor {it.name!r}: {what} of the live tensor {it.live_name!r}, which this update "
+                            "writes, were written after prepare(); prepare again")
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < workers:
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="ckptdelta-commit")
+        return _POOL
+
+
+class CommitBatch:
+    """Every batched tensor of a prepared update, ready to be written by :meth:`run` in the pause."""
+
+    def __init__(self, items: list[Item], threads: int | None = None) -> None:
+        by_width: dict[int, list[Item]] = {}
+        for it in items:
+            by_width.setdefault(it.bits.dtype.itemsize, []).append(it)
+        self.groups = [_Group(g) for _w, g in sorted(by_width.items())]
+        self.items = items
+        total = sum(float(g.costs.sum()) for g in self.groups)
+        threads = max(1, threads or os.cpu_count() or 1)
+        self.threads = threads if total >= THREADS_ABOVE_NS else 1
+        self.parts = self._share_out(self.threads)
+        if self.threads > 1:   # start the pool's threads now, not in the pause
+            pool = _pool(self.threads - 1)
+            for f in [pool.submit(int) for _ in range(self.threads - 1)]:
+                f.result()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def tensors_copied(self) -> int:
+        return sum(1 for it in self.items if it.choice.mode == kernels.MODE_COPY)
+
+    def _share_out(self, threads: int) -> list[list[tuple[int, int, int]]]:
+        """Per thread, the (group, t0, t1) task ranges it runs: each group's tasks cut by cost."""
+        parts: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+        for gi, g in enumerate(self.groups):
+            n = g.tasks.shape[0]
+            if n == 0:
+                continue
+            cum = np.cumsum(g.costs)
+            cuts = [0] + [int(np.searchsorted(cum, cum[-1] * i / threads)) for i in range(1, threads)] + [n]
+            for i in range(threads):
+                a, b = cuts[i], max(cuts[i], cuts[i + 1])
+                if b > a:
+                    parts[i].append((gi, a, b))
+        return [p for p in parts if p] or [[]]
+
+    def _run_part(self, part: list[tuple[int, int, int]], abort: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+        """(group, t0, done, kind, where) for each range run; stops after a refusal or an abort."""
+        out = []
+        for gi, t0, t1 in part:
+            done, kind, where = self.groups[gi].run(t0, t1, abort)
+            out.append((gi, t0, int(done), int(kind), int(where)))
+            if done < t1 - t0:
+                break
+        return out
+
+    def run(self) -> None:
+        """Write every tensor, or none: a refusal (HotLoadError naming the tensor), an error or an interrupt
+        puts back everything written before it propagates."""
+        abort = np.zeros(1, np.int64)
+        parts = self.parts
+        futures: list[Future] = []
+        if len(parts) > 1:
+            pool = _pool(len(parts) - 1)
+            futures = [pool.submit(self._run_part, p, abort) for p in parts[1:]]
+        results: list[Any] = []
+        first_error: BaseException | None = None
+        try:
+            results.append(self._run_part(parts[0], abort))
+        except BaseException as e:   # noqa: BLE001 - the others must finish before anything is undone
+            first_error = e
+            abort[0] = 1
+            results.append(None)
+        for f, part in zip(futures, parts[1:]):
+            while True:
+                try:
+                    wait([f])
+                    break
+                except BaseException as e:   # noqa: BLE001 - an interrupt while waiting: wait on
+                    first_error = first_error or e
+                    abort[0] = 1
+            try:
+                results.append(f.result())
+            except BaseException as e:   # noqa: BLE001
+                first_error = first_error or e
+                results.append(None)
+        refusal = None
+        if first_error is None:
+            for res in results:
+                for gi, t0, done, kind, where in res:
+                    if kind in (0, 1) and refusal is None:
+                        refusal = self.groups[gi].refusal(t0 + done, kind, where)
+            if refusal is None:
+                return
+        self._undo_results(results)
+        raise first_error or refusal
+
+    def _undo_results(self, results: list[Any]) -> None:
+        for part, res in zip(self.parts, results):
+            if res is None:          # a part that raised: its progress is unknown, put all of it back
+                for gi, t0, t1 in part:
+                    self.groups[gi].undo(t0, t1)
+                continue
+            for gi, t0, done, _kind, _where in reversed(res):
+                self.groups[gi].undo(t0, t0 + done)
+
+    def undo(self) -> None:
+        """Put back the old bits of a batch :meth:`run` wrote completely (a later step of the commit failed)."""
+        for g in reversed(self.groups):
+            g.undo(0, g.tasks.shape[0])
