@@ -91,8 +91,8 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
                 _read_whole(reader, o, listed_by[key], bar, sink)
         for i in shards:
             _stream_shard(reader, anchor, i, bar, checker.check)
-        for name in checker.names:           # tensors the anchor lacks (added by a delta)
-            if name not in anchor.tensors:
+        for name in checker.names:           # tensors the shards did not hold (added by a delta)
+            if name not in checker.done:
                 checker.check(name, None)
     damaged = ()
     if ref is None or ref == "latest":     # latest skipped damaged newer manifests: say which
@@ -115,9 +115,11 @@ class _TensorChecker:
         self.chain = chain
         self.names = sorted({n for m in chain for n in m.tensors})
         self.checked = 0
+        self.done: set[str] = set()
         self.spool: _Spool | None = None
 
     def check(self, name: str, anchor_data: bytes | None) -> None:
+        self.done.add(name)
         t: "torch.Tensor | None" = None
         for m in self.chain:
             e = m.tensors.get(name)
@@ -128,7 +130,8 @@ class _TensorChecker:
                 p = Piece(m, name)
                 check_piece_size(p)
                 if not p.is_record:
-                    assert anchor_data is not None
+                    if anchor_data is None:
+                        raise ChecksumError(f"{p.where()}: the shard's stream held no such tensor")
                     value = check_piece(p, anchor_data)
                 else:
                     assert self.spool is not None
@@ -339,7 +342,9 @@ class _Spool:
     def read(self, key: str, start: int, end: int) -> bytes:
         if key in self.memory:
             return self.memory[key][start:end]
-        with open(self.files[key], "rb") as f:   # a key not kept: the manifest names an object it does not list
+        if key not in self.files:   # a delta's object that is also an anchor shard: a damaged manifest
+            raise ManifestError(f"object {key}: a delta record points into it, but it is not a delta object")
+        with open(self.files[key], "rb") as f:
             f.seek(start)
             return f.read(end - start)
 
