@@ -257,6 +257,8 @@ def test_requests_in_flight_through_a_hotload_all_finish_and_report_the_span(rep
         t.join()
     rep.engine.cache_policy = rep.engine.applier.cache_policy = "recompute"
     assert job["state"] == "READY", job
+    # built and read back beside vLLM's steps (kernel calls take turns with them), then swapped in
+    assert rep.http.get("/v1/status").json()["engine"]["last_swap"]["apply"] == "shadow"
     assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200][:2]
     spans = [r.json()["engine_data"]["policy_versions"] for r in results]
     assert all(s in ([0], [2], [0, 2]) for s in spans), spans

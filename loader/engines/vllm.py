@@ -348,14 +348,19 @@ class VllmApplier(EngineApplier):
         log.info("vLLM: %s built beside the live weights: %d tensors in %s modules, %.2fs",
                  _snapshot(prepared.to_version), len(groups), facts["modules"], facts["stage_s"])
 
-    def _staged(self, token: str, timeout: float = CONTROL_TIMEOUT_S) -> list[dict[str, Any]]:
+    def _staged(self, token: str) -> list[dict[str, Any]]:
+        return self._poll("ckptdelta_staged", token, "building the shadow")
+
+    def _poll(self, method: str, token: str, what: str, timeout: float = CONTROL_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Every worker's answer about background job ``token`` once none is running (each poll is a short
+        RPC; the work itself runs in the workers' threads, beside vLLM's steps)."""
         deadline = time.monotonic() + timeout
         while True:
-            answers = self.control.rpc("ckptdelta_staged", {"token": token})
-            if all(a.get("state") != "building" for a in answers):
+            answers = self.control.rpc(method, {"token": token})
+            if all(a.get("state") != "running" for a in answers):
                 return answers
             if time.monotonic() > deadline:
-                raise VllmError(f"building the shadow {token} took more than {timeout:.0f}s")
+                raise VllmError(f"{what} ({token}) took more than {timeout:.0f}s")
             time.sleep(0.05)
 
     def _drop(self, token: str, stage: SharedWeights) -> None:
@@ -434,14 +439,14 @@ class VllmApplier(EngineApplier):
         is pushed again (whole modules) and checked again; if it stays, the version becomes unknown."""
         t0 = time.perf_counter()
         try:
-            self.last["verified_tensors"] = self.check(names)
+            self.last["verified_tensors"] = self.check(names, background=True)
         except (HotLoadError, VllmError) as first:
             log.critical("vLLM's live weights differ from the host copy after resuming (%s); reloading them", first)
             try:
                 self.control.rpc("ckptdelta_reload", {"path": self.shared.path,
                                                       "names": reload_groups(names, list(self.shared.index),
                                                                              self.packed)})
-                self.last["verified_tensors"] = self.check(names)
+                self.last["verified_tensors"] = self.check(names, background=True)
             except (HotLoadError, VllmError) as second:
                 self.on_unverified()
                 self.last.update(verified=False, verify_after_s=time.perf_counter() - t0)
@@ -450,10 +455,22 @@ class VllmApplier(EngineApplier):
                     from second
         self.last.update(verified=True, verify_after_s=time.perf_counter() - t0)
 
-    def check(self, names: Sequence[str] | None = None) -> int:
-        """Compare the live weights (read back in checkpoint coordinates by every worker) with the host copy."""
+    def check(self, names: Sequence[str] | None = None, *, background: bool = False) -> int:
+        """Compare the live weights (read back in checkpoint coordinates by every worker) with the host copy.
+
+        ``background``: read them back in the workers' threads, taking turns with vLLM's steps, instead of
+        inside one RPC that holds vLLM's engine loop (for the proof after resuming, while serving)."""
         names = list(self.shared.index) if names is None else list(names)
-        for w, answer in enumerate(self.control.rpc("ckptdelta_digests", {"names": names})):
+        if background:
+            token = f"digests-{uuid.uuid4().hex[:12]}"
+            self.control.rpc("ckptdelta_digests_start", {"names": names, "token": token})
+            answers = self._poll("ckptdelta_job", token, "reading the live weights back")
+            failed = [a.get("why") or a.get("state") for a in answers if a.get("state") != "ready"]
+            if failed:
+                raise VllmError(f"vLLM at {self.control.url}: reading the live weights back failed: {failed[0]}")
+        else:
+            answers = self.control.rpc("ckptdelta_digests", {"names": names})
+        for w, answer in enumerate(answers):
             got = answer.get("digests") or {}
             expected = expected_digests(self.shared, names, set(answer.get("kernel_view") or ()))
             bad = sorted(n for n in names if got.get(n) != expected[n])

@@ -55,6 +55,7 @@ serves; they equal the checkpoint bits only when that is the checkpoint's dtype.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 import os
@@ -71,6 +72,10 @@ _IDENTITY_CHUNK = 1024
 #: Input columns read per kernel matrix while sampling (None: all); see checkpoint_tensors(sample_columns=...).
 _SAMPLE_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ckptdelta_sample_columns",
                                                                              default=None)
+#: Entered around every kernel call a read-back makes. A read-back running beside vLLM's own steps (a thread
+#: of the worker) sets it to the worker's kernel lock: vLLM's CPU GEMMs share one process-wide scratchpad.
+KERNEL_GUARD: contextvars.ContextVar[Callable[[], Any]] = contextvars.ContextVar(
+    "ckptdelta_kernel_guard", default=contextlib.nullcontext)
 
 
 class ReadbackError(RuntimeError):
@@ -143,7 +148,8 @@ def _kernel_matrix(name: str, layer: torch.nn.Module, n_out: int, n_in: int, dty
             eye = torch.zeros(r1 - r0, n_in, dtype=dtype, device=dev)
             idx = torch.arange(r1 - r0, device=dev)
             eye[idx, inputs[r0:r1].to(dev)] = 1
-            y = apply(layer, eye, bias=None)
+            with KERNEL_GUARD.get()():
+                y = apply(layer, eye, bias=None)
             if isinstance(y, tuple):
                 y = y[0]
             if y.dtype != dtype or tuple(y.shape) != (r1 - r0, n_out):
@@ -332,7 +338,8 @@ def _moe_unpack(name: str, packed: torch.Tensor, isa: str) -> torch.Tensor:
     src = torch.zeros(n, dtype=torch.int64)
     for d in range(max(1, math.ceil(math.log2(max(n, 2)) / 7))):
         probe = (((idx >> (7 * d)) & 0x7F) | one).to(ints).view(packed.dtype).reshape(1, r, c)
-        got = ops.cpu_prepack_moe_weight(probe.to(packed.device), isa).to("cpu")
+        with KERNEL_GUARD.get()():
+            got = ops.cpu_prepack_moe_weight(probe.to(packed.device), isa).to("cpu")
         src |= (_bits(got).to(torch.int64) & 0x7F) << (7 * d)
     if not bool((torch.bincount(src, minlength=n) == 1).all()):
         raise ReadbackError(name, f"prepack_moe_weight(isa={isa!r}) is not a per-expert permutation")
@@ -341,7 +348,8 @@ def _moe_unpack(name: str, packed: torch.Tensor, isa: str) -> torch.Tensor:
     unpacked = torch.empty_like(flat)
     unpacked[:, src] = flat
     unpacked = unpacked.reshape(e, r, c)
-    again = ops.cpu_prepack_moe_weight(unpacked.to(packed.device), isa).to("cpu")
+    with KERNEL_GUARD.get()():
+        again = ops.cpu_prepack_moe_weight(unpacked.to(packed.device), isa).to("cpu")
     if not torch.equal(_bits(again), _bits(live)):
         raise ReadbackError(name, "unpacked MoE weight does not re-pack to the live bits")
     return unpacked

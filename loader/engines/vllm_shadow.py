@@ -35,6 +35,7 @@ loaded.
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import threading
@@ -173,6 +174,12 @@ def build_shadow(model: torch.nn.Module, model_config: Any, tensors: Mapping[str
         except AttributeError:
             raise ShadowError(f"vLLM module {path!r} does not exist in this model") from None
     tree = _Tree(model, touched, set(extra))
+    locked = []
+    for _path, _live, shadow in tree.pairs:       # re-pack under the kernel lock, outside vLLM's steps
+        method = shadow.__dict__.get("quant_method")
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            shadow.__dict__["quant_method"] = _locked_method(method)
+            locked.append((shadow, method))
     quiet = _Quiet()
     loggers = [logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"),
                logging.getLogger("vllm.model_executor.model_loader.reload.inplace")]
@@ -197,6 +204,8 @@ def build_shadow(model: torch.nn.Module, model_config: Any, tensors: Mapping[str
     finally:
         for lg in loggers:
             lg.removeFilter(quiet)
+        for shadow, method in locked:             # the live modules keep their own quant method
+            shadow.__dict__["quant_method"] = method
     if loaded is None:
         raise ShadowError(f"{type(model).__name__}.load_weights does not report what it loaded")
     outside = sorted(n for n in loaded if not any(n == p or n.startswith(p + ".") for p in touched))
@@ -235,25 +244,86 @@ def swap_in(tree: "_Tree") -> int:
     return len(tree.pairs)
 
 
-class ShadowBuild:
-    """One shadow built in a background thread of the worker; ``state`` is building, ready or failed."""
+class FairLock:
+    """A lock handed out first come, first served: vLLM's steps and a background job take turns, neither
+    starves (a plain Lock lets the engine loop take it back at once, step after step)."""
 
-    def __init__(self, token: str, work: Callable[[], "_Tree"], check: Callable[["_Tree"], dict[str, Any]]):
-        self.token, self.state, self.error = token, "building", None
-        self.tree: _Tree | None = None
-        self.facts: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, args=(work, check), name=f"ckptdelta-shadow-{token}",
-                                        daemon=True)
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[object] = collections.deque()
+        self._busy = False
+
+    def __enter__(self) -> "FairLock":
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            while self._busy or self._queue[0] is not me:
+                self._cond.wait()
+            self._queue.popleft()
+            self._busy = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
+#: vLLM's CPU GEMMs (oneDNN ``onednn_mm``) share one process-wide scratchpad, so two threads must never run
+#: kernels at once: vLLM's steps and a background job's kernel calls (re-packing, read-back) take this lock.
+KERNEL_LOCK = FairLock()
+_STEP_METHODS = ("execute_model", "sample_tokens")
+
+
+def install_step_lock(model_runner: Any) -> None:
+    """Make every step of ``model_runner`` (an instance attribute wrapping its own methods) hold
+    :data:`KERNEL_LOCK`. Idempotent."""
+    if getattr(model_runner, "_ckptdelta_step_lock", False):
+        return
+    for name in _STEP_METHODS:
+        method = getattr(model_runner, name, None)
+        if method is None:
+            continue
+
+        def locked(*args: Any, _method: Callable[..., Any] = method, **kwargs: Any) -> Any:
+            with KERNEL_LOCK:
+                return _method(*args, **kwargs)
+
+        setattr(model_runner, name, locked)
+    model_runner._ckptdelta_step_lock = True
+
+
+def _locked_method(method: Any) -> Any:
+    """A copy of a quant method (same class, so vLLM's isinstance checks hold) whose
+    ``process_weights_after_loading`` (the CPU re-packing) holds the kernel lock."""
+    twin = copy.copy(method)
+    inner = method.process_weights_after_loading
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        with KERNEL_LOCK:
+            inner(layer)
+
+    twin.process_weights_after_loading = process_weights_after_loading
+    return twin
+
+
+class BackgroundJob:
+    """Work run in a thread of the worker (so the RPC that starts it returns at once); ``state`` is
+    running, ready or failed. The job's kernel calls hold :data:`KERNEL_LOCK`."""
+
+    def __init__(self, token: str, fn: Callable[[], dict[str, Any]]):
+        self.token, self.state, self.error = token, "running", None
+        self.result: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"ckptdelta-{token}", daemon=True)
         self._thread.start()
 
-    def _run(self, work: Callable[[], "_Tree"], check: Callable[["_Tree"], dict[str, Any]]) -> None:
-        t0 = time.perf_counter()
+    def _run(self, fn: Callable[[], dict[str, Any]]) -> None:
+        from loader.engines.vllm_readback import KERNEL_GUARD
+
+        KERNEL_GUARD.set(lambda: KERNEL_LOCK)
         try:
-            tree = work()
-            t1 = time.perf_counter()
-            self.facts.update(build_s=t1 - t0, modules=len(tree.pairs))
-            self.facts.update(check(tree), check_s=time.perf_counter() - t1)
-            self.tree, self.state = tree, "ready"
+            self.result = fn()
+            self.state = "ready"
         except Exception as e:  # noqa: BLE001 - reported through the worker's answers
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
 
@@ -262,7 +332,25 @@ class ShadowBuild:
         return self.state
 
     def answer(self) -> dict[str, Any]:
-        out = {"token": self.token, "state": self.state, **self.facts}
+        out = {"token": self.token, "state": self.state, **self.result}
         if self.error is not None:
             out["why"] = self.error      # not "error": that key means the RPC itself failed
         return out
+
+
+class ShadowBuild(BackgroundJob):
+    """One shadow built and checked in a background thread; ``tree`` once ready."""
+
+    def __init__(self, token: str, work: Callable[[], "_Tree"], check: Callable[["_Tree"], dict[str, Any]]):
+        self.tree: _Tree | None = None
+
+        def run() -> dict[str, Any]:
+            t0 = time.perf_counter()
+            tree = work()
+            t1 = time.perf_counter()
+            facts = {"build_s": t1 - t0, "modules": len(tree.pairs), **check(tree),
+                     "check_s": time.perf_counter() - t1}
+            self.tree = tree
+            return facts
+
+        super().__init__(token, run)

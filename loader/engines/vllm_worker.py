@@ -50,9 +50,13 @@ class CkptDeltaWorker:
 
     @_answer
     def ckptdelta_layout(self, req: dict) -> dict[str, Any]:
-        """What the replica needs to group tensors into whole vLLM modules (fused q/k/v, gate/up, experts)."""
+        """What the replica needs to group tensors into whole vLLM modules (fused q/k/v, gate/up, experts).
+        Called once when the replica attaches: from then on vLLM's steps take turns with background jobs."""
         model = self._ckptdelta_model()
         from loader.engines.vllm_patch import targets
+        from loader.engines.vllm_shadow import install_step_lock
+
+        install_step_lock(self.model_runner)  # type: ignore[attr-defined]
 
         packed = getattr(model, "packed_modules_mapping", None) or {}
         return {"packed": {k: list(v) for k, v in dict(packed).items()}, "patchable": sorted(targets(model))}
@@ -106,16 +110,9 @@ class CkptDeltaWorker:
         return {"reload_s": time.perf_counter() - t0}
 
     @_answer
-    def ckptdelta_digests(self, req: dict) -> dict[str, str]:
+    def ckptdelta_digests(self, req: dict) -> dict[str, Any]:
         """xxh3 digests of the live weights in checkpoint coordinates (all of them, or ``names``)."""
-        from loader.engines.vllm_readback import checkpoint_tensors, digests, kernel_view
-
-        # Tensors read through a GEMM kernel are compared as the kernel sees them (vllm_readback.kernel_view).
-        kernel: set[str] = set()
-        tensors = checkpoint_tensors(self._ckptdelta_model(), req.get("names"), strict=False, kernel_read=kernel)
-        for n in kernel:
-            tensors[n] = kernel_view(tensors[n])
-        return {"digests": digests(tensors), "kernel_view": sorted(kernel)}
+        return _digests(self._ckptdelta_model(), req.get("names"))
 
     @_answer
     def ckptdelta_check(self, req: dict) -> dict[str, Any]:
@@ -134,7 +131,7 @@ class CkptDeltaWorker:
         from loader.engines.vllm_shadow import ShadowBuild, ShadowError, build_shadow
 
         old = getattr(self, "_ckptdelta_shadow", None)
-        if old is not None and old.state == "building":
+        if old is not None and old.state == "running":
             return {"error": f"shadow {old.token} is still being built", "where": "ckptdelta_stage"}
         self._ckptdelta_shadow = None
         model = self._ckptdelta_model()
@@ -160,7 +157,28 @@ class CkptDeltaWorker:
             return {"checked": answer["checked"], "sampled": answer["sampled"], "deferred": tree.deferred}
 
         self._ckptdelta_shadow = ShadowBuild(str(req["token"]), work, check)
-        return {"token": self._ckptdelta_shadow.token, "state": "building"}
+        return {"token": self._ckptdelta_shadow.token, "state": "running"}
+
+    @_answer
+    def ckptdelta_digests_start(self, req: dict) -> dict[str, Any]:
+        """:meth:`ckptdelta_digests` in a background thread (the proof after resuming, while vLLM serves):
+        its kernel calls take turns with vLLM's steps. Poll with ``ckptdelta_job``."""
+        from loader.engines.vllm_shadow import BackgroundJob
+
+        jobs = self.__dict__.setdefault("_ckptdelta_jobs", {})
+        for token in [t for t, j in jobs.items() if j.state != "running"]:
+            del jobs[token]
+        model, names = self._ckptdelta_model(), req.get("names")
+        jobs[str(req["token"])] = BackgroundJob(str(req["token"]), lambda: _digests(model, names))
+        return {"token": str(req["token"]), "state": "running"}
+
+    @_answer
+    def ckptdelta_job(self, req: dict) -> dict[str, Any]:
+        """Where background job ``token`` stands (its result once ready). Never waits."""
+        job = self.__dict__.get("_ckptdelta_jobs", {}).get(str(req.get("token")))
+        if job is None:
+            return {"token": req.get("token"), "state": "missing"}
+        return job.answer()
 
     @_answer
     def ckptdelta_staged(self, req: dict) -> dict[str, Any]:
@@ -190,9 +208,9 @@ class CkptDeltaWorker:
     def ckptdelta_unstage(self, req: dict) -> dict[str, Any]:
         """Drop a shadow that will not be swapped in (a failed or abandoned hot-load)."""
         shadow = getattr(self, "_ckptdelta_shadow", None)
-        if shadow is not None and shadow.state != "building":
+        if shadow is not None and shadow.state != "running":
             self._ckptdelta_shadow = None
-        return {"dropped": shadow is not None and shadow.state != "building"}
+        return {"dropped": shadow is not None and shadow.state != "running"}
 
     @_answer
     def ckptdelta_read(self, req: dict) -> dict[str, Any]:
@@ -206,6 +224,17 @@ class CkptDeltaWorker:
                                      kernel_read=kernel)
         save_file({k: v.contiguous() for k, v in tensors.items()}, req["path"])
         return {"tensors": len(tensors), "kernel_view": sorted(kernel)}
+
+
+def _digests(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
+    from loader.engines.vllm_readback import checkpoint_tensors, digests, kernel_view
+
+    # Tensors read through a GEMM kernel are compared as the kernel sees them (vllm_readback.kernel_view).
+    kernel: set[str] = set()
+    tensors = checkpoint_tensors(model, names, strict=False, kernel_read=kernel)
+    for n in kernel:
+        tensors[n] = kernel_view(tensors[n])
+    return {"digests": digests(tensors), "kernel_view": sorted(kernel)}
 
 
 def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns: int | None) -> dict[str, Any]:
