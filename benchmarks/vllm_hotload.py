@@ -159,6 +159,7 @@ class Replica:
     server: Any
     http: httpx.Client
     pauses: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of every pause, perf_counter
+    proofs: list[tuple[float, float]] = field(default_factory=list)  # (resume, proof done) after each swap
 
     @property
     def control(self) -> Any:
@@ -209,11 +210,15 @@ def start_replica(url: str, opts: dict | None, cache_dir: str, vllm_log: str) ->
     @contextmanager
     def timed_pause() -> Iterator[Any]:  # when generation stopped and resumed, for the sampler's accounting
         t0 = time.perf_counter()
+        p = None
         try:
             with orig() as p:
                 yield p
         finally:
-            rep.pauses.append((t0, time.perf_counter()))
+            # leaving orig() also runs the proof after resuming, beside vLLM's steps: not part of the pause
+            t1 = t0 + p.seconds if p is not None and p.seconds else time.perf_counter()
+            rep.pauses.append((t0, t1))
+            rep.proofs.append((t1, time.perf_counter()))
 
     applier.paused = timed_pause
     return rep
@@ -420,6 +425,7 @@ def throughput(rep: Replica, pub: Any, trainer: Trainer, *, clients: int, max_to
         time.sleep(idle_s)
         idle = [(i0, time.perf_counter())]
         windows: list[tuple[float, float]] = []
+        proofs: list[tuple[float, float]] = []   # resume -> READY: the full read-back, beside vLLM's steps
         loads = []
         idle_durations = [e - s for s, e, _ in sampler.done if s >= i0]
         settle = min(10.0, statistics.median(idle_durations)) if idle_durations else 2.0
@@ -431,6 +437,7 @@ def throughput(rep: Replica, pub: Any, trainer: Trainer, *, clients: int, max_to
             h = rep.hotload(res.version)
             pause0 = rep.pauses[-1][0]
             windows.append((h["posted"], min(h["swapping"], pause0)))
+            proofs.append(rep.proofs[-1])
             t = time.perf_counter()
             verified = rep.check() == len(weights)
             stalls.append((t, time.perf_counter()))
@@ -454,10 +461,13 @@ def throughput(rep: Replica, pub: Any, trainer: Trainer, *, clients: int, max_to
         out_idle = tokens_in(sampler.done, [w], pauses) / max(w[1] - w[0], 1e-9)
         loads_idle[name] = out_idle
     prep_rate = tokens_in(sampler.done, windows, pauses) / prep_t
+    proof_t = sum(b - a for a, b in proofs)
+    proof_rate = tokens_in(sampler.done, proofs, pauses) / proof_t if proof_t > 0 else 0.0
     return {"clients": clients, "max_tokens": max_tokens, "idle_s": idle_t, "prepare_window_s": prep_t,
             "settle_s": settle, "idle_tokens_per_s_by_window": loads_idle,
             "hotloads": loads, "requests": len(sampler.done), "errors": sampler.errors,
             "idle_tokens_per_s": idle_rate, "prepare_tokens_per_s": prep_rate,
+            "proof_window_s": proof_t, "proof_tokens_per_s": proof_rate,
             "ratio": prep_rate / idle_rate if idle_rate else 0.0,
             "verified": all(x["verified"] for x in loads) and sampler.errors == 0}
 
@@ -621,7 +631,9 @@ def markdown(out: dict[str, Any]) -> str:
         f"ckptdelta hot-loads prepared {tk['prepare_tokens_per_s']:.1f} over {tk['prepare_window_s']:.1f} s of "
         f"prepare windows (POST /v1/hotload -> job seen SWAPPING); ratio {tk['ratio']:.2f}. Each request's "
         "completion tokens are spread evenly over its unpaused wall time and counted in proportion to its overlap "
-        f"with a window; {tk['requests']} requests, {tk['errors']} errors.",
+        f"with a window; {tk['requests']} requests, {tk['errors']} errors. After each swap, while the full "
+        f"read-back proof ran beside vLLM's steps (resume -> READY, {tk.get('proof_window_s', 0.0):.1f} s in all): "
+        f"{tk.get('proof_tokens_per_s', 0.0):.1f} tokens/s.",
         "",
         "Targets:",
         "",
