@@ -4,7 +4,16 @@ For every reference workload (benchmarks/workloads.py) it prints compression rat
 (model bytes / encoded bytes), encode MB/s and decode+apply MB/s of model bytes,
 checks every codec round-trips bit-exactly, and prints the empirical entropy of
 the change so each codec can be judged against the limit. Timings are medians
-of repeats on one core (threads=1) unless the row says otherwise.
+of repeats on one core (threads=1) unless the row says otherwise; the codecs take
+turns within each repeat, so a burst of load from other jobs hits all of them
+alike. One-thread rows give MB/s of wall time and of the thread's CPU time (which
+a shared machine's waits for a core do not inflate).
+
+For each workload the context coder serves it also prints where the default codec's
+time goes: ns per element of each stage (benchmarks/stages.py) beside this machine's
+memory-bandwidth floor measured in the same run (a copy pass and an XOR pass), and at
+the end the speed targets of the default codec against XOR+zstd-3 on the reference
+workloads, met or not.
 
     python -m benchmarks.codec            # small model, every workload
     python -m benchmarks.codec --quick    # tiny model, five workloads, < 1 minute
@@ -25,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 import delta
-from benchmarks import baselines, entropy, workloads
+from benchmarks import baselines, entropy, stages, workloads
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -70,15 +79,8 @@ class Row:
     decode_mbs: float | None
     exact: bool | None
     note: str = ""
-
-
-def _median_time(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    encode_cpu_mbs: float | None = None     # one-thread codecs: MB/s of the thread's CPU time
+    decode_cpu_mbs: float | None = None
 
 
 def _bits_equal(a: dict, b: dict) -> bool:
@@ -92,21 +94,43 @@ def _clone(sd: dict) -> dict:
     return {k: v.clone() for k, v in sd.items()}
 
 
-def run_codec(codec, w: workloads.Workload, repeats: int) -> Row:
+def _one_thread(codec) -> bool:
+    return getattr(codec, "threads", 1) == 1
+
+
+def run_workload(codecs: list, w: workloads.Workload, repeats: int) -> list[Row]:
+    """Every codec on ``w``: ``repeats`` rounds in which each codec encodes, then decodes+applies,
+    in turn (so load from other jobs falls on all of them alike); medians per codec."""
     full = baselines.dense_nbytes(w.new)
-    if not codec.supports(w.new):
-        return Row(w.name, codec.name, None, None, None, None, None, "n/a (dtype unsupported)")
-    enc_s, blobs = _median_time(lambda: codec.encode(w.old, w.new), repeats)
-    size = baselines.encoded_nbytes(blobs)
-    dec_times, out = [], None
-    for _ in range(repeats):
-        old = _clone(w.old)
-        t0 = time.perf_counter()
-        out = codec.decode(old, blobs)
-        dec_times.append(time.perf_counter() - t0)
-    dec_s = statistics.median(dec_times)
     mb = full / 1e6
-    return Row(w.name, codec.name, full / max(1, size), size, mb / enc_s, mb / dec_s, _bits_equal(out, w.new))
+    live = [c for c in codecs if c.supports(w.new)]
+    times = {id(c): {"enc": [], "dec": [], "enc_cpu": [], "dec_cpu": []} for c in live}
+    blobs, outs = {}, {}
+    for _ in range(repeats):
+        for c in live:
+            t = times[id(c)]
+            t0, c0 = time.perf_counter(), time.thread_time()
+            blobs[id(c)] = c.encode(w.old, w.new)
+            t["enc"].append(time.perf_counter() - t0)
+            t["enc_cpu"].append(time.thread_time() - c0)
+            old = _clone(w.old)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            outs[id(c)] = c.decode(old, blobs[id(c)])
+            t["dec"].append(time.perf_counter() - t0)
+            t["dec_cpu"].append(time.thread_time() - c0)
+    rows = []
+    for c in codecs:
+        if c not in live:
+            rows.append(Row(w.name, c.name, None, None, None, None, None, "n/a (dtype unsupported)"))
+            continue
+        t = times[id(c)]
+        size = baselines.encoded_nbytes(blobs[id(c)])
+        cpu = _one_thread(c)
+        rows.append(Row(w.name, c.name, full / max(1, size), size, mb / statistics.median(t["enc"]),
+                        mb / statistics.median(t["dec"]), _bits_equal(outs[id(c)], w.new),
+                        encode_cpu_mbs=mb / statistics.median(t["enc_cpu"]) if cpu else None,
+                        decode_cpu_mbs=mb / statistics.median(t["dec_cpu"]) if cpu else None))
+    return rows
 
 
 def entropy_line(w: workloads.Workload) -> dict:
@@ -142,11 +166,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Row] = []
     entropies: dict[str, dict] = {}
+    stage_times: dict[str, dict] = {}
     for w in wl:
         entropies[w.name] = entropy_line(w)
-        for c in codecs:
-            rows.append(run_codec(c, w, repeats))
-    report = render(rows, entropies, wl)
+        rows += run_workload(codecs, w, repeats)
+        if w.dtype in ("bf16", "fp8"):
+            stage_times[w.name] = stages.measure(w.old, w.new, max(3, repeats))
+    report = render(rows, entropies, wl, stage_times)
     print(report)
     os.makedirs(args.out, exist_ok=True)
     tag = "codec-quick" if args.quick else "codec"
@@ -154,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(report)
     with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
         json.dump({"machine": _machine(), "repeats": repeats, "rows": [r.__dict__ for r in rows],
-                   "entropy": entropies}, f, indent=1)
+                   "entropy": entropies, "stages_ns_per_element": stage_times,
+                   "targets": targets(rows)}, f, indent=1)
     if not args.no_plot:
         plot(rows, os.path.join(args.out, f"{tag}.png"))
     bad = [r for r in rows if r.exact is False]
@@ -169,9 +196,44 @@ def _machine() -> dict:
             "processor": platform.processor() or platform.machine()}
 
 
-def render(rows: list[Row], entropies: dict, wl: list) -> str:
+#: The default codec's speed targets against XOR+zstd-3 (same run, one thread): workload ->
+#: (encode speed >=, decode+apply speed >=) as a multiple of XOR+zstd-3's; the ratio must stay
+#: RATIO_TARGET x XOR+zstd-3's, and two threads THREADS_TARGET x one thread's, on each.
+SPEED_TARGETS = {"bf16-lr1e-06-1step": (1.0, 0.6), "bf16-lr1e-05-1step": (0.8, 0.4),
+                 "bf16-lr1e-06-10step": (0.8, 0.4)}
+RATIO_TARGET = 2.5
+THREADS_TARGET = 1.7
+
+
+def targets(rows: list[Row]) -> list[dict]:
+    """Each target workload's measured multiples (wall medians; CPU time beside) and whether each target is met."""
+    out = []
+    for wname, (enc_t, dec_t) in SPEED_TARGETS.items():
+        mine = {r.codec: r for r in rows if r.workload == wname and r.ratio is not None}
+        me, xor = mine.get("ckptdelta"), mine.get("xor+zstd3")
+        two = next((r for c, r in mine.items() if c.startswith("ckptdelta (") and "fast" not in c), None)
+        if me is None or xor is None:
+            continue
+        t = {"workload": wname, "ratio_x": me.ratio / xor.ratio,
+             "encode_x": me.encode_mbs / xor.encode_mbs, "decode_x": me.decode_mbs / xor.decode_mbs,
+             "encode_x_cpu": me.encode_cpu_mbs / xor.encode_cpu_mbs,
+             "decode_x_cpu": me.decode_cpu_mbs / xor.decode_cpu_mbs,
+             "threads": two.codec if two else None,
+             "threads_encode_x": two.encode_mbs / me.encode_mbs if two else None,
+             "threads_decode_x": two.decode_mbs / me.decode_mbs if two else None,
+             "target_encode_x": enc_t, "target_decode_x": dec_t}
+        t["met"] = {"ratio": t["ratio_x"] >= RATIO_TARGET, "encode": t["encode_x"] >= enc_t,
+                    "decode": t["decode_x"] >= dec_t,
+                    "threads": None if two is None else min(t["threads_encode_x"], t["threads_decode_x"]) >= THREADS_TARGET}
+        out.append(t)
+    return out
+
+
+def render(rows: list[Row], entropies: dict, wl: list, stage_times: dict | None = None) -> str:
+    stage_times = stage_times or {}
     lines = ["# Codec benchmark", "",
-             "ratio = model bytes / encoded bytes; MB/s of model bytes, median of repeats, one core unless noted.", ""]
+             "ratio = model bytes / encoded bytes; MB/s of model bytes, median of repeats (codecs take turns "
+             "within each repeat), one core unless noted; cpu = MB/s of the thread's CPU time (one-thread rows).", ""]
     for w in wl:
         e = entropies[w.name]
         lines += [f"## {w.name}  ({baselines.dense_nbytes(w.new) / 1e6:.1f} MB)", "",
@@ -181,17 +243,58 @@ def render(rows: list[Row], entropies: dict, wl: list) -> str:
                   f"limit ratio ~{e['ratio_limit']:.1f}x; given the parent's exponent (benchmarks/entropy.py): "
                   f"positions {e['ctx_pos_bits']:.2f} + steps {e['ctx_step_bits']:.2f} bits, "
                   f"limit ratio ~{e['ctx_ratio_limit']:.1f}x", "",
-                  "| codec | ratio | encoded | encode MB/s | decode+apply MB/s | bit-exact |",
-                  "|---|---:|---:|---:|---:|:-:|"]
+                  "| codec | ratio | encoded | encode MB/s | decode+apply MB/s | encode MB/s cpu | "
+                  "decode+apply MB/s cpu | bit-exact |",
+                  "|---|---:|---:|---:|---:|---:|---:|:-:|"]
         mine = [r for r in rows if r.workload == w.name]
         best_base = max((r.ratio or 0) for r in mine if r.codec.startswith(("xor+", "sparse-idx+"))) or None
+        cpu = lambda v: "" if v is None else f"{v:,.0f}"  # noqa: E731
         for r in mine:
             if r.ratio is None:
-                lines.append(f"| {r.codec} | {r.note} | | | | |")
+                lines.append(f"| {r.codec} | {r.note} | | | | | | |")
                 continue
             rel = f" ({r.ratio / best_base:.2f}x best of XOR/indices)" if best_base and r.codec.startswith("ckptdelta") else ""
             lines.append(f"| {r.codec} | {r.ratio:.1f}{rel} | {r.encoded_bytes:,} | {r.encode_mbs:,.0f} | "
-                         f"{r.decode_mbs:,.0f} | {'yes' if r.exact else 'NO'} |")
+                         f"{r.decode_mbs:,.0f} | {cpu(r.encode_cpu_mbs)} | {cpu(r.decode_cpu_mbs)} | "
+                         f"{'yes' if r.exact else 'NO'} |")
+        lines.append("")
+        st = stage_times.get(w.name)
+        me = next((r for r in mine if r.codec == "ckptdelta" and r.ratio is not None), None)
+        if st and me:
+            per = baselines.dense_nbytes(w.new) / st["numel"]          # bytes per element
+            e2e_enc = 1e3 * per / me.encode_cpu_mbs
+            e2e_dec = 1e3 * per / me.decode_cpu_mbs
+            f = st["floor"]
+            lines += [f"Where ckptdelta's time goes, ns per element of the model (thread CPU time, median; "
+                      f"benchmarks/stages.py); floor in the same run: copy pass {f['copy']:.2f}, "
+                      f"XOR pass {f['xor']:.2f} ns/element:", "",
+                      "| encode | " + " | ".join(stages.ENCODE_STAGES) + " | sum | end to end (glue) |",
+                      "|---|" + "---:|" * (len(stages.ENCODE_STAGES) + 2),
+                      "| ns/element | " + " | ".join(f"{st['encode'][s]:.2f}" for s in stages.ENCODE_STAGES)
+                      + f" | {sum(st['encode'].values()):.2f} | {e2e_enc:.2f} "
+                        f"({e2e_enc - sum(st['encode'].values()):+.2f}) |",
+                      "| x XOR pass | " + " | ".join(f"{st['encode'][s] / f['xor']:.1f}" for s in stages.ENCODE_STAGES)
+                      + f" | {sum(st['encode'].values()) / f['xor']:.1f} | {e2e_enc / f['xor']:.1f} |", "",
+                      "| decode+apply | " + " | ".join(stages.DECODE_STAGES) + " | sum | end to end (glue) |",
+                      "|---|" + "---:|" * (len(stages.DECODE_STAGES) + 2),
+                      "| ns/element | " + " | ".join(f"{st['decode'][s]:.2f}" for s in stages.DECODE_STAGES)
+                      + f" | {sum(st['decode'].values()):.2f} | {e2e_dec:.2f} "
+                        f"({e2e_dec - sum(st['decode'].values()):+.2f}) |",
+                      "| x XOR pass | " + " | ".join(f"{st['decode'][s] / f['xor']:.1f}" for s in stages.DECODE_STAGES)
+                      + f" | {sum(st['decode'].values()) / f['xor']:.1f} | {e2e_dec / f['xor']:.1f} |", ""]
+    ts = targets(rows)
+    if ts:
+        lines += ["## Targets: the default codec against XOR+zstd-3, same run", "",
+                  f"Speeds as multiples of XOR+zstd-3's (one thread, wall medians; CPU time in brackets), "
+                  f"ratio >= {RATIO_TARGET}x XOR+zstd-3's, two threads >= {THREADS_TARGET}x one.", "",
+                  "| workload | ratio | encode (target) | decode+apply (target) | threads: encode / decode | met |",
+                  "|---|---:|---:|---:|---:|---|"]
+        for t in ts:
+            met = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t["met"].items() if v is not None)
+            thr = (f"{t['threads_encode_x']:.2f}x / {t['threads_decode_x']:.2f}x" if t["threads"] else "n/a")
+            lines.append(f"| {t['workload']} | {t['ratio_x']:.2f}x | {t['encode_x']:.2f}x [{t['encode_x_cpu']:.2f}x] "
+                         f"(>= {t['target_encode_x']}) | {t['decode_x']:.2f}x [{t['decode_x_cpu']:.2f}x] "
+                         f"(>= {t['target_decode_x']}) | {thr} | {met} |")
         lines.append("")
     return "\n".join(lines)
 
