@@ -37,7 +37,8 @@ from .rebuild import read_chain, rebuild
 from .result import PublishResult
 from .runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id, read_manifest,
                    read_run_info)
-from .snapshot import Partition, Schema, Weights, copy_to_host, gather_sources, pinned_spares, schema_of
+from .device_diff import DeviceDiff
+from .snapshot import Partition, Schema, Weights, copy_to_host, gather_sources, schema_of, spares
 from .writer import Written, merge, write_anchor, write_delta_object
 
 log = logging.getLogger("ckptdelta.publisher")
@@ -67,12 +68,17 @@ class Publisher:
     Host memory held: the previous published snapshot (a host copy of the exact
     bits published, the parent of the next delta) plus one staging copy per
     publish in flight (``max_in_flight``, default 1), so about
-    ``(1 + max_in_flight) x`` the published weights while a publish runs and
-    ``1x`` between publishes. With CUDA weights the staging copies are pinned and
-    a superseded parent's pinned buffers are kept for the next copy (pinned
-    allocation costs more than the copy), so ``2x`` stays held between
-    publishes. Anchor shards also pass through a temporary directory
-    (``TMPDIR``): up to 5 shards on local disk at once.
+    ``(1 + max_in_flight) x`` the published weights while a publish runs. A
+    superseded parent's buffers are kept for the next copy (filling fresh memory
+    costs more than the copy), so ``2x`` stays held between publishes too. With
+    CUDA weights the staging copies are pinned. Anchor shards also pass through a
+    temporary directory (``TMPDIR``): up to 5 shards on local disk at once.
+
+    ``device_diff=True`` (for weights on a GPU; needs ``max_in_flight=1``) keeps a
+    copy of the last published bits on the weights' device, finds the changed
+    elements there and moves only their positions and values to the host, where
+    the new snapshot is built from the parent's bits (publisher/device_diff.py).
+    It costs one more copy of the published weights on the device.
 
     Anchors are written for the first publish of a run, every ``anchor_every``
     versions, when the chain's delta bytes since the last anchor pass
@@ -101,7 +107,7 @@ class Publisher:
                  extra_files: Mapping[str, str | os.PathLike[str] | bytes] | str | os.PathLike[str] | None = None,
                  shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
-                 progress: bool | None = None, context_coding: bool = True):
+                 progress: bool | None = None, context_coding: bool = True, device_diff: bool = False):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if not anchor_chain_fraction >= 0:
@@ -110,6 +116,8 @@ class Publisher:
             raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        if device_diff and max_in_flight != 1:
+            raise ValueError("device_diff=True builds each snapshot from the previous one: it needs max_in_flight=1")
         if run_id is not None and not (isinstance(run_id, str) and 0 < len(run_id) <= 256):
             raise ValueError(f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}")
         self.url = url
@@ -137,6 +145,7 @@ class Publisher:
         self._committed_step: int | None = last_step
         self._last_step: int | None = last_step
         self._spare: dict[str, torch.Tensor] = {}
+        self._diff = DeviceDiff() if device_diff else None   # the device copy of the last published bits
         self._nan_warned: set[str] = set()
         self._files_checked = False   # the model's own config added and serving gaps warned about (first publish)
         self._n_failures = 0
@@ -222,7 +231,10 @@ class Publisher:
                 t0 = time.perf_counter()
                 with self._lock:
                     spare, self._spare = self._spare, {}
-                snapshot = copy_to_host(sources, spare)
+                if self._diff is None:
+                    snapshot = copy_to_host(sources, spare)
+                else:   # one slot: the last publish has finished, so the parent and its version are settled
+                    snapshot = self._diff.capture(sources, self._parent, self._parent_version, spare)
                 copy_s = time.perf_counter() - t0
             except Exception as e:
                 if self._comm.world == 1:
@@ -487,7 +499,9 @@ class Publisher:
         old, self._parent, self._parent_version = self._parent, job.snapshot, plan.version
         with self._lock:
             self._committed_step = job.step
-            self._spare = pinned_spares(old)
+            self._spare = spares(old)
+        if self._diff is not None:
+            self._diff.committed(plan.version)
         del old
         r = PublishResult(
             version=plan.version, name=snapshot_name(plan.version), kind=plan.kind, parent_version=plan.parent_version,

@@ -5,8 +5,11 @@ trainer steps again right away and mutates them in place. So every tensor is
 copied into a host buffer owned by the publisher before publish() returns, and
 everything after that (encoding, hashing, uploading, keeping the copy as the
 next delta's parent) reads only these copies. CUDA tensors are copied into
-pinned buffers (the fast DMA path); those buffers are expensive to allocate,
-so the publisher hands the buffers of a superseded parent back here for reuse.
+pinned buffers (the fast DMA path). Fresh host memory is expensive to fill (the
+kernel maps and zeroes each page on first touch: 0.16-0.73 s per GB measured,
+more than the copy itself; pinned memory costs more still), so the publisher
+hands the buffers of a superseded parent back here and every step after the
+second copies into buffers it already owns (benchmarks/publish_host_copy.py).
 """
 
 from __future__ import annotations
@@ -129,11 +132,8 @@ def _buffer(old: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
-def pinned_spares(snapshot: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The pinned buffers of a superseded snapshot worth keeping for the next copy.
-
-    Pageable buffers are not kept: allocating them is cheap and keeping them would
-    hold a second copy of the model between publishes for nothing."""
-    if not snapshot:
-        return {}
-    return {n: t for n, t in snapshot.items() if t.is_pinned()}
+def spares(snapshot: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The buffers of a superseded snapshot, kept for the next copy (pinned or not: a buffer already
+    written is cheaper to fill again than fresh memory). Holds a second copy of the model between
+    publishes."""
+    return dict(snapshot or {})
