@@ -30,6 +30,12 @@ def test_quick_run_swaps_bit_exact_and_writes_markdown_json_and_png(tmp_path, ca
     assert r["full"]["stored_bytes"] >= r["model_bytes"]
     for k in update_latency.DELTA_PARTS:
         assert d[k] >= 0
+    # the pause beside a full copy of the model, measured in the same run, at each share of changes swept
+    assert [x["fraction"] for x in r["sweep"]] == list(update_latency.QUICK_SWEEP)
+    for x in r["sweep"]:
+        assert x["bit_exact"] is True and x["copy_s"] > 0 and x["pause_over_copy"] > 0
+        assert x["elements_changed"] == x["elements_changed_expected"] > 0
+    assert "**pause / copy**" in md and "a full copy of the model" in md
     assert "ckptdelta" in capsys.readouterr().out
 
 
