@@ -51,14 +51,16 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks import links, s3disk
-from benchmarks.peers import LABELS, METHODS, save_flat
+from benchmarks.peers import LABELS, METHODS
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LRS = ("1e-06", "1e-05")
+MARGIN = 3e9   # bytes of memory left to others (a shared machine) beyond what a phase is estimated to take
 FIELDS = ("bytes", "trainer_s", "upload_s", "fetch_s", "decode_s", "pause_s", "total_s", "egress")
 
 
@@ -136,20 +138,54 @@ def _tail(path: str, n: int = 3000) -> str:
 # --- snapshots ---------------------------------------------------------------------------------------
 
 def build_snapshots(size_gb: float, d: str, *, quick: bool) -> dict[str, str]:
-    """old (shared by both learning rates: the warm-up endpoint) and new at each lr, as flat files."""
-    from benchmarks.workloads import pair, scale_state_dict
+    """old (the warm-up endpoint, shared by both learning rates) and new at lr 1e-6 and 1e-5, as flat files.
+
+    Grown from the reference pair (benchmarks.workloads, fp32 masters of real AdamW steps) like
+    ``scale_state_dict(layout="concat")`` (same tensors, each ``reps`` row-permuted copies), except that
+    copy ``c`` > 0 of a tensor is cast from its masters times a fixed per-element factor in
+    [1 - 2**-5, 1 + 2**-5] (the same for old and new): its bf16 values and changed positions are its own,
+    with the statistics of the base pair, so no codec finds a copy repeated inside a tensor (plain
+    tiling repeats the changed values every few MB, which per-tensor zstd over a sparse record
+    compresses away and ckptdelta's per-chunk coding does not). Written tensor by tensor."""
+    import hashlib
+
+    from benchmarks.baselines import to_bits
+    from benchmarks.workloads import pair
 
     base = "tiny" if quick else "small"
-    target = int(size_gb * 1e9)
-    out = {}
-    for label, lr, side in (("old", 1e-6, "old"), ("new-1e-06", 1e-6, "new"), ("new-1e-05", 1e-5, "new")):
-        w = pair(base, lr, 1)
-        sd = scale_state_dict(getattr(w, side), target)
-        del w
-        out[label] = os.path.join(d, f"{label}.bin")
-        save_flat(sd, out[label])
-        del sd
-        gc.collect()
+    lo, hi = pair(base, 1e-6, 1, dtype="fp32"), pair(base, 1e-5, 1, dtype="fp32")
+    masters = {"old": lo.old, "new-1e-06": lo.new, "new-1e-05": hi.new}
+    reps = max(1, int(round(size_gb * 1e9 / sum(t.numel() * 2 for t in lo.old.values()))))
+    out = {k: os.path.join(d, f"{k}.bin") for k in masters}
+    files = {k: open(p + ".tmp", "wb") for k, p in out.items()}
+    index: dict[str, list] = {k: [] for k in masters}
+    off = 0
+    try:
+        for name in sorted(lo.old):
+            m0 = lo.old[name]
+            parts: dict[str, list[torch.Tensor]] = {k: [] for k in masters}
+            for c in range(reps if m0.numel() >= 2 else 1):
+                h = hashlib.blake2b(f"0/{name}/{tuple(m0.shape)}/{c}".encode(), digest_size=8).digest()
+                g = torch.Generator().manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
+                perm = torch.randperm(m0.shape[0], generator=g) if c else None
+                f = 1 + (torch.rand(m0.shape, generator=g) * 2 - 1) * 2 ** -5 if c else None
+                for k, m in masters.items():
+                    x = (m[name] if f is None else m[name] * f).to(torch.bfloat16)
+                    parts[k].append(x if perm is None else x.index_select(0, perm))
+            for k in masters:
+                t = torch.cat(parts[k], 0).contiguous()
+                b = to_bits(t).view(np.uint8)
+                files[k].write(memoryview(b))
+                index[k].append({"name": name, "dtype": "bfloat16", "shape": list(t.shape), "offset": off,
+                                 "nbytes": b.nbytes})
+            off += b.nbytes
+    finally:
+        for fh in files.values():
+            fh.close()
+    for k, p in out.items():
+        with open(p + ".json", "w") as fh:
+            json.dump(index[k], fh)
+        os.replace(p + ".tmp", p)
     return out
 
 
@@ -232,11 +268,8 @@ def run_cell(ctx: dict, link: str, size_gb: float, files: dict[str, str], pairs:
 
 def run_fanout(ctx: dict, link: str, files: dict[str, str], counts: list[int], pairs: int,
                size_gb: float) -> list[dict[str, Any]]:
-    trainer, server, lab = ctx["trainer"], ctx["server"], ctx["lab"]
+    trainer, lab, server = ctx["trainer"], ctx["lab"], ctx["server"]
     rate = parse_rate(link)
-    while len(ctx["replicas"]) < max(counts):
-        h = lab.add_host(f"r{len(ctx['replicas'])}", rate_bit=rate)
-        ctx["replicas"].append(Peer(lab, h, server, ctx["scratch"]))
     reps = ctx["replicas"][:max(counts)]
     trainer.call("load", labels=files)
     for r in reps:
@@ -282,8 +315,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     meta: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                                        f"{mem_available() / 2**30:.0f} GiB available at start, torch {torch.__version__}",
                             "quick": a.quick, "pairs": a.pairs, "links": a.links, "sizes_gb": a.sizes,
-                            "big_links": a.big_links, "skipped": []}
+                            "big_links": a.big_links, "skipped": [], "cpus": os.cpu_count()}
     t_start = time.monotonic()
+    guard = _MemoryGuard()
     scratch = tempfile.mkdtemp(prefix="ckptdelta-at-scale-")
     rows: list[dict] = []
     fan: list[dict] = []
@@ -292,11 +326,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         with links.Lab() as lab:
             srv = lab.add_host("srv")
             th = lab.add_host("trainer")
-            r0 = lab.add_host("r0")
+            rh = [lab.add_host(f"r{i}") for i in range(max([1, *a.fanout]))]
+            r0 = rh[0]
             server = s3disk.start(lab, srv, os.path.join(scratch, "bucket"))
             ctx = {"lab": lab, "srv": srv, "server": server, "scratch": scratch}
+            # every peer starts now, from the same code (others may be editing the tree while this runs)
             ctx["trainer"] = Peer(lab, th, server, scratch)
-            ctx["replicas"] = [Peer(lab, r0, server, scratch)]
+            ctx["replicas"] = [Peer(lab, h, server, scratch) for h in rh]
             t = ctx["trainer"]
             meta["server"] = t.call("semantics")
             meta["server"]["throughput"] = t.call("throughput", objects=4, mb=8 if a.quick else 128,
@@ -305,7 +341,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             print(f"server: {meta['server']['server']}; If-None-Match {meta['server']['if_none_match']}; unshaped "
                   f"PUT {thr['put_Bps'] / 1e6:.0f} MB/s, GET {thr['get_Bps'] / 1e6:.0f} MB/s", flush=True)
             for size in a.sizes:
-                need = int(3 * size * 1e9 + 2e9)
+                need = int(3 * size * 1e9 + MARGIN)
                 if mem_available() < need:
                     meta["skipped"].append(f"{size:g} GB: {mem_available() / 1e9:.1f} GB of memory available, "
                                            f"{need / 1e9:.0f} GB needed")
@@ -323,15 +359,62 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     for h in (th, r0):
                         lab.shape(h, rate)
                     rows += run_cell(ctx, link, size, files, 1 if size > 2 or a.quick else a.pairs, METHODS)
+                    _save_partial(a, meta, rows, fan)
                 if a.fanout and abs(size - a.fanout_size) < 1e-9:
-                    fan = run_fanout(ctx, a.fanout_link, files, a.fanout, 1 if a.quick else a.pairs, size)
+                    need = int(max(a.fanout) * (size * 1e9 + 0.3e9) + 2 * size * 1e9 + MARGIN)
+                    if mem_available() < need:
+                        meta["skipped"].append(f"fan-out at {size:g} GB: {mem_available() / 1e9:.1f} GB of memory "
+                                               f"available, {need / 1e9:.0f} GB needed")
+                        print(f"skipping {meta['skipped'][-1]}", flush=True)
+                    else:
+                        fan = run_fanout(ctx, a.fanout_link, files, a.fanout, 1 if a.quick else a.pairs, size)
+                        _save_partial(a, meta, rows, fan)
                 shutil.rmtree(d, ignore_errors=True)
             for p in [ctx["trainer"], *ctx["replicas"]]:
                 p.close()
+    except KeyboardInterrupt:
+        if not guard.fired:
+            raise
+        raise SystemExit(f"stopped: the machine had {guard.fired / 1e9:.1f} GB of memory left (others' jobs need it); "
+                         f"what was measured is in the .partial.json") from None
     finally:
+        guard.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     meta["wall_s"] = time.monotonic() - t_start
     return {"meta": meta, "rows": rows, "fanout": fan}
+
+
+class _MemoryGuard:
+    """Stops the run (SIGINT to this process: the lab and its peers are torn down) when the machine's available
+    memory falls under ``floor`` bytes, before the kernel's OOM killer picks a process, maybe someone else's."""
+
+    def __init__(self, floor: float = 1.5e9) -> None:
+        import threading
+
+        self.floor, self.fired = floor, 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="memory-guard").start()
+
+    def _watch(self) -> None:
+        import signal
+
+        while not self._stop.wait(0.5):
+            avail = mem_available()
+            if avail < self.floor:
+                self.fired = avail
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _save_partial(a: argparse.Namespace, meta: dict, rows: list, fan: list) -> None:
+    """What the run has so far (an interrupted run keeps it; --from-json renders it)."""
+    os.makedirs(a.out_dir, exist_ok=True)
+    path = os.path.join(a.out_dir, "at_scale" + ("-quick" if a.quick else "") + ".partial.json")
+    with open(path, "w") as f:
+        json.dump({"meta": {**meta, "wall_s": 0.0, "partial": True}, "rows": rows, "fanout": fan}, f, indent=1)
 
 
 # --- projection -------------------------------------------------------------------------------------
@@ -379,7 +462,7 @@ def projection(rows: list[dict], cores: int) -> dict[str, Any]:
     f8 = fp8_factors()
     per: dict[str, dict[str, float]] = {}
     for r in pick:
-        if r["link"] != fastest:
+        if r["link"] != fastest or r["size_gb"] != pick[0]["size_gb"]:
             continue
         gb = r["model_bytes"] / 1e9
         cpu = (r["trainer_s"] + r["decode_s"] + r["pause_s"]) / gb
@@ -395,7 +478,8 @@ def projection(rows: list[dict], cores: int) -> dict[str, Any]:
                 row["seconds"][m] = (g * (c["cpu_s_per_GB"] * cores / PROJECT_CORES + c["io_s_per_GB"])
                                      + 2 * nbytes * ratio * 8 / link)
             table.append(row)
-    return {"from": f"1 GB, lr 1e-6, link {fastest}", "cores_measured": cores, "per_GB": per, "fp8_factor": f8,
+    size = pick[0]["size_gb"]
+    return {"from": f"{size:g} GB, lr 1e-6, link {fastest}", "cores_measured": cores, "per_GB": per, "fp8_factor": f8,
             "table": table}
 
 
@@ -421,8 +505,8 @@ def markdown(out: dict[str, Any]) -> str:
              f"{thr.get('get_Bps', 0) * 8 / 1e9:.2f} Gbit/s): a link setting above that is server-bound "
              f"(`fast` = unshaped veth). Trainer, replica and server each in their own network namespace; "
              f"trainer and replica links shaped by tc tbf. bf16 snapshots from benchmarks.workloads (AdamW), one step "
-             f"forward and back, medians of {2 * meta['pairs']} timed steps per row (2 at 4 GB and for the full "
-             f"checkpoint, which is the same for both learning rates: shown under each). Every swap checked "
+             f"forward and back, medians of {2 * meta['pairs']} timed steps per row (2 above 2 GB; the full "
+             f"checkpoint does not depend on the learning rate: one row, shown under each). Every swap checked "
              f"bit-exact. Seconds unless marked; MB = 1e6 bytes.", ""]
     if meta.get("skipped"):
         lines += ["Skipped: " + "; ".join(meta["skipped"]), ""]
@@ -581,7 +665,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fanout-link", default="1gbit")
     p.add_argument("--quick", action="store_true", help="0.01 GB, pairs 1, fan-out 1,2: a smoke test (< 1 min)")
     p.add_argument("--out-dir", default=RESULTS)
+    p.add_argument("--from-json", metavar="PATH", help="only re-render the markdown, projection and plot of a run")
     a = p.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            out = json.load(f)
+        return _write(out, a.out_dir, out["meta"]["quick"])
     why = links.available()
     if why:
         print(f"cannot run: {why}", file=sys.stderr)
@@ -595,17 +684,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.sizes, a.pairs, a.fanout_size = [0.01], 1, 0.01
         a.fanout = [] if a.no_fanout else [1, 2]
-    out = run(a)
-    out["projection"] = projection(out["rows"], os.cpu_count() or 1)
+    return _write(run(a), a.out_dir, a.quick)
+
+
+def _write(out: dict[str, Any], out_dir: str, quick: bool) -> int:
+    out["projection"] = projection(out["rows"], out["meta"].get("cpus") or os.cpu_count() or 1)
     md = markdown(out)
     print()
     print(md)
-    os.makedirs(a.out_dir, exist_ok=True)
-    stem = os.path.join(a.out_dir, "at_scale" + ("-quick" if a.quick else ""))
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, "at_scale" + ("-quick" if quick else ""))
     with open(stem + ".md", "w") as f:
         f.write(md)
     with open(stem + ".json", "w") as f:
         json.dump(out, f, indent=1)
+    try:
+        os.unlink(stem + ".partial.json")
+    except OSError:
+        pass
     plot(out, stem + ".png")
     return 0 if all(r["exact"] for r in out["rows"] + out["fanout"]) else 1
 
