@@ -123,6 +123,12 @@ def test_hotloads_forward_across_an_anchor_and_back_are_bit_exact_in_every_runti
             assert last["patched_tensors"] >= 5 and 0 < last["patched_elements"] < 20_000
     assert rep.complete(max_tokens=3, return_engine_data=True)["engine_data"]["policy_version"] == 2
     rep.engine.applier.shadows = True
+    # every shadow was released with its packed weights (vLLM's reload records would keep them alive), and
+    # no staging file stays mapped in the worker or on disk
+    mem = rep.engine.applier.control.rpc("ckptdelta_memory", {})[0]
+    assert mem["stray_modules"] == 0 and mem["shadow"] is None and mem["mapped_files"] <= 1, mem
+    from loader.engines.shared_weights import default_dir
+    assert not [f for f in os.listdir(default_dir()) if f.startswith(f"ckptdelta-stage-{os.getpid()}-")]
 
 
 def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapshot(rep, llama_run, tmp_path):

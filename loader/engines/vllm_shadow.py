@@ -142,6 +142,19 @@ class _Tree:
             self.pairs.append((path, m, s))
         return s
 
+    def release(self) -> None:
+        """Drop everything the shadow holds. Needed, not tidy: vLLM's ``LAYERWISE_INFO`` is a weak-keyed
+        dict, but a shadow's entry refers back to its module (the loaders bound to it), so without this every
+        shadow, and the packed weights its modules held, would live as long as the worker (seen as a worker
+        OOM-killed after a dozen 0.5 GB hot-loads)."""
+        for shadow in self._memo.values():
+            self._info.pop(shadow, None)
+            shadow.__dict__.clear()
+        self._memo.clear()
+        self._tensors.clear()
+        self.pairs = []
+        self.root = None  # type: ignore[assignment]
+
     def _tensor(self, t: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Module, device: Any) -> torch.Tensor:
         hit = self._tensors.get(id(t))          # a tensor two modules share (a tied head) stays shared
         if hit is None:
@@ -174,46 +187,50 @@ def build_shadow(model: torch.nn.Module, model_config: Any, tensors: Mapping[str
         except AttributeError:
             raise ShadowError(f"vLLM module {path!r} does not exist in this model") from None
     tree = _Tree(model, touched, set(extra))
-    locked = []
-    for _path, _live, shadow in tree.pairs:       # re-pack under the kernel lock, outside vLLM's steps
-        method = shadow.__dict__.get("quant_method")
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            shadow.__dict__["quant_method"] = _locked_method(method)
-            locked.append((shadow, method))
-    quiet = _Quiet()
-    loggers = [logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"),
-               logging.getLogger("vllm.model_executor.model_loader.reload.inplace")]
-    for lg in loggers:
-        lg.addFilter(quiet)
     try:
-        with torch.no_grad():
-            initialize_layerwise_reload(tree.root)
-            loaded = tree.root.load_weights(iter(tensors.items()))
-            fused = set(getattr(model, "packed_modules_mapping", None) or {})
-            for path, _live, shadow in tree.pairs:
-                # vLLM would process half a fused q/k/v group with uninitialised rows (a padded vocabulary is
-                # also short of its total, legitimately: only fused modules are held to it)
-                info = LAYERWISE_INFO.get(shadow)
-                if path.rpartition(".")[2] in fused and info is not None and info.can_load() \
-                        and 0 < info.load_numel < (info.load_numel_total or 0):
-                    raise ShadowError(f"vLLM module {path!r} was sent only part of its weights "
-                                      f"({info.load_numel} of {info.load_numel_total} elements)")
-            finalize_layerwise_reload(tree.root, model_config)
-            if after_load is not None:
-                after_load(tree.root)
-    finally:
+        locked = []
+        for _path, _live, shadow in tree.pairs:       # re-pack under the kernel lock, outside vLLM's steps
+            method = shadow.__dict__.get("quant_method")
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                shadow.__dict__["quant_method"] = _locked_method(method)
+                locked.append((shadow, method))
+        quiet = _Quiet()
+        loggers = [logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"),
+                   logging.getLogger("vllm.model_executor.model_loader.reload.inplace")]
         for lg in loggers:
-            lg.removeFilter(quiet)
-        for shadow, method in locked:             # the live modules keep their own quant method
-            shadow.__dict__["quant_method"] = method
-    if loaded is None:
-        raise ShadowError(f"{type(model).__name__}.load_weights does not report what it loaded")
-    outside = sorted(n for n in loaded if not any(n == p or n.startswith(p + ".") for p in touched))
-    if outside:
-        raise ShadowError(f"weights loaded outside the announced modules: {outside[:4]}")
-    missing = sorted(p for p in touched if not any(n.startswith(p + ".") for n in loaded))
-    if missing:
-        raise ShadowError(f"modules announced but not loaded: {missing[:4]}")
+            lg.addFilter(quiet)
+        try:
+            with torch.no_grad():
+                initialize_layerwise_reload(tree.root)
+                loaded = tree.root.load_weights(iter(tensors.items()))
+                fused = set(getattr(model, "packed_modules_mapping", None) or {})
+                for path, _live, shadow in tree.pairs:
+                    # vLLM would process half a fused q/k/v group with uninitialised rows (a padded vocabulary is
+                    # also short of its total, legitimately: only fused modules are held to it)
+                    info = LAYERWISE_INFO.get(shadow)
+                    if path.rpartition(".")[2] in fused and info is not None and info.can_load() \
+                            and 0 < info.load_numel < (info.load_numel_total or 0):
+                        raise ShadowError(f"vLLM module {path!r} was sent only part of its weights "
+                                          f"({info.load_numel} of {info.load_numel_total} elements)")
+                finalize_layerwise_reload(tree.root, model_config)
+                if after_load is not None:
+                    after_load(tree.root)
+        finally:
+            for lg in loggers:
+                lg.removeFilter(quiet)
+            for shadow, method in locked:             # the live modules keep their own quant method
+                shadow.__dict__["quant_method"] = method
+        if loaded is None:
+            raise ShadowError(f"{type(model).__name__}.load_weights does not report what it loaded")
+        outside = sorted(n for n in loaded if not any(n == p or n.startswith(p + ".") for p in touched))
+        if outside:
+            raise ShadowError(f"weights loaded outside the announced modules: {outside[:4]}")
+        missing = sorted(p for p in touched if not any(n.startswith(p + ".") for n in loaded))
+        if missing:
+            raise ShadowError(f"modules announced but not loaded: {missing[:4]}")
+    except BaseException:
+        tree.release()
+        raise
     return tree
 
 
@@ -234,7 +251,7 @@ def swap_in(tree: "_Tree") -> int:
                             and old.device == new.device:
                         old.data.copy_(new.data)
                     else:
-                        mine[name] = new
+                        mine[name] = _rebind(new, shadow, live)
         for _path, live, shadow in tree.pairs:
             for key, value in shadow.__dict__.items():
                 if key in _OWN_SLOTS:
@@ -348,9 +365,19 @@ class ShadowBuild(BackgroundJob):
             t0 = time.perf_counter()
             tree = work()
             t1 = time.perf_counter()
-            facts = {"build_s": t1 - t0, "modules": len(tree.pairs), **check(tree),
-                     "check_s": time.perf_counter() - t1}
+            try:
+                facts = {"build_s": t1 - t0, "modules": len(tree.pairs), **check(tree),
+                         "check_s": time.perf_counter() - t1}
+            except BaseException:
+                tree.release()
+                raise
             self.tree = tree
             return facts
 
         super().__init__(token, run)
+
+    def release(self) -> None:
+        """Drop the shadow (after it was swapped in, or when it will not be)."""
+        tree, self.tree = self.tree, None
+        if tree is not None:
+            tree.release()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 import traceback
 from typing import Any, Callable
@@ -133,6 +134,8 @@ class CkptDeltaWorker:
         old = getattr(self, "_ckptdelta_shadow", None)
         if old is not None and old.state == "running":
             return {"error": f"shadow {old.token} is still being built", "where": "ckptdelta_stage"}
+        if old is not None:
+            old.release()
         self._ckptdelta_shadow = None
         model = self._ckptdelta_model()
         path, names, modules, columns = req["path"], list(req["names"]), list(req["modules"]), req.get("columns")
@@ -140,7 +143,8 @@ class CkptDeltaWorker:
 
         def work() -> Any:
             # routed experts of CPU MoE layers bypass vLLM's reload (vllm_moe.py): they stay for the pause
-            tensors, experts = split_expert_tensors(model, open_tensors(path, names))
+            # not through open_tensors' cache: the staging file's pages go with the shadow
+            tensors, experts = split_expert_tensors(model, open_tensors(path, names, cache=False))
             if not tensors:
                 raise ShadowError("only routed experts of CPU MoE layers changed; they are reloaded in the pause")
             # the replica names every experts set "<layer>.experts" (vllm.module_key): those left to the pause
@@ -151,7 +155,8 @@ class CkptDeltaWorker:
             return tree
 
         def check(tree: Any) -> dict[str, Any]:
-            answer = _compare(tree.root, path, [n for n in names if n not in set(tree.deferred)], columns)
+            answer = _compare(tree.root, path, [n for n in names if n not in set(tree.deferred)], columns,
+                              cache=False)
             if answer["mismatch"]:
                 raise ShadowError(f"the shadow differs from the staged weights for {answer['mismatch'][:4]}")
             return {"checked": answer["checked"], "sampled": answer["sampled"], "deferred": tree.deferred}
@@ -199,10 +204,27 @@ class CkptDeltaWorker:
             return {"error": f"shadow {req.get('token')} is {state}, not ready", "where": "ckptdelta_swap"}
         t0 = time.perf_counter()
         self._ckptdelta_shadow = None
-        n = swap_in(shadow.tree)
+        try:
+            n = swap_in(shadow.tree)
+        finally:
+            shadow.release()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return {"swapped_modules": n, "swap_s": time.perf_counter() - t0}
+
+    @_answer
+    def ckptdelta_memory(self, req: dict) -> dict[str, Any]:
+        """What this worker holds beyond the model: its RSS, vLLM reload records of modules that are not the
+        live model's (shadows not released), shared files still mapped through the cache."""
+        from loader.engines.shared_weights import _opened
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        live = {id(m) for m in self._ckptdelta_model().modules()}
+        stray = sum(1 for m in list(LAYERWISE_INFO.keys()) if id(m) not in live)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"rss": rss, "stray_modules": stray, "mapped_files": len(_opened),
+                "shadow": getattr(getattr(self, "_ckptdelta_shadow", None), "state", None)}
 
     @_answer
     def ckptdelta_unstage(self, req: dict) -> dict[str, Any]:
@@ -210,6 +232,7 @@ class CkptDeltaWorker:
         shadow = getattr(self, "_ckptdelta_shadow", None)
         if shadow is not None and shadow.state != "running":
             self._ckptdelta_shadow = None
+            shadow.release()
         return {"dropped": shadow is not None and shadow.state != "running"}
 
     @_answer
@@ -237,7 +260,8 @@ def _digests(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
     return {"digests": digests(tensors), "kernel_view": sorted(kernel)}
 
 
-def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns: int | None) -> dict[str, Any]:
+def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns: int | None, *,
+             cache: bool = True) -> dict[str, Any]:
     """Read ``names`` back from ``model`` (the live model or a shadow of it) and compare their bits with the
     shared file at ``path``; ``columns``: that many random input columns per kernel-read matrix."""
     from loader.engines.shared_weights import open_tensors
@@ -246,7 +270,7 @@ def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns
     kernel: set[str] = set()
     cols: dict[str, torch.Tensor] = {}
     live = checkpoint_tensors(model, names, strict=False, kernel_read=kernel, sample_columns=columns, columns=cols)
-    host = open_tensors(path, list(live))
+    host = open_tensors(path, list(live), cache=cache)
     bad = []
     for n, got in live.items():
         want = host[n]
