@@ -401,12 +401,15 @@ class VllmApplier(EngineApplier):
                     self._drop(shadow.token, shadow.stage)
         if patch:
             spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
+            # the worker reads the written positions back at once (the rest of each tensor was not touched)
             self.control.rpc("ckptdelta_patch", {"path": self.shared.path, "positions": self.shared.positions_path,
-                                                 "spans": spans})
+                                                 "spans": spans, "check": self.verify != "off"})
         t1 = time.perf_counter()
         touched = sorted(set(groups) | set(patch) | set(names))   # what was sent, and every tensor that changed
-        # a swapped-in shadow was checked (by samples) against the staged bits before the pause
-        in_pause = sorted(set(touched) - (set(groups) - set(shadow.reload))) if swapped else touched
+        # sampled here: every changed tensor but the patched ones (read back as written) and a swapped-in
+        # shadow's (sampled before the pause)
+        shadowed = set(groups) - set(shadow.reload) if swapped else set()
+        in_pause = sorted(set(touched) - set(patch) - shadowed)
         verified = 0
         if self.verify == "full":
             verified = self.check(touched)            # raises unless every digest matched

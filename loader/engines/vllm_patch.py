@@ -19,7 +19,8 @@ checkpoint, not on the meta device, not empty):
   On CPU, vLLM re-packs these for oneDNN/SGL kernels: they are reloaded.
 * never experts (CPU packing, GPU shuffles) or quantized layers.
 
-The replica's proof reads the patched tensors back afterwards like any other
+The patch reads the written positions back at once; the replica's proof after
+resuming reads the patched tensors back whole like any other
 (loader/engines/vllm_readback.py), so a target chosen wrongly is caught and
 pushed back by a reload.
 """
@@ -97,11 +98,13 @@ def targets(model: torch.nn.Module) -> dict[str, Target]:
 
 
 def patch(model: torch.nn.Module, shared: dict[str, torch.Tensor], positions: torch.Tensor,
-          spans: Iterable[tuple[str, int, int]]) -> list[str]:
+          spans: Iterable[tuple[str, int, int]], *, check: bool = True) -> list[str]:
     """Copy ``shared[name]``'s elements at ``positions[off:off + n]`` into each name's target, bit for bit.
 
     Returns the names written. A name without a target, or whose host tensor does
-    not fit it, raises before anything is written."""
+    not fit it, raises before anything is written. ``check``: read the written
+    positions back and compare their bits (the proof of what a pause wrote costs
+    what it wrote; the rest of the tensor was proven before and was not touched)."""
     where = targets(model)
     plan = []
     for name, off, n in spans:
@@ -119,4 +122,11 @@ def patch(model: torch.nn.Module, shared: dict[str, torch.Tensor], positions: to
             bits = src.reshape(-1).view(_INTS[src.element_size()])[idx]
             dst = t.param.data.view(-1).view(_INTS[t.param.element_size()])
             dst.index_copy_(0, (idx + t.base).to(dst.device), bits.to(dst.device))
+        if check:
+            for (t, src, pos), (name, _, _) in zip(plan, spans):
+                idx = pos.to(torch.int64)
+                want = src.reshape(-1).view(_INTS[src.element_size()])[idx]
+                got = t.param.data.view(-1).view(_INTS[t.param.element_size()])[(idx + t.base).to(t.param.device)]
+                if not torch.equal(want, got.to(want.device)):
+                    raise ValueError(f"{name}: the written elements do not read back as the host copy's bits")
     return [name for name, _, _ in spans]

@@ -234,10 +234,11 @@ def build_shadow(model: torch.nn.Module, model_config: Any, tensors: Mapping[str
     return tree
 
 
-def swap_in(tree: "_Tree") -> int:
+def swap_in(tree: "_Tree", displaced: list[Any] | None = None) -> int:
     """Make the live modules compute with the shadow's: copy tensors into the live ones, move attributes over.
 
-    Call with the engine paused. Returns the modules swapped."""
+    Call with the engine paused. Returns the modules swapped. ``displaced`` receives the live attributes
+    replaced (the old version's packed kernels): the caller frees them when it likes, out of the pause."""
     _MISSING = object()
     with torch.no_grad():
         for _path, live, shadow in tree.pairs:
@@ -256,7 +257,10 @@ def swap_in(tree: "_Tree") -> int:
             for key, value in shadow.__dict__.items():
                 if key in _OWN_SLOTS:
                     continue
-                if live.__dict__.get(key, _MISSING) is not value:
+                old = live.__dict__.get(key, _MISSING)
+                if old is not value:
+                    if displaced is not None and old is not _MISSING:
+                        displaced.append(old)
                     live.__dict__[key] = value
     return len(tree.pairs)
 

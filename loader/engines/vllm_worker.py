@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -71,7 +72,8 @@ class CkptDeltaWorker:
         t0 = time.perf_counter()
         spans = [tuple(x) for x in req["spans"]]
         shared = open_tensors(req["path"], [name for name, _, _ in spans])
-        written = patch(self._ckptdelta_model(), shared, open_positions(req["positions"]), spans)
+        written = patch(self._ckptdelta_model(), shared, open_positions(req["positions"]), spans,
+                        check=bool(req.get("check", True)))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return {"patched": len(written), "patch_s": time.perf_counter() - t0}
@@ -204,10 +206,13 @@ class CkptDeltaWorker:
             return {"error": f"shadow {req.get('token')} is {state}, not ready", "where": "ckptdelta_swap"}
         t0 = time.perf_counter()
         self._ckptdelta_shadow = None
+        displaced: list[Any] = []
         try:
-            n = swap_in(shadow.tree)
+            n = swap_in(shadow.tree, displaced)
         finally:
-            shadow.release()
+            # the old version's packed weights are freed after the RPC returns, not inside the pause
+            threading.Thread(target=_release, args=(shadow, displaced), name="ckptdelta-release",
+                             daemon=True).start()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return {"swapped_modules": n, "swap_s": time.perf_counter() - t0}
@@ -247,6 +252,12 @@ class CkptDeltaWorker:
                                      kernel_read=kernel)
         save_file({k: v.contiguous() for k, v in tensors.items()}, req["path"])
         return {"tensors": len(tensors), "kernel_view": sorted(kernel)}
+
+
+def _release(shadow: Any, displaced: list[Any]) -> None:
+    time.sleep(0.05)      # let the RPC that swapped answer first
+    shadow.release()
+    displaced.clear()
 
 
 def _digests(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
