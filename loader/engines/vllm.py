@@ -386,9 +386,17 @@ class VllmApplier(EngineApplier):
         swapped = shadow is not None and shadow.version == version and shadow.names == frozenset(groups)
         t0 = time.perf_counter()
         self._to_confirm = []
+        patch_req = None
+        if patch:
+            spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
+            # the worker reads the written positions back at once (the rest of each tensor was not touched)
+            patch_req = {"path": self.shared.path, "positions": self.shared.positions_path, "spans": spans,
+                         "check": self.verify != "off"}
         try:
             if groups and swapped:
-                self.control.rpc("ckptdelta_swap", {"token": shadow.token})
+                # one round trip: the shadow swapped in, then the in-place patches
+                self.control.rpc("ckptdelta_swap", {"token": shadow.token, "patch": patch_req})
+                patch_req = None
                 if shadow.reload:
                     self.control.rpc("ckptdelta_reload", {"path": self.shared.path, "names": list(shadow.reload)})
             elif groups:
@@ -399,11 +407,8 @@ class VllmApplier(EngineApplier):
                     shadow.stage.close()
                 else:
                     self._drop(shadow.token, shadow.stage)
-        if patch:
-            spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
-            # the worker reads the written positions back at once (the rest of each tensor was not touched)
-            self.control.rpc("ckptdelta_patch", {"path": self.shared.path, "positions": self.shared.positions_path,
-                                                 "spans": spans, "check": self.verify != "off"})
+        if patch_req is not None:
+            self.control.rpc("ckptdelta_patch", patch_req)
         t1 = time.perf_counter()
         touched = sorted(set(groups) | set(patch) | set(names))   # what was sent, and every tensor that changed
         # sampled here: every changed tensor but the patched ones (read back as written) and a swapped-in

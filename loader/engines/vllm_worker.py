@@ -66,6 +66,9 @@ class CkptDeltaWorker:
     @_answer
     def ckptdelta_patch(self, req: dict) -> dict[str, Any]:
         """Write only the changed elements (positions file + shared weights) into parameters kernels read."""
+        return self._ckptdelta_patch(req)
+
+    def _ckptdelta_patch(self, req: dict) -> dict[str, Any]:
         from loader.engines.shared_weights import open_positions, open_tensors
         from loader.engines.vllm_patch import patch
 
@@ -197,7 +200,8 @@ class CkptDeltaWorker:
 
     @_answer
     def ckptdelta_swap(self, req: dict) -> dict[str, Any]:
-        """Inside the pause: the live modules take the ready shadow's tensors and packed kernels."""
+        """Inside the pause: the live modules take the ready shadow's tensors and packed kernels; then
+        ``patch``, when given, as :meth:`ckptdelta_patch` (one RPC for the whole pause)."""
         from loader.engines.vllm_shadow import swap_in
 
         shadow = getattr(self, "_ckptdelta_shadow", None)
@@ -213,9 +217,12 @@ class CkptDeltaWorker:
             # the old version's packed weights are freed after the RPC returns, not inside the pause
             threading.Thread(target=_release, args=(shadow, displaced), name="ckptdelta-release",
                              daemon=True).start()
-        if torch.cuda.is_available():
+        out: dict[str, Any] = {"swapped_modules": n, "swap_s": time.perf_counter() - t0}
+        if req.get("patch"):
+            out.update(self._ckptdelta_patch(req["patch"]))
+        elif torch.cuda.is_available():
             torch.cuda.synchronize()
-        return {"swapped_modules": n, "swap_s": time.perf_counter() - t0}
+        return out
 
     @_answer
     def ckptdelta_memory(self, req: dict) -> dict[str, Any]:
