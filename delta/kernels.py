@@ -303,8 +303,9 @@ def count_lines(positions, shift):
 
 @njit(cache=True, nogil=True)
 def _undo_range(live, positions, expected, ja, jb):
-    for j in range(jb - 1, ja - 1, -1):
-        live[positions[j]] = expected[j]
+    pj, ej = positions[ja:jb], expected[ja:jb]
+    for j in range(pj.shape[0] - 1, -1, -1):
+        live[pj[j]] = ej[j]
 
 
 @njit(cache=True, nogil=True)
@@ -323,13 +324,15 @@ def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, 
         ti, mode, ja, jb = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
         live = lives[ti]
         if mode == MODE_SCATTER:
-            for j in range(ja, jb):
-                p = positions[j]
-                if live[p] != expected[j]:
-                    _undo_range(live, positions, expected, ja, j)
+            # slices indexed from 0: numba then knows every index is >= 0 and drops its wraparound checks
+            pj, ej, vj = positions[ja:jb], expected[ja:jb], values[ja:jb]
+            for j in range(pj.shape[0]):
+                p = pj[j]
+                if live[p] != ej[j]:
+                    _undo_range(live, pj, ej, 0, j)
                     abort[0] = 1
-                    return t - t0, 0, j
-                live[p] = values[j]
+                    return t - t0, 0, ja + j
+                live[p] = vj[j]
             continue
         whole = wholes[ti]
         n = live.shape[0]
