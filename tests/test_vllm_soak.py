@@ -28,8 +28,8 @@ from tests.test_soak import CLIENTS, Clients, SoakFigures, check, report
 from tests.vllm_models import save_tiny_llama
 from tests.vllm_replicas import publish_vllm_run, start_vllm_replica
 
-HOTLOADS = 1000
-WARM_UP = 20
+HOTLOADS = int(os.environ.get("CKPTDELTA_SOAK_HOTLOADS", "1000"))   # fewer for a quick look
+WARM_UP = min(20, HOTLOADS // 2)
 #: Allowed RSS growth, replica process + vLLM's processes, from after the warm-up to the end.
 RSS_GROWTH_BOUND = 256 << 20
 
