@@ -174,8 +174,9 @@ def _sweep(pub: Any, swapper: Any, new: dict[str, torch.Tensor], live: dict[str,
             samples.append(step)
         copies.append(_full_copy(live))
         med = _median_step(samples)
-        med.update(fraction=frac, copy_s=statistics.median(copies), copy_samples=copies,
-                   pause_over_copy=med["pause_s"] / statistics.median(copies))
+        med.update(fraction=frac, copy_s=statistics.median(copies), copy_samples=copies, copy_min_s=min(copies),
+                   pause_over_copy=med["pause_s"] / statistics.median(copies),
+                   pause_over_fastest_copy=med["pause_s"] / min(copies))
         out.append(med)
     return out, version
 
@@ -300,8 +301,10 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
             if sweep:
                 out["sweep"], version = _sweep(pub, swapper, new, live, version, repeats, sweep)
                 real = out["delta"]
-                out["delta_copy_s"] = statistics.median(c for x in out["sweep"] for c in x["copy_samples"])
+                copies = [c for x in out["sweep"] for c in x["copy_samples"]]
+                out["delta_copy_s"], out["delta_copy_min_s"] = statistics.median(copies), min(copies)
                 real["pause_over_copy"] = real["pause_s"] / out["delta_copy_s"]
+                real["pause_over_fastest_copy"] = real["pause_s"] / out["delta_copy_min_s"]
         finally:
             pub.close()
         del pub
@@ -369,19 +372,19 @@ def markdown(results: list[dict], meta: dict) -> str:
             "cheaper (`loader.batch_commit.COPY_ABOVE`):",
             "",
             "| backend | model | step | changed | tensors copied whole | pause (ms, median) | pause (ms, min-max) | "
-            "full copy of the model (ms) | **pause / copy** |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+            "full copy of the model (ms, median) | fastest copy (ms) | **pause / copy** | pause / fastest copy |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in swept:
-            rows = [("lr 1e-6", r["delta"], r["delta_copy_s"], [])] + [
-                ("random", x, x["copy_s"], x["copy_samples"]) for x in r["sweep"]]
-            for step, d, copy_s, _samples in rows:
+            rows = [("lr 1e-6", r["delta"], r["delta_copy_s"], r["delta_copy_min_s"])] + [
+                ("random", x, x["copy_s"], x["copy_min_s"]) for x in r["sweep"]]
+            for step, d, copy_s, copy_min in rows:
                 pauses = [x["pause_s"] for x in d["samples"]]
                 share = d["elements_changed_expected"] / max(1, r["elements"])
                 lines.append(f"| {r['backend']} | {r['model_bytes'] / 1e9:.2f} GB | {step} | {100 * share:.2f}% | "
                              f"{d['tensors_copied']:g} / {d['tensors_changed']:g} | {_ms(d['pause_s'])} | "
-                             f"{_ms(min(pauses))}-{_ms(max(pauses))} | {_ms(copy_s)} | "
-                             f"**{d['pause_s'] / copy_s:.2f}x** |")
+                             f"{_ms(min(pauses))}-{_ms(max(pauses))} | {_ms(copy_s)} | {_ms(copy_min)} | "
+                             f"**{d['pause_s'] / copy_s:.2f}x** | {d['pause_s'] / copy_min:.2f}x |")
     lines += ["", "Growth with size (largest / smallest size, per backend):", ""]
     lines += growth_lines(results)
     lines += ["", "Targets:", ""] + [f"- {t}" for t in targets(results)]
@@ -424,13 +427,15 @@ def targets(results: list[dict]) -> list[str]:
         if not r.get("sweep"):
             continue
         tag = f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB"
-        x = r["delta"]["pause_over_copy"]
-        out.append(f"pause at ~1% changed (the lr 1e-6 step, {tag}) <= 0.2x a full copy of the model: {x:.2f}x "
-                   f"-> {'met' if x <= 0.2 else 'NOT met'}")
+        x, xf = r["delta"]["pause_over_copy"], r["delta"]["pause_over_fastest_copy"]
+        out.append(f"pause at ~1% changed (the lr 1e-6 step, {tag}) <= 0.2x a full copy of the model: {x:.2f}x of "
+                   f"the median copy, {xf:.2f}x of the fastest -> {'met' if x <= 0.2 else 'NOT met'}")
         worst = max(r["sweep"], key=lambda d: d["pause_over_copy"])
+        worst_f = max(r["sweep"], key=lambda d: d["pause_over_fastest_copy"])
         share = worst["elements_changed_expected"] / max(1, r["elements"])
         out.append(f"pause <= 1.0x a full copy at every share changed, 0.5-10% ({tag}): worst {worst['pause_over_copy']:.2f}x "
-                   f"at {100 * share:.1f}% -> {'met' if worst['pause_over_copy'] <= 1.0 else 'NOT met'}")
+                   f"of the median copy at {100 * share:.1f}% ({worst_f['pause_over_fastest_copy']:.2f}x of the fastest "
+                   f"at worst) -> {'met' if worst['pause_over_copy'] <= 1.0 else 'NOT met'}")
     by = {(r["backend"], r["size_gb"]): r for r in results}
     for kind in sorted({r["backend"] for r in results}):
         sizes = sorted(s for (k, s) in by if k == kind)
