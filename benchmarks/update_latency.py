@@ -130,13 +130,24 @@ def _sparse_step(weights: dict[str, torch.Tensor], fraction: float, seed: int) -
     return n
 
 
-def _delta_step(pub: Any, swapper: Any, weights: dict, step: int) -> dict[str, Any]:
+def _delta_step(pub: Any, swapper: Any, weights: dict, step: int, around: Any = None) -> dict[str, Any]:
+    """One publish and hot-load; ``around`` (untimed) runs right before and right after the commit: the full
+    copy of the model is measured there, paired with the pause under the same load."""
     t0 = time.perf_counter()
     res = pub.publish(weights, step)
     t1 = time.perf_counter()
-    rep = swapper.hotload(res.version)
+    prepared = swapper.prepare(res.version)
+    tp = time.perf_counter()
+    before = around() if around is not None else None
+    tc = time.perf_counter()
+    rep = swapper.commit(prepared)
     t2 = time.perf_counter()
-    return {"version": res.version, "kind": res.kind, "stored_bytes": res.stored_bytes,
+    pair = {}
+    if around is not None:
+        after = around()
+        pair = {"copy_before_s": before, "copy_after_s": after, "pause_over_copy": 2 * rep.pause_s / (before + after)}
+    t2 -= tc - tp   # the copy before the commit is not the hot-load's time
+    return {**pair, "version": res.version, "kind": res.kind, "stored_bytes": res.stored_bytes,
             "full_bytes": res.full_bytes, "copy_s": res.copy_s, "encode_s": res.encode_s,
             "upload_s": res.upload_s, "commit_s": res.commit_s, "publish_s": t1 - t0,
             "fetch_s": rep.fetch_s, "decode_s": rep.decode_s, "apply_s": rep.apply_s, "pause_s": rep.pause_s,
@@ -158,25 +169,29 @@ def _full_copy(live: dict[str, torch.Tensor]) -> float:
     return dt
 
 
+def _paired(med: dict[str, Any]) -> dict[str, Any]:
+    """Copy figures of a median step whose samples were measured with their full copies around the commit."""
+    copies = [c for x in med["samples"] for c in (x["copy_before_s"], x["copy_after_s"])]
+    med.update(model_copy_s=statistics.median(copies), model_copy_samples=copies, model_copy_min_s=min(copies),
+               pause_over_fastest_copy=med["pause_s"] / min(copies))
+    return med      # med["pause_over_copy"]: the median of each commit's pause over its own copies' mean
+
+
 def _sweep(pub: Any, swapper: Any, new: dict[str, torch.Tensor], live: dict[str, torch.Tensor], version: int,
            repeats: int, fractions: tuple[float, ...]) -> tuple[list[dict[str, Any]], int]:
-    """The pause at each share of changed elements beside a full copy of the model, in the same run."""
+    """The pause at each share of changed elements beside a full copy of the model right before and after it."""
     out = []
     for i, frac in enumerate(fractions):
-        samples, copies = [], []
+        samples = []
         for _ in range(max(repeats, 1)):   # the same positions each time: on, off, on
-            copies.append(_full_copy(live))
             n = _sparse_step(new, frac, seed=100 + i)
             version += 1
-            step = _delta_step(pub, swapper, new, version)
+            step = _delta_step(pub, swapper, new, version, around=lambda: _full_copy(live))
             step["elements_changed_expected"] = n
             step["bit_exact"] = _bits_equal(live, new)
             samples.append(step)
-        copies.append(_full_copy(live))
-        med = _median_step(samples)
-        med.update(fraction=frac, copy_s=statistics.median(copies), copy_samples=copies, copy_min_s=min(copies),
-                   pause_over_copy=med["pause_s"] / statistics.median(copies),
-                   pause_over_fastest_copy=med["pause_s"] / min(copies))
+        med = _paired(_median_step(samples))
+        med["fraction"] = frac
         out.append(med)
     return out, version
 
@@ -280,7 +295,8 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
             for i in range(repeats):
                 target = new if i % 2 == 0 else back
                 version += 1
-                step = _delta_step(pub, swapper, target, version)
+                step = _delta_step(pub, swapper, target, version,
+                                   around=(lambda: _full_copy(live)) if sweep else None)
                 step["elements_changed_expected"] = expected_changed
                 step["bit_exact"] = _bits_equal(live, target)
                 samples.append(step)
@@ -301,10 +317,7 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
             if sweep:
                 out["sweep"], version = _sweep(pub, swapper, new, live, version, repeats, sweep)
                 real = out["delta"]
-                copies = [c for x in out["sweep"] for c in x["copy_samples"]]
-                out["delta_copy_s"], out["delta_copy_min_s"] = statistics.median(copies), min(copies)
-                real["pause_over_copy"] = real["pause_s"] / out["delta_copy_s"]
-                real["pause_over_fastest_copy"] = real["pause_s"] / out["delta_copy_min_s"]
+                _paired(out["delta"])
         finally:
             pub.close()
         del pub
@@ -365,9 +378,11 @@ def markdown(results: list[dict], meta: dict) -> str:
     if swept:
         lines += [
             "",
-            "The pause beside a full copy of the model (`live[k].copy_(staged[k])` of every tensor, measured in the "
-            "same run, median of its samples around each step's hot-loads); steps of random one-ulp changes, each "
-            "hot-loaded forward, back and forward (medians), plus the lr 1e-6 step above. The commit scatters each "
+            "The pause beside a full copy of the model (`live[k].copy_(staged[k])` of every tensor), measured right "
+            "before and right after each commit, under the same load; **pause / copy** is the median over the "
+            "commits of each one's pause over the mean of its two copies, the last column the median pause over the "
+            "fastest copy of the step. Steps of random one-ulp changes, each hot-loaded forward, back and forward "
+            "(medians), plus the lr 1e-6 step above. The commit scatters each "
             "changed tensor or copies it whole from a staged copy, whichever its share of changed elements makes "
             "cheaper (`loader.batch_commit.COPY_ABOVE`):",
             "",
@@ -376,15 +391,15 @@ def markdown(results: list[dict], meta: dict) -> str:
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in swept:
-            rows = [("lr 1e-6", r["delta"], r["delta_copy_s"], r["delta_copy_min_s"])] + [
-                ("random", x, x["copy_s"], x["copy_min_s"]) for x in r["sweep"]]
-            for step, d, copy_s, copy_min in rows:
+            rows = [("lr 1e-6", r["delta"])] + [("random", x) for x in r["sweep"]]
+            for step, d in rows:
+                copy_s, copy_min = d["model_copy_s"], d["model_copy_min_s"]
                 pauses = [x["pause_s"] for x in d["samples"]]
                 share = d["elements_changed_expected"] / max(1, r["elements"])
                 lines.append(f"| {r['backend']} | {r['model_bytes'] / 1e9:.2f} GB | {step} | {100 * share:.2f}% | "
                              f"{d['tensors_copied']:g} / {d['tensors_changed']:g} | {_ms(d['pause_s'])} | "
                              f"{_ms(min(pauses))}-{_ms(max(pauses))} | {_ms(copy_s)} | {_ms(copy_min)} | "
-                             f"**{d['pause_s'] / copy_s:.2f}x** | {d['pause_s'] / copy_min:.2f}x |")
+                             f"**{d['pause_over_copy']:.2f}x** | {d['pause_over_fastest_copy']:.2f}x |")
     lines += ["", "Growth with size (largest / smallest size, per backend):", ""]
     lines += growth_lines(results)
     lines += ["", "Targets:", ""] + [f"- {t}" for t in targets(results)]

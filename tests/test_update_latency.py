@@ -33,7 +33,8 @@ def test_quick_run_swaps_bit_exact_and_writes_markdown_json_and_png(tmp_path, ca
     # the pause beside a full copy of the model, measured in the same run, at each share of changes swept
     assert [x["fraction"] for x in r["sweep"]] == list(update_latency.QUICK_SWEEP)
     for x in r["sweep"]:
-        assert x["bit_exact"] is True and x["copy_s"] > 0 and x["pause_over_copy"] > 0
+        assert x["bit_exact"] is True and x["model_copy_s"] > 0 and x["pause_over_copy"] > 0
+        assert len(x["model_copy_samples"]) == 2 * len(x["samples"])   # one right before, one right after each
         assert x["elements_changed"] == x["elements_changed_expected"] > 0
     assert "**pause / copy**" in md and "a full copy of the model" in md
     assert "ckptdelta" in capsys.readouterr().out
