@@ -62,6 +62,7 @@ class DeltaPart:
     entries: dict[str, TensorEntry]
     objects: list[tuple[int, str]] = field(default_factory=list)   # (size, xxh3) of each part
     changed: list[str] = field(default_factory=list)
+    changed_elements: int = 0       # the records' chunk counts (changed elements; a raw chunk's: all of them)
     encode_s: float = 0.0
 
 
@@ -106,6 +107,7 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
                 part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), len(part.objects),
                                                  offset, length)
                 part.changed.append(name)
+                part.changed_elements += sum(c.count for c in h.chunks)
                 if out.size >= part_bytes:
                     close_current()
             if on_bytes is not None:

@@ -30,6 +30,7 @@ from delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot
 from delta.storage import Store
 
 from . import anchor as anchor_fmt
+from .codec_choice import CODECS, CONTEXT, FAST, CodecChooser, check_bandwidth, warm_up
 from .distributed import describe, make_comm
 from .nan import nan_tensor_names
 from .plan import ChainState, Plan, decide
@@ -74,6 +75,14 @@ class Publisher:
     CUDA weights the staging copies are pinned. Anchor shards also pass through a
     temporary directory (``TMPDIR``): up to 5 shards on local disk at once.
 
+    ``codec`` picks how deltas are coded: ``"context"`` (the default: the context
+    coder, the smallest deltas), ``"fast"`` (zstd alone, ``context=False``: ~1.6x
+    larger, encodes 1.4-2.7x faster; ``context_coding=False`` says the same), or
+    ``"auto"``: per delta, whichever of the two is predicted to commit sooner from
+    this publisher's own measurements of both codecs' encode speed and output and
+    of the upload bandwidth, which ``upload_bandwidth`` (bytes/s) seeds
+    (publisher/codec_choice.py). Replicas decode both, so any mix is bit-exact.
+
     ``device_diff=True`` (for weights on a GPU; needs ``max_in_flight=1``) keeps a
     copy of the last published bits on the weights' device, finds the changed
     elements there and moves only their positions and values to the host, where
@@ -107,7 +116,8 @@ class Publisher:
                  extra_files: Mapping[str, str | os.PathLike[str] | bytes] | str | os.PathLike[str] | None = None,
                  shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
-                 progress: bool | None = None, context_coding: bool = True, device_diff: bool = False):
+                 progress: bool | None = None, context_coding: bool = True, device_diff: bool = False,
+                 codec: str | None = None, upload_bandwidth: float | None = None):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if not anchor_chain_fraction >= 0:
@@ -123,7 +133,9 @@ class Publisher:
         self.url = url
         self.anchor_every, self.anchor_chain_fraction = anchor_every, float(anchor_chain_fraction)
         self.shard_bytes, self.level, self.progress = shard_bytes, level, progress
-        self.context_coding = bool(context_coding)   # False: larger deltas, faster encode/decode (docs/FORMAT.md id 4)
+        self.codec = _resolve_codec(codec, context_coding, upload_bandwidth)
+        self._chooser = CodecChooser(check_bandwidth(upload_bandwidth)) if self.codec == "auto" else None
+        self._last_codec = ""          # the codec of this rank's previous delta (logged when auto switches)
         self._partition = partition
         self._extra = anchor_fmt.read_extra_files(extra_files)
         self._store = Store.from_url(url, storage_options)
@@ -156,6 +168,8 @@ class Publisher:
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._futures: set[Future] = set()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-publish")
+        if self._chooser is not None:
+            self._worker.submit(warm_up)   # before the first publish, off the caller's thread
         self._uploads = ThreadPoolExecutor(4, thread_name_prefix="ckptdelta-upload")
 
     @property
@@ -449,15 +463,38 @@ class Publisher:
                                    extra_files=self._extra if self._comm.rank == 0 else {}, progress=self.progress)
         else:
             assert parent is not None
-            written = write_delta_object(self._store, parent, job.snapshot, version=plan.version,
-                                         writer_id=plan.data_id, rank=self._comm.rank, level=self.level,
-                                         context=self.context_coding,
-                                         progress=self.progress)
+            written = self._write_delta(plan, job, parent)
         with_bytes = [n for n, e in written.entries.items() if e.object is not None]
         for n in nan_tensor_names(job.snapshot, with_bytes, self._nan_warned):
             self._nan_warned.add(n)
             log.warning("tensor %r holds NaN values in version %d (step %d); published as-is, bit-exact",
                         n, plan.version, job.step)
+        return written
+
+    def _write_delta(self, plan: Plan, job: _Job, parent: dict[str, torch.Tensor]) -> Written:
+        """This rank's delta objects, in the codec ``self.codec`` names or, with "auto", its chooser picks."""
+        assert job.snapshot is not None
+        elements = sum(t.numel() for t in job.snapshot.values())
+        exploring = False
+        if self._chooser is None:
+            codec, reason = self.codec, f"fixed: Publisher(codec={self.codec!r})"
+        else:
+            choice = self._chooser.choose(elements)
+            codec, reason, exploring = choice.codec, choice.reason, choice.exploring
+            if self._last_codec and codec != self._last_codec and not exploring:
+                log.info("run %s: v%d switches to the %s codec (%s)", self.run_id, plan.version, codec, reason)
+            else:
+                log.debug("run %s: v%d codec %s (%s)", self.run_id, plan.version, codec, reason)
+        written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
+                                     rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
+                                     progress=self.progress)
+        written.codec, written.codec_reason = codec, reason
+        if self._chooser is not None:
+            self._chooser.observe(codec, elements=elements, changed=written.changed_elements,
+                                  encode_s=written.encode_s, stored_bytes=sum(o.size for o in written.objects),
+                                  upload_s=written.upload_s)
+            if not exploring:
+                self._last_codec = codec
         return written
 
     def _commit(self, plan: Plan, job: _Job, parts: list[Written]) -> dict[str, Any]:
@@ -510,10 +547,10 @@ class Publisher:
             copy_s=job.copy_s, encode_s=written.encode_s, upload_s=written.upload_s, commit_s=outcome["commit_s"],
             total_s=time.perf_counter() - job.t_start, n_changed_tensors=outcome["n_changed"],
             n_tensors=outcome["n_tensors"], reason=plan.reason, extra_bytes=outcome["extra"],
-            schema_change=plan.schema_change)
+            schema_change=plan.schema_change, codec=written.codec, codec_reason=written.codec_reason)
         log.info("published %s of run %s: %s, %d of %d tensors changed, %d bytes (weights: %.2f%% of %d) in "
-                 "%.2fs (%s)", r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes,
-                 100 * r.ratio, r.full_bytes, r.total_s, r.reason)
+                 "%.2fs (%s)%s", r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes,
+                 100 * r.ratio, r.full_bytes, r.total_s, r.reason, f"; {r.codec} codec" if r.codec else "")
         if r.schema_change and self._comm.rank == 0:
             log.warning("run %s: %s is an anchor with other tensors than %s (%s); every replica serving the run "
                         "fails to hot-load it (ShapeMismatchError or HotLoadError) until it restarts on it: "
@@ -521,6 +558,21 @@ class Publisher:
                         self.run_id, r.name, snapshot_name(plan.parent_version) if plan.parent_version is not None
                         else "the previous snapshot", r.schema_change, r.name)
         return r
+
+
+def _resolve_codec(codec: Any, context_coding: Any, upload_bandwidth: Any) -> str:
+    """``codec`` checked against ``context_coding`` (its older spelling) and ``upload_bandwidth``."""
+    choices = (*CODECS, "auto")
+    if codec is not None and codec not in choices:
+        raise ValueError(f"codec must be one of {', '.join(map(repr, choices))}, got {codec!r}")
+    if codec is None:
+        codec = CONTEXT if context_coding else FAST
+    elif not context_coding and codec != FAST:
+        raise ValueError(f"context_coding=False asks for the fast codec, but codec={codec!r}: pass codec alone")
+    check_bandwidth(upload_bandwidth)
+    if upload_bandwidth is not None and codec != "auto":
+        raise ValueError(f"upload_bandwidth only seeds codec='auto'; with codec={codec!r} it would be ignored")
+    return codec
 
 
 def _last_readable(store: Store, versions: list[int], run_id: str) -> Manifest | None:

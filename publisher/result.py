@@ -31,3 +31,5 @@ class PublishResult:
     extra_bytes: int = 0       # of stored_bytes, the extra files (config, tokenizer) an anchor wrote
     schema_change: str = ""    # tensors added, removed or with a new dtype/shape since the previous snapshot:
                                # replicas on the old tensors cannot hot-load this one (docs/PUBLISHING.md)
+    codec: str = ""            # a delta's codec on this rank: "context" or "fast" (Publisher(codec=...)); anchor: ""
+    codec_reason: str = ""     # why: "fixed: ...", or codec="auto"'s prediction of both ("auto: predicted ...")

@@ -45,6 +45,9 @@ class Written:
     weight_map: dict[str, str] = field(default_factory=dict)   # anchors: tensor -> shard file name
     extra_files: list[ObjectRef] = field(default_factory=list)
     changed: int = 0
+    changed_elements: int = 0        # deltas: elements the records changed (publisher/deltas.py)
+    codec: str = ""                  # deltas: "context" or "fast" (Publisher(codec=...)); anchors: ""
+    codec_reason: str = ""
     encode_s: float = 0.0
     upload_s: float = 0.0
 
@@ -203,6 +206,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
         bar.close()
     out.entries = part.entries
     out.changed = len(part.changed)
+    out.changed_elements = part.changed_elements
     return out
 
 

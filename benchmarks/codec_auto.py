@@ -1,0 +1,265 @@
+"""``Publisher(codec="auto")`` at two link speeds, beside always-context and always-fast in the same run.
+
+The reference workload (:func:`benchmarks.workloads.snapshots`: the "small" 23M-parameter
+model, bf16, AdamW at each of ``--lrs``: ~1% of elements change per step at lr 1e-6, ~7%
+at 1e-5; its 12 cached consecutive steps, walked forward, back and forward again for more
+deltas: a step back changes the same elements) is published snapshot after snapshot by
+three publishers, each to a local directory of its own: ``codec="auto"``, ``codec="context"``
+and ``codec="fast"``. Per step they take turns (the order rotates), so load on the
+machine falls on all three alike. After the anchor (step 0, unshaped), each publisher's
+uploads of delta objects pass an artificial link: ``put_file`` sleeps ``latency + bytes /
+rate`` after the local write (one upload at a time, as a delta's parts go; the manifest
+commit is not shaped). That is what the publisher measures as ``upload_s``, and what
+``auto`` learns the bandwidth from; nothing tells it the rate.
+
+Per link and codec the table shows which codec each delta used, the medians of
+``encode_s``, stored bytes, ``upload_s``, their sum (the part the codec decides) and
+``total_s`` (publish() -> committed: also the host copy, the plan and the commit), the
+mean ``total_s`` (what auto's first delta and its explorations cost show up in), and
+auto's mean over the better fixed codec's. The break-even rate is where the fixed
+codecs' medians meet: ``(bytes fast - bytes context) / (encode context - encode fast)``.
+
+    python -m benchmarks.codec_auto                      # 10 Mbit/s and 1 Gbit/s, lr 1e-6 and 1e-5: ~3 minutes
+    python -m benchmarks.codec_auto --rates 5,20,100,1000 --lrs 1e-6 --steps 12
+
+Writes benchmarks/results/codec_auto.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections import Counter
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+VARIANTS = ("auto", "context", "fast")
+
+
+def shape_uploads(pub, rate_bit: float, latency_s: float, enabled: list[bool]) -> None:
+    """Uploads of delta objects through ``pub``'s store take ``latency + bytes / rate`` once ``enabled[0]``."""
+    put_file = pub.store.put_file
+
+    def shaped(key: str, path: str) -> None:
+        size = os.path.getsize(path)
+        put_file(key, path)
+        if enabled[0] and "/deltas/" in f"/{key}":
+            time.sleep(latency_s + 8 * size / rate_bit)
+
+    pub.store.put_file = shaped
+
+
+def run_link(snaps: list[dict[str, torch.Tensor]], rate_bit: float, latency_s: float, root: str) -> dict:
+    """Every snapshot published by each variant over one shaped link; a row per variant and delta."""
+    from publisher import Publisher
+
+    pubs, switches = {}, []
+    for v in VARIANTS:
+        pubs[v] = Publisher(os.path.join(root, v), codec=v, progress=False, anchor_every=10**6,
+                            anchor_chain_fraction=1e9)
+        switches.append([False])
+        shape_uploads(pubs[v], rate_bit, latency_s, switches[-1])
+    rows: list[dict] = []
+    try:
+        for s, snap in enumerate(snaps):
+            order = VARIANTS[s % 3:] + VARIANTS[:s % 3]
+            for v in order:
+                r = pubs[v].publish(snap, s)
+                if r.kind == "delta":
+                    rows.append({"variant": v, "step": s, "codec": r.codec, "encode_s": r.encode_s,
+                                 "upload_s": r.upload_s, "coded_s": r.encode_s + r.upload_s,
+                                 "stored_bytes": r.stored_bytes, "total_s": r.total_s, "copy_s": r.copy_s,
+                                 "commit_s": r.commit_s, "reason": r.codec_reason})
+            for sw in switches:
+                sw[0] = True               # the anchor went unshaped; every delta goes through the link
+    finally:
+        for p in pubs.values():
+            p.close()
+    return {"rate_bit": rate_bit, "latency_s": latency_s, "rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    out = {}
+    for v in VARIANTS:
+        mine = [r for r in rows if r["variant"] == v]
+        out[v] = {k: statistics.median(r[k] for r in mine)
+                  for k in ("encode_s", "stored_bytes", "upload_s", "coded_s", "total_s")}
+        out[v]["mean_coded_s"] = statistics.fmean(r["coded_s"] for r in mine)
+        out[v]["mean_total_s"] = statistics.fmean(r["total_s"] for r in mine)
+        out[v]["codecs"] = dict(Counter(r["codec"] for r in mine))
+        out[v]["deltas"] = len(mine)
+    c, f = out["context"], out["fast"]
+    gap = c["encode_s"] - f["encode_s"]
+    out["break_even_bit"] = 8 * (f["stored_bytes"] - c["stored_bytes"]) / gap if gap > 0 else None
+    best = min(("context", "fast"), key=lambda k: out[k]["mean_total_s"])
+    out["best_fixed"] = best
+    out["auto_vs_best"] = out["auto"]["mean_total_s"] / out[best]["mean_total_s"]
+    return out
+
+
+def _rate(bit: float) -> str:
+    return f"{bit / 1e9:g} Gbit/s" if bit >= 1e9 else f"{bit / 1e6:g} Mbit/s"
+
+
+def _codecs(counts: dict) -> str:
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def markdown(cases: list[dict], meta: dict) -> str:
+    lines = ["# Publisher(codec=\"auto\"): the codec per delta at two link speeds", "",
+             f"{meta['machine']}; reference workload `snapshots(\"{meta['size']}\", lr)` "
+             f"({meta['elements'] / 1e6:.1f}M bf16 elements, {meta['mb']:.0f} MB), {meta['deltas']} deltas after an "
+             "anchor per case, each variant to a local directory of its own, taking turns per step. Delta uploads "
+             "pass an artificial link (`put_file` sleeps latency + bytes / rate after the local write: latency "
+             f"{1e3 * meta['latency_s']:g} ms). torch intra-op threads: {meta['torch_threads']} (they only take the "
+             "host copy here). Seconds are medians over the deltas unless marked mean; `vs best fixed` compares "
+             "means.", "",
+             "| workload | link | codec | codecs used | encode s | bytes | upload s | encode + upload s | "
+             "publish -> committed s | mean publish -> committed s | vs best fixed |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for case in cases:
+        sm = case["summary"]
+        best = sm[sm["best_fixed"]]["mean_total_s"]
+        for v in VARIANTS:
+            s = sm[v]
+            name = f"**{v}**" if v == "auto" else v
+            rel = (f"**{sm['auto_vs_best']:.2f}x** {sm['best_fixed']}" if v == "auto" else
+                   "best" if v == sm["best_fixed"] else f"{s['mean_total_s'] / best:.2f}x")
+            lines.append(f"| lr {case['lr']:g} ({100 * case['changed']:.1f}% changed) | {_rate(case['rate_bit'])} | "
+                         f"{name} | {_codecs(s['codecs'])} | {s['encode_s']:.3f} | {s['stored_bytes'] / 1e3:.0f} kB | "
+                         f"{s['upload_s']:.3f} | {s['coded_s']:.3f} | {s['total_s']:.3f} | {s['mean_total_s']:.3f} | "
+                         f"{rel} |")
+    even = "; ".join(f"lr {c['lr']:g} at {_rate(c['rate_bit'])}: {c['summary']['break_even_bit'] / 1e6:.3g} Mbit/s"
+                     for c in cases if c["summary"]["break_even_bit"])
+    lines += ["", f"Break-even link rate from the fixed codecs' medians (the fast path is faster above it): {even}.",
+              "", "`auto`'s first delta is the context coder (nothing measured yet); from the second on it takes the "
+              "smaller prediction, except that the other codec is measured every other delta until it has 3 samples "
+              "(deltas 2-6) and then once per 10 deltas times its predicted loss (other / best, up to 4x): those are "
+              "the minority counts in `codecs used`, and with noise what separates auto's mean from the best fixed "
+              "codec's. Per publish the noise on this machine is tens of ms (shared: load average "
+              f"{meta['load'][0]:.1f} at the start, {meta['load'][1]:.1f} at the end, on {meta['cpus']} CPUs). "
+              "Auto's reason for every delta is in the JSON (`cases[].rows[].reason`)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(cases: list[dict], path: str) -> None:
+    """publish() -> committed per delta: a panel per workload (rows) and link (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lrs = sorted({c["lr"] for c in cases})
+    rates = sorted({c["rate_bit"] for c in cases})
+    fig, axes = plt.subplots(len(lrs), len(rates), figsize=(5.5 * len(rates), 3.6 * len(lrs)), squeeze=False,
+                             sharex=True)
+    colors = {"context": "tab:blue", "fast": "tab:orange"}
+    for case in cases:
+        ax = axes[lrs.index(case["lr"])][rates.index(case["rate_bit"])]
+        for v in ("context", "fast"):
+            rows = [r for r in case["rows"] if r["variant"] == v]
+            ax.plot([r["step"] for r in rows], [1e3 * r["total_s"] for r in rows], color=colors[v], alpha=0.6,
+                    label=f"always {v}")
+        rows = [r for r in case["rows"] if r["variant"] == "auto"]
+        ax.plot([r["step"] for r in rows], [1e3 * r["total_s"] for r in rows], "k--", lw=1, label="auto")
+        for c in ("context", "fast"):
+            pts = [r for r in rows if r["codec"] == c]
+            ax.scatter([r["step"] for r in pts], [1e3 * r["total_s"] for r in pts], color=colors[c], edgecolor="k",
+                       zorder=3, s=30, label=f"auto chose {c}")
+        ax.set(title=f"lr {case['lr']:g} ({100 * case['changed']:.1f}% changed), link {_rate(case['rate_bit'])}",
+               ylabel="publish() -> committed (ms)")
+        ax.set_ylim(bottom=0)
+    for ax in axes[-1]:
+        ax.set_xlabel("delta (step)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _changed_share(snaps: list[dict[str, torch.Tensor]]) -> float:
+    from benchmarks.workloads import change_fraction
+
+    return statistics.median(change_fraction(a, b) for a, b in zip(snaps, snaps[1:]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.codec_auto", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="10,1000", help="link rates in Mbit/s, comma-separated (default 10,1000)")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="added to every delta upload (default 0)")
+    p.add_argument("--lrs", default="1e-6,1e-5", help="workload learning rates, comma-separated (default 1e-6,1e-5)")
+    p.add_argument("--steps", type=int, default=24, help="deltas per case (default 24)")
+    p.add_argument("--size", default="small", help="workload size: small (23M) or tiny (3.7M, a smoke test)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: they only take publish()'s host copy here, and on a "
+                        "loaded machine their OpenMP regions wait for a core: copy_s 0.1-0.8 s instead of 1 ms "
+                        "for 7 MB with 2 threads, noise common to every codec)")
+    p.add_argument("--out-dir", default=RESULTS)
+    p.add_argument("--name", default="codec_auto")
+    p.add_argument("--from-json", metavar="PATH", help="only render the table and plot of an earlier run's JSON")
+    a = p.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            data = json.load(f)
+        _write(data["cases"], data["meta"], a.out_dir, a.name)
+        return 0
+    try:
+        rates = [float(x) * 1e6 for x in a.rates.split(",") if x]
+        lrs = [float(x) for x in a.lrs.split(",") if x]
+    except ValueError as e:
+        p.error(str(e))
+    if not rates or not lrs or any(r <= 0 for r in rates) or a.steps < 1:
+        p.error("--rates and --lrs need positive numbers, --steps at least 1")
+    from benchmarks.workloads import snapshots
+    from publisher.codec_choice import warm_up
+
+    logging.getLogger("ckptdelta").setLevel(logging.WARNING)
+    if a.torch_threads > 0:
+        torch.set_num_threads(a.torch_threads)
+    load0 = os.getloadavg()[0]
+    warm_up()          # every variant's first delta finds the kernels loaded
+    cases, meta = [], {}
+    for lr in lrs:
+        cached = snapshots(a.size, lr, steps=12)
+        snaps = [cached[abs((i + 12) % 24 - 12)] for i in range(a.steps + 1)]     # 0..12, 11..0, 1..12, ...
+        changed = _changed_share(snaps)
+        meta = {"elements": sum(t.numel() for t in snaps[0].values()),
+                "mb": sum(t.numel() * t.element_size() for t in snaps[0].values()) / 1e6}
+        for rate in rates:
+            with tempfile.TemporaryDirectory(prefix="ckptdelta-codec-auto-") as root:
+                case = {"lr": lr, "changed": changed, **run_link(snaps, rate, a.latency_ms / 1e3, root)}
+            cases.append(case)
+            sm = case["summary"]
+            print(f"lr {lr:g}, {_rate(rate)}: " + "; ".join(
+                f"{v} ({_codecs(sm[v]['codecs'])}) median {sm[v]['total_s']:.3f} s, mean {sm[v]['mean_total_s']:.3f} s"
+                for v in VARIANTS), flush=True)
+        del cached, snaps
+    meta.update({"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+                 "size": a.size, "deltas": a.steps, "torch_threads": torch.get_num_threads(),
+                 "latency_s": a.latency_ms / 1e3, "cpus": os.cpu_count(), "load": [load0, os.getloadavg()[0]]})
+    _write(cases, meta, a.out_dir, a.name)
+    return 0
+
+
+def _write(cases: list[dict], meta: dict, out_dir: str, name: str) -> None:
+    md = markdown(cases, meta)
+    print()
+    print(md)
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, name)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "cases": cases}, f, indent=1)
+    plot(cases, stem + ".png")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,397 @@
+"""Publisher(codec="auto"): the context coder or the fast path per delta, from measured encode speed and upload
+bandwidth; chains mixing both read, hot-load and materialize bit-exactly.
+
+The chooser is pure bookkeeping, so most tests feed it timings directly. The publisher tests shape the
+timings it measures: a storage wrapper that sleeps in proportion to the bytes uploaded (a slow link), or an
+encoder wrapper that sleeps before the context coder's records (a slow context coder beside a fast disk);
+the margins are tens of times any scheduling noise. No test asserts how long anything took."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import publisher.codec_choice as codec_choice
+import publisher.deltas as deltas
+from delta.codec import EncodedTensor
+from delta.storage import Store
+from loader.hotswap import HotSwapper
+from loader.reader import SnapshotReader
+from publisher import Publisher
+from publisher.codec_choice import CONTEXT, FAST, CodecChooser
+from tests.publisher_helpers import assert_same, clone, perturb, same_bits
+
+KB, MB, GB = 1e3, 1e6, 1e9
+
+# One delta of each codec as the reference workload measures them (23M bf16 elements, 1% changed, 2 cores).
+ELEMENTS, CHANGED = 23_173_632, 234_434
+MEASURED = {CONTEXT: (0.088, 212_780), FAST: (0.042, 342_886)}     # encode s, stored bytes
+
+
+def _feed(ch: CodecChooser, codec: str, bandwidth: float, changed: int = CHANGED, load: float = 1.0) -> None:
+    """One delta as MEASURED says, at ``changed`` changed elements, on cores ``load`` times slower."""
+    encode_s, stored = MEASURED[codec]
+    scale = changed / CHANGED
+    ch.observe(codec, elements=ELEMENTS, changed=changed, encode_s=load * encode_s * (0.5 + 0.5 * scale),
+               stored_bytes=int(stored * scale), upload_s=stored * scale / bandwidth)
+
+
+def _measured(ch: CodecChooser, bandwidth: float) -> None:
+    """Both codecs past their first samples (MIN_SAMPLES), taking turns."""
+    for _ in range(codec_choice.MIN_SAMPLES):
+        _feed(ch, CONTEXT, bandwidth)
+        _feed(ch, FAST, bandwidth)
+
+
+def _best(choice) -> str:
+    return min(choice.predictions, key=lambda p: p.total_s).codec
+
+
+# --- the chooser, on injected timings ------------------------------------------------------------------
+
+@pytest.mark.parametrize("bandwidth, winner", [(0.1 * MB, CONTEXT), (2 * MB, CONTEXT), (4 * MB, FAST),
+                                               (1 * GB, FAST)])
+def test_the_choice_flips_with_the_upload_bandwidth(bandwidth, winner):
+    # the fast path saves 46 ms of encoding and uploads 130 kB more: it wins above ~2.8 MB/s
+    ch = CodecChooser()
+    assert ch.choose(ELEMENTS).codec == CONTEXT and "no delta measured yet" in ch.choose(ELEMENTS).reason
+    _measured(ch, bandwidth)
+    choice = ch.choose(ELEMENTS)
+    assert choice.codec == winner and not choice.exploring
+    assert choice.reason.startswith(f"auto: predicted {winner} ")
+    pred = {p.codec: p for p in choice.predictions}
+    assert pred[CONTEXT].stored_bytes == pytest.approx(MEASURED[CONTEXT][1], rel=1e-6)
+    assert pred[FAST].stored_bytes == pytest.approx(MEASURED[FAST][1], rel=1e-6)
+    assert pred[CONTEXT].encode_s == pytest.approx(MEASURED[CONTEXT][0], rel=1e-6)
+    assert pred[FAST].upload_s == pytest.approx(MEASURED[FAST][1] / bandwidth, rel=1e-6)
+    assert ch.bandwidth == pytest.approx(bandwidth)
+
+
+def test_the_break_even_bandwidth_is_where_the_encode_saving_pays_for_the_extra_bytes():
+    (ce, cb), (fe, fb) = MEASURED[CONTEXT], MEASURED[FAST]
+    even = (fb - cb) / (ce - fe)                                       # ~2.8 MB/s
+    for bw, winner in ((even / 1.2, CONTEXT), (even * 1.2, FAST)):
+        ch = CodecChooser()
+        _measured(ch, bw)
+        assert ch.choose(ELEMENTS).codec == winner, bw
+
+
+def _codecs_used(bandwidth: float, n: int, explore_every: int) -> str:
+    ch = CodecChooser(explore_every=explore_every)
+    used = []
+    for _ in range(n):
+        c = ch.choose(ELEMENTS)
+        used.append(c.codec[0] + ("*" if c.exploring else ""))
+        _feed(ch, c.codec, bandwidth)
+    return "".join(used)
+
+
+def test_the_other_codec_is_explored_every_explore_every_deltas_when_it_loses_little():
+    (ce, cb), (fe, fb) = MEASURED[CONTEXT], MEASURED[FAST]
+    near = 1.2 * (fb - cb) / (ce - fe)                 # the fast path wins by 5%
+    # first delta: context (nothing known); the context coder is measured every other delta until it has
+    # 3 samples, then one delta in 4 measures it again
+    assert _codecs_used(near, 22, 4) == "cfc*fc*" + 4 * (3 * "f" + "c*") + "f"
+
+
+def test_the_more_the_other_codec_is_predicted_to_lose_the_less_often_it_is_explored():
+    # at 1 GB/s the context coder is predicted 2.1x slower: one delta in round(4 x 2.1) = 8
+    assert _codecs_used(1 * GB, 22, 4) == "cfc*fc*" + 2 * (7 * "f" + "c*") + "f"
+    # and never less often than one in 4 x explore_every, however much it loses (here 200x)
+    ch = CodecChooser(explore_every=4)
+    used = []
+    for _ in range(44):
+        c = ch.choose(ELEMENTS)
+        used.append(c.codec[0] + ("*" if c.exploring else ""))
+        ch.observe(c.codec, elements=ELEMENTS, changed=CHANGED, encode_s=10.0 if c.codec == CONTEXT else 0.05,
+                   stored_bytes=200_000, upload_s=0.001)
+    assert "".join(used) == "cfc*fc*" + 2 * (15 * "f" + "c*") + 7 * "f"
+
+
+def test_an_unmeasured_codec_is_predicted_from_the_other_through_the_priors():
+    ch = CodecChooser()
+    _feed(ch, CONTEXT, 100 * MB)
+    choice = ch.choose(ELEMENTS)
+    pred = {p.codec: p for p in choice.predictions}
+    assert not pred[CONTEXT].measured and not pred[FAST].measured and ch.ratio() is None
+    prior = codec_choice.PRIOR_FAST_VS_CONTEXT
+    assert pred[FAST].stored_bytes == pytest.approx(MEASURED[CONTEXT][1] * prior["bytes"], rel=1e-6)
+    work = {c: ELEMENTS + codec_choice.WORK_PER_CHANGED[c] * CHANGED for c in (CONTEXT, FAST)}
+    assert pred[FAST].encode_s == pytest.approx(
+        MEASURED[CONTEXT][0] / work[CONTEXT] * prior["encode"] * work[FAST], rel=1e-6)
+    assert "ratio from the priors" in choice.reason and choice.codec == FAST
+    _feed(ch, FAST, 100 * MB)                                          # the first pair measures the ratio
+    assert all(p.measured for p in ch.choose(ELEMENTS).predictions)
+    rw, rb = ch.ratio()
+    assert rb == pytest.approx(MEASURED[CONTEXT][1] / MEASURED[FAST][1], rel=1e-6)
+    assert rw == pytest.approx(MEASURED[CONTEXT][0] / work[CONTEXT] / (MEASURED[FAST][0] / work[FAST]), rel=1e-6)
+
+
+def test_a_bandwidth_hint_seeds_the_estimate_until_uploads_push_it_out():
+    ch = CodecChooser(upload_bandwidth=1 * MB, window=3)
+    assert ch.bandwidth == pytest.approx(1 * MB)
+    # a delta whose upload took no measurable time: the hint alone says what bytes cost
+    ch.observe(CONTEXT, elements=ELEMENTS, changed=CHANGED, encode_s=0.088, stored_bytes=212_780, upload_s=0.0)
+    assert ch.bandwidth == pytest.approx(1 * MB) and _best(ch.choose(ELEMENTS)) == CONTEXT
+    fast_hint = CodecChooser(upload_bandwidth=1 * GB)
+    fast_hint.observe(CONTEXT, elements=ELEMENTS, changed=CHANGED, encode_s=0.088, stored_bytes=212_780,
+                      upload_s=0.0)
+    assert _best(fast_hint.choose(ELEMENTS)) == FAST
+    for _ in range(2):
+        _feed(ch, CONTEXT, 100 * MB)
+    assert ch.bandwidth == pytest.approx(100 * MB)                     # median of (1, 100, 100) MB/s
+    _feed(ch, CONTEXT, 100 * MB)
+    assert ch.bandwidth == pytest.approx(100 * MB)                     # the hint has left the window
+
+
+def test_one_slow_sample_does_not_move_a_median():
+    ch = CodecChooser()
+    _measured(ch, 100 * MB)
+    ch.observe(FAST, elements=ELEMENTS, changed=CHANGED, encode_s=5.0, stored_bytes=342_886, upload_s=0.0034)
+    assert ch.choose(ELEMENTS).codec == FAST
+
+
+def test_a_burst_of_load_moves_both_codecs_together_and_is_forgotten_when_it_ends():
+    """On a 2 MB/s link the context coder wins by 20 ms; with every encode 10x slower (other jobs on the
+    trainer's cores) the fast path wins by 0.4 s. Samples of one codec from the burst must not make the
+    chooser avoid it after the burst, when only the other codec ran meanwhile."""
+    ch = CodecChooser()
+    _measured(ch, 2 * MB)
+    assert ch.choose(ELEMENTS).codec == CONTEXT
+    during, after = [], []
+    for _ in range(4):
+        c = ch.choose(ELEMENTS)
+        during.append(c.codec)
+        _feed(ch, c.codec, 2 * MB, load=10.0)
+    for _ in range(5):
+        c = ch.choose(ELEMENTS)
+        after.append(c.codec)
+        _feed(ch, c.codec, 2 * MB)
+    assert during[-2:] == [FAST, FAST]                  # the level rose: the fast path is cheaper now
+    assert after[-3:] == [CONTEXT] * 3                  # and back once the level fell, context samples or not
+    assert ch.ratio()[0] == pytest.approx(MEASURED[CONTEXT][0] / MEASURED[FAST][0]
+                                          * (ELEMENTS + 35 * CHANGED) / (ELEMENTS + 70 * CHANGED), rel=1e-6)
+
+
+def test_predictions_follow_the_share_of_changed_elements():
+    ch = CodecChooser()
+    _feed(ch, CONTEXT, 100 * MB)
+    _feed(ch, FAST, 100 * MB)
+    small = {p.codec: p for p in ch.choose(ELEMENTS).predictions}
+    _feed(ch, FAST, 100 * MB, changed=6 * CHANGED)                    # the next one changed 6x as much
+    big = {p.codec: p for p in ch.choose(ELEMENTS).predictions}
+    assert big[CONTEXT].stored_bytes == pytest.approx(6 * small[CONTEXT].stored_bytes, rel=1e-6)
+    assert big[CONTEXT].encode_s > 2 * small[CONTEXT].encode_s
+
+
+def test_a_delta_of_many_parts_is_predicted_as_a_pipeline():
+    ch = CodecChooser(part_bytes=50_000)
+    _feed(ch, CONTEXT, 1 * MB)
+    p = next(p for p in ch.choose(ELEMENTS).predictions if p.codec == CONTEXT)
+    parts = -(-p.stored_bytes // 50_000)
+    assert parts == 5
+    e, u = p.encode_s / parts, p.upload_s / parts
+    assert p.total_s == pytest.approx(e + u + (parts - 1) * max(e, u))
+    assert max(p.encode_s, p.upload_s) < p.total_s < p.encode_s + p.upload_s
+
+
+def test_nothing_changed_teaches_nothing():
+    ch = CodecChooser()
+    ch.observe(FAST, elements=ELEMENTS, changed=0, encode_s=0.01, stored_bytes=0, upload_s=0.0)
+    assert ch.choose(ELEMENTS).codec == CONTEXT and ch.bandwidth is None and ch.age(FAST) == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"explore_every": 1}, "explore_every must be an int >= 2"),
+    ({"explore_every": 2.5}, "explore_every must be an int >= 2"),
+    ({"window": 0}, "window must be an int >= 1"),
+    ({"upload_bandwidth": 0}, "upload_bandwidth must be a positive finite number of bytes per second"),
+    ({"upload_bandwidth": float("inf")}, "upload_bandwidth must be a positive finite"),
+    ({"upload_bandwidth": "1Gbit"}, "upload_bandwidth must be a positive finite"),
+])
+def test_the_chooser_refuses_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CodecChooser(**kw)
+
+
+def test_observe_refuses_an_unknown_codec():
+    with pytest.raises(ValueError, match="unknown codec 'zstd'"):
+        CodecChooser().observe("zstd", elements=1, changed=1, encode_s=1.0, stored_bytes=1, upload_s=1.0)
+
+
+# --- the publisher's arguments -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, match", [
+    ({"codec": "zstd"}, "codec must be one of 'context', 'fast', 'auto', got 'zstd'"),
+    ({"codec": True}, "codec must be one of"),
+    ({"codec": "auto", "context_coding": False}, "context_coding=False asks for the fast codec, but codec='auto'"),
+    ({"codec": "context", "context_coding": False}, "context_coding=False asks for the fast codec"),
+    ({"upload_bandwidth": 1e6}, "upload_bandwidth only seeds codec='auto'; with codec='context'"),
+    ({"codec": "fast", "upload_bandwidth": 1e6}, "upload_bandwidth only seeds codec='auto'"),
+    ({"codec": "auto", "upload_bandwidth": -5}, "upload_bandwidth must be a positive finite number"),
+    ({"codec": "auto", "upload_bandwidth": True}, "upload_bandwidth must be a positive finite number"),
+])
+def test_bad_codec_arguments_are_refused_before_anything_is_opened(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        Publisher(str(tmp_path / "run"), progress=False, **kw)
+    assert not (tmp_path / "run").exists()
+
+
+def test_codec_and_its_older_spelling():
+    assert Publisher("memory://codec-a", progress=False).codec == CONTEXT
+    assert Publisher("memory://codec-b", progress=False, context_coding=False).codec == FAST
+    assert Publisher("memory://codec-c", progress=False, codec="fast", context_coding=False).codec == FAST
+    assert Publisher("memory://codec-d", progress=False, codec="auto", upload_bandwidth=125e6).codec == "auto"
+
+
+# --- the publisher, on shaped timings ------------------------------------------------------------------
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.w": (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16) for i in range(2)}
+
+
+def _throttle(pub: Publisher, bytes_per_s: float) -> None:
+    """A slow link under the publisher's store: each delta object's upload sleeps for its size / rate."""
+    store, put_file = pub.store, pub.store.put_file
+
+    def slow_put_file(key, path):
+        put_file(key, path)
+        if "/deltas/" in f"/{key}":
+            time.sleep(os.path.getsize(path) / bytes_per_s)
+
+    store.put_file = slow_put_file
+
+
+def _slow_context_coder(monkeypatch, seconds: float) -> None:
+    real = deltas.encode_many
+
+    def encode_many(*a, context=True, **k):
+        if context:
+            time.sleep(seconds)
+        return real(*a, context=context, **k)
+
+    monkeypatch.setattr(deltas, "encode_many", encode_many)
+
+
+def _record_encodings(url: str, version: int) -> set[str]:
+    r = SnapshotReader(url)
+    m = r.manifest(version)
+    store = Store.from_url(url)
+    out: set[str] = set()
+    for e in m.tensors.values():
+        if e.object is not None:
+            blob = store.get(m.objects[e.object].key, (e.offset, e.offset + e.length))
+            out |= set(EncodedTensor.from_bytes(blob).encoding_counts())
+    return out
+
+
+def test_on_a_slow_link_auto_keeps_the_context_coder(tmp_path):
+    url = str(tmp_path / "run")
+    w = _weights()
+    with Publisher(url, progress=False, codec="auto") as pub:
+        _throttle(pub, 16 * KB)        # ~2.5 kB a delta: 0.15 s, the fast path's 1.6x: 0.09 s more
+        assert pub.publish(w, 0).codec == ""                         # an anchor has no delta codec
+        results = []
+        for s in range(1, 9):
+            perturb(w, s)
+            results.append(pub.publish(w, s))
+    # context first; the fast path measured every other delta until it has 3 samples; context from then on
+    assert [r.codec for r in results] == [CONTEXT, FAST, CONTEXT, FAST, CONTEXT, FAST, CONTEXT, CONTEXT]
+    assert "no delta measured yet" in results[0].codec_reason
+    assert results[1].codec_reason.startswith("auto: exploring fast (not measured yet)")
+    assert results[3].codec_reason.startswith("auto: exploring fast (1 of its first 3 samples)")
+    assert all(r.codec_reason.startswith("auto: predicted context ") for r in results[2::2] + results[-1:])
+    for r in results:
+        assert ("ctx" in _record_encodings(url, r.version)) == (r.codec == CONTEXT), r.version
+
+
+def test_beside_a_fast_disk_auto_takes_the_fast_path(tmp_path, monkeypatch):
+    _slow_context_coder(monkeypatch, 0.2)      # the context coder 0.2 s slower; the bytes it saves cost ~0
+    url = str(tmp_path / "run")
+    w = _weights()
+    with Publisher(url, progress=False, codec="auto") as pub:
+        pub.publish(w, 0)
+        results = []
+        for s in range(1, 10):
+            perturb(w, s)
+            results.append(pub.publish(w, s))
+    # context first, then measured every other delta until it has 3 samples; the fast path from then on
+    assert [r.codec for r in results] == [CONTEXT, FAST, CONTEXT, FAST, CONTEXT] + [FAST] * 4
+    assert results[2].codec_reason.startswith("auto: exploring context (1 of its first 3 samples)")
+    assert all(results[i].codec_reason.startswith("auto: predicted fast ") for i in (1, 3, 5, 6, 7, 8))
+    for r in results:
+        enc = _record_encodings(url, r.version)
+        assert ("ctx" in enc) == (r.codec == CONTEXT), (r.version, enc)
+
+
+def test_fixed_codecs_say_so(tmp_path):
+    w = _weights()
+    for codec in (CONTEXT, FAST):
+        with Publisher(str(tmp_path / codec), progress=False, codec=codec) as pub:
+            pub.publish(w, 0)
+            perturb(w, 1)
+            r = pub.publish(w, 1)
+        assert (r.codec, r.codec_reason) == (codec, f"fixed: Publisher(codec={codec!r})")
+
+
+# --- mixed chains ------------------------------------------------------------------------------------
+
+def test_a_chain_mixing_both_codecs_reads_hot_loads_and_materializes_bit_exactly(tmp_path):
+    """Each delta from a publisher of its own (a restart: the parent is rebuilt from the mixed chain)."""
+    url = str(tmp_path / "run")
+    w = _weights()
+    w["norm"] = torch.randn(256).to(torch.float32)
+    truth = [clone(w)]
+    with Publisher(url, progress=False, anchor_every=100) as pub:
+        pub.publish(w, 0)
+    codecs = [CONTEXT, FAST, FAST, CONTEXT, FAST, CONTEXT]
+    for s, codec in enumerate(codecs, start=1):
+        perturb(w, s)
+        truth.append(clone(w))
+        with Publisher(url, progress=False, codec=codec, anchor_every=100, anchor_chain_fraction=100.0) as pub:
+            r = pub.publish(w, s)
+        assert (r.kind, r.codec) == ("delta", codec)
+        assert ("ctx" in _record_encodings(url, r.version)) == (codec == CONTEXT)
+
+    reader = SnapshotReader(url)
+    for v, want in enumerate(truth):
+        assert_same(reader.read_tensors(v), want)
+    rep = reader.verify(len(codecs))                 # raises on any mismatch
+    assert rep.chain == list(range(len(truth))) and rep.objects_checked == len(truth)
+
+    out = reader.materialize(len(codecs), str(tmp_path / "ckpt"))
+    assert_same(load_file(os.path.join(out, "model.safetensors")), truth[-1])
+
+    live = clone(truth[0])
+    sw = HotSwapper(live, SnapshotReader(url), version=0)
+    for v in range(1, len(truth)):                 # one delta at a time, each codec in turn
+        sw.hotload(v)
+        assert all(same_bits(live[k], truth[v][k]) for k in live), v
+    sw.hotload(2)                                  # back through the anchor
+    assert_same(live, truth[2])
+    sw.hotload(len(codecs))                        # several deltas of both codecs in one swap
+    assert_same(live, truth[-1])
+
+
+def test_auto_publishes_a_mixed_chain_a_replica_follows_bit_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(codec_choice, "EXPLORE_EVERY", 2)
+    _slow_context_coder(monkeypatch, 0.05)
+    url = str(tmp_path / "run")
+    w = _weights()
+    with Publisher(url, progress=False, codec="auto") as pub:
+        pub.publish(w, 0)
+        live = clone(w)
+        sw = HotSwapper(live, SnapshotReader(url), version=0)
+        used = set()
+        for s in range(1, 6):
+            perturb(w, s)
+            r = pub.publish(w, s)
+            used.add(r.codec)
+            sw.hotload(r.version)
+            assert_same(live, w)
+    assert used == {CONTEXT, FAST}
