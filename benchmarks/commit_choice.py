@@ -13,7 +13,7 @@ every commit is checked bit-exact. The crossover per width is what
     python -m benchmarks.commit_choice               # 256 MB per tensor, ~2 minutes on two cores
     python -m benchmarks.commit_choice --mb 64 --repeats 3
 
-Writes benchmarks/results/commit_choice.{md,json}.
+Writes benchmarks/results/commit_choice.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -120,6 +120,28 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({r["width"] for r in rows})
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.5 * len(widths), 4), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], widths):
+        rs = sorted((r for r in rows if r["width"] == w), key=lambda r: r["density"])
+        xs = [100 * r["density"] for r in rs]
+        for k, label in (("scatter_s", "scatter"), ("copy_s", "copy (block-hash checked)")):
+            ax.plot(xs, [r[k] / r["torch_copy_s"] for r in rs], marker="o", label=label)
+        ax.axhline(1.0, color="black", lw=1, ls="--", label="plain torch copy")
+        ax.set(xscale="log", xlabel="elements changed (%)", title=f"{w}-byte elements")
+    axes[0][0].set_ylabel("time / plain copy of the tensor")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.commit_choice", description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=256, help="tensor size in MB (default 256)")
@@ -146,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(md)
     with open(os.path.join(a.out_dir, "commit_choice.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    plot(rows, os.path.join(a.out_dir, "commit_choice.png"))
     return 0
 
 
