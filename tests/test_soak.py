@@ -52,6 +52,16 @@ class SoakFigures:
     baseline_end: float = 0.0
     seconds: float = 0.0
 
+    def record(self, v: int, job: dict) -> None:
+        """One finished hot-load job to version ``v``."""
+        self.hotloads += 1
+        self.windows.append((job["created"], job["finished"]))
+        if job["state"] == "READY":
+            self.hotloads_ready += 1
+            self.pauses.append(job["report"]["pause_s"])
+        else:
+            self.errors.append(f"hot-load to {v}: {job['state']} {job.get('reason')}")
+
 
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
@@ -127,14 +137,7 @@ def soak(tmp_path, lm_dir_path: str, *, hotloads: int, baseline_requests: int) -
             fig.baseline_end = time.time()
             for _ in range(hotloads):                           # phase 2: publish, hot-load, repeat
                 v = run.publish_next()
-                job = rep.hotload(v)
-                fig.hotloads += 1
-                fig.windows.append((job["created"], job["finished"]))
-                if job["state"] == "READY":
-                    fig.hotloads_ready += 1
-                    fig.pauses.append(job["report"]["pause_s"])
-                else:
-                    fig.errors.append(f"hot-load to {v}: {job['state']} {job.get('reason')}")
+                fig.record(v, rep.hotload(v))
                 clients.wait_for(2)                             # a few requests between hot-loads
             clients.wait_for(CLIENTS)
         fig.seconds = time.monotonic() - t0

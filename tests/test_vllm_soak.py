@@ -67,14 +67,7 @@ def test_a_thousand_vllm_hotloads_under_concurrent_sampling_fail_no_request_and_
             fig.baseline_end = time.time()
             for i in range(HOTLOADS):                            # phase 2: publish, hot-load, repeat
                 v = run.step(seed=1000 + i)
-                job = rep.hotload(v, timeout=600)
-                fig.hotloads += 1
-                fig.windows.append((job["created"], job["finished"]))
-                if job["state"] == "READY":
-                    fig.hotloads_ready += 1
-                    fig.pauses.append(job["report"]["pause_s"])
-                else:
-                    fig.errors.append(f"hot-load to {v}: {job['state']} {job.get('reason')}")
+                fig.record(v, rep.hotload(v, timeout=600))
                 del run.truth[v - 1]                            # keep the trainer's memory flat too
                 if i + 1 == WARM_UP:
                     rss["start"] = _rss(os.getpid())
