@@ -26,7 +26,8 @@ as in :func:`benchmarks.workloads.scaled_pair`'s real AdamW steps.
    every tensor is reloaded whole through ``ckptdelta_reload``.
 4. **tokens/s** of a closed-loop sampler (``--clients`` concurrent requests of
    ``--max-tokens`` tokens, ignore_eos) through the replica app: idle, and while
-   ckptdelta hot-loads prepare (``POST /v1/hotload`` -> the job seen SWAPPING).
+   ckptdelta hot-loads prepare (``POST /v1/hotload`` -> vLLM paused: fetch, decode,
+   and the changed modules built and re-packed beside the live ones).
 
 Every swap is checked (untimed): the worker's read-back digests of every tensor
 against the host copy the swapper verified against the manifest, or against the
@@ -216,8 +217,9 @@ def start_replica(url: str, opts: dict | None, cache_dir: str, vllm_log: str) ->
                 yield p
         finally:
             # leaving orig() also runs the proof after resuming, beside vLLM's steps: not part of the pause
-            t1 = t0 + p.seconds if p is not None and p.seconds else time.perf_counter()
-            rep.pauses.append((t0, t1))
+            start = p.started if p is not None and p.started else t0   # vLLM stops at the first push
+            t1 = start + p.seconds if p is not None and p.seconds else time.perf_counter()
+            rep.pauses.append((start, t1))
             rep.proofs.append((t1, time.perf_counter()))
 
     applier.paused = timed_pause
@@ -274,7 +276,7 @@ def ckptdelta_step(rep: Replica, pub: Any, trainer: Trainer) -> dict[str, Any]:
             "bytes_fetched": rp["bytes_fetched"], "publish_s": t1 - t0, "encode_s": res.encode_s,
             "upload_s": res.upload_s, "fetch_s": rp["fetch_s"], "decode_s": rp["decode_s"],
             "prepare_s": h["swapping"] - h["posted"], "pause_s": rp["pause_s"],
-            "reload_s": last.get("reload_s", 0.0), "verify_in_pause_s": last.get("verify_s", 0.0),
+            "reload_s": last.get("reload_s", 0.0), "stop_s": last.get("stop_s", 0.0), "verify_in_pause_s": last.get("verify_s", 0.0),
             "apply": last.get("apply"), "shadow_s": (last.get("shadow") or {}).get("stage_s", 0.0),
             "shadow_build_s": (last.get("shadow") or {}).get("build_s", 0.0),
             "shadow_check_s": (last.get("shadow") or {}).get("check_s", 0.0),
@@ -436,7 +438,7 @@ def throughput(rep: Replica, pub: Any, trainer: Trainer, *, clients: int, max_to
             time.sleep(settle)  # the requests in flight at the POST started after the trainer's CPU work
             h = rep.hotload(res.version)
             pause0 = rep.pauses[-1][0]
-            windows.append((h["posted"], min(h["swapping"], pause0)))
+            windows.append((h["posted"], pause0))   # fetch, decode and the shadow build, all while serving
             proofs.append(rep.proofs[-1])
             t = time.perf_counter()
             verified = rep.check() == len(weights)
@@ -614,8 +616,8 @@ def markdown(out: dict[str, Any]) -> str:
         f"{d0['upload_s']:.2f}), fetch {d0['fetch_s']:.2f}, decode {d0['decode_s']:.2f}; while serving, the "
         f"changed modules built and re-packed beside the live ones {d0['shadow_s']:.2f} (vLLM's loaders "
         f"{d0['shadow_build_s']:.2f}, sampled read-back check {d0['shadow_check_s']:.2f}); pause {d0['pause_s']:.3f} "
-        f"= swap {d0['reload_s']:.3f} + in-place patches' check {d0['verify_in_pause_s']:.3f} + "
-        f"pause/reset/resume calls; then, serving, the full read-back {d0.get('verify_after_s', 0.0):.2f} before "
+        f"= /pause (the running step ends) {d0['stop_s']:.3f} + swap {d0['reload_s']:.3f} + in-place patches' "
+        f"check {d0['verify_in_pause_s']:.3f} + reset/label/resume calls; then, serving, the full read-back {d0.get('verify_after_s', 0.0):.2f} before "
         f"the job reports READY; {d0['bytes_fetched'] / 1e6:.2f} MB fetched.",
         f"- ckptdelta --apply reload: pause {d2['pause_s']:.3f} = vLLM reload from the shared file "
         f"{d2['reload_s']:.3f} + sampled read-back check {d2['verify_in_pause_s']:.3f} + calls.",
@@ -629,7 +631,7 @@ def markdown(out: dict[str, Any]) -> str:
         f"Tokens/s ({tk['clients']} closed-loop clients, max_tokens {tk['max_tokens']}, ignore_eos, through the "
         f"replica app): idle {tk['idle_tokens_per_s']:.1f} over {tk['idle_s']:.1f} s; while {len(tk['hotloads'])} "
         f"ckptdelta hot-loads prepared {tk['prepare_tokens_per_s']:.1f} over {tk['prepare_window_s']:.1f} s of "
-        f"prepare windows (POST /v1/hotload -> job seen SWAPPING); ratio {tk['ratio']:.2f}. Each request's "
+        f"prepare windows (POST /v1/hotload -> vLLM paused: fetch, decode, shadow build); ratio {tk['ratio']:.2f}. Each request's "
         "completion tokens are spread evenly over its unpaused wall time and counted in proportion to its overlap "
         f"with a window; {tk['requests']} requests, {tk['errors']} errors. After each swap, while the full "
         f"read-back proof ran beside vLLM's steps (resume -> READY, {tk.get('proof_window_s', 0.0):.1f} s in all): "

@@ -54,10 +54,12 @@ Weights = "torch.nn.Module | MutableMapping[str, torch.Tensor]"
 
 @dataclass
 class Pause:
-    """Filled in by :meth:`ServingGate.paused`: ``waited_s`` for running steps to end, ``seconds`` in all."""
+    """Filled in by :meth:`ServingGate.paused` (or an applier's): ``waited_s`` for running steps to end,
+    ``seconds`` in all, from ``started`` (``time.perf_counter()`` when the engine stopped)."""
 
     waited_s: float = 0.0
     seconds: float = 0.0
+    started: float = 0.0
 
 
 class ServingGate:
@@ -110,8 +112,8 @@ class ServingGate:
         steps have not ended by then, and lets held-back steps go on."""
         if getattr(self._local, "depth", 0):
             raise HotLoadError("cannot pause the model from inside a serving section (it would wait for itself)")
-        pause = Pause()
         t0 = time.perf_counter()
+        pause = Pause(started=t0)
         with self._writer:
             with self._cond:
                 self._pausing = True
@@ -244,7 +246,7 @@ class HotSwapper:
     def prepare(self, target: "str | int", *, initial: bool = False) -> PreparedUpdate:
         """Fetch, decode and verify the change to ``target``; the live weights are only read."""
         with self._exclusive():
-            return self._staged(self._prepare(target, initial))
+            return self._prepare(target, initial)
 
     def commit(self, prepared: PreparedUpdate) -> HotLoadReport:
         """Apply a prepared update inside one pause of the gate."""
@@ -253,7 +255,7 @@ class HotSwapper:
 
     def hotload(self, target: "str | int") -> HotLoadReport:
         with self._exclusive():
-            return self._commit(self._staged(self._prepare(target, False)))
+            return self._commit(self._prepare(target, False))
 
     def load_initial(self, target: "str | int") -> HotLoadReport:
         """Like :meth:`hotload`, also from weights of unknown version (every tensor is compared and replaced
@@ -271,12 +273,6 @@ class HotSwapper:
             yield
         finally:
             self._lock.release()
-
-    def _staged(self, p: PreparedUpdate) -> PreparedUpdate:
-        """An engine applier may get the update ready on its side too, while serving (EngineApplier.stage)."""
-        if self.applier is not None and p.from_version != p.to_version:
-            self.applier.stage(p)
-        return p
 
     def _live_map(self) -> dict[str, torch.Tensor]:
         w = self.weights

@@ -8,8 +8,7 @@ engine, so a new engine is one module that implements :class:`ReplicaEngine`.
 A hot-load calls, in this order (loader/hotload_jobs.py)::
 
     prepared = engine.swapper.prepare(target)   # while serving: fetch, decode, verify against
-                                                # the host copy of the current weights; then
-                                                # applier.stage(prepared), if the engine has one
+                                                # the host copy of the current weights
     report = engine.swapper.commit(prepared)    # the pause: generation held, the update applied
                                                 # and checked, the version set, generation resumed
 
@@ -17,9 +16,11 @@ A hot-load calls, in this order (loader/hotload_jobs.py)::
 patches the torch model the decode loop runs. An engine that keeps its weights
 in a layout of its own (vLLM) gives the swapper a host copy in checkpoint
 coordinates and an :class:`EngineApplier`: the swapper patches the copy inside
-the engine's pause and the applier pushes the changed tensors into the engine
-and proves them against the manifest's digests; if that fails, the copy is
-rolled back and pushed again, so the engine serves its previous version.
+the applier's ``paused()``, and the applier pushes the changed tensors into the
+engine (getting them ready while the engine still serves, then stopping it only
+to swap them in) and proves them against the manifest's digests; if that fails,
+the copy is rolled back and pushed again, so the engine serves its previous
+version.
 
 Requests: ``await engine.complete(kind, body)`` with the OpenAI body minus the
 replica's own fields; it returns an :class:`EngineResult` whose body the server
@@ -65,7 +66,7 @@ class EngineResult:
 class EngineApplier(abc.ABC):
     """Pushes changes of the host copy into an engine that keeps its own weights; called inside the pause.
 
-    ``HotSwapper(..., applier=...)``: ``pause()`` wraps the whole commit (it is the
+    ``HotSwapper(..., applier=...)``: ``paused()`` wraps the whole commit (it is the
     swapper's gate), ``apply(names, to_version, positions)`` runs after the host copy holds
     the new bits and must leave the engine computing with exactly them (or
     raise); after a failed ``apply`` the swapper restores the host copy and calls
@@ -73,12 +74,11 @@ class EngineApplier(abc.ABC):
 
     @abc.abstractmethod
     def paused(self) -> Any:
-        """A context manager: the engine generates nothing inside it; yields a :class:`loader.hotswap.Pause`."""
+        """A context manager around one commit; yields a :class:`loader.hotswap.Pause` it fills in.
 
-    def stage(self, prepared: Any) -> None:
-        """While serving, after ``prepare``: get ``prepared`` (a :class:`loader.hotswap.PreparedUpdate`) ready
-        on the engine's side so that the ``apply`` for its version does less in the pause. Optional; must
-        never change what the engine computes with, and ``apply`` must work without it."""
+        The engine generates nothing between the first ``apply`` and the end of the block. Since it
+        computes with its own tensors, not the host copy, it may serve on while the swapper writes the host
+        copy before that ``apply``: the pause it reports is the time it did not generate."""
 
     @abc.abstractmethod
     def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:

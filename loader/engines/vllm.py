@@ -16,26 +16,27 @@ shared memory (:class:`loader.engines.shared_weights.SharedWeights`), and a
 :class:`loader.hotswap.HotSwapper` prepares every update against it while vLLM
 serves (fetch, decode, verify: nothing of it runs inside vLLM's engine loop).
 
-Before the swap, still serving (:meth:`VllmApplier.stage`, after the HotSwapper's
-prepare): the changed modules are built and re-packed beside the live ones in a
-thread of each worker (loader/engines/vllm_shadow.py) and checked by samples.
-
 The swap (:class:`VllmApplier`, inside the HotSwapper's commit):
 
-1. ``POST /pause?mode=keep``: nothing is aborted, requests in flight freeze;
-2. the swapper patches the host copy in place (the changed elements only);
-3. every worker swaps the shadow in (packed kernels moved over, plain tensors
-   copied) or, without one, reloads the changed tensors — whole fused groups,
-   whole expert sets — from the shared file through vLLM's ``reload_weights``
-   (its own name mapping, fusing, TP slicing and CPU re-packing); tensors a
-   kernel reads as is get only their changed elements written; what the pause
-   wrote is read back in checkpoint coordinates and compared with the host
+1. the swapper patches the host copy in place (the changed elements only);
+   vLLM computes with its own tensors, so it goes on serving;
+2. still serving: every worker builds the changed modules (whole fused groups)
+   beside the live ones from the host copy, in a thread of its own, through
+   vLLM's own layerwise reload (its name mapping, fusing, TP slicing and CPU
+   re-packing), and checks them by samples (loader/engines/vllm_shadow.py);
+3. ``POST /pause?mode=keep``: nothing is aborted, requests in flight freeze;
+4. every worker swaps the shadow in (packed kernels moved over, plain tensors
+   copied) or, without one, reloads the changed modules from the host copy
+   through vLLM's ``reload_weights``; tensors a kernel reads as is get only
+   their changed elements written; what the pause wrote and no shadow check
+   covered is read back in checkpoint coordinates and compared with the host
    copy that was verified against the manifest;
-4. ``POST /reset_prefix_cache`` (with ``reset_running_requests`` under the
+5. ``POST /reset_prefix_cache`` (with ``reset_running_requests`` under the
    ``recompute`` cache policy: frozen requests recompute their KV on the new
-   weights), ``POST /update_weight_version``, ``POST /resume``.
+   weights), ``POST /update_weight_version``, ``POST /resume``;
+6. serving again: every changed tensor is read back in full and compared.
 
-If any of 3 fails, the host copy is rolled back and pushed again, so vLLM serves
+If 4 fails, the host copy is rolled back and pushed again, so vLLM serves
 the previous version; generation resumes in every case.
 """
 
@@ -242,10 +243,7 @@ class _Shadow:
     """The next version's modules, built in every worker while serving (loader/engines/vllm_shadow.py)."""
 
     token: str
-    version: int
-    names: frozenset[str]          # the checkpoint tensors it holds (whole vLLM modules)
-    stage: SharedWeights           # the staging file it was loaded from
-    reload: tuple[str, ...] = ()   # of ``names``, those the pause still reloads (CPU MoE experts)
+    reload: tuple[str, ...] = ()   # of its tensors, those the pause still reloads (CPU MoE experts)
     facts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -260,9 +258,8 @@ class VllmApplier(EngineApplier):
             control, shared, cache_policy, packed, verify)
         # tensors whose runtime parameter a kernel reads as is: their changed elements are written in place
         self.patchable = set(patchable) if apply_mode == "auto" else set()
-        # modules re-packed beside the live ones while serving (stage), swapped in during the pause
+        # modules re-packed beside the live ones while serving (before the pause), swapped in during it
         self.shadows = apply_mode == "auto"
-        self._shadow: _Shadow | None = None
         self.epoch = 0                       # swaps begun; a request that saw it move crossed a swap
         self.history: list[tuple[int, int | None]] = []  # (epoch, version after it)
         self.swapping = False
@@ -270,35 +267,56 @@ class VllmApplier(EngineApplier):
         self.current_version: Any = lambda: None  # the swapper's version (set by build); labels vLLM after a swap
         self.on_unverified: Any = lambda: None    # called when live weights stay unproven (build: version -> None)
         self._to_confirm: list[str] = []
+        self._pause: Any = None              # the commit's, while paused() runs
+        self._unreached = self._applied = False
 
     @contextmanager
     def paused(self) -> Iterator[Any]:
+        """The swapper's commit. vLLM computes with its own tensors, not the host copy, so it serves on while
+        the swapper writes the host copy; :meth:`apply` stops it (keep mode) just before it touches a worker,
+        and leaving this resumes it: the pause is the engine-side work alone."""
         from loader.hotswap import Pause
 
-        pause = Pause()
-        t0 = time.perf_counter()
-        self.control.pause()
-        self.swapping = True
-        self.epoch += 1
+        self._pause, self._unreached, self._applied = Pause(), False, False
         self._to_confirm: list[str] = []
-        pause.waited_s = time.perf_counter() - t0
         try:
-            yield pause
+            yield self._pause
         finally:
-            try:
-                ok = self.control.reset_prefix_cache(running=self.cache_policy == "recompute")
-                if not ok:
-                    log.warning("vLLM did not reset its prefix cache (blocks held by frozen requests under the "
-                                "'keep' policy); per-version cache salts keep new requests off the old prefixes")
-                self.control.set_version(self.current_version())
-            finally:
-                self.control.resume()
-                self.history.append((self.epoch, self.current_version()))
-                del self.history[:-64]
-                self.swapping = False
-                pause.seconds = time.perf_counter() - t0
+            if self._pause.started:
+                self._resume()
         if self._to_confirm:
             self._confirm(self._to_confirm)
+
+    def _stop(self) -> None:
+        """Pause vLLM (once per commit): running steps end, requests in flight freeze, nothing is aborted."""
+        if self._pause is None:
+            raise HotLoadError("VllmApplier.apply called outside paused()")
+        if self._pause.started:
+            return
+        t0 = self._pause.started = time.perf_counter()
+        self.swapping = True
+        self.epoch += 1
+        try:
+            self.control.pause()
+        except VllmError:
+            self._unreached = True    # nothing reached the workers: the host copy's rollback is all to undo
+            raise
+        self._pause.waited_s = time.perf_counter() - t0
+
+    def _resume(self) -> None:
+        t0 = self._pause.started
+        try:
+            ok = self.control.reset_prefix_cache(running=self.cache_policy == "recompute")
+            if not ok:
+                log.warning("vLLM did not reset its prefix cache (blocks held by frozen requests under the "
+                            "'keep' policy); per-version cache salts keep new requests off the old prefixes")
+            self.control.set_version(self.current_version())
+        finally:
+            self.control.resume()
+            self.history.append((self.epoch, self.current_version()))
+            del self.history[:-64]
+            self.swapping = False
+            self._pause.seconds = time.perf_counter() - t0
 
     def _plan(self, names: Sequence[str], positions: dict[str, Any]) -> tuple[list[str], list[str]]:
         """(tensors to push as whole vLLM modules, tensors to patch element-wise in place)."""
@@ -306,47 +324,31 @@ class VllmApplier(EngineApplier):
         groups = reload_groups([n for n in names if n not in sparse], list(self.shared.index), self.packed)
         return groups, sorted(sparse - set(groups))   # a tensor reloaded with its module needs no patch
 
-    def stage(self, prepared: Any) -> None:
-        """While serving: have every worker build the modules ``prepared`` changes, re-packed, beside the
-        live ones, and check them by samples against the staged bits; :meth:`apply` then swaps them in. Any
-        failure leaves it to the pause to reload them (logged, never raised: staging only saves pause time)."""
-        self.unstage()
-        if not self.shadows:
-            return
-        changes = {s.live_name: s.st for s in prepared.staged}
-        groups, _ = self._plan(list(changes), {n: (st.positions if st.dense is None else None)
-                                               for n, st in changes.items()})
-        if not groups:
-            return
+    def _build(self, groups: list[str], version: int | None) -> _Shadow | None:
+        """While vLLM serves, the host copy already holding ``version``: have every worker build the modules
+        of ``groups`` beside the live ones, re-packed, and check them by samples against the host copy. None
+        when that fails (logged, never raised: the pause then reloads them; a shadow only saves pause time)."""
         t0 = time.perf_counter()
-        stage = SharedWeights.create({n: self.shared.tensors[n] for n in groups}, prefix="ckptdelta-stage-")
-        token = f"{prepared.to_version}-{uuid.uuid4().hex[:12]}"
+        token = f"{version}-{uuid.uuid4().hex[:12]}"
+        member_of = members_of(self.packed)
         try:
-            for n in groups:
-                if n in changes:
-                    changes[n].apply_(stage.tensors[n])
-            member_of = members_of(self.packed)
             self.control.rpc("ckptdelta_stage", {
-                "path": stage.path, "names": groups, "token": token, "columns": SAMPLED_COLUMNS,
+                "path": self.shared.path, "names": groups, "token": token, "columns": SAMPLED_COLUMNS,
                 "modules": sorted({module_key(n, member_of) for n in groups})})
             answers = self._staged(token)
+            why = sorted({str(a.get("why") or a.get("state")) for a in answers if a.get("state") != "ready"})
         except (VllmError, OSError, RuntimeError, ValueError) as e:
-            log.warning("vLLM: could not build %s beside the live weights (%s); the pause reloads them instead",
-                        _snapshot(prepared.to_version), e)
-            self._drop(token, stage)
-            return
-        why = sorted({str(a.get("why") or a.get("state")) for a in answers if a.get("state") != "ready"})
+            why = [str(e)]
         if why:
             log.warning("vLLM: could not build %s beside the live weights (%s); the pause reloads them instead",
-                        _snapshot(prepared.to_version), "; ".join(why))
-            self._drop(token, stage)
-            return
+                        _snapshot(version), "; ".join(why))
+            self._drop(token)
+            return None
         facts = {"stage_s": time.perf_counter() - t0, "build_s": max(a.get("build_s", 0.0) for a in answers),
                  "check_s": max(a.get("check_s", 0.0) for a in answers), "modules": answers[0].get("modules")}
-        reload = tuple(answers[0].get("deferred") or ())
-        self._shadow = _Shadow(token, prepared.to_version, frozenset(groups), stage, reload, facts)
         log.info("vLLM: %s built beside the live weights: %d tensors in %s modules, %.2fs",
-                 _snapshot(prepared.to_version), len(groups), facts["modules"], facts["stage_s"])
+                 _snapshot(version), len(groups), facts["modules"], facts["stage_s"])
+        return _Shadow(token, tuple(answers[0].get("deferred") or ()), facts)
 
     def _staged(self, token: str) -> list[dict[str, Any]]:
         return self._poll("ckptdelta_staged", token, "building the shadow")
@@ -363,57 +365,52 @@ class VllmApplier(EngineApplier):
                 raise VllmError(f"{what} ({token}) took more than {timeout:.0f}s")
             time.sleep(0.05)
 
-    def _drop(self, token: str, stage: SharedWeights) -> None:
+    def _drop(self, token: str) -> None:
         try:
             self.control.rpc("ckptdelta_unstage", {"token": token})
         except VllmError as e:
             log.debug("vLLM: dropping shadow %s: %s", token, e)
-        stage.close()
-
-    def unstage(self) -> None:
-        """Forget a shadow that will not be swapped in (its worker side, its staging file)."""
-        shadow, self._shadow = self._shadow, None
-        if shadow is not None:
-            self._drop(shadow.token, shadow.stage)
 
     def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
         """Push ``names`` into every worker from the host copy, then prove them: the changed elements of
-        tensors with an in-place target (loader/engines/vllm_patch.py); the rest as whole modules, swapped in
-        from the shadow :meth:`stage` built for ``version`` while serving, else reloaded here."""
+        tensors with an in-place target (loader/engines/vllm_patch.py); the rest as whole modules, built and
+        re-packed beside the live ones while vLLM still serves, then swapped in; else reloaded in the pause."""
         positions = positions or {}
         groups, patch = self._plan(names, positions)
-        shadow, self._shadow = self._shadow, None
-        swapped = shadow is not None and shadow.version == version and shadow.names == frozenset(groups)
-        t0 = time.perf_counter()
+        again, self._applied = self._applied, True
+        if again and (self._unreached or not self._pause.started):
+            return                    # putting the old version back, but nothing reached the workers
         self._to_confirm = []
+        # not once paused: putting the old version back after a failed swap reloads it in that pause
+        shadow = self._build(groups, version) if groups and self.shadows and not self._pause.started else None
         patch_req = None
         if patch:
             spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
             # the worker reads the written positions back at once (the rest of each tensor was not touched)
             patch_req = {"path": self.shared.path, "positions": self.shared.positions_path, "spans": spans,
                          "check": self.verify != "off"}
+        self._stop()
+        t_stopped = time.perf_counter()
+        swapped = False
         try:
-            if groups and swapped:
+            if shadow is not None:
                 # one round trip: the shadow swapped in, then the in-place patches
                 self.control.rpc("ckptdelta_swap", {"token": shadow.token, "patch": patch_req})
-                patch_req = None
+                swapped, patch_req = True, None
                 if shadow.reload:
                     self.control.rpc("ckptdelta_reload", {"path": self.shared.path, "names": list(shadow.reload)})
             elif groups:
                 self.control.rpc("ckptdelta_reload", {"path": self.shared.path, "names": groups})
         finally:
-            if shadow is not None:
-                if swapped:
-                    shadow.stage.close()
-                else:
-                    self._drop(shadow.token, shadow.stage)
+            if shadow is not None and not swapped:
+                self._drop(shadow.token)
         if patch_req is not None:
             self.control.rpc("ckptdelta_patch", patch_req)
         t1 = time.perf_counter()
         touched = sorted(set(groups) | set(patch) | set(names))   # what was sent, and every tensor that changed
         # sampled here: every changed tensor but the patched ones (read back as written) and a swapped-in
         # shadow's (sampled before the pause)
-        shadowed = set(groups) - set(shadow.reload) if swapped else set()
+        shadowed = set(groups) - set(shadow.reload) if shadow is not None else set()
         in_pause = sorted(set(touched) - set(patch) - shadowed)
         verified = 0
         if self.verify == "full":
@@ -421,12 +418,13 @@ class VllmApplier(EngineApplier):
         elif self.verify == "sampled" and in_pause:
             verified = self.check_sampled(in_pause)   # raises at the first difference it sees
         # /v1/status's engine.last_swap: the replica's own word on the weights it pushed for ``version``
-        self.last = {"version": version, "apply": ("shadow+reload" if shadow.reload else "shadow") if swapped and
-                     groups else "reload" if groups else "patch", "reloaded_tensors": len(groups), "patched_tensors": len(patch),
-                     "patched_elements": int(sum(len(positions[n]) for n in patch)), "reload_s": t1 - t0,
+        mode = ("shadow+reload" if shadow.reload else "shadow") if swapped else "reload" if groups else "patch"
+        self.last = {"version": version, "apply": mode, "reloaded_tensors": len(groups),
+                     "patched_tensors": len(patch), "patched_elements": int(sum(len(positions[n]) for n in patch)),
+                     "stop_s": self._pause.waited_s, "reload_s": t1 - t_stopped,
                      "verify_s": time.perf_counter() - t1, "verify": self.verify,
                      "verified": self.verify == "full", "verified_tensors": verified if self.verify == "full" else 0}
-        if swapped and groups:
+        if swapped:
             self.last["shadow"] = shadow.facts
         if self.verify == "sampled":
             self._to_confirm = touched

@@ -129,9 +129,9 @@ class CkptDeltaWorker:
     @_answer
     def ckptdelta_stage(self, req: dict) -> dict[str, Any]:
         """Start building the next version of the named tensors' modules beside the live ones
-        (loader/engines/vllm_shadow.py), from a staging file of whole tensors, in a thread of this worker: the
-        RPC returns at once and the engine keeps generating. Poll with ``ckptdelta_staged``; its ``deferred``
-        names the tensors left to a reload inside the pause (CPU MoE experts)."""
+        (loader/engines/vllm_shadow.py), from the host copy (which holds it already), in a thread of this
+        worker: the RPC returns at once and the engine keeps generating. Poll with ``ckptdelta_staged``; its
+        ``deferred`` names the tensors left to a reload inside the pause (CPU MoE experts)."""
         from loader.engines.shared_weights import open_tensors
         from loader.engines.vllm_moe import split_expert_tensors
         from loader.engines.vllm_shadow import ShadowBuild, ShadowError, build_shadow
@@ -148,8 +148,7 @@ class CkptDeltaWorker:
 
         def work() -> Any:
             # routed experts of CPU MoE layers bypass vLLM's reload (vllm_moe.py): they stay for the pause
-            # not through open_tensors' cache: the staging file's pages go with the shadow
-            tensors, experts = split_expert_tensors(model, open_tensors(path, names, cache=False))
+            tensors, experts = split_expert_tensors(model, open_tensors(path, names))
             if not tensors:
                 raise ShadowError("only routed experts of CPU MoE layers changed; they are reloaded in the pause")
             # the replica names every experts set "<layer>.experts" (vllm.module_key): those left to the pause
@@ -160,10 +159,9 @@ class CkptDeltaWorker:
             return tree
 
         def check(tree: Any) -> dict[str, Any]:
-            answer = _compare(tree.root, path, [n for n in names if n not in set(tree.deferred)], columns,
-                              cache=False)
+            answer = _compare(tree.root, path, [n for n in names if n not in set(tree.deferred)], columns)
             if answer["mismatch"]:
-                raise ShadowError(f"the shadow differs from the staged weights for {answer['mismatch'][:4]}")
+                raise ShadowError(f"the shadow differs from the host copy for {answer['mismatch'][:4]}")
             return {"checked": answer["checked"], "sampled": answer["sampled"], "deferred": tree.deferred}
 
         self._ckptdelta_shadow = ShadowBuild(str(req["token"]), work, check)
@@ -278,8 +276,7 @@ def _digests(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
     return {"digests": digests(tensors), "kernel_view": sorted(kernel)}
 
 
-def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns: int | None, *,
-             cache: bool = True) -> dict[str, Any]:
+def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns: int | None) -> dict[str, Any]:
     """Read ``names`` back from ``model`` (the live model or a shadow of it) and compare their bits with the
     shared file at ``path``; ``columns``: that many random input columns per kernel-read matrix."""
     from loader.engines.shared_weights import open_tensors
@@ -288,7 +285,7 @@ def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns
     kernel: set[str] = set()
     cols: dict[str, torch.Tensor] = {}
     live = checkpoint_tensors(model, names, strict=False, kernel_read=kernel, sample_columns=columns, columns=cols)
-    host = open_tensors(path, list(live), cache=cache)
+    host = open_tensors(path, list(live))
     bad = []
     for n, got in live.items():
         want = host[n]
