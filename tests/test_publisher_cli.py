@@ -95,6 +95,22 @@ def test_cli_errors_are_one_line_and_exit_1(tmp_path, capsys):
     assert run_cli(["ls", url, "--storage-options", "[1]"]) == 2   # a usage error
 
 
+def test_publish_codec_flag_picks_the_delta_codec_and_every_mix_reads_back(tmp_path, capsys):
+    w = weights()
+    url = str(tmp_path / "run")
+    history, codecs = [], []
+    for step, flags in enumerate(([], ["--codec", "fast"], ["--codec", "context"], ["--codec", "fast"])):
+        history.append(clone(w))
+        assert run_cli(["publish", model_dir(tmp_path / f"m{step}", w), url, "--step", str(step), "--json",
+                        *flags]) == 0
+        codecs.append(json.loads(capsys.readouterr().out)["codec"])
+        perturb(w, seed=step)
+    assert codecs == ["", "fast", "context", "fast"]   # the first publish is an anchor
+    store = open_store((url, None))
+    for v, want in enumerate(history):
+        assert_same(snapshot(store, v), want)
+
+
 def test_storage_option_flags_nest_and_parse_json_values():
     ns = argparse.Namespace(storage_options='{"anon": false}',
                             storage_option=["client_kwargs.endpoint_url=http://127.0.0.1:9000", "retries=3"])
