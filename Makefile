@@ -35,9 +35,16 @@ test: $(STAMP)
 stress: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+# every benchmark behind a figure in README.md and docs/, one after the other (about 75 min on two cores);
+# each writes benchmarks/results/<name>.{md,json,png}
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.codec
+	$(BIN)/python -m benchmarks.codec_auto
+	$(BIN)/python -m benchmarks.commit_choice
+	$(BIN)/python -m benchmarks.publish_host_copy
 	$(BIN)/python -m benchmarks.update_latency
+	$(BIN)/python -m benchmarks.vllm_hotload
+	$(BIN)/python -m benchmarks.at_scale
 
 clean:
 	rm -rf $(VENV) .ckptdelta build *.egg-info
