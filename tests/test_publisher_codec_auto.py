@@ -294,7 +294,8 @@ def test_on_a_slow_link_auto_keeps_the_context_coder(tmp_path):
     url = str(tmp_path / "run")
     w = _weights()
     with Publisher(url, progress=False, codec="auto") as pub:
-        _throttle(pub, 16 * KB)        # ~2.5 kB a delta: 0.15 s, the fast path's 1.6x: 0.09 s more
+        _throttle(pub, 8 * KB)         # ~2.5 kB a delta: 0.3 s, the fast path's 1.6x: 0.18 s more (a margin
+                                       # over encode-time noise on loaded cores)
         assert pub.publish(w, 0).codec == ""                         # an anchor has no delta codec
         results = []
         for s in range(1, 9):

@@ -55,6 +55,7 @@ def _stray_shared_files() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 3600)   # ~40 min on two cores; the suite's 600 s per test would cut it short
 def test_a_thousand_vllm_hotloads_under_concurrent_sampling_fail_no_request_and_leak_nothing(tmp_path):
     run = publish_vllm_run(str(tmp_path / "bucket" / "run"), save_tiny_llama(str(tmp_path / "model")), deltas=0)
     rep = start_vllm_replica(run, 0, cache_dir=str(tmp_path / "cache"))
@@ -74,6 +75,8 @@ def test_a_thousand_vllm_hotloads_under_concurrent_sampling_fail_no_request_and_
                 if i + 1 == WARM_UP:
                     rss["start"] = _rss(os.getpid())
                 clients.wait_for(1)
+                if (i + 1) % 100 == 0:
+                    print(f"  {i + 1} hot-loads, {time.monotonic() - t0:.0f} s", flush=True)
             clients.wait_for(CLIENTS)
         fig.seconds = time.monotonic() - t0
         rss["end"] = _rss(os.getpid())
