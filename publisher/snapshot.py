@@ -93,6 +93,11 @@ def schema_of(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> Schema:
     return {n: (dtypes.of(t).name, tuple(int(s) for s in t.shape)) for n, t in tensors.items()}
 
 
+#: CPU tensors at least this large are copied by torch's threads (1 GB: 76 ms idle, 211 ms with both cores
+#: busy, against 102 and 181 ms for one memcpy); smaller ones by one memcpy on the calling thread.
+THREADED_COPY_BYTES = 16 << 20
+
+
 def copy_to_host(sources: Mapping[str, torch.Tensor | np.ndarray],
                  spare: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies of ``sources`` (pinned for CUDA sources), complete on return.
@@ -115,7 +120,13 @@ def copy_to_host(sources: Mapping[str, torch.Tensor | np.ndarray],
             t = src.detach()
             on_cuda = t.device.type == "cuda"
             dst = _buffer(spare.get(name), t.dtype, tuple(t.shape), pin=on_cuda)
-            dst.copy_(t, non_blocking=on_cuda)
+            if t.device.type == "cpu" and t.is_contiguous() and dst.nbytes < THREADED_COPY_BYTES:
+                # one memcpy on this thread: torch's copy_ splits even a small tensor over its intra-op
+                # threads, which on a trainer's busy cores wait for each other (8 MB: 31 ms against 0.9 ms
+                # with both cores busy; 0.2 against 0.5 ms idle)
+                np.copyto(dtypes.host_bits(dst), dtypes.host_bits(t))
+            else:
+                dst.copy_(t, non_blocking=on_cuda)
             if on_cuda:
                 cuda_devices.add(t.device)
             out[name] = dst

@@ -298,3 +298,26 @@ def test_a_damaged_newest_manifest_is_skipped_by_readers_and_a_reopened_publishe
     reader = SnapshotReader(url)
     assert reader.resolve("latest") == 2 and reader.verify().damaged == ()
     assert_same(reader.read_tensors("latest"), w)
+
+
+@pytest.mark.parametrize("numel", [1, 4099, (16 << 20) // 2 + 1], ids=["one", "small-memcpy", "threaded-copy"])
+def test_the_host_copy_keeps_every_bit_on_both_copy_paths(numel):
+    """Small CPU tensors are copied by one memcpy, large ones by torch's threads; views by torch: all of them bit
+    for bit (NaN payloads, -0.0), into reused buffers as into fresh ones."""
+    from publisher.snapshot import copy_to_host
+
+    g = torch.Generator().manual_seed(numel)
+    bits = torch.randint(-2**15, 2**15, (numel,), dtype=torch.int16, generator=g)
+    bits[: min(numel, 3)] = torch.tensor([0x7FC1, -32768, 0x7F81], dtype=torch.int16)[: min(numel, 3)]  # NaN, -0.0
+    src = {"w": bits.view(torch.bfloat16), "f32": bits.to(torch.int32).view(torch.float32),
+           "view": bits.view(torch.bfloat16)[::2]}
+    first = copy_to_host(src)
+    again = copy_to_host(src, spare={k: torch.full_like(v, 1.0) for k, v in first.items()})
+
+    def raw(t):
+        return t.contiguous().view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    for out in (first, again):
+        for k, t in src.items():
+            assert out[k].is_contiguous() and out[k].data_ptr() != t.data_ptr()
+            assert torch.equal(raw(out[k]), raw(t)), k
