@@ -175,19 +175,10 @@ _opened: dict[str, tuple[float, dict, dict[str, torch.Tensor]]] = {}
 _opened_lock = threading.Lock()
 
 
-def open_tensors(path: str, names: Iterable[str] | None = None, *, cache: bool = True) -> dict[str, torch.Tensor]:
+def open_tensors(path: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """Views of the named tensors of a shared file (all of them without ``names``), for an engine worker.
 
-    The mapping is kept per file (one per worker process, sharing the host's pages); ``cache=False`` maps
-    the file for these views only (a staging file: its pages are released with the views)."""
-    if not cache:
-        with open(path + ".json") as f:
-            index = json.load(f)
-        wanted = list(index) if names is None else list(names)
-        missing = [n for n in wanted if n not in index]
-        if missing:
-            raise KeyError(f"shared weights {path}: no tensors {missing[:5]}")
-        return _map(path, index, wanted)
+    The mapping is kept per file (one per worker process, sharing the host's pages)."""
     with _opened_lock:
         mtime = os.path.getmtime(path + ".json")
         hit = _opened.get(path)
