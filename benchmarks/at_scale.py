@@ -358,7 +358,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     rate = parse_rate(link)
                     for h in (th, r0):
                         lab.shape(h, rate)
-                    rows += run_cell(ctx, link, size, files, 1 if size > 2 or a.quick else a.pairs, METHODS)
+                    rows += run_cell(ctx, link, size, files, 1 if size > 2 or a.quick else a.pairs, a.methods)
                     _save_partial(a, meta, rows, fan)
                 if a.fanout and abs(size - a.fanout_size) < 1e-9:
                     need = int(max(a.fanout) * (size * 1e9 + 0.3e9) + 2 * size * 1e9 + MARGIN)
@@ -680,6 +680,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="0.01 GB, pairs 1, fan-out 1,2: a smoke test (< 1 min)")
     p.add_argument("--out-dir", default=RESULTS)
     p.add_argument("--fanout-only", action="store_true", help="only the fan-out (at --fanout-size)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (default all; a row's ratio to the full "
+                        "checkpoint needs 'full')")
     p.add_argument("--from-json", metavar="PATH[,PATH]",
                    help="only re-render the markdown, projection and plot of a run (several: rows merged, later first)")
     a = p.parse_args(argv)
@@ -695,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in a.links + a.big_links + [a.fanout_link]:
         parse_rate(s)
     a.sizes = [float(s) for s in a.sizes.split(",") if s]
+    a.methods = tuple(m for m in METHODS if m in {s.strip() for s in a.methods.split(",")})
+    if not a.methods:
+        p.error(f"--methods: none of {','.join(METHODS)}")
     a.fanout = [] if a.no_fanout else [int(s) for s in a.fanout.split(",") if s]
     if a.quick:
         a.sizes, a.pairs, a.fanout_size = [0.01], 1, 0.01

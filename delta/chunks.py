@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import struct
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
 import zstandard
 
 from . import ctxcoder, kernels
-from .dtypes import DType
+from .dtypes import DType, nan_rule
 from .errors import ChecksumError, FormatError
 from .record import CTX, CTX_LAYOUT, DENSE_XOR, RAW, SPARSE, UNCHANGED, ChunkEntry
 
@@ -95,8 +96,17 @@ def _unzstd(frame: bytes | memoryview, expected: int, where: str) -> bytes:
 _UNCHANGED_ENTRY = ChunkEntry(UNCHANGED, 0, 0, 0, 0, xxhash.xxh3_64_intdigest(b""))
 
 
+class EncodedChunk(NamedTuple):
+    entry: ChunkEntry
+    payload: bytes
+    #: Whether a changed element's new bits are a NaN (None without a parent: nothing was compared).
+    #: The encoder visits the changed elements anyway; a caller that must know whether NaNs appeared
+    #: (the publisher warns) asks here instead of scanning the whole tensor again.
+    changed_nan: bool | None
+
+
 def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int = DEFAULT_LEVEL,
-                 context: bool = True) -> tuple[ChunkEntry, bytes]:
+                 context: bool = True) -> EncodedChunk:
     """Pick the smallest encoding for one chunk. ``old``/``new`` are the chunk's bits.
 
     ``context=False`` leaves out the context coder (id 4): deltas about 1.6x larger,
@@ -104,15 +114,19 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
     n = new.shape[0]
     if old is None:
         payload = _compressor(level).compress(kernels.to_planes(new, dt.itemsize))
-        return _entry(RAW, 0, dt.itemsize, n, payload), payload
+        return EncodedChunk(_entry(RAW, 0, dt.itemsize, n, payload), payload, None)
     ctx = ctxcoder.encode_ctx(old, new, dt) if context else None    # its scan counts the changes
     changed = kernels.count_changed(old, new) if ctx is None else ctx.sparse_parts[0].shape[0]
     if changed == 0:
-        return _UNCHANGED_ENTRY, b""
+        return EncodedChunk(_UNCHANGED_ENTRY, b"", False)
+    sparse = ctx.sparse_parts if ctx is not None else kernels.sparse_extract(
+        old, new, changed, 8 * dt.itemsize, dt.sign_magnitude)
+    rule = nan_rule(dt)
+    nan = rule is not None and bool(kernels.nan_at_gaps(new, sparse[0], *(new.dtype.type(v) for v in rule)))
     if ctx is not None and ctx.beats_sparse:
         best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx.payload), ctx.payload
     else:
-        best = _encode_sparse(old, new, dt, changed, level, None if ctx is None else ctx.sparse_parts)
+        best = _encode_sparse(old, new, dt, changed, level, sparse)
         if ctx is not None and len(ctx.payload) < best[0].length:
             best = _entry(CTX, *CTX_LAYOUT[dt.name], changed, ctx.payload), ctx.payload
     if changed > DENSE_TRY_FRACTION * n and DENSE_SKIP_RATIO * best[0].length > n * dt.itemsize:
@@ -125,7 +139,7 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
             raw = _compressor(level).compress(kernels.to_planes(new, dt.itemsize))
             if len(raw) < best[0].length:
                 best = _entry(RAW, 0, dt.itemsize, n, raw), raw
-    return best
+    return EncodedChunk(*best, nan)
 
 
 def _encode_sparse(old, new, dt: DType, changed: int, level: int, extracted=None) -> tuple[ChunkEntry, bytes]:

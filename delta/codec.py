@@ -23,7 +23,7 @@ import xxhash
 from . import chunks, dtypes, kernels
 from .errors import (ChecksumError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError,
                      UnsupportedDtypeError)
-from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RAW, ChunkEntry, RecordHeader,
+from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RAW, RecordHeader,
                      header_size_for, n_chunks_for, pack_header, parse_header)
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
@@ -90,6 +90,9 @@ class EncodedTensor:
     #: Where the record came from (object key, byte range, snapshot), when parsed with ``what``: every error
     #: decoding or applying it raises names it, not only the tensor.
     origin: str | None = field(default=None, compare=False, repr=False)
+    #: Encoded here (not parsed): whether a changed element's new bits are a NaN; None without a parent
+    #: (nothing compared) or for a parsed record. What the publisher needs to warn of NaNs without a scan.
+    changed_nan: bool | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -197,7 +200,7 @@ class _EncodeJob:
         """Whether :meth:`parent_digest` reads ``old`` (a pass worth its own task)."""
         return self.old_bits is not None and self.known_parent is None
 
-    def chunk(self, i: int) -> tuple[ChunkEntry, bytes]:
+    def chunk(self, i: int) -> chunks.EncodedChunk:
         s, e = i * self.chunk_elems, min(self.numel, (i + 1) * self.chunk_elems)
         old = None if self.old_bits is None else self.old_bits[s:e]
         return chunks.encode_chunk(old, self.new_bits[s:e], self.dt, self.level, self.context)
@@ -210,14 +213,15 @@ class _EncodeJob:
             return 0
         return self.known_parent if self.known_parent is not None else xxhash.xxh3_64_intdigest(self.old_bits)
 
-    def assemble(self, results: list[tuple[ChunkEntry, bytes]], digest: int, parent_digest: int) -> EncodedTensor:
+    def assemble(self, results: list[chunks.EncodedChunk], digest: int, parent_digest: int) -> EncodedTensor:
         header = RecordHeader(
             name=self.name, dtype=self.dt, shape=self.shape, numel=self.numel, chunk_elems=self.chunk_elems,
             digest=digest, parent_digest=parent_digest, has_parent=self.old_bits is not None,
             chunks=tuple(r[0] for r in results),
             header_size=header_size_for(len(self.shape), len(self.name.encode("utf-8")), self.n_chunks),
         )
-        return EncodedTensor(header, [r[1] for r in results])
+        nan = None if self.old_bits is None else any(r.changed_nan for r in results)
+        return EncodedTensor(header, [r.payload for r in results], changed_nan=nan)
 
 
 @dataclass

@@ -67,6 +67,23 @@ for _n, _u in (("U16", np.uint16), ("U32", np.uint32), ("U64", np.uint64)):
         _BY_NUMPY[np.dtype(_u)] = BY_NAME[_n]
 _UINT_FOR_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+#: dtype name -> (mask without the sign bit, largest non-NaN magnitude bits): a value is NaN when its
+#: bits without the sign exceed the dtype's infinity (for float8 e4m3fn, which has none, its largest finite).
+_NAN_ABOVE = {
+    "BF16": (0x7FFF, 0x7F80),
+    "F16": (0x7FFF, 0x7C00),
+    "F32": (0x7FFFFFFF, 0x7F800000),
+    "F64": (0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+    "F8_E4M3": (0x7F, 0x7E),
+    "F8_E5M2": (0x7F, 0x7C),
+}
+
+
+def nan_rule(dt: DType) -> tuple[int, int] | None:
+    """``(mask, threshold)``: bits ``b`` of ``dt`` are a NaN when ``b & mask > threshold``; None when
+    the dtype has no NaN (integers, bool)."""
+    return _NAN_ABOVE.get(dt.name)
+
 
 def by_name(name: str) -> DType:
     try:

@@ -101,6 +101,18 @@ def sparse_positions(gaps, n_elems):
 
 
 @njit(cache=True, nogil=True)
+def nan_at_gaps(new, gaps, mask, threshold):
+    """Whether an element at the positions ``gaps`` encode (as :func:`sparse_extract` writes them) holds
+    a NaN: ``new[pos] & mask > threshold``. Visits only the changed elements."""
+    p = -1
+    for j in range(gaps.shape[0]):
+        p = p + 1 + np.int64(gaps[j])
+        if new[p] & mask > threshold:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
 def sparse_new_values(old, positions, steps, width_bits, sign_magnitude, out):
     """New bits at ``positions`` given the old bits and the zigzag key steps (written to ``out``)."""
     mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)

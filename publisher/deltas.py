@@ -63,6 +63,7 @@ class DeltaPart:
     objects: list[tuple[int, str]] = field(default_factory=list)   # (size, xxh3) of each part
     changed: list[str] = field(default_factory=list)
     changed_elements: int = 0       # the records' chunk counts (changed elements; a raw chunk's: all of them)
+    changed_nan: list[str] = field(default_factory=list)   # changed tensors where a changed element became NaN
     encode_s: float = 0.0
 
 
@@ -108,6 +109,8 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
                                                  offset, length)
                 part.changed.append(name)
                 part.changed_elements += sum(c.count for c in h.chunks)
+                if enc.changed_nan:
+                    part.changed_nan.append(name)
                 if out.size >= part_bytes:
                     close_current()
             if on_bytes is not None:

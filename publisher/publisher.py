@@ -159,6 +159,11 @@ class Publisher:
         self._spare: dict[str, torch.Tensor] = {}
         self._diff = DeviceDiff() if device_diff else None   # the device copy of the last published bits
         self._nan_warned: set[str] = set()
+        # Tensors whose bits at version _nan_clean_version were checked free of NaNs: in a delta on that
+        # version only their changed elements need a look (the encoder's), not a scan of the whole tensor.
+        self._nan_clean: set[str] = set()
+        self._nan_clean_version: int | None = None
+        self._nan_next: set[str] = set()
         self._files_checked = False   # the model's own config added and serving gaps warned about (first publish)
         self._n_failures = 0
         self._attempts = 0          # publish attempts planned by this session (rank 0): each one's data prefix
@@ -464,12 +469,23 @@ class Publisher:
         else:
             assert parent is not None
             written = self._write_delta(plan, job, parent)
-        with_bytes = [n for n, e in written.entries.items() if e.object is not None]
-        for n in nan_tensor_names(job.snapshot, with_bytes, self._nan_warned):
+        self._warn_of_nans(plan, job, written)
+        return written
+
+    def _warn_of_nans(self, plan: Plan, job: _Job, written: Written) -> None:
+        """Warn once per tensor name of NaNs among the published bits; remember which tensors are clean."""
+        with_bytes = {n for n, e in written.entries.items() if e.object is not None}
+        known = self._nan_clean if plan.kind == "delta" and plan.parent_version == self._nan_clean_version else set()
+        found = [n for n in written.changed_nan if n not in self._nan_warned]
+        # a tensor clean in the parent holds a NaN only where a changed element became one (the encoder saw
+        # those); any other changed tensor is scanned whole
+        scan = sorted(with_bytes - known - set(found))
+        found += nan_tensor_names(job.snapshot, scan, self._nan_warned)
+        for n in found:
             self._nan_warned.add(n)
             log.warning("tensor %r holds NaN values in version %d (step %d); published as-is, bit-exact",
                         n, plan.version, job.step)
-        return written
+        self._nan_next = (known | with_bytes) - self._nan_warned
 
     def _write_delta(self, plan: Plan, job: _Job, parent: dict[str, torch.Tensor]) -> Written:
         """This rank's delta objects, in the codec ``self.codec`` names or, with "auto", its chooser picks."""
@@ -534,6 +550,7 @@ class Publisher:
     def _committed(self, plan: Plan, job: _Job, written: Written | None, outcome: dict[str, Any]) -> PublishResult:
         assert job.snapshot is not None and written is not None
         old, self._parent, self._parent_version = self._parent, job.snapshot, plan.version
+        self._nan_clean, self._nan_clean_version = self._nan_next, plan.version
         with self._lock:
             self._committed_step = job.step
             self._spare = spares(old)

@@ -46,6 +46,7 @@ class Written:
     extra_files: list[ObjectRef] = field(default_factory=list)
     changed: int = 0
     changed_elements: int = 0        # deltas: elements the records changed (publisher/deltas.py)
+    changed_nan: list[str] = field(default_factory=list)   # deltas: tensors where a changed element became NaN
     codec: str = ""                  # deltas: "context" or "fast" (Publisher(codec=...)); anchors: ""
     codec_reason: str = ""
     encode_s: float = 0.0
@@ -207,6 +208,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
     out.entries = part.entries
     out.changed = len(part.changed)
     out.changed_elements = part.changed_elements
+    out.changed_nan = part.changed_nan
     return out
 
 

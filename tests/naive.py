@@ -70,6 +70,12 @@ def sparse_extract(old: np.ndarray, new: np.ndarray, width_bits: int, sign_magni
     return gaps, steps, max_gap, max_step
 
 
+def nan_at_gaps(old: np.ndarray, new: np.ndarray, mask: int, threshold: int) -> bool:
+    """Whether a changed element's new bits are a NaN (bits & mask > threshold)."""
+    changed = new[old != new].astype(np.uint64)
+    return bool(np.any((changed & np.uint64(mask)) > np.uint64(threshold)))
+
+
 def sparse_positions(gaps: np.ndarray, n_elems: int):
     pos = np.cumsum(gaps.astype(np.int64) + 1) - 1
     ok = pos.size == 0 or bool(pos[-1] < n_elems)

@@ -321,6 +321,34 @@ def _bf16_weights(n: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("context", [True, False], ids=["ctx", "fast"])
+@pytest.mark.parametrize("name", ["BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2"])
+def test_the_encoder_reports_a_nan_only_where_a_changed_element_became_one(name, context):
+    """The publisher warns of NaNs from this flag instead of scanning every changed tensor whole."""
+    rng = np.random.default_rng(len(name) + context)
+    dt = dtypes.BY_NAME[name]
+    mask, threshold = dtypes.nan_rule(dt)
+    keep = dt.bits_dtype.type(~mask & ((1 << 8 * dt.itemsize) - 1) | (mask >> 2))   # far from NaN
+
+    def enc(o, n):
+        return codec.encode(dtypes.from_bits(o, dt, o.shape), dtypes.from_bits(n, dt, n.shape),
+                            chunk_elems=1000, context=context)
+
+    old = random_bits(rng, name, 6000, 0.0) & keep
+    for fraction in (0.01, 0.5):
+        new = mutate(rng, name, old, fraction) & keep
+        assert enc(old, new).changed_nan is False
+        o2, n2 = old.copy(), new.copy()
+        o2[10] = n2[10] = dt.bits_dtype.type(mask)       # a NaN in both versions: unchanged, not reported
+        assert enc(o2, n2).changed_nan is False
+        n2[4321] = dt.bits_dtype.type(threshold + 1)     # in the fifth chunk, a changed element becomes NaN
+        e = enc(o2, n2)
+        assert e.changed_nan is True
+        assert_same_bits(codec.decode(dtypes.from_bits(o2, dt, o2.shape), e.to_bytes()),
+                         dtypes.from_bits(n2, dt, n2.shape))
+    assert codec.encode(None, dtypes.from_bits(new, dt, new.shape)).changed_nan is None   # nothing compared
+
+
 def test_unchanged_tensor_costs_only_its_header():
     a = _bf16_weights(10_000)
     enc = codec.encode(a, a.clone(), name="w", chunk_elems=1000)
@@ -432,7 +460,7 @@ def test_positions_past_2_pow_31_apply_at_the_right_place():
             continue
         new_chunk = live[s:e].copy()
         new_chunk[mine - s] = 0xA5
-        entry, payload = chunks.encode_chunk(live[s:e], new_chunk, dt)
+        entry, payload, _ = chunks.encode_chunk(live[s:e], new_chunk, dt)
         entries.append(entry)
         payloads.append(payload)
     live[changes] = 0xA5

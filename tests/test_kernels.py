@@ -131,6 +131,38 @@ def test_change_kernels_match_reference(case):
     np.testing.assert_array_equal(xv, rv, err_msg=msg)
 
 
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "BF16", "F16", "F32", "F64"])
+def test_nan_at_gaps_sees_a_nan_among_the_changed_elements_only(dtype):
+    from delta import dtypes
+
+    dt = dtypes.by_name(dtype)
+    mask, threshold = dtypes.nan_rule(dt)
+    w = 8 * dt.itemsize
+    rng = rng_for(w, 7)
+    old = random_bits(rng, 5000, w)
+    old &= old.dtype.type(~mask & ((1 << w) - 1) | (mask >> 2))    # no NaN in old: exponents far from all ones
+    nan = old.dtype.type(threshold + 1)
+    for frac in (0.0, 0.01, 0.3, 1.0):
+        new = changed_copy(rng, old, w, frac)
+        new &= old.dtype.type(~mask & ((1 << w) - 1) | (mask >> 2))
+        k = kernels.count_changed(old, new)
+        gaps = kernels.sparse_extract(old, new, k, w, True)[0]
+        msg = f"seed={SEED} {dtype} fraction={frac}"
+        assert not kernels.nan_at_gaps(new, gaps, old.dtype.type(mask), old.dtype.type(threshold)), msg
+        both = old.copy(), new.copy()
+        for a in both:          # a NaN both versions hold is no change: not reported
+            a[0] = nan
+        gaps = kernels.sparse_extract(*both, kernels.count_changed(*both), w, True)[0]
+        assert kernels.nan_at_gaps(both[1], gaps, old.dtype.type(mask), old.dtype.type(threshold)) is False, msg
+        assert naive.nan_at_gaps(*both, mask, threshold) is False
+        for where in (0, old.size // 2, old.size - 1):    # a changed element becoming NaN (any payload, sign)
+            n2 = new.copy()
+            n2[where] = nan | old.dtype.type(1 << (w - 1)) if where % 2 else old.dtype.type(mask)
+            gaps = kernels.sparse_extract(old, n2, kernels.count_changed(old, n2), w, True)[0]
+            got = kernels.nan_at_gaps(n2, gaps, old.dtype.type(mask), old.dtype.type(threshold))
+            assert got is True and naive.nan_at_gaps(old, n2, mask, threshold) is True, f"{msg} at {where}"
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("sm", [False, True], ids=["int", "signmag"])
 def test_sparse_new_values_matches_reference_for_arbitrary_steps(width, sm):

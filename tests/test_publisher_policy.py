@@ -161,6 +161,44 @@ def test_nan_weights_are_published_bit_exactly_with_one_warning_per_tensor(url, 
     assert len(nan_warnings) == 1 and "layers.0.norm" in nan_warnings[0].getMessage()
 
 
+def test_a_delta_finds_new_nans_among_the_changed_elements_without_scanning_tensors_it_checked(url, caplog,
+                                                                                               monkeypatch):
+    import publisher.nan as nan_mod
+
+    scanned: list[str] = []
+    real = nan_mod.has_nan
+    monkeypatch.setattr(nan_mod, "has_nan", lambda t: scanned.append(t.numel()) or real(t))
+    w = weights()
+    names = ["embed.weight", "layers.0.attn.w"]
+    with caplog.at_level(logging.WARNING, logger="ckptdelta.publisher"):
+        with Publisher(url) as pub:
+            pub.publish(w, 0)                       # an anchor: every tensor scanned whole
+            assert sorted(scanned) == sorted(t.numel() for t in w.values())
+            scanned.clear()
+            perturb(w, seed=1, names=names)
+            pub.publish(w, 1)
+            w["layers.0.attn.w"].view(-1)[100] = float("nan")   # a changed element becomes NaN
+            perturb(w, seed=2, names=names)
+            pub.publish(w, 2)
+            perturb(w, seed=3, names=names)
+            pub.publish(w, 3)
+            assert scanned == []
+            assert_same(snapshot(pub.store, 3), w)
+        warned = [r.getMessage() for r in caplog.records if "NaN" in r.getMessage()]
+        assert len(warned) == 1 and "'layers.0.attn.w'" in warned[0] and "version 2" in warned[0]
+        caplog.clear()
+        with Publisher(url) as pub:                 # a new process: the parent's bits were checked by no one
+            perturb(w, seed=4, names=names)
+            assert pub.publish(w, 4).kind == "delta"
+            assert sorted(scanned) == sorted(w[n].numel() for n in names)   # the changed tensors, whole
+            scanned.clear()
+            perturb(w, seed=5, names=names)
+            pub.publish(w, 5)
+            assert scanned == []
+        warned = [r.getMessage() for r in caplog.records if "NaN" in r.getMessage()]
+        assert len(warned) == 1 and "'layers.0.attn.w'" in warned[0] and "version 4" in warned[0]
+
+
 def test_a_failed_background_publish_surfaces_from_its_future_and_the_next_publish(url):
     w = weights()
     with Publisher(url) as pub:
