@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from . import chunks, dtypes, kernels
-from .errors import (ChecksumError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError,
+from .errors import (ChecksumError, DeltaError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError,
                      UnsupportedDtypeError)
 from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RAW, RecordHeader,
                      header_size_for, n_chunks_for, pack_header, parse_header)
@@ -64,6 +64,15 @@ def _forget_pool_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _imap(fn, items, threads: int | None):
+    """``fn`` over ``items``, results in order as they are ready (lazily: the caller works on the
+    first while the others run)."""
+    items = list(items)
+    if len(items) <= 1 or threads == 1 or in_pool_worker():
+        return map(fn, items)
+    return _executor().map(fn, items)
 
 
 def _map(fn, items: list, threads: int | None):
@@ -241,6 +250,8 @@ class StagedTensor:
     positions: np.ndarray = field(repr=False)
     values: np.ndarray = field(repr=False)
     dense: np.ndarray | None = field(default=None, repr=False)
+    #: Beside ``positions``, when :func:`stage` made it: the bits there before the change (an undo).
+    old: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def n_changed(self) -> int:
@@ -339,26 +350,48 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     With ``verify`` (the default) ``live`` must hash to the record's parent digest
     (else :class:`ParentMismatchError`) and the staged result must hash to the
     record's digest (else :class:`ChecksumError`); the check streams through
-    ``live`` one chunk at a time, so it needs one chunk of scratch, not a copy."""
+    ``live`` one chunk at a time, so it needs one chunk of scratch, not a copy.
+
+    Chunks decode on the codec pool; this thread takes them in order as they come and,
+    while each chunk's bits are in cache, hashes the parent, gathers the bits the change
+    overwrites (``StagedTensor.old``, the undo of an in-place apply) and hashes the
+    result: one read of ``live`` from memory instead of three (~0.3 s per GB less work)."""
     enc = _as_encoded(enc)
     h = enc.header
     _check_live(live, h.name, h.dtype, h.shape)
     bits = dtypes.host_bits(live)
-    per_chunk = _decode_against(enc, bits, verify, threads)
-    if verify:
-        hasher = xxhash.xxh3_64()
-        for i, (pos, vals) in enumerate(per_chunk):
+    parent = xxhash.xxh3_64() if verify and h.has_parent else None
+    result = xxhash.xxh3_64() if verify else None
+    per_chunk: list[tuple[np.ndarray, np.ndarray]] = []
+    olds: list[np.ndarray] = []
+    try:
+        for i, (pos, vals) in enumerate(_imap(lambda i: _decode_chunk(enc, bits, i), range(len(h.chunks)),
+                                              threads)):
             s, e = h.chunk_range(i)
-            if pos.shape[0]:
+            old = np.empty(pos.shape[0], h.dtype.bits_dtype)
+            if parent is not None:
+                parent.update(bits[s:e])
+            if pos.shape[0] and result is not None:
                 scratch = bits[s:e].copy()
+                kernels.gather(scratch, pos, old)
                 kernels.scatter(scratch, pos, vals)
-                hasher.update(scratch)
+                result.update(scratch)
             else:
-                hasher.update(bits[s:e])
-        if hasher.intdigest() != h.digest:
-            raise ChecksumError(
-                f"{enc.where()}: reconstructed bytes hash to {digest_hex(hasher.intdigest())}, "
-                f"the record says {digest_hex(h.digest)}")
+                kernels.gather(bits[s:e], pos, old)
+                if result is not None:
+                    result.update(bits[s:e])
+            per_chunk.append((pos, vals))
+            olds.append(old)
+    except DeltaError:
+        if parent is not None:          # decoding against the wrong parent fails in any way: say so
+            _check_parent(enc, xxhash.xxh3_64_intdigest(bits))
+        raise
+    if parent is not None:
+        _check_parent(enc, parent.intdigest())
+    if result is not None and result.intdigest() != h.digest:
+        raise ChecksumError(
+            f"{enc.where()}: reconstructed bytes hash to {digest_hex(result.intdigest())}, "
+            f"the record says {digest_hex(h.digest)}")
     total = sum(p.shape[0] for p, _ in per_chunk)
     w = h.dtype.itemsize
     if total * (8 + w) > h.numel * w:
@@ -370,13 +403,15 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
                             np.empty(0, np.int64), np.empty(0, h.dtype.bits_dtype), dense)
     positions = np.empty(total, np.int64)
     values = np.empty(total, h.dtype.bits_dtype)
+    old_bits = np.empty(total, h.dtype.bits_dtype)
     off = 0
-    for i, (pos, vals) in enumerate(per_chunk):
+    for i, ((pos, vals), old) in enumerate(zip(per_chunk, olds)):
         k = pos.shape[0]
         positions[off: off + k] = pos + h.chunk_range(i)[0]
         values[off: off + k] = vals
+        old_bits[off: off + k] = old
         off += k
-    return StagedTensor(h.name, h.dtype, h.shape, h.digest, h.parent_digest, positions, values)
+    return StagedTensor(h.name, h.dtype, h.shape, h.digest, h.parent_digest, positions, values, old=old_bits)
 
 
 def stage_full(live: Array, new: Array, *, name: str = "tensor", expected_digest: int | None = None) -> StagedTensor:

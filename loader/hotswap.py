@@ -609,7 +609,9 @@ def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list,
 
 def _old_bits(live: torch.Tensor, st: StagedTensor) -> StagedTensor:
     """The bits a sparse ``st`` will overwrite, as a staged change that writes them back."""
-    if live.device.type == "cpu" and live.is_contiguous():
+    if st.old is not None:                   # gathered by stage() while each chunk was in cache
+        old = st.old
+    elif live.device.type == "cpu" and live.is_contiguous():
         old = dtypes.host_bits(live)[st.positions]
     else:
         ints = dtypes.torch_bits_view(live.detach().reshape(-1).contiguous())

@@ -284,6 +284,30 @@ def test_parent_mismatch_names_the_tensor_and_leaves_live_untouched():
         codec.decode(None, enc)  # a delta cannot be decoded without its parent
 
 
+def test_a_parent_whose_classes_differ_is_named_as_the_wrong_parent_not_as_a_corrupt_payload():
+    """The ctx decoder reads the parent's exponents: against another tensor its streams fall apart
+    (a FormatError inside) and the error says what happened: the wrong parent."""
+    a = _bf16_weights(5000)
+    b = a.clone()
+    b.view(torch.int16)[::50] += 1
+    enc = codec.encode(a, b, name="w", chunk_elems=1000)
+    assert "ctx" in enc.encoding_counts()
+    other = (a.float() * 64).to(torch.bfloat16)     # every exponent moved: every class differs
+    with pytest.raises(ParentMismatchError, match="'w'"):
+        codec.stage(other, enc)
+
+
+def test_stage_keeps_the_bits_its_change_overwrites_for_the_undo():
+    a = _bf16_weights(5000)
+    b = a.clone()
+    b.view(torch.int16)[::7] += 3
+    for kw in ({}, {"verify": False}, {"threads": 1}):
+        st = codec.stage(a, codec.encode(a, b, chunk_elems=1000), **kw)
+        assert st.dense is None and st.positions.shape[0] == len(range(0, 5000, 7))
+        np.testing.assert_array_equal(st.old, bits_of(a)[st.positions])
+        np.testing.assert_array_equal(st.values, bits_of(b)[st.positions])
+
+
 def test_stage_full_rejects_bytes_that_do_not_match_the_manifest_digest():
     a, b = np.zeros(10, np.float32), np.ones(10, np.float32)
     with pytest.raises(ChecksumError, match="emb"):
