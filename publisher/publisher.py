@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import xxhash
 
+from delta import dtypes
 from delta.codec import digest_hex
 from delta.errors import CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError
 from delta.hf import serving_gaps
@@ -157,6 +158,7 @@ class Publisher:
         self._committed_step: int | None = last_step
         self._last_step: int | None = last_step
         self._spare: dict[str, torch.Tensor] = {}
+        self._prefault: threading.Thread | None = None   # filling the first spare buffers, off the publish path
         self._diff = DeviceDiff() if device_diff else None   # the device copy of the last published bits
         self._nan_warned: set[str] = set()
         # Tensors whose bits at version _nan_clean_version were checked free of NaNs: in a delta on that
@@ -248,6 +250,7 @@ class Publisher:
                 if not self._files_checked:
                     self._check_files(weights)
                 t0 = time.perf_counter()
+                self._join_prefault()
                 with self._lock:
                     spare, self._spare = self._spare, {}
                 if self._diff is None:
@@ -325,6 +328,7 @@ class Publisher:
             self.wait_until_finished()
         finally:
             self._closed = True
+            self._join_prefault()
             self._worker.shutdown(wait=True)
             self._uploads.shutdown(wait=True)
             self._store.close()
@@ -342,6 +346,36 @@ class Publisher:
             log.error("closing the publisher after an error: %s", e)
 
     # --- bookkeeping -----------------------------------------------------------------------
+
+    def _start_prefault(self, like: Mapping[str, torch.Tensor]) -> None:
+        """Fill buffers for the next host copy in the background. Until a second publish hands its
+        superseded parent back, the next copy would land in fresh memory, and first-touching it (the
+        kernel maps and zeroes every page) costs 0.2-0.4 s per GB, more than the copy itself: the first
+        delta after the publisher starts would pay it inside publish(). Here it is paid while the trainer
+        steps (one thread, no torch threads). The buffers would be allocated at the next publish anyway."""
+        shapes = [(n, t.dtype, tuple(t.shape), t.is_pinned()) for n, t in like.items()]
+
+        def fill() -> None:
+            try:
+                out = {}
+                for n, dtype, shape, pin in shapes:
+                    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                    dtypes.host_bits(t).fill(0)
+                    out[n] = t
+            except Exception as e:  # noqa: BLE001 - an optimisation only: the next copy allocates instead
+                log.debug("filling spare host buffers failed (%s); the next publish allocates them", e)
+                return
+            with self._lock:
+                if not self._spare:
+                    self._spare = out
+
+        self._prefault = threading.Thread(target=fill, name="ckptdelta-prefault", daemon=True)
+        self._prefault.start()
+
+    def _join_prefault(self) -> None:
+        t, self._prefault = self._prefault, None
+        if t is not None:
+            t.join()
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -554,6 +588,8 @@ class Publisher:
         with self._lock:
             self._committed_step = job.step
             self._spare = spares(old)
+            if not self._spare:
+                self._start_prefault(job.snapshot)
         if self._diff is not None:
             self._diff.committed(plan.version)
         del old

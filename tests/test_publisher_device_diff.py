@@ -85,6 +85,31 @@ def test_the_host_copy_reuses_two_sets_of_buffers_across_steps(tmp_path):
     assert not set(ptrs[0].values()) & set(ptrs[1].values())
 
 
+def test_the_second_copy_lands_in_buffers_filled_in_the_background_after_the_first_publish(tmp_path,
+                                                                                            monkeypatch):
+    """Without them, the first delta after a publisher starts copies into fresh memory (its first touch
+    costs more than the copy); they are filled off the publish path, on one thread."""
+    filled = []
+    real = publisher_mod.Publisher._start_prefault
+    monkeypatch.setattr(publisher_mod.Publisher, "_start_prefault", lambda self, like: filled.append(1) or real(self, like))
+    w = {k: v for k, v in _odd_weights(0).items() if isinstance(v, torch.Tensor)}
+    with Publisher(str(tmp_path / "run")) as pub:
+        pub.publish(w, 0)
+        first = {n: t.data_ptr() for n, t in pub._parent.items()}
+        pub._join_prefault()
+        background = {n: t.data_ptr() for n, t in pub._spare.items()}
+        assert filled == [1] and background.keys() == first.keys()
+        assert not set(background.values()) & set(first.values())
+        _step(w, 0, 0.05)
+        assert pub.publish(w, 1).kind == "delta"
+        assert {n: t.data_ptr() for n, t in pub._parent.items()} == background
+        _step(w, 1, 0.05)
+        pub.publish(w, 2)                 # from here on the superseded parent comes back: nothing to fill
+        assert filled == [1]
+        assert {n: t.data_ptr() for n, t in pub._parent.items()} == first
+        assert_same(snapshot(pub.store, 2), w)
+
+
 @pytest.mark.parametrize("frac", [0.0, 0.01, 0.3])
 def test_device_diff_publishes_the_same_bits_and_records_as_a_full_copy(tmp_path, frac):
     urls = {mode: str(tmp_path / mode) for mode in ("full", "diff")}
