@@ -40,7 +40,7 @@ from delta.ctx_bits import U64
 from delta.ctx_decoder import _decode_positions, _decode_steps, _parse_table, _words
 from delta.ctx_encoder import (_assemble, _position_gaps, _position_models, _scan, _sparse_parts, _step_models,
                                _unchanged_events, sparse_estimate)
-from delta.ctxcoder import _words_of_four, layout_of
+from delta.ctxcoder import _words_of_four, layout_of, scan_scratch
 
 ENCODE_STAGES = ("scan", "statistics", "coding", "hash")
 DECODE_STAGES = ("hash parent", "scan", "coding", "apply", "hash result")
@@ -69,7 +69,8 @@ def _encode_chunk_staged(o, n, dt, t: dict) -> tuple | None:
     if o4.shape[0] != n4.shape[0]:
         o4, n4 = o4[:0], n4[:0]
     c0 = time.thread_time()
-    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(o, n, o4, n4, w, mb, C, signbit, mask)
+    scratch = scan_scratch(o.shape[0])
+    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(o, n, o4, n4, w, mb, C, signbit, mask, *scratch)
     c1 = time.thread_time()
     t["scan"] += c1 - c0
     count = cpos.shape[0]

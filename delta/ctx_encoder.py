@@ -133,35 +133,8 @@ def _flag_model(n_items, n_set):
     return GOLOMB, pol, _j_for_p(ev / n_items)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _change(a, b, sh, wb, mb, cmask, signbit, mask, later, h, i, j, cpos, ccls, crank, csign, ca):
-    """Record the changed element held at bit ``sh`` of words ``a`` (parent) and ``b`` (new) as
-    change ``j``: position ``i``, class, class-local rank (the class count after the element's
-    group of four, minus the group's later elements of its class), sign and magnitude - 1."""
-    o = (a >> sh) & mask
-    v = (b >> sh) & mask
-    c = np.int64((o >> mb) & cmask)
-    d = (key(v, signbit, mask) - key(o, signbit, mask)) & mask
-    up = U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
-    u = up * ((d << U64(1)) - U64(1)) + (U64(1) - up) * ((mask - d) << U64(1))
-    cpos[j] = i
-    ccls[j] = c
-    crank[j] = h[0, c] + h[1, c] + h[2, c] + h[3, c] - 1 - later
-    csign[j] = np.uint8(u & U64(1))
-    ca[j] = np.int32(u >> U64(1))
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _later(a, k, wb, mb, cmask, c):
-    """How many elements after lane ``k`` of group word ``a`` have class ``c``."""
-    n = 0
-    for k2 in range(k + 1, 4):
-        n += np.int64(((a >> (U64(k2) * wb + mb)) & cmask) == U64(c))
-    return n
-
-
 @njit(cache=True, nogil=True)
-def _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask):
+def _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask, cpos, ccls, crank, cold, cnew):
     """Class sizes, changes per class, and every change: position, class, class-local rank,
     sign and magnitude - 1 of its step; one pass, which also counts the changes.
 
@@ -169,49 +142,71 @@ def _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask):
     (uint64 for 16-bit dtypes, uint32 for 8-bit ones, little-endian as the elements):
     one compare finds the (rare) changed groups. Element ``4g + k`` counts in histogram
     bank ``k``, so consecutive elements of one class do not serialise on one counter.
-    The change arrays are allocated for every element (only the pages written are
-    touched) and returned cut to the changes found."""
+    Inside the pass a change records only its position, class, rank and both bit patterns,
+    into the caller's scratch arrays ``cpos``/``ccls``/``crank``/``cold``/``cnew`` (at least
+    as long as the chunk, reused from chunk to chunk: fresh ones cost page faults, ~0.08 ns
+    per element); its step is worked out after the pass from those, in order (reading the
+    two elements again there waits on the cache: ~20 ns per change). 0.92 -> ~0.70 ns per
+    element at 1% changed (bf16; the histogram and compare alone: 0.47). Returns the change
+    arrays cut to the changes found (views of the scratch)."""
     n = old.shape[0]
     cm = U64(C - 1)
     h = np.zeros((4, C), np.int32)
-    cpos = np.empty(n, np.int32)     # chunks hold at most 2**24 elements
-    ccls = np.empty(n, np.int32)
-    crank = np.empty(n, np.int32)
-    ca = np.empty(n, np.int32)       # magnitude - 1 (< 2**15: widths 8 and 16)
-    csign = np.empty(n, np.uint8)    # 1: the key goes up
     j = 0
     wb = U64(width_bits)
     mb = U64(mbits)
+    s1 = wb + mb
+    s2 = U64(2) * wb + mb
+    s3 = U64(3) * wb + mb
     for g in range(old4.shape[0]):
         a = U64(old4[g])
         b = U64(new4[g])
         h[0, (a >> mb) & cm] += 1
-        h[1, (a >> (wb + mb)) & cm] += 1
-        h[2, (a >> (U64(2) * wb + mb)) & cm] += 1
-        h[3, (a >> (U64(3) * wb + mb)) & cm] += 1
+        h[1, (a >> s1) & cm] += 1
+        h[2, (a >> s2) & cm] += 1
+        h[3, (a >> s3) & cm] += 1
         if a != b:
             x = a ^ b
             for k in range(4):
                 sh = U64(k) * wb
                 if (x >> sh) & mask:
                     c = np.int64(((a >> sh) >> mb) & cm)
-                    _change(a, b, sh, wb, mb, cm, signbit, mask, _later(a, k, wb, mb, cm, c), h,
-                            4 * g + k, j, cpos, ccls, crank, csign, ca)
+                    later = 0               # the group's later elements of the class, counted already
+                    for k2 in range(k + 1, 4):
+                        later += np.int64(((a >> (U64(k2) * wb + mb)) & cm) == U64(c))
+                    cpos[j] = 4 * g + k
+                    ccls[j] = c
+                    crank[j] = h[0, c] + h[1, c] + h[2, c] + h[3, c] - 1 - later
+                    cold[j] = np.int32((a >> sh) & mask)
+                    cnew[j] = np.int32((b >> sh) & mask)
                     j += 1
     for i in range(4 * old4.shape[0], n):
         a = U64(old[i])
-        b = U64(new[i])
-        h[0, (a >> mb) & cm] += 1
-        if a != b:
-            _change(a, b, U64(0), wb, mb, cm, signbit, mask, 0, h, i, j, cpos, ccls, crank, csign, ca)
+        c = np.int64((a >> mb) & cm)
+        h[0, c] += 1
+        if a != U64(new[i]):
+            cpos[j] = i
+            ccls[j] = c
+            crank[j] = h[0, c] + h[1, c] + h[2, c] + h[3, c] - 1
+            cold[j] = np.int32(a)
+            cnew[j] = np.int32(new[i])
             j += 1
+    ca = np.empty(j, np.int32)       # magnitude - 1 (< 2**15: widths 8 and 16)
+    csign = np.empty(j, np.uint8)    # 1: the key goes up
+    kcls = np.zeros(C, np.int64)
+    for t in range(j):
+        o = U64(cold[t])
+        v = U64(cnew[t])
+        d = (key(v, signbit, mask) - key(o, signbit, mask)) & mask
+        up = U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
+        u = up * ((d << U64(1)) - U64(1)) + (U64(1) - up) * ((mask - d) << U64(1))
+        csign[t] = np.uint8(u & U64(1))
+        ca[t] = np.int32(u >> U64(1))
+        kcls[ccls[t]] += 1
     ncls = np.zeros(C, np.int64)
     for c in range(C):
         ncls[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
-    kcls = np.zeros(C, np.int64)
-    for t in range(j):
-        kcls[ccls[t]] += 1
-    return ncls, kcls, cpos[:j], ccls[:j], crank[:j], csign[:j], ca[:j]
+    return ncls, kcls, cpos[:j], ccls[:j], crank[:j], csign, ca
 
 
 @njit(cache=True, nogil=True)
@@ -531,10 +526,11 @@ def sparse_estimate(gaps, steps, max_gap, max_step):
 
 
 @njit(cache=True, nogil=True)
-def ctx_encode(old, new, old4, new4, width_bits, mbits, ebits):
+def ctx_encode(old, new, old4, new4, width_bits, mbits, ebits, scratch):
     """Encoding-4 payload of one chunk (empty when no element differs), and encoding 1's
     gaps and steps of the same changes (:func:`_sparse_parts`; their length is the
-    number of changes). ``old4``/``new4``: see :func:`_scan`.
+    number of changes). ``old4``/``new4``: see :func:`_scan`; ``scratch``: int32 of shape
+    (5, >= len(old)), the scan's change arrays (its content is not used; reused across calls).
 
     One pass over the elements finds and counts the changes; a second runs only when
     some class is coded by its unchanged elements (more than half of it changed). The
@@ -542,7 +538,8 @@ def ctx_encode(old, new, old4, new4, width_bits, mbits, ebits):
     C = 1 << ebits
     mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width_bits)
     signbit = U64(1) << U64(width_bits - 1)
-    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask)
+    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask,
+                                                     scratch[0], scratch[1], scratch[2], scratch[3], scratch[4])
     count = cpos.shape[0]
     if count == 0:
         return np.empty(0, np.uint8), _sparse_parts(cpos, csign, ca)

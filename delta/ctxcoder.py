@@ -26,6 +26,7 @@ bounds checks) and never reads past it: a bad payload yields an error code that
 from __future__ import annotations
 
 import sys
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -80,6 +81,23 @@ SURELY_SMALLER = 0.9
 
 _WORD = {1: np.uint32, 2: np.uint64}
 
+_local = threading.local()
+#: Scratch up to this many elements is kept per thread (20 MB of address space at the default chunk size;
+#: only the pages the changes fill are touched).
+SCRATCH_KEEP = 1 << 20
+
+
+def scan_scratch(n: int) -> np.ndarray:
+    """The encoder scan's change arrays for a chunk of ``n`` elements: this thread's own, reused
+    from chunk to chunk (fresh memory per chunk costs a page fault on every page written)."""
+    s = getattr(_local, "scratch", None)
+    if s is not None and s.shape[1] >= n:
+        return s
+    s = np.empty((5, max(n, 1)), np.int32)
+    if n <= SCRATCH_KEEP:
+        _local.scratch = s
+    return s
+
 
 def _words_of_four(x: np.ndarray) -> np.ndarray:
     """The leading elements of ``x`` as one word per four (a view, no copy), or an empty array
@@ -104,7 +122,7 @@ def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None 
     old4, new4 = _words_of_four(old), _words_of_four(new)
     if old4.shape[0] != new4.shape[0]:
         old4, new4 = old4[:0], new4[:0]
-    out, sparse = ctx_encode(old, new, old4, new4, 8 * dt.itemsize, lay[0], lay[1])
+    out, sparse = ctx_encode(old, new, old4, new4, 8 * dt.itemsize, lay[0], lay[1], scan_scratch(old.shape[0]))
     if changed is not None and sparse[0].shape[0] != changed:
         raise AssertionError("ctx encoder: inconsistent change count")  # a bug, never data
     if out.shape[0] == 0:
