@@ -158,7 +158,7 @@ class Publisher:
         self._committed_step: int | None = last_step
         self._last_step: int | None = last_step
         self._spare: dict[str, torch.Tensor] = {}
-        self._prefault: threading.Thread | None = None   # filling the first spare buffers, off the publish path
+        self._prefault: tuple[threading.Thread, threading.Event] | None = None   # filling the first spares
         self._diff = DeviceDiff() if device_diff else None   # the device copy of the last published bits
         self._nan_warned: set[str] = set()
         # Tensors whose bits at version _nan_clean_version were checked free of NaNs: in a delta on that
@@ -352,30 +352,34 @@ class Publisher:
         superseded parent back, the next copy would land in fresh memory, and first-touching it (the
         kernel maps and zeroes every page) costs 0.2-0.4 s per GB, more than the copy itself: the first
         delta after the publisher starts would pay it inside publish(). Here it is paid while the trainer
-        steps (one thread, no torch threads). The buffers would be allocated at the next publish anyway."""
+        steps (one thread, no torch threads). A publish that comes first stops the fill and takes the
+        buffers filled so far. They would be allocated at the next publish anyway."""
         shapes = [(n, t.dtype, tuple(t.shape), t.is_pinned()) for n, t in like.items()]
+        stop = threading.Event()
 
         def fill() -> None:
             try:
-                out = {}
                 for n, dtype, shape, pin in shapes:
+                    if stop.is_set():
+                        return
                     t = torch.empty(shape, dtype=dtype, pin_memory=pin)
                     dtypes.host_bits(t).fill(0)
-                    out[n] = t
+                    with self._lock:
+                        if stop.is_set():
+                            return
+                        self._spare[n] = t
             except Exception as e:  # noqa: BLE001 - an optimisation only: the next copy allocates instead
                 log.debug("filling spare host buffers failed (%s); the next publish allocates them", e)
-                return
-            with self._lock:
-                if not self._spare:
-                    self._spare = out
 
-        self._prefault = threading.Thread(target=fill, name="ckptdelta-prefault", daemon=True)
-        self._prefault.start()
+        self._prefault = (threading.Thread(target=fill, name="ckptdelta-prefault", daemon=True), stop)
+        self._prefault[0].start()
 
     def _join_prefault(self) -> None:
-        t, self._prefault = self._prefault, None
-        if t is not None:
-            t.join()
+        """Stop a fill still running (what it filled stays in the spare buffers) and wait for it."""
+        p, self._prefault = self._prefault, None
+        if p is not None:
+            p[1].set()
+            p[0].join()
 
     def _check_usable(self) -> None:
         if self._closed:

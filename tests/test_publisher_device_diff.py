@@ -96,7 +96,7 @@ def test_the_second_copy_lands_in_buffers_filled_in_the_background_after_the_fir
     with Publisher(str(tmp_path / "run")) as pub:
         pub.publish(w, 0)
         first = {n: t.data_ptr() for n, t in pub._parent.items()}
-        pub._join_prefault()
+        pub._prefault[0].join()           # the trainer's step: time enough for the fill to finish
         background = {n: t.data_ptr() for n, t in pub._spare.items()}
         assert filled == [1] and background.keys() == first.keys()
         assert not set(background.values()) & set(first.values())
