@@ -317,7 +317,8 @@ class HotSwapper:
             st = _stage_one(name, t, groups[gi], values, plan, cur)
             if st.dense is None and st.positions.shape[0] == 0:
                 return None
-            undo = None if st.dense is not None else _old_bits(t, st)
+            undo = None if st.dense is not None else _old_bits(t, st, staged=True)
+            st.old = None                      # held by the undo now
             s = _Staged(name, mapping[name], st, _identity(t), undo)
             if st.dense is None and self.apply_method == "auto" and t.device.type == "cpu" and t.is_contiguous():
                 bits = dtypes.host_bits(t)
@@ -607,9 +608,11 @@ def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list,
     return st
 
 
-def _old_bits(live: torch.Tensor, st: StagedTensor) -> StagedTensor:
-    """The bits a sparse ``st`` will overwrite, as a staged change that writes them back."""
-    if st.old is not None:                   # gathered by stage() while each chunk was in cache
+def _old_bits(live: torch.Tensor, st: StagedTensor, *, staged: bool = False) -> StagedTensor:
+    """The bits a sparse ``st`` will overwrite, as a staged change that writes them back. ``staged``
+    (prepare only): take the ones stage() gathered while each chunk was in cache, if it did. The check
+    in the pause must read the live tensor again."""
+    if staged and st.old is not None:
         old = st.old
     elif live.device.type == "cpu" and live.is_contiguous():
         old = dtypes.host_bits(live)[st.positions]

@@ -356,6 +356,7 @@ class Publisher:
         buffers filled so far. They would be allocated at the next publish anyway."""
         shapes = [(n, t.dtype, tuple(t.shape), t.is_pinned()) for n, t in like.items()]
         stop = threading.Event()
+        target = self._spare        # called under self._lock; filled only while it is still the spare set
 
         def fill() -> None:
             try:
@@ -365,18 +366,20 @@ class Publisher:
                     t = torch.empty(shape, dtype=dtype, pin_memory=pin)
                     dtypes.host_bits(t).fill(0)
                     with self._lock:
-                        if stop.is_set():
+                        if stop.is_set() or self._spare is not target:
                             return
-                        self._spare[n] = t
+                        target[n] = t
             except Exception as e:  # noqa: BLE001 - an optimisation only: the next copy allocates instead
                 log.debug("filling spare host buffers failed (%s); the next publish allocates them", e)
 
-        self._prefault = (threading.Thread(target=fill, name="ckptdelta-prefault", daemon=True), stop)
-        self._prefault[0].start()
+        thread = threading.Thread(target=fill, name="ckptdelta-prefault", daemon=True)
+        thread.start()
+        self._prefault = (thread, stop)
 
     def _join_prefault(self) -> None:
         """Stop a fill still running (what it filled stays in the spare buffers) and wait for it."""
-        p, self._prefault = self._prefault, None
+        with self._lock:
+            p, self._prefault = self._prefault, None
         if p is not None:
             p[1].set()
             p[0].join()
@@ -514,6 +517,7 @@ class Publisher:
         """Warn once per tensor name of NaNs among the published bits; remember which tensors are clean."""
         with_bytes = {n for n, e in written.entries.items() if e.object is not None}
         known = self._nan_clean if plan.kind == "delta" and plan.parent_version == self._nan_clean_version else set()
+        known = known & job.snapshot.keys()        # a tensor this rank did not publish last time is not known
         found = [n for n in written.changed_nan if n not in self._nan_warned]
         # a tensor clean in the parent holds a NaN only where a changed element became one (the encoder saw
         # those); any other changed tensor is scanned whole

@@ -627,8 +627,9 @@ def test_a_commit_failing_at_any_allocation_or_copy_leaves_every_tensor_and_the_
     assert any("non-contiguous" in f for f in fired), fired
 
 
-def test_a_sparse_change_to_a_tensor_written_after_prepare_is_refused_and_the_writes_kept(run):
-    live, sw = swapper_at(run, 0)
+@pytest.mark.parametrize("apply_method", ["auto", "torch"])   # the kernel's check as it writes; a gather first
+def test_a_sparse_change_to_a_tensor_written_after_prepare_is_refused_and_the_writes_kept(run, apply_method):
+    live, sw = swapper_at(run, 0, apply_method=apply_method)
     prepared = sw.prepare(1)
     s = next(s for s in prepared.staged if s.st.dense is None)
     flat = live[s.live_name].view(-1)
