@@ -75,10 +75,8 @@ def _imap(fn, items, threads: int | None):
     return _executor().map(fn, items)
 
 
-def _map(fn, items: list, threads: int | None):
-    if len(items) <= 1 or threads == 1 or in_pool_worker():
-        return [fn(x) for x in items]
-    return list(_executor().map(fn, items))
+def _map(fn, items: list, threads: int | None) -> list:
+    return list(_imap(fn, items, threads))
 
 
 def digest(x: Array) -> int:
