@@ -5,13 +5,26 @@ on first use: the first publish and the first hot-load then take seconds
 instead of milliseconds, and a benchmark would report compile time as publish
 time. Running every encoding and staging path once, on small tensors of each
 dtype, fills numba's on-disk cache; later processes load the machine code.
+
+Loading that machine code still costs every new process time on first use: each
+kernel's cache entry is read and linked (~0.3 s for the staging path of one
+dtype), and the typed lists the hot-swap commit passes its live tensors in are
+compiled afresh in every process (~0.6 s for the first element width, ~0.2 s for
+each further one; numba does not cache them). A replica that did this on its
+first hot-load would be ~0.5 s slower on that one, and its first pause longer.
+:func:`warm_in_background`, which every ``HotSwapper`` calls as it is built, runs
+the replica's paths once per process, in a background thread, for the dtypes of
+its weights, so the first hot-load finds them ready.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
+import threading
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -64,8 +77,8 @@ def warm_up() -> float:
     return time.perf_counter() - t0
 
 
-def _warm_commit() -> None:
-    """The hot-swap commit kernels (both ways, undo) for every element width, and the int32-position scatter
+def _warm_commit(widths: Iterable[int] = (1, 2, 4, 8)) -> None:
+    """The hot-swap commit kernels (both ways, undo) for each element width, and the int32-position scatter
     of Publisher(device_diff=True), each checked bit-exact."""
     import numpy as np
     from numba import typed
@@ -73,7 +86,7 @@ def _warm_commit() -> None:
     from . import kernels
 
     rng = np.random.default_rng(0)
-    for width in (1, 2, 4, 8):
+    for width in widths:
         dt = np.dtype(f"<u{width}")
         old = rng.integers(0, np.iinfo(dt).max, 3 << 14, dtype=dt)
         pos = np.flatnonzero(rng.random(old.shape[0]) < 0.05).astype(np.int64)
@@ -95,6 +108,92 @@ def _warm_commit() -> None:
         kernels.scatter(live, pos.astype(np.int32), new[pos])
         if not (ok and all(np.array_equal(x, old) for x in lives) and np.array_equal(live, new)):
             raise AssertionError(f"warm-up of the commit kernels ({width}-byte elements) is not bit-exact")
+
+
+def _warm_stage(dtype: torch.dtype) -> None:
+    """The replica's staging path of one dtype (both delta codecs, sparse and dense chunks), checked."""
+    from delta import encode, stage
+
+    for frac in (0.01, 0.5):
+        old, new = _pair(dtype, 1 << 12, frac, seed=0)
+        for context in (True, False):
+            live = old.clone()
+            stage(live, encode(old, new, name="warmup", context=context).to_bytes()).apply_(live)
+            if not torch.equal(live.view(torch.uint8), new.view(torch.uint8)):
+                raise AssertionError(f"warm-up of the staging path of {dtype} is not bit-exact")
+
+
+_lock = threading.Lock()
+_stop = threading.Event()
+_warmed: set[tuple[str, object]] = set()     # ("stage", torch dtype) and ("commit", element width) done
+_pending: list[tuple[str, object]] = []
+_thread: threading.Thread | None = None
+
+
+def _jobs_for(dtypes: Iterable[torch.dtype]) -> list[tuple[str, object]]:
+    dtypes = list(dtypes)
+    # the commit's typed lists first: numba caches no part of them, and they are the larger cost
+    jobs: list[tuple[str, object]] = [("commit", dt.itemsize) for dt in dtypes if dt.itemsize in (1, 2, 4, 8)]
+    jobs += [("stage", dt) for dt in dtypes if dt.is_floating_point and dt.itemsize in (1, 2, 4, 8)]
+    return list(dict.fromkeys(jobs))
+
+
+def _run_pending() -> None:
+    global _thread
+    while not _stop.is_set():
+        with _lock:
+            if not _pending:
+                _thread = None
+                return
+            job = _pending.pop(0)
+        kind, what = job
+        try:
+            _warm_stage(what) if kind == "stage" else _warm_commit((what,))
+        except Exception:   # noqa: BLE001 - a warm-up only saves time: the real call will raise properly
+            log.warning("warm-up of the %s path for %s failed", kind, what, exc_info=True)
+        with _lock:
+            _warmed.add(job)
+
+
+def warm_in_background(dtypes: Iterable[torch.dtype]) -> threading.Thread | None:
+    """Run the replica's staging and commit paths for ``dtypes`` once in this process, in a background
+    thread (started unless every path is warm or queued already); returns that thread, if any.
+
+    The first hot-load need not wait for it: a kernel still being loaded by the warm-up is shared, not
+    loaded twice (numba compiles and loads under one lock)."""
+    global _thread
+    with _lock:
+        new = [j for j in _jobs_for(dtypes) if j not in _warmed and j not in _pending]
+        _pending.extend(new)
+        if _thread is None and _pending and not _stop.is_set():
+            _thread = threading.Thread(target=_run_pending, name="ckptdelta-warmup", daemon=True)
+            _thread.start()
+        return _thread
+
+
+def cancel_pending() -> None:
+    """Drop the warm-up's paths not started yet (a hot-load has begun: it loads what it uses itself, and a
+    warm-up running beside it would only take cores from it). The path being warmed finishes."""
+    with _lock:
+        _pending.clear()
+
+
+def wait_warm(timeout: float | None = None) -> set[tuple[str, object]]:
+    """Wait for the background warm-up (if one runs); returns the paths warmed in this process so far."""
+    t = _thread
+    if t is not None:
+        t.join(timeout)
+    with _lock:
+        return set(_warmed)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Let a running warm-up finish its current path, so the interpreter never exits inside a compile."""
+    _stop.set()
+    t = _thread
+    if t is not None:
+        t.join(10.0)
 
 
 def main() -> int:

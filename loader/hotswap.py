@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
-from delta import StagedTensor, dtypes, stage, stage_full
+from delta import StagedTensor, dtypes, stage, stage_full, warmup
 from delta.errors import HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError
 from delta.manifest import Manifest, snapshot_name
 
@@ -228,6 +228,9 @@ class HotSwapper:
         # its host copy, the applier's pause replaces the gate and it pushes each commit into the engine.
         self.applier = applier
         self._lock = threading.Lock()
+        # this process's first hot-load would otherwise load the staging kernels and compile the commit's
+        # typed lists (~0.5 s, the first pause included): done now, in the background (delta/warmup.py)
+        warmup.warm_in_background(_dtypes_of(weights))
 
     @property
     def snapshot(self) -> str | None:
@@ -290,6 +293,7 @@ class HotSwapper:
 
     def _prepare(self, target: "str | int", initial: bool) -> PreparedUpdate:
         t0 = time.perf_counter()
+        warmup.cancel_pending()
         current = self.version
         if current is None and not initial:
             raise HotLoadError("the live weights have no known version; use load_initial() for the first load")
@@ -488,6 +492,12 @@ def _progress_bar(enabled: bool | None, total: int, desc: str) -> Any:
 
 def _name(v: int | None) -> str:
     return "unknown weights" if v is None else snapshot_name(v)
+
+
+def _dtypes_of(weights: Weights) -> set[torch.dtype]:
+    if isinstance(weights, torch.nn.Module):
+        return {t.dtype for t in (*weights.parameters(), *weights.buffers())}
+    return {t.dtype for t in weights.values() if isinstance(t, torch.Tensor)}
 
 
 def _identity(t: torch.Tensor) -> tuple:

@@ -10,3 +10,34 @@ def test_the_warm_up_runs_every_dtype_and_codec_path_bit_exact_in_a_fresh_proces
     r = subprocess.run([sys.executable, "-m", "delta.warmup"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "codec kernels ready" in r.stderr
+
+
+_REPLICA = r"""
+import sys, torch
+from delta import warmup
+from loader import HotSwapper, SnapshotReader
+from publisher import Publisher
+
+run = sys.argv[1]
+old = {"w": torch.randn(4096).to(torch.bfloat16), "norm": torch.randn(64)}
+new = {"w": old["w"].clone(), "norm": old["norm"].clone()}
+new["w"][::7] = new["w"][::7] * 1.01
+with Publisher(run, progress=False) as pub:
+    pub.publish(old, 0)
+    pub.publish(new, 1)
+assert warmup.wait_warm(0) == set(), "nothing warms before a hot-swapper is built"
+live = {k: v.clone() for k, v in old.items()}
+swapper = HotSwapper(live, SnapshotReader(run), version=0)
+warmed = warmup.wait_warm(300)
+swapper.commit(swapper.prepare(1))
+assert all(torch.equal(live[k].view(torch.uint8), new[k].view(torch.uint8)) for k in new)
+print(sorted((kind, str(what)) for kind, what in warmed))
+"""
+
+
+def test_a_hot_swapper_warms_the_staging_and_commit_paths_of_its_dtypes_in_the_background(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _REPLICA, str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == str(sorted([("commit", "2"), ("commit", "4"),
+                                                             ("stage", "torch.bfloat16"), ("stage", "torch.float32")]))
