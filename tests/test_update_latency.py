@@ -36,7 +36,9 @@ def test_quick_run_swaps_bit_exact_and_writes_markdown_json_and_png(tmp_path, ca
         assert x["bit_exact"] is True and x["model_copy_s"] > 0 and x["pause_over_copy"] > 0
         assert len(x["model_copy_samples"]) == 2 * len(x["samples"])   # one right before, one right after each
         assert x["elements_changed"] == x["elements_changed_expected"] > 0
-    assert "**pause / copy**" in md and "a full copy of the model" in md
+        # the floor beside it: the same changes scattered bare, after the commit (bit_exact is checked after it)
+        assert x["floor_s"] > 0 and x["floor_over_copy"] > 0
+    assert "**pause / copy**" in md and "a full copy of the model" in md and "bare scatter / copy" in md
     assert "ckptdelta" in capsys.readouterr().out
 
 
