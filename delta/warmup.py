@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 import time
@@ -124,6 +125,7 @@ def _warm_stage(dtype: torch.dtype) -> None:
 
 
 _lock = threading.Lock()
+_busy = threading.Lock()     # held by the warm-up thread while it warms one path (numba's lock may be held)
 _stop = threading.Event()
 _warmed: set[tuple[str, object]] = set()     # ("stage", torch dtype) and ("commit", element width) done
 _pending: list[tuple[str, object]] = []
@@ -147,10 +149,11 @@ def _run_pending() -> None:
                 return
             job = _pending.pop(0)
         kind, what = job
-        try:
-            _warm_stage(what) if kind == "stage" else _warm_commit((what,))
-        except Exception:   # noqa: BLE001 - a warm-up only saves time: the real call will raise properly
-            log.warning("warm-up of the %s path for %s failed", kind, what, exc_info=True)
+        with _busy:
+            try:
+                _warm_stage(what) if kind == "stage" else _warm_commit((what,))
+            except Exception:   # noqa: BLE001 - a warm-up only saves time: the real call will raise properly
+                log.warning("warm-up of the %s path for %s failed", kind, what, exc_info=True)
         with _lock:
             _warmed.add(job)
 
@@ -185,6 +188,26 @@ def wait_warm(timeout: float | None = None) -> set[tuple[str, object]]:
         t.join(timeout)
     with _lock:
         return set(_warmed)
+
+
+def _before_fork() -> None:
+    """A fork waits for the path being warmed: a child forked while the warm-up held numba's compiler lock
+    would inherit it held by a thread that does not exist there, and hang on its first kernel."""
+    _busy.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _busy.release()
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _busy, _thread
+    _lock, _busy, _thread = threading.Lock(), threading.Lock(), None
+    _pending.clear()        # the child's next HotSwapper queues what is still cold
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 @atexit.register

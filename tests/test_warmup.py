@@ -41,3 +41,43 @@ def test_a_hot_swapper_warms_the_staging_and_commit_paths_of_its_dtypes_in_the_b
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == str(sorted([("commit", "2"), ("commit", "4"),
                                                              ("stage", "torch.bfloat16"), ("stage", "torch.float32")]))
+
+
+_FORK = r"""
+import os, sys, time, torch
+from delta import encode, stage, warmup
+from loader import HotSwapper, SnapshotReader
+from publisher import Publisher
+
+run = sys.argv[1]
+with Publisher(run, progress=False) as pub:
+    pub.publish({"w": torch.randn(1024).to(torch.bfloat16)}, 0)
+HotSwapper({"w": torch.zeros(1024, dtype=torch.bfloat16), "h": torch.zeros(8, dtype=torch.float16)},
+           SnapshotReader(run), version=0)
+time.sleep(0.05)            # the warm-up is under way, inside numba's compiler lock most of the time
+pid = os.fork()
+if pid == 0:                # the child compiles and loads kernels of its own
+    old = torch.randn(4096)    # float32: cached at install, loaded here
+    new = old.clone(); new[::5] += 1.0
+    live = old.clone()
+    stage(live, encode(old, new, name="c").to_bytes()).apply_(live)
+    os._exit(0 if torch.equal(live, new) else 3)
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child exit", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    print("child hung")
+warmup.wait_warm(300)
+"""
+
+
+def test_a_process_forked_while_the_warm_up_runs_can_compile_kernels_of_its_own(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "child exit 0", r.stdout
