@@ -111,83 +111,139 @@ def _warm_commit(widths: Iterable[int] = (1, 2, 4, 8)) -> None:
             raise AssertionError(f"warm-up of the commit kernels ({width}-byte elements) is not bit-exact")
 
 
-def _warm_stage(dtype: torch.dtype) -> None:
-    """The replica's staging path of one dtype (both delta codecs, sparse and dense chunks), checked."""
+def _warm_stage(dtype: torch.dtype, context: bool) -> None:
+    """The replica's staging path of one dtype and codec (sparse and dense chunks), checked. The records
+    are encoded here: with numba's cache filled at install that costs ~0.05 s more (a replica installed
+    without ``python -m delta.warmup`` compiles the encoder too, in this background thread)."""
     from delta import encode, stage
 
     for frac in (0.01, 0.5):
         old, new = _pair(dtype, 1 << 12, frac, seed=0)
-        for context in (True, False):
-            live = old.clone()
-            stage(live, encode(old, new, name="warmup", context=context).to_bytes()).apply_(live)
-            if not torch.equal(live.view(torch.uint8), new.view(torch.uint8)):
-                raise AssertionError(f"warm-up of the staging path of {dtype} is not bit-exact")
+        live = old.clone()
+        stage(live, encode(old, new, name="warmup", context=context).to_bytes()).apply_(live)
+        if not torch.equal(live.view(torch.uint8), new.view(torch.uint8)):
+            raise AssertionError(f"warm-up of the staging path of {dtype} is not bit-exact")
 
+
+#: Set to 0 to turn the background warm-up off (every HotSwapper then loads its kernels on first use).
+ENV = "CKPTDELTA_WARMUP"
 
 _lock = threading.Lock()
-_busy = threading.Lock()     # held by the warm-up thread while it warms one path (numba's lock may be held)
+_busy = threading.RLock()    # held while one path is warmed (numba's compiler lock may be held inside)
 _stop = threading.Event()
-_warmed: set[tuple[str, object]] = set()     # ("stage", torch dtype) and ("commit", element width) done
-_pending: list[tuple[str, object]] = []
+_warmed: set[tuple] = set()     # ("commit", element width) and ("stage", torch dtype, context) done
+_failed: set[tuple] = set()     # ... or tried and raised (logged; never retried)
+_pending: list[tuple] = []
+_running: tuple | None = None
 _thread: threading.Thread | None = None
 
 
-def _jobs_for(dtypes: Iterable[torch.dtype]) -> list[tuple[str, object]]:
-    dtypes = list(dtypes)
+def _jobs_for(dtypes: Iterable[torch.dtype]) -> list[tuple]:
+    from delta.dtypes import BY_TORCH
+
+    dtypes = [d for d in dtypes if d in BY_TORCH]
     # the commit's typed lists first: numba caches no part of them, and they are the larger cost
-    jobs: list[tuple[str, object]] = [("commit", dt.itemsize) for dt in dtypes if dt.itemsize in (1, 2, 4, 8)]
-    jobs += [("stage", dt) for dt in dtypes if dt.is_floating_point and dt.itemsize in (1, 2, 4, 8)]
+    jobs: list[tuple] = [("commit", d.itemsize) for d in dtypes if d.itemsize in (1, 2, 4, 8)]
+    jobs += [("stage", d, ctx) for d in dtypes if d.is_floating_point for ctx in (True, False)]
     return list(dict.fromkeys(jobs))
 
 
+def _run(job: tuple) -> None:
+    """Warm one path (the caller holds ``_busy``) and record how it went."""
+    try:
+        _warm_commit((job[1],)) if job[0] == "commit" else _warm_stage(job[1], job[2])
+        ok = True
+    except Exception:   # noqa: BLE001 - a warm-up only saves time: the real call will raise properly
+        log.warning("warm-up of the %s path for %s failed", job[0], job[1:], exc_info=True)
+        ok = False
+    with _lock:
+        (_warmed if ok else _failed).add(job)
+
+
 def _run_pending() -> None:
-    global _thread
+    global _thread, _running
     while not _stop.is_set():
-        with _lock:
-            if not _pending:
-                _thread = None
-                return
-            job = _pending.pop(0)
-        kind, what = job
         with _busy:
+            with _lock:
+                if not _pending:
+                    _thread = None
+                    return
+                job = _running = _pending.pop(0)
             try:
-                _warm_stage(what) if kind == "stage" else _warm_commit((what,))
-            except Exception:   # noqa: BLE001 - a warm-up only saves time: the real call will raise properly
-                log.warning("warm-up of the %s path for %s failed", kind, what, exc_info=True)
-        with _lock:
-            _warmed.add(job)
+                _run(job)
+            finally:
+                with _lock:
+                    _running = None
+    with _lock:
+        _thread = None
+
+
+def _known(job: tuple) -> bool:
+    return job in _warmed or job in _failed or job in _pending or job == _running
 
 
 def warm_in_background(dtypes: Iterable[torch.dtype]) -> threading.Thread | None:
     """Run the replica's staging and commit paths for ``dtypes`` once in this process, in a background
-    thread (started unless every path is warm or queued already); returns that thread, if any.
-
-    The first hot-load need not wait for it: a kernel still being loaded by the warm-up is shared, not
-    loaded twice (numba compiles and loads under one lock)."""
+    thread (started unless every path is warm or queued already, or ``CKPTDELTA_WARMUP=0``); returns
+    that thread, if any. Never raises: a warm-up only saves time."""
     global _thread
+    if os.environ.get(ENV, "1") == "0":
+        return None
     with _lock:
-        new = [j for j in _jobs_for(dtypes) if j not in _warmed and j not in _pending]
-        _pending.extend(new)
+        _pending.extend(j for j in _jobs_for(dtypes) if not _known(j))
         if _thread is None and _pending and not _stop.is_set():
-            _thread = threading.Thread(target=_run_pending, name="ckptdelta-warmup", daemon=True)
-            _thread.start()
+            t = threading.Thread(target=_run_pending, name="ckptdelta-warmup", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:     # no thread to be had: the paths load on first use instead
+                log.warning("cannot start the warm-up thread", exc_info=True)
+                _pending.clear()
+                return None
+            _thread = t
         return _thread
 
 
-def cancel_pending() -> None:
-    """Drop the warm-up's paths not started yet (a hot-load has begun: it loads what it uses itself, and a
-    warm-up running beside it would only take cores from it). The path being warmed finishes."""
+def ensure_commit_paths(widths: Iterable[int]) -> None:
+    """Warm the commit path of each element width now, in the calling thread, unless it is warm (a
+    prepare calls this before its pause: compiling the commit's typed lists and loading its kernels must
+    not happen inside it). Waits for the path the background thread is on, if any."""
+    jobs = [("commit", w) for w in dict.fromkeys(widths) if w in (1, 2, 4, 8)]
     with _lock:
-        _pending.clear()
+        if all(j in _warmed or j in _failed for j in jobs):
+            return
+    with _busy:
+        for job in jobs:
+            with _lock:
+                if job in _warmed or job in _failed:
+                    continue
+                if job in _pending:
+                    _pending.remove(job)
+            _run(job)
 
 
-def wait_warm(timeout: float | None = None) -> set[tuple[str, object]]:
-    """Wait for the background warm-up (if one runs); returns the paths warmed in this process so far."""
-    t = _thread
+def cancel_pending() -> None:
+    """Drop the staging paths the warm-up has not started (a hot-load has begun: it loads those itself,
+    and a warm-up beside it would only take cores from it). Commit paths stay: the pause needs them
+    (:func:`ensure_commit_paths`); the path being warmed finishes."""
+    with _lock:
+        _pending[:] = [j for j in _pending if j[0] == "commit"]
+
+
+def wait_warm(timeout: float | None = None) -> set[tuple]:
+    """Wait for the background warm-up (if one runs); returns the paths warmed in this process so far
+    (not those that failed)."""
+    with _lock:
+        t = _thread
     if t is not None:
         t.join(timeout)
     with _lock:
         return set(_warmed)
+
+
+def failed() -> set[tuple]:
+    """The paths whose warm-up raised (each logged as a warning)."""
+    with _lock:
+        return set(_failed)
 
 
 def _before_fork() -> None:
@@ -201,8 +257,8 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _busy, _thread
-    _lock, _busy, _thread = threading.Lock(), threading.Lock(), None
+    global _lock, _busy, _thread, _running
+    _lock, _busy, _thread, _running = threading.Lock(), threading.RLock(), None, None
     _pending.clear()        # the child's next HotSwapper queues what is still cold
 
 
@@ -212,11 +268,13 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
 
 @atexit.register
 def _stop_at_exit() -> None:
-    """Let a running warm-up finish its current path, so the interpreter never exits inside a compile."""
+    """Let a running warm-up finish the path it is on (with numba's cache filled at install, well under a
+    second) rather than stop the interpreter inside a compile."""
     _stop.set()
-    t = _thread
+    with _lock:
+        t = _thread
     if t is not None:
-        t.join(10.0)
+        t.join(30.0)
 
 
 def main() -> int:

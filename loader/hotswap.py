@@ -229,7 +229,7 @@ class HotSwapper:
         self.applier = applier
         self._lock = threading.Lock()
         # this process's first hot-load would otherwise load the staging kernels and compile the commit's
-        # typed lists (~0.5 s, the first pause included): done now, in the background (delta/warmup.py)
+        # typed lists (~0.5 s): done now, in the background (delta/warmup.py; CKPTDELTA_WARMUP=0: not)
         warmup.warm_in_background(_dtypes_of(weights))
 
     @property
@@ -467,6 +467,7 @@ def _batch(staged: list[_Staged], threads: int) -> "batch_commit.CommitBatch | N
         return None
     items = [batch_commit.Item(s.name, s.live_name, s.bits, s.st.positions, s.undo.values, s.st.values, s.choice)
              for s in chosen]
+    warmup.ensure_commit_paths(it.bits.dtype.itemsize for it in items)   # compiled here, not in the pause
     batch = batch_commit.CommitBatch(items, threads)
     for s, it in zip(chosen, items):
         s.st.positions, s.st.values = it.positions, it.values

@@ -8,6 +8,11 @@ import uuid
 # gcsfs reads this at import time; with the default ("true") every call first
 # probes the bucket over gRPC and waits out a timeout against the emulator.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# The replica's background warm-up (delta/warmup.py) would run codec calls on a thread of its own in the
+# middle of whatever test follows the first HotSwapper, which tests that count or trace those calls
+# would see. It is off in the suite (and the processes it starts) except where tests/test_warmup.py
+# turns it on for the processes it starts.
+os.environ["CKPTDELTA_WARMUP"] = "0"
 
 import pytest  # noqa: E402
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import torch
 
 
 def test_the_warm_up_runs_every_dtype_and_codec_path_bit_exact_in_a_fresh_process():
@@ -12,35 +15,72 @@ def test_the_warm_up_runs_every_dtype_and_codec_path_bit_exact_in_a_fresh_proces
     assert "codec kernels ready" in r.stderr
 
 
+_WARMUP_ON = {**os.environ, "CKPTDELTA_WARMUP": "1"}     # the suite turns it off (tests/conftest.py)
+
 _REPLICA = r"""
 import sys, torch
 from delta import warmup
 from loader import HotSwapper, SnapshotReader
 from publisher import Publisher
 
-run = sys.argv[1]
+run, mode = sys.argv[1], sys.argv[2]
 old = {"w": torch.randn(4096).to(torch.bfloat16), "norm": torch.randn(64)}
 new = {"w": old["w"].clone(), "norm": old["norm"].clone()}
-new["w"][::7] = new["w"][::7] * 1.01
+new["w"][::50] = new["w"][::50] * 1.01
 with Publisher(run, progress=False) as pub:
     pub.publish(old, 0)
     pub.publish(new, 1)
+if mode == "broken":
+    def broken(*a):
+        raise RuntimeError("no")
+    warmup._warm_stage = broken
 assert warmup.wait_warm(0) == set(), "nothing warms before a hot-swapper is built"
 live = {k: v.clone() for k, v in old.items()}
 swapper = HotSwapper(live, SnapshotReader(run), version=0)
-warmed = warmup.wait_warm(300)
-swapper.commit(swapper.prepare(1))
+print("running after construction:", warmup._thread is not None and warmup._thread.is_alive())
+if mode == "hot-load at once":
+    prepared = swapper.prepare(1)     # the stage paths left are dropped, the commit's warmed before the pause
+    print("warm before the pause:", sorted(map(str, warmup.wait_warm(0))))
+    swapper.commit(prepared)
+else:
+    warmup.wait_warm(300)
+    swapper.commit(swapper.prepare(1))
 assert all(torch.equal(live[k].view(torch.uint8), new[k].view(torch.uint8)) for k in new)
-print(sorted((kind, str(what)) for kind, what in warmed))
+print("warmed:", sorted(map(str, warmup.wait_warm(300))))
+print("failed:", sorted(map(str, warmup.failed())))
 """
 
 
-def test_a_hot_swapper_warms_the_staging_and_commit_paths_of_its_dtypes_in_the_background(tmp_path):
-    r = subprocess.run([sys.executable, "-c", _REPLICA, str(tmp_path / "run")], capture_output=True, text=True,
-                       timeout=600)
+def _replica(tmp_path, mode: str) -> list[str]:
+    r = subprocess.run([sys.executable, "-c", _REPLICA, str(tmp_path / "run"), mode], capture_output=True,
+                       text=True, timeout=600, env=_WARMUP_ON)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == str(sorted([("commit", "2"), ("commit", "4"),
-                                                             ("stage", "torch.bfloat16"), ("stage", "torch.float32")]))
+    return r.stdout.strip().splitlines()
+
+
+_ALL = sorted(map(str, [("commit", 2), ("commit", 4), ("stage", torch.bfloat16, True),
+                        ("stage", torch.bfloat16, False), ("stage", torch.float32, True),
+                        ("stage", torch.float32, False)]))
+
+
+def test_a_hot_swapper_warms_the_staging_and_commit_paths_of_its_dtypes_in_the_background(tmp_path):
+    out = _replica(tmp_path, "wait")
+    assert out[0] == "running after construction: True"      # construction did not wait for it
+    assert out[-2] == f"warmed: {_ALL}" and out[-1] == "failed: []"
+
+
+def test_a_hot_load_right_after_start_drops_the_staging_paths_but_warms_the_commit_before_its_pause(tmp_path):
+    out = _replica(tmp_path, "hot-load at once")
+    before_pause = next(line for line in out if line.startswith("warm before the pause:"))
+    assert "('commit', 2)" in before_pause          # the bf16 tensor's commit: compiled in prepare, not the pause
+    assert out[-1] == "failed: []"
+
+
+def test_a_warm_up_that_fails_is_logged_and_not_reported_as_warm(tmp_path):
+    out = _replica(tmp_path, "broken")
+    warmed, failed = out[-2], out[-1]
+    assert "stage" not in warmed and "('commit', 2)" in warmed
+    assert failed == "failed: " + str([x for x in _ALL if "stage" in x])
 
 
 _FORK = r"""
@@ -78,6 +118,13 @@ warmup.wait_warm(300)
 
 def test_a_process_forked_while_the_warm_up_runs_can_compile_kernels_of_its_own(tmp_path):
     r = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "run")], capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, env=_WARMUP_ON)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "child exit 0", r.stdout
+
+
+def test_the_warm_up_stays_off_when_the_environment_says_so(monkeypatch):
+    from delta import warmup
+
+    monkeypatch.setenv("CKPTDELTA_WARMUP", "0")
+    assert warmup.warm_in_background([torch.bfloat16]) is None
