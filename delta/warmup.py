@@ -111,6 +111,31 @@ def _warm_commit(widths: Iterable[int] = (1, 2, 4, 8)) -> None:
             raise AssertionError(f"warm-up of the commit kernels ({width}-byte elements) is not bit-exact")
 
 
+def _warm_commit_path(width: int) -> None:
+    """What a replica's first commit of ``width``-byte elements would otherwise do inside its pause: build
+    the typed lists of live tensors (compiled afresh in every process) and load the commit and undo
+    kernels for them; checked bit-exact."""
+    import numpy as np
+    from numba import typed
+
+    from . import kernels
+
+    dt = np.dtype(f"<u{width}")
+    old = np.arange(64, dtype=dt)
+    pos = np.array([3, 17, 40], np.int64)
+    new = old.copy()
+    new[pos] ^= dt.type(1)
+    live = old.copy()
+    lives = typed.List([live])      # shares live's memory; read back through live (an item read from
+    tasks = np.array([[0, kernels.MODE_SCATTER, 0, 3, 0, 0, 0]], np.int64)   # Python compiles more)
+    done, _kind, _where = kernels.commit_tasks(lives, typed.List([old[:0]]), pos, old[pos], new[pos],
+                                               np.zeros(1, np.uint64), tasks, 0, 1, 8, np.zeros(1, np.int64))
+    ok = done == 1 and np.array_equal(live, new)
+    kernels.undo_tasks(lives, pos, old[pos], tasks, 0, 1)
+    if not (ok and np.array_equal(live, old)):
+        raise AssertionError(f"warm-up of the commit path ({width}-byte elements) is not bit-exact")
+
+
 def _warm_stage(dtype: torch.dtype, context: bool) -> None:
     """The replica's staging path of one dtype and codec (sparse and dense chunks), checked. The records
     are encoded here: with numba's cache filled at install that costs ~0.05 s more (a replica installed
@@ -151,7 +176,7 @@ def _jobs_for(dtypes: Iterable[torch.dtype]) -> list[tuple]:
 def _run(job: tuple) -> None:
     """Warm one path (the caller holds ``_busy``) and record how it went."""
     try:
-        _warm_commit((job[1],)) if job[0] == "commit" else _warm_stage(job[1], job[2])
+        _warm_commit_path(job[1]) if job[0] == "commit" else _warm_stage(job[1], job[2])
         ok = True
     except Exception:   # noqa: BLE001 - a warm-up only saves time: the real call will raise properly
         log.warning("warm-up of the %s path for %s failed", job[0], job[1:], exc_info=True)
