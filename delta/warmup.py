@@ -78,16 +78,17 @@ def warm_up() -> float:
     return time.perf_counter() - t0
 
 
-def _warm_commit(widths: Iterable[int] = (1, 2, 4, 8)) -> None:
-    """The hot-swap commit kernels (both ways, undo) for each element width, and the int32-position scatter
-    of Publisher(device_diff=True), each checked bit-exact."""
+def _warm_commit() -> None:
+    """The hot-swap commit kernels (both ways, undo) for every element width, and the int32-position scatter
+    of Publisher(device_diff=True), each checked bit-exact (at install; a replica's runtime warm-up needs
+    only :func:`_warm_commit_path`)."""
     import numpy as np
     from numba import typed
 
     from . import kernels
 
     rng = np.random.default_rng(0)
-    for width in widths:
+    for width in (1, 2, 4, 8):
         dt = np.dtype(f"<u{width}")
         old = rng.integers(0, np.iinfo(dt).max, 3 << 14, dtype=dt)
         pos = np.flatnonzero(rng.random(old.shape[0]) < 0.05).astype(np.int64)
