@@ -323,12 +323,15 @@ def _undo_range(live, positions, expected, ja, jb):
 @njit(cache=True, nogil=True)
 def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, t1, block_elems, abort):
     """Run tasks ``[t0, t1)`` in order into ``lives`` (a typed list of every tensor's live bits; ``wholes``:
-    the staged new bits of each copied tensor, anything for the others). Returns ``(done, kind, where)``.
+    the staged new bits of each copied tensor, anything for the others). ``positions``, ``expected`` and
+    ``values`` are typed lists too, one array per tensor: a task ``(ti, mode, ja, jb, ...)`` writes changes
+    ``[ja, jb)`` of tensor ``ti`` (a list, not one concatenated array: concatenating them cost the prepare
+    a copy of every staged change). Returns ``(done, kind, where)``.
 
     ``done == t1 - t0``: every task written. Otherwise tasks ``[t0, t0 + done)`` are written and task
     ``t0 + done`` is not (whatever of it was written has been put back): ``kind`` 0 = its element
-    ``positions[where]`` no longer held ``expected[where]``, 1 = its block ``where`` no longer hashed to
-    ``hashes[hoff + where]``, 2 = stopped because ``abort[0]`` was set (by another thread's refusal).
+    ``positions[ti][where]`` no longer held ``expected[ti][where]``, 1 = its block ``where`` no longer hashed
+    to ``hashes[hoff + where]``, 2 = stopped because ``abort[0]`` was set (by another thread's refusal).
     A refusal sets ``abort[0]``. The caller puts back the written tasks with :func:`undo_tasks`."""
     for t in range(t0, t1):
         if abort[0] != 0:
@@ -337,7 +340,7 @@ def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, 
         live = lives[ti]
         if mode == MODE_SCATTER:
             # slices indexed from 0: numba then knows every index is >= 0 and drops its wraparound checks
-            pj, ej, vj = positions[ja:jb], expected[ja:jb], values[ja:jb]
+            pj, ej, vj = positions[ti][ja:jb], expected[ti][ja:jb], values[ti][ja:jb]
             for j in range(pj.shape[0]):
                 p = pj[j]
                 if live[p] != ej[j]:
@@ -347,6 +350,7 @@ def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, 
                 live[p] = vj[j]
             continue
         whole = wholes[ti]
+        pos = positions[ti]
         n = live.shape[0]
         hoff = tasks[t, 6]
         for b in range(tasks[t, 4], tasks[t, 5]):
@@ -355,7 +359,7 @@ def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, 
             lv = live[s:e]
             if block_hash(lv.view(np.uint8)) != hashes[hoff + b]:
                 # blocks before b hold the new bits: put back the old ones at their changed elements
-                _undo_range(live, positions, expected, ja, ja + np.searchsorted(positions[ja:jb], s))
+                _undo_range(live, pos, expected[ti], ja, ja + np.searchsorted(pos[ja:jb], s))
                 abort[0] = 1
                 return t - t0, 1, b
             wv = whole[s:e]
@@ -368,4 +372,5 @@ def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, 
 def undo_tasks(lives, positions, expected, tasks, t0, t1):
     """Put back the old bits of tasks ``[t0, t1)`` written by :func:`commit_tasks` (last task first)."""
     for t in range(t1 - 1, t0 - 1, -1):
-        _undo_range(lives[tasks[t, 0]], positions, expected, tasks[t, 2], tasks[t, 3])
+        ti = tasks[t, 0]
+        _undo_range(lives[ti], positions[ti], expected[ti], tasks[t, 2], tasks[t, 3])

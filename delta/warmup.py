@@ -102,10 +102,11 @@ def _warm_commit() -> None:
         tasks = np.array([[0, kernels.MODE_SCATTER, 0, m, 0, 0, 0],
                           [1, kernels.MODE_COPY, 0, m, 0, hashes.shape[0], 0]], np.int64)
         lives = typed.List([old.copy(), old.copy()])
-        done, _kind, _where = kernels.commit_tasks(lives, typed.List([new, new]), pos, old[pos], new[pos], hashes,
+        ps, es, vs = typed.List([pos, pos]), typed.List([old[pos], old[pos]]), typed.List([new[pos], new[pos]])
+        done, _kind, _where = kernels.commit_tasks(lives, typed.List([new, new]), ps, es, vs, hashes,
                                                    tasks, 0, 2, block, np.zeros(1, np.int64))
         ok = done == 2 and all(np.array_equal(x, new) for x in lives)
-        kernels.undo_tasks(lives, pos, old[pos], tasks, 0, 2)
+        kernels.undo_tasks(lives, ps, es, tasks, 0, 2)
         live = old.copy()
         kernels.scatter(live, pos.astype(np.int32), new[pos])
         if not (ok and all(np.array_equal(x, old) for x in lives) and np.array_equal(live, new)):
@@ -129,10 +130,11 @@ def _warm_commit_path(width: int) -> None:
     live = old.copy()
     lives = typed.List([live])      # shares live's memory; read back through live (an item read from
     tasks = np.array([[0, kernels.MODE_SCATTER, 0, 3, 0, 0, 0]], np.int64)   # Python compiles more)
-    done, _kind, _where = kernels.commit_tasks(lives, typed.List([old[:0]]), pos, old[pos], new[pos],
+    ps, es, vs = typed.List([pos]), typed.List([old[pos]]), typed.List([new[pos]])
+    done, _kind, _where = kernels.commit_tasks(lives, typed.List([old[:0]]), ps, es, vs,
                                                np.zeros(1, np.uint64), tasks, 0, 1, 8, np.zeros(1, np.int64))
     ok = done == 1 and np.array_equal(live, new)
-    kernels.undo_tasks(lives, pos, old[pos], tasks, 0, 1)
+    kernels.undo_tasks(lives, ps, es, tasks, 0, 1)
     if not (ok and np.array_equal(live, old)):
         raise AssertionError(f"warm-up of the commit path ({width}-byte elements) is not bit-exact")
 

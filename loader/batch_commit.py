@@ -107,31 +107,32 @@ class Item:
 
 
 class _Group:
-    """The items of one element width: typed lists of live and whole bits, concatenated changes, tasks."""
+    """The items of one element width: typed lists of their live bits, whole new bits and staged changes
+    (the staged arrays themselves, not copies), and the tasks."""
 
     def __init__(self, items: list[Item]) -> None:
         self.items = items
         w = items[0].bits.dtype
         self.block = block_elems(w.itemsize)
+        for it in items:   # one array type per list (numba's typed lists are homogeneous); no-ops as staged
+            it.positions = np.ascontiguousarray(it.positions, np.int64)
+            it.expected = np.ascontiguousarray(it.expected).view(w)
+            it.values = np.ascontiguousarray(it.values).view(w)
         self.lives = typed.List([it.bits for it in items])
         empty = np.empty(0, w)
         self.wholes = typed.List([it.choice.whole if it.choice.whole is not None else empty for it in items])
-        sizes = [it.positions.shape[0] for it in items]
-        off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.positions = np.concatenate([it.positions for it in items]) if items else np.empty(0, np.int64)
-        self.expected = np.concatenate([it.expected for it in items])
-        self.values = np.concatenate([it.values for it in items])
+        self.positions = typed.List([it.positions for it in items])
+        self.expected = typed.List([it.expected for it in items])
+        self.values = typed.List([it.values for it in items])
         hs = [it.choice.hashes for it in items if it.choice.hashes is not None]
         self.hashes = np.concatenate(hs) if hs else np.empty(1, np.uint64)
         rows, costs = [], []
         hoff = 0
         for ti, it in enumerate(items):
-            a, b = int(off[ti]), int(off[ti + 1])
-            # the staged arrays become views of the concatenated ones: the batch holds one copy of them
-            it.positions, it.expected, it.values = (self.positions[a:b], self.expected[a:b], self.values[a:b])
+            m = it.positions.shape[0]
             if it.choice.mode == kernels.MODE_SCATTER:
-                for ja in range(a, b, TASK_ELEMS):
-                    jb = min(b, ja + TASK_ELEMS)
+                for ja in range(0, m, TASK_ELEMS):
+                    jb = min(m, ja + TASK_ELEMS)
                     rows.append((ti, kernels.MODE_SCATTER, ja, jb, 0, 0, 0))
                     costs.append((jb - ja) * _SCATTER_NS)
                 continue
@@ -139,8 +140,8 @@ class _Group:
             pos = it.positions
             for ba in range(0, nb, TASK_BLOCKS):
                 bb = min(nb, ba + TASK_BLOCKS)
-                ja = a + int(np.searchsorted(pos, ba * self.block))
-                jb = a + int(np.searchsorted(pos, bb * self.block))
+                ja = int(np.searchsorted(pos, ba * self.block))
+                jb = int(np.searchsorted(pos, bb * self.block))
                 rows.append((ti, kernels.MODE_COPY, ja, jb, ba, bb, hoff))
                 costs.append((min(it.bits.shape[0], bb * self.block) - ba * self.block) * w.itemsize * _COPY_NS)
             hoff += nb
@@ -149,8 +150,8 @@ class _Group:
 
     @property
     def nbytes(self) -> int:
-        return self.positions.nbytes + self.expected.nbytes + self.values.nbytes + self.hashes.nbytes + sum(
-            it.choice.nbytes for it in self.items)
+        return self.hashes.nbytes + sum(it.positions.nbytes + it.expected.nbytes + it.values.nbytes
+                                        + it.choice.nbytes for it in self.items)
 
     def run(self, t0: int, t1: int, abort: np.ndarray) -> tuple[int, int, int]:
         return kernels.commit_tasks(self.lives, self.wholes, self.positions, self.expected, self.values,
@@ -163,7 +164,7 @@ class _Group:
     def refusal(self, t: int, kind: int, where: int) -> HotLoadError:
         it = self.items[int(self.tasks[t, 0])]
         if kind == 0:
-            what = f"element {int(self.positions[where])}"
+            what = f"element {int(it.positions[where])}"
         else:
             s = where * self.block
             what = f"elements [{s}, {min(it.bits.shape[0], s + self.block)})"

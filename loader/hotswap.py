@@ -460,8 +460,8 @@ PROGRESS_MIN_BYTES = 64 << 20
 
 
 def _batch(staged: list[_Staged], threads: int) -> "batch_commit.CommitBatch | None":
-    """The commit's batch of the tensors staged with a choice (contiguous host memory, sparse changes); their
-    staged arrays become views of the batch's concatenated ones."""
+    """The commit's batch of the tensors staged with a choice (contiguous host memory, sparse changes). The
+    batch writes from the staged arrays themselves (the same objects, kept here for the undo)."""
     chosen = [s for s in staged if s.choice is not None]
     if not chosen:
         return None

@@ -177,20 +177,20 @@ def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, 
             return t - t0, 2, -1
         ti, mode, ja, jb, ba, bb, hoff = (int(x) for x in tasks[t])
         live = lives[ti]
-        pos = positions[ja:jb]
+        pos, exp = positions[ti][ja:jb], expected[ti][ja:jb]
         if mode == 0:
-            bad = np.flatnonzero(live[pos] != expected[ja:jb])
+            bad = np.flatnonzero(live[pos] != exp)
             if bad.size:
                 abort[0] = 1
                 return t - t0, 0, ja + int(bad[0])
-            live[pos] = values[ja:jb]
+            live[pos] = values[ti][ja:jb]
             continue
         n = live.shape[0]
         for b in range(ba, bb):
             s, e = b * block_elems, min(n, (b + 1) * block_elems)
             if block_hash(live[s:e]) != int(hashes[hoff + b]):
                 done = pos < s
-                live[pos[done]] = expected[ja:jb][done]
+                live[pos[done]] = exp[done]
                 abort[0] = 1
                 return t - t0, 1, b
             live[s:e] = wholes[ti][s:e]

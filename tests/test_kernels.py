@@ -374,12 +374,13 @@ def test_block_hashes_and_count_lines_match_reference():
 
 
 def _commit_case(rng, width, n_tensors=3, n=9000, block=1024):
-    """Live tensors of one width, their changes, and tasks covering both modes (each tensor cut in pieces)."""
+    """Live tensors of one width, their changes (one array per tensor), and tasks covering both modes (each
+    tensor cut in pieces)."""
     from numba import typed
 
     olds, news, rows, hashes = [], [], [], []
     pos_all, exp_all, val_all = [], [], []
-    j = hoff = 0
+    hoff = 0
     for ti in range(n_tensors):
         old = random_bits(rng, n + 37 * ti, width)
         new = changed_copy(rng, old, width, (0.01, 0.2, 0.6)[ti % 3])
@@ -391,7 +392,7 @@ def _commit_case(rng, width, n_tensors=3, n=9000, block=1024):
         val_all.append(new[pos])
         if ti % 2 == 0:   # scatter, in tasks of 50 changes
             for a in range(0, pos.shape[0], 50):
-                rows.append((ti, kernels.MODE_SCATTER, j + a, j + min(pos.shape[0], a + 50), 0, 0, 0))
+                rows.append((ti, kernels.MODE_SCATTER, a, min(pos.shape[0], a + 50), 0, 0, 0))
             hashes.append(np.empty(0, np.uint64))
         else:             # copy, in tasks of 3 blocks
             nb = -(-old.shape[0] // block)
@@ -400,12 +401,10 @@ def _commit_case(rng, width, n_tensors=3, n=9000, block=1024):
             hashes.append(h)
             for ba in range(0, nb, 3):
                 bb = min(nb, ba + 3)
-                rows.append((ti, kernels.MODE_COPY, j + int(np.searchsorted(pos, ba * block)),
-                             j + int(np.searchsorted(pos, bb * block)), ba, bb, hoff))
+                rows.append((ti, kernels.MODE_COPY, int(np.searchsorted(pos, ba * block)),
+                             int(np.searchsorted(pos, bb * block)), ba, bb, hoff))
             hoff += nb
-        j += pos.shape[0]
-    arrays = (np.concatenate(pos_all), np.concatenate(exp_all), np.concatenate(val_all),
-              np.concatenate(hashes), np.array(rows, np.int64))
+    arrays = (pos_all, exp_all, val_all, np.concatenate(hashes), np.array(rows, np.int64))
     return olds, news, arrays, block, typed
 
 
@@ -419,9 +418,10 @@ def test_commit_tasks_matches_reference_writes_both_modes_and_refuses_foreign_wr
     def run(fn, lives, t0=0, t1=None, abort=None):
         abort = np.zeros(1, np.int64) if abort is None else abort
         wholes = [nw.copy() for nw in news]
-        lv = typed.List(lives) if fn is kernels.commit_tasks else lives
-        wh = typed.List(wholes) if fn is kernels.commit_tasks else wholes
-        out = fn(lv, wh, pos, exp, val, hashes, tasks, t0, tasks.shape[0] if t1 is None else t1, block, abort)
+        lists = [lives, wholes, pos, exp, val]
+        if fn is kernels.commit_tasks:
+            lists = [typed.List(x) for x in lists]
+        out = fn(*lists, hashes, tasks, t0, tasks.shape[0] if t1 is None else t1, block, abort)
         return tuple(int(x) for x in out), abort
 
     lives, ref = [o.copy() for o in olds], [o.copy() for o in olds]
@@ -429,14 +429,14 @@ def test_commit_tasks_matches_reference_writes_both_modes_and_refuses_foreign_wr
     for a, b, nw in zip(lives, ref, news):
         np.testing.assert_array_equal(a, nw, err_msg=f"seed={SEED}")
         np.testing.assert_array_equal(b, nw)
-    kernels.undo_tasks(typed.List(lives), pos, exp, tasks, 0, tasks.shape[0])
+    kernels.undo_tasks(typed.List(lives), typed.List(pos), typed.List(exp), tasks, 0, tasks.shape[0])
     for a, o in zip(lives, olds):
         np.testing.assert_array_equal(a, o)
 
     # another writer, after prepare: at a scattered change, at a change inside a copied block, and at an
     # element a copied block does not change (only the copy sees that one: it hashes whole blocks)
     unchanged_in_copy = int(np.flatnonzero(olds[1] == news[1])[-1])
-    for ti, where in ((0, int(pos[tasks[tasks[:, 0] == 0][-1, 2]])), (1, int(pos[tasks[tasks[:, 0] == 1][1, 2]])),
+    for ti, where in ((0, int(pos[0][tasks[tasks[:, 0] == 0][-1, 2]])), (1, int(pos[1][tasks[tasks[:, 0] == 1][1, 2]])),
                       (1, unchanged_in_copy)):
         lives, ref = [o.copy() for o in olds], [o.copy() for o in olds]
         for lv in (lives, ref):
@@ -446,7 +446,7 @@ def test_commit_tasks_matches_reference_writes_both_modes_and_refuses_foreign_wr
         assert got == want and got[1] == (0 if ti == 0 else 1) and abort[0] == 1, (SEED, ti, where, got, want)
         for a, b in zip(lives, ref):
             np.testing.assert_array_equal(a, b, err_msg=f"seed={SEED}")
-        kernels.undo_tasks(typed.List(lives), pos, exp, tasks, 0, got[0])   # what the caller does
+        kernels.undo_tasks(typed.List(lives), typed.List(pos), typed.List(exp), tasks, 0, got[0])   # as the caller
         for i, (a, o) in enumerate(zip(lives, olds)):
             o = o.copy()
             if i == ti:
