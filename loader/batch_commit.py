@@ -115,6 +115,9 @@ class _Group:
         w = items[0].bits.dtype
         self.block = block_elems(w.itemsize)
         for it in items:   # one array type per list (numba's typed lists are homogeneous); no-ops as staged
+            if it.expected.dtype.itemsize != w.itemsize or it.values.dtype.itemsize != w.itemsize:
+                raise HotLoadError(f"tensor {it.name!r}: staged changes of {it.values.dtype} for the "
+                                   f"{w.itemsize}-byte elements of {it.live_name!r}")
             it.positions = np.ascontiguousarray(it.positions, np.int64)
             it.expected = np.ascontiguousarray(it.expected).view(w)
             it.values = np.ascontiguousarray(it.values).view(w)
@@ -147,11 +150,6 @@ class _Group:
             hoff += nb
         self.tasks = np.array(rows, np.int64).reshape(-1, 7)
         self.costs = np.array(costs, np.float64)
-
-    @property
-    def nbytes(self) -> int:
-        return self.hashes.nbytes + sum(it.positions.nbytes + it.expected.nbytes + it.values.nbytes
-                                        + it.choice.nbytes for it in self.items)
 
     def run(self, t0: int, t1: int, abort: np.ndarray) -> tuple[int, int, int]:
         return kernels.commit_tasks(self.lives, self.wholes, self.positions, self.expected, self.values,
@@ -201,10 +199,6 @@ class CommitBatch:
             pool = _pool(self.threads - 1)
             for f in [pool.submit(int) for _ in range(self.threads - 1)]:
                 f.result()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.groups)
 
     @property
     def tensors_copied(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import MutableMapping
@@ -777,7 +778,12 @@ def test_a_batched_tensor_written_after_prepare_is_refused_in_either_mode_and_ev
         sw.commit(prepared)
         assert sw.version == 1
         return
-    with pytest.raises(HotLoadError, match=f"{s.name!r}.*written after prepare"):
+    if mode == "scatter":                                      # the message names the element or its block
+        what = f"element {pos} "
+    else:
+        be = batch_commit.block_elems(flat.element_size())
+        what = f"elements [{pos // be * be}, "
+    with pytest.raises(HotLoadError, match=f"{s.name!r}: {re.escape(what)}.*written after prepare"):
         sw.commit(prepared)
     assert sw.version == 0
     for k in live:

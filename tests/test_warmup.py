@@ -41,7 +41,10 @@ print("running after construction:", warmup._thread is not None and warmup._thre
 if mode == "hot-load at once":
     prepared = swapper.prepare(1)     # the stage paths left are dropped, the commit's warmed before the pause
     print("warm before the pause:", sorted(map(str, warmup.wait_warm(0))))
+    from delta import kernels
+    before = len(kernels.commit_tasks.overloads)
     swapper.commit(prepared)
+    print("commit kernels loaded in the pause:", len(kernels.commit_tasks.overloads) - before)
 else:
     warmup.wait_warm(300)
     swapper.commit(swapper.prepare(1))
@@ -73,6 +76,7 @@ def test_a_hot_load_right_after_start_drops_the_staging_paths_but_warms_the_comm
     out = _replica(tmp_path, "hot-load at once")
     before_pause = next(line for line in out if line.startswith("warm before the pause:"))
     assert "('commit', 2)" in before_pause          # the bf16 tensor's commit: compiled in prepare, not the pause
+    assert "commit kernels loaded in the pause: 0" in out   # the warmed types are the ones the pause passes
     assert out[-1] == "failed: []"
 
 
