@@ -531,7 +531,8 @@ def markdown(out: dict[str, Any]) -> str:
                 f"{_s(r['pause_s'])} | {'**' if best else ''}{_s(r['total_s'])}{'**' if best else ''} | {vs} | "
                 f"{_mb(r['egress'])} |")
     lines += ["", "Stages: trainer-side = serialize/encode (+ host copy of the published bits: ckptdelta's copy_s, "
-              "the peers' parent update); upload = to the bucket (ckptdelta: data objects + manifest commit); "
+              "the peers' parent update); upload = to the bucket (ckptdelta: data objects, each part uploading while "
+              "later ones encode, + manifest commit; the stages can then sum to more than publish() -> swapped); "
               "fetch = waiting for bytes (ckptdelta overlaps it with decoding); decode = while serving; pause = "
               "writing the live tensors. publish() -> swapped spans both processes (one monotonic clock). Bucket "
               "egress = bytes the server's interface sent during the hot-load (HTTP and TCP/IP overhead included)."]

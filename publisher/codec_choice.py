@@ -31,9 +31,9 @@ so the two codecs are not compared through samples taken at different times:
   oldest sample.
 
 The next delta's changed elements are predicted from the last one's share.
-Deltas larger than one part (64 MiB) upload while later parts encode, so the
-prediction runs the two-stage pipeline of ``ceil(bytes / part_bytes)`` parts
-rather than adding the stages. The first delta uses the context coder; from the
+A delta's parts upload while later parts encode (``deltas.part_sizes``: 4 MiB,
+then twice the last, up to 64 MiB), so the prediction runs that two-stage
+pipeline over the parts rather than adding the stages. The first delta uses the context coder; from the
 second on the smaller prediction wins, except that the other codec is used to
 measure it again while it has fewer than ``MIN_SAMPLES`` (3) samples and was not
 the previous delta's (in the first half-dozen deltas the two alternate, which
@@ -58,6 +58,8 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from . import deltas
 
 log = logging.getLogger("ckptdelta.publisher")
 
@@ -156,8 +158,9 @@ class CodecChooser:
         if isinstance(window, bool) or not (isinstance(window, int) and window >= 1):
             raise ValueError(f"window must be an int >= 1, got {window!r}")
         if part_bytes is None:
-            from .deltas import DEFAULT_PART_BYTES
-            part_bytes = DEFAULT_PART_BYTES
+            part_bytes = deltas.DEFAULT_PART_BYTES
+        if isinstance(part_bytes, bool) or not (isinstance(part_bytes, int) and part_bytes >= 1):
+            raise ValueError(f"part_bytes must be an int >= 1, got {part_bytes!r}")
         self.explore_every, self.part_bytes = explore_every, part_bytes
         self._recent: deque[_Sample] = deque(maxlen=LEVEL_SAMPLES)     # newest samples, either codec
         self._pairs: deque[tuple[float, float]] = deque(maxlen=window)  # context / fast: (per work, per changed)
@@ -207,10 +210,14 @@ class CodecChooser:
         encode_s = work * (elements + WORK_PER_CHANGED[codec] * changed)
         stored = per_changed * changed
         upload_s = stored / bw
-        parts = max(1, math.ceil(stored / self.part_bytes))
-        e, u = encode_s / parts, upload_s / parts
-        total = e + u + (parts - 1) * max(e, u)   # part i uploads once encoded and once part i-1 is up
-        return Prediction(codec, encode_s, stored, upload_s, total, measured)
+        sizes = deltas.part_sizes(max(1, math.ceil(stored)), self.part_bytes, deltas.FIRST_PART_BYTES)
+        encoded = uploaded = 0.0
+        whole = sum(sizes)
+        for size in sizes:
+            share = size / whole
+            encoded += encode_s * share
+            uploaded = max(encoded, uploaded) + upload_s * share   # once encoded and once the last part is up
+        return Prediction(codec, encode_s, stored, upload_s, uploaded, measured)
 
     def choose(self, elements: int) -> Choice:
         """The codec for the next delta of ``elements`` elements (this rank's)."""

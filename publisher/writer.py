@@ -3,7 +3,8 @@
 Anchor shards are written one after the other into a temporary directory; each
 is handed to an upload thread as soon as it is complete, so serializing shard
 i+1 overlaps uploading shard i (at most ``max_pending`` finished shards wait on
-local disk). A delta is one object per rank. Everything lands under the
+local disk). A rank's delta is one or more part objects, each uploading while the
+next is encoded (publisher/deltas.py). Everything lands under the
 publisher's writer prefix, so nothing written here is visible before the
 manifest commits it.
 """

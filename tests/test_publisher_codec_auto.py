@@ -188,15 +188,38 @@ def test_predictions_follow_the_share_of_changed_elements():
     assert big[CONTEXT].encode_s > 2 * small[CONTEXT].encode_s
 
 
-def test_a_delta_of_many_parts_is_predicted_as_a_pipeline():
-    ch = CodecChooser(part_bytes=50_000)
-    _feed(ch, CONTEXT, 1 * MB)
-    p = next(p for p in ch.choose(ELEMENTS).predictions if p.codec == CONTEXT)
-    parts = -(-p.stored_bytes // 50_000)
-    assert parts == 5
-    e, u = p.encode_s / parts, p.upload_s / parts
-    assert p.total_s == pytest.approx(e + u + (parts - 1) * max(e, u))
-    assert max(p.encode_s, p.upload_s) < p.total_s < p.encode_s + p.upload_s
+def test_a_delta_of_many_parts_is_predicted_as_a_pipeline(monkeypatch):
+    """Parts of 40, 80 and the last ~93 kB (doubling from FIRST_PART_BYTES): on a fast link only the last
+    part's upload is left once encoding ends; on a slow one only the first part's encoding precedes the
+    uploads."""
+    monkeypatch.setattr(deltas, "FIRST_PART_BYTES", 40_000)
+    for bandwidth, upload_bound in ((100 * MB, False), (0.1 * MB, True)):
+        ch = CodecChooser(part_bytes=160_000)
+        _feed(ch, CONTEXT, bandwidth)
+        p = next(p for p in ch.choose(ELEMENTS).predictions if p.codec == CONTEXT)
+        assert 200_000 < p.stored_bytes < 240_000
+        last = p.stored_bytes - 120_000
+        e, u = p.encode_s / p.stored_bytes, p.upload_s / p.stored_bytes   # seconds per byte
+        assert (u > e) == upload_bound
+        want = 40_000 * e + p.upload_s if upload_bound else p.encode_s + last * u
+        assert p.total_s == pytest.approx(want), bandwidth
+        assert max(p.encode_s, p.upload_s) < p.total_s < p.encode_s + p.upload_s
+
+
+def test_part_sizes_below_one_byte_are_refused():
+    with pytest.raises(ValueError, match="part sizes must be at least 1 byte"):
+        deltas.part_sizes(10, part_bytes=0)
+    with pytest.raises(ValueError, match="part_bytes must be an int >= 1"):
+        CodecChooser(part_bytes=0)
+
+
+def test_parts_start_small_and_double_up_to_the_part_size():
+    MiB = 1 << 20
+    assert deltas.part_sizes(35 * MiB) == [4 * MiB, 8 * MiB, 16 * MiB, 7 * MiB]
+    big = deltas.part_sizes(3000 * MiB)
+    assert big[:5] == [4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB] and max(big) == 64 * MiB
+    assert len(big) == 4 + -(-(3000 - 60) // 64) and sum(big) == 3000 * MiB
+    assert deltas.part_sizes(10, part_bytes=1) == [1] * 10 and deltas.part_sizes(0) == []
 
 
 def test_nothing_changed_teaches_nothing():

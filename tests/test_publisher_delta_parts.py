@@ -125,3 +125,22 @@ def test_write_delta_writes_encode_records_in_snapshot_order_across_parts(tmp_pa
         e = part.entries[k]
         record = (tmp_path / f"part{e.object}").read_bytes()[e.offset: e.offset + e.length]
         assert record == codec.encode(old[k], new[k], name=k, level=3).to_bytes(), k
+
+
+def test_a_delta_s_parts_start_small_and_double_up_to_the_part_size(tmp_path):
+    """The first part closes early (its upload starts while most of the delta still encodes); each next one
+    holds up to twice as much as the last, and none more than ``part_bytes``."""
+    old = _weights(0, n=40)
+    new = _step(old, 1)
+    part = deltas.write_delta(lambda i: open(tmp_path / f"part{i}", "wb"), old, new, level=3, part_bytes=16_000,
+                              first_part_bytes=2_000)
+    by_part: dict[int, list] = {}
+    for k in part.changed:
+        by_part.setdefault(part.entries[k].object, []).append(part.entries[k])
+    limits = [min(16_000, 2_000 << i) for i in range(len(part.objects))]
+    assert limits[:4] == [2_000, 4_000, 8_000, 16_000] and len(part.objects) > 4
+    for i, (size, _h) in enumerate(part.objects[:-1]):
+        last = max(by_part[i], key=lambda e: e.offset)
+        assert last.offset < limits[i] <= size, (i, last.offset, limits[i], size)   # closed at the first record past it
+    r = sorted(by_part)
+    assert r == list(range(len(part.objects)))

@@ -93,6 +93,43 @@ def test_range_reads_fetch_only_the_requested_tensors(tmp_path):
     assert r.stats["bytes_fetched"] - before < total / 3
 
 
+def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes(shared_run, monkeypatch):
+    """Decoding waits only for the first batch (about FIRST_BATCH_BYTES); each later batch may hold twice as
+    much as the last, up to batch_bytes, and a batch always holds whole tensors."""
+    import loader.reader as reader_mod
+    from loader.plan import rebuild_pieces
+
+    r = SnapshotReader(shared_run.url)
+    chain = r.chain(3)
+    names = sorted(chain[-1].tensors)
+    groups = [rebuild_pieces(chain, n) for n in names]
+    sizes = [sum(p.nbytes for p in g) for g in groups]
+    monkeypatch.setattr(reader_mod, "FIRST_BATCH_BYTES", min(sizes))
+    calls: list[int] = []
+    real = r.fetch
+
+    def counting(pieces, **kw):
+        calls.append(sum(p.nbytes for p in pieces))
+        return real(pieces, **kw)
+
+    monkeypatch.setattr(r, "fetch", counting)
+    got = list(r.iter_fetched(groups, batch_bytes=sum(sizes)))
+    assert [gi for gi, _ in got] == list(range(len(groups)))
+    assert calls[0] == sizes[0] and sum(calls) == sum(sizes) and 1 < len(calls) < len(groups)
+    limit, start = min(sizes), 0
+    for k, c in enumerate(calls):            # batch k holds at most limit * 2**k bytes, or one tensor
+        end = start
+        while end < len(sizes) and sum(sizes[start:end + 1]) <= c:
+            end += 1
+        assert sum(sizes[start:end]) == c and (c <= limit or end == start + 1), (k, c, limit)
+        if end < len(sizes):                 # and it stopped before the tensor that would pass its limit
+            assert c + sizes[end] > limit, (k, c, limit)
+        start, limit = end, 2 * limit
+    calls.clear()
+    list(r.iter_fetched(groups, batch_bytes=1))          # a cap below every tensor: one tensor per batch
+    assert calls == sizes
+
+
 def test_unknown_tensor_name_is_not_found(run):
     r = SnapshotReader(run.url)
     with pytest.raises(SnapshotNotFoundError, match="no.such"):
