@@ -130,7 +130,7 @@ def _sparse_step(weights: dict[str, torch.Tensor], fraction: float, seed: int) -
     return n
 
 
-def _changed_positions(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _diff_positions(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Per tensor, the flat positions where ``new`` differs from ``live`` (numpy int64, sorted)."""
     from delta import dtypes
 
@@ -185,7 +185,7 @@ def _delta_step(pub: Any, swapper: Any, weights: dict, step: int, around: Any = 
     """One publish and hot-load; ``around`` (untimed) runs right before and right after the commit: the full
     copy of the model is measured there, paired with the pause under the same load. With ``live`` (the
     swapper's weights) the bare scatter of the same changes (:func:`_bare_scatter`) is measured after it."""
-    changed = _changed_positions(live, weights) if live is not None else None
+    changed = _diff_positions(live, weights) if live is not None else None
     t0 = time.perf_counter()
     res = pub.publish(weights, step)
     t1 = time.perf_counter()

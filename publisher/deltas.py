@@ -15,7 +15,7 @@ nothing changed writes no object.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -44,19 +44,27 @@ DEFAULT_PART_BYTES = 64 << 20
 FIRST_PART_BYTES = 4 << 20
 
 
+def _part_limits(part_bytes: int, first_part_bytes: int) -> Iterator[int]:
+    """The size at which each part closes: ``first_part_bytes``, then twice the last, at most ``part_bytes``."""
+    if part_bytes < 1 or first_part_bytes < 1:
+        raise ValueError(f"part sizes must be at least 1 byte, got part_bytes={part_bytes}, "
+                         f"first_part_bytes={first_part_bytes}")
+    limit = min(part_bytes, first_part_bytes)
+    while True:
+        yield limit
+        limit = min(part_bytes, 2 * limit)
+
+
 def part_sizes(nbytes: int, part_bytes: int = DEFAULT_PART_BYTES,
                first_part_bytes: int = FIRST_PART_BYTES) -> list[int]:
     """The sizes of the parts a delta of ``nbytes`` bytes of records is cut into (records taken as
     divisible: the real parts end at the first record past each size)."""
-    if part_bytes < 1 or first_part_bytes < 1:
-        raise ValueError(f"part sizes must be at least 1 byte, got part_bytes={part_bytes}, "
-                         f"first_part_bytes={first_part_bytes}")
     out: list[int] = []
-    limit = min(part_bytes, first_part_bytes)
-    while nbytes > 0:
+    for limit in _part_limits(part_bytes, first_part_bytes):
+        if nbytes <= 0:
+            return out
         out.append(min(nbytes, limit))
         nbytes -= out[-1]
-        limit = min(part_bytes, 2 * limit)
     return out
 
 
@@ -104,12 +112,12 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
     f: BinaryIO | None = None
     out: HashingWriter | None = None
     writer: ObjectWriter | None = None
-    part_sizes(0, part_bytes, first_part_bytes)      # refuses sizes below 1
-    limit = min(part_bytes, first_part_bytes)
+    limits = _part_limits(part_bytes, first_part_bytes)
+    limit = next(limits)
 
     def close_current() -> None:
         nonlocal f, out, writer, limit
-        limit = min(part_bytes, 2 * limit)
+        limit = next(limits)
         writer.finish()
         f.close()
         part.objects.append((out.size, out.hexdigest()))
