@@ -12,7 +12,8 @@ One run, the same snapshots and the same links for every method:
   not shaped, and what it sends is counted by its interface's byte counters;
 - **the methods** (benchmarks/peers.py): (a) a full safetensors checkpoint,
   (b) XOR + zstd-3 per tensor, (c) changed indices + values with zstd-3,
-  (d) ckptdelta default and ``context=False``; the trainer and the replica are
+  (d) ckptdelta: its default (``codec="auto"``, after ``AUTO_LEARN`` untimed deltas
+  to measure both codecs), and each codec fixed; the trainer and the replica are
   separate processes (``ip netns exec``), the replica's weights live torch tensors;
 - **the workload**: bf16 snapshots of 0.1, 1 and 4 GB from
   ``benchmarks.workloads`` (real AdamW steps at lr 1e-6 and 1e-5, tiled); each
@@ -37,6 +38,7 @@ benchmarks/results/at_scale{,-quick}.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -55,7 +57,7 @@ import numpy as np
 import torch
 
 from benchmarks import links, s3disk
-from benchmarks.peers import LABELS, METHODS
+from benchmarks.peers import CODECS, LABELS, METHODS
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,6 +193,11 @@ def build_snapshots(size_gb: float, d: str, *, quick: bool) -> dict[str, str]:
 
 # --- one step ----------------------------------------------------------------------------------------
 
+#: Untimed deltas a codec="auto" publisher makes before its timed ones: it alternates the two codecs for its
+#: first six (codec_choice.MIN_SAMPLES each), as any run starts, and settles after.
+AUTO_LEARN = 6
+
+
 def one_step(ctx: dict, method: str, target: str, run: str, step: int, replicas: list[Peer],
              want: dict[str, str], cache_dir: str | None = None) -> dict[str, Any]:
     lab, srv, trainer = ctx["lab"], ctx["srv"], ctx["trainer"]
@@ -210,7 +217,7 @@ def one_step(ctx: dict, method: str, target: str, run: str, step: int, replicas:
             "total_s": max(x["t_swapped"] for x in hs) - p["t0"], "publish_s": p["t_end"] - p["t0"],
             "egress": c2["tx_bytes"] - c1["tx_bytes"], "bytes_fetched": sum(x["bytes_fetched"] for x in hs),
             "reader_bytes": sum(x["bytes_fetched"] for x in reads), "reader_requests": sum(x["requests"] for x in reads),
-            "exact": exact, "target": target}
+            "exact": exact, "target": target, "codec": p.get("codec", "")}
 
 
 def median_row(samples: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
@@ -218,6 +225,7 @@ def median_row(samples: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
     for k in FIELDS + ("publish_s", "bytes_fetched"):
         row[k] = statistics.median(s[k] for s in samples)
     row["exact"] = all(s["exact"] for s in samples)
+    row["codecs"] = dict(collections.Counter(s["codec"] for s in samples if s.get("codec")))
     row["samples"] = samples
     return row
 
@@ -242,16 +250,23 @@ def run_cell(ctx: dict, link: str, size_gb: float, files: dict[str, str], pairs:
             if ctx.get("prev"):
                 trainer.call("release_prev")
                 ctx["prev"] = False
-            a = trainer.call("anchor", run=run, base="old", context=method == "ckptdelta")
+            a = trainer.call("anchor", run=run, base="old", codec=CODECS[method])
             rep.call("attach", run=run, version=a["version"], cache_dir=None)
             step = a["version"]
+            if CODECS[method] == "auto":
+                for i in range(AUTO_LEARN):     # untimed: auto measures both codecs before it settles
+                    step += 1
+                    s = one_step(ctx, method, f"new-{LRS[0]}" if i % 2 == 0 else "old", run, step, [rep],
+                                 want[f"new-{LRS[0]}" if i % 2 == 0 else "old"])
+                    print(f"  {link:>7} {size_gb:g} GB auto learning: {s['codec']} {s['bytes'] / 1e6:8.2f} MB",
+                          flush=True)
         for lr in (LRS[:1] if method == "full" else LRS):
             samples = []
             for target in [f"new-{lr}", "old"] * pairs:
                 step += 1
                 s = one_step(ctx, method, target, run, step, [rep], want[target])
                 samples.append(s)
-                print(f"  {link:>7} {size_gb:g} GB lr {lr} {method:>15}: {s['bytes'] / 1e6:8.2f} MB, "
+                print(f"  {link:>7} {size_gb:g} GB lr {lr} {method:>15}: {s['bytes'] / 1e6:8.2f} MB{s['codec'][:1]}, "
                       f"publish->swapped {s['total_s']:7.2f} s (pause {s['pause_s'] * 1e3:7.1f} ms)"
                       f"{'' if s['exact'] else '  NOT BIT-EXACT'}", flush=True)
             rows.append(median_row(samples, link=link, rate_bit=parse_rate(link), size_gb=size_gb,
@@ -278,7 +293,7 @@ def run_fanout(ctx: dict, link: str, files: dict[str, str], counts: list[int], p
         r.call("replica", base="old")
     want = {k: trainer.call("digest", label=k)["digests"] for k in files}
     run = f"fanout-{link}"
-    a = trainer.call("anchor", run=run, base="old", context=True)
+    a = trainer.call("anchor", run=run, base="old", codec="context")
     version, rows = a["version"], []
     cache = os.path.join(ctx["scratch"], "host-cache")
     for r in reps:
@@ -425,6 +440,8 @@ PROJECT_CORES = 16
 # codec.json workload names whose ratios scale bf16 bytes/GB to fp8 (same reference workload, same codecs)
 _CODEC_NAMES = {"xor": "xor+zstd3", "idx": "sparse-idx+zstd3", "ckptdelta": "ckptdelta",
                 "ckptdelta_noctx": "ckptdelta fast (no ctx)"}
+#: Left out of the projection: auto picks one of the two codecs per step, whose columns are there.
+_NOT_PROJECTED = ("ckptdelta_auto",)
 
 
 def fp8_factors() -> dict[str, float]:
@@ -462,7 +479,7 @@ def projection(rows: list[dict], cores: int) -> dict[str, Any]:
     f8 = fp8_factors()
     per: dict[str, dict[str, float]] = {}
     for r in pick:
-        if r["link"] != fastest or r["size_gb"] != pick[0]["size_gb"]:
+        if r["link"] != fastest or r["size_gb"] != pick[0]["size_gb"] or r["method"] in _NOT_PROJECTED:
             continue
         gb = r["model_bytes"] / 1e9
         cpu = (r["trainer_s"] + r["decode_s"] + r["pause_s"]) / gb
@@ -524,9 +541,9 @@ def markdown(out: dict[str, Any]) -> str:
         for lr in (LRS if r["method"] == "full" else (r["lr"],)):
             f = full.get((r["link"], r["size_gb"]))
             vs = f"{r['total_s'] / f['total_s']:.3f}x" if f else ""
-            best = r["method"] == "ckptdelta"
+            best = r["method"] == "ckptdelta_auto"
             lines.append(
-                f"| {r['link']} | {r['model_bytes'] / 1e9:.2f} GB | {lr} | {LABELS[r['method']]} | {_mb(r['bytes'])} | "
+                f"| {r['link']} | {r['model_bytes'] / 1e9:.2f} GB | {lr} | {_label(r)} | {_mb(r['bytes'])} | "
                 f"{_s(r['trainer_s'])} | {_s(r['upload_s'])} | {_s(r['fetch_s'])} | {_s(r['decode_s'])} | "
                 f"{_s(r['pause_s'])} | {'**' if best else ''}{_s(r['total_s'])}{'**' if best else ''} | {vs} | "
                 f"{_mb(r['egress'])} |")
@@ -535,11 +552,13 @@ def markdown(out: dict[str, Any]) -> str:
               "later ones encode, + manifest commit; the stages can then sum to more than publish() -> swapped); "
               "fetch = waiting for bytes (ckptdelta overlaps it with decoding); decode = while serving; pause = "
               "writing the live tensors. publish() -> swapped spans both processes (one monotonic clock). Bucket "
-              "egress = bytes the server's interface sent during the hot-load (HTTP and TCP/IP overhead included)."]
+              "egress = bytes the server's interface sent during the hot-load (HTTP and TCP/IP overhead included). "
+              f"ckptdelta (default: auto): each run's first {AUTO_LEARN} deltas untimed (auto measures both codecs "
+              "while it starts), then the timed steps; the codecs they used follow its name."]
     if fan:
         one = {r["shared_cache"]: r for r in fan if r["replicas"] == 1}
         lines += ["", f"## Fan-out: one bucket, N replicas hot-loading the same step ({fan[0]['size_gb']:g} GB, lr 1e-6, "
-                  f"ckptdelta default, each replica on its own {fan[0]['link']} link)", "",
+                  f"ckptdelta codec=context, each replica on its own {fan[0]['link']} link)", "",
                   "| replicas | host disk cache | publish() -> all swapped | bucket egress / step (MB) | "
                   "vs one replica's | bytes the replicas fetched from the bucket (MB) |", "|---:|---|---:|---:|---:|---:|"]
         for r in fan:
@@ -573,6 +592,14 @@ def markdown(out: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _label(r: dict) -> str:
+    """The method's name; for auto, which codec its timed steps used."""
+    picks = r.get("codecs") or {}
+    if r["method"] != "ckptdelta_auto" or not picks:
+        return LABELS[r["method"]]
+    return f"{LABELS[r['method']]}: " + ", ".join(f"{c} {n}" for c, n in sorted(picks.items(), key=lambda x: -x[1]))
+
+
 def _ordered(rows: list[dict]) -> list[dict]:
     order = {m: i for i, m in enumerate(METHODS)}
     return sorted(rows, key=lambda r: (-(parse_rate(r["link"]) or 1e30), r["size_gb"], r["lr"] if r["method"] != "full"
@@ -589,7 +616,7 @@ def targets(out: dict[str, Any]) -> list[str]:
         for lr in LRS:
             size = one_gb[0] if one_gb else 1.0
             f = by.get((link, size, "1e-06", "full"))
-            for variant in ("ckptdelta", "ckptdelta_noctx"):
+            for variant in ("ckptdelta_auto", "ckptdelta", "ckptdelta_noctx"):
                 c = by.get((link, size, lr, variant))
                 if not (c and f):
                     continue

@@ -319,7 +319,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-HEADER = (f"{'step':>4} {'reward':>6} {'served':>7} {'kind':>6} {'bytes':>9} {'ratio':>6} {'publish':>8} "
+HEADER = (f"{'step':>4} {'reward':>6} {'served':>7} {'kind':>7} {'bytes':>9} {'ratio':>6} {'publish':>8} "
           f"{'hotload':>8} {'pause':>8} {'exact':>5} {'k1':>9} {'k2':>9} {'k3':>9}")
 #: printed under the header: what "exact" is
 EXACT_NOTE = {"vllm": "exact: the replica's own check (every vLLM worker's read-back of the changed tensors = "
@@ -336,7 +336,8 @@ def _exact(r: dict[str, Any]) -> str:
 
 def format_row(r: dict[str, Any]) -> str:
     served = ",".join(f"v{v}" for v in r["served_versions"])
-    return (f"{r['step']:>4} {r['reward']:>6.3f} {served:>7} {r['kind']:>6} {_fmt_bytes(r['stored_bytes']):>9} "
+    kind = r["kind"] if r["kind"] != "delta" or not r.get("codec") else r["codec"]   # context / fast (auto's pick)
+    return (f"{r['step']:>4} {r['reward']:>6.3f} {served:>7} {kind:>7} {_fmt_bytes(r['stored_bytes']):>9} "
             f"{100 * r['ratio']:>5.1f}% {r['publish_s']:>7.3f}s {r['hotload_s']:>7.3f}s {r['pause_ms']:>6.2f}ms "
             f"{_exact(r):>5} {r['k1']:>9.2e} {r['k2']:>9.2e} {r['k3']:>9.2e}")
 
@@ -443,7 +444,7 @@ def _one_step(cfg: DemoConfig, task: AdditionTask, tokenizer: Any, trainer: Trai
         "step": step, "reward": sum(s.reward for s in samples) / len(samples), "samples": len(samples),
         "expected_version": version, "served_versions": served,
         "served_ok": served == [version] and all(s.version == version for s in samples),
-        "published_version": res.version, "kind": res.kind, "stored_bytes": res.stored_bytes,
+        "published_version": res.version, "kind": res.kind, "codec": res.codec, "stored_bytes": res.stored_bytes,
         "full_bytes": res.full_bytes, "ratio": res.ratio, "changed_tensors": res.n_changed_tensors,
         "publish_s": res.total_s, "copy_s": res.copy_s, "encode_s": res.encode_s, "upload_s": res.upload_s,
         "commit_s": res.commit_s, "hotload_s": float(job.get("duration_s") or 0.0),

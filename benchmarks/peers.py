@@ -23,8 +23,9 @@ tensor or per snapshot as the peers do):
 - ``idx``: changed positions as gaps in the smallest integer type + new values,
   zstd-3 per tensor (benchmarks.baselines.SparseIndexZstd: TRL, PULSE, prime-rl);
   the pause scatters the values.
-- ``ckptdelta`` / ``ckptdelta_noctx``: ``Publisher(...).publish`` (default
-  codec, or ``context_coding=False``) and ``loader.HotSwapper.hotload``.
+- ``ckptdelta_auto`` / ``ckptdelta`` / ``ckptdelta_noctx``: ``Publisher(...).publish``
+  with ``codec="auto"`` (the default), ``"context"`` or ``"fast"``, and
+  ``loader.HotSwapper.hotload``.
 
 Snapshots travel between processes as flat files (:func:`save_flat`), mapped
 read-only (:func:`open_flat`): the trainer's weights are page cache, not heap,
@@ -45,10 +46,12 @@ import numpy as np
 import torch
 import xxhash
 
-METHODS = ("full", "xor", "idx", "ckptdelta", "ckptdelta_noctx")
+METHODS = ("full", "xor", "idx", "ckptdelta_auto", "ckptdelta", "ckptdelta_noctx")
 LABELS = {"full": "full safetensors checkpoint", "xor": "XOR + zstd-3 per tensor",
-          "idx": "indices + values, zstd-3", "ckptdelta": "ckptdelta (default)",
-          "ckptdelta_noctx": "ckptdelta context=False"}
+          "idx": "indices + values, zstd-3", "ckptdelta_auto": "ckptdelta (default: auto)",
+          "ckptdelta": "ckptdelta codec=context", "ckptdelta_noctx": "ckptdelta codec=fast"}
+#: The Publisher codec of each ckptdelta method.
+CODECS = {"ckptdelta_auto": "auto", "ckptdelta": "context", "ckptdelta_noctx": "fast"}
 
 
 # --- snapshots as flat files -------------------------------------------------------------------
@@ -184,11 +187,11 @@ class Node:
         self.swappers[run] = HotSwapper(self.live, reader, version=version, progress=False)
         return {}
 
-    def op_anchor(self, run: str, base: str, context: bool) -> dict:
+    def op_anchor(self, run: str, base: str, codec: str) -> dict:
         from publisher import Publisher
 
         pub = Publisher(f"{self.url}/{run}", storage_options=self.opts, progress=False, anchor_every=1000,
-                        anchor_chain_fraction=100.0, context_coding=context)
+                        anchor_chain_fraction=100.0, codec=codec)
         self.pubs[run] = pub
         t = time.monotonic()
         res = pub.publish(self.snaps[base], 0)
@@ -227,12 +230,12 @@ class Node:
             t2 = time.monotonic()
             return {"t0": t0, "t_end": t2, "trainer_s": t1 - t0, "upload_s": t2 - t1,
                     "bytes": sum(len(b) for b in blobs), "keys": keys}
-        if method in ("ckptdelta", "ckptdelta_noctx"):
+        if method in CODECS:
             res = self.pubs[run].publish(new, step)
             t2 = time.monotonic()
             return {"t0": t0, "t_end": t2, "trainer_s": res.copy_s + res.encode_s,
                     "upload_s": res.upload_s + res.commit_s, "bytes": res.stored_bytes, "version": res.version,
-                    "kind": res.kind}
+                    "kind": res.kind, "codec": res.codec}
         raise ValueError(method)
 
     def op_prev(self, base: str) -> dict:
@@ -306,7 +309,7 @@ class Node:
             t3 = time.monotonic()
             return {"fetch_s": t1 - t0, "decode_s": t2 - t1, "pause_s": t3 - t2, "t_swapped": t3,
                     "bytes_fetched": sum(len(b) for b in blobs)}
-        if method in ("ckptdelta", "ckptdelta_noctx"):
+        if method in CODECS:
             sw = self.swappers[run]
             before = dict(sw.reader.stats)
             rep = sw.hotload(info["version"])

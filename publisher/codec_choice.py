@@ -1,13 +1,15 @@
-"""``Publisher(codec="auto")``: per delta, the context coder or the fast path, whichever commits sooner.
+"""``Publisher(codec="auto")``, the default: per delta, the context coder or the fast path, whichever
+gets the new weights onto the replicas sooner.
 
-The two delta codecs trade CPU for bytes. The context coder (the default, record
-encoding 4) writes deltas about 1.6x smaller than the fast path (``context=False``:
-sparse / XOR planes with zstd alone), and encodes 1.4-2.7x slower. Which one gets a
-snapshot committed sooner depends on the trainer's cores (and how busy they are)
-and its link to the bucket, so the publisher measures both and predicts, before
-each delta:
+The two delta codecs trade CPU for bytes. The context coder (record encoding 4)
+writes deltas about 1.6x smaller than the fast path (``codec="fast"``: sparse / XOR
+planes with zstd alone), and encodes 1.4-2.7x slower and decodes 2-3x slower.
+Which one gets a snapshot swapped in sooner depends on the cores (and how busy
+they are) and the link to the bucket, so the publisher measures both and predicts,
+before each delta:
 
-    publish time(codec) = encode(codec) + stored bytes(codec) / upload bandwidth
+    publish() -> swapped(codec) = encode, uploaded part by part   (publish() -> committed)
+                                + fetched and decoded on a replica, batch by batch
 
 from what :class:`CodecChooser` learnt from the publisher's own timings
 (``write_delta_object``'s ``encode_s`` and ``upload_s``). Each delta gives one sample
@@ -33,7 +35,17 @@ so the two codecs are not compared through samples taken at different times:
 The next delta's changed elements are predicted from the last one's share.
 A delta's parts upload while later parts encode (``deltas.part_sizes``: 4 MiB,
 then twice the last, up to 64 MiB), so the prediction runs that two-stage
-pipeline over the parts rather than adding the stages. The first delta uses the context coder; from the
+pipeline over the parts rather than adding the stages. A replica fetches the
+committed delta in batches (4 MiB, then twice the last, up to 256 MiB) and
+decodes each while it fetches the next: the same pipeline, over its link (taken
+to be as fast as the trainer's: both reach one bucket) and its decode, which the
+publisher cannot time, so it is predicted from the encode: ``DECODE_PER_ENCODE``
+seconds of decoding per second of encoding the same delta with the same codec,
+as measured on the reference workload with equal cores on both sides. A replica
+host with many more cores than the trainer's decodes faster than that predicts,
+which overstates the context coder's cost only where the two are close.
+
+The first delta uses the context coder; from the
 second on the smaller prediction wins, except that the other codec is used to
 measure it again while it has fewer than ``MIN_SAMPLES`` (3) samples and was not
 the previous delta's (in the first half-dozen deltas the two alternate, which
@@ -44,9 +56,6 @@ more it is predicted to lose, which keeps the ratio current as the share of
 changes drifts. Every choice and its reason travel in ``PublishResult.codec`` and
 ``codec_reason``. Both codecs are lossless and a replica decodes either, record by
 record, so a chain mixing them hot-loads and materializes bit-exactly.
-
-What is minimised is one publish's ``publish() -> committed``: a replica's
-decode+apply time (the fast path's is ~3x shorter at lr 1e-6) is not counted.
 """
 
 from __future__ import annotations
@@ -83,6 +92,14 @@ WORK_PER_CHANGED = {CONTEXT: 70.0, FAST: 35.0}
 #: The fast path's samples over the context coder's, before a pair of deltas has measured it: seconds per
 #: unit of work (1.3 / 2.2 ns above) and bytes per changed element (1.50-1.63x on the reference workloads).
 PRIOR_FAST_VS_CONTEXT = {"encode": 0.6, "bytes": 1.6}
+#: A replica's seconds of decoding (fetched records -> staged changes, digests checked) per second the
+#: publisher spent encoding the same delta, same codec, equal cores: benchmarks/at_scale.py at 1 GB, lr 1e-6
+#: and 1e-5, 2 cores each side, measured 0.64-0.81 for the context coder and 0.47-0.59 for the fast path.
+DECODE_PER_ENCODE = {CONTEXT: 0.75, FAST: 0.5}
+#: A replica's fetch batches (loader/reader.py): the first this many bytes, then twice the last, up to
+#: REPLICA_BATCH_BYTES.
+REPLICA_FIRST_BATCH_BYTES = 4 << 20
+REPLICA_BATCH_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -93,13 +110,15 @@ class Prediction:
     encode_s: float
     stored_bytes: float
     upload_s: float
-    total_s: float        # encode and upload, pipelined over the parts
+    committed_s: float    # publish() -> committed: encode and upload, pipelined over the parts
+    decode_s: float       # a replica's decode (predicted from encode_s: DECODE_PER_ENCODE)
+    total_s: float        # publish() -> swapped: committed_s, then the replica's fetch and decode, pipelined
     measured: bool        # False: the codecs' ratio is still the prior (no pair of deltas measured it)
 
     def describe(self, bandwidth: float) -> str:
         src = "" if self.measured else ", ratio from the priors"
         return (f"{self.codec} {self.total_s:.3f} s (encode {self.encode_s:.3f} s + {_kb(self.stored_bytes)} "
-                f"at {bandwidth / 1e6:.3g} MB/s{src})")
+                f"up and down at {bandwidth / 1e6:.3g} MB/s + decode {self.decode_s:.3f} s{src})")
 
 
 @dataclass(frozen=True)
@@ -125,6 +144,19 @@ class _Sample:
 
 def _kb(n: float) -> str:
     return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
+
+
+def _pipeline(sizes: list[int], first_s: float, second_s: float) -> float:
+    """Seconds until the last of ``sizes`` has passed two stages in turn (``first_s`` and ``second_s`` for
+    all of them, shared in proportion to size), each part entering the second stage once it has left the
+    first and the part before it has left the second."""
+    whole = sum(sizes)
+    first = second = 0.0
+    for size in sizes:
+        share = size / whole
+        first += first_s * share
+        second = max(first, second) + second_s * share
+    return second
 
 
 def _median(xs) -> float:
@@ -210,14 +242,13 @@ class CodecChooser:
         encode_s = work * (elements + WORK_PER_CHANGED[codec] * changed)
         stored = per_changed * changed
         upload_s = stored / bw
-        sizes = deltas.part_sizes(max(1, math.ceil(stored)), self.part_bytes, deltas.FIRST_PART_BYTES)
-        encoded = uploaded = 0.0
-        whole = sum(sizes)
-        for size in sizes:
-            share = size / whole
-            encoded += encode_s * share
-            uploaded = max(encoded, uploaded) + upload_s * share   # once encoded and once the last part is up
-        return Prediction(codec, encode_s, stored, upload_s, uploaded, measured)
+        decode_s = encode_s * DECODE_PER_ENCODE[codec]
+        nbytes = max(1, math.ceil(stored))
+        committed = _pipeline(deltas.part_sizes(nbytes, self.part_bytes, deltas.FIRST_PART_BYTES), encode_s,
+                              upload_s)
+        swapped = committed + _pipeline(deltas.part_sizes(nbytes, REPLICA_BATCH_BYTES, REPLICA_FIRST_BATCH_BYTES),
+                                        upload_s, decode_s)    # fetched at the link's rate, as uploaded
+        return Prediction(codec, encode_s, stored, upload_s, committed, decode_s, swapped, measured)
 
     def choose(self, elements: int) -> Choice:
         """The codec for the next delta of ``elements`` elements (this rank's)."""

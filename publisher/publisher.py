@@ -117,7 +117,7 @@ class Publisher:
                  extra_files: Mapping[str, str | os.PathLike[str] | bytes] | str | os.PathLike[str] | None = None,
                  shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
-                 progress: bool | None = None, context_coding: bool = True, device_diff: bool = False,
+                 progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
                  codec: str | None = None, upload_bandwidth: float | None = None):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
@@ -627,8 +627,8 @@ def _resolve_codec(codec: Any, context_coding: Any, upload_bandwidth: Any) -> st
     if codec is not None and codec not in choices:
         raise ValueError(f"codec must be one of {', '.join(map(repr, choices))}, got {codec!r}")
     if codec is None:
-        codec = CONTEXT if context_coding else FAST
-    elif not context_coding and codec != FAST:
+        codec = "auto" if context_coding is None else CONTEXT if context_coding else FAST
+    elif context_coding is not None and not context_coding and codec != FAST:
         raise ValueError(f"context_coding=False asks for the fast codec, but codec={codec!r}: pass codec alone")
     check_bandwidth(upload_bandwidth)
     if upload_bandwidth is not None and codec != "auto":

@@ -1,5 +1,6 @@
-"""Publisher(codec="auto"): the context coder or the fast path per delta, from measured encode speed and upload
-bandwidth; chains mixing both read, hot-load and materialize bit-exactly.
+"""Publisher(codec="auto"), the default: the context coder or the fast path per delta, from measured encode speed
+and upload bandwidth and the decode a replica is predicted to need; chains mixing both read, hot-load and
+materialize bit-exactly.
 
 The chooser is pure bookkeeping, so most tests feed it timings directly. The publisher tests shape the
 timings it measures: a storage wrapper that sleeps in proportion to the bytes uploaded (a slow link), or an
@@ -56,7 +57,8 @@ def _best(choice) -> str:
 @pytest.mark.parametrize("bandwidth, winner", [(0.1 * MB, CONTEXT), (2 * MB, CONTEXT), (4 * MB, FAST),
                                                (1 * GB, FAST)])
 def test_the_choice_flips_with_the_upload_bandwidth(bandwidth, winner):
-    # the fast path saves 46 ms of encoding and uploads 130 kB more: it wins above ~2.8 MB/s
+    # the fast path saves 46 ms of encoding and 45 ms of a replica's decoding, and moves 130 kB more up to the
+    # bucket and down to the replica: it wins above ~2.9 MB/s
     ch = CodecChooser()
     assert ch.choose(ELEMENTS).codec == CONTEXT and "no delta measured yet" in ch.choose(ELEMENTS).reason
     _measured(ch, bandwidth)
@@ -71,9 +73,11 @@ def test_the_choice_flips_with_the_upload_bandwidth(bandwidth, winner):
     assert ch.bandwidth == pytest.approx(bandwidth)
 
 
-def test_the_break_even_bandwidth_is_where_the_encode_saving_pays_for_the_extra_bytes():
+def test_the_break_even_bandwidth_is_where_the_encode_and_decode_saving_pays_for_the_extra_bytes():
     (ce, cb), (fe, fb) = MEASURED[CONTEXT], MEASURED[FAST]
-    even = (fb - cb) / (ce - fe)                                       # ~2.8 MB/s
+    d = codec_choice.DECODE_PER_ENCODE
+    # one part, one fetch batch: each byte is uploaded, then fetched; each delta is encoded, then decoded
+    even = 2 * (fb - cb) / (ce * (1 + d[CONTEXT]) - fe * (1 + d[FAST]))   # ~2.9 MB/s
     for bw, winner in ((even / 1.2, CONTEXT), (even * 1.2, FAST)):
         ch = CodecChooser()
         _measured(ch, bw)
@@ -92,15 +96,16 @@ def _codecs_used(bandwidth: float, n: int, explore_every: int) -> str:
 
 def test_the_other_codec_is_explored_every_explore_every_deltas_when_it_loses_little():
     (ce, cb), (fe, fb) = MEASURED[CONTEXT], MEASURED[FAST]
-    near = 1.2 * (fb - cb) / (ce - fe)                 # the fast path wins by 5%
+    d = codec_choice.DECODE_PER_ENCODE
+    near = 1.2 * 2 * (fb - cb) / (ce * (1 + d[CONTEXT]) - fe * (1 + d[FAST]))   # the fast path wins by 5%
     # first delta: context (nothing known); the context coder is measured every other delta until it has
     # 3 samples, then one delta in 4 measures it again
     assert _codecs_used(near, 22, 4) == "cfc*fc*" + 4 * (3 * "f" + "c*") + "f"
 
 
 def test_the_more_the_other_codec_is_predicted_to_lose_the_less_often_it_is_explored():
-    # at 1 GB/s the context coder is predicted 2.1x slower: one delta in round(4 x 2.1) = 8
-    assert _codecs_used(1 * GB, 22, 4) == "cfc*fc*" + 2 * (7 * "f" + "c*") + "f"
+    # at 1 GB/s the context coder is predicted 2.4x slower: one delta in round(4 x 2.4) = 10
+    assert _codecs_used(1 * GB, 22, 4) == "cfc*fc*" + 9 * "f" + "c*" + 7 * "f"
     # and never less often than one in 4 x explore_every, however much it loses (here 200x)
     ch = CodecChooser(explore_every=4)
     used = []
@@ -156,8 +161,8 @@ def test_one_slow_sample_does_not_move_a_median():
 
 
 def test_a_burst_of_load_moves_both_codecs_together_and_is_forgotten_when_it_ends():
-    """On a 2 MB/s link the context coder wins by 20 ms; with every encode 10x slower (other jobs on the
-    trainer's cores) the fast path wins by 0.4 s. Samples of one codec from the burst must not make the
+    """On a 2 MB/s link the context coder wins by 39 ms; with every encode 10x slower (other jobs on the
+    trainer's cores) the fast path wins by 0.8 s. Samples of one codec from the burst must not make the
     chooser avoid it after the burst, when only the other codec ran meanwhile."""
     ch = CodecChooser()
     _measured(ch, 2 * MB)
@@ -191,8 +196,9 @@ def test_predictions_follow_the_share_of_changed_elements():
 def test_a_delta_of_many_parts_is_predicted_as_a_pipeline(monkeypatch):
     """Parts of 40, 80 and the last ~93 kB (doubling from FIRST_PART_BYTES): on a fast link only the last
     part's upload is left once encoding ends; on a slow one only the first part's encoding precedes the
-    uploads."""
+    uploads. A replica's fetch batches (40, 80, the rest) pipeline its fetch with its decode the same way."""
     monkeypatch.setattr(deltas, "FIRST_PART_BYTES", 40_000)
+    monkeypatch.setattr(codec_choice, "REPLICA_FIRST_BATCH_BYTES", 40_000)
     for bandwidth, upload_bound in ((100 * MB, False), (0.1 * MB, True)):
         ch = CodecChooser(part_bytes=160_000)
         _feed(ch, CONTEXT, bandwidth)
@@ -202,8 +208,27 @@ def test_a_delta_of_many_parts_is_predicted_as_a_pipeline(monkeypatch):
         e, u = p.encode_s / p.stored_bytes, p.upload_s / p.stored_bytes   # seconds per byte
         assert (u > e) == upload_bound
         want = 40_000 * e + p.upload_s if upload_bound else p.encode_s + last * u
-        assert p.total_s == pytest.approx(want), bandwidth
-        assert max(p.encode_s, p.upload_s) < p.total_s < p.encode_s + p.upload_s
+        assert p.committed_s == pytest.approx(want), bandwidth
+        assert max(p.encode_s, p.upload_s) < p.committed_s < p.encode_s + p.upload_s
+        assert p.decode_s == pytest.approx(p.encode_s * codec_choice.DECODE_PER_ENCODE[CONTEXT])
+        d = p.decode_s / p.stored_bytes
+        assert (u > d) == upload_bound
+        fetched = 40_000 * u + p.decode_s if not upload_bound else p.upload_s + last * d
+        assert p.total_s == pytest.approx(p.committed_s + fetched), bandwidth
+
+
+def test_a_replica_s_slower_decode_can_tip_the_choice_to_the_fast_path(monkeypatch):
+    """At 2 MB/s the context coder commits sooner (0.19 against 0.21 s); if a replica decoded it 3x slower
+    than it encodes, the fast path would swap sooner, and auto takes it."""
+    ch = CodecChooser()
+    _measured(ch, 2 * MB)
+    pred = {p.codec: p for p in ch.choose(ELEMENTS).predictions}
+    assert pred[CONTEXT].committed_s < pred[FAST].committed_s and ch.choose(ELEMENTS).codec == CONTEXT
+    monkeypatch.setitem(codec_choice.DECODE_PER_ENCODE, CONTEXT, 3.0)
+    choice = ch.choose(ELEMENTS)
+    pred = {p.codec: p for p in choice.predictions}
+    assert pred[CONTEXT].committed_s < pred[FAST].committed_s
+    assert choice.codec == FAST and "decode" in choice.reason
 
 
 def test_part_sizes_below_one_byte_are_refused():
@@ -253,7 +278,7 @@ def test_observe_refuses_an_unknown_codec():
     ({"codec": True}, "codec must be one of"),
     ({"codec": "auto", "context_coding": False}, "context_coding=False asks for the fast codec, but codec='auto'"),
     ({"codec": "context", "context_coding": False}, "context_coding=False asks for the fast codec"),
-    ({"upload_bandwidth": 1e6}, "upload_bandwidth only seeds codec='auto'; with codec='context'"),
+    ({"codec": "context", "upload_bandwidth": 1e6}, "upload_bandwidth only seeds codec='auto'; with codec='context'"),
     ({"codec": "fast", "upload_bandwidth": 1e6}, "upload_bandwidth only seeds codec='auto'"),
     ({"codec": "auto", "upload_bandwidth": -5}, "upload_bandwidth must be a positive finite number"),
     ({"codec": "auto", "upload_bandwidth": True}, "upload_bandwidth must be a positive finite number"),
@@ -265,10 +290,12 @@ def test_bad_codec_arguments_are_refused_before_anything_is_opened(tmp_path, kw,
 
 
 def test_codec_and_its_older_spelling():
-    assert Publisher("memory://codec-a", progress=False).codec == CONTEXT
+    assert Publisher("memory://codec-a", progress=False).codec == "auto"
+    assert Publisher("memory://codec-e", progress=False, context_coding=True).codec == CONTEXT
     assert Publisher("memory://codec-b", progress=False, context_coding=False).codec == FAST
     assert Publisher("memory://codec-c", progress=False, codec="fast", context_coding=False).codec == FAST
     assert Publisher("memory://codec-d", progress=False, codec="auto", upload_bandwidth=125e6).codec == "auto"
+    assert Publisher("memory://codec-f", progress=False, upload_bandwidth=125e6).codec == "auto"
 
 
 # --- the publisher, on shaped timings ------------------------------------------------------------------
