@@ -76,13 +76,15 @@ class Publisher:
     CUDA weights the staging copies are pinned. Anchor shards also pass through a
     temporary directory (``TMPDIR``): up to 5 shards on local disk at once.
 
-    ``codec`` picks how deltas are coded: ``"context"`` (the default: the context
-    coder, the smallest deltas), ``"fast"`` (zstd alone, ``context=False``: ~1.6x
-    larger, encodes 1.4-2.7x faster; ``context_coding=False`` says the same), or
-    ``"auto"``: per delta, whichever of the two is predicted to commit sooner from
-    this publisher's own measurements of both codecs' encode speed and output and
-    of the upload bandwidth, which ``upload_bandwidth`` (bytes/s) seeds
-    (publisher/codec_choice.py). Replicas decode both, so any mix is bit-exact.
+    ``codec`` picks how deltas are coded: ``"auto"`` (the default): per delta,
+    whichever of the two below is predicted to get the weights onto a replica
+    sooner (publish() -> swapped), from this publisher's own measurements of both
+    codecs' encode speed and output and of the upload bandwidth, which
+    ``upload_bandwidth`` (bytes/s) seeds (publisher/codec_choice.py); ``"context"``:
+    the context coder, the smallest deltas (``context_coding=True`` says the same);
+    ``"fast"``: zstd alone, ``context=False``: ~1.6x larger, encodes 1.4-2.7x and
+    decodes 2-3x faster (``context_coding=False`` says the same). Replicas decode
+    both, so any mix is bit-exact.
 
     ``device_diff=True`` (for weights on a GPU; needs ``max_in_flight=1``) keeps a
     copy of the last published bits on the weights' device, finds the changed
@@ -154,6 +156,7 @@ class Publisher:
         # this rank's parent: the exact host bits of its tensors in version _parent_version
         self._parent: dict[str, torch.Tensor] = {}
         self._parent_version: int | None = None
+        self._parent_digests: dict[str, int] = {}   # xxh3 of this rank's tensors as it committed them last
         self._lock = threading.Lock()
         self._committed_step: int | None = last_step
         self._last_step: int | None = last_step
@@ -489,7 +492,7 @@ class Publisher:
     def _ensure_parent(self, plan: Plan, job: _Job) -> dict[str, torch.Tensor]:
         assert job.snapshot is not None and plan.parent_version is not None
         if self._parent_version != plan.parent_version:
-            self._parent, self._parent_version = {}, plan.parent_version
+            self._parent, self._parent_version, self._parent_digests = {}, plan.parent_version, {}
         missing = [n for n in job.snapshot if n not in self._parent]
         if missing:
             chain = read_chain(self._store, plan.parent_version, self.run_id)
@@ -545,7 +548,7 @@ class Publisher:
                 log.debug("run %s: v%d codec %s (%s)", self.run_id, plan.version, codec, reason)
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
-                                     progress=self.progress)
+                                     progress=self.progress, parent_digests=self._parent_digests)
         written.codec, written.codec_reason = codec, reason
         if self._chooser is not None:
             self._chooser.observe(codec, elements=elements, changed=written.changed_elements,
@@ -592,6 +595,7 @@ class Publisher:
     def _committed(self, plan: Plan, job: _Job, written: Written | None, outcome: dict[str, Any]) -> PublishResult:
         assert job.snapshot is not None and written is not None
         old, self._parent, self._parent_version = self._parent, job.snapshot, plan.version
+        self._parent_digests = {n: int(e.xxh3, 16) for n, e in written.entries.items() if n in job.snapshot}
         self._nan_clean, self._nan_clean_version = self._nan_next, plan.version
         with self._lock:
             self._committed_step = job.step

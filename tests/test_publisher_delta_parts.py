@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 import xxhash
 
@@ -144,3 +145,53 @@ def test_a_delta_s_parts_start_small_and_double_up_to_the_part_size(tmp_path):
         assert last.offset < limits[i] <= size, (i, last.offset, limits[i], size)   # closed at the first record past it
     r = sorted(by_part)
     assert r == list(range(len(part.objects)))
+
+
+def test_a_publisher_hands_the_encoder_the_parent_digests_it_committed(tmp_path, monkeypatch):
+    """The parent of a delta is what this publisher committed last, whose digests are in that manifest: the
+    encoder takes them instead of reading every parent tensor once more to hash it. Parents rebuilt from the
+    bucket (a new publisher) are hashed."""
+    seen: list[dict] = []
+    real = deltas.encode_many
+
+    def spy(items, **kw):
+        items = list(items)
+        seen.append({it[0]: it[3] for it in items})
+        return real(items, **kw)
+
+    monkeypatch.setattr(deltas, "encode_many", spy)
+    w0 = _weights(0)
+    w1, w2 = _step(w0, 1), _step(_step(w0, 1), 2)
+    url = str(tmp_path / "run")
+    with Publisher(url, progress=False, codec="context") as pub:
+        pub.publish(w0, 0)
+        pub.publish(w1, 1)
+    with Publisher(url, progress=False, codec="context") as pub:     # a restart: the parent is rebuilt
+        pub.publish(w2, 2)
+    reader = SnapshotReader(url)
+    want = [{n: int(e.xxh3, 16) for n, e in reader.manifest(v).tensors.items()} for v in (0, 1)]
+    assert seen == [want[0], {n: None for n in w0}]
+    for v, w in ((1, w1), (2, w2)):
+        got = reader.read_tensors(v)
+        assert all(torch.equal(got[k].view(torch.int16), w[k].view(torch.int16)) for k in w)
+
+
+def test_a_wrong_parent_digest_handed_to_the_encoder_is_refused_by_the_replica(tmp_path):
+    from delta import codec
+    from delta.errors import ParentMismatchError
+
+    old = _weights(0, n=2)
+    new = _step(old, 1)
+    part = deltas.write_delta(lambda i: open(tmp_path / f"part{i}", "wb"), old, new, level=3,
+                              parent_digests={"layer0.w": 12345})
+    for k in new:
+        e = part.entries[k]
+        record = (tmp_path / f"part{e.object}").read_bytes()[e.offset: e.offset + e.length]
+        live = old[k].clone()
+        if k == "layer0.w":
+            with pytest.raises(ParentMismatchError, match="layer0.w"):
+                codec.apply_(live, record)
+            assert torch.equal(live.view(torch.int16), old[k].view(torch.int16))    # nothing written
+        else:
+            codec.apply_(live, record)
+            assert torch.equal(live.view(torch.int16), new[k].view(torch.int16))
