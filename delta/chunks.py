@@ -173,9 +173,16 @@ def decode_raw(entry: ChunkEntry, payload: bytes | memoryview, n: int, dt: DType
 
 
 def decode_changes(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarray, dt: DType,
-                   where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Chunk-local positions (int64) and new bits for a chunk encoded against ``old``."""
+                   where: str, out: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk-local positions (int64) and new bits for a chunk encoded against ``old``.
+
+    ``out``: arrays of exactly ``entry.count`` elements (int64, ``dt``'s bits) to decode
+    into instead of new ones, for a sparse, dense or ctx chunk (the slices of a staged
+    tensor that the chunk's changes fill); returned as they are, filled."""
     n = old.shape[0]
+    if out is not None and (entry.encoding not in (SPARSE, CTX, DENSE_XOR)
+                            or out[0].shape != (entry.count,) or out[1].shape != (entry.count,)):
+        raise ValueError(f"{where}: only sparse, dense and ctx chunks decode into given arrays, of their count")
     if entry.encoding == UNCHANGED:
         return np.empty(0, np.int64), np.empty(0, dt.bits_dtype)
     if entry.encoding == SPARSE:
@@ -189,20 +196,19 @@ def decode_changes(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarr
         step_planes = np.frombuffer(_unzstd(payload[4 + pos_len:], k * entry.planes_b, where + " values"), np.uint8)
         gaps = np.empty(k, np.uint32)
         kernels.from_planes(gap_planes, k, entry.planes_a, gaps)
-        positions, ok = kernels.sparse_positions(gaps, n)
-        if not ok:
+        positions, values = (np.empty(k, np.int64), np.empty(k, dt.bits_dtype)) if out is None else out
+        if not kernels.sparse_positions_into(gaps, n, positions):
             raise FormatError(f"{where}: a changed position falls outside the chunk's {n} elements")
         steps = np.empty(k, np.uint64)
         kernels.from_planes(step_planes, k, entry.planes_b, steps)
-        values = np.empty(k, dt.bits_dtype)
         kernels.sparse_new_values(old, positions, steps, 8 * dt.itemsize, dt.sign_magnitude, values)
         return positions, values
     if entry.encoding == CTX:
-        return ctxcoder.decode_ctx(payload, old, entry.count, dt, where)
+        return ctxcoder.decode_ctx(payload, old, entry.count, dt, where, out)
     if entry.encoding == DENSE_XOR:
         planes = np.frombuffer(_unzstd(payload, n * dt.itemsize, where), np.uint8)
-        positions = np.empty(entry.count, np.int64)
-        values = np.empty(entry.count, dt.bits_dtype)
+        positions, values = (np.empty(entry.count, np.int64), np.empty(entry.count, dt.bits_dtype)) \
+            if out is None else out
         if _xor_count(planes, n, dt.itemsize) != entry.count:
             raise FormatError(f"{where}: dense chunk changes a different number of elements than its header says")
         kernels.xor_apply_planes(old, planes, dt.itemsize, positions, values)

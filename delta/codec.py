@@ -326,11 +326,13 @@ def _check_parent(enc: EncodedTensor, got: int) -> None:
             f"{digest_hex(h.parent_digest)}, the live tensor has {digest_hex(got)} (wrong parent snapshot?)")
 
 
-def _decode_chunk(enc: EncodedTensor, bits: np.ndarray, i: int) -> tuple[np.ndarray, np.ndarray]:
-    """Chunk ``i``'s changes against ``bits`` (the whole parent): chunk-local positions and new bits."""
+def _decode_chunk(enc: EncodedTensor, bits: np.ndarray, i: int,
+                  out: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk ``i``'s changes against ``bits`` (the whole parent): chunk-local positions and new bits
+    (into ``out``, as :func:`chunks.decode_changes` takes it)."""
     h = enc.header
     s, e = h.chunk_range(i)
-    return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"{enc.where()} chunk {i}")
+    return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"{enc.where()} chunk {i}", out)
 
 
 def _decode_against(enc: EncodedTensor, bits: np.ndarray, verify: bool, threads: int | None):
@@ -358,6 +360,67 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     h = enc.header
     _check_live(live, h.name, h.dtype, h.shape)
     bits = dtypes.host_bits(live)
+    w = h.dtype.itemsize
+    counts = [c.count for c in h.chunks]           # each checked <= its chunk's elements (record.py)
+    total = sum(counts)
+    if any(c.encoding == RAW for c in h.chunks) or total * (8 + w) > h.numel * w:
+        return _stage_chunkwise(bits, enc, verify, threads)
+    # The changes decode straight into the staged arrays, each chunk into its slice: no per-chunk arrays
+    # to assemble afterwards (a copy of every change: 15% of a sparse stage at 7% changed).
+    positions = np.empty(total, np.int64)
+    values = np.empty(total, h.dtype.bits_dtype)
+    old_bits = np.empty(total, h.dtype.bits_dtype)
+    offs = [0]
+    for k in counts:
+        offs.append(offs[-1] + k)
+    parent = xxhash.xxh3_64() if verify and h.has_parent else None
+    result = xxhash.xxh3_64() if verify else None
+    scratch = np.empty(max((e - s for s, e in map(h.chunk_range, range(len(h.chunks)))), default=0),
+                       h.dtype.bits_dtype) if result is not None else None
+
+    def decode(i: int) -> None:
+        a, b = offs[i], offs[i + 1]
+        if b > a:
+            _decode_chunk(enc, bits, i, (positions[a:b], values[a:b]))
+
+    try:
+        for i, _ in enumerate(_imap(decode, range(len(h.chunks)), threads)):
+            s, e = h.chunk_range(i)
+            a, b = offs[i], offs[i + 1]
+            pos = positions[a:b]
+            if parent is not None:
+                parent.update(bits[s:e])
+            if b > a and result is not None:
+                sc = scratch[: e - s]
+                np.copyto(sc, bits[s:e])
+                kernels.gather(sc, pos, old_bits[a:b])
+                kernels.scatter(sc, pos, values[a:b])
+                result.update(sc)
+            else:
+                kernels.gather(bits[s:e], pos, old_bits[a:b])
+                if result is not None:
+                    result.update(bits[s:e])
+            pos += s                                   # chunk-local -> tensor positions
+    except DeltaError:
+        if parent is not None:          # decoding against the wrong parent fails in any way: say so
+            _check_parent(enc, xxhash.xxh3_64_intdigest(bits))
+        raise
+    _check_digests(enc, parent, result)
+    return StagedTensor(h.name, h.dtype, h.shape, h.digest, h.parent_digest, positions, values, old=old_bits)
+
+
+def _check_digests(enc: EncodedTensor, parent: "xxhash.xxh3_64 | None", result: "xxhash.xxh3_64 | None") -> None:
+    if parent is not None:
+        _check_parent(enc, parent.intdigest())
+    if result is not None and result.intdigest() != enc.header.digest:
+        raise ChecksumError(
+            f"{enc.where()}: reconstructed bytes hash to {digest_hex(result.intdigest())}, "
+            f"the record says {digest_hex(enc.header.digest)}")
+
+
+def _stage_chunkwise(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: int | None) -> StagedTensor:
+    """:func:`stage` where the changes cannot be sized before decoding (raw chunks) or are staged densely."""
+    h = enc.header
     parent = xxhash.xxh3_64() if verify and h.has_parent else None
     result = xxhash.xxh3_64() if verify else None
     per_chunk: list[tuple[np.ndarray, np.ndarray]] = []
@@ -384,12 +447,7 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
         if parent is not None:          # decoding against the wrong parent fails in any way: say so
             _check_parent(enc, xxhash.xxh3_64_intdigest(bits))
         raise
-    if parent is not None:
-        _check_parent(enc, parent.intdigest())
-    if result is not None and result.intdigest() != h.digest:
-        raise ChecksumError(
-            f"{enc.where()}: reconstructed bytes hash to {digest_hex(result.intdigest())}, "
-            f"the record says {digest_hex(h.digest)}")
+    _check_digests(enc, parent, result)
     total = sum(p.shape[0] for p, _ in per_chunk)
     w = h.dtype.itemsize
     if total * (8 + w) > h.numel * w:

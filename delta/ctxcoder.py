@@ -132,16 +132,16 @@ def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None 
 
 
 def decode_ctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DType,
-               where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Chunk-local positions (int64) and new bits of an encoding-4 chunk."""
+               where: str, out: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk-local positions (int64) and new bits of an encoding-4 chunk (into ``out``'s two arrays
+    of ``count`` elements, if given)."""
     lay = layout_of(dt)
     if lay is None:
         raise FormatError(f"{where}: encoding ctx is not defined for dtype {dt.name}")
     if not 1 <= count <= old.shape[0]:
         raise FormatError(f"{where}: ctx chunk count {count} outside [1, {old.shape[0]}]")
     buf = np.frombuffer(payload, np.uint8)
-    positions = np.empty(count, np.int64)
-    values = np.empty(count, dt.bits_dtype)
+    positions, values = (np.empty(count, np.int64), np.empty(count, dt.bits_dtype)) if out is None else out
     err = ctx_decode(buf, old, count, 8 * dt.itemsize, lay[0], lay[1], positions, values)
     if err:
         raise FormatError(f"{where}: corrupt ctx payload ({_ERRORS.get(err, f'error {err}')})")

@@ -92,12 +92,18 @@ def sparse_positions(gaps, n_elems):
     """Absolute positions from gaps; returns (positions int64, ok) where ok is False if any
     position falls outside ``[0, n_elems)`` (a corrupt payload)."""
     pos = np.empty(gaps.shape[0], dtype=np.int64)
+    ok = sparse_positions_into(gaps, n_elems, pos)
+    return pos, ok
+
+
+@njit(cache=True, nogil=True)
+def sparse_positions_into(gaps, n_elems, pos):
+    """:func:`sparse_positions` into ``pos`` (as long as ``gaps``): a staged tensor's slice."""
     p = -1
     for j in range(gaps.shape[0]):
         p = p + 1 + np.int64(gaps[j])
         pos[j] = p
-    ok = gaps.shape[0] == 0 or (p < n_elems)
-    return pos, ok
+    return gaps.shape[0] == 0 or (p < n_elems)
 
 
 @njit(cache=True, nogil=True)

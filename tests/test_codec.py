@@ -536,3 +536,47 @@ def test_golden_record_still_decodes(case):
     if parent is not None:
         codec.apply_(parent, buf)
         np.testing.assert_array_equal(bits_of(parent), expected.reshape(-1))
+
+
+def test_stage_decodes_each_chunk_into_its_slice_of_the_staged_arrays_as_chunk_by_chunk_staging_would():
+    """stage() decodes sparse, dense and ctx chunks straight into the staged positions / values (each chunk
+    into its slice, sized from the header's counts) and keeps chunk-by-chunk staging for records with raw
+    chunks or changes staged densely: both give the same staged tensor, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    old = (torch.randn(50_000, generator=g) * 0.02).to(torch.bfloat16)
+    seen = set()
+    for share in (0.0005, 0.01, 0.2, 0.6, 1.0, "zeros"):      # zeros: raw chunks (smaller than XOR planes)
+        for context in (True, False):
+            new = old.clone()
+            if share == "zeros":
+                new[:20_000] = 0
+            else:
+                pick = torch.rand(old.shape, generator=g) < share
+                noise = torch.randint(-(1 << 15), 1 << 15, old.shape, generator=g, dtype=torch.int16)
+                moved = (old.float() * (1 + 2 ** -7)).to(torch.bfloat16).view(torch.int16)
+                new.view(torch.int16)[pick] = (moved if share < 1 else noise)[pick]
+            enc = codec.encode(old, new, chunk_elems=8192, context=context)
+            seen |= {c.encoding for c in enc.header.chunks}
+            got = codec.stage(old, enc)
+            want = codec._stage_chunkwise(dtypes.host_bits(old), enc, True, None)
+            for f in ("positions", "values", "old", "dense"):
+                a, b = getattr(got, f), getattr(want, f)
+                assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), (share, context, f)
+            out = old.clone()
+            got.apply_(out)
+            assert torch.equal(out.view(torch.int16), new.view(torch.int16)), (share, context)
+    assert {record.SPARSE, record.DENSE_XOR, record.CTX, record.RAW} <= seen
+
+
+def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
+    old = (torch.randn(4096) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    new[::100] = (new[::100].float() * 1.01).to(torch.bfloat16)
+    enc = codec.encode(old, new)
+    c, bits = enc.header.chunks[0], dtypes.host_bits(old)
+    ok = (np.empty(c.count, np.int64), np.empty(c.count, np.uint16))
+    pos, vals = chunks.decode_changes(c, enc.payloads[0], bits, enc.header.dtype, "t", ok)
+    assert pos is ok[0] and vals is ok[1] and np.array_equal(bits[pos] != vals, np.ones(c.count, bool))
+    with pytest.raises(ValueError, match="of their count"):
+        chunks.decode_changes(c, enc.payloads[0], bits, enc.header.dtype, "t",
+                              (np.empty(c.count + 1, np.int64), np.empty(c.count + 1, np.uint16)))
