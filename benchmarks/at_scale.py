@@ -193,8 +193,11 @@ def build_snapshots(size_gb: float, d: str, *, quick: bool) -> dict[str, str]:
 
 # --- one step ----------------------------------------------------------------------------------------
 
-#: Untimed deltas a codec="auto" publisher makes before its timed ones: it alternates the two codecs for its
-#: first six (codec_choice.MIN_SAMPLES each), as any run starts, and settles after.
+#: Untimed steps (forward, back, ...) of every delta method before its timed ones: the first publish and
+#: hot-load of a run pay once for what a long run does not (fresh host buffers, a replica's first reads).
+WARM_STEPS = 2
+#: A codec="auto" publisher's untimed deltas: it alternates the two codecs for its first six
+#: (codec_choice.MIN_SAMPLES each), as any run starts, and settles after.
 AUTO_LEARN = 6
 
 
@@ -253,13 +256,14 @@ def run_cell(ctx: dict, link: str, size_gb: float, files: dict[str, str], pairs:
             a = trainer.call("anchor", run=run, base="old", codec=CODECS[method])
             rep.call("attach", run=run, version=a["version"], cache_dir=None)
             step = a["version"]
-            if CODECS[method] == "auto":
-                for i in range(AUTO_LEARN):     # untimed: auto measures both codecs before it settles
-                    step += 1
-                    s = one_step(ctx, method, f"new-{LRS[0]}" if i % 2 == 0 else "old", run, step, [rep],
-                                 want[f"new-{LRS[0]}" if i % 2 == 0 else "old"])
-                    print(f"  {link:>7} {size_gb:g} GB auto learning: {s['codec']} {s['bytes'] / 1e6:8.2f} MB",
-                          flush=True)
+        if method != "full":
+            untimed = AUTO_LEARN if CODECS.get(method) == "auto" else WARM_STEPS
+            for i in range(untimed):     # auto measures both codecs before it settles
+                step += 1
+                target = f"new-{LRS[0]}" if i % 2 == 0 else "old"
+                s = one_step(ctx, method, target, run, step, [rep], want[target])
+                print(f"  {link:>7} {size_gb:g} GB {method:>15} untimed: {s['codec'] or '-'} "
+                      f"{s['bytes'] / 1e6:8.2f} MB", flush=True)
         for lr in (LRS[:1] if method == "full" else LRS):
             samples = []
             for target in [f"new-{lr}", "old"] * pairs:
@@ -553,8 +557,9 @@ def markdown(out: dict[str, Any]) -> str:
               "fetch = waiting for bytes (ckptdelta overlaps it with decoding); decode = while serving; pause = "
               "writing the live tensors. publish() -> swapped spans both processes (one monotonic clock). Bucket "
               "egress = bytes the server's interface sent during the hot-load (HTTP and TCP/IP overhead included). "
-              f"ckptdelta (default: auto): each run's first {AUTO_LEARN} deltas untimed (auto measures both codecs "
-              "while it starts), then the timed steps; the codecs they used follow its name."]
+              f"Every delta method's first {WARM_STEPS} steps untimed (a run's first publish and hot-load pay for "
+              f"fresh buffers and first reads), ckptdelta (default: auto)'s first {AUTO_LEARN} (auto measures both "
+              "codecs while it starts); the codecs its timed steps used follow its name."]
     if fan:
         one = {r["shared_cache"]: r for r in fan if r["replicas"] == 1}
         lines += ["", f"## Fan-out: one bucket, N replicas hot-loading the same step ({fan[0]['size_gb']:g} GB, lr 1e-6, "
