@@ -60,6 +60,9 @@ FULL_PARTS = ("save_s", "upload_s", "download_s", "load_s", "copy_s")
 SPARSE_FACTOR = 10  # the sparse step changes ~1/10 of the elements a real step changes
 SWEEP = (0.005, 0.01, 0.02, 0.035, 0.05, 0.1)   # shares of elements changed, for the pause vs a full copy
 QUICK_SWEEP = (0.01, 0.05)
+#: One codec for every delta (not the default, auto, which alternates codecs while it learns): the figures
+#: here are the pause and the stages of one codec, comparable from run to run.
+CODEC = "context"
 
 log = logging.getLogger("ckptdelta.bench")
 
@@ -298,7 +301,7 @@ def warm_up(root: str, opts: dict | None) -> None:
     g = torch.Generator().manual_seed(0)
     w = {f"w{i}": torch.randn(256, 1024, generator=g).to(torch.bfloat16) for i in range(4)}
     live = {k: v.clone() for k, v in w.items()}
-    with Publisher(f"{root}/warm-up", storage_options=opts, progress=False) as pub:
+    with Publisher(f"{root}/warm-up", storage_options=opts, progress=False, codec=CODEC) as pub:
         v0 = pub.publish(w, 0).version
         swapper = HotSwapper(live, SnapshotReader(f"{root}/warm-up", storage_options=opts), version=v0)
         for step in (1, 2):
@@ -339,7 +342,8 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
     out: dict[str, Any] = {"backend": kind, "size_gb": size_gb, "model_bytes": model_bytes, "elements": n_elements,
                            "tensors": len(new), "build_s": build_s, "repeats": repeats}
     with tempfile.TemporaryDirectory(prefix="ckptdelta-latency-") as scratch:
-        pub = Publisher(run, storage_options=opts, progress=False, anchor_every=1000, anchor_chain_fraction=100.0)
+        pub = Publisher(run, storage_options=opts, progress=False, anchor_every=1000, anchor_chain_fraction=100.0,
+                        codec=CODEC)
         try:
             t = time.perf_counter()
             anchor = pub.publish(old, 0)

@@ -497,8 +497,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             meta["tensors"] = len(trainer.current)
             model_dir = save_model_dir(os.path.join(scratch, "model"), c, trainer.current)
             url = f"{root}/run"
-            pub = Publisher(url, storage_options=opts, progress=False, anchor_every=100000,
-                            anchor_chain_fraction=1000.0, extra_files=hf_extra_files(model_dir))
+            pub = Publisher(url, storage_options=opts, progress=False, anchor_every=100000,   # one codec: the
+                            anchor_chain_fraction=1000.0, extra_files=hf_extra_files(model_dir),  # runs compare
+                            codec="context")
             t = time.perf_counter()
             pub.publish(trainer.current, 0)
             meta["anchor_publish_s"] = time.perf_counter() - t

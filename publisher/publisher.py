@@ -632,8 +632,9 @@ def _resolve_codec(codec: Any, context_coding: Any, upload_bandwidth: Any) -> st
         raise ValueError(f"codec must be one of {', '.join(map(repr, choices))}, got {codec!r}")
     if codec is None:
         codec = "auto" if context_coding is None else CONTEXT if context_coding else FAST
-    elif context_coding is not None and not context_coding and codec != FAST:
-        raise ValueError(f"context_coding=False asks for the fast codec, but codec={codec!r}: pass codec alone")
+    elif context_coding is not None and codec != (CONTEXT if context_coding else FAST):
+        raise ValueError(f"context_coding={bool(context_coding)} asks for the "
+                         f"{CONTEXT if context_coding else FAST} codec, but codec={codec!r}: pass codec alone")
     check_bandwidth(upload_bandwidth)
     if upload_bandwidth is not None and codec != "auto":
         raise ValueError(f"upload_bandwidth only seeds codec='auto'; with codec={codec!r} it would be ignored")

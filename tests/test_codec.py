@@ -568,6 +568,35 @@ def test_stage_decodes_each_chunk_into_its_slice_of_the_staged_arrays_as_chunk_b
     assert {record.SPARSE, record.DENSE_XOR, record.CTX, record.RAW} <= seen
 
 
+def test_dense_and_unchanged_chunks_of_a_sparsely_staged_record_decode_into_the_staged_arrays(monkeypatch):
+    """One chunk rewritten (dense XOR planes), one lightly changed (sparse or ctx), the rest untouched: the
+    record is staged sparsely, on the direct path (chunk-by-chunk staging is not called), zero-length slices
+    between the changed chunks; and a wrong parent is refused on that path as before."""
+    g = torch.Generator().manual_seed(3)
+    old = (torch.randn(8 * 8192, generator=g) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    new.view(torch.int16)[3 * 8192: 4 * 8192] ^= 1      # every element's lowest bit: XOR planes win
+    new[6 * 8192: 6 * 8192 + 200] = (new[6 * 8192: 6 * 8192 + 200].float() * 1.01).to(torch.bfloat16)
+
+    def refuse(*a, **k):
+        raise AssertionError("chunk-by-chunk staging used")
+
+    for context in (True, False):
+        enc = codec.encode(old, new, chunk_elems=8192, context=context)
+        kinds = [c.encoding for c in enc.header.chunks]
+        assert kinds[3] == record.DENSE_XOR and kinds.count(record.UNCHANGED) == 6, kinds
+        want = codec._stage_chunkwise(dtypes.host_bits(old), enc, True, None)
+        with monkeypatch.context() as m:
+            m.setattr(codec, "_stage_chunkwise", refuse)
+            got = codec.stage(old, enc)
+            assert got.dense is None and np.array_equal(got.positions, want.positions)
+            assert np.array_equal(got.values, want.values) and np.array_equal(got.old, want.old)
+            wrong = old.clone()
+            wrong[5] = 1.0                                  # an unchanged chunk differs: not the parent
+            with pytest.raises(ParentMismatchError):
+                codec.stage(wrong, enc)
+
+
 def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
     old = (torch.randn(4096) * 0.02).to(torch.bfloat16)
     new = old.clone()
@@ -580,3 +609,9 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
     with pytest.raises(ValueError, match="of their count"):
         chunks.decode_changes(c, enc.payloads[0], bits, enc.header.dtype, "t",
                               (np.empty(c.count + 1, np.int64), np.empty(c.count + 1, np.uint16)))
+    raw = codec.encode(old, torch.zeros_like(old))                  # raw chunks: smaller than XOR planes
+    r = raw.header.chunks[0]
+    assert r.encoding == record.RAW
+    with pytest.raises(ValueError, match="only sparse, dense and ctx chunks"):
+        chunks.decode_changes(r, raw.payloads[0], bits, raw.header.dtype, "t",
+                              (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))

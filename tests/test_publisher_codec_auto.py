@@ -228,7 +228,8 @@ def test_a_replica_s_slower_decode_can_tip_the_choice_to_the_fast_path(monkeypat
     choice = ch.choose(ELEMENTS)
     pred = {p.codec: p for p in choice.predictions}
     assert pred[CONTEXT].committed_s < pred[FAST].committed_s
-    assert choice.codec == FAST and "decode" in choice.reason
+    assert pred[FAST].total_s < pred[CONTEXT].total_s
+    assert choice.codec == FAST and choice.reason.startswith("auto: predicted fast ")
 
 
 def test_part_sizes_below_one_byte_are_refused():
@@ -278,6 +279,8 @@ def test_observe_refuses_an_unknown_codec():
     ({"codec": True}, "codec must be one of"),
     ({"codec": "auto", "context_coding": False}, "context_coding=False asks for the fast codec, but codec='auto'"),
     ({"codec": "context", "context_coding": False}, "context_coding=False asks for the fast codec"),
+    ({"codec": "fast", "context_coding": True}, "context_coding=True asks for the context codec, but codec='fast'"),
+    ({"codec": "auto", "context_coding": True}, "context_coding=True asks for the context codec, but codec='auto'"),
     ({"codec": "context", "upload_bandwidth": 1e6}, "upload_bandwidth only seeds codec='auto'; with codec='context'"),
     ({"codec": "fast", "upload_bandwidth": 1e6}, "upload_bandwidth only seeds codec='auto'"),
     ({"codec": "auto", "upload_bandwidth": -5}, "upload_bandwidth must be a positive finite number"),
