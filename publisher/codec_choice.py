@@ -39,11 +39,12 @@ pipeline over the parts rather than adding the stages. A replica fetches the
 committed delta in batches (4 MiB, then twice the last, up to 256 MiB) and
 decodes each while it fetches the next: the same pipeline, over its link (taken
 to be as fast as the trainer's: both reach one bucket) and its decode, which the
-publisher cannot time, so it is predicted from the encode: ``DECODE_PER_ENCODE``
-seconds of decoding per second of encoding the same delta with the same codec,
-as measured on the reference workload with equal cores on both sides. A replica
-host with many more cores than the trainer's decodes faster than that predicts,
-which overstates the context coder's cost only where the two are close.
+publisher cannot time, so it is predicted from the encode's level: ``DECODE_WORK``
+units of the codec's encode work per element and per changed element, as measured
+with equal cores on both sides. A replica host with many more cores than the
+trainer's decodes faster than that predicts, and one whose trainer is loaded by
+other jobs is predicted slower; either overstates or understates the context
+coder's cost only where the two codecs are close.
 
 The first delta uses the context coder; from the
 second on the smaller prediction wins, except that the other codec is used to
@@ -92,10 +93,13 @@ WORK_PER_CHANGED = {CONTEXT: 70.0, FAST: 35.0}
 #: The fast path's samples over the context coder's, before a pair of deltas has measured it: seconds per
 #: unit of work (1.3 / 2.2 ns above) and bytes per changed element (1.50-1.63x on the reference workloads).
 PRIOR_FAST_VS_CONTEXT = {"encode": 0.6, "bytes": 1.6}
-#: A replica's seconds of decoding (fetched records -> staged changes, digests checked) per second the
-#: publisher spent encoding the same delta, same codec, equal cores: benchmarks/at_scale.py at 1 GB, lr 1e-6
-#: and 1e-5, 2 cores each side, measured 0.64-0.81 for the context coder and 0.47-0.59 for the fast path.
-DECODE_PER_ENCODE = {CONTEXT: 0.75, FAST: 0.5}
+#: A replica's decode (fetched records -> staged changes, digests checked) in units of the same codec's encode
+#: work: (per element, per changed element), so decode seconds = the codec's encode seconds per unit of work x
+#: (a x elements + b x changed). Fitted to benchmarks/at_scale.py at 1 GB, 2 cores on each side (decode over
+#: trainer-side time, 0.89-0.90 for the context coder at lr 1e-6 (1.0% changed) and 0.50-0.59 at lr 1e-5
+#: (6.8%); 0.55-0.70 and 0.49-0.60 for the fast path): the decode grows more slowly with the changes than
+#: the encode does.
+DECODE_WORK = {CONTEXT: (1.25, 28.0), FAST: (0.63, 17.5)}
 #: A replica's fetch batches (loader/reader.py): the first this many bytes, then twice the last, up to
 #: REPLICA_BATCH_BYTES.
 REPLICA_FIRST_BATCH_BYTES = 4 << 20
@@ -111,7 +115,7 @@ class Prediction:
     stored_bytes: float
     upload_s: float
     committed_s: float    # publish() -> committed: encode and upload, pipelined over the parts
-    decode_s: float       # a replica's decode (predicted from encode_s: DECODE_PER_ENCODE)
+    decode_s: float       # a replica's decode (predicted from the encode's level: DECODE_WORK)
     total_s: float        # publish() -> swapped: committed_s, then the replica's fetch and decode, pipelined
     measured: bool        # False: the codecs' ratio is still the prior (no pair of deltas measured it)
 
@@ -242,7 +246,8 @@ class CodecChooser:
         encode_s = work * (elements + WORK_PER_CHANGED[codec] * changed)
         stored = per_changed * changed
         upload_s = stored / bw
-        decode_s = encode_s * DECODE_PER_ENCODE[codec]
+        a, b = DECODE_WORK[codec]
+        decode_s = work * (a * elements + b * changed)
         nbytes = max(1, math.ceil(stored))
         committed = _pipeline(deltas.part_sizes(nbytes, self.part_bytes, deltas.FIRST_PART_BYTES), encode_s,
                               upload_s)

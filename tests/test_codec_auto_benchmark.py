@@ -1,5 +1,5 @@
 """benchmarks/codec_auto runs end to end on the tiny workload: every variant publishes every delta through
-both shaped links, and the table, JSON and plot are written. No timing or choice is asserted: those belong
+both shaped links, its replica hot-loads each one, and the table, JSON and plot are written. No timing or choice is asserted: those belong
 to the benchmark's table."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def test_the_codec_auto_benchmark_writes_its_table_json_and_plot(tmp_path, capsy
             rows = [r for r in link["rows"] if r["variant"] == v]
             assert [r["step"] for r in rows] == [1, 2, 3]
             assert all(r["codec"] in ("context", "fast") and r["stored_bytes"] > 0 for r in rows)
+            assert all(r["swapped_s"] == r["total_s"] + r["hotload_s"] and r["hotload_s"] > 0 for r in rows)
             if v != "auto":
                 assert {r["codec"] for r in rows} == {v}
         assert all(r["reason"].startswith("auto: ") for r in link["rows"] if r["variant"] == "auto")
