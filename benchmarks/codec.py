@@ -10,10 +10,10 @@ alike. One-thread rows give MB/s of wall time and of the thread's CPU time (whic
 a shared machine's waits for a core do not inflate). ckptdelta encodes with each
 parent's digest known, as a Publisher does (it committed that parent last step).
 
-For each workload the context coder serves it also prints where the default codec's
+For each workload the context coder serves it also prints where the context coder's
 time goes: ns per element of each stage (benchmarks/stages.py) beside this machine's
 memory-bandwidth floor measured in the same run (a copy pass and an XOR pass), and at
-the end the speed targets of the default codec against XOR+zstd-3 on the reference
+the end the speed targets of the context coder against XOR+zstd-3 on the reference
 workloads, met or not.
 
     python -m benchmarks.codec            # small model, every workload
@@ -207,7 +207,7 @@ def _machine() -> dict:
             "processor": platform.processor() or platform.machine()}
 
 
-#: The default codec's speed targets against XOR+zstd-3 (same run, one thread): workload ->
+#: The context coder's speed targets against XOR+zstd-3 (same run, one thread): workload ->
 #: (encode speed >=, decode+apply speed >=) as a multiple of XOR+zstd-3's; the ratio must stay
 #: RATIO_TARGET x XOR+zstd-3's, and two threads THREADS_TARGET x one thread's, on each.
 SPEED_TARGETS = {"bf16-lr1e-06-1step": (1.0, 0.6), "bf16-lr1e-05-1step": (0.8, 0.4),
@@ -295,7 +295,7 @@ def render(rows: list[Row], entropies: dict, wl: list, stage_times: dict | None 
                       + f" | {sum(st['decode'].values()) / f['xor']:.1f} | {e2e_dec / f['xor']:.1f} |", ""]
     ts = targets(rows)
     if ts:
-        lines += ["## Targets: the default codec against XOR+zstd-3, same run", "",
+        lines += ["## Targets: the context coder against XOR+zstd-3, same run", "",
                   f"Speeds as multiples of XOR+zstd-3's (one thread, wall medians; CPU time in brackets), "
                   f"ratio >= {RATIO_TARGET}x XOR+zstd-3's, two threads >= {THREADS_TARGET}x one.", "",
                   "| workload | ratio | encode (target) | decode+apply (target) | threads: encode / decode | met |",

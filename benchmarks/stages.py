@@ -1,4 +1,4 @@
-"""Where the default codec's time goes: nanoseconds per element of each stage, beside the floor.
+"""Where the context coder's time goes: nanoseconds per element of each stage, beside the floor.
 
 For one workload, every chunk the codec would cut (``delta.codec.DEFAULT_CHUNK_ELEMS``)
 is run through the context coder's kernels one stage at a time, and each stage is
