@@ -294,17 +294,20 @@ class CodecChooser:
             self._bandwidth.append(stored_bytes / upload_s)
 
 
-def warm_up() -> None:
-    """Load both codecs' kernels for every float dtype the codec specialises (numba's on-disk cache) and start
-    the codec pool, so no delta's ``encode_s`` includes that once-per-process cost (~0.7 s for the context
-    coder's first tensor, 10-50 ms more per dtype and codec). ``Publisher(codec="auto")`` runs it in its
-    publish thread when it is built."""
+def warm_up(dtypes: "set[torch.dtype] | None" = None) -> None:
+    """Load both codecs' kernels for ``dtypes`` (default: every float dtype the codec specialises) from numba's
+    on-disk cache and start the codec pool, so no delta's ``encode_s`` includes that once-per-process cost
+    (~0.7 s for the context coder's first tensor, 10-50 ms more per dtype and codec). ``Publisher(codec=
+    "auto")`` runs it before its first delta of each dtype, outside the delta's timing (a run of anchors only,
+    or a fixed codec, never pays for it)."""
     from delta.batch import encode_many
     from delta.warmup import DTYPES
 
     try:
         g = torch.Generator().manual_seed(0)
         for dtype in DTYPES:
+            if dtypes is not None and dtype not in dtypes:
+                continue
             old = (torch.randn(1 << 12, generator=g) * 0.05).to(dtype)
             moved = (old.float() * (1 + 0.01 * torch.randn(old.shape, generator=g))).to(dtype)
             new = torch.where(torch.rand(old.shape, generator=g) < 0.05, moved, old)

@@ -178,8 +178,7 @@ class Publisher:
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._futures: set[Future] = set()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-publish")
-        if self._chooser is not None:
-            self._worker.submit(warm_up)   # before the first publish, off the caller's thread
+        self._warmed: set[torch.dtype] = set()   # dtypes whose kernels auto loaded before a timed delta
         self._uploads = ThreadPoolExecutor(4, thread_name_prefix="ckptdelta-upload")
 
     @property
@@ -540,6 +539,10 @@ class Publisher:
         if self._chooser is None:
             codec, reason = self.codec, f"fixed: Publisher(codec={self.codec!r})"
         else:
+            fresh = {t.dtype for t in job.snapshot.values()} - self._warmed
+            if fresh:      # both codecs' kernels loaded before the first delta of a dtype, untimed
+                warm_up(fresh)
+                self._warmed |= fresh
             choice = self._chooser.choose(elements)
             codec, reason, exploring = choice.codec, choice.reason, choice.exploring
             if self._last_codec and codec != self._last_codec and not exploring:
