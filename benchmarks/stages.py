@@ -9,17 +9,19 @@ stage to the limit is visible. Times are CPU time of the calling thread
 (``time.thread_time``), medians of repeats: on a machine shared with other jobs that
 is what one thread costs, where wall time also counts the waits for a core.
 
-Stages (docs/FORMAT.md, encoding 4):
+Stages (docs/FORMAT.md, encoding 5, which the context coder writes):
 
-* encode: **scan** (compare parent and new bits, class histogram, every change with
-  its class, rank and step: one pass over the chunk), **statistics** (flag models and
-  Golomb parameters per class, gaps, the second pass over classes coded by their
-  unchanged elements), **coding** (class table and both bit streams; the sparse
-  encoding's arrays and estimate the encoder compares with), **hash** (xxh3 of the new
-  tensor; the parent's digest a publisher has from the manifest it committed last);
-* decode+apply: **hash parent**, **scan** (the position stream: one countdown per class,
-  every parent element), **coding** (the step stream: new bits of each change),
-  **apply** (keep the old bits for undo, scatter), **hash result**.
+* encode: **scan** (compare parent and new bits 64 at a time, every change with its
+  class and step, class sizes from a sample: one pass over the chunk), **statistics**
+  (the groups, the second pass that finds each group's gaps from its masks, flag
+  models and Golomb parameters), **coding** (both tables and the bit streams; the
+  sparse encoding's arrays and estimate the encoder compares with), **hash** (xxh3 of
+  the new tensor; the parent's digest a publisher has from the manifest it committed
+  last);
+* decode+apply: **hash parent**, **scan** (the position sub-streams: group masks of
+  every 64 parent elements, gaps skipped by counting their bits), **coding** (the step
+  stream: new bits of each change), **apply** (keep the old bits for undo, scatter),
+  **hash result**.
 
 ``glue`` is what the end-to-end call (``delta.encode_many`` / ``apply_many``, one
 thread) costs beyond the stages: Python, allocation, the zstd tries of the chunks
@@ -36,11 +38,10 @@ import xxhash
 
 from delta import dtypes, kernels
 from delta.codec import DEFAULT_CHUNK_ELEMS
-from delta.ctx_bits import U64
-from delta.ctx_decoder import _decode_positions, _decode_steps, _parse_table, _words
-from delta.ctx_encoder import (_assemble, _position_gaps, _position_models, _scan, _sparse_parts, _step_models,
-                               _unchanged_events, sparse_estimate)
-from delta.ctxcoder import _words_of_four, layout_of, scan_scratch
+from delta.ctx_decoder import _PAD_WORDS, _decode_steps
+from delta.ctx_encoder import _sparse_parts, _step_models, sparse_estimate
+from delta.ctxcoder import layout_of, scan_scratch
+from delta.gctx import _assemble, _group_positions, _parse_table, _position_models, _scan, _words_at
 
 ENCODE_STAGES = ("scan", "statistics", "coding", "hash")
 DECODE_STAGES = ("hash parent", "scan", "coding", "apply", "hash result")
@@ -62,28 +63,20 @@ def _chunks(old: dict, new: dict):
 def _encode_chunk_staged(o, n, dt, t: dict) -> tuple | None:
     mb, eb = layout_of(dt)
     w = 8 * dt.itemsize
-    C = 1 << eb
-    mask = U64((1 << w) - 1)
-    signbit = U64(1 << (w - 1))
-    o4, n4 = _words_of_four(o), _words_of_four(n)
-    if o4.shape[0] != n4.shape[0]:
-        o4, n4 = o4[:0], n4[:0]
     c0 = time.thread_time()
     scratch = scan_scratch(o.shape[0])
-    ncls, kcls, cpos, ccls, crank, csign, ca = _scan(o, n, o4, n4, w, mb, C, signbit, mask, *scratch)
+    chgw = np.empty((o.shape[0] + 63) >> 6, np.uint64)
+    nest, kcls, cpos, ccls, csign, ca = _scan(o, n, w, mb, eb, *scratch[:4], chgw)
     c1 = time.thread_time()
     t["scan"] += c1 - c0
     count = cpos.shape[0]
     if count == 0:
         return None
-    pmode, ppol, pj, ucount = _position_models(ncls, kcls, count)
-    upos, ucls, urank = _unchanged_events(o, n, o4, n4, w, mb, pmode, ppol, ucount)
-    cgap, ugap, pinit = _position_gaps(ncls, ccls, crank, pmode, ppol, ucls, urank)
-    zmode, zpol, zj, zgap, zinit, vj, vsum = _step_models(kcls, ccls, ca)
+    groups = _position_models(o, mb, eb, nest, kcls, chgw, scratch[2], scratch[3])
+    steps = _step_models(kcls, ccls, ca)
     c2 = time.thread_time()
     t["statistics"] += c2 - c1
-    out = _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
-                    zmode, zpol, zj, zinit, zgap, vj, vsum, csign, ca)
+    out = _assemble(*groups, kcls, ccls, *steps, csign, ca)
     sparse_estimate(*_sparse_parts(cpos, csign, ca))
     payload = out.tobytes()
     c3 = time.thread_time()
@@ -96,14 +89,23 @@ def _decode_chunk_staged(payload, count, o, dt, t: dict) -> None:
     w = 8 * dt.itemsize
     c0 = time.thread_time()
     buf = np.frombuffer(payload, np.uint8)
-    err, lo, hi, pmode, ppol, pj, zmode, zpol, zj, vj, q, P = _parse_table(buf, 1 << eb)
+    err, G, tb, gmode, gpol, gj, P, lo, hi, zmode, zpol, zj, vj, q = _parse_table(buf, 1 << eb)
+    words = np.zeros(sum((int(P[k]) + 7) // 8 + _PAD_WORDS for k in range(G)) + 1, np.uint64)
+    wstart = np.zeros(P.shape[0], np.int64)
+    at, s = 0, q
+    for k in range(G):
+        wstart[k] = at
+        at = _words_at(buf, s, s + P[k], words, at)
+        s += int(P[k])
     pos = np.empty(count, np.int64)
     vals = np.empty(count, dt.bits_dtype)
     ccls = np.empty(count, np.uint16)
-    err |= _decode_positions(_words(buf, q, q + P), P, o, count, mb, lo, hi, pmode, ppol, pj, pos, ccls)
+    err |= _group_positions(words, wstart, P, o, count, mb, eb, G, tb, gmode, gpol, gj, pos, ccls)
     c1 = time.thread_time()
     L = buf.shape[0]
-    err |= _decode_steps(_words(buf, q + P, L), L - q - P, o, w, lo, hi, zmode, zpol, zj, vj, pos, ccls, vals)
+    sw = np.zeros((L - s + 7) // 8 + _PAD_WORDS, np.uint64)
+    _words_at(buf, s, L, sw, 0)
+    err |= _decode_steps(sw, L - s, o, w, lo, hi, zmode, zpol, zj, vj, pos, ccls, vals)
     c2 = time.thread_time()
     if err:
         raise AssertionError(f"stage decode failed with error {err}")

@@ -134,6 +134,26 @@ def _flag_model(n_items, n_set):
 
 
 @njit(cache=True, nogil=True)
+def change_steps(cold, cnew, ccls, C, signbit, mask):
+    """Each change's step from its old and new bits (encodings 4 and 5): sign (1: the key goes
+    up) and magnitude - 1 (< 2**15: widths 8 and 16); and the changes per class."""
+    j = cold.shape[0]
+    ca = np.empty(j, np.int32)
+    csign = np.empty(j, np.uint8)
+    kcls = np.zeros(C, np.int64)
+    for t in range(j):
+        o = U64(cold[t])
+        v = U64(cnew[t])
+        d = (key(v, signbit, mask) - key(o, signbit, mask)) & mask
+        up = U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
+        u = up * ((d << U64(1)) - U64(1)) + (U64(1) - up) * ((mask - d) << U64(1))
+        csign[t] = np.uint8(u & U64(1))
+        ca[t] = np.int32(u >> U64(1))
+        kcls[ccls[t]] += 1
+    return csign, ca, kcls
+
+
+@njit(cache=True, nogil=True)
 def _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask, cpos, ccls, crank, cold, cnew):
     """Class sizes, changes per class, and every change: position, class, class-local rank,
     sign and magnitude - 1 of its step; one pass, which also counts the changes.
@@ -191,18 +211,7 @@ def _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask, cpos, ccls,
             cold[j] = np.int32(a)
             cnew[j] = np.int32(new[i])
             j += 1
-    ca = np.empty(j, np.int32)       # magnitude - 1 (< 2**15: widths 8 and 16)
-    csign = np.empty(j, np.uint8)    # 1: the key goes up
-    kcls = np.zeros(C, np.int64)
-    for t in range(j):
-        o = U64(cold[t])
-        v = U64(cnew[t])
-        d = (key(v, signbit, mask) - key(o, signbit, mask)) & mask
-        up = U64(d < signbit)                        # z - 1, branch-free (the direction is a coin toss)
-        u = up * ((d << U64(1)) - U64(1)) + (U64(1) - up) * ((mask - d) << U64(1))
-        csign[t] = np.uint8(u & U64(1))
-        ca[t] = np.int32(u >> U64(1))
-        kcls[ccls[t]] += 1
+    csign, ca, kcls = change_steps(cold[:j], cnew[:j], ccls[:j], C, signbit, mask)
     ncls = np.zeros(C, np.int64)
     for c in range(C):
         ncls[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
@@ -411,6 +420,26 @@ def _bound(total, events, m, b):
 
 
 @njit(cache=True, nogil=True)
+def step_stream(sbits, ccls, zmode, zinit, zgap, zj, vj, csign, ca):
+    """The step stream (encodings 4 and 5 share it), in at most ``sbits`` bits: first the
+    big-flag gaps of each class, then per change its sign, its big-flag gap at events and
+    its magnitude. Returns (32-bit words, complete words, pending bits)."""
+    zm, zb, zc, zr = class_params(zj)
+    vm, vb, vc, vr = class_params(vj)
+    sw = np.zeros(sbits // 32 + 2, np.uint32)
+    acc, nb, k = _first_gaps(sw, zmode, zinit, zm, zb, zc, zr)
+    for t in range(ccls.shape[0]):
+        c = ccls[t]
+        acc, nb, k = _put(sw, acc, nb, k, csign[t], 1)
+        if zgap[t] >= 0:
+            acc, nb, k = _put_golomb(sw, acc, nb, k, zgap[t], zm[c], zb[c], zc[c], zr[c])
+        if ca[t] > 0:
+            acc, nb, k = _put_golomb(sw, acc, nb, k, ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
+    sw[k] = np.uint32(acc >> U64(32))
+    return sw, k, nb
+
+
+@njit(cache=True, nogil=True)
 def _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, ugap,
               zmode, zpol, zj, zinit, zgap, vj, vsum, csign, ca):
     """Class table, position stream and step stream, in the decoder's order.
@@ -422,8 +451,8 @@ def _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, 
     count = cpos.shape[0]
     ucount = upos.shape[0]
     pm, pb, pc, pr = class_params(pj)
-    zm, zb, zc, zr = class_params(zj)
-    vm, vb, vc, vr = class_params(vj)
+    zm, zb, _, _ = class_params(zj)
+    vm, vb, _, _ = class_params(vj)
     pbits = 0
     sbits = count
     lo = C
@@ -459,17 +488,7 @@ def _assemble(ncls, kcls, pmode, ppol, pj, pinit, cpos, ccls, cgap, upos, ucls, 
             t += 1
     pw[k] = np.uint32(acc >> U64(32))           # the pending bits a completed word left over
     pk, pnb = k, nb
-    # step stream: first big-flag gaps, then per change: sign, big-flag gap at events, magnitude
-    sw = np.zeros(sbits // 32 + 2, np.uint32)
-    acc, nb, k = _first_gaps(sw, zmode, zinit, zm, zb, zc, zr)
-    for t in range(count):
-        c = ccls[t]
-        acc, nb, k = _put(sw, acc, nb, k, csign[t], 1)
-        if zgap[t] >= 0:
-            acc, nb, k = _put_golomb(sw, acc, nb, k, zgap[t], zm[c], zb[c], zc[c], zr[c])
-        if ca[t] > 0:
-            acc, nb, k = _put_golomb(sw, acc, nb, k, ca[t] - 1, vm[c], vb[c], vc[c], vr[c])
-    sw[k] = np.uint32(acc >> U64(32))
+    sw, k, nb = step_stream(sbits, ccls, zmode, zinit, zgap, zj, vj, csign, ca)
     P = (32 * pk + pnb + 7) // 8
     out = np.empty(hdr + P + (32 * k + nb + 7) // 8, np.uint8)
     out[0] = lo & 0xFF

@@ -1,4 +1,4 @@
-"""Chunk encoding 4 ("ctx"): changes coded with contexts the decoder already holds.
+"""Chunk encodings 4 ("ctx") and 5 ("gctx"): changes coded with contexts the decoder already holds.
 
 Why: the parent's bits predict the change. An element's exponent fixes its ulp,
 and an optimizer step of roughly ``lr`` moves an element with a small ulp almost
@@ -36,10 +36,11 @@ from .ctx_decoder import ctx_decode
 from .ctx_encoder import ctx_encode, sparse_estimate
 from .dtypes import DType
 from .errors import FormatError
+from .gctx import GMAX, gctx_decode, gctx_encode
 from .record import CTX_LAYOUT
 
-__all__ = ["MAX_J", "CtxResult", "ctx_decode", "ctx_encode", "decode_ctx", "encode_ctx", "golomb_m", "layout_of",
-           "sparse_estimate"]
+__all__ = ["MAX_J", "CtxResult", "ctx_decode", "ctx_encode", "decode_ctx", "decode_gctx", "encode_ctx",
+           "encode_gctx", "gctx_decode", "gctx_encode", "golomb_m", "layout_of", "sparse_estimate"]
 
 _ERRORS = {
     1: "payload shorter than its class table",
@@ -55,6 +56,12 @@ _ERRORS = {
     11: "trailing bytes or nonzero padding after the bit stream",
     12: "a step outside the dtype's key space",
 }
+#: Encoding 5's: the same codes, where a table or a stream belongs to a group of classes.
+_GERRORS = {**_ERRORS,
+            1: "payload shorter than its group and class tables",
+            2: "group bounds or class range outside the dtype's exponent classes",
+            4: "non-canonical table (a stream for a group not Golomb-coded, or a magnitude index without big steps)",
+            8: "a group's position gaps do not end at the chunk's end"}
 
 
 def layout_of(dt: DType) -> tuple[int, int] | None:
@@ -91,9 +98,9 @@ def scan_scratch(n: int) -> np.ndarray:
     """The encoder scan's change arrays for a chunk of ``n`` elements: this thread's own, reused
     from chunk to chunk (fresh memory per chunk costs a page fault on every page written)."""
     s = getattr(_local, "scratch", None)
-    if s is not None and s.shape[1] >= n:
+    if s is not None and s.shape[1] >= n + GMAX:
         return s
-    s = np.empty((5, max(n, 1)), np.int32)
+    s = np.empty((5, n + GMAX), np.int32)        # encoding 5 writes up to n + GMAX gaps
     if n <= SCRATCH_KEEP:
         _local.scratch = s
     return s
@@ -123,26 +130,50 @@ def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None 
     if old4.shape[0] != new4.shape[0]:
         old4, new4 = old4[:0], new4[:0]
     out, sparse = ctx_encode(old, new, old4, new4, 8 * dt.itemsize, lay[0], lay[1], scan_scratch(old.shape[0]))
+    return _result(out, sparse, changed)
+
+
+def _result(out: np.ndarray, sparse: tuple, changed: int | None) -> CtxResult:
     if changed is not None and sparse[0].shape[0] != changed:
-        raise AssertionError("ctx encoder: inconsistent change count")  # a bug, never data
+        raise AssertionError("context encoder: inconsistent change count")  # a bug, never data
     if out.shape[0] == 0:
         return CtxResult(b"", sparse, False)
     sure = out.shape[0] <= SURELY_SMALLER * sparse_estimate(*sparse)
     return CtxResult(out.tobytes(), sparse, sure)
 
 
-def decode_ctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DType,
-               where: str, out: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[np.ndarray, np.ndarray]:
-    """Chunk-local positions (int64) and new bits of an encoding-4 chunk (into ``out``'s two arrays
-    of ``count`` elements, if given)."""
+def encode_gctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None = None) -> CtxResult | None:
+    """As :func:`encode_ctx`, for encoding 5 (delta/gctx.py): the same contexts, positions coded
+    per group of classes, both ends ~2x faster at ~2% more bytes."""
     lay = layout_of(dt)
     if lay is None:
-        raise FormatError(f"{where}: encoding ctx is not defined for dtype {dt.name}")
+        return None
+    out, sparse = gctx_encode(old, new, 8 * dt.itemsize, lay[0], lay[1], scan_scratch(old.shape[0]))
+    return _result(out, sparse, changed)
+
+
+def decode_ctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DType,
+               where: str, out: "tuple[np.ndarray, np.ndarray] | None" = None,
+               grouped: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk-local positions (int64) and new bits of an encoding-4 chunk (encoding 5 with
+    ``grouped``), into ``out``'s two arrays of ``count`` elements, if given."""
+    name = "gctx" if grouped else "ctx"
+    lay = layout_of(dt)
+    if lay is None:
+        raise FormatError(f"{where}: encoding {name} is not defined for dtype {dt.name}")
     if not 1 <= count <= old.shape[0]:
-        raise FormatError(f"{where}: ctx chunk count {count} outside [1, {old.shape[0]}]")
+        raise FormatError(f"{where}: {name} chunk count {count} outside [1, {old.shape[0]}]")
     buf = np.frombuffer(payload, np.uint8)
     positions, values = (np.empty(count, np.int64), np.empty(count, dt.bits_dtype)) if out is None else out
-    err = ctx_decode(buf, old, count, 8 * dt.itemsize, lay[0], lay[1], positions, values)
+    err = (gctx_decode if grouped else ctx_decode)(buf, old, count, 8 * dt.itemsize, lay[0], lay[1],
+                                                   positions, values)
     if err:
-        raise FormatError(f"{where}: corrupt ctx payload ({_ERRORS.get(err, f'error {err}')})")
+        msg = (_GERRORS if grouped else _ERRORS).get(err, f"error {err}")
+        raise FormatError(f"{where}: corrupt {name} payload ({msg})")
     return positions, values
+
+
+def decode_gctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DType,
+                where: str, out: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk-local positions (int64) and new bits of an encoding-5 chunk."""
+    return decode_ctx(payload, old, count, dt, where, out, grouped=True)

@@ -195,14 +195,22 @@ def encode(old: np.ndarray, new: np.ndarray, dtype: str, pos: dict, flag: dict, 
     for i in range(n):
         if i in gaps_after:
             pbits += golomb_code(gaps_after[i], golomb_m(pos[cls[i]].j))
-    # step stream
+    p = _pack(pbits)
+    return bytes(table) + len(p).to_bytes(4, "little") + p + _pack(step_bits(old_i, new_i, cls, flag, val, w))
+
+
+def step_bits(old_i: list[int], new_i: list[int], cls: list[int], flag: dict, val: dict, w: int) -> str:
+    """The step stream (encodings 4 and 5): ``flag``/``val`` hold the models of the classes it
+    covers, in class order; a changed element's class must be among them."""
+    n = len(old_i)
+    changed = [old_i[i] != new_i[i] for i in range(n)]
     zs = {i: step_z(old_i[i], new_i[i], w) for i in range(n) if changed[i]}
     sbits = ""
     flag_gap_after = {}
-    for c in active:
+    for c in sorted(flag):
         if flag[c].mode != GOLOMB:
             continue
-        ch = [i for i in members[c] if changed[i]]
+        ch = [i for i in range(n) if cls[i] == c and changed[i]]
         ev = _events([((zs[i] - 1) >> 1) > 0 for i in ch], flag[c])
         g = _gaps(ev)
         sbits += golomb_code(g[0], golomb_m(flag[c].j))
@@ -215,8 +223,7 @@ def encode(old: np.ndarray, new: np.ndarray, dtype: str, pos: dict, flag: dict, 
             sbits += golomb_code(flag_gap_after[i], golomb_m(flag[cls[i]].j))
         if u >> 1:
             sbits += golomb_code((u >> 1) - 1, golomb_m(val[cls[i]]))
-    p = _pack(pbits)
-    return bytes(table) + len(p).to_bytes(4, "little") + p + _pack(sbits)
+    return sbits
 
 
 def decode(payload: bytes, old: np.ndarray, count: int, dtype: str) -> tuple[list[int], list[int]]:
@@ -256,6 +263,13 @@ def decode(payload: bytes, old: np.ndarray, count: int, dtype: str) -> tuple[lis
     if any(v != 0 for v in left.values()):
         raise Corrupt("position gaps do not end at the chunk end")
     ps.finish()
+    return positions, read_steps(ss, old, positions, pcls, flag, val, count, w)
+
+
+def read_steps(ss: Bits, old: np.ndarray, positions: list[int], pcls: list[int], flag: dict, val: dict,
+               count: int, w: int) -> list[int]:
+    """The new bits of each changed element from the step stream ``ss`` (encodings 4 and 5); a
+    class without a model in ``flag`` has big-flag model NONE."""
     zleft = {}
     for c in sorted(flag):
         if flag[c].mode == GOLOMB:
@@ -263,7 +277,7 @@ def decode(payload: bytes, old: np.ndarray, count: int, dtype: str) -> tuple[lis
     values = []
     for i, c in zip(positions, pcls):
         s = ss.bit()
-        f = flag[c]
+        f = flag.get(c, FlagModel(NONE))
         if f.mode == GOLOMB:
             event = zleft[c] == 0
             zleft[c] = ss.golomb(golomb_m(f.j), count) if event else zleft[c] - 1
@@ -279,4 +293,4 @@ def decode(payload: bytes, old: np.ndarray, count: int, dtype: str) -> tuple[lis
     if any(v != 0 for v in zleft.values()):
         raise Corrupt("step flags do not end with the changes")
     ss.finish()
-    return positions, values
+    return values

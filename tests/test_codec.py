@@ -285,13 +285,13 @@ def test_parent_mismatch_names_the_tensor_and_leaves_live_untouched():
 
 
 def test_a_parent_whose_classes_differ_is_named_as_the_wrong_parent_not_as_a_corrupt_payload():
-    """The ctx decoder reads the parent's exponents: against another tensor its streams fall apart
-    (a FormatError inside) and the error says what happened: the wrong parent."""
+    """The context decoders read the parent's exponents: against another tensor their streams fall
+    apart (a FormatError inside) and the error says what happened: the wrong parent."""
     a = _bf16_weights(5000)
     b = a.clone()
     b.view(torch.int16)[::50] += 1
     enc = codec.encode(a, b, name="w", chunk_elems=1000)
-    assert "ctx" in enc.encoding_counts()
+    assert "gctx" in enc.encoding_counts()
     other = (a.float() * 64).to(torch.bfloat16)     # every exponent moved: every class differs
     with pytest.raises(ParentMismatchError, match="'w'"):
         codec.stage(other, enc)
@@ -539,7 +539,7 @@ def test_golden_record_still_decodes(case):
 
 
 def test_stage_decodes_each_chunk_into_its_slice_of_the_staged_arrays_as_chunk_by_chunk_staging_would():
-    """stage() decodes sparse, dense and ctx chunks straight into the staged positions / values (each chunk
+    """stage() decodes sparse, dense and gctx chunks straight into the staged positions / values (each chunk
     into its slice, sized from the header's counts) and keeps chunk-by-chunk staging for records with raw
     chunks or changes staged densely: both give the same staged tensor, bit for bit."""
     g = torch.Generator().manual_seed(7)
@@ -565,7 +565,7 @@ def test_stage_decodes_each_chunk_into_its_slice_of_the_staged_arrays_as_chunk_b
             out = old.clone()
             got.apply_(out)
             assert torch.equal(out.view(torch.int16), new.view(torch.int16)), (share, context)
-    assert {record.SPARSE, record.DENSE_XOR, record.CTX, record.RAW} <= seen
+    assert {record.SPARSE, record.DENSE_XOR, record.GCTX, record.RAW} <= seen
 
 
 def test_dense_and_unchanged_chunks_of_a_sparsely_staged_record_decode_into_the_staged_arrays(monkeypatch):

@@ -1,14 +1,19 @@
-"""Encoding 4 (ctx): kernels agree with the plain-Python reference, round trips are bit-exact on every
-bit pattern, and a corrupt payload is always reported, never crashes, hangs or reads out of bounds.
+"""The context coders, encodings 4 (ctx, what the codec wrote before) and 5 (gctx, what it writes):
+kernels agree with the plain-Python references, round trips are bit-exact on every bit pattern,
+and a corrupt payload is always reported, never crashes, hangs or reads out of bounds. Tests that
+hold for both take the ``coder`` fixture; what only one has is here (encoding 4) or in
+tests/test_gctx_coder.py (encoding 5).
 
-The reference (tests/naive_ctx.py) is written from docs/FORMAT.md; the kernels live in
-delta/ctxcoder.py. Seeds are printed in assertion messages so a failure can be replayed.
+The references (tests/naive_ctx.py, tests/naive_gctx.py) are written from docs/FORMAT.md; the
+kernels live in delta/ctxcoder.py and the modules it names. Seeds are printed in assertion
+messages so a failure can be replayed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import os
 import subprocess
 import sys
@@ -21,11 +26,33 @@ import xxhash
 
 from benchmarks import entropy
 from delta import chunks, codec, ctxcoder, dtypes, errors, kernels, record
-from tests import naive_ctx
+from tests import naive_ctx, naive_gctx
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
 CTX_DTYPES = sorted(record.CTX_LAYOUT)
+
+
+CODERS = {
+    "ctx": types.SimpleNamespace(name="ctx", id=record.CTX, encode=ctxcoder.encode_ctx, decode=ctxcoder.decode_ctx,
+                                 naive=naive_ctx),
+    "gctx": types.SimpleNamespace(name="gctx", id=record.GCTX, encode=ctxcoder.encode_gctx,
+                                  decode=ctxcoder.decode_gctx, naive=naive_gctx),
+}
+
+
+@pytest.fixture(params=sorted(CODERS))
+def coder(request, monkeypatch):
+    """Each context coder in turn, the codec writing it (every record written before encoding 5
+    must still decode, so encoding 4 is written again here)."""
+    monkeypatch.setattr(chunks, "CONTEXT_ENCODING", CODERS[request.param].id)
+    return CODERS[request.param]
+
+
+@pytest.fixture
+def ctx4(monkeypatch):
+    """The codec writing encoding 4, for the tests of encoding 4 alone."""
+    monkeypatch.setattr(chunks, "CONTEXT_ENCODING", record.CTX)
 
 
 # --- inputs -------------------------------------------------------------------------------
@@ -79,19 +106,19 @@ def same_bits(a, b) -> bool:
     return np.array_equal(dtypes.host_bits(a), dtypes.host_bits(b))
 
 
-def kernel_round_trip(old: np.ndarray, new: np.ndarray, name: str) -> bytes | None:
+def kernel_round_trip(old: np.ndarray, new: np.ndarray, name: str, coder=CODERS["ctx"]) -> bytes | None:
     """Encode one chunk with the kernel, decode it with kernel and reference, check both."""
     dt = dtypes.BY_NAME[name]
     k = int(np.count_nonzero(old != new))
     if k == 0:
         return None
-    payload, sparse, _sure = ctxcoder.encode_ctx(old, new, dt, k)
-    pos, val = ctxcoder.decode_ctx(payload, old, k, dt, "t")
+    payload, sparse, _sure = coder.encode(old, new, dt, k)
+    pos, val = coder.decode(payload, old, k, dt, "t")
     want = np.flatnonzero(old != new)
     ref = kernels.sparse_extract(old, new, k, 8 * dt.itemsize, True)   # what encoding 1 would store
     assert all(np.array_equal(a, b) for a, b in zip(sparse, ref))
     assert np.array_equal(pos, want) and np.array_equal(val, new[want])
-    rp, rv = naive_ctx.decode(payload, old, k, name)
+    rp, rv = coder.naive.decode(payload, old, k, name)
     assert rp == want.tolist() and rv == new[want].tolist()
     return payload
 
@@ -157,16 +184,20 @@ def test_golomb_parameters_follow_the_documented_grid():
 # --- round trips through the codec ------------------------------------------------------------
 
 @pytest.mark.parametrize("name", CTX_DTYPES)
-def test_optimizer_like_changes_choose_ctx_and_round_trip(name):
+def test_optimizer_like_changes_choose_the_context_coder_and_round_trip(name, coder):
     rng = np.random.default_rng(7)
     old = weights(rng, name, 50_000)
     new = optimizer_step(rng, old, name, 0.03, 0.002)
     enc = codec.encode(as_tensor(old, name), as_tensor(new, name), name="w", chunk_elems=20_000)
-    assert enc.encoding_counts().get("ctx", 0) == 3
+    assert enc.encoding_counts().get(coder.name, 0) == 3
     out = codec.decode(as_tensor(old, name), enc.to_bytes())
     assert same_bits(out, as_tensor(new, name))
     live = as_tensor(old, name)
     codec.apply_(live, enc.to_bytes())
+    assert same_bits(live, as_tensor(new, name))
+    st = codec.stage(as_tensor(old, name), enc.to_bytes())   # decodes straight into the staged arrays
+    live = as_tensor(old, name)
+    st.apply_(live)
     assert same_bits(live, as_tensor(new, name))
 
 
@@ -192,7 +223,7 @@ def test_unaligned_or_odd_length_chunks_give_the_same_payload(name):
 
 
 @pytest.mark.parametrize("name", CTX_DTYPES)
-def test_special_values_round_trip_bit_exactly(name):
+def test_special_values_round_trip_bit_exactly(name, coder):
     """NaN payloads, infinities, -0.0 and subnormals as parents and as results, in every pairing."""
     sp = np.array(specials(name), dtype=dtypes.BY_NAME[name].bits_dtype)
     old = np.repeat(sp, sp.size)
@@ -200,13 +231,13 @@ def test_special_values_round_trip_bit_exactly(name):
     rng = np.random.default_rng(11)
     for o, nw in ((old, new), (np.concatenate([old, weights(rng, name, 3000)]),
                                np.concatenate([new, optimizer_step(rng, weights(rng, name, 3000), name, .1, .1)]))):
-        kernel_round_trip(o, nw, name)
+        kernel_round_trip(o, nw, name, coder)
         enc = codec.encode(as_tensor(o, name), as_tensor(nw, name), name="s", chunk_elems=512)
         assert same_bits(codec.decode(as_tensor(o, name), enc.to_bytes()), as_tensor(nw, name))
 
 
 @pytest.mark.parametrize("name", CTX_DTYPES)
-def test_adversarial_change_patterns_round_trip(name):
+def test_adversarial_change_patterns_round_trip(name, coder):
     dt = dtypes.BY_NAME[name]
     w = 8 * dt.itemsize
     rng = np.random.default_rng(13)
@@ -230,16 +261,17 @@ def test_adversarial_change_patterns_round_trip(name):
         "a single change": (base, single),
         "changes at chunk edges": (base, edges),
         "sign flips": (base, base ^ dt.bits_dtype.type(1 << (w - 1))),
+        "every 64th element": (base, np.where(np.arange(n) % 64 == 63, base ^ dt.bits_dtype.type(1), base)),
     }
     for what, (old, new) in cases.items():
-        kernel_round_trip(old, new, name)
+        kernel_round_trip(old, new, name, coder)
         for s in range(0, n, 1000):
-            kernel_round_trip(old[s:s + 1000], new[s:s + 1000], name)
+            kernel_round_trip(old[s:s + 1000], new[s:s + 1000], name, coder)
         enc = codec.encode(as_tensor(old, name), as_tensor(new, name), name="a", chunk_elems=1000)
         assert same_bits(codec.decode(as_tensor(old, name), enc.to_bytes()), as_tensor(new, name)), what
 
 
-def test_chunks_of_one_element_and_a_chunk_tail_round_trip():
+def test_chunks_of_one_element_and_a_chunk_tail_round_trip(coder):
     rng = np.random.default_rng(17)
     old = weights(rng, "BF16", 37)
     new = optimizer_step(rng, old, "BF16", 0.5, 0.5)
@@ -248,7 +280,7 @@ def test_chunks_of_one_element_and_a_chunk_tail_round_trip():
         assert same_bits(codec.decode(as_tensor(old, "BF16"), enc.to_bytes()), as_tensor(new, "BF16"))
 
 
-def test_ctx_is_only_used_where_it_is_smaller_and_only_for_its_dtypes():
+def test_the_context_coder_is_only_used_where_it_is_smaller_and_only_for_its_dtypes(coder):
     rng = np.random.default_rng(19)
     for name in ("BF16", "F8_E5M2", "F32", "I16", "U8"):
         dt = dtypes.BY_NAME[name]
@@ -256,18 +288,19 @@ def test_ctx_is_only_used_where_it_is_smaller_and_only_for_its_dtypes():
         new = old.copy()
         new[rng.random(old.size) < 0.01] += dt.bits_dtype.type(1)
         enc = codec.encode(as_tensor(old, name), as_tensor(new, name), chunk_elems=10_000)
+        assert not {"ctx", "gctx"} - {coder.name} & set(enc.encoding_counts()), name
         if name not in record.CTX_LAYOUT:
-            assert "ctx" not in enc.encoding_counts(), name
+            assert coder.name not in enc.encoding_counts(), name
         for i, c in enumerate(enc.header.chunks):
             s, e = enc.header.chunk_range(i)
             k = int(np.count_nonzero(old[s:e] != new[s:e]))
             sparse, _ = chunks._encode_sparse(old[s:e], new[s:e], dt, k, chunks.DEFAULT_LEVEL)
             assert c.length <= sparse.length
-            if c.encoding == record.CTX:
+            if c.encoding == coder.id:
                 assert c.length < sparse.length and (c.planes_a, c.planes_b) == record.CTX_LAYOUT[name]
 
 
-def test_sparse_estimate_is_below_what_sparse_actually_needs():
+def test_sparse_estimate_is_below_what_sparse_actually_needs(coder):
     """The encoder skips compressing sparse's planes when ctx is far below this estimate; the
     estimate must not exceed the real sparse payload (zstd does not beat order-0 without repeats)."""
     rng = np.random.default_rng(43)
@@ -279,7 +312,7 @@ def test_sparse_estimate_is_below_what_sparse_actually_needs():
             k = int(np.count_nonzero(old != new))
             if k == 0:
                 continue
-            res = ctxcoder.encode_ctx(old, new, dt, k)
+            res = coder.encode(old, new, dt, k)
             sparse, payload = chunks._encode_sparse(old, new, dt, k, chunks.DEFAULT_LEVEL)
             assert ctxcoder.sparse_estimate(*res.sparse_parts) <= len(payload), (name, p_small)
             if res.beats_sparse:
@@ -287,18 +320,19 @@ def test_sparse_estimate_is_below_what_sparse_actually_needs():
     strided = weights(rng, "BF16", 40_000)          # a pattern zstd finds: the estimate must not decide
     new = strided.copy()
     new[::100] += np.uint16(1)
-    res = ctxcoder.encode_ctx(strided, new, dtypes.BY_NAME["BF16"], 400)
+    res = coder.encode(strided, new, dtypes.BY_NAME["BF16"], 400)
     assert not res.beats_sparse
 
 
 # --- corruption --------------------------------------------------------------------------------
 
-def _ctx_record(name: str = "BF16", n: int = 3000, seed: int = 23) -> tuple[np.ndarray, np.ndarray, codec.EncodedTensor]:
+def _ctx_record(coder, name: str = "BF16", n: int = 3000, seed: int = 23):
+    """(old bits, new bits, a record of three chunks in ``coder``'s encoding)."""
     rng = np.random.default_rng(seed)
     old = weights(rng, name, n)
     new = optimizer_step(rng, old, name, 0.05, 0.01)
     enc = codec.encode(as_tensor(old, name), as_tensor(new, name), name="model.layers.3.mlp.w", chunk_elems=1000)
-    assert [c.encoding for c in enc.header.chunks] == [record.CTX] * 3
+    assert [c.encoding for c in enc.header.chunks] == [coder.id] * 3
     return old, new, enc
 
 
@@ -326,8 +360,8 @@ def _must_reject_or_be_exact(old, new, name, data: bytes, what: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["BF16", "F8_E4M3"])
-def test_flipped_payload_bytes_are_detected_even_with_a_valid_checksum(name):
-    old, new, enc = _ctx_record(name)
+def test_flipped_payload_bytes_are_detected_even_with_a_valid_checksum(name, coder):
+    old, new, enc = _ctx_record(coder, name)
     payload = bytes(enc.payloads[1])
     for pos in range(len(payload)):
         for x in (0x01, 0x80, 0xFF):
@@ -340,8 +374,8 @@ def test_flipped_payload_bytes_are_detected_even_with_a_valid_checksum(name):
         codec.decode(as_tensor(old, name), bytes(flipped))
 
 
-def test_truncated_and_extended_payloads_are_rejected():
-    old, _new, enc = _ctx_record()
+def test_truncated_and_extended_payloads_are_rejected(coder):
+    old, _new, enc = _ctx_record(coder)
     payload = bytes(enc.payloads[0])
     for cut in range(len(payload)):
         with pytest.raises(errors.DeltaError):
@@ -351,16 +385,16 @@ def test_truncated_and_extended_payloads_are_rejected():
             codec.decode(as_tensor(old, "BF16"), _with_payload(enc, 0, payload + extra))
 
 
-def test_a_count_that_disagrees_with_the_payload_is_rejected():
-    old, _new, enc = _ctx_record()
+def test_a_count_that_disagrees_with_the_payload_is_rejected(coder):
+    old, _new, enc = _ctx_record(coder)
     dt = dtypes.BY_NAME["BF16"]
     c = enc.header.chunks[0]
     s, e = enc.header.chunk_range(0)
     for count in (c.count - 1, c.count + 1, 1, e - s):
         if count == c.count:
             continue
-        with pytest.raises(errors.FormatError, match="ctx"):
-            ctxcoder.decode_ctx(bytes(enc.payloads[0]), old[s:e], count, dt, "tensor 't' chunk 0")
+        with pytest.raises(errors.FormatError, match=f" {coder.name} "):
+            coder.decode(bytes(enc.payloads[0]), old[s:e], count, dt, "tensor 't' chunk 0")
 
 
 def test_hostile_class_tables_are_rejected_before_decoding():
@@ -401,8 +435,8 @@ def test_random_payloads_never_crash_the_decoder():
             pass
 
 
-@pytest.mark.slow  # ~15-40 s: a fresh compile of the decoder with bounds checks
-def test_decoder_stays_in_bounds_under_numba_boundscheck(tmp_path):
+@pytest.mark.slow  # ~15-40 s per coder: a fresh compile of the decoder with bounds checks
+def test_decoder_stays_in_bounds_under_numba_boundscheck(tmp_path, coder):
     """Numba checks no index by default: recompile the decoder with bounds checks on and feed it
     corrupt and random payloads; an out-of-bounds access would raise IndexError there."""
     rng = np.random.default_rng(37)
@@ -412,7 +446,7 @@ def test_decoder_stays_in_bounds_under_numba_boundscheck(tmp_path):
         old = weights(rng, name, 1500)
         new = optimizer_step(rng, old, name, 0.2, 0.02)
         k = int((old != new).sum())
-        good = ctxcoder.encode_ctx(old, new, dt, k)[0]
+        good = coder.encode(old, new, dt, k)[0]
         payloads = [good]
         for _trial in range(300):
             bad = bytearray(good)
@@ -428,27 +462,29 @@ import numpy as np
 from numba.core import config
 assert config.BOUNDSCHECK
 from delta import ctxcoder, dtypes, errors
+decode = getattr(ctxcoder, "decode_" + sys.argv[2])
 cases = np.load(sys.argv[1], allow_pickle=True)[0]
 for name, (old, k, payloads) in cases.items():
     dt = dtypes.BY_NAME[name]
-    ctxcoder.decode_ctx(payloads[0], old, k, dt, "t")
+    decode(payloads[0], old, k, dt, "t")
     for i, p in enumerate(payloads):
         for count in (k, k - 1, k + 1):
             try:
-                ctxcoder.decode_ctx(p, old, count, dt, "t")
+                decode(p, old, count, dt, "t")
             except errors.FormatError:
                 pass
 print("IN BOUNDS")
 """
     env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.npy")], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.npy"), coder.name], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "IN BOUNDS" in r.stdout, r.stderr[-3000:]
 
 
-def test_kernels_give_the_same_bytes_as_plain_python(tmp_path):
-    """The kernels run unchanged as Python under NUMBA_DISABLE_JIT (coverage runs): same payloads,
-    same decodes, so their integer arithmetic does not depend on LLVM."""
+def test_kernels_give_the_same_bytes_as_plain_python(tmp_path, coder):
+    """The kernels (encoding 5's vector masks included) run unchanged as Python under
+    NUMBA_DISABLE_JIT (coverage runs): same payloads, same decodes, so their integer arithmetic
+    does not depend on LLVM."""
     rng = np.random.default_rng(41)
     cases = {}
     for name in CTX_DTYPES:
@@ -456,7 +492,7 @@ def test_kernels_give_the_same_bytes_as_plain_python(tmp_path):
         old[:20] = np.resize(np.array(specials(name), old.dtype), 20)
         new = optimizer_step(rng, old, name, 0.6, 0.01)
         k = int((old != new).sum())
-        cases[name] = (old, new, ctxcoder.encode_ctx(old, new, dtypes.BY_NAME[name], k)[0])
+        cases[name] = (old, new, coder.encode(old, new, dtypes.BY_NAME[name], k)[0])
     np.save(tmp_path / "cases.npy", np.array([cases], dtype=object), allow_pickle=True)
     script = r"""
 import sys
@@ -464,25 +500,26 @@ import numpy as np
 from numba.core import config
 assert config.DISABLE_JIT
 from delta import ctxcoder, dtypes
+encode, decode = getattr(ctxcoder, "encode_" + sys.argv[2]), getattr(ctxcoder, "decode_" + sys.argv[2])
 for name, (old, new, payload) in np.load(sys.argv[1], allow_pickle=True)[0].items():
     dt = dtypes.BY_NAME[name]
     k = int((old != new).sum())
-    assert ctxcoder.encode_ctx(old, new, dt, k)[0] == payload, name
-    pos, val = ctxcoder.decode_ctx(payload, old, k, dt, "t")
+    assert encode(old, new, dt, k)[0] == payload, name
+    pos, val = decode(payload, old, k, dt, "t")
     assert (pos == np.flatnonzero(old != new)).all() and (val == new[pos]).all(), name
 print("SAME")
 """
     env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.npy")], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.npy"), coder.name], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "SAME" in r.stdout, r.stderr[-3000:]
 
 
 # --- golden records ------------------------------------------------------------------------------
 
-def test_golden_ctx_records_decode_with_kernel_and_reference():
-    cases = [c for c in json.loads((GOLDEN / "index.json").read_text())["cases"] if "ctx" in c["encodings"]]
-    assert {c["dtype"] for c in cases} >= {"BF16", "F8_E5M2"}
+def test_golden_records_decode_with_kernel_and_reference(coder):
+    cases = [c for c in json.loads((GOLDEN / "index.json").read_text())["cases"] if coder.name in c["encodings"]]
+    assert {c["dtype"] for c in cases} >= {"BF16", "F8_E5M2" if coder.name == "ctx" else "F8_E4M3"}
     for case in cases:
         buf = (GOLDEN / case["record"]).read_bytes()
         parent = np.load(GOLDEN / case["parent"]).reshape(-1)
@@ -492,10 +529,10 @@ def test_golden_ctx_records_decode_with_kernel_and_reference():
         codec.apply_(live, buf)
         assert np.array_equal(dtypes.host_bits(live), expected)
         for i, c in enumerate(enc.header.chunks):
-            if c.encoding != record.CTX:
+            if c.encoding != coder.id:
                 continue
             s, e = enc.header.chunk_range(i)
-            p, v = naive_ctx.decode(bytes(enc.payloads[i]), parent[s:e], c.count, case["dtype"])
+            p, v = coder.naive.decode(bytes(enc.payloads[i]), parent[s:e], c.count, case["dtype"])
             assert np.array_equal(expected[s:e][p], np.array(v, expected.dtype))
 
 

@@ -369,7 +369,7 @@ def test_on_a_slow_link_auto_keeps_the_context_coder(tmp_path):
     assert results[3].codec_reason.startswith("auto: exploring fast (1 of its first 3 samples)")
     assert all(r.codec_reason.startswith("auto: predicted context ") for r in results[2::2] + results[-1:])
     for r in results:
-        assert ("ctx" in _record_encodings(url, r.version)) == (r.codec == CONTEXT), r.version
+        assert ("gctx" in _record_encodings(url, r.version)) == (r.codec == CONTEXT), r.version
 
 
 def test_beside_a_fast_disk_auto_takes_the_fast_path(tmp_path, monkeypatch):
@@ -388,7 +388,7 @@ def test_beside_a_fast_disk_auto_takes_the_fast_path(tmp_path, monkeypatch):
     assert all(results[i].codec_reason.startswith("auto: predicted fast ") for i in (1, 3, 5, 6, 7, 8))
     for r in results:
         enc = _record_encodings(url, r.version)
-        assert ("ctx" in enc) == (r.codec == CONTEXT), (r.version, enc)
+        assert ("gctx" in enc) == (r.codec == CONTEXT), (r.version, enc)
 
 
 def test_fixed_codecs_say_so(tmp_path):
@@ -418,7 +418,7 @@ def test_a_chain_mixing_both_codecs_reads_hot_loads_and_materializes_bit_exactly
         with Publisher(url, progress=False, codec=codec, anchor_every=100, anchor_chain_fraction=100.0) as pub:
             r = pub.publish(w, s)
         assert (r.kind, r.codec) == ("delta", codec)
-        assert ("ctx" in _record_encodings(url, r.version)) == (codec == CONTEXT)
+        assert ("gctx" in _record_encodings(url, r.version)) == (codec == CONTEXT)
 
     reader = SnapshotReader(url)
     for v, want in enumerate(truth):

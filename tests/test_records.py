@@ -16,7 +16,7 @@ import zstandard
 
 from delta import codec, dtypes, record
 from delta.errors import FormatError, TruncatedError
-from tests import naive, naive_ctx
+from tests import naive, naive_ctx, naive_gctx
 from tests.attacks import make_attacks
 
 
@@ -90,8 +90,8 @@ def format_md_decode(buf: bytes, parent_bits: np.ndarray | None):
         elif enc == 3:
             assert count == n and pb == dt.itemsize
             new[s:e] = _planes(_zstd(payload, n * pb), n, pb).astype(dt.bits_dtype)
-        elif enc == 4:  # its own FORMAT.md reader: tests/naive_ctx.py
-            p, v = naive_ctx.decode(payload, parent_bits[s:e], count, dt.name)
+        elif enc in (4, 5):  # their own FORMAT.md readers: tests/naive_ctx.py, tests/naive_gctx.py
+            p, v = (naive_ctx if enc == 4 else naive_gctx).decode(payload, parent_bits[s:e], count, dt.name)
             new[s:e][p] = np.array(v, dtype=dt.bits_dtype)
         else:
             raise AssertionError(f"unknown encoding {enc}")
@@ -118,7 +118,7 @@ def test_format_md_reader_decodes_what_the_encoder_writes(dtype):
     fields, got = format_md_decode(enc.to_bytes(), old)
     np.testing.assert_array_equal(got, new)
     assert fields["name"] == f"t.{dtype}" and fields["shape"] == (n,) and fields["dtype"] == dtype
-    assert fields["encodings"][1] == record.UNCHANGED and {record.SPARSE, record.CTX} & set(fields["encodings"])
+    assert fields["encodings"][1] == record.UNCHANGED and {record.SPARSE, record.GCTX} & set(fields["encodings"])
     _, raw = format_md_decode(codec.encode(None, to_t(new), name="r", chunk_elems=64).to_bytes(), None)
     np.testing.assert_array_equal(raw, new)
 

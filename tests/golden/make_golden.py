@@ -110,6 +110,7 @@ def cases() -> list[dict]:
             un[4] = 0
             add(f"{name.lower()}_sparse", name, u, un, 1 << 20, {"sparse"})
     _ctx_cases(add)
+    _gctx_cases(add)
     return out
 
 
@@ -134,6 +135,32 @@ def _ctx_cases(add) -> None:
     e5n[idx] = (e5n[idx].astype(np.int64) + rng.choice([-1, 1], size=90)) & 0xFF
     e5n[[0, 1]] = [0x7D, 0x80]            # a NaN, -0.0
     add("f8e5m2_ctx", "F8_E5M2", e5, e5n, 1 << 20, {"ctx"})
+
+
+def _gctx_cases(add) -> None:
+    """Encoding 5 (gctx): the same kind of moves over several 64-element words and a partial
+    last word, three or four groups of classes, a group of mostly changed elements (coded by
+    its unchanged ones), special values; and F8_E4M3. Its own generator, as above."""
+    rng = np.random.default_rng(20261202)
+    w = _bf16_weights(rng, 5000)
+    w[:8] = [0x7FC1, 0xFF80, 0x8000, 0x0001, 0x807F, 0x7F80, 0x0000, 0xFFFF]
+    mag = w & 0x7FFF
+    p = np.where(mag < 0x3800, 0.97, np.where(mag < 0x3A00, 0.5, np.where(mag < 0x3C00, 0.1, 0.01)))
+    moves = rng.random(5000) < p
+    keys = np.where(w & 0x8000, 0xFFFF - w.astype(np.int64), w.astype(np.int64) + 0x8000)
+    keys = (keys + np.where(moves, rng.choice([-1, 1, -3, 2, 40], size=5000, p=[.44, .44, .05, .05, .02]), 0)) % 65536
+    w2 = np.where(keys & 0x8000, keys - 0x8000, 0xFFFF - keys).astype(np.uint16)
+    w2[:8] = [0x7FC2, 0x7F80, 0x0000, 0x8001, 0x007F, 0xFF80, 0x0000, 0xFFFF]
+    add("bf16_gctx", "BF16", w, w2, 4000, {"gctx"})
+
+    t = torch.from_numpy((rng.standard_normal(700) * 40).astype(np.float32)).to(torch.float8_e4m3fn)
+    e4 = t.view(torch.uint8).numpy().copy()
+    e4n = e4.copy()
+    idx = rng.choice(700, 120, replace=False)
+    e4n[idx] = (e4n[idx].astype(np.int64) + rng.choice([-1, 1], size=120)) & 0xFF
+    e4n[e4n & 0x7F == 0x7F] = e4[e4n & 0x7F == 0x7F]      # keep NaN (S.1111.111) only where it was
+    e4n[0] = 0x7F                                          # ... and one new NaN
+    add("f8e4m3_gctx", "F8_E4M3", e4, e4n, 1 << 20, {"gctx"})
 
 
 def main(argv: list[str] | None = None) -> int:
