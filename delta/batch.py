@@ -28,7 +28,7 @@ import xxhash
 
 from . import chunks, codec, dtypes
 from .codec import DEFAULT_CHUNK_ELEMS, EncodedTensor, StagedTensor
-from .errors import ChecksumError
+from .errors import ChecksumError, DeltaError, ParentMismatchError
 
 #: Chunk tasks in flight per thread, by default: enough that the pool keeps busy while the caller
 #: handles a result, few enough that lookahead memory stays a handful of chunks.
@@ -280,8 +280,6 @@ class _Applying:
         if len(h.chunks) <= 1:
             self.write = runner.submit(self._whole)
             return
-        self.parent = runner.submit(partial(xxhash.xxh3_64_intdigest, self.bits)) \
-            if verify and h.has_parent else None
         self.chunks = [runner.submit(partial(codec._decode_chunk, enc, self.bits, i)) for i in range(len(h.chunks))]
 
     def commit(self, runner: _Runner) -> None:
@@ -298,10 +296,11 @@ class _Applying:
                 st.apply_(self.live, method=self.method)
                 self.staged = undo
                 return
-            h = self.enc.header
-            if self.parent is not None:
-                codec._check_parent(self.enc, runner.wait(self.parent))
-            per_chunk = [runner.wait(t) for t in self.chunks]
+            try:
+                per_chunk = [runner.wait(t) for t in self.chunks]
+            except DeltaError:
+                codec.diagnose_parent(self.enc, self.bits, self.verify)    # nothing of it written yet
+                raise
             self.chunks = None
             self.write = runner.submit(partial(self._write, per_chunk))
         except Exception as e:
@@ -309,9 +308,12 @@ class _Applying:
 
     def _whole(self) -> int | None:
         h = self.enc.header
-        if self.verify and h.has_parent:
-            codec._check_parent(self.enc, xxhash.xxh3_64_intdigest(self.bits))
-        return self._write([codec._decode_chunk(self.enc, self.bits, i) for i in range(len(h.chunks))])
+        try:
+            per_chunk = [codec._decode_chunk(self.enc, self.bits, i) for i in range(len(h.chunks))]
+        except DeltaError:
+            codec.diagnose_parent(self.enc, self.bits, self.verify)
+            raise
+        return self._write(per_chunk)
 
     def _write(self, per_chunk: list[tuple[np.ndarray, np.ndarray]]) -> int | None:
         h = self.enc.header
@@ -331,8 +333,14 @@ class _Applying:
             got = runner.wait(self.write)
         except Exception as e:
             raise _name_it(e, self.name, self.index) from None
-        h, self.enc, self.write = self.enc.header, None, None    # the undo is all a rollback needs
+        enc, self.enc, self.write = self.enc, None, None    # the undo is all a rollback needs
+        h = enc.header
         if self.verify and got != h.digest:
+            self.rollback()          # the bits as decoded against, to tell a wrong parent (rolling back twice is
+            try:                     # harmless: it writes the same old bits)
+                codec.diagnose_parent(enc, self.bits, self.verify)
+            except ParentMismatchError as e:
+                raise _name_it(e, self.name, self.index) from None
             raise ChecksumError(f"tensor {h.name!r}: reconstructed bytes hash to {codec.digest_hex(got)}, the "
                                 f"record says {codec.digest_hex(h.digest)}; no tensor of the batch was changed")
 
