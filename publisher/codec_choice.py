@@ -87,9 +87,11 @@ MAX_EXPLORE_STRETCH = 4.0
 #: Until a codec has this many samples it is measured again every other delta.
 MIN_SAMPLES = 3
 #: Encode work per changed element, in units of one scanned element. ``delta.encode_many`` on the
-#: reference workload (benchmarks.workloads "small", 23M bf16 elements, 0.13-31% changed, 2 cores) fits
-#: ~2.2 ns/element + ~150 ns/changed element for the context coder, ~1.3 + ~45 for the fast path.
-WORK_PER_CHANGED = {CONTEXT: 70.0, FAST: 35.0}
+#: reference workload (benchmarks.workloads "small", 23M bf16 elements, 0.13-31% changed, 2 cores) fitted
+#: ~2.2 ns/element + ~150 ns/changed element for the context coder as encoding 4 wrote it, ~1.3 + ~45 for
+#: the fast path. Encoding 5 (gctx) took 0.53x and 0.39x encoding 4's time per changed element and
+#: 1.0-1.4x per element in two runs of the same fit (0.13-6.8% changed, 2 threads): 70 -> 32.
+WORK_PER_CHANGED = {CONTEXT: 32.0, FAST: 35.0}
 #: The fast path's samples over the context coder's, before a pair of deltas has measured it: seconds per
 #: unit of work (1.3 / 2.2 ns above) and bytes per changed element (1.50-1.63x on the reference workloads).
 PRIOR_FAST_VS_CONTEXT = {"encode": 0.6, "bytes": 1.6}
@@ -98,8 +100,10 @@ PRIOR_FAST_VS_CONTEXT = {"encode": 0.6, "bytes": 1.6}
 #: (a x elements + b x changed). Fitted to benchmarks/at_scale.py at 1 GB, 2 cores on each side (decode over
 #: trainer-side time, 0.89-0.90 for the context coder at lr 1e-6 (1.0% changed) and 0.50-0.59 at lr 1e-5
 #: (6.8%); 0.55-0.70 and 0.49-0.60 for the fast path): the decode grows more slowly with the changes than
-#: the encode does.
-DECODE_WORK = {CONTEXT: (1.25, 28.0), FAST: (0.63, 17.5)}
+#: the encode does. The context coder's, fitted with encoding 4 as (1.25, 28.0), scaled by what encoding 5's
+#: stage() took against encoding 4's in one fit of the reference workload (0.66x per element, 0.69x per
+#: changed element) over its encode unit (~1.15x encoding 4's).
+DECODE_WORK = {CONTEXT: (0.72, 16.8), FAST: (0.63, 17.5)}
 #: A replica's fetch batches (loader/reader.py): the first this many bytes, then twice the last, up to
 #: REPLICA_BATCH_BYTES.
 REPLICA_FIRST_BATCH_BYTES = 4 << 20
