@@ -256,7 +256,7 @@ def _window(window: int | None, runner: _Runner) -> int:
 class _Applying:
     """One tensor's apply in flight: decoded against the live bits by tasks, then written by one more
     task (scatter, result digest), keeping the old bits of what it changed for the batch's rollback.
-    A tensor of one chunk is one task from parent check to result digest, written before its turn:
+    A tensor of one chunk is one task from decode to result digest, written before its turn:
     the batch rolls back whatever was written, so only the order in which errors are judged matters."""
 
     def __init__(self, runner: _Runner, index: int, item: tuple, verify: bool, method: str):
@@ -371,7 +371,7 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
     """:func:`~delta.codec.apply_` for every ``(live, enc)`` of ``items`` (``enc``: an
     EncodedTensor or a record's bytes), all or nothing.
 
-    Each tensor is checked as apply_() checks it (parent digest, result digest). If
+    Each tensor is checked as apply_() checks it (result digest; parent digest on failure). If
     any tensor fails (corrupt record, wrong parent, shape mismatch), every tensor this
     call already wrote gets its old bits back before the error (naming the tensor)
     propagates. The rollback keeps the old bits of the changed elements, at most

@@ -238,7 +238,8 @@ class StagedTensor:
     ``positions``/``values`` list the elements that change and their new bits; when
     most of the tensor changes, ``dense`` holds all its new bits instead (smaller
     than positions + values). Either way the result has been checked to hash to
-    ``digest`` when applied to a tensor hashing to ``parent_digest``."""
+    ``digest`` when applied to the tensor it was staged against, whose digest is
+    ``parent_digest`` (the record's; with ``dense``, the one computed while staging)."""
 
     name: str
     dtype: dtypes.DType
@@ -462,7 +463,10 @@ def _stage_chunkwise(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads
         for i, (pos, vals) in enumerate(per_chunk):
             s, _e = h.chunk_range(i)
             kernels.scatter(dense[s:], pos, vals)
-        return StagedTensor(h.name, h.dtype, h.shape, h.digest, h.parent_digest,
+        # A dense swap checks, in the pause, that the live bits still hash to what was staged against: that
+        # is the tensor's own digest (the header's is unchecked when the result proved right without it).
+        seen = xxhash.xxh3_64_intdigest(bits) if verify and h.has_parent else h.parent_digest
+        return StagedTensor(h.name, h.dtype, h.shape, h.digest, seen,
                             np.empty(0, np.int64), np.empty(0, h.dtype.bits_dtype), dense)
     positions = np.empty(total, np.int64)
     values = np.empty(total, h.dtype.bits_dtype)

@@ -148,6 +148,7 @@ def encode_gctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None
     lay = layout_of(dt)
     if lay is None:
         return None
+    old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)     # the kernels load 64 elements at once
     out, sparse = gctx_encode(old, new, 8 * dt.itemsize, lay[0], lay[1], scan_scratch(old.shape[0]))
     return _result(out, sparse, changed)
 
@@ -165,8 +166,8 @@ def decode_ctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DTy
         raise FormatError(f"{where}: {name} chunk count {count} outside [1, {old.shape[0]}]")
     buf = np.frombuffer(payload, np.uint8)
     positions, values = (np.empty(count, np.int64), np.empty(count, dt.bits_dtype)) if out is None else out
-    err = (gctx_decode if grouped else ctx_decode)(buf, old, count, 8 * dt.itemsize, lay[0], lay[1],
-                                                   positions, values)
+    err = (gctx_decode if grouped else ctx_decode)(buf, np.ascontiguousarray(old), count, 8 * dt.itemsize,
+                                                   lay[0], lay[1], positions, values)
     if err:
         msg = (_GERRORS if grouped else _ERRORS).get(err, f"error {err}")
         raise FormatError(f"{where}: corrupt {name} payload ({msg})")

@@ -379,13 +379,18 @@ def _scan(old, new, width_bits, mbits, ebits, cpos, ccls, cold, cnew, chgw):
     hs = np.zeros((4, C), np.int64)
     sampled = 0
     j = _find_changes(old, new, mbits, cmask, cpos, ccls, cold, cnew, chgw)
-    for i in range(0, n - 63, 64 * SAMPLE_EVERY):
+    every = 64 * SAMPLE_EVERY if n >= 4 * 64 * SAMPLE_EVERY else 64    # a small chunk: count them all
+    for i in range(0, n - 63, every):
         for i4 in range(i, i + 64, 4):
             hs[0, (np.int64(old[i4]) >> mbits) & cmask] += 1
             hs[1, (np.int64(old[i4 + 1]) >> mbits) & cmask] += 1
             hs[2, (np.int64(old[i4 + 2]) >> mbits) & cmask] += 1
             hs[3, (np.int64(old[i4 + 3]) >> mbits) & cmask] += 1
         sampled += 64
+    if sampled == 0:                    # under 64 elements
+        for i in range(n):
+            hs[0, (np.int64(old[i]) >> mbits) & cmask] += 1
+        sampled = n
     csign, ca, kcls = change_steps(cold[:j], cnew[:j], ccls[:j], C, signbit, mask)
     nest = np.zeros(C, np.float64)
     scale = n / sampled if sampled else 1.0

@@ -56,11 +56,17 @@ else:
         v = builder.insert_element(undef, val, ir.Constant(ir.IntType(32), 0))
         return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
 
+    def _contiguous(*arrays) -> bool:
+        """Only 1-d C-contiguous arrays: the 64 elements are loaded as one vector from the first."""
+        return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays)
+
     @intrinsic
     def range_mask64(typingctx, x, base, em, lo, wd):
         """Bit j: ``(x[base + j] & em) - lo < wd``, in the elements' own width (a wrapped
         difference is out of range). ``x``: a C-contiguous uint8/uint16 array; em, lo, wd:
         uint32 that fit the element width."""
+        if not _contiguous(x):
+            return None
         sig = types.uint64(x, base, em, lo, wd)
 
         def codegen(context, builder, signature, args):
@@ -75,6 +81,8 @@ else:
     @intrinsic
     def neq_mask64(typingctx, a, b, base):
         """Bit j: ``a[base + j] != b[base + j]`` (two C-contiguous arrays of one integer dtype)."""
+        if not _contiguous(a, b):
+            return None
         sig = types.uint64(a, b, base)
 
         def codegen(context, builder, signature, args):

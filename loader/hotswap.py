@@ -1,8 +1,9 @@
 """Hot swap: move a serving model's weights to another version with one short pause.
 
 Everything slow happens while the model keeps serving: fetching, decoding, and
-checking that the live tensors are exactly the parent version's bits and that the
-result hashes to the target's digests (:meth:`HotSwapper.prepare`). What remains
+checking that each record names the version the live weights hold as its parent and
+that the result hashes to the target's digests, which proves its bits
+(:meth:`HotSwapper.prepare`). What remains
 is writing the changed tensors, done while :class:`ServingGate` holds forward
 steps back (:meth:`HotSwapper.commit`), so no forward step ever sees a mix of two
 versions. In contiguous host memory each changed tensor is either scattered (its
@@ -605,10 +606,15 @@ def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list,
     expected = int(plan.target.tensors[name].xxh3, 16)
     if not plan.via_anchor:
         first = values[0]
+        ce = None if cur is None else cur.tensors.get(name)
+        if first.header.has_parent and ce is not None and first.header.parent_digest != int(ce.xxh3, 16):
+            raise ParentMismatchError(          # no tensor data read: the record and the held version disagree
+                f"tensor {name!r}: the delta was encoded against a tensor with digest "
+                f"{first.header.parent_digest:016x}, {cur.where()} (the version held) says {ce.xxh3}")
         if len(pieces) == 1 and first.header.has_parent:
-            return stage(live, first)          # verifies parent and result digests, one chunk of scratch
+            return stage(live, first)          # verifies the result digest (and so the bits), one chunk of scratch
         base = live.detach().to("cpu", copy=True).contiguous() if first.header.has_parent else None
-        new = rebuild(pieces, values, base=base)  # the first record checks base against its parent digest
+        new = rebuild(pieces, values, base=base)  # each record verifies its result digest
         return stage_full(live, new, name=name, expected_digest=expected)
     new = rebuild(pieces, values)
     st = stage_full(live, new, name=name, expected_digest=expected)

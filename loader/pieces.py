@@ -3,7 +3,8 @@
 A piece is an anchor tensor's data (checked against the tensor's digest) or a
 delta record (checked by its header and chunk checksums, then against the
 manifest's dtype, shape and digest); :func:`rebuild` applies checked pieces in
-order, each record checking its parent and result digests on the way.
+order, each record checking its result digest on the way (which proves the bits;
+a wrong parent is named when that or the decode fails).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def tensor_from_bytes(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Te
 
 def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | None = None) -> torch.Tensor:
     """Apply checked payloads in order, starting from ``base`` (a writable CPU tensor, modified
-    in place) or from the first piece's whole copy. Each record checks its parent and result digests."""
+    in place) or from the first piece's whole copy. Each record checks its result digest."""
     t = base
     for p, v in zip(pieces, values):
         if not p.is_record:

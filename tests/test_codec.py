@@ -615,3 +615,19 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
     with pytest.raises(ValueError, match="only sparse, dense and ctx chunks"):
         chunks.decode_changes(r, raw.payloads[0], bits, raw.header.dtype, "t",
                               (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))
+
+
+def test_a_densely_staged_change_carries_the_digest_of_the_tensor_it_was_staged_against():
+    """A dense swap checks in the pause that the live bits still hash to what prepare staged against. With
+    the parent hashed only on failure, that must be the live tensor's own digest, not the header's claim
+    (here a wrong one that the result's digest overrules): else every commit would report a foreign write."""
+    g = torch.Generator().manual_seed(11)
+    old = (torch.randn(40_000, generator=g) * 0.02).to(torch.bfloat16)
+    new = (old.float() * (1 + 2 ** -6 * torch.randn(40_000, generator=g))).to(torch.bfloat16)
+    enc = codec.encode(old, new, chunk_elems=8192, parent_digest=12345)
+    assert enc.header.parent_digest == 12345
+    st = codec.stage(old, enc)
+    assert st.dense is not None and st.parent_digest == codec.digest(old)
+    out = old.clone()
+    st.apply_(out)
+    assert torch.equal(out.view(torch.int16), new.view(torch.int16))
