@@ -609,7 +609,7 @@ def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list,
         ce = None if cur is None else cur.tensors.get(name)
         if first.header.has_parent and ce is not None and first.header.parent_digest != int(ce.xxh3, 16):
             raise ParentMismatchError(          # no tensor data read: the record and the held version disagree
-                f"tensor {name!r}: the delta was encoded against a tensor with digest "
+                f"{pieces[0].where()}: the delta was encoded against a tensor with digest "
                 f"{first.header.parent_digest:016x}, {cur.where()} (the version held) says {ce.xxh3}")
         if len(pieces) == 1 and first.header.has_parent:
             return stage(live, first)          # verifies the result digest (and so the bits), one chunk of scratch
