@@ -38,10 +38,10 @@ import xxhash
 
 from delta import dtypes, kernels
 from delta.codec import DEFAULT_CHUNK_ELEMS
-from delta.ctx_decoder import _PAD_WORDS, _decode_steps
+from delta.ctx_decoder import _decode_steps
 from delta.ctx_encoder import _sparse_parts, _step_models, sparse_estimate
 from delta.ctxcoder import layout_of, scan_scratch
-from delta.gctx import _assemble, _group_positions, _parse_table, _position_models, _scan, _words_at
+from delta.gctx import _assemble, _group_positions, _parse_table, _position_models, _scan, stream_words
 
 ENCODE_STAGES = ("scan", "statistics", "coding", "hash")
 DECODE_STAGES = ("scan", "coding", "apply", "hash result")
@@ -90,21 +90,13 @@ def _decode_chunk_staged(payload, count, o, dt, t: dict) -> None:
     c0 = time.thread_time()
     buf = np.frombuffer(payload, np.uint8)
     err, G, tb, gmode, gpol, gj, P, lo, hi, zmode, zpol, zj, vj, q = _parse_table(buf, 1 << eb)
-    words = np.zeros(sum((int(P[k]) + 7) // 8 + _PAD_WORDS for k in range(G)) + 1, np.uint64)
-    wstart = np.zeros(P.shape[0], np.int64)
-    at, s = 0, q
-    for k in range(G):
-        wstart[k] = at
-        at = _words_at(buf, s, s + P[k], words, at)
-        s += int(P[k])
+    words, wstart, sw, s = stream_words(buf, G, P, q)
     pos = np.empty(count, np.int64)
     vals = np.empty(count, dt.bits_dtype)
     ccls = np.empty(count, np.uint16)
     err |= _group_positions(words, wstart, P, o, count, mb, eb, G, tb, gmode, gpol, gj, pos, ccls)
     c1 = time.thread_time()
     L = buf.shape[0]
-    sw = np.zeros((L - s + 7) // 8 + _PAD_WORDS, np.uint64)
-    _words_at(buf, s, L, sw, 0)
     err |= _decode_steps(sw, L - s, o, w, lo, hi, zmode, zpol, zj, vj, pos, ccls, vals)
     c2 = time.thread_time()
     if err:

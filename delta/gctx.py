@@ -312,13 +312,10 @@ def _group_positions(w, wstart, P, old, count, mbits, ebits, G, t, gmode, gpol, 
 
 
 @njit(cache=True, nogil=True)
-def gctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
-    """Decode an encoding-5 payload against the chunk's parent bits ``old`` into ``count``
-    chunk-local positions and new bits (``out_pos``/``out_val``). Returns 0 or an error code."""
-    C = 1 << ebits
-    err, G, t, gmode, gpol, gj, P, lo, hi, zmode, zpol, zj, vj, q = _parse_table(payload, C)
-    if err:
-        return err
+def stream_words(payload, G, P, q):
+    """The G position streams (from byte ``q``, lengths ``P``) as words in one array, group k's from
+    word ``wstart[k]``, each followed by zero words; the step stream after them likewise. Returns
+    (position words, wstart, step words, offset of the step stream)."""
     nwords = 0
     for k in range(G):
         nwords += (P[k] + 7) // 8 + _PAD_WORDS
@@ -330,13 +327,26 @@ def gctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val)
         wstart[k] = at
         at = _words_at(payload, s, s + P[k], w, at)
         s += P[k]
+    L = payload.shape[0]
+    sw = np.zeros((L - s + 7) // 8 + _PAD_WORDS, np.uint64)
+    _words_at(payload, s, L, sw, 0)
+    return w, wstart, sw, s
+
+
+@njit(cache=True, nogil=True)
+def gctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val):
+    """Decode an encoding-5 payload against the chunk's parent bits ``old`` into ``count``
+    chunk-local positions and new bits (``out_pos``/``out_val``). Returns 0 or an error code."""
+    C = 1 << ebits
+    err, G, t, gmode, gpol, gj, P, lo, hi, zmode, zpol, zj, vj, q = _parse_table(payload, C)
+    if err:
+        return err
+    w, wstart, sw, s = stream_words(payload, G, P, q)
     ccls = np.empty(count, np.uint16)
     err = _group_positions(w, wstart, P, old, count, mbits, ebits, G, t, gmode, gpol, gj, out_pos, ccls)
     if err:
         return err
     L = payload.shape[0]
-    sw = np.zeros((L - s + 7) // 8 + _PAD_WORDS, np.uint64)
-    _words_at(payload, s, L, sw, 0)
     return _decode_steps(sw, L - s, old, width_bits, lo, hi, zmode, zpol, zj, vj, out_pos, ccls, out_val)
 
 
