@@ -40,11 +40,13 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
 import xxhash
+
+T = TypeVar("T")
 
 METHODS = ("full", "xor", "idx", "ckptdelta_auto", "ckptdelta", "ckptdelta_noctx")
 LABELS = {"full": "full safetensors checkpoint", "xor": "XOR + zstd-3 per tensor",
@@ -55,6 +57,29 @@ CODECS = {"ckptdelta_auto": "auto", "ckptdelta": "context", "ckptdelta_noctx": "
 
 
 # --- snapshots as flat files -------------------------------------------------------------------
+
+#: Tries of one baseline request: the same bound on transient faults (a reset, a short body) that
+#: ckptdelta's Store applies, so a fault of the test server fails neither side of the comparison.
+TRIES = 4
+
+
+def retrying(what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, retried like delta.storage.Store retries (a transient error, backoff): the baselines'
+    plain s3fs calls get the retries a user's client would have. Each retry is logged on stderr."""
+    from delta.storage import RetryPolicy, is_transient
+
+    policy = RetryPolicy(attempts=TRIES)
+    for attempt in range(1, TRIES + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - classified by is_transient
+            if attempt == TRIES or not is_transient(e):
+                raise
+            print(f"{what}: transient error (try {attempt}/{TRIES}), retrying: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            time.sleep(policy.delay(attempt))
+    raise AssertionError("unreachable")
+
 
 def save_flat(sd: dict[str, torch.Tensor], path: str) -> None:
     from benchmarks.baselines import to_bits
@@ -209,7 +234,7 @@ class Node:
             save_file(new, local)
             t1 = time.monotonic()
             key = f"{prefix}/model.safetensors"
-            self.fs.put_file(local, key)
+            retrying(f"put {key}", lambda: self.fs.put_file(local, key))
             t2 = time.monotonic()
             nbytes = os.path.getsize(local)
             os.unlink(local)
@@ -226,7 +251,7 @@ class Node:
             t1 = time.monotonic()
             names = sorted(new)
             keys = [f"{prefix}/{i:05d}" for i in range(len(names))]
-            self.fs.pipe(dict(zip(keys, blobs)))
+            retrying(f"pipe {prefix}", lambda: self.fs.pipe(dict(zip(keys, blobs))))
             t2 = time.monotonic()
             return {"t0": t0, "t_end": t2, "trainer_s": t1 - t0, "upload_s": t2 - t1,
                     "bytes": sum(len(b) for b in blobs), "keys": keys}
@@ -262,7 +287,7 @@ class Node:
             from safetensors.torch import load_file
 
             local = os.path.join(self.scratch, "replica-full.safetensors")
-            self.fs.get_file(info["keys"][0], local)
+            retrying(f"get {info['keys'][0]}", lambda: self.fs.get_file(info["keys"][0], local))
             t1 = time.monotonic()
             loaded = load_file(local)
             t2 = time.monotonic()
@@ -278,7 +303,7 @@ class Node:
             import zstandard
 
             names = sorted(live)
-            got = self.fs.cat(info["keys"])
+            got = retrying(f"cat {len(info['keys'])} keys", lambda: self.fs.cat(info["keys"]))
             blobs = [got[k] for k in info["keys"]]
             del got
             t1 = time.monotonic()

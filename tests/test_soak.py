@@ -75,19 +75,22 @@ def _overlaps(s: Sample, windows: list[tuple[float, float]]) -> bool:
 
 
 class Clients:
-    """``CLIENTS`` threads sampling in a loop until stopped (bounded in count and time)."""
+    """``CLIENTS`` threads sampling in a loop until stopped or past ``deadline_s``.
 
-    def __init__(self, url: str, fig: SoakFigures, *, max_requests: int, deadline_s: float):
+    Bounded by time, not by a count of requests: a count runs out on a slow machine before the last
+    hot-load, and every client must see the last version (:func:`check`)."""
+
+    def __init__(self, url: str, fig: SoakFigures, *, deadline_s: float):
         self.url, self.fig = url, fig
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.done = [0] * CLIENTS
-        self.max_requests, self.deadline = max_requests, time.monotonic() + deadline_s
+        self.deadline = time.monotonic() + deadline_s
         self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(CLIENTS)]
 
     def _loop(self, i: int) -> None:
         with httpx.Client(base_url=self.url, timeout=60) as http:
-            while not self.stop.is_set() and self.done[i] < self.max_requests and time.monotonic() < self.deadline:
+            while not self.stop.is_set() and time.monotonic() < self.deadline:
                 t0 = time.time()
                 try:
                     r = http.post("/v1/completions", json={**BODY, "n": 1 + i % 2})
@@ -112,6 +115,18 @@ class Clients:
         while self.total() < target and time.monotonic() < end and any(t.is_alive() for t in self.threads):
             time.sleep(0.005)
 
+    def wait_for_each(self, timeout: float = 120) -> None:
+        """Until every client has finished a request it started after this call (two more each: the one
+        in flight may have started before), so each has seen what the replica serves now."""
+        with self.lock:
+            target = [d + 2 for d in self.done]
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and any(t.is_alive() for t in self.threads):
+            with self.lock:
+                if all(d >= t for d, t in zip(self.done, target)):
+                    return
+            time.sleep(0.005)
+
     def __enter__(self) -> "Clients":
         for t in self.threads:
             t.start()
@@ -131,15 +146,14 @@ def soak(tmp_path, lm_dir_path: str, *, hotloads: int, baseline_requests: int) -
     rep = Replica(LiveServer(app).__enter__(), engine, reader, None)
     t0 = time.monotonic()
     try:
-        max_requests = baseline_requests + 40 * hotloads
-        with Clients(rep.url, fig, max_requests=max_requests, deadline_s=900) as clients:
+        with Clients(rep.url, fig, deadline_s=900) as clients:
             clients.wait_for(baseline_requests * CLIENTS)      # phase 1: serving only
             fig.baseline_end = time.time()
             for _ in range(hotloads):                           # phase 2: publish, hot-load, repeat
                 v = run.publish_next()
                 fig.record(v, rep.hotload(v))
                 clients.wait_for(2)                             # a few requests between hot-loads
-            clients.wait_for(CLIENTS)
+            clients.wait_for_each()                             # every client sees the last version
         fig.seconds = time.monotonic() - t0
         if state_bits_equal(engine.model, run.truth[run.latest]) != []:
             fig.errors.append("the live weights are not the last version's bits")
