@@ -9,8 +9,9 @@ preparing (:func:`choose`):
   lines they touch);
 - **copy** a staged whole copy of the new tensor over the live one, in 64 KiB
   blocks, each block's live bytes hashed (``kernels.block_hash``) and compared
-  with the hash prepare() took of them before it is overwritten: the cost of a
-  copy of the tensor, whatever changed. Staging it (a copy of the tensor and its
+  with the hash prepare() took of them before it is overwritten (the hash of a
+  block runs while the block before it is written): about 1.2-1.4x the cost of a
+  plain copy of the tensor, whatever changed. Staging it (a copy of the tensor and its
   hashes) happens in prepare, while serving.
 
 Copy wins where so many elements change that the scatter costs more than a copy
@@ -42,12 +43,13 @@ BLOCK_BYTES = kernels.HASH_BLOCK_BYTES
 #: element width in bytes. Measured on the 2-core development machine with python -m
 #: benchmarks.commit_choice (both ways forced on 256 MB tensors of each width, random positions:
 #: benchmarks/results/commit_choice.md). A scatter's cost follows the cache lines it touches (a line holds
-#: 64 / width elements) and its changed elements; a copy costs about 1.5x a plain copy of the tensor (its
-#: check reads the live bytes, a plain copy only writes them). There, at 10% changed, a bf16 scatter costs
-#: 0.76x a plain copy and the copy 1.5x; the copy wins from ~15-20% (1-2 byte elements) and not below 40%
-#: for 4-8 byte ones. Past these shares a change is mostly staged densely anyway (its new bits smaller than
-#: positions + values), and a dense change is always written whole (a swap, hotswap._DenseSwap).
-COPY_ABOVE = {1: 0.15, 2: 0.2, 4: 0.5, 8: 0.5}
+#: 64 / width elements) and its changed elements; a copy costs about 1.2-1.4x a plain copy of the tensor (its
+#: check hashes the live bytes, each block while the one before it is written). There, a bf16 scatter
+#: costs about a plain copy at 10% changed and the copy wins from 20-40%; 1-byte elements from 10-20%,
+#: 4-byte ones from 20-40%, 8-byte ones not below 40%. Past these shares a change is mostly staged densely
+#: anyway (its new bits smaller than positions + values), and a dense change is always written whole (a
+#: swap, hotswap._DenseSwap).
+COPY_ABOVE = {1: 0.15, 2: 0.2, 4: 0.3, 8: 0.5}
 #: Tensors smaller than this are always scattered (a staged copy would save nothing worth its memory).
 MIN_COPY_BYTES = 1 << 20
 #: Work units: a scatter task writes at most this many changed elements, a copy task this many blocks.

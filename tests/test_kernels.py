@@ -340,6 +340,20 @@ def test_block_hash_matches_reference(n):
     assert int(kernels.block_hash(b8)) == naive.block_hash(b8), f"seed={SEED} n={n}"
 
 
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 200, 8192, 8195])
+def test_hash_while_copying_hashes_as_block_hash_and_copies(n):
+    """The commit's pipelined step: the hash of the next block is block_hash's, for any length of it, and the
+    words copied meanwhile (a whole 64 KiB block, or none) are copied exactly, whether the copy outlasts the
+    hash (a short next block) or not."""
+    rng = rng_for(n, 95)
+    b8 = random_bits(rng, n, 8)
+    src = random_bits(rng, 8192, 64)
+    for m in (0, 8192):
+        dst = np.zeros(m, np.uint64)
+        assert int(kernels.hash_while_copying(b8, dst, src[:m])) == naive.block_hash(b8), f"seed={SEED} n={n}"
+        np.testing.assert_array_equal(dst, src[:m])
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_block_hash_changes_whenever_one_element_changes_and_when_two_sign_bits_flip(width):
     """Any one element changed (random bits, one step, its sign) changes the hash; so do two sign flips in one
@@ -433,11 +447,15 @@ def test_commit_tasks_matches_reference_writes_both_modes_and_refuses_foreign_wr
     for a, o in zip(lives, olds):
         np.testing.assert_array_equal(a, o)
 
-    # another writer, after prepare: at a scattered change, at a change inside a copied block, and at an
+    # another writer, after prepare: at a scattered change, at a change inside a copied block (a task's
+    # first block, hashed alone, and a later one, hashed while the block before it is written), and at an
     # element a copied block does not change (only the copy sees that one: it hashes whole blocks)
     unchanged_in_copy = int(np.flatnonzero(olds[1] == news[1])[-1])
-    for ti, where in ((0, int(pos[0][tasks[tasks[:, 0] == 0][-1, 2]])), (1, int(pos[1][tasks[tasks[:, 0] == 1][1, 2]])),
-                      (1, unchanged_in_copy)):
+    second = tasks[tasks[:, 0] == 1][1]
+    in_later_block = int(pos[1][np.searchsorted(pos[1], (second[4] + 1) * block)])
+    assert in_later_block < (second[4] + 2) * block and second[5] - second[4] >= 2
+    for ti, where in ((0, int(pos[0][tasks[tasks[:, 0] == 0][-1, 2]])), (1, int(pos[1][second[2]])),
+                      (1, in_later_block), (1, unchanged_in_copy)):
         lives, ref = [o.copy() for o in olds], [o.copy() for o in olds]
         for lv in (lives, ref):
             lv[ti][where] ^= np.array(1, lv[ti].dtype)
