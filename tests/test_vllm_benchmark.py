@@ -1,9 +1,10 @@
 """Smoke test of benchmarks/vllm_hotload.py: the quick mode runs against a real vLLM and writes its report.
 
-One vLLM start (~25 s on two cores). No timing is asserted (the numbers depend on
-the machine); what must hold is that every method measured its rows and every swap
-ended with vLLM's live weights equal to the published ones (worker read-back
-digests of every tensor).
+One vLLM start (~22 s on two cores, its worker in the engine core as in
+tests.vllm_replicas). No timing is asserted (the numbers depend on the machine);
+what must hold is that every method measured its rows and every swap ended with
+vLLM's live weights equal to the published ones (worker read-back digests of
+every tensor).
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ from __future__ import annotations
 import json
 
 from benchmarks import vllm_hotload
+from tests.vllm_replicas import ONE_GPU_LAYOUT_ENV
 
 
-def test_quick_run_measures_every_method_verifies_every_swap_and_writes_markdown_json_and_png(tmp_path, capsys):
+def test_quick_run_measures_every_method_verifies_every_swap_and_writes_markdown_json_and_png(tmp_path, capsys,
+                                                                                           monkeypatch):
+    for k, v in ONE_GPU_LAYOUT_ENV.items():   # the demo's test keeps vLLM's CPU layout (a worker process)
+        monkeypatch.setenv(k, v)
     assert vllm_hotload.main(["--quick", "--out-dir", str(tmp_path)]) == 0
     md = (tmp_path / "vllm_hotload-quick.md").read_text()
     for label in vllm_hotload.LABELS.values():

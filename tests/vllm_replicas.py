@@ -24,8 +24,8 @@ VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--dtype", "bfloat16",
 PROMPT = "hello world, hello replica"
 #: vLLM with its worker inside the engine-core process (the "uni" executor, vLLM's own default on one GPU;
 #: its CPU build starts a worker process of its own unless told this). Each start then spawns two Python
-#: processes that import vLLM, not three: 22 s instead of 32 s on two cores. The demo and benchmark tests
-#: keep the CPU build's default (a worker process), so both layouts stay covered.
+#: processes that import vLLM, not three: 22 s instead of 32 s on two cores. The demo's test keeps the CPU
+#: build's default (a worker process), so both layouts stay covered.
 ONE_GPU_LAYOUT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
