@@ -2,9 +2,10 @@
 engine behind the replica app, on 127.0.0.1.
 
 Nothing is mocked: vLLM's CPU build starts its own OpenAI server in a child
-process (its engine core and worker in theirs), ckptdelta's app forwards to it
-and hot-loads it. A start costs 20-40 s on two cores, so a module starts one
-replica per model and its tests share it, in the order they are written.
+process (its engine core in another, the worker in the engine core or a process
+of its own: ONE_GPU_LAYOUT_ENV), ckptdelta's app forwards to it and hot-loads it.
+A start costs 20-35 s on two cores, so a module starts one replica per model and
+its tests share it, in the order they are written.
 """
 
 from __future__ import annotations
