@@ -1,4 +1,4 @@
-"""The pause's writes into contiguous host memory, batched: one kernel call per element width and thread.
+"""The pause's writes into contiguous host memory, batched: a few kernel calls per element width and thread.
 
 Every sparsely changed tensor that lives in contiguous CPU memory is written by
 :func:`delta.kernels.commit_tasks`, in one of two ways chosen per tensor while
@@ -16,10 +16,13 @@ preparing (:func:`choose`):
 
 Copy wins where so many elements change that the scatter costs more than a copy
 (:data:`COPY_ABOVE`, measured). The tasks of every tensor (big tensors split into
-several) are shared out to the threads by their estimated cost; a refusal in any
-thread stops the others at their next task, and everything written is put back
-before the commit raises, so a refused or failed batch leaves every tensor as it
-was and the prepared update whole (it can be committed again).
+several) are cut by their estimated cost into ranges, about :data:`RANGES_PER_THREAD`
+per thread, which the threads claim one at a time as they finish the last (a fixed
+half each left one thread idle for 5-20 ms of a 40 ms pause at 1 GB: the estimate
+is rough and the two cores of a shared machine are not equally fast). A refusal
+in any thread stops the others at their next task, and everything written is put
+back before the commit raises, so a refused or failed batch leaves every tensor as
+it was and the prepared update whole (it can be committed again).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ MIN_COPY_BYTES = 1 << 20
 #: Work units: a scatter task writes at most this many changed elements, a copy task this many blocks.
 TASK_ELEMS = 1 << 18
 TASK_BLOCKS = 32
+#: Task ranges per commit thread: the threads claim them one at a time (a claim costs a lock and a kernel call).
+RANGES_PER_THREAD = 8
 #: Below this estimated cost (ns) the batch runs in the calling thread (a hand-off costs ~0.1 ms).
 THREADS_ABOVE_NS = 2e6
 # rough costs for sharing tasks out (ns): per changed element scattered, per byte copied
@@ -184,6 +189,20 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
+class _Claims:
+    """The next task range not yet taken by a commit thread."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self._next, self._end, self._lock = start, end, threading.Lock()
+
+    def next(self) -> int | None:
+        with self._lock:
+            if self._next >= self._end:
+                return None
+            self._next += 1
+            return self._next - 1
+
+
 class CommitBatch:
     """Every batched tensor of a prepared update, ready to be written by :meth:`run` in the pause."""
 
@@ -196,7 +215,7 @@ class CommitBatch:
         total = sum(float(g.costs.sum()) for g in self.groups)
         threads = max(1, threads or os.cpu_count() or 1)
         self.threads = threads if total >= THREADS_ABOVE_NS else 1
-        self.parts = self._share_out(self.threads)
+        self.ranges = self._cut(self.threads * RANGES_PER_THREAD if self.threads > 1 else 1)
         if self.threads > 1:   # start the pool's threads now, not in the pause
             pool = _pool(self.threads - 1)
             for f in [pool.submit(int) for _ in range(self.threads - 1)]:
@@ -206,49 +225,52 @@ class CommitBatch:
     def tensors_copied(self) -> int:
         return sum(1 for it in self.items if it.choice.mode == kernels.MODE_COPY)
 
-    def _share_out(self, threads: int) -> list[list[tuple[int, int, int]]]:
-        """Per thread, the (group, t0, t1) task ranges it runs: each group's tasks cut by cost."""
-        parts: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+    def _cut(self, pieces: int) -> list[tuple[int, int, int]]:
+        """The (group, t0, t1) task ranges the threads claim: each group's tasks cut by cost into ``pieces``."""
+        ranges = []
         for gi, g in enumerate(self.groups):
             n = g.tasks.shape[0]
             if n == 0:
                 continue
             cum = np.cumsum(g.costs)
-            cuts = [0] + [int(np.searchsorted(cum, cum[-1] * i / threads)) for i in range(1, threads)] + [n]
-            for i in range(threads):
-                a, b = cuts[i], max(cuts[i], cuts[i + 1])
-                if b > a:
-                    parts[i].append((gi, a, b))
-        return [p for p in parts if p] or [[]]
+            cuts = [0] + [int(np.searchsorted(cum, cum[-1] * i / pieces)) for i in range(1, pieces)] + [n]
+            ranges += [(gi, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        return ranges
 
-    def _run_part(self, part: list[tuple[int, int, int]], abort: np.ndarray) -> list[tuple[int, int, int, int, int]]:
-        """(group, t0, done, kind, where) for each range run; stops after a refusal or an abort."""
-        out = []
-        for gi, t0, t1 in part:
+    def _work(self, claims: "_Claims", first: int, log: list[list], abort: np.ndarray) -> None:
+        """Run range ``first``, then claimed ones, until none is left, one is refused or ``abort`` is set. Each
+        range goes into ``log`` as ``[group, t0, t1, None]`` before it runs (a failure inside it leaves it so: its
+        progress is unknown) and gets its ``(done, kind, where)`` once run."""
+        r = first
+        while r is not None and abort[0] == 0:
+            gi, t0, t1 = self.ranges[r]
+            entry = [gi, t0, t1, None]
+            log.append(entry)
             done, kind, where = self.groups[gi].run(t0, t1, abort)
-            out.append((gi, t0, int(done), int(kind), int(where)))
+            entry[3] = (int(done), int(kind), int(where))
             if done < t1 - t0:
-                break
-        return out
+                return
+            r = claims.next()
 
     def run(self) -> None:
         """Write every tensor, or none: a refusal (HotLoadError naming the tensor), an error or an interrupt
         puts back everything written before it propagates."""
         abort = np.zeros(1, np.int64)
-        parts = self.parts
+        workers = max(1, min(self.threads, len(self.ranges)))
+        claims = _Claims(workers, len(self.ranges))      # thread i starts on range i, then claims the next free
+        logs: list[list[list]] = [[] for _ in range(workers)]
         futures: list[Future] = []
-        if len(parts) > 1:
-            pool = _pool(len(parts) - 1)
-            futures = [pool.submit(self._run_part, p, abort) for p in parts[1:]]
-        results: list[Any] = []
+        if workers > 1:
+            pool = _pool(workers - 1)
+            futures = [pool.submit(self._work, claims, i, logs[i], abort) for i in range(1, workers)]
         first_error: BaseException | None = None
         try:
-            results.append(self._run_part(parts[0], abort))
+            if self.ranges:
+                self._work(claims, 0, logs[0], abort)
         except BaseException as e:   # noqa: BLE001 - the others must finish before anything is undone
             first_error = e
             abort[0] = 1
-            results.append(None)
-        for f, part in zip(futures, parts[1:]):
+        for f in futures:
             while True:
                 try:
                     wait([f])
@@ -257,29 +279,21 @@ class CommitBatch:
                     first_error = first_error or e
                     abort[0] = 1
             try:
-                results.append(f.result())
+                f.result()
             except BaseException as e:   # noqa: BLE001
                 first_error = first_error or e
-                results.append(None)
         refusal = None
         if first_error is None:
-            for res in results:
-                for gi, t0, done, kind, where in res:
+            for log in logs:
+                for gi, t0, _t1, (done, kind, where) in log:
                     if kind in (0, 1) and refusal is None:
                         refusal = self.groups[gi].refusal(t0 + done, kind, where)
             if refusal is None:
                 return
-        self._undo_results(results)
+        for log in logs:
+            for gi, t0, t1, res in reversed(log):   # a range whose run raised: put all of it back
+                self.groups[gi].undo(t0, t1 if res is None else t0 + res[0])
         raise first_error or refusal
-
-    def _undo_results(self, results: list[Any]) -> None:
-        for part, res in zip(self.parts, results):
-            if res is None:          # a part that raised: its progress is unknown, put all of it back
-                for gi, t0, t1 in part:
-                    self.groups[gi].undo(t0, t1)
-                continue
-            for gi, t0, done, _kind, _where in reversed(res):
-                self.groups[gi].undo(t0, t0 + done)
 
     def undo(self) -> None:
         """Put back the old bits of a batch :meth:`run` wrote completely (a later step of the commit failed)."""

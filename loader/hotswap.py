@@ -8,7 +8,7 @@ is writing the changed tensors, done while :class:`ServingGate` holds forward
 steps back (:meth:`HotSwapper.commit`), so no forward step ever sees a mix of two
 versions. In contiguous host memory each changed tensor is either scattered (its
 changed elements) or copied whole from a staged copy, whichever costs less
-(loader/batch_commit.py), all of them in one kernel call per element width and
+(loader/batch_commit.py), all of them in a few kernel calls per element width and
 thread. A commit that fails half-way writes back the old bits it replaced: the
 weights and the version stay as they were, or the swap raises saying they could
 not be (and the version becomes None).
@@ -382,7 +382,7 @@ class HotSwapper:
                                            "moved after prepare(); prepare again")
                     lives.append(live)
                 if batch is not None:
-                    # one kernel call per width and thread; a refusal or failure has put back what it wrote
+                    # a few kernel calls per width and thread; a refusal or failure has put back what it wrote
                     # (the kernels cannot be interrupted half-way), so its undo is recorded once it has succeeded
                     batch.run()
                     undo.append((None, batch.undo))

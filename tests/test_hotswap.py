@@ -758,7 +758,8 @@ def test_auto_copies_the_tensors_changed_past_the_threshold_and_scatters_the_oth
 @pytest.mark.parametrize("where", ["changed", "unchanged"])
 def test_a_batched_tensor_written_after_prepare_is_refused_in_either_mode_and_every_write_kept(run, mode, where,
                                                                                              monkeypatch):
-    """The refusal may come from either commit thread: every tensor either thread wrote is put back."""
+    """The refusal may come from either commit thread: every tensor either thread wrote is put back. The last
+    batched tensor is written by a range claimed after the first two (each thread starts on one of those)."""
     monkeypatch.setattr(batch_commit, "THREADS_ABOVE_NS", 0.0)
     monkeypatch.setattr(batch_commit, "TASK_ELEMS", 8)        # many small tasks, shared out to two threads
     monkeypatch.setattr(batch_commit, "TASK_BLOCKS", 1)
@@ -766,7 +767,8 @@ def test_a_batched_tensor_written_after_prepare_is_refused_in_either_mode_and_ev
     prepared = sw.prepare(1)
     assert prepared.batch is not None and prepared.batch.threads == 2
     s = [s for s in prepared.staged if s.choice is not None][-1]   # the last batched tensor: the second thread's
-    assert prepared.batch.parts[-1][-1][0] == len(prepared.batch.groups) - 1
+    ranges = prepared.batch.ranges
+    assert len(ranges) > 2 and ranges[-1][0] == len(prepared.batch.groups) - 1
     flat = live[s.live_name].view(-1).view(_INTS[live[s.live_name].element_size()])
     if where == "changed":
         pos = int(s.st.positions[len(s.st.positions) // 2])
@@ -816,6 +818,31 @@ def test_a_failure_after_the_batch_puts_back_every_batched_tensor(mixed_run, mod
     live["dense.1"].copy_(run.truth[0]["dense.1"])
     sw.commit(prepared)
     assert_at(live, run, 1)
+
+
+def test_a_slow_commit_thread_leaves_the_ranges_it_has_not_claimed_to_the_other(run, monkeypatch):
+    """The commit threads claim task ranges as they finish the last: one that stalls (a busy core) holds up
+    only the range it is on, and the batch is still written whole and bit-exact."""
+    monkeypatch.setattr(batch_commit, "THREADS_ABOVE_NS", 0.0)
+    monkeypatch.setattr(batch_commit, "TASK_ELEMS", 8)
+    live, sw = swapper_at(run, 0, stage_threads=2)
+    prepared = sw.prepare(1)
+    n = len(prepared.batch.ranges)
+    assert prepared.batch.threads == 2 and n >= 4
+    ran = {"pool": 0, "caller": 0}
+    real = batch_commit._Group.run
+
+    def stalling_in_the_pool(self, t0, t1, abort):
+        in_pool = threading.current_thread().name.startswith("ckptdelta-commit")
+        ran["pool" if in_pool else "caller"] += 1
+        if in_pool:
+            time.sleep(0.3)
+        return real(self, t0, t1, abort)
+
+    monkeypatch.setattr(batch_commit._Group, "run", stalling_in_the_pool)
+    sw.commit(prepared)
+    assert_at(live, run, 1)
+    assert ran["pool"] + ran["caller"] == n and ran["pool"] >= 1 and ran["caller"] >= n - 2
 
 
 def test_an_error_inside_a_commit_thread_puts_back_what_every_thread_wrote(run, monkeypatch):
