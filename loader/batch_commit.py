@@ -49,10 +49,10 @@ BLOCK_BYTES = kernels.HASH_BLOCK_BYTES
 #: 64 / width elements) and its changed elements; a copy costs about 1.2-1.4x a plain copy of the tensor (its
 #: check hashes the live bytes, each block while the one before it is written). There, a bf16 scatter
 #: costs about a plain copy at 10% changed and the copy wins from 20-40%; 1-byte elements from 10-20%,
-#: 4-byte ones from 20-40%, 8-byte ones not below 40%. Past these shares a change is mostly staged densely
-#: anyway (its new bits smaller than positions + values), and a dense change is always written whole (a
-#: swap, hotswap._DenseSwap).
-COPY_ABOVE = {1: 0.15, 2: 0.2, 4: 0.3, 8: 0.5}
+#: 4-byte ones at about 40% (cheaper there in one run of three), 8-byte ones not below 40%. Past these
+#: shares a change is mostly staged densely anyway (its new bits smaller than positions + values), and a
+#: dense change is always written whole (a swap, hotswap._DenseSwap).
+COPY_ABOVE = {1: 0.15, 2: 0.2, 4: 0.4, 8: 0.5}
 #: Tensors smaller than this are always scattered (a staged copy would save nothing worth its memory).
 MIN_COPY_BYTES = 1 << 20
 #: Work units: a scatter task writes at most this many changed elements, a copy task this many blocks.
