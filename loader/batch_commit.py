@@ -27,11 +27,11 @@ it was and the prepared update whole (it can be committed again).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from numba import typed
@@ -58,7 +58,7 @@ MIN_COPY_BYTES = 1 << 20
 #: Work units: a scatter task writes at most this many changed elements, a copy task this many blocks.
 TASK_ELEMS = 1 << 18
 TASK_BLOCKS = 32
-#: Task ranges per commit thread: the threads claim them one at a time (a claim costs a lock and a kernel call).
+#: Task ranges per commit thread: the threads claim them one at a time (a claim costs a kernel call).
 RANGES_PER_THREAD = 8
 #: Below this estimated cost (ns) the batch runs in the calling thread (a hand-off costs ~0.1 ms).
 THREADS_ABOVE_NS = 2e6
@@ -189,20 +189,6 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
-class _Claims:
-    """The next task range not yet taken by a commit thread."""
-
-    def __init__(self, start: int, end: int) -> None:
-        self._next, self._end, self._lock = start, end, threading.Lock()
-
-    def next(self) -> int | None:
-        with self._lock:
-            if self._next >= self._end:
-                return None
-            self._next += 1
-            return self._next - 1
-
-
 class CommitBatch:
     """Every batched tensor of a prepared update, ready to be written by :meth:`run` in the pause."""
 
@@ -237,12 +223,12 @@ class CommitBatch:
             ranges += [(gi, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
         return ranges
 
-    def _work(self, claims: "_Claims", first: int, log: list[list], abort: np.ndarray) -> None:
+    def _work(self, claims: "itertools.count[int]", first: int, log: list[list], abort: np.ndarray) -> None:
         """Run range ``first``, then claimed ones, until none is left, one is refused or ``abort`` is set. Each
         range goes into ``log`` as ``[group, t0, t1, None]`` before it runs (a failure inside it leaves it so: its
         progress is unknown) and gets its ``(done, kind, where)`` once run."""
         r = first
-        while r is not None and abort[0] == 0:
+        while r < len(self.ranges) and abort[0] == 0:
             gi, t0, t1 = self.ranges[r]
             entry = [gi, t0, t1, None]
             log.append(entry)
@@ -250,14 +236,14 @@ class CommitBatch:
             entry[3] = (int(done), int(kind), int(where))
             if done < t1 - t0:
                 return
-            r = claims.next()
+            r = next(claims)   # atomic under the GIL: each range is claimed once
 
     def run(self) -> None:
         """Write every tensor, or none: a refusal (HotLoadError naming the tensor), an error or an interrupt
         puts back everything written before it propagates."""
         abort = np.zeros(1, np.int64)
         workers = max(1, min(self.threads, len(self.ranges)))
-        claims = _Claims(workers, len(self.ranges))      # thread i starts on range i, then claims the next free
+        claims = itertools.count(workers)     # thread i starts on range i, then claims the next free
         logs: list[list[list]] = [[] for _ in range(workers)]
         futures: list[Future] = []
         if workers > 1:
@@ -265,8 +251,7 @@ class CommitBatch:
             futures = [pool.submit(self._work, claims, i, logs[i], abort) for i in range(1, workers)]
         first_error: BaseException | None = None
         try:
-            if self.ranges:
-                self._work(claims, 0, logs[0], abort)
+            self._work(claims, 0, logs[0], abort)
         except BaseException as e:   # noqa: BLE001 - the others must finish before anything is undone
             first_error = e
             abort[0] = 1

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 
 from benchmarks import vllm_hotload
-from tests.vllm_replicas import ONE_GPU_LAYOUT_ENV
+from tests.vllm_replicas import use_one_gpu_layout
 
 
 def test_quick_run_measures_every_method_verifies_every_swap_and_writes_markdown_json_and_png(tmp_path, capsys,
                                                                                            monkeypatch):
-    for k, v in ONE_GPU_LAYOUT_ENV.items():   # the demo's test keeps vLLM's CPU layout (a worker process)
-        monkeypatch.setenv(k, v)
+    use_one_gpu_layout(monkeypatch)   # the demo's test keeps vLLM's CPU layout (a worker process)
     assert vllm_hotload.main(["--quick", "--out-dir", str(tmp_path)]) == 0
     md = (tmp_path / "vllm_hotload-quick.md").read_text()
     for label in vllm_hotload.LABELS.values():

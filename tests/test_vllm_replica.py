@@ -18,16 +18,15 @@ import pytest
 import torch
 
 from tests.vllm_models import save_tiny_llama, save_tiny_moe, save_tiny_qwen_tied
-from tests.vllm_replicas import (ONE_GPU_LAYOUT_ENV, PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff,
-                                 publish_vllm_run, start_vllm_replica)
+from tests.vllm_replicas import (PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff, publish_vllm_run,
+                                 start_vllm_replica, use_one_gpu_layout)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_gpu_layout():
     """Every vLLM this module starts (in process or through the CLI) runs its worker in the engine core."""
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in ONE_GPU_LAYOUT_ENV.items():
-            mp.setenv(k, v)
+        use_one_gpu_layout(mp)
         yield
 
 

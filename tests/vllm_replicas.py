@@ -30,6 +30,12 @@ PROMPT = "hello world, hello replica"
 ONE_GPU_LAYOUT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+def use_one_gpu_layout(mp) -> None:
+    """Set ONE_GPU_LAYOUT_ENV through a pytest MonkeyPatch ``mp`` for every vLLM started while it holds."""
+    for k, v in ONE_GPU_LAYOUT_ENV.items():
+        mp.setenv(k, v)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu().contiguous()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
