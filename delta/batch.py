@@ -38,10 +38,13 @@ WINDOW_PER_THREAD = 4
 class _Task:
     """One unit of work and its outcome, for the caller to collect in its own order."""
 
-    __slots__ = ("fn", "value", "error", "done")
+    __slots__ = ("fn", "value", "error", "done", "_running")
 
     def __init__(self, fn: Callable[[], Any]):
-        self.fn, self.value, self.error, self.done = fn, None, None, threading.Event()
+        self.fn, self.value, self.error, self.done = fn, None, None, False
+        # held until the task has run: a bare lock, a third of an Event's cost (a batch makes one per tensor)
+        self._running = threading.Lock()
+        self._running.acquire()
 
     def run(self) -> None:
         try:
@@ -50,10 +53,13 @@ class _Task:
             self.error = e
         finally:
             self.fn = None
-            self.done.set()
+            self.done = True
+            self._running.release()
 
     def result(self) -> Any:
-        self.done.wait()
+        if not self.done:
+            with self._running:
+                pass
         if self.error is not None:
             raise self.error
         return self.value
@@ -110,7 +116,7 @@ class _Runner:
 
     def wait(self, task: _Task) -> Any:
         """``task``'s result, running the call's queued tasks (the awaited one first) until it is done."""
-        while not task.done.is_set():
+        while not task.done:
             with self._lock:
                 try:
                     self._queue.remove(task)
@@ -269,16 +275,23 @@ class _Applying:
             enc = codec._as_encoded(enc)
             h = enc.header
             self.name, self.live, self.enc = h.name, live, enc
-            self.bits = codec._writable_bits(live, h, method)
+            in_place = codec._in_place(live, h, method)
         except Exception as e:
             self.error = e
             return
         self.weight = max(1, len(h.chunks))
-        if self.bits is None:      # device, strided or method="torch": stage, then apply as apply_() does
+        self.bits: np.ndarray | None = None
+        self.stage: _Task | None = None
+        if not in_place:           # device, strided or method="torch": stage, then apply as apply_() does
             self.stage = runner.submit(partial(codec.stage, live, enc, verify=verify, threads=1))
             return
-        if len(h.chunks) <= 1:
+        if len(h.chunks) <= 1:     # the task takes the view of the bits too: fewer calls into torch here
             self.write = runner.submit(self._whole)
+            return
+        try:
+            self.bits = self._view()
+        except Exception as e:
+            self.error = e
             return
         self.chunks = [runner.submit(partial(codec._decode_chunk, enc, self.bits, i)) for i in range(len(h.chunks))]
 
@@ -289,7 +302,7 @@ class _Applying:
                 raise self.error
             if self.write is not None:
                 return                 # one task does it all
-            if self.bits is None:
+            if self.stage is not None:
                 st = runner.wait(self.stage)
                 self.stage = self.enc = None    # once written, only the undo is kept for the batch
                 undo = _old_bits(self.live, st)
@@ -306,8 +319,15 @@ class _Applying:
         except Exception as e:
             raise _name_it(e, self.name, self.index) from None
 
+    def _view(self) -> np.ndarray:
+        bits = dtypes.host_bits(self.live)         # in place: codec._in_place() said so
+        if not codec._shares(bits, self.live):
+            raise DeltaError(f"tensor {self.name!r}: the live tensor's memory cannot be written in place")
+        return bits
+
     def _whole(self) -> int | None:
         h = self.enc.header
+        self.bits = self._view()
         try:
             per_chunk = [codec._decode_chunk(self.enc, self.bits, i) for i in range(len(h.chunks))]
         except DeltaError:
@@ -323,7 +343,7 @@ class _Applying:
         return xxhash.xxh3_64_intdigest(self.bits) if self.verify else None
 
     def settled(self) -> bool:
-        return self.write is None or self.write.done.is_set()
+        return self.write is None or self.write.done
 
     def verdict(self, runner: _Runner) -> None:
         """Wait for the write; a result that does not hash to the record's digest is this tensor's error."""
@@ -401,12 +421,13 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
                 admitted += job.weight
                 if job.error is not None:
                     source = None
-            while writing and (writing[0].settled() or not decoding):
+            if writing and (writing[0].settled() or not decoding):
                 job = writing.popleft()
                 judging = True
                 job.verdict(runner)
                 judging = False
                 admitted -= job.weight
+                continue        # refill the window before the next wait: draining it idles the other threads
             if decoding:
                 job = decoding.popleft()
                 writing.append(job)

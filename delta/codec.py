@@ -579,14 +579,24 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
 
 def _writable_bits(live, h: RecordHeader, method: str) -> np.ndarray | None:
     """``live``'s bits as a writable view when a delta can be written into it directly, else None
-    (device or strided tensors, ``method="torch"``: those are staged, then applied)."""
-    in_place = isinstance(live, np.ndarray) or (
-        method == "auto" and live.device.type == "cpu" and live.is_contiguous())
-    if not in_place:
+    (device or strided tensors, read-only arrays, ``method="torch"``: those are staged, then applied)."""
+    if not _in_place(live, h, method):
         return None
-    _check_live(live, h.name, h.dtype, h.shape)
     bits = dtypes.host_bits(live)
     return bits if _shares(bits, live) else None
+
+
+def _in_place(live, h: RecordHeader, method: str) -> bool:
+    """Whether ``live`` takes a delta in place (:func:`_writable_bits` then gives the view), told from its
+    attributes alone: asking torch for the view gives up the GIL, slow beside busy codec threads. An empty
+    tensor has no memory to share: it is staged."""
+    if isinstance(live, np.ndarray):
+        ok = bool(live.flags.writeable and live.flags.c_contiguous) and live.size > 0
+    else:
+        ok = method == "auto" and live.device.type == "cpu" and live.is_contiguous() and live.numel() > 0
+    if ok:
+        _check_live(live, h.name, h.dtype, h.shape)
+    return ok
 
 
 #: What puts one chunk's old bits back: (start, chunk-local positions or None, old bits there or the whole chunk).

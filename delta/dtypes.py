@@ -121,6 +121,10 @@ def host_bits(x: "torch.Tensor | np.ndarray") -> np.ndarray:
     """
     dt = of(x)
     if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu" and not x.requires_grad and x.is_contiguous():
+            # Two torch calls, not five: each releases and retakes the GIL, which costs tens of microseconds
+            # per tensor while codec threads hold it between kernels (a batch apply's caller does this per tensor).
+            return x.view(_UINT_FOR_WIDTH[dt.itemsize]).numpy().reshape(-1).view(dt.bits_dtype)
         t = x.detach()
         if t.device.type != "cpu":
             t = t.to("cpu")

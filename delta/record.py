@@ -151,15 +151,17 @@ def peek_header_size(buf: bytes | memoryview, *, what: str = "record") -> int:
     if len(buf) < FIXED_SIZE:
         raise TruncatedError(f"{what}: {len(buf)} bytes, need at least {FIXED_SIZE} for a record header")
     magic, version, _code, ndim, _flags, _ce, _numel, _d, _pd, n_chunks, name_len, _r = _FIXED.unpack_from(buf, 0)
-    what = _claimed(buf, what)
     if magic != MAGIC:
-        raise FormatError(f"{what}: bad magic {bytes(magic)!r}, expected {MAGIC!r} (not a ckptdelta tensor record)")
+        raise FormatError(f"{_claimed(buf, what)}: bad magic {bytes(magic)!r}, expected {MAGIC!r} "
+                          f"(not a ckptdelta tensor record)")
     if version != FORMAT_VERSION:
-        raise FormatError(f"{what}: record format version {version} is not supported (this reader knows {FORMAT_VERSION})")
+        raise FormatError(f"{_claimed(buf, what)}: record format version {version} is not supported "
+                          f"(this reader knows {FORMAT_VERSION})")
     if ndim > MAX_NDIM or name_len > MAX_NAME_BYTES:
-        raise FormatError(f"{what}: header declares ndim={ndim}, name of {name_len} bytes: over the limits")
+        raise FormatError(f"{_claimed(buf, what)}: header declares ndim={ndim}, name of {name_len} bytes: "
+                          f"over the limits")
     if n_chunks > MAX_CHUNKS:
-        raise FormatError(f"{what}: header declares {n_chunks} chunks (limit {MAX_CHUNKS})")
+        raise FormatError(f"{_claimed(buf, what)}: header declares {n_chunks} chunks (limit {MAX_CHUNKS})")
     return header_size_for(ndim, name_len, n_chunks)
 
 

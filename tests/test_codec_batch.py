@@ -516,6 +516,35 @@ def test_apply_many_admits_tensors_by_their_chunks_whatever_the_path(layout):
     assert applied_before == [True] * 4
 
 
+def test_apply_many_reads_the_next_tensor_as_soon_as_one_is_judged(monkeypatch):
+    """The window stays full: once tensor i is judged, tensor i + window is read (and its work queued)
+    before tensor i + 1 is judged. Judging the whole window before reading more left the other
+    thread idle at the end of every window (two threads gained 1.27x, not 1.5x, on a 46 MB step)."""
+    from delta import batch
+
+    events = []
+    real = batch._Applying.verdict
+
+    def judged(self, runner):
+        real(self, runner)
+        events.append(("judged", self.index))
+
+    monkeypatch.setattr(batch._Applying, "verdict", judged)
+    olds, news, recs = encoded_pairs(96, n=10, chunk_elems=1 << 20)          # one chunk a tensor
+    lives = [o.clone() for o in olds]
+
+    def items():
+        for i, (lv, rec) in enumerate(zip(lives, recs)):
+            events.append(("read", i))
+            yield lv, rec
+
+    delta.apply_many(items(), threads=2, window=3)
+    assert all(same_bits(lv, n) for lv, n in zip(lives, news))
+    at = {e: k for k, e in enumerate(events)}
+    for i in range(10 - 3):
+        assert at[("judged", i)] < at[("read", i + 3)] < at[("judged", i + 1)], events
+
+
 @pytest.mark.parametrize("call", ["apply_", "apply_many"])
 def test_a_failure_half_way_through_a_tensors_chunks_leaves_it_unchanged(monkeypatch, call):
     """Writing chunk 2 of 3 fails (out of memory for its undo, say): chunk 1, already written, is put back."""
