@@ -5,7 +5,8 @@ is run through the context coder's kernels one stage at a time, and each stage i
 timed over the whole model. The floor is this machine's memory bandwidth measured on
 the same tensors in the same run: a copy pass (read one snapshot, write one) and an
 XOR pass (read two, write one) into preallocated buffers, so the distance of every
-stage to the limit is visible. Times are CPU time of the calling thread
+stage to the limit is visible; the XOR pass also runs split over two threads, and
+what that gains over one is the ceiling for a codec's two-thread scaling here. Times are CPU time of the calling thread
 (``time.thread_time``), medians of repeats: on a machine shared with other jobs that
 is what one thread costs, where wall time also counts the waits for a core.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -125,7 +127,36 @@ def floors(old: dict, new: dict, repeats: int) -> dict[str, float]:
             fn()
             ts.append(time.thread_time() - t0)
         out[name] = 1e9 * statistics.median(ts) / numel
+    out["xor_two_threads_x"] = _two_threads_x(pairs, dst, repeats)
     return out
+
+
+def _two_threads_x(pairs: list, dst: list, repeats: int) -> float:
+    """How much faster two threads run the XOR pass than one (wall medians, interleaved): what two
+    threads can gain on a pass bound by memory on this machine, the ceiling of a codec's scaling there."""
+    half, rest, load = [], [], [0, 0]
+    for i in sorted(range(len(pairs)), key=lambda i: -pairs[i][1].shape[0]):
+        side = 0 if load[0] <= load[1] else 1
+        (half, rest)[side].append(i)
+        load[side] += pairs[i][1].shape[0]
+
+    def xor(ix):
+        for i in ix:
+            np.bitwise_xor(pairs[i][0], pairs[i][1], out=dst[i])     # numpy gives up the GIL here
+
+    one, two = [], []
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(xor, []).result()
+        for _ in range(max(3, repeats)):
+            t0 = time.perf_counter()
+            xor(half + rest)
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            other = pool.submit(xor, rest)
+            xor(half)
+            other.result()
+            two.append(time.perf_counter() - t0)
+    return statistics.median(one) / statistics.median(two)
 
 
 def measure(old: dict, new: dict, repeats: int = 5) -> dict:
