@@ -27,7 +27,11 @@ class DType:
 
     @property
     def bits_dtype(self) -> np.dtype:
-        return np.dtype(f"<u{self.itemsize}")
+        return _BITS_DTYPE[self.itemsize]
+
+
+#: Unsigned integers of each width (built once: np.dtype("<u2") parses its string on every call).
+_BITS_DTYPE = {w: np.dtype(f"<u{w}") for w in (1, 2, 4, 8)}
 
 
 _TABLE = [

@@ -300,6 +300,27 @@ def test_the_context_coder_is_only_used_where_it_is_smaller_and_only_for_its_dty
                 assert c.length < sparse.length and (c.planes_a, c.planes_b) == record.CTX_LAYOUT[name]
 
 
+def test_sparse_estimate_is_the_order0_entropy_of_sparse_byte_planes():
+    """The estimate is each byte plane's order-0 entropy (as many planes as the largest gap and
+    step need), plus 24 bytes of frames: computed here plainly, for gaps and steps of every width."""
+    rng = np.random.default_rng(44)
+    for n, gap_hi, step_hi in ((1, 2, 2), (7, 300, 3), (5000, 1 << 20, 1 << 9), (20_000, 1 << 31, 1 << 40)):
+        gaps = rng.integers(0, gap_hi, n).astype(np.uint32)
+        steps = rng.integers(1, step_hi, n).astype(np.uint64)
+        planes = [((gaps >> np.uint32(8 * p)) & np.uint32(0xFF)) for p in range(4)
+                  if p == 0 or int(gaps.max()) >> (8 * p)]
+        planes += [((steps >> np.uint64(8 * p)) & np.uint64(0xFF)) for p in range(8)
+                   if p == 0 or int(steps.max()) >> (8 * p)]
+        bits = 0.0
+        for plane in planes:
+            counts = np.bincount(plane.astype(np.int64), minlength=256)
+            counts = counts[counts > 0]
+            bits -= float(np.sum(counts * np.log2(counts / n)))
+        got = ctxcoder.sparse_estimate(gaps, steps, int(gaps.max()), int(steps.max()))
+        assert got == pytest.approx(bits / 8 + 24, rel=1e-12), (n, gap_hi, step_hi)
+    assert ctxcoder.sparse_estimate(np.empty(0, np.uint32), np.empty(0, np.uint64), 0, 0) == 0.0
+
+
 def test_sparse_estimate_is_below_what_sparse_actually_needs(coder):
     """The encoder skips compressing sparse's planes when ctx is far below this estimate; the
     estimate must not exceed the real sparse payload (zstd does not beat order-0 without repeats)."""
