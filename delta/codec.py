@@ -580,16 +580,15 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
 def _writable_bits(live, h: RecordHeader, method: str) -> np.ndarray | None:
     """``live``'s bits as a writable view when a delta can be written into it directly, else None
     (device or strided tensors, read-only arrays, ``method="torch"``: those are staged, then applied)."""
-    if not _in_place(live, h, method):
-        return None
-    bits = dtypes.host_bits(live)
-    return bits if _shares(bits, live) else None
+    return dtypes.host_bits(live) if _in_place(live, h, method) else None
 
 
 def _in_place(live, h: RecordHeader, method: str) -> bool:
-    """Whether ``live`` takes a delta in place (:func:`_writable_bits` then gives the view), told from its
-    attributes alone: asking torch for the view gives up the GIL, slow beside busy codec threads. An empty
-    tensor has no memory to share: it is staged."""
+    """Whether ``live`` takes a delta in place, told from its attributes alone (asking torch for the view
+    gives up the GIL, slow beside busy codec threads). When it does, host_bits() is a view of it: a
+    contiguous CPU tensor's numpy() shares its memory, as does a C-contiguous array's flat view, so
+    nothing checks the pointers (ndarray.ctypes alone costs ~3 us a tensor). An empty tensor has no
+    memory to share: it is staged."""
     if isinstance(live, np.ndarray):
         ok = bool(live.flags.writeable and live.flags.c_contiguous) and live.size > 0
     else:

@@ -191,6 +191,31 @@ def test_encode_to_bytes_decode_is_bit_exact(p):
     assert codec.digest(out) == codec.digest(p["new"]) == enc.header.digest
 
 
+def test_what_takes_a_delta_in_place_gets_a_view_of_its_own_memory():
+    """codec._in_place() decides from attributes alone, and nothing checks pointers afterwards: so every
+    tensor it admits must get from host_bits() a writable view of its own bytes, not a copy."""
+    base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    cases = [torch.nn.Parameter(base.clone()), base.clone()[2:5], torch.tensor(1.5), base.clone().t().contiguous(),
+             base.to(torch.bfloat16), base.to(torch.float8_e4m3fn), base.to(torch.int64), base > 3,
+             np.arange(12, dtype=np.int16).reshape(3, 4), np.zeros(5, np.uint8)]
+    not_in_place = [base.clone().t(), np.arange(12, dtype=np.int16).reshape(3, 4)[:, ::2], torch.empty(0),
+                    np.arange(4, dtype=np.int32)[::-1]]
+    ro = np.arange(4, dtype=np.int32)
+    ro.flags.writeable = False
+    not_in_place.append(ro)
+    for x in cases + not_in_place:
+        dt = dtypes.of(x)
+        h = codec.encode(None, x if isinstance(x, np.ndarray) else x.detach()).header
+        admitted = codec._in_place(x, h, "auto")
+        assert admitted == any(x is c for c in cases), x
+        if admitted:
+            bits = dtypes.host_bits(x)
+            ptr, nbytes = (x.ctypes.data, x.nbytes) if isinstance(x, np.ndarray) else \
+                (x.data_ptr(), x.numel() * x.element_size())
+            assert bits.flags.writeable and bits.dtype == dt.bits_dtype
+            assert (bits.ctypes.data, bits.nbytes) == (ptr, nbytes), x
+
+
 @SETTINGS
 @given(pairs(), st.sampled_from(["auto", "torch"]))
 def test_apply_in_place_is_bit_exact_on_every_layout(p, method):
