@@ -128,8 +128,11 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
         return EncodedChunk(_UNCHANGED_ENTRY, b"", False)
     sparse = ctx.sparse_parts if ctx is not None else kernels.sparse_extract(
         old, new, changed, 8 * dt.itemsize, dt.sign_magnitude)
-    rule = nan_rule(dt)
-    nan = rule is not None and bool(kernels.nan_at_gaps(new, sparse[0], *(new.dtype.type(v) for v in rule)))
+    if ctx is not None and ctx.changed_nan is not None:
+        nan = ctx.changed_nan            # the context coder's scan looked at every change's new bits
+    else:
+        rule = nan_rule(dt)
+        nan = rule is not None and bool(kernels.nan_at_gaps(new, sparse[0], *(new.dtype.type(v) for v in rule)))
     if ctx is not None and ctx.beats_sparse:
         best = _entry(CTXE, *CTX_LAYOUT[dt.name], changed, ctx.payload), ctx.payload
     else:

@@ -34,7 +34,7 @@ import numpy as np
 from .ctx_bits import MAX_J
 from .ctx_decoder import ctx_decode
 from .ctx_encoder import ctx_encode, sparse_estimate
-from .dtypes import DType
+from .dtypes import DType, nan_rule
 from .errors import FormatError
 from .gctx import GMAX, gctx_decode, gctx_encode
 from .record import CTX_LAYOUT
@@ -78,6 +78,7 @@ class CtxResult(NamedTuple):
     payload: bytes
     sparse_parts: tuple     # encoding 1's (gaps, steps, max_gap, max_step), as kernels.sparse_extract
     beats_sparse: bool      # payload <= SURELY_SMALLER * sparse's patternless estimate
+    changed_nan: bool | None = None     # a changed element's new bits are a NaN (None: not looked at)
 
 
 # Below this fraction of sparse's order-0 estimate (which its zstd frames never beat on the
@@ -133,13 +134,13 @@ def encode_ctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None 
     return _result(out, sparse, changed)
 
 
-def _result(out: np.ndarray, sparse: tuple, changed: int | None) -> CtxResult:
+def _result(out: np.ndarray, sparse: tuple, changed: int | None, nan: bool | None = None) -> CtxResult:
     if changed is not None and sparse[0].shape[0] != changed:
         raise AssertionError("context encoder: inconsistent change count")  # a bug, never data
     if out.shape[0] == 0:
-        return CtxResult(b"", sparse, False)
+        return CtxResult(b"", sparse, False, nan)
     sure = out.shape[0] <= SURELY_SMALLER * sparse_estimate(*sparse)
-    return CtxResult(out.tobytes(), sparse, sure)
+    return CtxResult(out.tobytes(), sparse, sure, nan)
 
 
 def encode_gctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None = None) -> CtxResult | None:
@@ -149,8 +150,10 @@ def encode_gctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None
     if lay is None:
         return None
     old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)     # the kernels load 64 elements at once
-    out, sparse = gctx_encode(old, new, 8 * dt.itemsize, lay[0], lay[1], scan_scratch(old.shape[0]))
-    return _result(out, sparse, changed)
+    nan_mask, nan_above = nan_rule(dt) or (0, 0)
+    out, sparse, nan = gctx_encode(old, new, 8 * dt.itemsize, lay[0], lay[1], scan_scratch(old.shape[0]),
+                                   nan_mask, nan_above)
+    return _result(out, sparse, changed, nan)
 
 
 def decode_ctx(payload: bytes | memoryview, old: np.ndarray, count: int, dt: DType,

@@ -651,18 +651,32 @@ def _assemble(t, gmode, gpol, gj, gaps, gid, gk, size, kcls, ccls, zmode, zpol, 
 
 
 @njit(cache=True, nogil=True)
-def gctx_encode(old, new, width_bits, mbits, ebits, scratch):
-    """Encoding-5 payload of one chunk (empty when nothing changed), and encoding 1's gaps and
-    steps of the same changes (their length is the number of changes). ``scratch``: int32 of
-    shape (5, >= len(old) + GMAX), reused across calls; its content is not used."""
+def _any_above(bits, mask, above):
+    """Whether ``bits[j] & mask > above`` for some j (a NaN, with dtypes.nan_rule's mask and bound)."""
+    hit = False
+    for j in range(bits.shape[0]):
+        hit |= (np.int64(bits[j]) & mask) > above
+    return hit
+
+
+@njit(cache=True, nogil=True)
+def gctx_encode(old, new, width_bits, mbits, ebits, scratch, nan_mask, nan_above):
+    """Encoding-5 payload of one chunk (empty when nothing changed), encoding 1's gaps and steps of
+    the same changes (their length is the number of changes), and whether a changed element's new
+    bits are a NaN (``bits & nan_mask > nan_above``; a mask of 0 for a dtype without NaN). ``scratch``:
+    int32 of shape (5, >= len(old) + GMAX), reused across calls; its content is not used."""
     chgw = np.empty((old.shape[0] + 63) >> 6, np.uint64)
     nest, kcls, cpos, ccls, csign, ca = _scan(old, new, width_bits, mbits, ebits, scratch[0], scratch[1],
                                               scratch[2], scratch[3], chgw)
     if cpos.shape[0] == 0:
-        return np.empty(0, np.uint8), _sparse_parts(cpos, csign, ca)
+        return np.empty(0, np.uint8), _sparse_parts(cpos, csign, ca), False
+    # the scan left every change's new bits in scratch[3] (as int32: the low 31 bits survive, all a NaN
+    # test looks at), contiguous, before the position models reuse it: far cheaper than visiting
+    # each change in the chunk again
+    nan = _any_above(scratch[3][:cpos.shape[0]], nan_mask, nan_above)
     t, gmode, gpol, gj, gaps, gid, gk, size = _position_models(old, mbits, ebits, nest, kcls, chgw,
                                                                scratch[2], scratch[3])
     zmode, zpol, zj, zgap, zinit, vj, vsum = _step_models(kcls, ccls, ca)
     out = _assemble(t, gmode, gpol, gj, gaps, gid, gk, size, kcls, ccls, zmode, zpol, zj, zgap, zinit, vj, vsum,
                     csign, ca)
-    return out, _sparse_parts(cpos, csign, ca)
+    return out, _sparse_parts(cpos, csign, ca), nan

@@ -393,6 +393,10 @@ def test_the_encoder_reports_a_nan_only_where_a_changed_element_became_one(name,
         n2[4321] = dt.bits_dtype.type(threshold + 1)     # in the fifth chunk, a changed element becomes NaN
         e = enc(o2, n2)
         assert e.changed_nan is True
+        n3 = n2.copy()
+        n3[4321] = new[4321]
+        n3[2345] = dt.bits_dtype.type(mask | (1 << (8 * dt.itemsize - 1)))   # a negative NaN, all bits set
+        assert enc(o2, n3).changed_nan is True
         assert_same_bits(codec.decode(dtypes.from_bits(o2, dt, o2.shape), e.to_bytes()),
                          dtypes.from_bits(n2, dt, n2.shape))
     assert codec.encode(None, dtypes.from_bits(new, dt, new.shape)).changed_nan is None   # nothing compared

@@ -112,7 +112,8 @@ def kernel_round_trip(old: np.ndarray, new: np.ndarray, name: str, coder=CODERS[
     k = int(np.count_nonzero(old != new))
     if k == 0:
         return None
-    payload, sparse, _sure = coder.encode(old, new, dt, k)
+    res = coder.encode(old, new, dt, k)
+    payload, sparse = res.payload, res.sparse_parts
     pos, val = coder.decode(payload, old, k, dt, "t")
     want = np.flatnonzero(old != new)
     ref = kernels.sparse_extract(old, new, k, 8 * dt.itemsize, True)   # what encoding 1 would store
