@@ -102,6 +102,14 @@ class _Runner:
             # here. In the second case the pool had queued it already and may run it later too, like any
             # lane; it then counts itself out once more, which close() tolerates.
             self._lane()
+        except BaseException:
+            # an interrupt (KeyboardInterrupt) inside the pool's submit: the lane counted above may never
+            # run, and close() would wait for it forever. Count it out now; if the pool had queued it, it
+            # counts itself out again when it finds the call closed, which close() tolerates.
+            with self._lock:
+                self._lanes -= 1
+                self._idle.notify_all()
+            raise
         return task
 
     def _lane(self) -> None:

@@ -140,6 +140,38 @@ def test_items_are_read_no_further_ahead_than_the_window():
     assert [e.name for e in out] == [f"t{i}" for i in range(1, 40)]
 
 
+@pytest.mark.parametrize("call", ["encode_many", "apply_many"])
+def test_an_interrupt_while_a_lane_starts_propagates_instead_of_hanging(monkeypatch, call):
+    """A KeyboardInterrupt raised inside the pool's submit (the lane counted, maybe never queued):
+    the call must raise it and return, not wait forever in close() for a lane that never runs;
+    apply_many leaves every tensor as it was."""
+    olds, news, recs = encoded_pairs(98, n=4, chunk_elems=1000)
+    lives = [o.clone() for o in olds]
+
+    class Interrupted:
+        def submit(self, *a, **k):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(codec, "_executor", lambda: Interrupted())
+    outcome = []
+
+    def run():
+        try:
+            if call == "encode_many":
+                list(delta.encode_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))], threads=2))
+            else:
+                delta.apply_many(zip(lives, recs), threads=2)
+            outcome.append("returned")
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(20)
+    assert outcome == ["interrupted"], "the call hung in close()" if not outcome else outcome
+    assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
+
+
 @pytest.mark.parametrize("how", ["close", "drop"])
 def test_leaving_encode_many_early_leaves_no_work_running(monkeypatch, how):
     lock = threading.Lock()
