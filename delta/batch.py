@@ -406,13 +406,15 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
     writing: deque[_Applying] = deque()
     started: list[_Applying] = []       # every tensor admitted: any may have been written
     admitted = index = 0
-    judging = False
+    judging = reading = False
     source: Iterator[tuple] | None = iter(items)
     try:
         while True:
             while source is not None and (not (decoding or writing)
                                           or (not runner.inline and admitted < window)):
+                reading = True
                 item = next(source, None)
+                reading = False
                 if item is None:
                     source = None
                     break
@@ -439,8 +441,13 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
     except BaseException as e:
         err = e
         if not judging and isinstance(e, Exception):
-            for job in writing:        # all before the failure: the first tensor to fail is the one to report
+            # every tensor before the failure is judged: the first tensor to fail is the one to report. The
+            # items failing comes after every tensor admitted, those still decoding too.
+            before = [*writing, *decoding] if reading else list(writing)
+            for job in before:
                 try:
+                    if job in decoding:
+                        job.commit(runner)
                     job.verdict(runner)
                 except Exception as e2:
                     err = e2

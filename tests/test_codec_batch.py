@@ -387,6 +387,27 @@ def test_apply_many_rolls_back_when_the_items_themselves_fail():
     assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
 
 
+@pytest.mark.parametrize("threads,window", [(1, None), (2, 2), (2, 4), (2, None)])
+def test_a_bad_tensor_read_before_the_items_fail_is_the_error_reported(threads, window):
+    """Tensor 1's record does not rebuild its digest; reading the item after it raises. Whatever has
+    been judged when the items fail, tensor 1 comes first, so its ChecksumError is what propagates (the
+    store's error must not hide a corrupt record read before it), and no tensor is changed."""
+    olds, news, recs = encoded_pairs(52, n=3, chunk_elems=1 << 20)             # one chunk a tensor
+    h = recs[1].header
+    bad = dataclasses.replace(recs[1], header=dataclasses.replace(h, digest=h.digest ^ 1))
+    lives = [o.clone() for o in olds]
+
+    def items():
+        yield lives[0], recs[0]
+        yield lives[1], bad
+        raise OSError("the store went away")
+
+    for _ in range(10):       # which tensors are judged when the items fail depends on the threads' timing
+        with pytest.raises(ChecksumError, match="layers.1.w"):
+            delta.apply_many(items(), threads=threads, window=window)
+        assert all(same_bits(lv, o) for lv, o in zip(lives, olds))
+
+
 # --- nesting -----------------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
