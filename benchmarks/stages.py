@@ -6,9 +6,10 @@ timed over the whole model. The floor is this machine's memory bandwidth measure
 the same tensors in the same run: a copy pass (read one snapshot, write one) and an
 XOR pass (read two, write one) into preallocated buffers, so the distance of every
 stage to the limit is visible; the XOR pass also runs split over two threads, and
-what that gains over one is the ceiling for a codec's two-thread scaling here. Times are CPU time of the calling thread
-(``time.thread_time``), medians of repeats: on a machine shared with other jobs that
-is what one thread costs, where wall time also counts the waits for a core.
+what that gains over one is the ceiling for a codec's two-thread scaling here.
+Times are CPU time of the calling thread (``time.thread_time``), medians of repeats:
+on a machine shared with other jobs that is what one thread costs, where wall time
+also counts the waits for a core.
 
 Stages (docs/FORMAT.md, encoding 5, which the context coder writes):
 

@@ -443,10 +443,10 @@ def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bo
         if not judging and isinstance(e, Exception):
             # every tensor before the failure is judged: the first tensor to fail is the one to report. The
             # items failing comes after every tensor admitted, those still decoding too.
-            before = [*writing, *decoding] if reading else list(writing)
-            for job in before:
+            before = [(job, False) for job in writing] + ([(job, True) for job in decoding] if reading else [])
+            for job, uncommitted in before:
                 try:
-                    if job in decoding:
+                    if uncommitted:
                         job.commit(runner)
                     job.verdict(runner)
                 except Exception as e2:
