@@ -29,7 +29,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--snapshot", default="latest", help="snapshot to start from (default: latest)")
     p.add_argument("--model", metavar="DIR", help="start from this HF model directory instead (version unknown)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (default: 8000; 0 picks a free one, named in the log)")
     p.add_argument("--replica-id", default=None, help="name in engine_data and /v1/status (default: host:port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $CKPTDELTA_API_KEY)")
     add_storage_args(p)
@@ -72,11 +73,6 @@ def add_commands(subparsers: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .engines import build_engine
-    from .server import create_app
-
     passthrough = list(getattr(args, "passthrough", []) or [])
     usage = None
     if passthrough and args.engine != "vllm":
@@ -87,7 +83,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage = "give --bucket URL (a run to serve and hot-load), --model DIR (fixed weights), or both"
     if usage:
         return usage_error("serve", usage)
-    snapshot = _check_before_loading(args)
+    snapshot, sock = _check_before_loading(args)
+    try:
+        _serve(args, sock, snapshot, passthrough)
+    finally:
+        sock.close()
+    return 0
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int", passthrough: list[str]) -> None:
+    import uvicorn
+
+    from .engines import build_engine
+    from .server import create_app
+
     engine = build_engine(args.engine, bucket=args.bucket, snapshot=snapshot, model_dir=args.model,
                           storage_options=storage_options(args), cache_dir=args.cache_dir, device=args.device,
                           cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,
@@ -99,16 +108,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(engine, replica_id=replica_id, api_key=api_key)
         log.warning("replica %s (%s engine) serving policy version %s on http://%s:%d%s", replica_id, engine.kind,
                     engine.version, args.host, args.port, " (API key required)" if api_key else "")
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         engine.close()
-    return 0
 
 
-def _check_before_loading(args: argparse.Namespace) -> "str | int":
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """Bind the replica's address before the engine starts, and keep it bound. Starting takes minutes (vLLM),
+    and a port only checked, then let go, is what the engine's own free-port pick or another process may be
+    handed meanwhile. Bound but not listening, it refuses connections until the server starts serving it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)   # uvicorn's own rule
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse the port
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e} (pick another --port or "
+                      "--host)") from None
+    return sock
+
+
+def _check_before_loading(args: argparse.Namespace) -> "tuple[str | int, socket.socket]":
     """What can fail in seconds fails before minutes of download and load (loader/servable.py): the device,
     the port, the model directory or the snapshot's config and tokenizer. Returns the snapshot to serve,
-    resolved, so the engine serves the version checked."""
+    resolved, so the engine serves the version checked, and the replica's address, bound (``--port 0``: the
+    port picked is put in ``args.port``)."""
     from .reader import SnapshotReader
     from .servable import check_device, check_model_dir, check_snapshot
 
@@ -119,22 +143,22 @@ def _check_before_loading(args: argparse.Namespace) -> "str | int":
             if isinstance(e, CkptDeltaError):
                 raise
             raise UsageError(str(e)) from None
+    sock = _reserve_port(args.host, args.port)
     try:
-        with socket.create_server((args.host, args.port)):
-            pass
-    except OSError as e:
-        raise OSError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (pick another --port or "
-                      "--host)") from None
-    if args.model:
-        check_model_dir(args.model)
-        return args.snapshot
-    reader = SnapshotReader(args.bucket, storage_options=storage_options(args))
-    try:
-        version = reader.resolve(args.snapshot)
-        check_snapshot(reader, version)
-    finally:
-        reader.store.close()
-    return version
+        args.port = sock.getsockname()[1]
+        if args.model:
+            check_model_dir(args.model)
+            return args.snapshot, sock
+        reader = SnapshotReader(args.bucket, storage_options=storage_options(args))
+        try:
+            version = reader.resolve(args.snapshot)
+            check_snapshot(reader, version)
+        finally:
+            reader.store.close()
+        return version, sock
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _wait_until_up(url: str, timeout: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import socket
@@ -146,20 +147,33 @@ def test_hotload_command_prints_state_and_exit_status(start_replica, capsys, lm_
         bad.close()
 
 
-def test_serve_command_runs_a_replica_from_a_bucket(run, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_serve_command_runs_a_replica_from_a_bucket_on_the_port_it_picked(run, tmp_path):
     env = {**os.environ, "CKPTDELTA_API_KEY": "env-key"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, "-m", "ckptdelta.cli", "serve", "--bucket", run.url, "--snapshot", "1",
-                             "--port", str(port), "--replica-id", "cli-replica", "--cache-dir", str(tmp_path / "cache")],
+                             "--port", "0", "--replica-id", "cli-replica", "--cache-dir", str(tmp_path / "cache")],
                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    announced: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for raw in proc.stdout:
+            lines.append(raw.decode(errors="replace"))
+            if "serving policy version" in lines[-1] and not announced:
+                announced.append(lines[-1])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
     try:
+        assert ready.wait(120) and announced, "".join(lines)[-3000:]
+        port = int(announced[0].split("http://127.0.0.1:")[1].split()[0])  # the log names the port --port 0 picked
+        assert port != 0
+        url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert proc.poll() is None, "".join(lines)[-3000:]
             try:
                 r = httpx.get(url + "/v1/status", headers={"Authorization": "Bearer env-key"}, timeout=5)
                 break
@@ -175,3 +189,24 @@ def test_serve_command_runs_a_replica_from_a_bucket(run, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_holds_its_port_from_the_first_check_until_it_serves(run):
+    """vLLM takes minutes to start, and picks free ports of its own meanwhile: a port only checked and let go
+    was handed to vLLM once and the replica could not listen. From the checks on, the port stays bound."""
+    parser = argparse.ArgumentParser(prog="ckptdelta")
+    cli.add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--bucket", run.url, "--port", "0"])
+    snapshot, sock = cli._check_before_loading(args)
+    try:
+        assert snapshot == run.latest and args.port == sock.getsockname()[1] != 0
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", args.port))
+        assert taken.value.errno == errno.EADDRINUSE
+        with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+            client.connect(("127.0.0.1", args.port))  # bound, not yet listening: nothing waits in a backlog
+    finally:
+        sock.close()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", args.port))  # let go once serving ends
+
