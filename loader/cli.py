@@ -43,7 +43,8 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--model-name", default=None, help="the 'model' field of responses")
     v = p.add_argument_group("vLLM engine (--engine vllm)")
     v.add_argument("--attach", metavar="URL", default=None,
-                   help="use a vLLM server already running at URL (started with --worker-extension-cls "
+                   help="use a vLLM server already running at URL (http://HOST:PORT, or unix:PATH for one "
+                        "started with --uds PATH; started with --worker-extension-cls "
                         "loader.engines.vllm_worker.CkptDeltaWorker and VLLM_SERVER_DEV_MODE=1 on the snapshot's "
                         "weights) instead of starting one")
     v.add_argument("--verify", choices=["sampled", "full", "off"], default="sampled",

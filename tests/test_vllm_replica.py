@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 
+from tests.servers import free_port
 from tests.vllm_models import save_tiny_llama, save_tiny_moe, save_tiny_qwen_tied
 from tests.vllm_replicas import (PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff, publish_vllm_run,
                                  start_vllm_replica, use_one_gpu_layout)
@@ -72,7 +73,10 @@ def _kernel_diff(rep: VllmReplicaHandle, truth: dict[str, torch.Tensor], tmp_dir
 
 
 def _weight_version(rep: VllmReplicaHandle) -> str:
-    return httpx.get(f"{rep.engine.url}/weight_info", timeout=30).json()["weight_version"]
+    from loader.engines.vllm import http_client
+
+    with http_client(rep.engine.url, timeout=30) as c:
+        return c.get("/weight_info").json()["weight_version"]
 
 
 def test_serves_the_snapshot_with_vllms_own_options_and_engine_data(rep, llama_run):
@@ -141,7 +145,7 @@ def test_hotloads_forward_across_an_anchor_and_back_are_bit_exact_in_every_runti
 
 
 def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapshot(rep, llama_run, tmp_path):
-    from loader.engines.vllm import VllmServer
+    from loader.engines.vllm import VllmServer, http_client
     from loader.reader import SnapshotReader
 
     assert rep.hotload(1)["state"] == "READY"
@@ -152,7 +156,8 @@ def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapsh
     fresh = VllmServer(model_dir, served_name=rep.engine.model_name, args=VLLM_ARGS)
     try:
         fresh.wait_ready()
-        r = httpx.post(f"{fresh.url}/v1/completions", json=body, timeout=120)
+        with http_client(fresh.url, timeout=120) as c:       # a Unix socket: unix:PATH
+            r = c.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         cold = r.json()["choices"][0]
     finally:
@@ -170,7 +175,9 @@ def test_a_vllm_started_by_the_user_attaches_and_is_checked_before_it_serves(lla
     from loader.reader import SnapshotReader
 
     model_dir = SnapshotReader(llama_run.url).materialize(1, str(tmp_path / "v1"))
-    theirs = VllmServer(model_dir, served_name="their-name", args=VLLM_ARGS)  # worker extension + dev mode
+    # worker extension + dev mode, on TCP as a user would start it (the replica's own vLLM is on a Unix socket)
+    theirs = VllmServer(model_dir, served_name="their-name", args=VLLM_ARGS, port=free_port())
+    assert theirs.url.startswith("http://127.0.0.1:")
     try:
         theirs.wait_ready()
         with pytest.raises(VllmError, match="differ from the snapshot"):
@@ -196,6 +203,8 @@ def test_serve_engine_vllm_from_the_command_line_and_a_replica_killed_mid_hotloa
     import sys
     import time
 
+    from loader.engines.vllm import http_client
+
     def start(snapshot: str) -> tuple[subprocess.Popen, str]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -220,13 +229,18 @@ def test_serve_engine_vllm_from_the_command_line_and_a_replica_killed_mid_hotloa
     st = httpx.get(url + "/v1/status", timeout=30).json()
     assert st["policy_version"] == 1 and st["engine"]["kind"] == "vllm"
     vllm_url = st["engine"]["url"]
+    assert vllm_url.startswith("unix:")   # its own vLLM: a Unix socket only this user can reach, no TCP port
+    assert os.stat(os.path.dirname(vllm_url[len("unix:"):])).st_mode & 0o777 == 0o700
+    with http_client(vllm_url, timeout=30) as c:
+        assert c.get("/health").status_code == 200
     assert httpx.post(url + "/v1/hotload", json={"snapshot": 0}, timeout=30).status_code == 202
     proc.send_signal(signal.SIGKILL)  # mid hot-load
     proc.wait()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # its vLLM goes with it
         try:
-            httpx.get(vllm_url + "/health", timeout=1)
+            with http_client(vllm_url, timeout=1) as c:
+                c.get("/health")
         except httpx.HTTPError:
             break
         time.sleep(0.5)

@@ -1,13 +1,15 @@
 """vLLM as a replica engine: its own OpenAI server samples, ckptdelta moves its weights.
 
 ``ckptdelta serve --engine vllm`` materializes the snapshot, starts vLLM's
-OpenAI-compatible server on it (a child process on a loopback port, in dev mode,
+OpenAI-compatible server on it (a child process on a Unix socket in a directory
+only this user can enter, in dev mode,
 with :class:`loader.engines.vllm_worker.CkptDeltaWorker` mixed into its workers)
 and serves the replica API in front of it: sampling bodies go to vLLM as they
 are (vLLM's own options — logprobs, prompt_logprobs, n, seed, token ids — work as
 vLLM users know them), the replica adds auth, ``min_policy_version`` and
 ``engine_data``. A vLLM started another way attaches with ``--attach URL``
-(docs/SERVING.md says which vLLM flags it needs).
+(``http://HOST:PORT``, or ``unix:PATH`` for one started with ``--uds PATH``;
+docs/SERVING.md says which vLLM flags it needs).
 
 The host copy. Deltas are defined on checkpoint tensors; vLLM keeps its own
 layout (fused q/k/v and gate/up, re-packed CPU linears, padded vocabularies). So
@@ -47,7 +49,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -97,40 +98,65 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+UNIX_PREFIX = "unix:"
+
+
+def http_client(url: str, *, asynchronous: bool = False, **kw: Any) -> "httpx.Client | httpx.AsyncClient":
+    """An HTTP client for vLLM at ``url``: ``http(s)://HOST:PORT`` or ``unix:PATH`` (its ``--uds``)."""
+    if url.startswith(UNIX_PREFIX):
+        path = url[len(UNIX_PREFIX):]
+        transport = (httpx.AsyncHTTPTransport if asynchronous else httpx.HTTPTransport)(uds=path)
+        kw.update(transport=transport, base_url="http://vllm")
+    else:
+        kw.update(base_url=url)
+    return (httpx.AsyncClient if asynchronous else httpx.Client)(**kw)
 
 
 class VllmServer:
-    """vLLM's OpenAI server as a child process on 127.0.0.1 (its own process group, stopped with us)."""
+    """vLLM's OpenAI server as a child process (its own process group, stopped with us).
+
+    By default it listens on a Unix socket in a fresh directory only this user can enter, not on a TCP port:
+    its dev-mode endpoints (collective_rpc, reload_weights) answer anyone who can connect, and a port picked
+    while vLLM starts (seconds to minutes) can be taken by another process meanwhile, or be the port another
+    replica's vLLM answers on. ``port`` serves TCP on 127.0.0.1 instead (vLLM started the way a user may)."""
 
     def __init__(self, model_dir: str, *, served_name: str, args: Sequence[str] = (), port: int | None = None,
                  log_path: str | None = None, env: dict[str, str] | None = None):
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         environ = {**os.environ, **(env or {})}
         for k, v in VLLM_ENV_DEFAULTS.items():
             environ.setdefault(k, v)
+        self._dir = tempfile.mkdtemp(prefix="ckptdelta-vllm-sock-")    # mode 0700
+        if port is None:
+            where = ["--uds", os.path.join(self._dir, "vllm.sock")]
+            self.url = UNIX_PREFIX + where[1]
+        else:
+            where = ["--host", "127.0.0.1", "--port", str(port)]
+            self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-               "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port),
-               "--worker-extension-cls", WORKER_EXTENSION, *args]
-        self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"ckptdelta-vllm-{self.port}.log")
-        self._log = open(self.log_path, "ab")
-        log.info("starting vLLM: %s (log: %s)", " ".join(cmd), self.log_path)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+               "--served-model-name", served_name, *where, "--worker-extension-cls", WORKER_EXTENSION, *args]
+        self.log_path = log_path or self._dir + ".log"
+        try:
+            self._log = open(self.log_path, "ab")
+            try:
+                log.info("starting vLLM: %s (log: %s)", " ".join(cmd), self.log_path)
+                self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
+                                             start_new_session=True, preexec_fn=_die_with_parent)
+            except BaseException:
+                self._log.close()
+                raise
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=5.0) as c:
+        with http_client(self.url, timeout=5.0) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise VllmError(f"vLLM exited with code {self.proc.returncode} while starting; its last "
                                     f"lines:\n{self.tail()}")
                 try:
-                    if c.get(f"{self.url}/health").status_code == 200:
+                    if c.get("/health").status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
@@ -157,6 +183,7 @@ class VllmServer:
                     pass
                 self.proc.wait()
         self._log.close()
+        shutil.rmtree(self._dir, ignore_errors=True)      # the socket's directory (the log stays)
 
 
 # --- control calls ------------------------------------------------------------------------------
@@ -167,7 +194,7 @@ class VllmControl:
     def __init__(self, url: str, *, api_key: str | None = None, timeout: float = CONTROL_TIMEOUT_S):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+        self.http = http_client(self.url, timeout=timeout, headers=headers)
 
     def _post(self, path: str, **kw: Any) -> Any:
         try:
@@ -516,8 +543,8 @@ class VllmReplica(ReplicaEngine):
         key = id(asyncio.get_running_loop())
         client = self._clients.get(key)
         if client is None:
-            client = self._clients[key] = httpx.AsyncClient(
-                base_url=self.url, timeout=httpx.Timeout(None, connect=10.0),
+            client = self._clients[key] = http_client(
+                self.url, asynchronous=True, timeout=httpx.Timeout(None, connect=10.0),
                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         return client
 
@@ -591,7 +618,8 @@ def _snapshot(version: int | None) -> str | None:
 def _served_name(url: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30.0)
+        with http_client(url, headers=headers, timeout=30.0) as c:
+            r = c.get("/v1/models")
         return r.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
         raise VllmError(f"vLLM at {url}: GET /v1/models did not name the served model ({e})") from e
