@@ -121,10 +121,14 @@ def test_fleet_hotload_raises_with_per_replica_states_on_failure_and_conflict(st
         run.close()
 
 
-def _cli(*argv: str) -> int:
+def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ckptdelta")
     cli.add_commands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(list(argv))
+    return parser.parse_args(list(argv))
+
+
+def _cli(*argv: str) -> int:
+    args = _parse(*argv)
     return args.func(args)
 
 
@@ -194,9 +198,7 @@ def test_serve_command_runs_a_replica_from_a_bucket_on_the_port_it_picked(run, t
 def test_serve_holds_its_port_from_the_first_check_until_it_serves(run):
     """vLLM takes minutes to start, and picks free ports of its own meanwhile: a port only checked and let go
     was handed to vLLM once and the replica could not listen. From the checks on, the port stays bound."""
-    parser = argparse.ArgumentParser(prog="ckptdelta")
-    cli.add_commands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--bucket", run.url, "--port", "0"])
+    args = _parse("serve", "--bucket", run.url, "--port", "0")
     snapshot, sock = cli._check_before_loading(args)
     try:
         assert snapshot == run.latest and args.port == sock.getsockname()[1] != 0
@@ -209,4 +211,3 @@ def test_serve_holds_its_port_from_the_first_check_until_it_serves(run):
         sock.close()
     with socket.socket() as other:
         other.bind(("127.0.0.1", args.port))  # let go once serving ends
-

@@ -135,16 +135,15 @@ class VllmServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--served-model-name", served_name, *where, "--worker-extension-cls", WORKER_EXTENSION, *args]
         self.log_path = log_path or self._dir + ".log"
+        self._log = None
         try:
             self._log = open(self.log_path, "ab")
-            try:
-                log.info("starting vLLM: %s (log: %s)", " ".join(cmd), self.log_path)
-                self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
-            except BaseException:
-                self._log.close()
-                raise
+            log.info("starting vLLM: %s (log: %s)", " ".join(cmd), self.log_path)
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         except BaseException:
+            if self._log is not None:
+                self._log.close()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
 
