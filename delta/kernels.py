@@ -345,62 +345,47 @@ def _undo_range(live, positions, expected, ja, jb):
 
 
 @njit(cache=True, nogil=True)
-def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, t1, block_elems, abort):
-    """Run tasks ``[t0, t1)`` in order into ``lives`` (a typed list of every tensor's live bits; ``wholes``:
-    the staged new bits of each copied tensor, anything for the others). ``positions``, ``expected`` and
-    ``values`` are typed lists too, one array per tensor: a task ``(ti, mode, ja, jb, ...)`` writes changes
-    ``[ja, jb)`` of tensor ``ti`` (a list, not one concatenated array: concatenating them cost the prepare
-    a copy of every staged change). Returns ``(done, kind, where)``.
-
-    ``done == t1 - t0``: every task written. Otherwise tasks ``[t0, t0 + done)`` are written and task
-    ``t0 + done`` is not (whatever of it was written has been put back): ``kind`` 0 = its element
-    ``positions[ti][where]`` no longer held ``expected[ti][where]``, 1 = its block ``where`` no longer hashed
-    to ``hashes[hoff + where]``, 2 = stopped because ``abort[0]`` was set (by another thread's refusal).
-    A refusal sets ``abort[0]``. The caller puts back the written tasks with :func:`undo_tasks`."""
-    for t in range(t0, t1):
-        if abort[0] != 0:
-            return t - t0, 2, -1
-        ti, mode, ja, jb = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
-        live = lives[ti]
-        if mode == MODE_SCATTER:
-            # slices indexed from 0: numba then knows every index is >= 0 and drops its wraparound checks
-            pj, ej, vj = positions[ti][ja:jb], expected[ti][ja:jb], values[ti][ja:jb]
-            for j in range(pj.shape[0]):
-                p = pj[j]
-                if live[p] != ej[j]:
-                    _undo_range(live, pj, ej, 0, j)
-                    abort[0] = 1
-                    return t - t0, 0, ja + j
-                live[p] = vj[j]
-            continue
-        whole = wholes[ti]
-        pos = positions[ti]
-        n = live.shape[0]
-        hoff = tasks[t, 6]
-        ba, bb = tasks[t, 4], tasks[t, 5]
-        # each block is hashed while the one before it is written (hash_while_copying), the first alone
-        h = block_hash(live[ba * block_elems:min(n, (ba + 1) * block_elems)].view(np.uint8))
-        for b in range(ba, bb):
-            s = b * block_elems
-            e = min(n, s + block_elems)
-            if h != hashes[hoff + b]:
-                # blocks before b hold the new bits: put back the old ones at their changed elements
-                _undo_range(live, pos, expected[ti], ja, ja + np.searchsorted(pos[ja:jb], s))
-                abort[0] = 1
-                return t - t0, 1, b
-            if b + 1 < bb:   # a next block: this one is whole (64 KiB, a multiple of 8 bytes)
-                h = hash_while_copying(live[e:min(n, e + block_elems)].view(np.uint8),
-                                       live[s:e].view(np.uint64), whole[s:e].view(np.uint64))
-            else:
-                lv, wv = live[s:e], whole[s:e]
-                for i in range(lv.shape[0]):
-                    lv[i] = wv[i]
-    return t1 - t0, -1, -1
+def commit_task(live, whole, positions, expected, values, hashes, task, block_elems):
+    """Write one task of the pause's batch into ``live`` (a tensor's live bits; ``whole``: its staged new bits
+    when copied, anything when scattered). ``positions``, ``expected`` and ``values`` are the tensor's staged
+    changes. ``task`` is a row ``(ti, mode, ja, jb, ba, bb, hoff)``: a scatter writes changes ``[ja, jb)``; a
+    copy writes blocks ``[ba, bb)``, whose changes are ``[ja, jb)``, checked against ``hashes[hoff + b]``.
+    Returns ``(kind, where)``: ``(-1, -1)`` written; otherwise nothing of the task is left written (what was
+    has been put back) and ``kind`` 0 = element ``positions[where]`` no longer held ``expected[where]``,
+    1 = block ``where`` no longer hashed to ``hashes[hoff + where]``: a write after prepare()."""
+    mode, ja, jb = task[1], task[2], task[3]
+    if mode == MODE_SCATTER:
+        # slices indexed from 0: numba then knows every index is >= 0 and drops its wraparound checks
+        pj, ej, vj = positions[ja:jb], expected[ja:jb], values[ja:jb]
+        for j in range(pj.shape[0]):
+            p = pj[j]
+            if live[p] != ej[j]:
+                _undo_range(live, pj, ej, 0, j)
+                return 0, ja + j
+            live[p] = vj[j]
+        return -1, -1
+    n = live.shape[0]
+    hoff, ba, bb = task[6], task[4], task[5]
+    # each block is hashed while the one before it is written (hash_while_copying), the first alone
+    h = block_hash(live[ba * block_elems:min(n, (ba + 1) * block_elems)].view(np.uint8))
+    for b in range(ba, bb):
+        s = b * block_elems
+        e = min(n, s + block_elems)
+        if h != hashes[hoff + b]:
+            # blocks before b hold the new bits: put back the old ones at their changed elements
+            _undo_range(live, positions, expected, ja, ja + np.searchsorted(positions[ja:jb], s))
+            return 1, b
+        if b + 1 < bb:   # a next block: this one is whole (64 KiB, a multiple of 8 bytes)
+            h = hash_while_copying(live[e:min(n, e + block_elems)].view(np.uint8),
+                                   live[s:e].view(np.uint64), whole[s:e].view(np.uint64))
+        else:
+            lv, wv = live[s:e], whole[s:e]
+            for i in range(lv.shape[0]):
+                lv[i] = wv[i]
+    return -1, -1
 
 
 @njit(cache=True, nogil=True)
-def undo_tasks(lives, positions, expected, tasks, t0, t1):
-    """Put back the old bits of tasks ``[t0, t1)`` written by :func:`commit_tasks` (last task first)."""
-    for t in range(t1 - 1, t0 - 1, -1):
-        ti = tasks[t, 0]
-        _undo_range(lives[ti], positions[ti], expected[ti], tasks[t, 2], tasks[t, 3])
+def undo_task(live, positions, expected, task):
+    """Put back the old bits of a task :func:`commit_task` wrote (its changed elements, last first)."""
+    _undo_range(live, positions, expected, task[2], task[3])

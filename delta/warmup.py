@@ -8,10 +8,9 @@ dtype, fills numba's on-disk cache; later processes load the machine code.
 
 Loading that machine code still costs every new process time on first use: each
 kernel's cache entry is read and linked (~0.3 s for the staging path of one
-dtype), and the typed lists the hot-swap commit passes its live tensors in are
-compiled afresh in every process (~0.6 s for the first element width, ~0.2 s for
-each further one; numba does not cache them). A replica that did this on its
-first hot-load would be ~0.5 s slower on that one, and its first pause longer.
+dtype, ~0.4 s for the commit's four element widths). A replica that did this on
+its first hot-load would be that much slower on that one, and its first pause
+longer.
 :func:`warm_in_background`, which every ``HotSwapper`` calls as it is built, runs
 the replica's paths once per process, in a background thread, for the dtypes of
 its weights, so the first hot-load finds them ready.
@@ -97,63 +96,73 @@ def _warm_encoding_4(old: torch.Tensor, new: torch.Tensor) -> None:
         raise AssertionError(f"warm-up of encoding 4 ({dt.name}) is not bit-exact")
 
 
-def _warm_commit() -> None:
-    """The hot-swap commit kernels (both ways, undo) for every element width, and the int32-position scatter
-    of Publisher(device_diff=True), each checked bit-exact (at install; a replica's runtime warm-up needs
-    only :func:`_warm_commit_path`)."""
+def _commit_case(width: int, n: int, frac: float, copy: bool) -> tuple:
+    """Live bits of ``width``-byte elements, their changed copy, and a batch (delta/commit_ranges.py) that
+    writes the change twice, scattered into one live copy and copied whole over another."""
     import numpy as np
-    from numba import typed
 
-    from . import kernels
+    from . import commit_ranges, kernels
 
-    rng = np.random.default_rng(0)
+    dt = np.dtype(f"<u{width}")
+    rng = np.random.default_rng(width)
+    old = rng.integers(0, np.iinfo(dt).max, n, dtype=dt)
+    pos = np.flatnonzero(rng.random(n) < frac).astype(np.int64)
+    new = old.copy()
+    new[pos] ^= dt.type(1)
+    block = kernels.HASH_BLOCK_BYTES // width
+    hashes = np.empty(-(-n // block), np.uint64)
+    kernels.block_hashes(old, block, hashes)
+    lives = [old.copy(), old.copy()]
+    m = pos.shape[0]
+    tasks = np.array([[0, kernels.MODE_SCATTER, 0, m, 0, 0, 0]]
+                     + ([[1, kernels.MODE_COPY, 0, m, 0, hashes.shape[0], 0]] if copy else []), np.int64)
+    wholes = [None, new] if copy else [None]                  # the first scattered, the second copied
+    tensors = [(lv, wh, pos, old[pos], new[pos]) for lv, wh in zip(lives, wholes)]
+    tables = commit_ranges.Tables([(block, tensors, hashes, tasks)], [(0, t, t + 1) for t in range(tasks.shape[0])])
+    return old, new, pos, lives[:len(wholes)], tables
+
+
+def _warm_commit() -> None:
+    """The hot-swap commit kernels (both ways, undo; on torch's OpenMP team where there is one) for every
+    element width, and the int32-position scatter of Publisher(device_diff=True), each checked bit-exact
+    (at install; a replica's runtime warm-up needs only :func:`_warm_commit_path`)."""
+    import numpy as np
+
+    from . import commit_ranges, kernels, omp
+
+    team = omp.team()
     for width in (1, 2, 4, 8):
-        dt = np.dtype(f"<u{width}")
-        old = rng.integers(0, np.iinfo(dt).max, 3 << 14, dtype=dt)
-        pos = np.flatnonzero(rng.random(old.shape[0]) < 0.05).astype(np.int64)
-        new = old.copy()
-        new[pos] ^= dt.type(1)
-        block = kernels.HASH_BLOCK_BYTES // width
-        hashes = np.empty(-(-old.shape[0] // block), np.uint64)
-        kernels.block_hashes(old, block, hashes)
-        kernels.count_lines(pos, 5)
-        m = pos.shape[0]
-        tasks = np.array([[0, kernels.MODE_SCATTER, 0, m, 0, 0, 0],
-                          [1, kernels.MODE_COPY, 0, m, 0, hashes.shape[0], 0]], np.int64)
-        lives = typed.List([old.copy(), old.copy()])
-        ps, es, vs = typed.List([pos, pos]), typed.List([old[pos], old[pos]]), typed.List([new[pos], new[pos]])
-        done, _kind, _where = kernels.commit_tasks(lives, typed.List([new, new]), ps, es, vs, hashes,
-                                                   tasks, 0, 2, block, np.zeros(1, np.int64))
-        ok = done == 2 and all(np.array_equal(x, new) for x in lives)
-        kernels.undo_tasks(lives, ps, es, tasks, 0, 2)
+        old, new, pos, lives, tables = _commit_case(width, 3 << 14, 0.05, copy=True)
+        ok = True
+        for on_team in (False, True) if team is not None else (False,):
+            tables.reset()
+            if on_team:
+                team.run(commit_ranges.team_entry(), tables.ctl.ctypes.data, 2)
+            else:
+                commit_ranges.commit_ranges(tables.ctl)
+            ok &= bool((tables.results[:, 1] == 1).all()) and all(np.array_equal(x, new) for x in lives)
+            for g, t in ((0, 1), (0, 0)):
+                tables.undo(g, t, t + 1)
+            ok &= all(np.array_equal(x, old) for x in lives)
         live = old.copy()
         kernels.scatter(live, pos.astype(np.int32), new[pos])
-        if not (ok and all(np.array_equal(x, old) for x in lives) and np.array_equal(live, new)):
+        if not (ok and np.array_equal(live, new)):
             raise AssertionError(f"warm-up of the commit kernels ({width}-byte elements) is not bit-exact")
 
 
 def _warm_commit_path(width: int) -> None:
-    """What a replica's first commit of ``width``-byte elements would otherwise do inside its pause: build
-    the typed lists of live tensors (compiled afresh in every process) and load the commit and undo
-    kernels for them; checked bit-exact."""
+    """What a replica's first commit of ``width``-byte elements would otherwise do inside its pause: load the
+    commit and undo kernels from numba's cache (and the OpenMP team's entry); checked bit-exact."""
     import numpy as np
-    from numba import typed
 
-    from . import kernels
+    from . import commit_ranges
 
-    dt = np.dtype(f"<u{width}")
-    old = np.arange(64, dtype=dt)
-    pos = np.array([3, 17, 40], np.int64)
-    new = old.copy()
-    new[pos] ^= dt.type(1)
-    live = old.copy()
-    lives = typed.List([live])      # shares live's memory; read back through live (an item read from
-    tasks = np.array([[0, kernels.MODE_SCATTER, 0, 3, 0, 0, 0]], np.int64)   # Python compiles more)
-    ps, es, vs = typed.List([pos]), typed.List([old[pos]]), typed.List([new[pos]])
-    done, _kind, _where = kernels.commit_tasks(lives, typed.List([old[:0]]), ps, es, vs,
-                                               np.zeros(1, np.uint64), tasks, 0, 1, 8, np.zeros(1, np.int64))
-    ok = done == 1 and np.array_equal(live, new)
-    kernels.undo_tasks(lives, ps, es, tasks, 0, 1)
+    old, new, _pos, (live,), tables = _commit_case(width, 64, 0.1, copy=False)
+    tables.reset()
+    commit_ranges.commit_ranges(tables.ctl)
+    ok = np.array_equal(live, new)
+    tables.undo(0, 0, 1)
+    commit_ranges.team_entry()
     if not (ok and np.array_equal(live, old)):
         raise AssertionError(f"warm-up of the commit path ({width}-byte elements) is not bit-exact")
 
@@ -189,7 +198,7 @@ def _jobs_for(dtypes: Iterable[torch.dtype]) -> list[tuple]:
     from delta.dtypes import BY_TORCH
 
     dtypes = [d for d in dtypes if d in BY_TORCH]
-    # the commit's typed lists first: numba caches no part of them, and they are the larger cost
+    # the commit paths first: the pause waits for them (ensure_commit_paths)
     jobs: list[tuple] = [("commit", d.itemsize) for d in dtypes if d.itemsize in (1, 2, 4, 8)]
     jobs += [("stage", d, ctx) for d in dtypes if d.is_floating_point for ctx in (True, False)]
     return list(dict.fromkeys(jobs))
@@ -252,8 +261,8 @@ def warm_in_background(dtypes: Iterable[torch.dtype]) -> threading.Thread | None
 
 def ensure_commit_paths(widths: Iterable[int]) -> None:
     """Warm the commit path of each element width now, in the calling thread, unless it is warm (a
-    prepare calls this before its pause: compiling the commit's typed lists and loading its kernels must
-    not happen inside it). Waits for the path the background thread is on, if any."""
+    prepare calls this before its pause: loading the commit's kernels must not happen inside it). Waits
+    for the path the background thread is on, if any."""
     jobs = [("commit", w) for w in dict.fromkeys(widths) if w in (1, 2, 4, 8)]
     with _lock:
         if all(j in _warmed or j in _failed for j in jobs):

@@ -1,7 +1,7 @@
 """The pause's writes into contiguous host memory, batched: a few kernel calls per element width and thread.
 
 Every sparsely changed tensor that lives in contiguous CPU memory is written by
-:func:`delta.kernels.commit_tasks`, in one of two ways chosen per tensor while
+:func:`delta.kernels.commit_task`, in one of two ways chosen per tensor while
 preparing (:func:`choose`):
 
 - **scatter** the changed elements, each old bit compared with the one prepare()
@@ -19,7 +19,10 @@ Copy wins where so many elements change that the scatter costs more than a copy
 several) are cut by their estimated cost into ranges, about :data:`RANGES_PER_THREAD`
 per thread, which the threads claim one at a time as they finish the last (a fixed
 half each left one thread idle for 5-20 ms of a 40 ms pause at 1 GB: the estimate
-is rough and the two cores of a shared machine are not equally fast). A refusal
+is rough and the two cores of a shared machine are not equally fast). The threads
+are torch's own OpenMP team where torch runs on one (:mod:`delta.omp`: right after
+torch work its threads are awake, where ours would have to be woken), else a pool
+of ours; either runs the same kernel (:mod:`delta.commit_ranges`). A refusal
 in any thread stops the others at their next task, and everything written is put
 back before the commit raises, so a refused or failed batch leaves every tensor as
 it was and the prepared update whole (it can be committed again).
@@ -27,16 +30,13 @@ it was and the prepared update whole (it can be committed again).
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import typed
-
-from delta import kernels
+from delta import commit_ranges, kernels, omp
 from delta.errors import HotLoadError
 
 MODES = ("auto", "scatter", "copy")
@@ -60,8 +60,11 @@ TASK_ELEMS = 1 << 18
 TASK_BLOCKS = 32
 #: Task ranges per commit thread: the threads claim them one at a time (a claim costs a kernel call).
 RANGES_PER_THREAD = 8
-#: Below this estimated cost (ns) the batch runs in the calling thread (a hand-off costs ~0.1 ms).
+#: Below this estimated cost (ns) the batch runs in the calling thread: a hand-off to threads of our own
+#: costs ~0.1 ms, and more when they must be woken ...
 THREADS_ABOVE_NS = 2e6
+#: ... to torch's OpenMP team, a few microseconds right after torch work.
+TEAM_ABOVE_NS = 2e5
 # rough costs for sharing tasks out (ns): per changed element scattered, per byte copied
 _SCATTER_NS = 4.0
 _COPY_NS = 0.08
@@ -114,26 +117,20 @@ class Item:
 
 
 class _Group:
-    """The items of one element width: typed lists of their live bits, whole new bits and staged changes
-    (the staged arrays themselves, not copies), and the tasks."""
+    """The items of one element width: their staged arrays (the staged arrays themselves, not copies), the
+    tasks, and the item table the commit kernel reads them through (delta/commit_ranges.py)."""
 
     def __init__(self, items: list[Item]) -> None:
         self.items = items
         w = items[0].bits.dtype
         self.block = block_elems(w.itemsize)
-        for it in items:   # one array type per list (numba's typed lists are homogeneous); no-ops as staged
+        for it in items:   # one element type per group; no-ops as staged
             if it.expected.dtype.itemsize != w.itemsize or it.values.dtype.itemsize != w.itemsize:
                 raise HotLoadError(f"tensor {it.name!r}: staged changes of {it.values.dtype} for the "
                                    f"{w.itemsize}-byte elements of {it.live_name!r}")
             it.positions = np.ascontiguousarray(it.positions, np.int64)
             it.expected = np.ascontiguousarray(it.expected).view(w)
             it.values = np.ascontiguousarray(it.values).view(w)
-        self.lives = typed.List([it.bits for it in items])
-        empty = np.empty(0, w)
-        self.wholes = typed.List([it.choice.whole if it.choice.whole is not None else empty for it in items])
-        self.positions = typed.List([it.positions for it in items])
-        self.expected = typed.List([it.expected for it in items])
-        self.values = typed.List([it.values for it in items])
         hs = [it.choice.hashes for it in items if it.choice.hashes is not None]
         self.hashes = np.concatenate(hs) if hs else np.empty(1, np.uint64)
         rows, costs = [], []
@@ -158,13 +155,10 @@ class _Group:
         self.tasks = np.array(rows, np.int64).reshape(-1, 7)
         self.costs = np.array(costs, np.float64)
 
-    def run(self, t0: int, t1: int, abort: np.ndarray) -> tuple[int, int, int]:
-        return kernels.commit_tasks(self.lives, self.wholes, self.positions, self.expected, self.values,
-                                    self.hashes, self.tasks, t0, t1, self.block, abort)
-
-    def undo(self, t0: int, t1: int) -> None:
-        if t1 > t0:
-            kernels.undo_tasks(self.lives, self.positions, self.expected, self.tasks, t0, t1)
+    def tables(self) -> tuple[int, list, np.ndarray, np.ndarray]:
+        """This group as :class:`delta.commit_ranges.Tables` takes it."""
+        return (self.block, [(it.bits, it.choice.whole, it.positions, it.expected, it.values) for it in self.items],
+                self.hashes, self.tasks)
 
     def refusal(self, t: int, kind: int, where: int) -> HotLoadError:
         it = self.items[int(self.tasks[t, 0])]
@@ -189,8 +183,19 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
+def _claim_and_write(ctl: np.ndarray) -> None:
+    """What each of the commit's own threads runs: claim ranges and write them (the GIL released)."""
+    commit_ranges.commit_ranges(ctl)
+
+
 class CommitBatch:
-    """Every batched tensor of a prepared update, ready to be written by :meth:`run` in the pause."""
+    """Every batched tensor of a prepared update, ready to be written by :meth:`run` in the pause.
+
+    ``runner`` says who writes it: ``"team"``, torch's OpenMP team of the calling thread
+    (delta/omp.py: awake right after torch work, where threads of our own must be woken
+    first); ``"threads"``, the caller and a pool of our own; ``"caller"``, the calling
+    thread alone (a small batch, or one thread). The threads claim the task ranges
+    one at a time from a shared counter, whoever is free."""
 
     def __init__(self, items: list[Item], threads: int | None = None) -> None:
         by_width: dict[int, list[Item]] = {}
@@ -200,9 +205,12 @@ class CommitBatch:
         self.items = items
         total = sum(float(g.costs.sum()) for g in self.groups)
         threads = max(1, threads or os.cpu_count() or 1)
-        self.threads = threads if total >= THREADS_ABOVE_NS else 1
+        self._team = omp.team() if threads > 1 else None
+        self.threads = threads if total >= (THREADS_ABOVE_NS if self._team is None else TEAM_ABOVE_NS) else 1
         self.ranges = self._cut(self.threads * RANGES_PER_THREAD if self.threads > 1 else 1)
-        if self.threads > 1:   # start the pool's threads now, not in the pause
+        self.tables = commit_ranges.Tables([g.tables() for g in self.groups], self.ranges)
+        self.runner = "caller" if self.threads == 1 else ("team" if self._team is not None else "threads")
+        if self.runner == "threads":   # start the pool's threads now, not in the pause
             pool = _pool(self.threads - 1)
             for f in [pool.submit(int) for _ in range(self.threads - 1)]:
                 f.result()
@@ -223,38 +231,25 @@ class CommitBatch:
             ranges += [(gi, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
         return ranges
 
-    def _work(self, claims: "itertools.count[int]", first: int, log: list[list], abort: np.ndarray) -> None:
-        """Run range ``first``, then claimed ones, until none is left, one is refused or ``abort`` is set. Each
-        range goes into ``log`` as ``[group, t0, t1, None]`` before it runs (a failure inside it leaves it so: its
-        progress is unknown) and gets its ``(done, kind, where)`` once run."""
-        r = first
-        while r < len(self.ranges) and abort[0] == 0:
-            gi, t0, t1 = self.ranges[r]
-            entry = [gi, t0, t1, None]
-            log.append(entry)
-            done, kind, where = self.groups[gi].run(t0, t1, abort)
-            entry[3] = (int(done), int(kind), int(where))
-            if done < t1 - t0:
-                return
-            r = next(claims)   # atomic under the GIL: each range is claimed once
-
     def run(self) -> None:
         """Write every tensor, or none: a refusal (HotLoadError naming the tensor), an error or an interrupt
         puts back everything written before it propagates."""
-        abort = np.zeros(1, np.int64)
+        tables = self.tables
+        tables.reset()
         workers = max(1, min(self.threads, len(self.ranges)))
-        claims = itertools.count(workers)     # thread i starts on range i, then claims the next free
-        logs: list[list[list]] = [[] for _ in range(workers)]
         futures: list[Future] = []
-        if workers > 1:
-            pool = _pool(workers - 1)
-            futures = [pool.submit(self._work, claims, i, logs[i], abort) for i in range(1, workers)]
         first_error: BaseException | None = None
         try:
-            self._work(claims, 0, logs[0], abort)
+            if self.runner == "team" and workers > 1:
+                self._team.run(commit_ranges.team_entry(), tables.ctl.ctypes.data, workers)
+            else:
+                if workers > 1:
+                    pool = _pool(workers - 1)
+                    futures = [pool.submit(_claim_and_write, tables.ctl) for _ in range(1, workers)]
+                _claim_and_write(tables.ctl)
         except BaseException as e:   # noqa: BLE001 - the others must finish before anything is undone
             first_error = e
-            abort[0] = 1
+            tables.abort()
         for f in futures:
             while True:
                 try:
@@ -262,25 +257,30 @@ class CommitBatch:
                     break
                 except BaseException as e:   # noqa: BLE001 - an interrupt while waiting: wait on
                     first_error = first_error or e
-                    abort[0] = 1
+                    tables.abort()
             try:
                 f.result()
             except BaseException as e:   # noqa: BLE001
                 first_error = first_error or e
         refusal = None
         if first_error is None:
-            for log in logs:
-                for gi, t0, _t1, (done, kind, where) in log:
-                    if kind in (0, 1) and refusal is None:
-                        refusal = self.groups[gi].refusal(t0 + done, kind, where)
+            for (gi, t0, _t1), (_who, done, kind, where) in zip(self.ranges, tables.results.tolist()):
+                if kind in (0, 1):
+                    refusal = self.groups[gi].refusal(t0 + done, kind, where)
+                    break
             if refusal is None:
                 return
-        for log in logs:
-            for gi, t0, t1, res in reversed(log):   # a range whose run raised: put all of it back
-                self.groups[gi].undo(t0, t1 if res is None else t0 + res[0])
+        self._undo_claimed()
         raise first_error or refusal
+
+    def _undo_claimed(self) -> None:
+        results = self.tables.results
+        for r in range(len(self.ranges) - 1, -1, -1):
+            gi, t0, _t1 = self.ranges[r]
+            if results[r, 0] != commit_ranges.UNCLAIMED:
+                self.tables.undo(gi, t0, t0 + int(results[r, 1]))
 
     def undo(self) -> None:
         """Put back the old bits of a batch :meth:`run` wrote completely (a later step of the commit failed)."""
-        for g in reversed(self.groups):
-            g.undo(0, g.tasks.shape[0])
+        for gi in range(len(self.groups) - 1, -1, -1):
+            self.tables.undo(gi, 0, self.tables.n_tasks[gi])

@@ -229,8 +229,8 @@ class HotSwapper:
         # its host copy, the applier's pause replaces the gate and it pushes each commit into the engine.
         self.applier = applier
         self._lock = threading.Lock()
-        # this process's first hot-load would otherwise load the staging kernels and compile the commit's
-        # typed lists (~0.5 s): done now, in the background (delta/warmup.py; CKPTDELTA_WARMUP=0: not)
+        # this process's first hot-load would otherwise load the staging and commit kernels from numba's
+        # cache: done now, in the background (delta/warmup.py; CKPTDELTA_WARMUP=0: not)
         warmup.warm_in_background(_dtypes_of(weights))
 
     @property

@@ -754,18 +754,29 @@ def test_auto_copies_the_tensors_changed_past_the_threshold_and_scatters_the_oth
     assert_at(live, run, 0)
 
 
+@pytest.fixture(params=["team", "threads"])
+def runner(request, monkeypatch):
+    """Who writes a batch of two threads: torch's OpenMP team (delta.omp) or the commit's own threads."""
+    if request.param == "threads":
+        monkeypatch.setattr(batch_commit.omp, "team", lambda: None)
+    elif batch_commit.omp.team() is None:
+        pytest.skip("torch runs on no OpenMP runtime here")
+    monkeypatch.setattr(batch_commit, "THREADS_ABOVE_NS", 0.0)
+    monkeypatch.setattr(batch_commit, "TEAM_ABOVE_NS", 0.0)
+    monkeypatch.setattr(batch_commit, "TASK_ELEMS", 8)        # many small tasks, shared out to two threads
+    return request.param
+
+
 @pytest.mark.parametrize("mode", ["scatter", "copy"])
 @pytest.mark.parametrize("where", ["changed", "unchanged"])
 def test_a_batched_tensor_written_after_prepare_is_refused_in_either_mode_and_every_write_kept(run, mode, where,
-                                                                                             monkeypatch):
+                                                                                             runner, monkeypatch):
     """The refusal may come from either commit thread: every tensor either thread wrote is put back. The last
     batched tensor is written by a range claimed after the first two (each thread starts on one of those)."""
-    monkeypatch.setattr(batch_commit, "THREADS_ABOVE_NS", 0.0)
-    monkeypatch.setattr(batch_commit, "TASK_ELEMS", 8)        # many small tasks, shared out to two threads
     monkeypatch.setattr(batch_commit, "TASK_BLOCKS", 1)
     live, sw = swapper_at(run, 0, commit_mode=mode, stage_threads=2)
     prepared = sw.prepare(1)
-    assert prepared.batch is not None and prepared.batch.threads == 2
+    assert prepared.batch is not None and prepared.batch.threads == 2 and prepared.batch.runner == runner
     s = [s for s in prepared.staged if s.choice is not None][-1]   # the last batched tensor: the second thread's
     ranges = prepared.batch.ranges
     assert len(ranges) > 2 and ranges[-1][0] == len(prepared.batch.groups) - 1
@@ -820,51 +831,58 @@ def test_a_failure_after_the_batch_puts_back_every_batched_tensor(mixed_run, mod
     assert_at(live, run, 1)
 
 
-def test_a_slow_commit_thread_leaves_the_ranges_it_has_not_claimed_to_the_other(run, monkeypatch):
-    """The commit threads claim task ranges as they finish the last: one that stalls (a busy core) holds up
-    only the range it is on, and the batch is still written whole and bit-exact."""
-    monkeypatch.setattr(batch_commit, "THREADS_ABOVE_NS", 0.0)
-    monkeypatch.setattr(batch_commit, "TASK_ELEMS", 8)
+def test_every_range_of_a_batch_is_written_once_by_whichever_thread_claims_it(run, runner):
+    live, sw = swapper_at(run, 0, stage_threads=2)
+    for v in (1, 0, 1):
+        prepared = sw.prepare(v)
+        batch = prepared.batch
+        assert batch.threads == 2 and batch.runner == runner and len(batch.ranges) >= 4
+        sw.commit(prepared)
+        assert_at(live, run, v)
+        who, done = batch.tables.results[:, 0], batch.tables.results[:, 1]
+        assert set(who.tolist()) <= {0, 1}
+        assert done.tolist() == [t1 - t0 for _g, t0, t1 in batch.ranges]
+
+
+@pytest.mark.parametrize("runner", ["threads"], indirect=True)
+def test_a_commit_thread_that_comes_late_leaves_the_ranges_to_the_one_that_came(run, runner, monkeypatch):
+    """The commit's threads claim task ranges as they finish the last: one that stalls (a busy core) holds up
+    none of them, and the batch is still written whole and bit-exact."""
+    real = batch_commit._claim_and_write
+
+    def late_in_the_pool(ctl):
+        if threading.current_thread().name.startswith("ckptdelta-commit"):
+            time.sleep(0.3)
+        real(ctl)
+
+    monkeypatch.setattr(batch_commit, "_claim_and_write", late_in_the_pool)
     live, sw = swapper_at(run, 0, stage_threads=2)
     prepared = sw.prepare(1)
-    n = len(prepared.batch.ranges)
-    assert prepared.batch.threads == 2 and n >= 4
-    ran = {"pool": 0, "caller": 0}
-    real = batch_commit._Group.run
-
-    def stalling_in_the_pool(self, t0, t1, abort):
-        in_pool = threading.current_thread().name.startswith("ckptdelta-commit")
-        ran["pool" if in_pool else "caller"] += 1
-        if in_pool:
-            time.sleep(0.3)
-        return real(self, t0, t1, abort)
-
-    monkeypatch.setattr(batch_commit._Group, "run", stalling_in_the_pool)
+    batch = prepared.batch
     sw.commit(prepared)
     assert_at(live, run, 1)
-    assert ran["pool"] + ran["caller"] == n and ran["pool"] >= 1 and ran["caller"] >= n - 2
+    assert batch.tables.results[:, 0].tolist() == [0] * len(batch.ranges)   # every range the caller's
 
 
-def test_an_error_inside_a_commit_thread_puts_back_what_every_thread_wrote(run, monkeypatch):
-    monkeypatch.setattr(batch_commit, "THREADS_ABOVE_NS", 0.0)
-    monkeypatch.setattr(batch_commit, "TASK_ELEMS", 8)
-    live, sw = swapper_at(run, 0, stage_threads=2)
-    prepared = sw.prepare(1)
+@pytest.mark.parametrize("runner", ["threads"], indirect=True)
+def test_an_error_inside_a_commit_thread_puts_back_what_every_thread_wrote(run, runner, monkeypatch):
     calls = []
-    real = batch_commit._Group.run
+    real = batch_commit._claim_and_write
 
-    def failing(self, t0, t1, abort):
+    def failing(ctl):
         calls.append(threading.current_thread().name)
         if not threading.current_thread().name.startswith("ckptdelta-commit"):
-            return real(self, t0, t1, abort)
+            return real(ctl)
         raise MemoryError("injected in a commit thread")
 
-    monkeypatch.setattr(batch_commit._Group, "run", failing)
+    monkeypatch.setattr(batch_commit, "_claim_and_write", failing)
+    live, sw = swapper_at(run, 0, stage_threads=2)
+    prepared = sw.prepare(1)
     with pytest.raises(HotLoadError, match="MemoryError.*restored"):
         sw.commit(prepared)
     assert any(c.startswith("ckptdelta-commit") for c in calls)
     assert sw.version == 0
     assert_at(live, run, 0)
-    monkeypatch.setattr(batch_commit._Group, "run", real)
+    monkeypatch.setattr(batch_commit, "_claim_and_write", real)
     sw.commit(prepared)
     assert_at(live, run, 1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from delta import kernels
+from delta import commit_ranges, kernels
 from tests import naive
 
 SEED = int(os.environ.get("CKPTDELTA_TEST_SEED") or secrets.randbits(32))
@@ -390,8 +390,6 @@ def test_block_hashes_and_count_lines_match_reference():
 def _commit_case(rng, width, n_tensors=3, n=9000, block=1024):
     """Live tensors of one width, their changes (one array per tensor), and tasks covering both modes (each
     tensor cut in pieces)."""
-    from numba import typed
-
     olds, news, rows, hashes = [], [], [], []
     pos_all, exp_all, val_all = [], [], []
     hoff = 0
@@ -419,31 +417,41 @@ def _commit_case(rng, width, n_tensors=3, n=9000, block=1024):
                              int(np.searchsorted(pos, bb * block)), ba, bb, hoff))
             hoff += nb
     arrays = (pos_all, exp_all, val_all, np.concatenate(hashes), np.array(rows, np.int64))
-    return olds, news, arrays, block, typed
+    return olds, news, arrays, block
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_commit_tasks_matches_reference_writes_both_modes_and_refuses_foreign_writes(width):
+def test_commit_kernel_matches_reference_writes_both_modes_and_refuses_foreign_writes(width):
+    """The pause's batch kernel (delta.commit_ranges over kernels.commit_task), one range of every task, one
+    thread, against the reference; its undo puts back exactly what it wrote."""
     rng = rng_for(width, 96)
-    olds, news, (pos, exp, val, hashes, tasks), block, typed = _commit_case(rng, width)
+    olds, news, (pos, exp, val, hashes, tasks), block = _commit_case(rng, width)
     kinds = set(tasks[:, 1].tolist())
     assert kinds == {kernels.MODE_SCATTER, kernels.MODE_COPY}
 
-    def run(fn, lives, t0=0, t1=None, abort=None):
-        abort = np.zeros(1, np.int64) if abort is None else abort
+    def ours(lives, t0=0, t1=None, aborted=False):
+        t1 = tasks.shape[0] if t1 is None else t1
+        tensors = list(zip(lives, [nw.copy() for nw in news], pos, exp, val))
+        tables = commit_ranges.Tables([(block, tensors, hashes, tasks)], [(0, t0, t1)])
+        tables.reset()
+        if aborted:
+            tables.abort()
+        commit_ranges.commit_ranges(tables.ctl)
+        return tuple(int(x) for x in tables.results[0, 1:]), tables     # (done, kind, where)
+
+    def reference(lives):
         wholes = [nw.copy() for nw in news]
-        lists = [lives, wholes, pos, exp, val]
-        if fn is kernels.commit_tasks:
-            lists = [typed.List(x) for x in lists]
-        out = fn(*lists, hashes, tasks, t0, tasks.shape[0] if t1 is None else t1, block, abort)
-        return tuple(int(x) for x in out), abort
+        abort = np.zeros(1, np.int64)
+        return tuple(int(x) for x in naive.commit_tasks(lives, wholes, pos, exp, val, hashes, tasks, 0,
+                                                        tasks.shape[0], block, abort))
 
     lives, ref = [o.copy() for o in olds], [o.copy() for o in olds]
-    assert run(kernels.commit_tasks, lives)[0] == run(naive.commit_tasks, ref)[0] == (tasks.shape[0], -1, -1)
+    got, tables = ours(lives)
+    assert got == reference(ref) == (tasks.shape[0], -1, -1)
     for a, b, nw in zip(lives, ref, news):
         np.testing.assert_array_equal(a, nw, err_msg=f"seed={SEED}")
         np.testing.assert_array_equal(b, nw)
-    kernels.undo_tasks(typed.List(lives), typed.List(pos), typed.List(exp), tasks, 0, tasks.shape[0])
+    tables.undo(0, 0, tasks.shape[0])
     for a, o in zip(lives, olds):
         np.testing.assert_array_equal(a, o)
 
@@ -459,12 +467,12 @@ def test_commit_tasks_matches_reference_writes_both_modes_and_refuses_foreign_wr
         lives, ref = [o.copy() for o in olds], [o.copy() for o in olds]
         for lv in (lives, ref):
             lv[ti][where] ^= np.array(1, lv[ti].dtype)
-        got, abort = run(kernels.commit_tasks, lives)
-        want, _ = run(naive.commit_tasks, ref)
-        assert got == want and got[1] == (0 if ti == 0 else 1) and abort[0] == 1, (SEED, ti, where, got, want)
+        got, tables = ours(lives)
+        want = reference(ref)
+        assert got == want and got[1] == (0 if ti == 0 else 1) and tables.aborted, (SEED, ti, where, got, want)
         for a, b in zip(lives, ref):
             np.testing.assert_array_equal(a, b, err_msg=f"seed={SEED}")
-        kernels.undo_tasks(typed.List(lives), typed.List(pos), typed.List(exp), tasks, 0, got[0])   # as the caller
+        tables.undo(0, 0, got[0])   # as the caller
         for i, (a, o) in enumerate(zip(lives, olds)):
             o = o.copy()
             if i == ti:
@@ -472,7 +480,7 @@ def test_commit_tasks_matches_reference_writes_both_modes_and_refuses_foreign_wr
             np.testing.assert_array_equal(a, o, err_msg=f"seed={SEED}: the other writer's bits are kept")
 
     lives = [o.copy() for o in olds]
-    got, _ = run(kernels.commit_tasks, lives, 1, 4, abort=np.ones(1, np.int64))   # another thread refused
+    got, _ = ours(lives, 1, 4, aborted=True)   # another thread refused
     assert got == (0, 2, -1)
     for a, o in zip(lives, olds):
         np.testing.assert_array_equal(a, o)

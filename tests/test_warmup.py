@@ -41,10 +41,12 @@ print("running after construction:", warmup._thread is not None and warmup._thre
 if mode == "hot-load at once":
     prepared = swapper.prepare(1)     # the stage paths left are dropped, the commit's warmed before the pause
     print("warm before the pause:", sorted(map(str, warmup.wait_warm(0))))
-    from delta import kernels
-    before = len(kernels.commit_tasks.overloads)
+    from delta import commit_ranges
+    before = len(commit_ranges.commit_ranges.overloads) + len(commit_ranges.undo_ranges.overloads)
+    team_loaded = "delta.commit_team" in sys.modules
     swapper.commit(prepared)
-    print("commit kernels loaded in the pause:", len(kernels.commit_tasks.overloads) - before)
+    after = len(commit_ranges.commit_ranges.overloads) + len(commit_ranges.undo_ranges.overloads)
+    print("commit kernels loaded in the pause:", after - before + ("delta.commit_team" in sys.modules) - team_loaded)
 else:
     warmup.wait_warm(300)
     swapper.commit(swapper.prepare(1))
