@@ -17,9 +17,10 @@ like any thread), no faster but no slower than a pool of ours.
 
 :func:`team` finds the OpenMP runtime torch itself loaded (never a second copy),
 or answers None where there is none to share: torch built with another parallel
-backend, a platform without ``/proc``, a process forked after OpenMP ran (libgomp
-is not fork-safe: a child's region would wait for the parent's threads, as
-torch's own ops do there), or ``CKPTDELTA_OMP_TEAM=0``. The caller then runs the
+backend, a platform without ``/proc``, a child forked after this module was
+imported (libgomp is not fork-safe: once the parent has run a region, a child's
+waits for the parent's threads, as torch's own ops do there), or
+``CKPTDELTA_OMP_TEAM=0``. The caller then runs the
 same kernel on Python threads.
 
 The kernel a team runs is a numba ``cfunc`` taking one pointer, so what it works on
