@@ -170,8 +170,9 @@ class Tables:
                              self._groups.ctypes.data, c + 16, len(rows)], np.int64)
 
     def reset(self) -> None:
-        """Before each run: every range unclaimed, the counters and the abort flag zero."""
-        self.results[:, 0] = UNCLAIMED
+        """Before each run: every range unclaimed (no outcome left from a run before), the counters and the
+        abort flag zero."""
+        self.results[:] = UNCLAIMED
         self._counters[:] = 0
 
     def abort(self) -> None:
