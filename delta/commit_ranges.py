@@ -24,7 +24,8 @@ arrivals, n_groups`` (the second to seventh are addresses);
 - ``items`` ``(n_items, ITEM_COLS)``: per tensor ``live, n, whole, positions,
   expected, values, m``: its live bits (``n`` elements of ``width`` bytes), its
   staged whole new bits (0 when scattered) and its ``m`` staged changes (int64
-  positions, old and new bits).
+  positions, old and new bits; a swapped tensor has its staged new bits as
+  ``whole`` and no changes).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _undo_range(g, t0, t1, dt):
     items = int64s_at(g[2], (g[3], ITEM_COLS))
     tasks = int64s_at(g[6], (g[7], 7))
     for t in range(t1 - 1, t0 - 1, -1):
-        live, _whole, pos, exp, _val = _tensor(items[tasks[t, 0]], dt)
-        kernels.undo_task(live, pos, exp, tasks[t])
+        live, whole, pos, exp, _val = _tensor(items[tasks[t, 0]], dt)
+        kernels.undo_task(live, whole, pos, exp, tasks[t], g[1])
 
 
 @njit(cache=True, nogil=True)
@@ -107,7 +108,8 @@ def commit_ranges(ctl):
 
 @njit(cache=True, nogil=True)
 def undo_ranges(ctl, group, t0, t1):
-    """Put back the old bits of tasks ``[t0, t1)`` of ``group``, written by :func:`commit_ranges`."""
+    """Put back the old bits of tasks ``[t0, t1)`` of ``group``, written by :func:`commit_ranges` (each of
+    them written whole: a swap task undone twice would swap its new bits back in)."""
     g = int64s_at(ctl[5], (ctl[7], GROUP_COLS))[group]
     w = g[0]
     if w == 1:

@@ -239,19 +239,23 @@ def gather(src, positions, out):
 
 # --- the hot-swap commit: every changed tensor of one element width in one call ----------------------
 #
-# A commit writes each changed tensor in one of two ways (loader/hotswap.py picks the cheaper per tensor):
+# A commit writes each changed tensor in one of three ways (loader/hotswap.py picks the cheaper per tensor):
 # MODE_SCATTER writes the changed elements only, each old bit compared with prepare's as it is overwritten
 # (as scatter_if_unchanged); MODE_COPY copies a whole staged copy of the new tensor over the live one,
 # block by block, each block's live bytes hashed and compared with the hash prepare took of them before
-# the block is written (the hash of a block runs while the block before it is written).
+# the block is written (the hash of a block runs while the block before it is written); MODE_SWAP, for a
+# tensor staged densely (all its new bits, no positions), exchanges the live bits with the staged ones
+# block by block, checked as a copy is, so that afterwards the staged array holds the old bits: its undo.
 # A task is one row of ``tasks``: (tensor, mode, ja, jb, ba, bb, hoff): the changed elements
 # ``positions[ja:jb]`` (tensor-local) with their old bits ``expected[ja:jb]`` and new bits ``values[ja:jb]``;
-# for a copy also the blocks [ba, bb) of ``block_elems`` elements and the index ``hoff`` of block 0's hash
-# in ``hashes``. The changed elements of a copy task are the ones inside its blocks, so undoing any task,
-# finished or not, is writing ``expected`` back at its positions.
+# for a copy or a swap also the blocks [ba, bb) of ``block_elems`` elements and the index ``hoff`` of block
+# 0's hash in ``hashes``. The changed elements of a copy task are the ones inside its blocks, so undoing a
+# scatter or copy task, finished or not, is writing ``expected`` back at its positions; a swap task (no
+# positions) is undone by swapping its blocks back, so only a task that was written may be undone.
 
 MODE_SCATTER = 0
 MODE_COPY = 1
+MODE_SWAP = 2
 HASH_BLOCK_BYTES = 1 << 16   # a copy's check-and-write unit: the hash reads it into cache, the copy writes it
 
 _H1 = _U64(0x9E3779B185EBCA87)
@@ -278,9 +282,10 @@ def block_hash(b8):
 
 
 @njit(cache=True, nogil=True)
-def hash_while_copying(b8, dst, src):
+def hash_while_copying(b8, dst, src, swap=False):
     """:func:`block_hash` of ``b8`` while copying the 64-bit words ``src`` over ``dst`` (same length, a
-    multiple of 8, or both empty): the commit hashes the next block as it writes this one.
+    multiple of 8, or both empty), or with ``swap`` exchanging them: the commit hashes the next block as it
+    writes this one.
 
     The hash is bound by multiplies and the copy by memory, so interleaved they cost little more than the
     copy alone; one after the other (hash a block, then write it) took 1.25x as long (256 MB, one thread)."""
@@ -301,10 +306,19 @@ def hash_while_copying(b8, dst, src):
         a6 = _hround(a6, w[k + 6])
         a7 = _hround(a7, w[k + 7])
         if k < m:
-            for q in range(8):
-                dst[k + q] = src[k + q]
+            if swap:
+                for q in range(8):
+                    x = dst[k + q]
+                    dst[k + q] = src[k + q]
+                    src[k + q] = x
+            else:
+                for q in range(8):
+                    dst[k + q] = src[k + q]
     for k in range((nw >> 3) << 3, m):
+        x = dst[k]
         dst[k] = src[k]
+        if swap:
+            src[k] = x
     h = _U64(n) * _H3
     for k in range((nw >> 3) << 3, nw):
         h = _hround(h, w[k])
@@ -347,12 +361,13 @@ def _undo_range(live, positions, expected, ja, jb):
 @njit(cache=True, nogil=True)
 def commit_task(live, whole, positions, expected, values, hashes, task, block_elems):
     """Write one task of the pause's batch into ``live`` (a tensor's live bits; ``whole``: its staged new bits
-    when copied, anything when scattered). ``positions``, ``expected`` and ``values`` are the tensor's staged
-    changes. ``task`` is a row ``(ti, mode, ja, jb, ba, bb, hoff)``: a scatter writes changes ``[ja, jb)``; a
-    copy writes blocks ``[ba, bb)``, whose changes are ``[ja, jb)``, checked against ``hashes[hoff + b]``.
-    Returns ``(kind, where)``: ``(-1, -1)`` written; otherwise nothing of the task is left written (what was
-    has been put back) and ``kind`` 0 = element ``positions[where]`` no longer held ``expected[where]``,
-    1 = block ``where`` no longer hashed to ``hashes[hoff + where]``: a write after prepare()."""
+    when copied or swapped, anything when scattered). ``positions``, ``expected`` and ``values`` are the
+    tensor's staged changes. ``task`` is a row ``(ti, mode, ja, jb, ba, bb, hoff)``: a scatter writes changes ``[ja, jb)``; a
+    copy writes blocks ``[ba, bb)``, whose changes are ``[ja, jb)``, checked against ``hashes[hoff + b]``; a
+    swap exchanges blocks ``[ba, bb)`` with ``whole``'s, checked the same way. Returns ``(kind, where)``:
+    ``(-1, -1)`` written; otherwise nothing of the task is left written (what was has been put back) and
+    ``kind`` 0 = element ``positions[where]`` no longer held ``expected[where]``, 1 = block ``where`` no
+    longer hashed to ``hashes[hoff + where]``: a write after prepare()."""
     mode, ja, jb = task[1], task[2], task[3]
     if mode == MODE_SCATTER:
         # slices indexed from 0: numba then knows every index is >= 0 and drops its wraparound checks
@@ -364,6 +379,17 @@ def commit_task(live, whole, positions, expected, values, hashes, task, block_el
                 return 0, ja + j
             live[p] = vj[j]
         return -1, -1
+    if mode == MODE_SWAP:
+        return _whole_blocks(live, whole, positions, expected, hashes, task, block_elems, True)
+    return _whole_blocks(live, whole, positions, expected, hashes, task, block_elems, False)
+
+
+@njit(cache=True, nogil=True)
+def _whole_blocks(live, whole, positions, expected, hashes, task, block_elems, swap):
+    """:func:`commit_task` of a copy, or with ``swap`` of a swap: blocks ``[ba, bb)`` written whole, each live
+    block hashed (while the block before it is written) and compared with prepare's hash first; a difference
+    puts back the blocks before it."""
+    ja, jb = task[2], task[3]
     n = live.shape[0]
     hoff, ba, bb = task[6], task[4], task[5]
     # each block is hashed while the one before it is written (hash_while_copying), the first alone
@@ -372,12 +398,17 @@ def commit_task(live, whole, positions, expected, values, hashes, task, block_el
         s = b * block_elems
         e = min(n, s + block_elems)
         if h != hashes[hoff + b]:
-            # blocks before b hold the new bits: put back the old ones at their changed elements
-            _undo_range(live, positions, expected, ja, ja + np.searchsorted(positions[ja:jb], s))
+            # blocks before b hold the new bits: swap them back, or put back the old bits of their changes
+            if swap:
+                _swap_range(live, whole, ba * block_elems, s)
+            else:
+                _undo_range(live, positions, expected, ja, ja + np.searchsorted(positions[ja:jb], s))
             return 1, b
         if b + 1 < bb:   # a next block: this one is whole (64 KiB, a multiple of 8 bytes)
             h = hash_while_copying(live[e:min(n, e + block_elems)].view(np.uint8),
-                                   live[s:e].view(np.uint64), whole[s:e].view(np.uint64))
+                                   live[s:e].view(np.uint64), whole[s:e].view(np.uint64), swap)
+        elif swap:
+            _swap_range(live, whole, s, e)
         else:
             lv, wv = live[s:e], whole[s:e]
             for i in range(lv.shape[0]):
@@ -386,6 +417,19 @@ def commit_task(live, whole, positions, expected, values, hashes, task, block_el
 
 
 @njit(cache=True, nogil=True)
-def undo_task(live, positions, expected, task):
-    """Put back the old bits of a task :func:`commit_task` wrote (its changed elements, last first)."""
-    _undo_range(live, positions, expected, task[2], task[3])
+def _swap_range(live, whole, s, e):
+    lv, wv = live[s:e], whole[s:e]
+    for i in range(lv.shape[0]):
+        x = lv[i]
+        lv[i] = wv[i]
+        wv[i] = x
+
+
+@njit(cache=True, nogil=True)
+def undo_task(live, whole, positions, expected, task, block_elems):
+    """Put back the old bits of a task :func:`commit_task` wrote whole (its changed elements, last first; a
+    swap's blocks swapped back)."""
+    if task[1] == MODE_SWAP:
+        _swap_range(live, whole, task[4] * block_elems, min(live.shape[0], task[5] * block_elems))
+    else:
+        _undo_range(live, positions, expected, task[2], task[3])

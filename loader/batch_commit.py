@@ -1,7 +1,8 @@
 """The pause's writes into contiguous host memory, batched: a few kernel calls per element width and thread.
 
-Every sparsely changed tensor that lives in contiguous CPU memory is written by
-:func:`delta.kernels.commit_task`, in one of two ways chosen per tensor while
+Every changed tensor that lives in contiguous CPU memory is written by
+:func:`delta.kernels.commit_task`. A sparsely staged one (its changed positions
+and their new bits) is written in one of two ways chosen per tensor while
 preparing (:func:`choose`):
 
 - **scatter** the changed elements, each old bit compared with the one prepare()
@@ -15,7 +16,12 @@ preparing (:func:`choose`):
   hashes) happens in prepare, while serving.
 
 Copy wins where so many elements change that the scatter costs more than a copy
-(:data:`COPY_ABOVE`, measured). The tasks of every tensor (big tensors split into
+(:data:`COPY_ABOVE`, measured). A densely staged tensor (so much of it changed that
+all its new bits are smaller than positions and values: codec.stage) is **swapped**
+(:func:`choose_dense`): the staged new bits and the live ones exchanged block by
+block, each live block checked as a copy checks it, so that the staged array then
+holds the old bits, the undo, and nothing the size of the tensor is allocated.
+Its blocks are hashed while preparing. The tasks of every tensor (big tensors split into
 several) are cut by their estimated cost into ranges, about :data:`RANGES_PER_THREAD`
 per thread, which the threads claim one at a time as they finish the last (a fixed
 half each left one thread idle for 5-20 ms of a 40 ms pause at 1 GB: the estimate
@@ -68,12 +74,13 @@ TEAM_ABOVE_NS = 2e5
 # rough costs for sharing tasks out (ns): per changed element scattered, per byte copied
 _SCATTER_NS = 4.0
 _COPY_NS = 0.08
+_SWAP_NS = 0.12
 
 
 @dataclass
 class Choice:
-    """How the commit writes one tensor: ``mode`` (kernels.MODE_SCATTER or MODE_COPY) and, for a copy,
-    the whole new bits and the block hashes of the live bits they replace."""
+    """How the commit writes one tensor: ``mode`` (kernels.MODE_SCATTER, MODE_COPY or MODE_SWAP) and, for a
+    copy or a swap, the whole new bits and the block hashes of the live bits they replace."""
 
     mode: int
     whole: np.ndarray | None = field(default=None, repr=False)
@@ -81,7 +88,10 @@ class Choice:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.whole is None else self.whole.nbytes + self.hashes.nbytes
+        """Bytes staged for the choice alone (a swap's whole new bits are the staged change itself)."""
+        if self.whole is None:
+            return 0
+        return self.hashes.nbytes + (self.whole.nbytes if self.mode == kernels.MODE_COPY else 0)
 
 
 def block_elems(itemsize: int) -> int:
@@ -96,10 +106,23 @@ def choose(bits: np.ndarray, positions: np.ndarray, values: np.ndarray, mode: st
         return Choice(kernels.MODE_SCATTER)
     whole = bits.copy()
     kernels.scatter(whole, positions, values)
-    be = block_elems(w)
-    hashes = np.empty(-(-n // be), np.uint64)
+    return Choice(kernels.MODE_COPY, whole, _block_hashes(bits))
+
+
+def choose_dense(bits: np.ndarray, dense: np.ndarray) -> Choice:
+    """A densely staged tensor is swapped: ``dense`` (its staged new bits, the very array, of ``bits``'s
+    width) is exchanged with the live bits in the pause (called while preparing, like :func:`choose`)."""
+    if dense.shape != bits.shape or dense.dtype.itemsize != bits.dtype.itemsize or not dense.flags.c_contiguous:
+        raise ValueError(f"staged bits {dense.dtype}{list(dense.shape)} do not match the live {bits.dtype}"
+                         f"{list(bits.shape)}")
+    return Choice(kernels.MODE_SWAP, dense.view(bits.dtype), _block_hashes(bits))
+
+
+def _block_hashes(bits: np.ndarray) -> np.ndarray:
+    be = block_elems(bits.dtype.itemsize)
+    hashes = np.empty(-(-bits.shape[0] // be), np.uint64)
     kernels.block_hashes(bits, be, hashes)
-    return Choice(kernels.MODE_COPY, whole, hashes)
+    return hashes
 
 
 @dataclass
@@ -144,13 +167,14 @@ class _Group:
                     costs.append((jb - ja) * _SCATTER_NS)
                 continue
             nb = it.choice.hashes.shape[0]
-            pos = it.positions
+            pos, mode = it.positions, it.choice.mode
+            per_byte = _COPY_NS if mode == kernels.MODE_COPY else _SWAP_NS
             for ba in range(0, nb, TASK_BLOCKS):
                 bb = min(nb, ba + TASK_BLOCKS)
                 ja = int(np.searchsorted(pos, ba * self.block))
                 jb = int(np.searchsorted(pos, bb * self.block))
-                rows.append((ti, kernels.MODE_COPY, ja, jb, ba, bb, hoff))
-                costs.append((min(it.bits.shape[0], bb * self.block) - ba * self.block) * w.itemsize * _COPY_NS)
+                rows.append((ti, mode, ja, jb, ba, bb, hoff))
+                costs.append((min(it.bits.shape[0], bb * self.block) - ba * self.block) * w.itemsize * per_byte)
             hoff += nb
         self.tasks = np.array(rows, np.int64).reshape(-1, 7)
         self.costs = np.array(costs, np.float64)
@@ -217,7 +241,8 @@ class CommitBatch:
 
     @property
     def tensors_copied(self) -> int:
-        return sum(1 for it in self.items if it.choice.mode == kernels.MODE_COPY)
+        """Tensors written whole: copied from a staged copy, or swapped with their dense staged bits."""
+        return sum(1 for it in self.items if it.choice.mode != kernels.MODE_SCATTER)
 
     def _cut(self, pieces: int) -> list[tuple[int, int, int]]:
         """The (group, t0, t1) task ranges the threads claim: each group's tasks cut by cost into ``pieces``."""

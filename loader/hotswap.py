@@ -169,7 +169,7 @@ class _Staged:
     key: tuple                # identity of the live tensor it was staged against
     undo: StagedTensor | None = None   # a sparse change's old bits, gathered while serving, not in the pause
     bits: np.ndarray | None = field(default=None, repr=False)   # the live bits, when batched (contiguous host)
-    choice: batch_commit.Choice | None = None                   # how the batch writes it: scatter or copy
+    choice: batch_commit.Choice | None = None                   # how the batch writes it: scatter, copy, swap
 
 
 @dataclass
@@ -325,11 +325,12 @@ class HotSwapper:
             undo = None if st.dense is not None else _old_bits(t, st, staged=True)
             st.old = None                      # held by the undo now
             s = _Staged(name, mapping[name], st, _identity(t), undo)
-            if st.dense is None and self.apply_method == "auto" and t.device.type == "cpu" and t.is_contiguous():
+            if self.apply_method == "auto" and t.device.type == "cpu" and t.is_contiguous():
                 bits = dtypes.host_bits(t)
                 if bits.ctypes.data == t.data_ptr():
                     s.bits = bits
-                    s.choice = batch_commit.choose(bits, st.positions, st.values, self.commit_mode)
+                    s.choice = batch_commit.choose(bits, st.positions, st.values, self.commit_mode) \
+                        if st.dense is None else batch_commit.choose_dense(bits, st.dense)
             return s
 
         threads = max(1, self.stage_threads or os.cpu_count() or 1)
@@ -466,13 +467,15 @@ def _batch(staged: list[_Staged], threads: int) -> "batch_commit.CommitBatch | N
     chosen = [s for s in staged if s.choice is not None]
     if not chosen:
         return None
-    items = [batch_commit.Item(s.name, s.live_name, s.bits, s.st.positions, s.undo.values, s.st.values, s.choice)
-             for s in chosen]
+    items = [batch_commit.Item(s.name, s.live_name, s.bits, s.st.positions,
+                               s.undo.values if s.undo is not None else s.st.values, s.st.values, s.choice)
+             for s in chosen]    # a swapped (densely staged) tensor has no changes listed: its whole is choice's
     warmup.ensure_commit_paths(it.bits.dtype.itemsize for it in items)   # compiled here, not in the pause
     batch = batch_commit.CommitBatch(items, threads)
     for s, it in zip(chosen, items):
         s.st.positions, s.st.values = it.positions, it.values
-        s.undo.positions, s.undo.values = it.positions, it.expected
+        if s.undo is not None:
+            s.undo.positions, s.undo.values = it.positions, it.expected
     return batch
 
 

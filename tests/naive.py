@@ -171,7 +171,8 @@ def count_lines(positions: np.ndarray, shift: int) -> int:
 
 
 def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, t1, block_elems, abort):
-    """kernels.commit_tasks checking before writing (the kernel writes, then puts back on a refusal)."""
+    """kernels.commit_task over tasks [t0, t1), checking before writing (the kernel writes, then puts back on a
+    refusal); mode 0 scatters, 1 copies, 2 swaps with ``wholes``."""
     for t in range(t0, t1):
         if abort[0]:
             return t - t0, 2, -1
@@ -186,12 +187,20 @@ def commit_tasks(lives, wholes, positions, expected, values, hashes, tasks, t0, 
             live[pos] = values[ti][ja:jb]
             continue
         n = live.shape[0]
+        whole = wholes[ti]
         for b in range(ba, bb):
             s, e = b * block_elems, min(n, (b + 1) * block_elems)
             if block_hash(live[s:e]) != int(hashes[hoff + b]):
-                done = pos < s
-                live[pos[done]] = exp[done]
+                if mode == 2:         # a swap: the blocks before b hold each other's bits again
+                    a = ba * block_elems
+                    live[a:s], whole[a:s] = whole[a:s].copy(), live[a:s].copy()
+                else:
+                    done = pos < s
+                    live[pos[done]] = exp[done]
                 abort[0] = 1
                 return t - t0, 1, b
-            live[s:e] = wholes[ti][s:e]
+            if mode == 2:
+                live[s:e], whole[s:e] = whole[s:e].copy(), live[s:e].copy()
+            else:
+                live[s:e] = whole[s:e]
     return t1 - t0, -1, -1

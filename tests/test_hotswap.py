@@ -665,7 +665,7 @@ def test_a_dense_change_to_a_tensor_written_after_prepare_is_refused_and_the_wri
 import numpy as np  # noqa: E402
 
 from delta import dtypes as _dtypes  # noqa: E402
-from loader import batch_commit  # noqa: E402
+from loader import batch_commit, hotswap  # noqa: E402
 
 ALL_DTYPES = [d.torch_dtype for d in _dtypes.BY_NAME.values()]
 
@@ -729,7 +729,10 @@ def test_each_commit_mode_is_bit_exact_for_every_dtype_nan_payloads_and_signed_z
     for v in (1, 2, 0, 2, 1):                   # forward, back through the anchor, and again
         prepared = sw.prepare(v)
         sparse = sum(1 for s in prepared.staged if s.st.dense is None)
-        assert prepared.report.tensors_copied == (sparse if mode == "copy" else 0), (mode, v)   # tiny: auto scatters
+        dense = len(prepared.staged) - sparse                # swapped whole whatever the mode
+        assert all(s.choice is not None for s in prepared.staged)    # every one in the batch
+        # tiny tensors: auto scatters the sparse ones
+        assert prepared.report.tensors_copied == dense + (sparse if mode == "copy" else 0), (mode, v)
         assert sw.commit(prepared).tensors_copied == prepared.report.tensors_copied
         assert_at(live, run, v)
 
@@ -768,30 +771,35 @@ def runner(request, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["scatter", "copy"])
-@pytest.mark.parametrize("where", ["changed", "unchanged"])
+@pytest.mark.parametrize("where", ["changed", "unchanged", "swapped"])
 def test_a_batched_tensor_written_after_prepare_is_refused_in_either_mode_and_every_write_kept(run, mode, where,
                                                                                              runner, monkeypatch):
     """The refusal may come from either commit thread: every tensor either thread wrote is put back. The last
-    batched tensor is written by a range claimed after the first two (each thread starts on one of those)."""
+    batched tensor of a kind is written by a range claimed after the first two (each thread starts on one of
+    those). "swapped": a write into a densely staged tensor, which the batch swaps whole in either mode."""
     monkeypatch.setattr(batch_commit, "TASK_BLOCKS", 1)
     live, sw = swapper_at(run, 0, commit_mode=mode, stage_threads=2)
     prepared = sw.prepare(1)
     assert prepared.batch is not None and prepared.batch.threads == 2 and prepared.batch.runner == runner
-    s = [s for s in prepared.staged if s.choice is not None][-1]   # the last batched tensor: the second thread's
+    dense = where == "swapped"
+    s = [s for s in prepared.staged if s.choice is not None and (s.st.dense is not None) == dense][-1]
     ranges = prepared.batch.ranges
     assert len(ranges) > 2 and ranges[-1][0] == len(prepared.batch.groups) - 1
     flat = live[s.live_name].view(-1).view(_INTS[live[s.live_name].element_size()])
     if where == "changed":
         pos = int(s.st.positions[len(s.st.positions) // 2])
-    else:
+    elif where == "unchanged":
         pos = int(next(i for i in range(flat.numel()) if i not in set(s.st.positions.tolist())))
+    else:
+        assert s.choice.mode == batch_commit.kernels.MODE_SWAP
+        pos = flat.numel() - 1
     flat[pos] ^= 1                                             # another writer, in place
     written = clone(live)
     if mode == "scatter" and where == "unchanged":             # not seen: the scatter checks what it writes
         sw.commit(prepared)
         assert sw.version == 1
         return
-    if mode == "scatter":                                      # the message names the element or its block
+    if mode == "scatter" and not dense:                        # the message names the element or its block
         what = f"element {pos} "
     else:
         be = batch_commit.block_elems(flat.element_size())
@@ -808,27 +816,64 @@ def test_a_batched_tensor_written_after_prepare_is_refused_in_either_mode_and_ev
 
 @pytest.mark.parametrize("mode", ["scatter", "copy"])
 def test_a_failure_after_the_batch_puts_back_every_batched_tensor(mixed_run, mode, monkeypatch):
-    """The batch (sparse tensors) writes first; a dense tensor refused afterwards rolls the batch back."""
+    """The batch (the contiguous tensors, sparse and dense) writes first; a strided dense tensor refused
+    afterwards rolls the batch back, its swapped tensors swapped back, and the update commits again."""
     run = mixed_run
     calls = []
     for verb in ("run", "undo"):
         real = getattr(batch_commit.CommitBatch, verb)
         monkeypatch.setattr(batch_commit.CommitBatch, verb,
                             lambda self, real=real, verb=verb: (calls.append(verb), real(self))[1])
-    live = {k: t.clone() for k, t in run.truth[0].items()}
+    live = {k: strided_copy(t) if k == "dense.0" else t.clone() for k, t in run.truth[0].items()}
     sw = HotSwapper(live, SnapshotReader(run.url), version=0, commit_mode=mode)
     prepared = sw.prepare(1)
-    assert {s.live_name for s in prepared.staged if s.choice is not None} == {"sparse.0", "sparse.1"}
-    live["dense.1"][-1, -1] = 7.0                             # another writer, in a densely changed tensor
+    assert {s.live_name for s in prepared.staged if s.choice is not None} == {"sparse.0", "sparse.1", "dense.1"}
+    live["dense.0"][-1, -1] = 7.0                             # another writer, in the strided dense tensor
     written = clone(live)
-    with pytest.raises(HotLoadError, match=r"'dense.1'.*written after prepare.*tensors already written were rest"):
+    with pytest.raises(HotLoadError, match=r"'dense.0'.*written after prepare.*tensors already written were rest"):
         sw.commit(prepared)
     assert calls == ["run", "undo"] and sw.version == 0
     for k in live:
         assert bits_equal(live[k], written[k]), k
-    live["dense.1"].copy_(run.truth[0]["dense.1"])
+    live["dense.0"].copy_(run.truth[0]["dense.0"])
     sw.commit(prepared)
     assert_at(live, run, 1)
+
+
+def test_a_densely_changed_tensor_is_swapped_by_the_batch_and_its_staged_bits_become_the_undo(mixed_run,
+                                                                                             monkeypatch):
+    """A contiguous dense change is one more batch item (no chunk-by-chunk swap in Python inside the pause):
+    after the commit the staged array holds the old bits; a failure after the batch swaps them back, so the
+    same prepared update commits again, bit-exact."""
+    run = mixed_run
+    live = {k: t.clone() for k, t in run.truth[0].items()}
+    sw = HotSwapper(live, SnapshotReader(run.url), version=0)
+    prepared = sw.prepare(1)
+    swapped = {s.live_name: s for s in prepared.staged if s.st.dense is not None}
+    assert set(swapped) == {"dense.0", "dense.1"}
+    assert all(s.choice.mode == batch_commit.kernels.MODE_SWAP and s.choice.whole.base is not None
+               for s in swapped.values())                     # a view of the staged array itself: no copy
+    assert prepared.report.tensors_copied == 2
+    staged = {k: s.st.dense.copy() for k, s in swapped.items()}
+    real, calls = hotswap._synchronize, []
+
+    def fail_once(undo):                                       # the step after the batch, not the rollback's
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        real(undo)
+
+    monkeypatch.setattr(hotswap, "_synchronize", fail_once)
+    with pytest.raises(HotLoadError, match="RuntimeError: injected.*restored"):
+        sw.commit(prepared)
+    assert_at(live, run, 0)
+    for k, s in swapped.items():
+        np.testing.assert_array_equal(s.st.dense, staged[k])   # the new bits again
+    monkeypatch.undo()
+    sw.commit(prepared)
+    assert_at(live, run, 1)
+    for k, s in swapped.items():                               # the old bits, where the swap left them
+        np.testing.assert_array_equal(s.st.dense, _dtypes.host_bits(run.truth[0][k]))
 
 
 def test_every_range_of_a_batch_is_written_once_by_whichever_thread_claims_it(run, runner):

@@ -341,7 +341,7 @@ def test_block_hash_matches_reference(n):
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 200, 8192, 8195])
-def test_hash_while_copying_hashes_as_block_hash_and_copies(n):
+def test_hash_while_copying_hashes_as_block_hash_and_copies_or_swaps(n):
     """The commit's pipelined step: the hash of the next block is block_hash's, for any length of it, and the
     words copied meanwhile (a whole 64 KiB block, or none) are copied exactly, whether the copy outlasts the
     hash (a short next block) or not."""
@@ -352,6 +352,11 @@ def test_hash_while_copying_hashes_as_block_hash_and_copies(n):
         dst = np.zeros(m, np.uint64)
         assert int(kernels.hash_while_copying(b8, dst, src[:m])) == naive.block_hash(b8), f"seed={SEED} n={n}"
         np.testing.assert_array_equal(dst, src[:m])
+        a, b = random_bits(rng, m, 64), random_bits(rng, m, 64)
+        a0, b0 = a.copy(), b.copy()
+        assert int(kernels.hash_while_copying(b8, a, b, True)) == naive.block_hash(b8), f"seed={SEED} n={n}"
+        np.testing.assert_array_equal(a, b0)       # swapped
+        np.testing.assert_array_equal(b, a0)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -387,9 +392,9 @@ def test_block_hashes_and_count_lines_match_reference():
             assert kernels.count_lines(pos, shift) == naive.count_lines(pos, shift), (SEED, frac, shift)
 
 
-def _commit_case(rng, width, n_tensors=3, n=9000, block=1024):
-    """Live tensors of one width, their changes (one array per tensor), and tasks covering both modes (each
-    tensor cut in pieces)."""
+def _commit_case(rng, width, n_tensors=4, n=9000, block=1024):
+    """Live tensors of one width, their changes (one array per tensor), and tasks covering the three modes
+    (each tensor cut in pieces): scatter, copy, scatter, swap."""
     olds, news, rows, hashes = [], [], [], []
     pos_all, exp_all, val_all = [], [], []
     hoff = 0
@@ -406,32 +411,38 @@ def _commit_case(rng, width, n_tensors=3, n=9000, block=1024):
             for a in range(0, pos.shape[0], 50):
                 rows.append((ti, kernels.MODE_SCATTER, a, min(pos.shape[0], a + 50), 0, 0, 0))
             hashes.append(np.empty(0, np.uint64))
-        else:             # copy, in tasks of 3 blocks
+        else:             # copy, or swap (no changes listed: a dense change), in tasks of 3 blocks
+            swap = ti == 3
+            if swap:
+                pos_all[-1], exp_all[-1], val_all[-1] = (np.empty(0, np.int64), old[:0].copy(), old[:0].copy())
             nb = -(-old.shape[0] // block)
             h = np.empty(nb, np.uint64)
             kernels.block_hashes(old, block, h)
             hashes.append(h)
             for ba in range(0, nb, 3):
                 bb = min(nb, ba + 3)
-                rows.append((ti, kernels.MODE_COPY, int(np.searchsorted(pos, ba * block)),
-                             int(np.searchsorted(pos, bb * block)), ba, bb, hoff))
+                ja, jb = (0, 0) if swap else (int(np.searchsorted(pos, ba * block)), int(np.searchsorted(pos, bb * block)))
+                rows.append((ti, kernels.MODE_SWAP if swap else kernels.MODE_COPY, ja, jb, ba, bb, hoff))
             hoff += nb
     arrays = (pos_all, exp_all, val_all, np.concatenate(hashes), np.array(rows, np.int64))
     return olds, news, arrays, block
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_commit_kernel_matches_reference_writes_both_modes_and_refuses_foreign_writes(width):
+def test_commit_kernel_matches_reference_writes_each_mode_and_refuses_foreign_writes(width):
     """The pause's batch kernel (delta.commit_ranges over kernels.commit_task), one range of every task, one
     thread, against the reference; its undo puts back exactly what it wrote."""
     rng = rng_for(width, 96)
     olds, news, (pos, exp, val, hashes, tasks), block = _commit_case(rng, width)
     kinds = set(tasks[:, 1].tolist())
-    assert kinds == {kernels.MODE_SCATTER, kernels.MODE_COPY}
+    assert kinds == {kernels.MODE_SCATTER, kernels.MODE_COPY, kernels.MODE_SWAP}
+    wholes = None
 
     def ours(lives, t0=0, t1=None, aborted=False):
+        nonlocal wholes
         t1 = tasks.shape[0] if t1 is None else t1
-        tensors = list(zip(lives, [nw.copy() for nw in news], pos, exp, val))
+        wholes = [nw.copy() for nw in news]
+        tensors = list(zip(lives, wholes, pos, exp, val))
         tables = commit_ranges.Tables([(block, tensors, hashes, tasks)], [(0, t0, t1)])
         tables.reset()
         if aborted:
@@ -451,9 +462,11 @@ def test_commit_kernel_matches_reference_writes_both_modes_and_refuses_foreign_w
     for a, b, nw in zip(lives, ref, news):
         np.testing.assert_array_equal(a, nw, err_msg=f"seed={SEED}")
         np.testing.assert_array_equal(b, nw)
+    np.testing.assert_array_equal(wholes[3], olds[3])      # the swap left the old bits in the staged array
     tables.undo(0, 0, tasks.shape[0])
     for a, o in zip(lives, olds):
         np.testing.assert_array_equal(a, o)
+    np.testing.assert_array_equal(wholes[3], news[3])      # and its undo the new ones again
 
     # another writer, after prepare: at a scattered change, at a change inside a copied block (a task's
     # first block, hashed alone, and a later one, hashed while the block before it is written), and at an
@@ -462,8 +475,10 @@ def test_commit_kernel_matches_reference_writes_both_modes_and_refuses_foreign_w
     second = tasks[tasks[:, 0] == 1][1]
     in_later_block = int(pos[1][np.searchsorted(pos[1], (second[4] + 1) * block)])
     assert in_later_block < (second[4] + 2) * block and second[5] - second[4] >= 2
+    swap_second = tasks[tasks[:, 0] == 3][1]               # a swap task's first block, and a later one
     for ti, where in ((0, int(pos[0][tasks[tasks[:, 0] == 0][-1, 2]])), (1, int(pos[1][second[2]])),
-                      (1, in_later_block), (1, unchanged_in_copy)):
+                      (1, in_later_block), (1, unchanged_in_copy), (3, int(swap_second[4]) * block + 5),
+                      (3, (int(swap_second[4]) + 1) * block + 7)):
         lives, ref = [o.copy() for o in olds], [o.copy() for o in olds]
         for lv in (lives, ref):
             lv[ti][where] ^= np.array(1, lv[ti].dtype)
@@ -472,7 +487,8 @@ def test_commit_kernel_matches_reference_writes_both_modes_and_refuses_foreign_w
         assert got == want and got[1] == (0 if ti == 0 else 1) and tables.aborted, (SEED, ti, where, got, want)
         for a, b in zip(lives, ref):
             np.testing.assert_array_equal(a, b, err_msg=f"seed={SEED}")
-        tables.undo(0, 0, got[0])   # as the caller
+        tables.undo(0, 0, got[0])   # as the caller: the tasks written whole
+        np.testing.assert_array_equal(wholes[3], news[3], err_msg=f"seed={SEED}: the staged swap is whole again")
         for i, (a, o) in enumerate(zip(lives, olds)):
             o = o.copy()
             if i == ti:

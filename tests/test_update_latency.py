@@ -38,8 +38,26 @@ def test_quick_run_swaps_bit_exact_and_writes_markdown_json_and_png(tmp_path, ca
         assert x["elements_changed"] == x["elements_changed_expected"] > 0
         # the floor beside it: the same changes scattered bare, after the commit (bit_exact is checked after it)
         assert x["floor_s"] > 0 and x["floor_over_copy"] > 0
+        assert 0 < x["lines_share"] <= 1
     assert "**pause / copy**" in md and "a full copy of the model" in md and "bare scatter / copy" in md
     assert "ckptdelta" in capsys.readouterr().out
+
+
+def test_lines_share_counts_the_cache_lines_that_hold_a_change():
+    import numpy as np
+    import torch
+
+    buf = torch.zeros(64 * 1024 + 32, dtype=torch.uint8)
+    skew = (-buf.data_ptr()) % 64
+    t = buf[skew:skew + 64 * 1024].view(torch.bfloat16)       # 1024 lines of 32 elements, line-aligned
+    every_line = np.arange(0, 32 * 1024, 32)
+    assert update_latency._lines_share({"t": t}, {"t": every_line}) == 1.0
+    one_line = np.arange(32, 64)                              # a whole line, and nothing else
+    assert update_latency._lines_share({"t": t}, {"t": one_line}) == 1 / 1024
+    assert update_latency._lines_share({"t": t}, {"t": np.arange(16, 48)}) == 2 / 1024   # straddles two
+    w = buf[skew + 2:skew + 2 + 64 * 8].view(torch.bfloat16)  # starts 2 bytes into a line: spans 9 lines
+    assert update_latency._lines_share({"w": w}, {"w": np.array([31])}) == 1 / 9           # byte 62 + 2 = 64
+    assert update_latency._lines_share({"t": t, "w": w}, {"t": np.arange(0), "w": np.array([30])}) == 1 / 1033
 
 
 def test_hot_load_and_publish_show_progress_bars_when_asked_and_stay_quiet_otherwise(tmp_path, capfd):
