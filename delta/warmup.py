@@ -98,7 +98,8 @@ def _warm_encoding_4(old: torch.Tensor, new: torch.Tensor) -> None:
 
 def _commit_case(width: int, n: int, frac: float, copy: bool) -> tuple:
     """Live bits of ``width``-byte elements, their changed copy, and a batch (delta/commit_ranges.py) that
-    writes the change twice, scattered into one live copy and copied whole over another."""
+    writes the change scattered into one live copy and, with ``copy``, also copied whole over a second and
+    swapped with a staged copy (``wholes[2]``) over a third."""
     import numpy as np
 
     from . import commit_ranges, kernels
@@ -112,18 +113,22 @@ def _commit_case(width: int, n: int, frac: float, copy: bool) -> tuple:
     block = kernels.HASH_BLOCK_BYTES // width
     hashes = np.empty(-(-n // block), np.uint64)
     kernels.block_hashes(old, block, hashes)
-    lives = [old.copy(), old.copy()]
-    m = pos.shape[0]
+    lives = [old.copy(), old.copy(), old.copy()]
+    m, nb = pos.shape[0], hashes.shape[0]
     tasks = np.array([[0, kernels.MODE_SCATTER, 0, m, 0, 0, 0]]
-                     + ([[1, kernels.MODE_COPY, 0, m, 0, hashes.shape[0], 0]] if copy else []), np.int64)
-    wholes = [None, new] if copy else [None]                  # the first scattered, the second copied
-    tensors = [(lv, wh, pos, old[pos], new[pos]) for lv, wh in zip(lives, wholes)]
-    tables = commit_ranges.Tables([(block, tensors, hashes, tasks)], [(0, t, t + 1) for t in range(tasks.shape[0])])
-    return old, new, pos, lives[:len(wholes)], tables
+                     + ([[1, kernels.MODE_COPY, 0, m, 0, nb, 0], [2, kernels.MODE_SWAP, 0, 0, 0, nb, nb]]
+                        if copy else []), np.int64)
+    none = pos[:0]
+    wholes = [None, new, new.copy()] if copy else [None]      # scattered, copied, swapped
+    tensors = [(lv, wh, pos, old[pos], new[pos]) if i < 2 else (lv, wh, none, old[:0], old[:0])
+               for i, (lv, wh) in enumerate(zip(lives, wholes))]
+    both = np.concatenate([hashes, hashes]) if copy else hashes
+    tables = commit_ranges.Tables([(block, tensors, both, tasks)], [(0, t, t + 1) for t in range(tasks.shape[0])])
+    return old, new, pos, lives[:len(wholes)], wholes, tables
 
 
 def _warm_commit() -> None:
-    """The hot-swap commit kernels (both ways, undo; on torch's OpenMP team where there is one) for every
+    """The hot-swap commit kernels (every mode, undo; on torch's OpenMP team where there is one) for every
     element width, and the int32-position scatter of Publisher(device_diff=True), each checked bit-exact
     (at install; a replica's runtime warm-up needs only :func:`_warm_commit_path`)."""
     import numpy as np
@@ -132,7 +137,7 @@ def _warm_commit() -> None:
 
     team = omp.team()
     for width in (1, 2, 4, 8):
-        old, new, pos, lives, tables = _commit_case(width, 3 << 14, 0.05, copy=True)
+        old, new, pos, lives, wholes, tables = _commit_case(width, 3 << 14, 0.05, copy=True)
         ok = True
         for on_team in (False, True) if team is not None else (False,):
             tables.reset()
@@ -141,9 +146,10 @@ def _warm_commit() -> None:
             else:
                 commit_ranges.commit_ranges(tables.ctl)
             ok &= bool((tables.results[:, 1] == 1).all()) and all(np.array_equal(x, new) for x in lives)
-            for g, t in ((0, 1), (0, 0)):
+            ok &= np.array_equal(wholes[2], old)      # the swap left the old bits staged
+            for g, t in ((0, 2), (0, 1), (0, 0)):
                 tables.undo(g, t, t + 1)
-            ok &= all(np.array_equal(x, old) for x in lives)
+            ok &= all(np.array_equal(x, old) for x in lives) and np.array_equal(wholes[2], new)
         live = old.copy()
         kernels.scatter(live, pos.astype(np.int32), new[pos])
         if not (ok and np.array_equal(live, new)):
@@ -157,7 +163,7 @@ def _warm_commit_path(width: int) -> None:
 
     from . import commit_ranges
 
-    old, new, _pos, (live,), tables = _commit_case(width, 64, 0.1, copy=False)
+    old, new, _pos, (live,), _wholes, tables = _commit_case(width, 64, 0.1, copy=False)
     tables.reset()
     commit_ranges.commit_ranges(tables.ctl)
     ok = np.array_equal(live, new)

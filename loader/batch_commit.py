@@ -57,7 +57,7 @@ BLOCK_BYTES = kernels.HASH_BLOCK_BYTES
 #: costs about a plain copy at 10% changed and the copy wins from 20-40%; 1-byte elements from 10-20%,
 #: 4-byte ones at about 40% (cheaper there in one run of three), 8-byte ones not below 40%. Past these
 #: shares a change is mostly staged densely anyway (its new bits smaller than positions + values), and a
-#: dense change is always written whole (a swap, hotswap._DenseSwap).
+#: dense change is always written whole (a swap, :func:`choose_dense`).
 COPY_ABOVE = {1: 0.15, 2: 0.2, 4: 0.4, 8: 0.5}
 #: Tensors smaller than this are always scattered (a staged copy would save nothing worth its memory).
 MIN_COPY_BYTES = 1 << 20

@@ -7,9 +7,9 @@ that the result hashes to the target's digests, which proves its bits
 is writing the changed tensors, done while :class:`ServingGate` holds forward
 steps back (:meth:`HotSwapper.commit`), so no forward step ever sees a mix of two
 versions. In contiguous host memory each changed tensor is either scattered (its
-changed elements) or copied whole from a staged copy, whichever costs less
-(loader/batch_commit.py), all of them in a few kernel calls per element width and
-thread. A commit that fails half-way writes back the old bits it replaced: the
+changed elements) or copied whole from a staged copy, whichever costs less, or,
+staged densely, swapped with its staged new bits (loader/batch_commit.py), all of
+them in a few kernel calls per element width and thread. A commit that fails half-way writes back the old bits it replaced: the
 weights and the version stay as they were, or the swap raises saying they could
 not be (and the version becomes None).
 
@@ -154,7 +154,7 @@ class HotLoadReport:
     pause_s: float          # the whole pause: waiting for running steps, then applying
     total_s: float
     staging_bytes: int = 0
-    tensors_copied: int = 0  # tensors the commit copies whole from a staged copy (the rest: changed elements)
+    tensors_copied: int = 0  # tensors the batch writes whole: copied from a staged copy or swapped with dense bits
 
     @property
     def snapshot(self) -> str:

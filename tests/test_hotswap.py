@@ -840,6 +840,19 @@ def test_a_failure_after_the_batch_puts_back_every_batched_tensor(mixed_run, mod
     assert_at(live, run, 1)
 
 
+def _fail_the_step_after_the_batch_once(monkeypatch) -> None:
+    """The commit's first _synchronize (right after the batch) raises; the rollback's then runs as usual."""
+    real, calls = hotswap._synchronize, []
+
+    def fail_once(undo):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        real(undo)
+
+    monkeypatch.setattr(hotswap, "_synchronize", fail_once)
+
+
 def test_a_densely_changed_tensor_is_swapped_by_the_batch_and_its_staged_bits_become_the_undo(mixed_run,
                                                                                              monkeypatch):
     """A contiguous dense change is one more batch item (no chunk-by-chunk swap in Python inside the pause):
@@ -855,15 +868,7 @@ def test_a_densely_changed_tensor_is_swapped_by_the_batch_and_its_staged_bits_be
                for s in swapped.values())                     # a view of the staged array itself: no copy
     assert prepared.report.tensors_copied == 2
     staged = {k: s.st.dense.copy() for k, s in swapped.items()}
-    real, calls = hotswap._synchronize, []
-
-    def fail_once(undo):                                       # the step after the batch, not the rollback's
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected")
-        real(undo)
-
-    monkeypatch.setattr(hotswap, "_synchronize", fail_once)
+    _fail_the_step_after_the_batch_once(monkeypatch)
     with pytest.raises(HotLoadError, match="RuntimeError: injected.*restored"):
         sw.commit(prepared)
     assert_at(live, run, 0)
@@ -874,6 +879,52 @@ def test_a_densely_changed_tensor_is_swapped_by_the_batch_and_its_staged_bits_be
     assert_at(live, run, 1)
     for k, s in swapped.items():                               # the old bits, where the swap left them
         np.testing.assert_array_equal(s.st.dense, _dtypes.host_bits(run.truth[0][k]))
+
+
+def test_densely_changed_tensors_of_many_blocks_are_swapped_by_both_threads_and_put_back_whole(tmp_path, runner,
+                                                                                                 monkeypatch):
+    """Two dense changes of 32 blocks each, one task a block, on two threads (ranges claimed by whichever is
+    free): a write after prepare in a later
+    block of one is refused with every block of both put back (the staged arrays holding the new bits again),
+    then the update commits bit-exact and leaves the old bits staged; a failure after the batch swaps them back."""
+    monkeypatch.setattr(batch_commit, "TASK_BLOCKS", 1)
+    g = torch.Generator().manual_seed(11)
+    v0 = {k: torch.randn(1024, 1024, generator=g).to(torch.bfloat16) for k in ("a", "b")}
+    v1 = {k: t + 1.0 for k, t in v0.items()}
+    run = write_run(str(tmp_path / "dense"), versions=[v0, v1])
+    live = clone(run.truth[0])
+    sw = HotSwapper(live, SnapshotReader(run.url), version=0, stage_threads=2)
+    prepared = sw.prepare(1)
+    batch = prepared.batch
+    assert batch.threads == 2 and batch.runner == runner and len(batch.ranges) > 4
+    assert {s.live_name: s.choice.mode for s in prepared.staged} == {"a": 2, "b": 2}   # MODE_SWAP
+    staged = {s.live_name: s.st.dense for s in prepared.staged}
+    new_bits = {k: _dtypes.host_bits(run.truth[1][k]).copy() for k in live}
+    old_bits = {k: _dtypes.host_bits(run.truth[0][k]).copy() for k in live}
+    be = batch_commit.block_elems(2)
+    where = 20 * be + 5                                        # the 21st block of "b"
+    live["b"].view(-1)[where] = 7.0                            # another writer, after prepare
+    written = clone(live)
+    with pytest.raises(HotLoadError, match=rf"'b': elements \[{20 * be}, {21 * be}\).*written after prepare"):
+        sw.commit(prepared)
+    assert sw.version == 0 and set(batch.tables.results[:, 0].tolist()) <= {0, 1, -1}
+    for k in live:
+        assert bits_equal(live[k], written[k]), k
+        np.testing.assert_array_equal(staged[k], new_bits[k])
+    live["b"].copy_(run.truth[0]["b"])
+    sw.commit(prepared)
+    assert_at(live, run, 1)
+    assert set(batch.tables.results[:, 0].tolist()) <= {0, 1}  # either thread, whichever claimed first
+    for k in live:
+        np.testing.assert_array_equal(staged[k], old_bits[k])  # the undo, where the swap left it
+    back = sw.prepare(0)
+    _fail_the_step_after_the_batch_once(monkeypatch)
+    with pytest.raises(HotLoadError, match="RuntimeError: injected.*restored"):
+        sw.commit(back)
+    assert sw.version == 1
+    assert_at(live, run, 1)
+    sw.commit(back)
+    assert_at(live, run, 0)
 
 
 def test_every_range_of_a_batch_is_written_once_by_whichever_thread_claims_it(run, runner):
