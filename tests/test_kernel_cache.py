@@ -46,8 +46,9 @@ RUN = textwrap.dedent('''
 def _copy_of_delta(tmp_path) -> str:
     root = tmp_path / "project"
     shutil.copytree(os.path.dirname(delta.__file__), root / "delta",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+                    ignore=shutil.ignore_patterns("__pycache__", ".*"))
     (root / "delta" / "_probe.py").write_text(PROBE)
+    os.symlink("user@host.1234:1700000000", root / "delta" / ".#kernels.py")   # an editor's lock file, dangling
     return str(root)
 
 
@@ -73,6 +74,8 @@ def test_a_cached_kernel_is_compiled_again_when_a_kernel_it_calls_changes_in_ano
     assert again[1:] == (0, 1), "the probe's cache entry survived a change to kernels.py"
     assert again[0] == first[0] == "05070000"
     assert _run(root, cache)[1:] == (1, 0)
+    os.unlink(os.path.join(root, "delta", ".#kernels.py"))     # the digest never read it: still fresh
+    assert _run(root, cache)[1:] == (1, 0)
 
 
 def test_the_sources_locator_takes_only_the_project_s_functions_and_keeps_numba_s_directory():
@@ -86,5 +89,10 @@ def test_the_sources_locator_takes_only_the_project_s_functions_and_keeps_numba_
     assert ours.get_cache_path() == theirs.get_cache_path()
     assert ours.get_disambiguator() == theirs.get_disambiguator()
     assert kernel_cache.SourcesLocator.from_function(lambda: None, np.__file__) is None   # numpy's: not ours
+    from loader.engines import vllm_worker
+    from publisher import nan
+
+    for mod in (nan, vllm_worker):                              # another package, and a subfolder
+        assert kernel_cache._ours(mod.__file__), mod
     assert kernel_cache._IMPL._locator_classes[0] is kernel_cache.SourcesLocator
     assert isinstance(kernels.scatter._cache._impl.locator, kernel_cache.SourcesLocator)
