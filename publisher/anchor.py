@@ -148,16 +148,17 @@ def model_dir_files(path: str | os.PathLike[str]) -> dict[str, str]:
     return out
 
 
-def model_files(model: object) -> dict[str, bytes]:
+def model_files(model: object, dtype: torch.dtype | None = None) -> dict[str, bytes]:
     """config.json (and generation_config.json) of a transformers model, as ``save_pretrained`` writes them
-    (its dtype and class recorded); {} for anything else. Duck-typed: transformers is not imported here."""
+    (its class and dtype recorded: ``dtype``, the one it is published in, else the model's); {} for anything
+    else. Duck-typed: transformers is not imported here."""
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(config, "to_json_string", None)):
         return {}
     import copy
 
     config = copy.deepcopy(config)
-    dtype = getattr(model, "dtype", None)
+    dtype = dtype or getattr(model, "dtype", None)
     if isinstance(dtype, torch.dtype):
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", str(dtype).split(".")[1])
     config.architectures = [type(model).__name__]

@@ -26,7 +26,7 @@ import xxhash
 from delta import dtypes
 from delta.codec import digest_hex
 from delta.errors import CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError
-from delta.hf import serving_gaps
+from delta.hf import CONFIG_FILE, config_differences, reconcile_config, serving_gaps
 from delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
 from delta.storage import Store
 
@@ -40,7 +40,9 @@ from .result import PublishResult
 from .runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id, read_manifest,
                    read_run_info)
 from .device_diff import DeviceDiff
-from .snapshot import Partition, Schema, Weights, copy_to_host, gather_sources, schema_of, spares
+from .snapshot import (Cast, Partition, Schema, Weights, check_publish_dtype, copy_to_host, gather_sources, schema_of,
+                       spares)
+from .tied import tied_aliases
 from .writer import Written, merge, write_anchor, write_delta_object
 
 log = logging.getLogger("ckptdelta.publisher")
@@ -99,12 +101,24 @@ class Publisher:
     change of tensor names, dtypes or shapes is logged as a warning: replicas
     serving the old tensors cannot hot-load the new anchor (docs/PUBLISHING.md).
 
+    ``dtype`` (e.g. ``torch.bfloat16``): the dtype floating-point tensors are
+    published in, for a trainer that keeps fp32 master weights while replicas
+    serve bf16. Each tensor is cast on its own device before the host copy, so
+    only the published bits cross to the host; integer and bool tensors are
+    published as they are. None (the default) publishes every tensor as it is.
+
     ``extra_files`` travel with every anchor, so a replica can load it with
     transformers: a model directory (its config, generation config and tokenizer
     files, what ``ckptdelta publish DIR`` takes) or a mapping of file name -> path
-    or bytes. Publishing a transformers model adds its own ``config.json`` and
-    ``generation_config.json`` when ``extra_files`` has none; the tokenizer must
-    come from ``extra_files`` (``ckptdelta serve`` refuses a snapshot without one).
+    or bytes. Publishing a transformers model publishes its own ``config.json``
+    (in the dtype published; it replaces one in ``extra_files``, with a warning
+    naming the fields that differ) and its ``generation_config.json`` when
+    ``extra_files`` has none; its tied weights are published once, as
+    ``save_pretrained`` writes them. An anchor's ``config.json`` always describes
+    its tensors: a ``dtype`` that does not is fixed (a warning names the field), a
+    ``tie_word_embeddings`` that does not is refused (PublishInputError). The
+    tokenizer must come from ``extra_files`` (``ckptdelta serve`` refuses a
+    snapshot without one).
 
     Sharded trainers (torch.distributed up with more than one rank, unless
     ``distributed=False``): build a Publisher on every rank (a collective call);
@@ -120,7 +134,7 @@ class Publisher:
                  shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
                  progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
-                 codec: str | None = None, upload_bandwidth: float | None = None):
+                 codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if not anchor_chain_fraction >= 0:
@@ -134,6 +148,7 @@ class Publisher:
         if run_id is not None and not (isinstance(run_id, str) and 0 < len(run_id) <= 256):
             raise ValueError(f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}")
         self.url = url
+        self.dtype = check_publish_dtype(dtype)
         self.anchor_every, self.anchor_chain_fraction = anchor_every, float(anchor_chain_fraction)
         self.shard_bytes, self.level, self.progress = shard_bytes, level, progress
         self.codec = _resolve_codec(codec, context_coding, upload_bandwidth)
@@ -141,6 +156,9 @@ class Publisher:
         self._last_codec = ""          # the codec of this rank's previous delta (logged when auto switches)
         self._partition = partition
         self._extra = anchor_fmt.read_extra_files(extra_files)
+        self._config_where = "extra_files' config.json"   # where the anchors' config.json comes from
+        self._config_said: set[tuple] = set()              # config fixes and warnings already logged
+        self._anchor_files: dict[str, bytes] = {}          # rank 0: the extra files of the anchor being planned
         self._store = Store.from_url(url, storage_options)
         self._comm = make_comm(process_group, distributed)
         if self._comm.world > 1 and max_in_flight > 1:
@@ -292,17 +310,31 @@ class Publisher:
         if last is not None and step < last:
             raise PublishInputError(f"step {step} is lower than the run's last step {last} "
                                     f"(run {self.run_id} at {self.url}); steps may not go backwards")
-        return step, metadata, sources
+        return step, metadata, (sources if self.dtype is None else Cast(sources, self.dtype))
 
     def _check_files(self, weights: Weights) -> None:
-        """First publish: take a transformers model's config where extra_files has none, and warn (once)
-        when anchors would lack what serving needs."""
+        """First publish: a transformers model's own config (in the dtype published) replaces extra_files'
+        (the model is what is published), its generation config is added where extra_files has none, its
+        tied aliases are named; warn (once) when anchors would lack what serving needs."""
         self._files_checked = True
         is_model = isinstance(weights, torch.nn.Module)
+        rank0 = self._comm.rank == 0
         if is_model:
-            own = anchor_fmt.model_files(weights)
+            own = anchor_fmt.model_files(weights, self.dtype)
             if own:
-                self._extra = {**own, **self._extra}   # one assignment: an anchor being written keeps its dict
+                given = self._extra.get(CONFIG_FILE)
+                differ = config_differences(given, own[CONFIG_FILE]) if given is not None else []
+                if differ and rank0:
+                    log.warning("run %s: extra_files' config.json differs from the config of the %s published "
+                                "(%s); anchors carry the model's own", self.run_id, type(weights).__name__,
+                                ", ".join(differ))
+                # one assignment: an anchor being written keeps its dict
+                self._extra = {**own, **self._extra, CONFIG_FILE: own[CONFIG_FILE]}
+                self._config_where = f"the config of the {type(weights).__name__} published"
+            aliases = tied_aliases(weights, weights.state_dict())
+            if aliases and rank0:
+                log.info("run %s: tied weights are published once, as save_pretrained writes them: %s",
+                         self.run_id, ", ".join(f"{a} (= {s})" for a, s in sorted(aliases.items())))
         gaps = serving_gaps(self._extra)
         if gaps and (is_model or self._extra) and self._comm.rank == 0:
             log.warning("run %s at %s: anchors will carry no %s, so `ckptdelta serve` refuses them; pass "
@@ -481,12 +513,37 @@ class Publisher:
                                     f"(version {self._chain.last_version} of run {self.run_id})")
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=self.anchor_chain_fraction,
                       force_anchor=any(g[3] for g in gathered))
+        self._anchor_files = self._files_for(union)   # for an anchor (also one a failed parent rebuild makes)
         check_not_committed(self._store, plan.version, self.run_id)
         # Every attempt writes under keys of its own: a retry of a failed publish gets the same version, and a
         # PUT of the failed attempt that lands late (a stalled request completed by the server) must never
         # replace an object the retry committed. Rank 0 decides, so all ranks of one attempt share it.
         self._attempts += 1
         return replace(plan, data_id=f"{self.writer_id}-{self._attempts}")
+
+    def _files_for(self, schema: Schema) -> dict[str, bytes]:
+        """The extra files an anchor of ``schema`` carries: its config.json made to describe those tensors
+        (delta.hf.reconcile_config: a wrong dtype fixed, a wrong tying refused), each fix logged once."""
+        config = self._extra.get(CONFIG_FILE)
+        if config is None:
+            return self._extra
+        floats = sorted({d for d, _ in schema.values() if dtypes.by_name(d).torch_dtype.is_floating_point})
+        if len(floats) > 1 and ("mixed", *floats) not in self._config_said and self._comm.rank == 0:
+            self._config_said.add(("mixed", *floats))
+            log.warning("run %s: the tensors published hold several floating-point dtypes (%s); replicas load a "
+                        "model's weights in the one dtype of its config.json, so they cannot serve these bits "
+                        "exactly: publish one (Publisher(dtype=torch.bfloat16))", self.run_id, ", ".join(floats))
+        fixed, fixes = reconcile_config(config, {n: d for n, (d, _) in schema.items()},
+                                        where=f"run {self.run_id}: {self._config_where}")
+        if not fixes:
+            return self._extra
+        if ("fix", *fixes) not in self._config_said:
+            self._config_said.add(("fix", *fixes))
+            own = self._config_where.startswith("the config of")
+            log.log(logging.INFO if own else logging.WARNING,
+                    "run %s: %s does not describe the tensors published; anchors carry it with %s",
+                    self.run_id, self._config_where, ", ".join(fixes))
+        return {**self._extra, CONFIG_FILE: fixed}
 
     def _ensure_parent(self, plan: Plan, job: _Job) -> dict[str, torch.Tensor]:
         assert job.snapshot is not None and plan.parent_version is not None
@@ -508,7 +565,8 @@ class Publisher:
         if plan.kind == "anchor":
             written = write_anchor(self._store, self._uploads, job.snapshot, shards, version=plan.version,
                                    writer_id=plan.data_id, first_shard=first, total_shards=total,
-                                   extra_files=self._extra if self._comm.rank == 0 else {}, progress=self.progress)
+                                   extra_files=self._anchor_files if self._comm.rank == 0 else {},
+                                   progress=self.progress)
         else:
             assert parent is not None
             written = self._write_delta(plan, job, parent)
@@ -620,11 +678,12 @@ class Publisher:
                  "%.2fs (%s)%s", r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes,
                  100 * r.ratio, r.full_bytes, r.total_s, r.reason, f"; {r.codec} codec" if r.codec else "")
         if r.schema_change and self._comm.rank == 0:
-            log.warning("run %s: %s is an anchor with other tensors than %s (%s); every replica serving the run "
-                        "fails to hot-load it (ShapeMismatchError or HotLoadError) until it restarts on it: "
-                        "ckptdelta serve --snapshot %s (docs/PUBLISHING.md, 'Changing tensors')",
-                        self.run_id, r.name, snapshot_name(plan.parent_version) if plan.parent_version is not None
-                        else "the previous snapshot", r.schema_change, r.name)
+            before = snapshot_name(plan.parent_version) if plan.parent_version is not None else "the previous snapshot"
+            log.warning("run %s: %s is an anchor whose tensors differ from %s's (%s); a replica hot-loads only onto "
+                        "live tensors of the same names, dtypes and shapes, so one whose live tensors are %s's "
+                        "refuses it and every later version (ShapeMismatchError or HotLoadError) and keeps serving "
+                        "them until restarted on it: ckptdelta serve --snapshot %s (docs/PUBLISHING.md, "
+                        "'Changing tensors')", self.run_id, r.name, before, r.schema_change, before, r.name)
         return r
 
 

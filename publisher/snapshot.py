@@ -25,6 +25,8 @@ from delta import dtypes
 from delta.errors import PublishInputError, UnsupportedDtypeError
 from delta.manifest import tensor_name_problem
 
+from .tied import tied_aliases
+
 log = logging.getLogger("ckptdelta.publisher")
 
 Weights = Union[torch.nn.Module, Mapping[str, "torch.Tensor | np.ndarray"]]
@@ -36,12 +38,17 @@ Schema = dict[str, tuple[str, tuple[int, ...]]]
 def gather_sources(weights: Weights, partition: Partition = None) -> dict[str, torch.Tensor | np.ndarray]:
     """The tensors to publish, by name, after every check that can refuse them.
 
-    Tied weights appear under each of their names (as in ``state_dict``); each
-    name is published on its own, which costs the bytes once per name in anchors
-    and nothing extra in deltas when they do not change.
+    A module's tied weights are published once, as ``save_pretrained`` writes
+    them: the aliases the model declares (publisher/tied.py) are left out.
+    Other names holding one tensor (a mapping, a module that declares no tying)
+    are each published on their own, which costs the bytes once per name in
+    anchors and nothing extra in deltas when they do not change.
     """
     if isinstance(weights, torch.nn.Module):
         items: Mapping[str, Any] = weights.state_dict()
+        aliases = tied_aliases(weights, items)
+        if aliases:
+            items = {n: t for n, t in items.items() if n not in aliases}
     elif isinstance(weights, Mapping):
         items = weights
     else:
@@ -91,6 +98,42 @@ def _check_value(name: str, value: Any) -> None:
 
 def schema_of(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> Schema:
     return {n: (dtypes.of(t).name, tuple(int(s) for s in t.shape)) for n, t in tensors.items()}
+
+
+class Cast(Mapping):
+    """``sources`` with every floating-point tensor cast to ``dtype`` (``Publisher(dtype=...)``), each one on its
+    own device as it is read: a trainer's fp32 masters become the bf16 a replica serves before the host copy,
+    so only the published bits cross to the host, and one tensor at a time is held in both dtypes. Integer and
+    bool tensors (step counters, index buffers) are published as they are: a cast would change what they
+    mean. numpy float arrays are cast on the host."""
+
+    def __init__(self, sources: Mapping[str, "torch.Tensor | np.ndarray"], dtype: torch.dtype):
+        self.sources, self.dtype = sources, dtype
+
+    def __getitem__(self, name: str) -> "torch.Tensor | np.ndarray":
+        src = self.sources[name]
+        if isinstance(src, np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(src)).to(self.dtype) if src.dtype.kind == "f" else src
+        return src.detach().to(self.dtype) if src.is_floating_point() else src
+
+    def __iter__(self):
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def check_publish_dtype(dtype: Any) -> torch.dtype | None:
+    """``Publisher(dtype=...)`` checked: None, or a floating-point torch dtype the format holds."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
+    try:
+        dtypes.of(torch.empty(0, dtype=dtype))
+    except UnsupportedDtypeError as e:
+        raise ValueError(f"dtype={dtype}: {e}") from None
+    return dtype
 
 
 #: CPU tensors at least this large are copied by torch's threads (1 GB: 76 ms idle, 211 ms with both cores
