@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from ckptdelta.console import guarded, usage_error
+from . import stopping
 from ckptdelta.options import UsageError, add_storage_args, storage_options
 from delta.errors import CkptDeltaError
 
@@ -35,6 +36,12 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $CKPTDELTA_API_KEY)")
     add_storage_args(p)
     p.add_argument("--cache-dir", default=None, help="local cache for fetched objects and materialized snapshots")
+    p.add_argument("--cache-max-gb", type=float, default=None, metavar="GB",
+                   help="bound of --cache-dir's cached objects, least recently used evicted first (default: a "
+                        "quarter of its disk, at most 32; 0: no bound; also $CKPTDELTA_CACHE_MAX_GB)")
+    p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
+                   help="on SIGTERM or Ctrl-C: stop accepting requests, let those in flight finish for up to S "
+                        "seconds, then stop the engine, clean up and exit 0 (default 25)")
     p.add_argument("--device", default="cpu",
                    help="torch device for the model of the reference engine (cpu, cuda, cuda:1...; default: cpu)")
     p.add_argument("--cache-policy", choices=["recompute", "keep"], default="recompute",
@@ -58,6 +65,15 @@ def add_commands(subparsers: Any) -> None:
                         "(more host memory while a hot-load prepares: docs/SERVING.md); reload: reload every "
                         "changed tensor's module inside the pause")
     v.add_argument("--vllm-log", default=None, metavar="PATH", help="where the started vLLM server logs")
+    v.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a sampling request may wait for vLLM's answer before it fails with 504 "
+                        "(default 600)")
+    v.add_argument("--control-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds each control call to vLLM (pause, swap, proof, resume) may take before the "
+                        "hot-load fails (default 300)")
+    v.add_argument("--on-engine-failure", choices=["exit", "stay"], default="exit",
+                   help="when vLLM dies or stops answering: exit with status 3 so that a supervisor starts a "
+                        "new replica (default), or stay up answering /health 503")
     p.set_defaults(func=guarded(cmd_serve, "serve"))
 
     h = subparsers.add_parser(
@@ -84,34 +100,78 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage = "give --bucket URL (a run to serve and hot-load), --model DIR (fixed weights), or both"
     if usage:
         return usage_error("serve", usage)
-    snapshot, sock = _check_before_loading(args)
-    try:
-        _serve(args, sock, snapshot, passthrough)
-    finally:
-        sock.close()
-    return 0
+    with stopping.sigterm_stops():     # SIGTERM stops as Ctrl-C does (loader/stopping.py)
+        try:
+            snapshot, sock = _check_before_loading(args)
+            try:
+                return _serve(args, sock, snapshot, passthrough)
+            finally:
+                sock.close()
+        except stopping.TerminationRequested:
+            log.warning("replica stopped (SIGTERM)")
+            return 0
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int", passthrough: list[str]) -> None:
+def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int", passthrough: list[str]) -> int:
     import uvicorn
 
     from .engines import build_engine
     from .server import create_app
 
+    stopper = _StopOnEngineFailure(getattr(args, "on_engine_failure", "exit") == "exit")
+    _sweep_host(args)
     engine = build_engine(args.engine, bucket=args.bucket, snapshot=snapshot, model_dir=args.model,
                           storage_options=storage_options(args), cache_dir=args.cache_dir, device=args.device,
                           cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,
                           verify=args.verify, apply_mode=args.apply_mode, vllm_args=passthrough,
-                          vllm_log=args.vllm_log)
+                          vllm_log=args.vllm_log, request_timeout=args.request_timeout,
+                          control_timeout=args.control_timeout, on_failure=stopper)
     replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
     api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
     try:
         app = create_app(engine, replica_id=replica_id, api_key=api_key)
         log.warning("replica %s (%s engine) serving policy version %s on http://%s:%d%s", replica_id, engine.kind,
                     engine.version, args.host, args.port, " (API key required)" if api_key else "")
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        drain = stopping.DRAIN_TIMEOUT_S if args.drain_timeout is None else args.drain_timeout
+        stopper.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain))
+        if stopper.why is None or not stopper.enabled:
+            stopper.server.run(sockets=[sock])
     finally:
+        stopping.shield()      # clean-up is not cut short by another SIGTERM
         engine.close()
+    if stopper.why is not None and stopper.enabled:
+        log.critical("replica %s stops: its engine failed (%s)", replica_id, stopper.why)
+        return ENGINE_FAILED_EXIT
+    return 0
+
+
+#: ``ckptdelta serve``'s exit status when its engine died or stopped answering (``--on-engine-failure exit``).
+ENGINE_FAILED_EXIT = 3
+
+
+class _StopOnEngineFailure:
+    """The engine's ``on_failure``: stops the HTTP server, so that ``serve`` exits non-zero and a supervisor
+    starts a new replica instead of routing requests to one that can only fail them."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.why, self.server = enabled, None, None
+
+    def __call__(self, why: str) -> None:
+        self.why = why
+        if self.enabled and self.server is not None:
+            self.server.should_exit = True
+
+
+def _sweep_host(args: argparse.Namespace) -> None:
+    """What dead replicas of this host left (loader/scratch.py), and the disk cache down to its bound."""
+    from .cache import MAX_GB_ENV, DiskCache
+    from .scratch import sweep_host
+
+    if args.cache_max_gb is not None:
+        os.environ[MAX_GB_ENV] = str(args.cache_max_gb)   # every DiskCache of this process (its readers')
+    sweep_host(args.cache_dir)
+    if args.cache_dir and os.path.isdir(args.cache_dir):
+        DiskCache(args.cache_dir).prune()
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:

@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from delta.errors import DeltaError, HotLoadConflictError, SnapshotNotFoundError, StorageError
 
-from .engines.base import EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
+from . import streaming
+from .engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
 from .engines.reference import parse, validation_message
 from .hotload_jobs import HotLoadJob, HotLoadManager
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -36,6 +37,9 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 log = logging.getLogger("ckptdelta.server")
 
 MAX_BODY_BYTES = 1 << 20
+#: ``/v1/status`` states besides a hot-load's: the engine died or stopped answering; the live weights are not
+#: proven to be any version (a failed swap or proof: the next hot-load pushes and proves every tensor).
+ENGINE_FAILED, UNKNOWN_VERSION = "ENGINE_FAILED", "UNKNOWN_VERSION"
 #: Seconds a 408 (policy version too old) asks the client to wait: about one hot-load of a small delta.
 RETRY_AFTER_S = 1
 _SNAPSHOT_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,63}$")
@@ -209,7 +213,7 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
                            "retry after the hot-load lands", policy_version=v, min_policy_version=min_version,
                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    async def sample(kind: RequestKind, request: Request) -> JSONResponse:
+    async def sample(kind: RequestKind, request: Request) -> Response:
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -220,22 +224,53 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
         opts = parse(ReplicaOptions, body)
         for k in ReplicaOptions.model_fields:
             body.pop(k, None)
-        check_version(opts.min_policy_version)
-        res = await engine.complete(kind, body)
-        if res.status == 200:
+        check_model(body.get("model"))
+        check_version(opts.min_policy_version)       # before the first byte of a stream too
+
+        def settle(res: EngineResult) -> dict[str, Any] | None:
+            if res.status != 200:
+                return None
             metrics.generated_tokens.inc(res.completion_tokens)
             if len(res.policy_versions) > 1:
                 metrics.request_crossed_swap.inc()
-            if opts.return_engine_data:
-                res.body["engine_data"] = _engine_data(res, replica_id, run_id)
+            return _engine_data(res, replica_id, run_id) if opts.return_engine_data else None
+
+        if body.get("stream") is True:
+            answer = await engine.stream(kind, body)
+            if isinstance(answer, EngineStream):
+                def last(res: EngineResult) -> dict[str, Any] | None:
+                    data = settle(res)
+                    return None if data is None else streaming.last_chunk(res, data)
+
+                return streaming.response(answer, finish=last)
+            return JSONResponse(answer.body, status_code=answer.status)
+        res = await engine.complete(kind, body)
+        data = settle(res)
+        if data is not None:
+            res.body["engine_data"] = data
         return JSONResponse(res.body, status_code=res.status)
 
+    def served_names() -> list[str]:
+        """The ``model`` names a request may give (``/v1/models`` lists them): the served name and the run id."""
+        return list(dict.fromkeys(n for n in (engine.model_name, run_id) if n))
+
+    def check_model(name: Any) -> None:
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise APIError(400, "invalid_request_error", "model: expected a string")
+        names = served_names()
+        if name not in names:
+            raise APIError(404, "model_not_found", f"the model {name[:200]!r} does not exist on replica {replica_id}; "
+                           f"it serves {', '.join(map(repr, names))} (GET /v1/models)", code="model_not_found",
+                           param="model")
+
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         return await sample("completions", request)
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
+    async def chat(request: Request) -> Response:
         return await sample("chat", request)
 
     @app.post("/v1/hotload", status_code=202)
@@ -245,6 +280,10 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
     def _hotload(req: HotLoadRequest) -> JSONResponse:
         if manager is None:
             raise APIError(409, "hotload_unavailable", f"replica {replica_id} was started without a bucket")
+        failed = engine.failure()
+        if failed is not None:
+            raise APIError(503, "engine_unavailable", f"replica {replica_id} cannot hot-load: its engine failed "
+                           f"({failed}); restart the replica")
         ref = req.snapshot
         if isinstance(ref, int):
             if ref < 0:
@@ -283,7 +322,7 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
         last = manager.last if manager is not None else None
         return {
             "replica_id": replica_id, "run_id": run_id, "policy_version": engine.version,
-            "snapshot": engine.snapshot, "state": running.state if running is not None else "READY",
+            "snapshot": engine.snapshot, "state": replica_state(running),
             "hotload": running.to_dict() if running is not None else None,
             "last_hotload": last.to_dict() if last is not None else None,
             "cache_policy": engine.cache_policy, "model": engine.model_name, "uptime_s": time.time() - started,
@@ -292,12 +331,26 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "ckptdelta",
-                                            "policy_version": engine.version}]}
+        created = int(started)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "ckptdelta",
+                                            "root": engine.model_name, "policy_version": engine.version}
+                                           for name in served_names()]}
+
+    def replica_state(running: HotLoadJob | None) -> str:
+        """READY only while the engine lives and the version is known (or the weights are fixed)."""
+        if engine.failure() is not None:
+            return ENGINE_FAILED
+        if running is not None:
+            return running.state
+        return UNKNOWN_VERSION if engine.version is None and manager is not None else "READY"
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"ok": True, "policy_version": engine.version}
+    async def health() -> JSONResponse:
+        failed = engine.failure()
+        if failed is not None:
+            return JSONResponse({"ok": False, "policy_version": engine.version, "state": ENGINE_FAILED,
+                                 "reason": failed}, status_code=503)
+        return JSONResponse({"ok": True, "policy_version": engine.version})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

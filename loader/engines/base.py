@@ -24,14 +24,16 @@ version.
 
 Requests: ``await engine.complete(kind, body)`` with the OpenAI body minus the
 replica's own fields; it returns an :class:`EngineResult` whose body the server
-sends as is (with ``engine_data`` added when asked for).
+sends as is (with ``engine_data`` added when asked for). A body with ``stream:
+true`` goes to ``await engine.stream(kind, body)`` instead, whose events the
+server sends as they come (loader/streaming.py).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, AsyncIterator, Literal, Sequence
 
 RequestKind = Literal["completions", "chat"]
 
@@ -61,6 +63,19 @@ class EngineResult:
     @property
     def policy_version(self) -> int | None:
         return self.policy_versions[-1] if self.policy_versions else None
+
+
+@dataclass
+class EngineStream:
+    """A streamed answer (``stream: true``): server-sent events, then what the replica knows of the weights.
+
+    ``events`` yields whole events (``b"data: {...}\n\n"``), never the final ``data: [DONE]``: the
+    replica adds its own last chunk (``engine_data``) before it. Once ``events`` is exhausted, ``result``
+    holds the versions the request ran under and, in ``body``, the chunks' ``id``, ``object``, ``created``
+    and ``model`` (``status`` is not 200 when the stream ended with an error event)."""
+
+    events: AsyncIterator[bytes]
+    result: EngineResult
 
 
 class EngineApplier(abc.ABC):
@@ -109,9 +124,23 @@ class ReplicaEngine(abc.ABC):
     async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
         """Answer one ``/v1/completions`` or ``/v1/chat/completions`` body (replica fields removed)."""
 
+    async def stream(self, kind: RequestKind, body: dict[str, Any]) -> EngineStream | EngineResult:
+        """Answer a body with ``stream: true`` (replica fields removed): an :class:`EngineStream`, or an
+        :class:`EngineResult` for an answer given before anything streamed (the engine refused the body)."""
+        raise ReplicaAPIError(400, "invalid_request_error",
+                              f"stream: the {self.kind} engine does not stream; send stream=false")
+
     def status(self) -> dict[str, Any]:
         """Engine facts for ``/v1/status`` (merged under ``engine``)."""
         return {"kind": self.kind}
+
+    def failure(self) -> str | None:
+        """Why the engine cannot serve (its process died, its server stopped answering), or None while it can.
+
+        The replica reports it: ``/health`` fails, ``/v1/status`` is not READY, hot-loads are refused, and
+        ``ckptdelta serve`` exits non-zero so that a supervisor restarts it. An engine inside this process
+        (the reference loop) lives and dies with it: never a failure of its own."""
+        return None
 
     def close(self) -> None:
         """Release what the engine holds (processes, shared memory). Idempotent."""

@@ -47,11 +47,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -74,10 +72,15 @@ WORKER_EXTENSION = "loader.engines.vllm_worker.CkptDeltaWorker"
 VLLM_ENV_DEFAULTS = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
                      "VLLM_CPU_KVCACHE_SPACE": "1"}
 START_TIMEOUT_S = 600.0
+#: Seconds vLLM gets to exit after SIGTERM before its process group is killed.
+STOP_TIMEOUT_S = 15.0
 #: Input columns of each kernel-read matrix the in-pause check reads under --verify sampled (random each swap).
 SAMPLED_COLUMNS = 16
 VERIFY_MODES = ("sampled", "full", "off")
 CONTROL_TIMEOUT_S = 300.0
+#: Seconds a forwarded sampling request may wait for vLLM's answer (``--request-timeout``): a vLLM that stops
+#: answering (frozen, wedged) fails requests with 504 instead of holding them forever.
+REQUEST_TIMEOUT_S = 600.0
 _REPLICA_FIELDS = ("min_policy_version", "return_engine_data")
 
 
@@ -125,18 +128,22 @@ class VllmServer:
         environ = {**os.environ, **(env or {})}
         for k, v in VLLM_ENV_DEFAULTS.items():
             environ.setdefault(k, v)
-        self._dir = tempfile.mkdtemp(prefix="ckptdelta-vllm-sock-")    # mode 0700
+        from loader.scratch import make as make_scratch
+
+        self._dir = make_scratch("vllm-sock")    # mode 0700, locked while we live (loader/scratch.py)
         if port is None:
-            where = ["--uds", os.path.join(self._dir, "vllm.sock")]
+            where = ["--uds", os.path.join(self._dir.path, "vllm.sock")]
             self.url = UNIX_PREFIX + where[1]
         else:
             where = ["--host", "127.0.0.1", "--port", str(port)]
             self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--served-model-name", served_name, *where, "--worker-extension-cls", WORKER_EXTENSION, *args]
-        self.log_path = log_path or self._dir + ".log"
-        self._log = None
+        self._log = self._own_log = None
         try:
+            # a log of our own is locked like the socket's directory: a dead replica's is kept for a while
+            self._own_log = None if log_path else make_scratch("vllm-log")
+            self.log_path = log_path or self._own_log.path
             self._log = open(self.log_path, "ab")
             log.info("starting vLLM: %s (log: %s)", " ".join(cmd), self.log_path)
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
@@ -144,7 +151,9 @@ class VllmServer:
         except BaseException:
             if self._log is not None:
                 self._log.close()
-            shutil.rmtree(self._dir, ignore_errors=True)
+            if self._own_log is not None:
+                self._own_log.release()
+            self._dir.release()
             raise
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -152,16 +161,17 @@ class VllmServer:
         with http_client(self.url, timeout=5.0) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise VllmError(f"vLLM exited with code {self.proc.returncode} while starting; its last "
-                                    f"lines:\n{self.tail()}")
+                    raise VllmError(f"vLLM exited with code {self.proc.returncode} while starting; its log is "
+                                    f"{self.log_path}, its last lines:\n{self.tail()}")
                 try:
                     if c.get("/health").status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.5)
-        self.stop()
-        raise VllmError(f"vLLM did not answer /health within {timeout:.0f} s; its last lines:\n{self.tail()}")
+        self.stop(keep_log=True)
+        raise VllmError(f"vLLM did not answer /health within {timeout:.0f} s; its log is {self.log_path}, its "
+                        f"last lines:\n{self.tail()}")
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -170,8 +180,13 @@ class VllmServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S, *, keep_log: bool | None = None) -> None:
+        """SIGTERM vLLM's process group, SIGKILL after ``timeout``; remove the socket's directory, and the log
+        unless the user named it or it may tell why something failed: ``keep_log``, by default when vLLM had
+        exited before it was asked to (a dead replica's logs are kept too: loader/scratch.py keeps the last
+        few). Idempotent."""
+        crashed = self.proc.poll() is not None
+        if not crashed:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout)
@@ -182,7 +197,14 @@ class VllmServer:
                     pass
                 self.proc.wait()
         self._log.close()
-        shutil.rmtree(self._dir, ignore_errors=True)      # the socket's directory (the log stays)
+        self._dir.release()                              # the socket's directory
+        own = self._own_log
+        if own is not None and own.fd >= 0:
+            if crashed if keep_log is None else keep_log:
+                log.warning("vLLM's log is kept: %s", self.log_path)
+                own.disown()
+            else:
+                own.release()
 
 
 # --- control calls ------------------------------------------------------------------------------
@@ -209,6 +231,13 @@ class VllmControl:
 
     def resume(self) -> None:
         self._post("/resume")
+
+    def is_paused(self) -> bool:
+        try:
+            r = self.http.get("/is_paused")
+            return bool(r.json().get("is_paused")) if r.status_code == 200 else False
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            raise VllmError(f"vLLM at {self.url}: GET /is_paused failed: {e}") from e
 
     def reset_prefix_cache(self, *, running: bool) -> bool:
         out = self._post("/reset_prefix_cache", params={"reset_running_requests": str(running).lower()})
@@ -330,19 +359,53 @@ class VllmApplier(EngineApplier):
         self._pause.waited_s = time.perf_counter() - t0
 
     def _resume(self) -> None:
+        """End the pause: drop the prefix cache, label the version, resume. vLLM is resumed whatever failed
+        before. A failure makes the version unknown and the hot-load fail: the new bits are in, but KV the old
+        ones computed may stay in frozen requests, or vLLM's label is wrong, so no version can be claimed; the
+        next hot-load pushes and proves every tensor (:meth:`apply`)."""
         t0 = self._pause.started
+        failed: list[str] = []
         try:
-            ok = self.control.reset_prefix_cache(running=self.cache_policy == "recompute")
-            if not ok:
-                log.warning("vLLM did not reset its prefix cache (blocks held by frozen requests under the "
-                            "'keep' policy); per-version cache salts keep new requests off the old prefixes")
-            self.control.set_version(self.current_version())
+            try:
+                ok = self.control.reset_prefix_cache(running=self.cache_policy == "recompute")
+                if not ok:
+                    log.warning("vLLM did not reset its prefix cache (blocks held by frozen requests under the "
+                                "'keep' policy); per-version cache salts keep new requests off the old prefixes")
+            except VllmError as e:
+                failed.append(f"resetting its prefix cache: {e}")
+                self.on_unverified()
+            try:
+                self.control.set_version(self.current_version())
+            except VllmError as e:
+                failed.append(f"labelling its weight version: {e}")
+                self.on_unverified()
         finally:
-            self.control.resume()
+            try:
+                self._resume_engine()
+            except VllmError as e:
+                failed.append(f"resuming: {e}")
+                self.on_unverified()
             self.history.append((self.epoch, self.current_version()))
             del self.history[:-64]
             self.swapping = False
             self._pause.seconds = time.perf_counter() - t0
+        if failed:
+            self._to_confirm = []
+            raise HotLoadError(f"vLLM at {self.control.url} failed while ending the pause ({'; '.join(failed)}); "
+                               "the replica's version is now unknown: the next hot-load pushes and proves every "
+                               "tensor")
+
+    def _resume_engine(self, tries: int = 3) -> None:
+        """``/resume``, tried again on failure: a vLLM left paused freezes every request."""
+        for i in range(tries):
+            try:
+                self.control.resume()
+                return
+            except VllmError as e:
+                log.error("vLLM at %s did not resume (try %d of %d): %s", self.control.url, i + 1, tries, e)
+                if i + 1 == tries:
+                    raise
+                time.sleep(0.2 * (i + 1))
 
     def _plan(self, names: Sequence[str], positions: dict[str, Any]) -> tuple[list[str], list[str]]:
         """(tensors to push as whole vLLM modules, tensors to patch element-wise in place)."""
@@ -402,13 +465,19 @@ class VllmApplier(EngineApplier):
         tensors with an in-place target (loader/engines/vllm_patch.py); the rest as whole modules, built and
         re-packed beside the live ones while vLLM still serves, then swapped in; else reloaded in the pause."""
         positions = positions or {}
+        # The version is unknown (a failed swap or proof left vLLM's bits unproven): what vLLM holds may differ
+        # from the host copy anywhere, whatever the update changed in it. Everything is pushed and proven.
+        recovering = self.current_version() is None
+        if recovering:
+            names, positions = list(self.shared.index), {}
         groups, patch = self._plan(names, positions)
         again, self._applied = self._applied, True
         if again and (self._unreached or not self._pause.started):
             return                    # putting the old version back, but nothing reached the workers
         self._to_confirm = []
         # not once paused: putting the old version back after a failed swap reloads it in that pause
-        shadow = self._build(groups, version) if groups and self.shadows and not self._pause.started else None
+        shadow = self._build(groups, version) if (groups and self.shadows and not self._pause.started
+                                                  and not recovering) else None
         patch_req = None
         if patch:
             spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
@@ -439,7 +508,8 @@ class VllmApplier(EngineApplier):
         shadowed = set(groups) - set(shadow.reload) if shadow is not None else set()
         in_pause = sorted(set(touched) - set(patch) - shadowed)
         verified = 0
-        if self.verify == "full":
+        full = self.verify == "full" or (recovering and self.verify != "off")
+        if full:
             verified = self.check(touched)            # raises unless every digest matched
         elif self.verify == "sampled" and in_pause:
             verified = self.check_sampled(in_pause)   # raises at the first difference it sees
@@ -448,11 +518,11 @@ class VllmApplier(EngineApplier):
         self.last = {"version": version, "apply": mode, "reloaded_tensors": len(groups),
                      "patched_tensors": len(patch), "patched_elements": int(sum(len(positions[n]) for n in patch)),
                      "stop_s": self._pause.waited_s, "reload_s": t1 - t_stopped,
-                     "verify_s": time.perf_counter() - t1, "verify": self.verify,
-                     "verified": self.verify == "full", "verified_tensors": verified if self.verify == "full" else 0}
+                     "verify_s": time.perf_counter() - t1, "verify": self.verify, "recovered": recovering,
+                     "verified": full, "verified_tensors": verified if full else 0}
         if swapped:
             self.last["shadow"] = shadow.facts
-        if self.verify == "sampled":
+        if self.verify == "sampled" and not full:
             self._to_confirm = touched
 
     def check_sampled(self, names: Sequence[str]) -> int:
@@ -473,19 +543,46 @@ class VllmApplier(EngineApplier):
         try:
             self.last["verified_tensors"] = self.check(names, background=True)
         except (HotLoadError, VllmError) as first:
-            log.critical("vLLM's live weights differ from the host copy after resuming (%s); reloading them", first)
+            log.critical("vLLM's live weights differ from the host copy after resuming (%s); reloading them in "
+                         "a pause of their own", first)
+            try:
+                self.last["verified_tensors"] = self._repair(names)
+            except (HotLoadError, VllmError) as second:
+                self.on_unverified()
+                self._label_unknown()
+                self.last.update(verified=False, verify_after_s=time.perf_counter() - t0)
+                raise HotLoadError(f"vLLM's live weights could not be proven after the swap ({second}); the "
+                                   "replica's version is now unknown: the next hot-load pushes and proves every "
+                                   "tensor") from second
+        self.last.update(verified=True, verify_after_s=time.perf_counter() - t0)
+
+    def _repair(self, names: list[str]) -> int:
+        """Push ``names`` again as whole modules inside a pause, prove them in full there, and drop every
+        prefix (running requests' included): whatever ran since resuming computed its KV with wrong bits, and
+        it must not stay cached under this version's salt."""
+        self.swapping = True
+        self.epoch += 1
+        try:
+            self.control.pause()
             try:
                 self.control.rpc("ckptdelta_reload", {"path": self.shared.path,
                                                       "names": reload_groups(names, list(self.shared.index),
                                                                              self.packed)})
-                self.last["verified_tensors"] = self.check(names, background=True)
-            except (HotLoadError, VllmError) as second:
-                self.on_unverified()
-                self.last.update(verified=False, verify_after_s=time.perf_counter() - t0)
-                raise HotLoadError(f"vLLM's live weights could not be proven after the swap ({second}); the "
-                                   "replica's version is now unknown: hot-load a snapshot to re-establish one") \
-                    from second
-        self.last.update(verified=True, verify_after_s=time.perf_counter() - t0)
+                n = self.check(names)
+                if not self.control.reset_prefix_cache(running=True):
+                    raise VllmError(f"vLLM at {self.control.url} did not reset its prefix cache after the repair")
+                return n
+            finally:
+                self._resume_engine()
+        finally:
+            self.history.append((self.epoch, self.current_version()))
+            self.swapping = False
+
+    def _label_unknown(self) -> None:
+        try:
+            self.control.set_version(None)
+        except VllmError as e:
+            log.warning("vLLM at %s: could not label its weights unknown: %s", self.control.url, e)
 
     def check(self, names: Sequence[str] | None = None, *, background: bool = False) -> int:
         """Compare the live weights (read back in checkpoint coordinates by every worker) with the host copy.
@@ -529,9 +626,12 @@ class VllmReplica(ReplicaEngine):
 
     def __init__(self, *, url: str, served_name: str, swapper: Any, applier: VllmApplier, shared: SharedWeights,
                  cache_policy: str, server: VllmServer | None = None, model_dir: str | None = None,
-                 owned_dir: str | None = None):
+                 owned_dir: Any = None, request_timeout: float = REQUEST_TIMEOUT_S,
+                 watch: Any = None):
         self.url, self.model_name, self.swapper, self.applier, self.shared = url, served_name, swapper, applier, shared
         self.cache_policy, self.server, self.model_dir, self._owned_dir = cache_policy, server, model_dir, owned_dir
+        self.request_timeout = request_timeout
+        self.watch = watch                                 # loader.engines.vllm_watch.EngineWatch, or None
         self._clients: dict[int, httpx.AsyncClient] = {}  # one per event loop (an app may be served twice)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -543,7 +643,7 @@ class VllmReplica(ReplicaEngine):
         client = self._clients.get(key)
         if client is None:
             client = self._clients[key] = http_client(
-                self.url, asynchronous=True, timeout=httpx.Timeout(None, connect=10.0),
+                self.url, asynchronous=True, timeout=httpx.Timeout(self.request_timeout, connect=10.0, pool=None),
                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         return client
 
@@ -556,22 +656,37 @@ class VllmReplica(ReplicaEngine):
             versions.append(self.version)
         return versions
 
-    async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
-        if body.get("stream"):
-            raise ReplicaAPIError(400, "invalid_request_error",
-                                  "stream: streaming is not supported through the ckptdelta replica API; send "
-                                  "stream=false")
-        t0 = time.perf_counter()
-        epoch0, v0 = self.applier.epoch, self.version
-        crossing = self.applier.swapping
+    def forward_body(self, body: dict[str, Any], version: int | None) -> dict[str, Any]:
+        """``body`` as it goes to vLLM, for a request that starts while ``version`` is served (503 when vLLM
+        failed)."""
+        failed = self.failure()
+        if failed is not None:
+            raise ReplicaAPIError(503, "engine_unavailable", f"the replica's vLLM failed: {failed}")
         body = dict(body)
         body["model"] = self.model_name  # the name vLLM serves under, whatever the client calls the replica
         # Prefix-cache entries never outlive the weights that computed them: a salt per version.
-        salt = f"ckptdelta-v{v0}"
+        salt = f"ckptdelta-v{version}"
         body["cache_salt"] = f"{body['cache_salt']}-{salt}" if isinstance(body.get("cache_salt"), str) else salt
+        return body
+
+    async def stream(self, kind: RequestKind, body: dict[str, Any]) -> Any:
+        """vLLM's own event stream, forwarded (loader/engines/vllm_stream.py)."""
+        from .vllm_stream import stream
+
+        return await stream(self, kind, body)
+
+    async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
+        t0 = time.perf_counter()
+        epoch0, v0 = self.applier.epoch, self.version
+        crossing = self.applier.swapping
+        body = self.forward_body(body, v0)
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         try:
             r = await self._http().post(path, json=body)
+        except httpx.TimeoutException as e:
+            raise ReplicaAPIError(504, "engine_timeout", f"vLLM at {self.url} did not answer within the request "
+                                  f"timeout ({self.request_timeout:g} s, --request-timeout): "
+                                  f"{type(e).__name__}") from None
         except httpx.HTTPError as e:
             raise ReplicaAPIError(503, "engine_unavailable", f"vLLM at {self.url} did not answer: {e}") from None
         try:
@@ -593,19 +708,26 @@ class VllmReplica(ReplicaEngine):
 
     def status(self) -> dict[str, Any]:
         return {"kind": self.kind, "url": self.url, "host_copy_bytes": self.shared.nbytes,
-                "last_swap": self.applier.last, "model_dir": self.model_dir}
+                "last_swap": self.applier.last, "model_dir": self.model_dir, "failure": self.failure()}
+
+    def failure(self) -> str | None:
+        if self.server is not None and self.server.proc.poll() is not None:
+            return f"vLLM exited with code {self.server.proc.returncode}"
+        return self.watch.failure() if self.watch is not None else None
 
     def close(self) -> None:
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        if self.watch is not None:
+            self.watch.stop()
         self.applier.control.close()
         if self.server is not None:
             self.server.stop()
         self.shared.close()
-        if self._owned_dir:
-            shutil.rmtree(self._owned_dir, ignore_errors=True)
+        if self._owned_dir is not None:
+            self._owned_dir.release()      # the scratch model copy (loader.scratch.Owned)
 
 
 def _snapshot(version: int | None) -> str | None:
@@ -624,6 +746,53 @@ def _served_name(url: str, api_key: str | None) -> str:
         raise VllmError(f"vLLM at {url}: GET /v1/models did not name the served model ({e})") from e
 
 
+def _take_over(applier: VllmApplier, version: int, run_id: str, *, pushable: bool) -> None:
+    """Before the replica claims ``version``: prove every live tensor of vLLM against the host copy (which holds
+    that version, verified), and leave vLLM labelled, with no prefix of other weights cached, and generating.
+
+    A vLLM found paused was left so by a replica killed in its pause: its bits may be half of one version and
+    half of another, and its frozen requests hold KV of those. ``pushable`` (an attached vLLM): live weights
+    that differ are replaced by the snapshot's, whole, inside a pause, then proven. A vLLM this replica just
+    started on the snapshot's own files must match: a difference is a fault, reported."""
+    control = applier.control
+    t0 = time.perf_counter()
+    paused = control.is_paused()
+    if paused:
+        log.warning("vLLM at %s is paused (a replica killed during its pause?): proving its weights before it "
+                    "resumes", control.url)
+    pushed = False
+    try:
+        n = applier.check() if applier.verify != "off" or paused else 0
+    except HotLoadError as e:
+        if not pushable:
+            raise VllmError(f"vLLM at {control.url} does not serve {_snapshot(version)} of run {run_id}: {e}; "
+                            "start it on that snapshot's weights (ckptdelta materialize) or pick the snapshot it "
+                            "serves") from None
+        log.warning("vLLM at %s does not serve %s of run %s (%s): loading every tensor of it, in a pause",
+                    control.url, _snapshot(version), run_id, e)
+        names = list(applier.shared.index)
+        try:
+            if not paused:
+                control.pause()
+                paused = True
+            control.rpc("ckptdelta_reload", {"path": applier.shared.path,
+                                             "names": reload_groups(names, names, applier.packed)})
+            n = applier.check(names)
+        except (HotLoadError, VllmError) as e2:
+            raise VllmError(f"vLLM at {control.url} does not serve {_snapshot(version)} of run {run_id}, and "
+                            f"loading it failed: {e2}") from None
+        pushed = True
+    if paused or pushed:
+        if not control.reset_prefix_cache(running=True):
+            raise VllmError(f"vLLM at {control.url} did not reset its prefix cache before serving "
+                            f"{_snapshot(version)}")
+    control.set_version(version)
+    if paused:
+        applier._resume_engine()
+    log.info("vLLM at %s serves %s of run %s: %d tensors match the snapshot's digests%s (%.2fs)", control.url,
+             _snapshot(version), run_id, n, " after loading it" if pushed else "", time.perf_counter() - t0)
+
+
 def _load_dir(model_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -637,12 +806,16 @@ def _load_dir(model_dir: str) -> dict[str, torch.Tensor]:
 def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_options: dict[str, Any] | None = None,
           cache_dir: str | None = None, cache_policy: str = "recompute", model_name: str | None = None,
           attach: str | None = None, vllm_args: Sequence[str] = (), verify: str = "sampled", apply_mode: str = "auto",
-          vllm_api_key: str | None = None, vllm_log: str | None = None, **_: Any) -> VllmReplica:
+          vllm_api_key: str | None = None, vllm_log: str | None = None, request_timeout: float = REQUEST_TIMEOUT_S,
+          control_timeout: float = CONTROL_TIMEOUT_S, on_failure: Any = None, **_: Any) -> VllmReplica:
     """``ckptdelta serve --engine vllm``: vLLM on a snapshot of the run, hot-loaded by ckptdelta.
 
     With ``attach``, vLLM already runs there (started with the worker extension and
-    dev mode, on the weights of ``snapshot``); the replica checks that its live
-    weights are that snapshot's before it serves."""
+    dev mode); before the replica serves, every live tensor is proven to be the
+    snapshot's, or, where it is not (vLLM started on other weights, or left half
+    swapped and paused by a replica killed in its pause), the snapshot is pushed
+    in whole and proven. ``on_failure(why)`` is called once if vLLM dies or stops
+    answering while serving (loader/engines/vllm_watch.py)."""
     from loader.hotswap import HotSwapper
     from loader.reader import SnapshotReader
 
@@ -655,43 +828,44 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
     name = model_name or reader.run_id
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix="ckptdelta-vllm-", dir=cache_dir)
+    from loader.scratch import make as make_scratch
+
+    scratch = make_scratch("vllm", cache_dir)    # locked while we live; a dead replica's is swept by the next
     server = shared = control = None
     try:
-        model_dir = reader.materialize(version, os.path.join(scratch, "model"))
+        model_dir = reader.materialize(version, os.path.join(scratch.path, "model"))
         shared = SharedWeights.create(_load_dir(model_dir))
         if attach:
             url = attach.rstrip("/")
             name = _served_name(url, vllm_api_key)  # requests must name what vLLM serves
         else:
-            server = VllmServer(model_dir, served_name=name, args=vllm_args, log_path=vllm_log)
+            from .vllm_dtype import dtype_args   # the snapshot's dtype, unless one given would cast it
+
+            server = VllmServer(model_dir, served_name=name, args=dtype_args(vllm_args, reader.manifest(version)),
+                                log_path=vllm_log)
             server.wait_ready()
             url = server.url
-        control = VllmControl(url, api_key=vllm_api_key)
+        control = VllmControl(url, api_key=vllm_api_key, timeout=control_timeout)
         layout = control.rpc("ckptdelta_layout", {})[0]
         applier = VllmApplier(control, shared, cache_policy=cache_policy, packed=layout.get("packed") or {},
                               verify=verify, patchable=layout.get("patchable") or (), apply_mode=apply_mode)
-        t0 = time.perf_counter()
-        try:
-            n = applier.check() if verify != "off" else 0
-        except HotLoadError as e:
-            raise VllmError(f"vLLM at {url} does not serve {_snapshot(version)} of run {reader.run_id}: {e}; start "
-                            "it on that snapshot's weights (ckptdelta materialize) or pick the snapshot it "
-                            "serves") from None
-        log.info("vLLM at %s serves %s of run %s: %d tensors match the snapshot's digests (%.2fs)", url,
-                 _snapshot(version), reader.run_id, n, time.perf_counter() - t0)
-        control.set_version(version)
+        _take_over(applier, version, reader.run_id, pushable=bool(attach))
         swapper = HotSwapper(shared.tensors, reader, version=version, applier=applier)
         applier.current_version = lambda: swapper.version
         applier.on_unverified = lambda: setattr(swapper, "version", None)
+        from .vllm_watch import EngineWatch
+
+        watch = EngineWatch(url, applier=applier, proc=server.proc if server is not None else None,
+                            api_key=vllm_api_key, on_failure=on_failure).start()
         return VllmReplica(url=url, served_name=name, swapper=swapper, applier=applier, shared=shared,
-                           cache_policy=cache_policy, server=server, model_dir=model_dir, owned_dir=scratch)
-    except BaseException:
+                           cache_policy=cache_policy, server=server, model_dir=model_dir, owned_dir=scratch,
+                           request_timeout=request_timeout, watch=watch)
+    except BaseException as e:
         if control is not None:
             control.close()
         if server is not None:
-            server.stop()
+            server.stop(keep_log=isinstance(e, Exception))   # a failed start keeps vLLM's log; Ctrl-C, SIGTERM not
         if shared is not None:
             shared.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.release()
         raise

@@ -1,0 +1,339 @@
+"""A vLLM replica never claims weights it does not serve: every control call of a hot-load faulted in turn.
+
+One real vLLM (its CPU build, on TCP) serves the whole module; replicas attach to
+it through :class:`tests.vllm_faults.FaultProxy`, which fails a control call
+(vLLM never saw it), loses its answer (vLLM did it; the replica cannot know), or
+SIGKILLs the replica right there. After each fault the invariant of
+docs/GUARANTEES.md ("A replica's version") is checked against vLLM itself, read
+back directly in its worker: the replica's reported version is the exact version
+of the bits vLLM computes with, or unknown (then nothing is labelled with a
+version and nothing is READY); vLLM is not left paused; a request is answered.
+Then the next hot-load (or a restart) ends READY with every live tensor proven.
+
+The short matrix runs in ``make test``; every point x action in ``make stress``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.servers import free_port
+from tests.vllm_faults import Fault, FaultProxy
+from tests.vllm_models import save_tiny_llama
+from tests.vllm_replicas import PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff, publish_vllm_run, use_one_gpu_layout
+
+#: Seconds each control call may take in these replicas: a lost answer costs this much, not 300 s.
+CONTROL_TIMEOUT = 4.0
+
+#: Every control point of a hot-load (shadow build, pause, swap, in-pause proof, end of pause, proof after).
+POINTS = ("rpc:ckptdelta_stage", "/pause", "rpc:ckptdelta_swap", "rpc:ckptdelta_check", "/reset_prefix_cache",
+          "/update_weight_version", "/resume", "rpc:ckptdelta_digests_start", "rpc:ckptdelta_job")
+SHORT = [("/pause", "lost"), ("rpc:ckptdelta_swap", "lost"), ("rpc:ckptdelta_swap", "fail"),
+         ("/reset_prefix_cache", "fail"), ("/update_weight_version", "lost"), ("rpc:ckptdelta_digests_start", "fail")]
+FULL = [(p, a) for p in POINTS for a in ("fail", "lost") if (p, a) not in SHORT]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_gpu_layout():
+    with pytest.MonkeyPatch.context() as mp:
+        use_one_gpu_layout(mp)
+        yield
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-faults")
+    r = publish_vllm_run(str(root / "bucket" / "run"), save_tiny_llama(str(root / "model")), deltas=3)
+    yield r
+    r.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def vllm(run, tmp_path_factory):
+    """vLLM started the way a user starts it for ``--attach`` (TCP, the worker extension, dev mode), on v0."""
+    from loader.engines.vllm import VllmServer
+    from loader.reader import SnapshotReader
+
+    model_dir = SnapshotReader(run.url).materialize(0, str(tmp_path_factory.mktemp("v0") / "model"))
+    server = VllmServer(model_dir, served_name="faulted", args=VLLM_ARGS, port=free_port())
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm):
+    p = FaultProxy(vllm.url)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def rep(run, vllm, proxy):
+    from loader.engines import build_engine
+
+    r = VllmReplicaHandle(build_engine("vllm", bucket=run.url, snapshot=0, attach=proxy.url,
+                                       control_timeout=CONTROL_TIMEOUT, request_timeout=60.0))
+    yield r
+    r.close()
+
+
+# --- the invariant, read from vLLM itself ------------------------------------------------------------------
+
+def _vllm(vllm) -> httpx.Client:
+    return httpx.Client(base_url=vllm.url, timeout=30)
+
+
+def _live(vllm, tmp_path) -> tuple[dict, set]:
+    """Every runtime parameter of vLLM, read back in its worker, straight from vLLM (not through the proxy)."""
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / f"live-{time.monotonic_ns()}.safetensors")
+    with _vllm(vllm) as c:
+        r = c.post("/collective_rpc", json={"method": "ckptdelta_read",
+                                            "args": [__import__("json").dumps({"path": path, "strict": False})]})
+    answer = r.json()["results"][0]
+    out = load_file(path)
+    os.unlink(path)
+    return out, set(answer.get("kernel_view") or ())
+
+
+def _diff(vllm, truth, tmp_path) -> list[str]:
+    from loader.engines.vllm_readback import kernel_view
+
+    live, kernel = _live(vllm, tmp_path)
+    view = lambda d: {n: kernel_view(t) if n in kernel else t for n, t in d.items()}  # noqa: E731
+    return bit_diff(view(live), view(truth))
+
+
+def _not_paused(vllm, timeout: float = 30.0) -> None:
+    """vLLM generates again (a replica may take a couple of watch intervals to resume one left paused)."""
+    deadline = time.monotonic() + timeout
+    with _vllm(vllm) as c:
+        while c.get("/is_paused").json().get("is_paused"):
+            assert time.monotonic() < deadline, "vLLM was left paused"
+            time.sleep(0.2)
+
+
+def assert_true_version(rep, run, vllm, tmp_path) -> int | None:
+    """The invariant: the reported version is vLLM's exact bits, or unknown and nothing is READY or labelled."""
+    _not_paused(vllm)
+    st = rep.http.get("/v1/status").json()
+    v = st["policy_version"]
+    body = rep.complete(max_tokens=2, return_engine_data=True)       # answered, not hung
+    assert body["engine_data"]["policy_version"] == v
+    if v is None:
+        assert st["state"] == "UNKNOWN_VERSION", st
+    else:
+        assert st["state"] == "READY", st
+        assert _diff(vllm, run.truth[v], tmp_path) == [], f"the replica claims v{v} and vLLM computes with other bits"
+        with _vllm(vllm) as c:
+            assert c.get("/weight_info").json()["weight_version"] == str(v)
+    return v
+
+
+def _other(run, v: int | None, avoid: int | None = None) -> int:
+    return next(x for x in sorted(run.truth, reverse=True) if x != v and x != avoid)
+
+
+def _fault_then_recover(rep, run, vllm, proxy, tmp_path, *faults: Fault) -> None:
+    start = rep.engine.version
+    target = _other(run, start)
+    proxy.arm(*faults)
+    job = rep.hotload(target, timeout=180)
+    fired = proxy.fired()
+    proxy.clear()
+    assert fired, f"{[f.point for f in faults]} never came up in a hot-load {start} -> {target}: {proxy.log[-20:]}"
+    v = assert_true_version(rep, run, vllm, tmp_path)
+    assert v in (None, start, target)
+    if job["state"] == "READY":
+        assert v == target
+    else:
+        assert v != target, job
+    # the next hot-load ends READY with every tensor proven: the same target while unknown (the host copy
+    # already holds it), another version otherwise
+    again = target if v is None else _other(run, v)
+    job = rep.hotload(again, timeout=180)
+    assert job["state"] == "READY", job
+    last = rep.engine.applier.last
+    if v is None:
+        assert last["recovered"] and last["verified"] and last["verified_tensors"] == len(run.truth[again]), last
+    assert assert_true_version(rep, run, vllm, tmp_path) == again
+    assert _diff(vllm, run.truth[again], tmp_path) == []
+
+
+# --- the tests ---------------------------------------------------------------------------------------------
+
+def test_a_clean_hotload_through_the_proxy_passes_every_control_point(rep, run, vllm, proxy, tmp_path):
+    """The matrix below only proves something if each point it faults comes up in a hot-load."""
+    proxy.log.clear()
+    assert rep.hotload(_other(run, rep.engine.version))["state"] == "READY"
+    seen = set(proxy.log)
+    assert {"/pause", "rpc:ckptdelta_swap", "/reset_prefix_cache", "/update_weight_version", "/resume",
+            "rpc:ckptdelta_digests_start", "rpc:ckptdelta_job", "rpc:ckptdelta_stage"} <= seen, proxy.log
+    assert assert_true_version(rep, run, vllm, tmp_path) is not None
+
+
+@pytest.mark.parametrize("point,action", SHORT)
+def test_a_control_call_that_fails_or_loses_its_answer_never_leaves_a_false_version(rep, run, vllm, proxy,
+                                                                                    tmp_path, point, action):
+    _fault_then_recover(rep, run, vllm, proxy, tmp_path, Fault(point, action))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point,action", FULL)
+def test_every_control_call_faulted_never_leaves_a_false_version(rep, run, vllm, proxy, tmp_path, point, action):
+    fault = Fault(point, action)
+    if point in ("rpc:ckptdelta_check",):
+        rep.engine.applier.shadows = False      # the in-pause sampled proof runs on what the pause reloaded
+    try:
+        _fault_then_recover(rep, run, vllm, proxy, tmp_path, fault)
+    finally:
+        rep.engine.applier.shadows = True
+
+
+def test_resume_failing_every_try_leaves_the_version_unknown_and_vllm_is_resumed_by_the_watch(rep, run, vllm,
+                                                                                               proxy, tmp_path):
+    _fault_then_recover(rep, run, vllm, proxy, tmp_path, Fault("/resume", "fail", times=3))
+
+
+def test_after_an_unknown_version_the_next_hotload_pushes_and_proves_even_what_the_host_copy_holds(
+        rep, run, vllm, proxy, tmp_path):
+    """The proof after resuming fails, and so does its repair: unknown. Meanwhile vLLM computes with other bits
+    (reloaded from another version's directory straight into vLLM). The host copy holds the target, so a
+    hot-load of the target changes nothing in it: it must still push and prove every tensor."""
+    from loader.reader import SnapshotReader
+
+    start = rep.engine.version
+    target = _other(run, start)
+    proxy.arm(Fault("rpc:ckptdelta_digests_start", "fail"), Fault("rpc:ckptdelta_digests", "fail"))
+    job = rep.hotload(target, timeout=180)
+    proxy.clear()
+    assert job["state"] == "FAILED" and "unknown" in job["reason"], job
+    assert rep.engine.version is None
+    assert rep.http.get("/v1/status").json()["state"] == "UNKNOWN_VERSION"
+    other = _other(run, target, avoid=start)
+    other_dir = SnapshotReader(run.url).materialize(other, str(tmp_path / "other"))
+    with _vllm(vllm) as c:
+        r = c.post("/collective_rpc", json={"method": "ckptdelta_reload_dir",
+                                            "args": [__import__("json").dumps({"path": other_dir})]})
+        assert r.status_code == 200, r.text
+    assert _diff(vllm, run.truth[target], tmp_path) != []          # vLLM really computes with other bits
+    body = rep.complete(max_tokens=2, return_engine_data=True)
+    assert body["engine_data"]["policy_version"] is None            # labelled with no version meanwhile
+    job = rep.hotload(target, timeout=180)
+    assert job["state"] == "READY", job
+    assert assert_true_version(rep, run, vllm, tmp_path) == target
+    assert rep.engine.applier.last["recovered"] and rep.engine.applier.last["verified"]
+
+
+def _serve(run, proxy_url: str, snapshot, tmp_path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
+    log = open(tmp_path / f"serve-{port}.log", "ab")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ckptdelta"), "serve", "--engine", "vllm",
+           "--bucket", run.url, "--snapshot", str(snapshot), "--port", str(port), "--attach", proxy_url,
+           "--control-timeout", str(CONTROL_TIMEOUT), "--request-timeout", "60"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-3000:]
+        try:
+            if httpx.get(url + "/v1/status", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("ckptdelta serve --attach did not come up")
+
+
+def _kill_in_the_pause(run, vllm, proxy, tmp_path, point: str) -> None:
+    """A replica SIGKILLed at ``point`` of a hot-load leaves vLLM paused (half swapped, or labelled wrong); a new
+    replica attached to it proves every tensor (pushing the snapshot in where they differ), drops the prefix
+    cache and resumes it, and serves."""
+    start = max(run.truth)
+    proc, url = _serve(run, proxy.url, start, tmp_path)
+    try:
+        target = _other(run, start)
+        proxy.arm(Fault(point, "kill", pid=proc.pid))
+        r = httpx.post(url + "/v1/hotload", json={"snapshot": target}, timeout=30)
+        assert r.status_code == 202, r.text
+        assert proc.wait(120) == -signal.SIGKILL
+        assert proxy.fired()
+    finally:
+        proxy.clear()
+        if proc.poll() is None:
+            proc.kill()
+    with _vllm(vllm) as c:
+        assert c.get("/is_paused").json()["is_paused"], "the kill did not land inside the pause"
+    proc, url = _serve(run, proxy.url, "latest", tmp_path)
+    try:
+        _not_paused(vllm)
+        st = httpx.get(url + "/v1/status", timeout=10).json()
+        assert st["state"] == "READY" and st["policy_version"] == start, st
+        assert _diff(vllm, run.truth[start], tmp_path) == []
+        body = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
+                                                         "return_engine_data": True}, timeout=60).json()
+        assert body["engine_data"]["policy_version"] == start
+        job = httpx.post(url + "/v1/hotload", json={"snapshot": target}, timeout=30).json()
+        deadline = time.monotonic() + 120
+        while job["state"] not in ("READY", "FAILED"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+            job = httpx.get(url + f"/v1/hotload/{job['id']}", timeout=10).json()
+        assert job["state"] == "READY", job
+        assert _diff(vllm, run.truth[target], tmp_path) == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def test_a_replica_killed_in_the_pause_leaves_vllm_paused_and_a_new_one_proves_and_resumes_it(
+        rep, run, vllm, proxy, tmp_path):
+    rep.close()           # one replica on this vLLM at a time from here on
+    _kill_in_the_pause(run, vllm, proxy, tmp_path, "rpc:ckptdelta_swap")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["/pause", "rpc:ckptdelta_check", "/reset_prefix_cache", "/update_weight_version",
+                                   "/resume"])
+def test_a_replica_killed_anywhere_in_the_pause_is_recovered_by_the_next(rep, run, vllm, proxy, tmp_path, point):
+    rep.close()
+    _kill_in_the_pause(run, vllm, proxy, tmp_path, point)
+
+
+def test_a_dead_vllm_fails_health_status_and_hotloads_and_serve_exits_non_zero(rep, run, vllm, proxy, tmp_path):
+    """Last in the module: it kills the module's vLLM."""
+    from loader.engines import build_engine
+
+    rep.close()
+    proc, url = _serve(run, proxy.url, "latest", tmp_path)
+    inproc = VllmReplicaHandle(build_engine("vllm", bucket=run.url, snapshot="latest", attach=proxy.url,
+                                            control_timeout=CONTROL_TIMEOUT), replica_id="watched")
+    try:
+        assert inproc.http.get("/health").status_code == 200
+        os.killpg(vllm.proc.pid, signal.SIGKILL)
+        assert proc.wait(60) == 3, (tmp_path / "serve.log")   # --on-engine-failure exit (the default)
+        deadline = time.monotonic() + 60
+        while inproc.engine.failure() is None:
+            assert time.monotonic() < deadline, "the replica did not notice its vLLM died"
+            time.sleep(0.2)
+        health = inproc.http.get("/health")
+        assert health.status_code == 503 and "vLLM" in health.json()["reason"]
+        assert inproc.http.get("/v1/status").json()["state"] == "ENGINE_FAILED"
+        assert inproc.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 503
+        assert inproc.post("/v1/hotload", {"snapshot": 0}).status_code == 503
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        inproc.close()
