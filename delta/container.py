@@ -16,6 +16,7 @@ from typing import BinaryIO
 
 import xxhash
 
+from . import untrusted_json
 from .errors import ChecksumError, FormatError, TruncatedError
 
 OBJECT_MAGIC = b"CKDOBJ01"
@@ -72,10 +73,8 @@ def read_index(buf: bytes | memoryview, object_size: int, *, what: str = "delta 
     footer = bytes(buf[len(buf) - TRAILER.size - n: len(buf) - TRAILER.size])
     if xxhash.xxh3_64_intdigest(footer) != h:
         raise ChecksumError(f"{what}: footer checksum mismatch")
-    try:
-        records = json.loads(footer)["records"]
-    except (ValueError, KeyError, TypeError, RecursionError):
-        raise FormatError(f"{what}: footer is not a valid index") from None
+    doc = untrusted_json.loads(footer, what=f"{what}: footer", max_bytes=MAX_FOOTER_BYTES, error=FormatError)
+    records = doc.get("records") if isinstance(doc, dict) else None
     if not isinstance(records, dict):
         raise FormatError(f"{what}: footer is not a valid index (records is not a mapping)")
     limit = object_size - n - TRAILER.size
@@ -83,6 +82,11 @@ def read_index(buf: bytes | memoryview, object_size: int, *, what: str = "delta 
     for name, v in records.items():
         if not (isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 0 for x in v)
                 and len(OBJECT_MAGIC) <= v[0] and v[0] + v[1] <= limit):
-            raise FormatError(f"{what}: footer entry for tensor {name!r} is out of bounds")
+            raise FormatError(f"{what}: footer entry for tensor {name[:200]!r} is out of bounds")
         out[name] = (v[0], v[1])
+    end, prev = 0, None
+    for name, (off, length) in sorted(out.items(), key=lambda kv: kv[1]):   # back to back: reading every
+        if off < end:                                                          # record reads the object once
+            raise FormatError(f"{what}: footer entries for tensors {prev[:200]!r} and {name[:200]!r} overlap")
+        end, prev = off + length, name
     return out

@@ -13,9 +13,10 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
-from . import dtypes
+from . import dtypes, untrusted_json
+from .adapter import AdapterRecord
 from .errors import ManifestError, RunMismatchError
 from .record import max_record_size
 
@@ -95,9 +96,51 @@ def tensor_name_problem(name: object) -> str | None:
     return None
 
 
+#: A key's longest form, and its longest segment: S3's limit on a key, and the longest file name most
+#: filesystems take (NAME_MAX), so a reader can write any extra file of a snapshot to a local directory.
+MAX_KEY_BYTES = 1024
+MAX_KEY_SEGMENT_BYTES = 255
+
+
 def is_safe_key(key: str) -> bool:
-    """A relative key with no empty, '.' or '..' segment: it cannot leave the run."""
-    return bool(_KEY_RE.match(key)) and not any(p in (".", "..") for p in key.split("/"))
+    """A relative key of at most ``MAX_KEY_BYTES`` with no empty, '.' or '..' segment and none longer than
+    ``MAX_KEY_SEGMENT_BYTES``: it cannot leave the run, and each of its segments can name a local file."""
+    if len(key) > MAX_KEY_BYTES or not _KEY_RE.match(key):
+        return False
+    return not any(p in (".", "..") or len(p) > MAX_KEY_SEGMENT_BYTES for p in key.split("/"))
+
+
+def extra_file_name(key: str) -> str:
+    """Where an extra file goes in the snapshot's model directory: its key below the version's prefix
+    (``anchors/<v>-<writer>/tok/vocab.json`` -> ``tok/vocab.json``), else its last segment."""
+    parts = key.split("/")
+    if len(parts) >= 3 and parts[0] in (ANCHOR_DIR, DELTA_DIR):
+        return "/".join(parts[2:])
+    return parts[-1]
+
+
+def extra_names_clash(names: Iterable[str]) -> tuple[str, str] | None:
+    """Two of these extra-file names that cannot both be files of one directory, or None: the same name twice,
+    or a file that is also the directory of another ('a' and 'a/b'). Shared by the manifest parser and the
+    publisher, which refuses such files before writing anything (readers would refuse the snapshot)."""
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            return n, n
+        seen.add(n)
+    for n in sorted(seen):
+        parts = n.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent in seen:
+                return parent, n
+    return None
+
+
+def clash_text(clash: tuple[str, str]) -> str:
+    """What :func:`extra_names_clash` found, in words."""
+    a, b = clash
+    return f"{a!r} is named twice" if a == b else f"{a!r} is both a file and the directory of {b!r}"
 
 
 def now_iso() -> str:
@@ -156,6 +199,7 @@ class Manifest:
     metadata: dict[str, str] = field(default_factory=dict)
     full_bytes: int = 0
     stored_bytes: int = 0
+    adapter: AdapterRecord | None = None   # a LoRA run's base and adapter config (delta/adapter.py); None otherwise
 
     @property
     def name(self) -> str:
@@ -168,13 +212,13 @@ class Manifest:
         d = asdict(self)
         d = {"format": MANIFEST_FORMAT, "schema_version": SCHEMA_VERSION, "name": self.name, **d}
         d["tensors"] = {k: {**v, "shape": list(v["shape"])} for k, v in d["tensors"].items()}
+        if self.adapter is None:        # a full-model run's manifest has no adapter field at all
+            del d["adapter"]
         return json.dumps(d, separators=(",", ":"), sort_keys=False).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, what: str = "manifest", run_id: str | None = None) -> "Manifest":
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{what}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
-        d = _load_json(data, what)
+        d = _load_json(data, what, MAX_MANIFEST_BYTES)
         _expect(d.get("format") == MANIFEST_FORMAT, what, f"format is {d.get('format')!r}, not {MANIFEST_FORMAT!r}")
         _expect(d.get("schema_version") == SCHEMA_VERSION, what,
                 f"schema_version {d.get('schema_version')!r} is not supported (this reader knows {SCHEMA_VERSION})")
@@ -200,6 +244,11 @@ class Manifest:
         for o in extra:
             _expect(o.size <= MAX_EXTRA_FILE_BYTES, what,
                     f"extra file {o.key!r} of {o.size} bytes (at most {MAX_EXTRA_FILE_BYTES})")
+        clash = extra_names_clash(extra_file_name(o.key) for o in extra)
+        if clash is not None:
+            keys = [o.key for o in extra if extra_file_name(o.key) in clash]
+            _expect(False, what, f"extra files: {clash_text(clash)} ({', '.join(map(repr, keys[:4]))}): they "
+                                 "cannot be written into one model directory")
         raw_tensors = d.get("tensors")
         _expect(isinstance(raw_tensors, dict) and len(raw_tensors) <= MAX_TENSORS, what, "tensors must be a mapping")
         tensors = {}
@@ -213,6 +262,7 @@ class Manifest:
             created=_str(d, "created", what), step=step, writer_id=_str(d, "writer_id", what),
             objects=objects, tensors=tensors, extra_files=extra, metadata=dict(metadata),
             full_bytes=_int(d, "full_bytes", what), stored_bytes=_int(d, "stored_bytes", what),
+            adapter=None if d.get("adapter") is None else AdapterRecord.from_dict(d["adapter"], what),
         )
 
 
@@ -233,9 +283,7 @@ class Head:
 
     @classmethod
     def from_json(cls, data: bytes, *, what: str = "head pointer") -> "Head":
-        if len(data) > MAX_HEAD_BYTES:
-            raise ManifestError(f"{what}: {len(data)} bytes exceeds the {MAX_HEAD_BYTES}-byte limit")
-        d = _load_json(data, what)
+        d = _load_json(data, what, MAX_HEAD_BYTES)
         _expect(d.get("format") == HEAD_FORMAT and d.get("schema_version") == SCHEMA_VERSION, what, "unknown format")
         h = d.get("manifest_xxh3")
         _expect(isinstance(h, str) and bool(_HEX16.match(h)), what, "manifest_xxh3")
@@ -254,37 +302,23 @@ class RunInfo:
 
     @classmethod
     def from_json(cls, data: bytes, *, what: str = "RUN.json") -> "RunInfo":
-        if len(data) > MAX_HEAD_BYTES:
-            raise ManifestError(f"{what}: {len(data)} bytes exceeds the {MAX_HEAD_BYTES}-byte limit")
-        d = _load_json(data, what)
+        d = _load_json(data, what, MAX_HEAD_BYTES)
         _expect(d.get("format") == RUN_FORMAT, what, "unknown format")
         return cls(_str(d, "run_id", what), _str(d, "created", what))
 
 
 # --- validation helpers ----------------------------------------------------------
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """JSON objects with a repeated key are malformed: json would keep the last silently, so one flipped
-    bit that turns a tensor name into another's ('layers.1' -> 'layers.0') would swap their data."""
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"duplicate key {dup[:200]!r}")
-    return d
-
-
-def _load_json(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        d = json.loads(data, object_pairs_hook=_no_duplicates)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ManifestError(f"{what}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+def _load_json(data: bytes, what: str, max_bytes: int) -> dict[str, Any]:
+    d = untrusted_json.loads(data, what=what, max_bytes=max_bytes, error=ManifestError)
     _expect(isinstance(d, dict), what, "top level must be an object")
     return d
 
 
 def _expect(ok: bool, what: str, msg: str) -> None:
     if not ok:
+        if len(msg) > 1000:     # a hostile value's repr: the message stays one readable line
+            msg = msg[:1000] + "..."
         raise ManifestError(f"{what}: invalid {msg}")
 
 

@@ -14,11 +14,12 @@ import json
 import logging
 import os
 import shutil
+import secrets
 import sys
-import tempfile
 from typing import TYPE_CHECKING
 
 from delta import dtypes
+from delta.errors import ManifestError
 from delta.manifest import Manifest, snapshot_name
 from delta.storage import fsync_dir
 
@@ -80,7 +81,7 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
     files = shard_names(len(shards))
     total = sum(e.nbytes for e in m.tensors.values())
     show = sys.stderr.isatty() if progress is None else progress
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = _temp_dir(parent, f".{os.path.basename(out_dir)}.tmp-")
     try:
         from tqdm import tqdm
         with tqdm(total=total, unit="B", unit_scale=True, disable=not show,
@@ -93,9 +94,10 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
                      "weight_map": {n: f for names, f in zip(shards, files) for n in names}}
             _write_file(os.path.join(tmp, INDEX_NAME), json.dumps(index, indent=2, sort_keys=True).encode())
         for rel, obj in reader.extra_files(version):
-            if rel.endswith(".safetensors") or rel == INDEX_NAME or rel.split("/")[0] in files:
-                continue
-            _write_file(os.path.join(tmp, *rel.split("/")), reader.read_object(obj))
+            top = rel.split("/")[0]
+            if rel.endswith(".safetensors") or top.endswith(".safetensors") or top == INDEX_NAME:
+                continue     # the weights and their index are the ones written above
+            _write_file(os.path.join(tmp, *rel.split("/")), reader.read_object(obj), m, rel)
         fsync_dir(tmp)
         try:
             os.rename(tmp, out_dir)
@@ -125,9 +127,31 @@ def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: lis
         os.fsync(f.fileno())
 
 
-def _write_file(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _temp_dir(parent: str, prefix: str) -> str:
+    """A new directory in ``parent`` whose mode follows the umask, as the checkpoint's directory must (a server
+    running as another user reads it): ``tempfile.mkdtemp`` makes it 0700, and the rename keeps that."""
+    for _ in range(100):
+        path = os.path.join(parent, prefix + secrets.token_hex(6))
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name in {parent} (prefix {prefix})")
+
+
+def _write_file(path: str, data: bytes, m: Manifest | None = None, rel: str = "") -> None:
+    """Write a new file (never one written before: two extra files of one name, or a name that differs from
+    another only in case on a case-insensitive filesystem, fail here rather than one silently replacing the
+    other)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+        if m is None:
+            raise
+        raise ManifestError(f"{m.where()}: extra file {rel!r} cannot be written beside the snapshot's other "
+                            f"files ({e.strerror}: a name clash, on a case-insensitive filesystem?)") from None

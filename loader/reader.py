@@ -26,8 +26,8 @@ import xxhash
 from delta import EncodedTensor
 from delta.errors import (ChecksumError, DeltaError, ManifestError, ObjectNotFoundError, RunMismatchError,
                           SnapshotNotFoundError)
-from delta.manifest import (ANCHOR_DIR, DELTA_DIR, HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES,
-                            RUN_KEY, Head, Manifest, ObjectRef, RunInfo, manifest_key, snapshot_name,
+from delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head, Manifest,
+                            ObjectRef, RunInfo, extra_file_name, manifest_key, snapshot_name,
                             version_of_manifest_key)
 from delta.storage import Store
 
@@ -470,10 +470,7 @@ def select_names(m: Manifest, names: Names) -> list[str]:
 
 def relative_name(key: str) -> str:
     """Path of an anchor/delta file relative to its version's prefix (``anchors/<v>-<writer>/x/y`` -> ``x/y``)."""
-    parts = key.split("/")
-    if len(parts) >= 3 and parts[0] in (ANCHOR_DIR, DELTA_DIR):
-        return "/".join(parts[2:])
-    return parts[-1]
+    return extra_file_name(key)
 
 
 def _check_link(child: Manifest, parent: Manifest) -> None:

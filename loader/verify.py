@@ -18,7 +18,6 @@ This module is the reader's own: it reads through the reader's counted accessors
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import struct
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import xxhash
 
-from delta import digest, digest_hex
+from delta import digest, digest_hex, untrusted_json
 from delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
 from delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
 
@@ -225,6 +224,10 @@ def _stream_shard(reader: "SnapshotReader", m: Manifest, index: int, bar,
                     problem = problem or (f"{m.where()}: shard {o.key} declares a {header_len}-byte header in "
                                           f"{o.size} bytes")
                     header_done = True
+                elif order and 8 + header_len != placed[order[0]].offset:    # the data starts after the header
+                    problem = problem or (f"{m.where()}: shard {o.key} declares a {header_len}-byte header, its "
+                                          f"manifest places the first tensor at byte {placed[order[0]].offset}")
+                    header_done = True
             elif header_len is not None and len(prefix) >= 8 + header_len:
                 header_done = True
                 problem = problem or _header_problem(m, o, bytes(prefix[8:]), placed)
@@ -278,21 +281,48 @@ def _overlaps(m: Manifest, o: ObjectRef, placed: dict[str, TensorEntry]) -> str 
 def _header_problem(m: Manifest, o: ObjectRef, raw: bytes, placed: dict[str, TensorEntry]) -> str | None:
     """Each shard's safetensors header must hold exactly the tensors the manifest places in it, with the same
     names, dtypes, shapes and byte ranges. Digests bind an anchor tensor's bits to its entry; only this binds the
-    entry's name (a damaged manifest could otherwise rename a tensor unnoticed)."""
+    entry's name (a damaged manifest could otherwise rename a tensor unnoticed). The header is parsed within
+    the bounds of any JSON read from a bucket (delta/untrusted_json.py), and every field's type is checked."""
     n = len(raw)
     try:
-        header = json.loads(raw)
-        layout = {k: (v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0],
-                      v["data_offsets"][1] - v["data_offsets"][0])
-                  for k, v in header.items() if k != "__metadata__"}
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        return f"{m.where()}: shard {o.key} has an unreadable safetensors header ({e})"
+        header = untrusted_json.loads(raw, what=f"{m.where()}: shard {o.key}: safetensors header",
+                                      max_bytes=MAX_SAFETENSORS_HEADER, error=ChecksumError)
+    except ChecksumError as e:
+        return str(e)
+    layout = _layout(header, 8 + n) if isinstance(header, dict) else None
+    if layout is None:
+        return f"{m.where()}: shard {o.key} has an unreadable safetensors header (not the format's fields)"
     want = {k: (e.dtype, tuple(e.shape), e.offset, e.length) for k, e in placed.items()}
     if layout != want:
         diff = sorted(k for k in set(layout) | set(want) if layout.get(k) != want.get(k))
         return (f"{m.where()}: shard {o.key} does not hold what its manifest says about "
-                f"tensors {', '.join(map(repr, diff[:5]))} (a damaged manifest?)")
+                f"tensors {', '.join(repr(k[:200]) for k in diff[:5])} (a damaged manifest?)")
     return None
+
+
+def _layout(header: dict, data_start: int) -> dict[str, tuple] | None:
+    """name -> (dtype, shape, absolute offset, length) of a parsed safetensors header, or None where a field
+    is not of safetensors' types (``__metadata__`` maps strings to strings; offsets are two ascending ints)."""
+    meta = header.get("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        return None
+    out = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        if not isinstance(v, dict) or set(v) != {"dtype", "shape", "data_offsets"}:
+            return None
+        dt, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
+        if not (isinstance(dt, str) and isinstance(shape, list) and all(_is_count(d) for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(x) for x in offsets)
+                and offsets[0] <= offsets[1]):
+            return None
+        out[k] = (dt, tuple(shape), data_start + offsets[0], offsets[1] - offsets[0])
+    return out
+
+
+def _is_count(x: object) -> bool:
+    return type(x) is int and x >= 0
 
 
 # --- the delta objects, kept for the rebuild -------------------------------------------------------

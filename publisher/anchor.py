@@ -28,7 +28,7 @@ import xxhash
 from delta import dtypes
 from delta.codec import digest_hex
 from delta.errors import PublishInputError
-from delta.manifest import MAX_EXTRA_FILE_BYTES, MAX_EXTRA_FILES, is_safe_key
+from delta.manifest import MAX_EXTRA_FILE_BYTES, MAX_EXTRA_FILES, clash_text, extra_names_clash, is_safe_key
 
 log = logging.getLogger("ckptdelta.publisher")
 
@@ -203,4 +203,7 @@ def read_extra_files(extra: ExtraFiles) -> dict[str, bytes]:
                                     "reader takes")
     if len(out) > MAX_EXTRA_FILES:
         raise PublishInputError(f"{len(out)} extra files: at most {MAX_EXTRA_FILES}")
+    clash = extra_names_clash(out)
+    if clash is not None:    # readers refuse such a manifest: no model directory can hold both
+        raise PublishInputError(f"extra files: {clash_text(clash)}; a model directory cannot hold both")
     return out
