@@ -19,6 +19,14 @@ that finds the entry claimed by another process waits for it to appear, at most
 free at once (the kernel drops its lock); one whose fetch failed without a ``put``
 is passed over after ``wait_s``. Claims are never taken in one process against
 another thread of the same process (the second fetches too, as without claims).
+
+The cache is bounded by default (:func:`default_max_bytes`: a quarter of its
+file system, at most 32 GiB, or ``$CKPTDELTA_CACHE_MAX_GB``): a run publishes
+a delta per step, and a replica that hot-loads every one of them for weeks
+would otherwise fill the disk. Only entries are evicted, least recently used
+first (a hit refreshes an entry); anything else in the directory, such as a
+live replica's scratch model copy, is never touched (loader/scratch.py sweeps
+dead replicas' copies).
 """
 
 from __future__ import annotations
@@ -43,26 +51,52 @@ _SUBDIR = re.compile(r"[0-9a-f]{2}")
 _ENTRY = re.compile(r"[0-9a-f]{16}(-[0-9]{1,19}){3}")
 _TMP = ".tmp-"
 _CLAIM = ".tmp-claim-"   # beside the entry; a temp name, so stale ones are removed with stale temp files
+#: Environment variable bounding every cache of the process, in GiB (0: no bound); ``serve --cache-max-gb``.
+MAX_GB_ENV = "CKPTDELTA_CACHE_MAX_GB"
+#: The default bound: this share of the cache's file system, at most DEFAULT_MAX_BYTES.
+DEFAULT_DISK_SHARE = 0.25
+DEFAULT_MAX_BYTES = 32 << 30
+#: ``DiskCache(max_bytes=DEFAULT)``: the bound :func:`default_max_bytes` picks.
+DEFAULT = -1
 
 # entry path -> (locked claim fd, monotonic time taken): the claims this process holds, over all instances
 _CLAIMS: dict[str, tuple[int, float]] = {}
 _CLAIMS_LOCK = threading.Lock()
 
 
+def default_max_bytes(root: str) -> int | None:
+    """``$CKPTDELTA_CACHE_MAX_GB`` GiB (0: None, no bound), else a quarter of ``root``'s file system, at most
+    32 GiB."""
+    raw = os.environ.get(MAX_GB_ENV, "").strip()
+    if raw:
+        try:
+            gb = float(raw)
+        except ValueError:
+            raise ValueError(f"{MAX_GB_ENV}={raw!r}: expected a number of GiB (0: no bound)") from None
+        return None if gb <= 0 else int(gb * (1 << 30))
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return DEFAULT_MAX_BYTES
+    return max(1 << 30, min(DEFAULT_MAX_BYTES, int(st.f_blocks * st.f_frsize * DEFAULT_DISK_SHARE)))
+
+
 class DiskCache:
     """Byte ranges of stored objects, keyed by (object xxh3, object size, start, end).
 
-    ``max_bytes`` bounds the directory: once writes have added about a tenth of it,
-    the least recently used entries (by mtime, refreshed on every hit) are deleted
-    until the total fits. Other processes pruning the same directory is harmless.
+    ``max_bytes`` bounds the directory's entries: once writes have added about a tenth
+    of it, the least recently used entries (by mtime, refreshed on every hit) are
+    deleted until the total fits. Other processes pruning the same directory is
+    harmless. By default (``DEFAULT``) the bound is :func:`default_max_bytes`;
+    ``None``: no bound.
     ``wait_s``: how long a miss waits for another process fetching the same entry
     (see the module docstring); 0 turns single flight off."""
 
-    def __init__(self, root: str, *, max_bytes: int | None = None, wait_s: float = 60.0) -> None:
+    def __init__(self, root: str, *, max_bytes: int | None = DEFAULT, wait_s: float = 60.0) -> None:
         self.root = os.path.abspath(root)
-        self.max_bytes = max_bytes
         self.wait_s = float(wait_s)
         os.makedirs(self.root, exist_ok=True)
+        self.max_bytes = default_max_bytes(self.root) if max_bytes == DEFAULT else max_bytes
         self._lock = threading.Lock()
         self._written_since_prune = 0
 

@@ -31,7 +31,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 
@@ -268,8 +268,12 @@ class Engine:
 
     # --- the decode loop --------------------------------------------------------------
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        """Sample ``params.n`` continuations of one prompt, batched row-wise, one step at a time."""
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 on_token: Callable[[Completion, int | None, bool], None] | None = None) -> Generation:
+        """Sample ``params.n`` continuations of one prompt, batched row-wise, one step at a time.
+
+        ``on_token(completion, version, finished)`` is called after each token a completion gets (a stream
+        sends it on; loader/engines/reference_stream.py); whatever it raises ends the generation."""
         t0 = time.perf_counter()
         prompt = list(prompt_ids)
         self.check_prompt(prompt, params.max_tokens)
@@ -321,6 +325,8 @@ class Engine:
                     if hit is not None:
                         c.text, c.stop_reason = text[:hit[0]], hit[1]
                         c.finish_reason, done[i] = "stop", True
+                if on_token is not None:
+                    on_token(c, version, done[i])
             if all(done):
                 break
         if params.logprobs is not None and params.score_logprobs:
@@ -438,11 +444,9 @@ def build_engine(*, bucket: str | None = None, snapshot: str | int = "latest", m
 
     What serving needs is checked first (loader/servable.py): the device, and
     config.json and a tokenizer in the directory or the snapshot's anchor."""
-    import shutil
-    import tempfile
-
     from loader.hotswap import HotSwapper
     from loader.reader import SnapshotReader
+    from loader.scratch import make as make_scratch
     from loader.servable import check_device, check_model_dir, check_snapshot
 
     if bucket is None and model_dir is None:
@@ -460,12 +464,12 @@ def build_engine(*, bucket: str | None = None, snapshot: str | int = "latest", m
         check_snapshot(reader, version)
         if cache_dir:
             os.makedirs(cache_dir, exist_ok=True)
-        scratch = tempfile.mkdtemp(prefix="ckptdelta-serve-", dir=cache_dir)
+        scratch = make_scratch("serve", cache_dir)   # locked while we load; a killed replica's is swept
         try:
-            path = reader.materialize(version, os.path.join(scratch, "model"))
+            path = reader.materialize(version, os.path.join(scratch.path, "model"))
             model, tokenizer = load_model(path, device=device)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.release()
         name = model_name or f"{reader.run_id}"
         log.info("serving %s of run %s from %s", version, reader.run_id, bucket)
     swapper = HotSwapper(model, reader, version=version) if reader is not None else None

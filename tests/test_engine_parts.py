@@ -61,14 +61,21 @@ def test_an_index_pointing_outside_the_file_is_refused(tmp_path):
 
 
 def test_files_of_dead_replicas_are_removed_and_live_ones_kept(tmp_path):
+    """Dead or alive is the owner's lock on the file (loader/scratch.py), not the pid in its name: an unlocked
+    file named with this very process's pid is a dead replica's (another PID namespace's pid, reused here)."""
+    live = SharedWeights.create({"a": torch.ones(4)}, directory=str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    for name in (f"ckptdelta-weights-{pid}-x.bin", f"ckptdelta-weights-{pid}-x.bin.json",
-                 f"ckptdelta-weights-{os.getpid()}-y.bin", "other.bin"):
+    pid, me = int(dead.stdout), os.getpid()
+    orphans = [f"ckptdelta-weights-{pid}-0000000a.bin", f"ckptdelta-weights-{pid}-0000000a.bin.json",
+               f"ckptdelta-weights-{me}-0000000b.bin", f"ckptdelta-weights-{me}-0000000b.bin.pos"]
+    for name in orphans + ["other.bin"]:
         (tmp_path / name).write_bytes(b"x")
-    assert sorted(remove_orphans(str(tmp_path), "ckptdelta-weights-")) == [
-        f"ckptdelta-weights-{pid}-x.bin", f"ckptdelta-weights-{pid}-x.bin.json"]
-    assert sorted(os.listdir(tmp_path)) == [f"ckptdelta-weights-{os.getpid()}-y.bin", "other.bin"]
+    try:
+        assert sorted(remove_orphans(str(tmp_path))) == sorted(orphans)
+        assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live.path), os.path.basename(live.index_path),
+                                                       "other.bin"])
+    finally:
+        live.close()
 
 
 def test_a_changed_tensor_brings_its_whole_vllm_module():

@@ -12,20 +12,32 @@ worker, and the file is exactly the model's checkpoint bytes plus alignment.
 Layout: tensors back to back, each at a 64-byte aligned offset, described by an
 index (name -> dtype, shape, offset, nbytes) stored beside the file as JSON.
 Only torch is imported here: engine workers load this module.
+
+The file's pages are reserved before anything is written (``posix_fallocate``):
+a sparse file on a ``/dev/shm`` smaller than the model (Docker's default is
+64 MiB) would kill the replica with SIGBUS halfway through the copy, with no
+word of why. The replica holds a lock on the file while it lives
+(loader/scratch.py): any replica of the host removes those nobody holds.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 import threading
-from dataclasses import dataclass
-from typing import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
 
 import torch
 
+from delta.errors import CkptDeltaError
+
 ALIGN = 64
+#: Where the host copy goes instead of /dev/shm (a tmpfs or a directory of its own; every engine worker of the
+#: host must see it at the same path).
+DIR_ENV = "CKPTDELTA_SHM_DIR"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -38,9 +50,45 @@ def _dtype(name: str) -> torch.dtype:
         raise ValueError(f"shared weights: unsupported dtype {name!r}") from None
 
 
+class HostCopySpaceError(CkptDeltaError, OSError):
+    """The directory of the host copy (``/dev/shm``) has less room than the model needs."""
+
+
 def default_dir() -> str:
-    """``/dev/shm`` where it exists (memory, visible to every process of the host), else the temp dir."""
+    """``$CKPTDELTA_SHM_DIR``, else ``/dev/shm`` where it exists (memory, visible to every process of the host),
+    else the temp dir."""
+    if os.environ.get(DIR_ENV):
+        return os.environ[DIR_ENV]
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def reserve(fd: int, nbytes: int, directory: str) -> None:
+    """Allocate ``nbytes`` for the file ``fd`` now (never a sparse file whose pages may be missing when
+    written), or raise :class:`HostCopySpaceError` saying how much is needed, how much is free, and how to
+    give it."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+    try:
+        st = os.statvfs(directory)
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        room = f"{_mib(free)} free of {_mib(total)}"
+    except OSError:
+        room = "less free"
+    error = HostCopySpaceError(
+        f"the host copy of the weights needs {_mib(nbytes)} in {directory}, which has {room}: "
+        "give the replica more shared memory (docker run --shm-size=<model size + 10%> or --ipc=host; "
+        "Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) or point "
+        f"{DIR_ENV} at a tmpfs or directory with room")
+    error.errno = errno.ENOSPC
+    raise error
 
 
 @dataclass
@@ -50,6 +98,7 @@ class SharedWeights:
     path: str
     index: dict[str, dict]
     tensors: dict[str, torch.Tensor]
+    owner: Any = field(default=None, repr=False)   # loader.scratch.Owned: the file, locked while we live
 
     @property
     def index_path(self) -> str:
@@ -60,8 +109,7 @@ class SharedWeights:
         return sum(e["nbytes"] for e in self.index.values())
 
     @classmethod
-    def create(cls, tensors: Mapping[str, torch.Tensor], *, directory: str | None = None,
-               prefix: str = "ckptdelta-weights-") -> "SharedWeights":
+    def create(cls, tensors: Mapping[str, torch.Tensor], *, directory: str | None = None) -> "SharedWeights":
         """Write ``tensors`` (bit for bit) into a new shared file and map it."""
         index: dict[str, dict] = {}
         offset = 0
@@ -70,20 +118,23 @@ class SharedWeights:
             index[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                            "offset": offset, "nbytes": nbytes}
             offset += -(-max(nbytes, 1) // ALIGN) * ALIGN
+        from loader import scratch
+
         directory = directory or default_dir()
-        remove_orphans(directory, prefix)
-        fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", suffix=".bin", dir=directory)
+        remove_orphans(directory)
+        owner = scratch.make("weights", directory)
         try:
-            os.ftruncate(fd, max(offset, 1))
-        finally:
-            os.close(fd)
-        shared = cls(path, index, _map(path, index, index))
-        for name, t in tensors.items():
-            shared.tensors[name].copy_(t.detach().cpu().reshape(shared.tensors[name].shape))
-        tmp = shared.index_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(index, f)
-        os.replace(tmp, shared.index_path)
+            reserve(owner.fd, max(offset, 1), directory)
+            shared = cls(owner.path, index, _map(owner.path, index, index), owner)
+            for name, t in tensors.items():
+                shared.tensors[name].copy_(t.detach().cpu().reshape(shared.tensors[name].shape))
+            tmp = shared.index_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(index, f)
+            os.replace(tmp, shared.index_path)
+        except BaseException:
+            owner.release()
+            raise
         return shared
 
     @property
@@ -93,7 +144,10 @@ class SharedWeights:
     def close(self) -> None:
         """Unmap (drop the views) and remove the file, its index and its positions file."""
         self.tensors = {}
-        for p in (self.path, self.index_path, self.positions_path):
+        if self.owner is not None:
+            self.owner.release()       # the index and positions files first, the locked file last
+            return
+        for p in (self.index_path, self.positions_path, self.path):
             try:
                 os.unlink(p)
             except FileNotFoundError:
@@ -129,31 +183,12 @@ def open_positions(path: str) -> torch.Tensor:
     return torch.from_file(path, shared=False, size=n, dtype=torch.int32)
 
 
-def remove_orphans(directory: str, prefix: str) -> list[str]:
-    """Remove the shared files of replicas that died without closing theirs (the pid in the name is gone)."""
-    removed = []
-    for f in os.listdir(directory):
-        if not f.startswith(prefix):
-            continue
-        pid = f[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, f))
-            removed.append(f)
-        except OSError:
-            pass
-    return removed
+def remove_orphans(directory: str) -> list[str]:
+    """Remove the host copies (and their index and positions files) of replicas that died without closing
+    theirs: those no process holds locked (loader/scratch.py), whatever their pid says."""
+    from loader import scratch
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return scratch.sweep(directory, ("weights",))
 
 
 def _map(path: str, index: Mapping[str, dict], names: Iterable[str]) -> dict[str, torch.Tensor]:
