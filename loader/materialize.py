@@ -19,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from delta import dtypes
+from delta.adapter import ADAPTER_WEIGHTS_NAME
 from delta.errors import ManifestError
 from delta.manifest import Manifest, snapshot_name
 from delta.storage import fsync_dir
@@ -77,8 +78,11 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     m = reader.manifest(version)
-    shards = plan_shards(m, shard_bytes)
-    files = shard_names(len(shards))
+    if m.adapter is None:
+        shards = plan_shards(m, shard_bytes)
+        files = shard_names(len(shards))
+    else:           # a LoRA run's snapshot is a PEFT adapter directory: one adapter_model.safetensors
+        shards, files = [sorted(m.tensors)], [ADAPTER_WEIGHTS_NAME]
     total = sum(e.nbytes for e in m.tensors.values())
     show = sys.stderr.isatty() if progress is None else progress
     tmp = _temp_dir(parent, f".{os.path.basename(out_dir)}.tmp-")

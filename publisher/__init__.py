@@ -7,9 +7,10 @@ codec in :mod:`delta`, and a create-only manifest per snapshot is the commit
 
 from delta.errors import ConcurrentPublisherError, PublishError, PublishInputError
 
+from .adapter import AdapterSpec, BaseModel
 from .gc import GcReport, collect
 from .publisher import Publisher
 from .result import PublishResult
 
-__all__ = ["ConcurrentPublisherError", "GcReport", "PublishError", "PublishInputError", "PublishResult", "Publisher",
-           "collect"]
+__all__ = ["AdapterSpec", "BaseModel", "ConcurrentPublisherError", "GcReport", "PublishError", "PublishInputError",
+           "PublishResult", "Publisher", "collect"]

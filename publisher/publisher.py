@@ -30,6 +30,7 @@ from delta.hf import CONFIG_FILE, config_differences, reconcile_config, serving_
 from delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
 from delta.storage import Store
 
+from . import adapter as adapter_mod
 from . import anchor as anchor_fmt
 from .codec_choice import CODECS, CONTEXT, FAST, CodecChooser, check_bandwidth, warm_up
 from .distributed import describe, make_comm
@@ -60,6 +61,7 @@ class _Job:
     t_start: float
     wait: bool
     copy_s: float = 0.0
+    adapter: "adapter_mod.AdapterSnapshot | None" = None   # a LoRA run's publish (publisher/adapter.py)
 
 
 class _Skipped(PublishError):
@@ -126,6 +128,11 @@ class Publisher:
     full one filtered by ``partition``: a set of names or a predicate), rank 0
     decides and commits one manifest. Collectives run on ``process_group``, or a
     new gloo group by default.
+
+    LoRA runs: ``publish(peft_model, step)`` publishes the model's adapter (its tensors under peft's saved
+    names; anchors are PEFT adapter directories, and every manifest records the base model and the adapter
+    config); ``adapter=AdapterSpec(config, base)`` lets publish() take adapter state dicts instead
+    (publisher/adapter.py, docs/PUBLISHING.md "LoRA runs").
     """
 
     def __init__(self, url: str, *, anchor_every: int = 20, anchor_chain_fraction: float = 0.5,
@@ -134,7 +141,8 @@ class Publisher:
                  shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
                  progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
-                 codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None):
+                 codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None,
+                 adapter: "adapter_mod.AdapterSpec | None" = None):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if not anchor_chain_fraction >= 0:
@@ -170,6 +178,7 @@ class Publisher:
         self._chain = ChainState()
         self._anchor_extra: tuple[ObjectRef, ...] = ()
         self._run_info_exists = False
+        self._adapter = adapter_mod.RunAdapter(adapter)
         self.run_id, self.writer_id, last_step = self._comm.decide(lambda: self._open_run(run_id))
         # this rank's parent: the exact host bits of its tensors in version _parent_version
         self._parent: dict[str, torch.Tensor] = {}
@@ -233,6 +242,7 @@ class Publisher:
                 chain = read_chain(store, versions[-1], rid)
                 self._chain = ChainState.from_chain(chain)
                 self._anchor_extra = chain[0].extra_files
+                self._adapter.resume(store, chain)
             except CkptDeltaError as e:  # an unreadable chain: the next publish anchors
                 log.warning("run %s at %s: cannot read the chain of version %d (%s); the next publish will anchor",
                             rid, store.url, versions[-1], e)
@@ -264,10 +274,14 @@ class Publisher:
         try:
             self._check_usable()
             err: BaseException | None = None
-            snapshot, copy_s = None, 0.0
+            snapshot, copy_s, snap = None, 0.0, None
             try:
+                weights, snap = self._adapter.split(weights, f"run {self.run_id} at {self.url}")
+                if snap is not None and self._comm.world > 1:
+                    raise PublishInputError("a LoRA adapter is published by one process (world size 1): gather "
+                                            "it on one rank")
                 step, metadata, sources = self._check_inputs(weights, step, metadata)
-                if not self._files_checked:
+                if not self._files_checked and snap is None:
                     self._check_files(weights)
                 t0 = time.perf_counter()
                 self._join_prefault()
@@ -286,7 +300,7 @@ class Publisher:
                 self._last_step = step if err is None else self._last_step
                 failures = self._n_failures
             job = _Job(snapshot, None if snapshot is None else schema_of(snapshot), step,
-                       metadata if err is None else {}, anchor, err, failures, t_start, wait, copy_s)
+                       metadata if err is None else {}, anchor, err, failures, t_start, wait, copy_s, snap)
             fut = self._worker.submit(self._run_job, job)
         except BaseException:
             self._slots.release()
@@ -456,7 +470,7 @@ class Publisher:
             gathered = comm.agree(job.error, (skip, job.schema, job.step, job.force_anchor))
             if any(g[0] for g in gathered):
                 raise _Skipped(f"step {job.step} was not published: an earlier publish of run {self.run_id} failed")
-            plan: Plan = comm.decide(lambda: self._plan(gathered))
+            plan: Plan = comm.decide(lambda: self._plan(gathered, job.adapter))
             parent = None
             if plan.kind == "delta":
                 err: BaseException | None = None
@@ -494,7 +508,8 @@ class Publisher:
             raise
         return self._committed(plan, job, written, outcome)
 
-    def _plan(self, gathered: list[tuple[bool, Schema, int, bool]]) -> Plan:
+    def _plan(self, gathered: list[tuple[bool, Schema, int, bool]],
+              adapter: "adapter_mod.AdapterSnapshot | None" = None) -> Plan:
         union: Schema = {}
         owner: dict[str, int] = {}
         for r, (_, schema, _, _) in enumerate(gathered):
@@ -513,7 +528,11 @@ class Publisher:
                                     f"(version {self._chain.last_version} of run {self.run_id})")
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=self.anchor_chain_fraction,
                       force_anchor=any(g[3] for g in gathered))
-        self._anchor_files = self._files_for(union)   # for an anchor (also one a failed parent rebuild makes)
+        why = self._adapter.anchor_reason(adapter)    # a LoRA run's new base or adapter config
+        if why is not None and plan.kind == "delta":
+            plan = replace(plan, kind="anchor", anchor_version=plan.version, reason=why)
+        # for an anchor (also one a failed parent rebuild makes); a LoRA anchor is a PEFT adapter directory
+        self._anchor_files = self._files_for(union) if adapter is None else {**self._extra, **adapter.extra_files}
         check_not_committed(self._store, plan.version, self.run_id)
         # Every attempt writes under keys of its own: a retry of a failed publish gets the same version, and a
         # PUT of the failed attempt that lands late (a stalled request completed by the server) must never
@@ -566,7 +585,8 @@ class Publisher:
             written = write_anchor(self._store, self._uploads, job.snapshot, shards, version=plan.version,
                                    writer_id=plan.data_id, first_shard=first, total_shards=total,
                                    extra_files=self._anchor_files if self._comm.rank == 0 else {},
-                                   progress=self.progress)
+                                   progress=self.progress,
+                                   file_name=None if job.adapter is None else adapter_mod.ADAPTER_WEIGHTS_NAME)
         else:
             assert parent is not None
             written = self._write_delta(plan, job, parent)
@@ -643,7 +663,7 @@ class Publisher:
             run_id=self.run_id, version=plan.version, kind=plan.kind, parent_version=plan.parent_version,
             anchor_version=plan.anchor_version, created=now_iso(), step=job.step, writer_id=self.writer_id,
             objects=tuple(objects), tensors=entries, extra_files=extra_refs, metadata=job.metadata,
-            full_bytes=full, stored_bytes=stored)
+            full_bytes=full, stored_bytes=stored, adapter=None if job.adapter is None else job.adapter.record)
         Manifest.from_json(manifest.to_json(), run_id=self.run_id)  # never commit what a reader would refuse
         commit(store, manifest)
         self._chain = self._chain.advanced(manifest)
@@ -658,6 +678,7 @@ class Publisher:
         old, self._parent, self._parent_version = self._parent, job.snapshot, plan.version
         self._parent_digests = {n: int(e.xxh3, 16) for n, e in written.entries.items() if n in job.snapshot}
         self._nan_clean, self._nan_clean_version = self._nan_next, plan.version
+        self._adapter.committed(job.adapter)
         with self._lock:
             self._committed_step = job.step
             self._spare = spares(old)

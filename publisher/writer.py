@@ -129,8 +129,11 @@ class Uploader:
 
 def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, torch.Tensor], shards: list[list[str]],
                  *, version: int, writer_id: str, first_shard: int, total_shards: int,
-                 extra_files: Mapping[str, bytes], progress: bool | None) -> Written:
-    """This rank's shards (numbered from ``first_shard`` of ``total_shards``) and the extra files."""
+                 extra_files: Mapping[str, bytes], progress: bool | None, file_name: str | None = None) -> Written:
+    """This rank's shards (numbered from ``first_shard`` of ``total_shards``) and the extra files.
+    ``file_name``: one file of that name holds every tensor (a LoRA anchor's adapter_model.safetensors)."""
+    if file_name is not None:
+        shards = [[n for s in shards for n in s]]
     prefix = anchor_prefix(version, writer_id)
     out = Written()
     total = sum(t.numel() * t.element_size() for t in snapshot.values()) + sum(len(b) for b in extra_files.values())
@@ -145,7 +148,7 @@ def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, 
             try:
                 for i, names in enumerate(shards):
                     t0 = time.perf_counter()
-                    fname = anchor_fmt.shard_file_name(first_shard + i, total_shards)
+                    fname = file_name or anchor_fmt.shard_file_name(first_shard + i, total_shards)
                     layout = anchor_fmt.layout_shard(snapshot, names)
                     path = os.path.join(tmp, fname)
                     with open(path, "wb") as f:

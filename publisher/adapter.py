@@ -1,0 +1,269 @@
+"""LoRA runs on the trainer side: what a publish of an adapter becomes, and when it must anchor.
+
+``Publisher.publish(peft_model, step)`` (or an adapter state dict, with
+``Publisher(url, adapter=AdapterSpec(...))``) publishes the adapter's tensors under
+the names peft saves them with (``...q_proj.lora_A.weight``), and its anchors are
+PEFT adapter directories: ``adapter_model.safetensors`` beside ``adapter_config.json``,
+which load as-is in peft and in vLLM's ``load_lora_adapter``. Every manifest records
+the base the adapter belongs to (a name and :func:`delta.adapter.base_digest` of its
+weights) and the digest of the adapter config (delta/adapter.py). A new base or a new
+config (rank, alpha, target modules, anything in adapter_config.json) starts an anchor,
+and a run holds either full models or adapters, never both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from delta.adapter import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, AdapterRecord, base_digest, base_tensors,
+                           canonical_config, digest_bytes)
+from delta.errors import CkptDeltaError, PublishInputError
+from delta.manifest import Manifest
+from delta.storage import Store
+
+log = logging.getLogger("ckptdelta.publisher")
+
+#: Segments that mark a tensor of a LoRA adapter in peft's saved names.
+LORA_SEGMENTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+#: adapter_config.json fields named when a change of config starts an anchor.
+_DESCRIBED = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern")
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """The base model an adapter belongs to: a name and the digest of its weights."""
+
+    name: str
+    xxh3: str
+
+    @classmethod
+    def of(cls, source: "torch.nn.Module | Mapping[str, torch.Tensor] | str | os.PathLike[str]",
+           name: str | None = None) -> "BaseModel":
+        """From the base itself: a transformers model (a peft model's base weights are taken without its
+        adapters), a state dict, or a model directory (loaded with transformers on the CPU, as a replica
+        loads it). ``name`` defaults to the directory or the model's ``name_or_path``."""
+        if isinstance(source, (str, os.PathLike)):
+            path = os.fspath(source)
+            return cls(name or path, base_digest(load_base_tensors(path)))
+        if isinstance(source, torch.nn.Module):
+            adapters = getattr(source, "peft_config", {}) or {}
+            model = source.get_base_model() if is_peft_model(source) else source
+            found = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+            return cls(name or found, base_digest(base_tensors(model, adapters)))
+        if isinstance(source, Mapping):
+            return cls(name or "base", base_digest(source.items()))
+        raise PublishInputError(f"BaseModel.of takes a model, a state dict or a model directory, not "
+                                f"{type(source).__name__}")
+
+    def record(self, config_xxh3: str) -> AdapterRecord:
+        return AdapterRecord(self.name, self.xxh3, config_xxh3)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What ``Publisher(url, adapter=...)`` needs to publish adapter state dicts: the adapter config (a peft
+    config, its dict, adapter_config.json or the adapter directory holding it) and the base."""
+
+    config: Any
+    base: BaseModel
+
+
+@dataclass
+class AdapterSnapshot:
+    """One publish of an adapter: its tensors, its anchor's adapter_config.json and the manifest record."""
+
+    tensors: dict[str, Any]
+    config_json: bytes
+    record: AdapterRecord
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def extra_files(self) -> dict[str, bytes]:
+        return {ADAPTER_CONFIG_NAME: self.config_json}
+
+
+def is_peft_model(obj: Any) -> bool:
+    """A peft model (duck-typed, so that importing publisher/ never imports peft)."""
+    return isinstance(obj, torch.nn.Module) and isinstance(getattr(obj, "peft_config", None), dict) \
+        and callable(getattr(obj, "get_base_model", None))
+
+
+def load_base_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    """A base model directory's weights as transformers loads them (its state dict), on the CPU."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise PublishInputError(f"base model directory {path} holds no config.json (give the directory the base "
+                                "was saved to with save_pretrained)")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    return list(model.state_dict().items())
+
+
+def read_config(config: Any) -> dict[str, Any]:
+    """An adapter config as a dict, from a peft config, a dict, adapter_config.json or its directory."""
+    if hasattr(config, "to_dict") and callable(config.to_dict):
+        d = config.to_dict()
+    elif isinstance(config, Mapping):
+        d = dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, ADAPTER_CONFIG_NAME)
+        try:
+            with open(path, "rb") as f:
+                d = json.loads(f.read())
+        except OSError as e:
+            raise PublishInputError(f"adapter config {path}: cannot read it: {e.strerror or e}") from None
+        except ValueError as e:
+            raise PublishInputError(f"adapter config {path}: not valid JSON ({e})") from None
+    else:
+        raise PublishInputError(f"adapter config: a peft config, a dict or a path to {ADAPTER_CONFIG_NAME}, not "
+                                f"{type(config).__name__}")
+    return check_config(d, "adapter config")
+
+
+def check_config(d: Any, what: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise PublishInputError(f"{what}: not a JSON object")
+    kind = d.get("peft_type")
+    kind = getattr(kind, "value", kind)
+    if kind != "LORA":
+        raise PublishInputError(f"{what}: peft_type is {kind!r}; ckptdelta publishes LoRA adapters (peft_type "
+                                "'LORA') only")
+    for k in ("r", "lora_alpha", "target_modules"):
+        if d.get(k) is None:
+            raise PublishInputError(f"{what}: no {k!r}: not a LoRA adapter config as peft writes it")
+    return d
+
+
+def check_adapter_tensors(names: list[str], what: str) -> None:
+    """Adapter tensors under peft's saved names, or one line saying what was given instead."""
+    if not names:
+        raise PublishInputError(f"{what}: no tensors")
+    lora = [n for n in names if any(s in n.split(".") for s in LORA_SEGMENTS)]
+    if not lora:
+        raise PublishInputError(f"{what}: not a LoRA adapter: none of its {len(names)} tensors is a lora_A or "
+                                f"lora_B ({names[0]!r}, ...); publish peft's adapter state dict "
+                                "(get_peft_model_state_dict(model)) or the peft model itself")
+    live = [n for n in lora if ".lora_A.default." in n or ".lora_B.default." in n]
+    if live:
+        raise PublishInputError(f"{what}: tensor {live[0]!r} carries peft's adapter name (a module's "
+                                "state_dict); publish get_peft_model_state_dict(model), which names it as peft "
+                                "saves it")
+
+
+def describe_config_change(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
+    if old is None:
+        return "the adapter config changed"
+    diffs = [f"{k} {_show(old.get(k))} -> {_show(new.get(k))}" for k in _DESCRIBED
+             if _show(old.get(k)) != _show(new.get(k))]
+    others = sorted(k for k in set(old) | set(new) if k not in _DESCRIBED and old.get(k) != new.get(k))
+    if others:
+        diffs.append("also " + ", ".join(others[:4]))
+    return "the adapter config changed: " + ("; ".join(diffs) if diffs else "(same fields, other values)")
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, (list, set, tuple, frozenset)):
+        return "[" + ",".join(sorted(map(str, v))) + "]"
+    return str(v)
+
+
+class RunAdapter:
+    """A Publisher's knowledge of its run's adapter: the spec it was given, the base of the peft model it
+    publishes (hashed once, at its first publish), and what the run committed last."""
+
+    def __init__(self, spec: AdapterSpec | None) -> None:
+        if spec is not None and not isinstance(spec, AdapterSpec):
+            raise PublishInputError(f"adapter= takes an AdapterSpec, not {type(spec).__name__}")
+        self.spec = spec
+        self._spec_config = None if spec is None else read_config(spec.config)
+        self._base: BaseModel | None = None if spec is None else spec.base
+        self.known = False                       # the run has a committed snapshot we could read
+        self.last: AdapterRecord | None = None   # the newest snapshot's record (None: a full-model run)
+        self.last_config: dict[str, Any] | None = None
+
+    # --- the run so far ------------------------------------------------------------------
+
+    def resume(self, store: Store, chain: list[Manifest]) -> None:
+        """From the run's newest chain (its anchor first): its record and the config its anchor carries."""
+        if not chain:
+            return
+        self.known, self.last = True, chain[-1].adapter
+        if self.last is None:
+            return
+        ref = next((o for o in chain[0].extra_files if o.key.rsplit("/", 1)[-1] == ADAPTER_CONFIG_NAME), None)
+        try:
+            self.last_config = None if ref is None else json.loads(store.get(ref.key, max_size=ref.size))
+        except (CkptDeltaError, ValueError) as e:   # only names the change in a message
+            log.debug("cannot read the anchor's %s (%s)", ADAPTER_CONFIG_NAME, e)
+
+    def committed(self, snap: AdapterSnapshot | None) -> None:
+        self.known = True
+        self.last = None if snap is None else snap.record
+        self.last_config = None if snap is None else snap.config
+
+    # --- one publish -------------------------------------------------------------------------
+
+    def split(self, weights: Any, where: str) -> tuple[Any, AdapterSnapshot | None]:
+        """(the tensors to publish, the adapter snapshot or None for a full model); refuses a full model on a
+        LoRA run and an adapter on a full-model run."""
+        snap = None
+        if is_peft_model(weights):
+            snap = self._of_peft_model(weights)
+        elif self.spec is not None:
+            if isinstance(weights, torch.nn.Module):
+                raise PublishInputError(f"{where}: Publisher(adapter=...) publishes adapter state dicts or peft "
+                                        f"models; a {type(weights).__name__} holds no adapter")
+            if not isinstance(weights, Mapping):
+                raise PublishInputError(f"{where}: publish() takes an adapter state dict here, not "
+                                        f"{type(weights).__name__}")
+            check_adapter_tensors(list(weights), f"{where}: the adapter state dict")
+            config_json = canonical_config(self._spec_config)
+            snap = AdapterSnapshot(dict(weights), config_json, self._base.record(digest_bytes(config_json)),
+                                   self._spec_config)
+        if self.known and (snap is None) != (self.last is None):
+            if snap is None:
+                raise PublishInputError(f"{where} is a LoRA run (adapters for {self.last.describe_base()}); "
+                                        "these weights are not a LoRA adapter (a peft model, or an adapter "
+                                        "state dict with Publisher(adapter=...)): publish them to a run of their "
+                                        "own")
+            raise PublishInputError(f"{where} holds full-model snapshots; a LoRA adapter for "
+                                    f"{snap.record.describe_base()} goes to a run of its own")
+        return (weights if snap is None else snap.tensors), snap
+
+    def _of_peft_model(self, model: Any) -> AdapterSnapshot:
+        name = model.active_adapter if isinstance(getattr(model, "active_adapter", None), str) else "default"
+        cfg = model.peft_config[name]
+        d = check_config(cfg.to_dict(), f"peft model's adapter {name!r}")
+        d["inference_mode"] = True              # as peft's save_pretrained writes it: what a replica loads
+        from peft import get_peft_model_state_dict
+
+        tensors = get_peft_model_state_dict(model, adapter_name=name)
+        check_adapter_tensors(list(tensors), f"peft model's adapter {name!r}")
+        if self._base is None:
+            self._base = BaseModel.of(model, name=d.get("base_model_name_or_path") or None)
+            log.info("LoRA run: base %s, weights xxh3 %s", self._base.name, self._base.xxh3)
+        config_json = canonical_config(d)
+        return AdapterSnapshot(tensors, config_json, self._base.record(digest_bytes(config_json)), d)
+
+    def anchor_reason(self, snap: AdapterSnapshot | None) -> str | None:
+        """Why this adapter must start an anchor (a new base or config), or None."""
+        if snap is None or self.last is None:
+            return None
+        if snap.record.base_xxh3 != self.last.base_xxh3:
+            return f"the base model changed: {self.last.describe_base()} -> {snap.record.describe_base()}"
+        if snap.record.config_xxh3 != self.last.config_xxh3:
+            return describe_config_change(self.last_config, snap.config)
+        return None
+
+
+__all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "AdapterSnapshot", "AdapterSpec", "BaseModel",
+           "RunAdapter", "is_peft_model"]
