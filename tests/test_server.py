@@ -129,7 +129,7 @@ def test_greedy_is_deterministic_and_stop_strings_truncate(start_replica):
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
-    ("/v1/completions", {"prompt": "x", "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": [1, 2, 999999]}, "vocabulary"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, "max_tokens"),
     ("/v1/completions", {"prompt": "x" * 2000, "max_tokens": 400}, "context"),

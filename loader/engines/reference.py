@@ -19,13 +19,19 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
                       model_validator)
 
 from ..engine import MAX_TOP_LOGPROBS, Engine, Generation, SamplingParams
-from .base import EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
+from .base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
 
 MAX_N = 64
 MAX_STOP = 16
 
 
 # --- request schemas -----------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
+
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
@@ -39,6 +45,7 @@ class _Sampling(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (loader.engine.score_logprobs)
 
     @field_validator("stop")
@@ -49,12 +56,6 @@ class _Sampling(BaseModel):
             raise ValueError(f"stop: at most {MAX_STOP} non-empty strings of up to 256 characters")
         return stops
 
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported by this replica; send stream=false")
-        return v
 
 
 class CompletionRequest(_Sampling):
@@ -150,7 +151,7 @@ class ReferenceReplica(ReplicaEngine):
         self.cache_policy = engine.cache_policy
         # Sampling requests block in their decode loops; they get threads of their own so
         # that status, metrics and hot-load requests are answered however busy the replica is.
-        self._threads = CapacityLimiter(max_concurrent_requests)
+        self.threads = CapacityLimiter(max_concurrent_requests)
 
     @property
     def version(self) -> int | None:
@@ -161,19 +162,38 @@ class ReferenceReplica(ReplicaEngine):
         return self.engine.snapshot
 
     async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
-        if kind == "chat":
-            return await to_thread.run_sync(self._chat, parse(ChatCompletionRequest, body), limiter=self._threads)
-        return await to_thread.run_sync(self._completions, parse(CompletionRequest, body), limiter=self._threads)
+        return await to_thread.run_sync(self._complete, kind, body, limiter=self.threads)
 
-    def _run(self, prompt_ids: list[int], req: _Sampling, logprobs: int | None, max_tokens: int) -> Generation:
+    async def stream(self, kind: RequestKind, body: dict[str, Any]) -> EngineStream:
+        from .reference_stream import stream
+
+        return await stream(self, kind, body)
+
+    def prepare(self, kind: RequestKind, body: dict[str, Any]) -> tuple[_Sampling, list[int], SamplingParams]:
+        """The validated request, its prompt's token ids and its sampling parameters (400 for a bad body)."""
+        eng = self.engine
+        if kind == "chat":
+            req: Any = parse(ChatCompletionRequest, body)
+            prompt_ids = eng.encode_chat([m.model_dump() for m in req.messages])
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            max_tokens = req.max_completion_tokens or req.max_tokens
+        else:
+            req = parse(CompletionRequest, body)
+            prompt_ids = eng.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+            logprobs, max_tokens = req.logprobs, req.max_tokens
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, n=req.n,
                                 seed=req.seed, stop=tuple(req.stop or ()), logprobs=logprobs, ignore_eos=req.ignore_eos,
                                 score_logprobs=req.score_logprobs)
         try:
-            self.engine.check_prompt(prompt_ids, max_tokens)
+            eng.check_prompt(prompt_ids, max_tokens)
         except ValueError as e:
             raise ReplicaAPIError(400, "invalid_request_error", str(e)) from None
-        return self.engine.generate(prompt_ids, params)
+        return req, prompt_ids, params
+
+    def _complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
+        req, prompt_ids, params = self.prepare(kind, body)
+        gen = self.engine.generate(prompt_ids, params)
+        return self._chat(req, gen) if kind == "chat" else self._completions(req, gen)
 
     def _result(self, kind: str, gen: Generation, choices: list[dict]) -> EngineResult:
         body = {"id": f"{kind}-{uuid.uuid4().hex}", "object": "text_completion" if kind == "cmpl" else "chat.completion",
@@ -184,21 +204,16 @@ class ReferenceReplica(ReplicaEngine):
                             stale_kv_steps=gen.stale_kv_steps, duration_s=gen.duration_s,
                             completion_tokens=sum(len(c.token_ids) for c in gen.completions))
 
-    def _completions(self, req: CompletionRequest) -> EngineResult:
+    def _completions(self, req: CompletionRequest, gen: Generation) -> EngineResult:
         eng = self.engine
-        prompt_ids = eng.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        gen = self._run(prompt_ids, req, req.logprobs, req.max_tokens)
         choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                     "logprobs": _completion_logprobs(eng, c) if req.logprobs is not None else None}
                    for c in gen.completions]
         return self._result("cmpl", gen, choices)
 
-    def _chat(self, req: ChatCompletionRequest) -> EngineResult:
+    def _chat(self, req: ChatCompletionRequest, gen: Generation) -> EngineResult:
         eng = self.engine
-        prompt_ids = eng.encode_chat([m.model_dump() for m in req.messages])
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        gen = self._run(prompt_ids, req, k, req.max_completion_tokens or req.max_tokens)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "token_ids": c.token_ids,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     "logprobs": _chat_logprobs(eng, c) if req.logprobs else None}
