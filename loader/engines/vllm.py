@@ -72,6 +72,8 @@ WORKER_EXTENSION = "loader.engines.vllm_worker.CkptDeltaWorker"
 VLLM_ENV_DEFAULTS = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
                      "VLLM_CPU_KVCACHE_SPACE": "1"}
 START_TIMEOUT_S = 600.0
+#: Seconds between the log lines that say the replica is still waiting for vLLM to start.
+WAIT_LOG_EVERY_S = 10.0
 #: Seconds vLLM gets to exit after SIGTERM before its process group is killed.
 STOP_TIMEOUT_S = 15.0
 #: Input columns of each kernel-read matrix the in-pause check reads under --verify sampled (random each swap).
@@ -131,6 +133,11 @@ class VllmServer:
         from loader.scratch import make as make_scratch
 
         self._dir = make_scratch("vllm-sock")    # mode 0700, locked while we live (loader/scratch.py)
+        if "TMPDIR" not in (env or {}):
+            # vLLM's own temp files (its ZeroMQ sockets, torch.distributed's rendezvous file) were left in the
+            # temp dir on every stop: they go in here, and go with it
+            environ["TMPDIR"] = os.path.join(self._dir.path, "tmp")
+            os.mkdir(environ["TMPDIR"], 0o700)
         if port is None:
             where = ["--uds", os.path.join(self._dir.path, "vllm.sock")]
             self.url = UNIX_PREFIX + where[1]
@@ -145,7 +152,8 @@ class VllmServer:
             self._own_log = None if log_path else make_scratch("vllm-log")
             self.log_path = log_path or self._own_log.path
             self._log = open(self.log_path, "ab")
-            log.info("starting vLLM: %s (log: %s)", " ".join(cmd), self.log_path)
+            log.info("starting vLLM on %s (its log: %s)", model_dir, self.log_path)
+            log.debug("vLLM's command: %s", " ".join(cmd))
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=environ,
                                          start_new_session=True, preexec_fn=_die_with_parent)
         except BaseException:
@@ -157,7 +165,10 @@ class VllmServer:
             raise
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
+        """Until vLLM answers /health; says every ``WAIT_LOG_EVERY_S`` that it is still waiting, with vLLM's last
+        log line (a start takes from seconds to minutes, and vLLM's own output goes to its log)."""
+        t0 = time.monotonic()
+        deadline, said = t0 + timeout, t0
         with http_client(self.url, timeout=5.0) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -165,9 +176,14 @@ class VllmServer:
                                     f"{self.log_path}, its last lines:\n{self.tail()}")
                 try:
                     if c.get("/health").status_code == 200:
+                        log.info("vLLM is ready (%.0f s after it started)", time.monotonic() - t0)
                         return
                 except httpx.HTTPError:
                     pass
+                if time.monotonic() - said >= WAIT_LOG_EVERY_S:
+                    said = time.monotonic()
+                    log.info("waiting for vLLM to start: %.0f s so far (log: %s; last line: %s)", said - t0,
+                             self.log_path, self.tail(1).strip()[-160:] or "none yet")
                 time.sleep(0.5)
         self.stop(keep_log=True)
         raise VllmError(f"vLLM did not answer /health within {timeout:.0f} s; its log is {self.log_path}, its "
