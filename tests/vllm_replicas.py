@@ -123,14 +123,19 @@ class VllmReplicaHandle:
 
         ``strict=False`` also reads zeros through a GEMM kernel (as +0.0); ``self.kernel_read`` then names the
         tensors that came through one."""
+        out, self.kernel_read = self.read_live(self.engine, tmp_dir, strict=strict, kernel=True)
+        return out
+
+    @staticmethod
+    def read_live(engine, tmp_dir: str, *, strict: bool = True, kernel: bool = False):
+        """:meth:`live_weights` of any vLLM engine; with ``kernel``, also the names read through a GEMM kernel."""
         from safetensors.torch import load_file
 
         path = os.path.join(tmp_dir, "live.safetensors")
-        answer = self.engine.applier.control.rpc("ckptdelta_read", {"path": path, "strict": strict})[0]
-        self.kernel_read = set(answer.get("kernel_view") or ())
+        answer = engine.applier.control.rpc("ckptdelta_read", {"path": path, "strict": strict})[0]
         out = load_file(path)
         os.unlink(path)
-        return out
+        return (out, set(answer.get("kernel_view") or ())) if kernel else out
 
     def close(self) -> None:
         self.http.close()
