@@ -74,18 +74,18 @@ def reconcile_config(data: bytes, tensors: dict[str, str], *, where: str) -> tup
     try:
         config = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PublishInputError(f"{where}: config.json is not valid JSON ({e})") from None
+        raise PublishInputError(f"{where} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise PublishInputError(f"{where}: config.json holds a {type(config).__name__}, not a JSON object")
+        raise PublishInputError(f"{where} holds a {type(config).__name__}, not a JSON object")
     tie = config.get(TIE_FIELD)
     if tie is True and HEAD in tensors:
         raise PublishInputError(
-            f"{where}: config.json says {TIE_FIELD}: true, but tensor {HEAD!r} is published: a tied model "
+            f"{where} says {TIE_FIELD}: true, but tensor {HEAD!r} is published: a tied model "
             f"computes its logits with the input embedding and ignores it. Publish the module itself (its tied "
             f"head is published once, as save_pretrained does), leave {HEAD!r} out, or set {TIE_FIELD} to false")
     if tie is False and HEAD not in tensors and any(n.endswith(EMBEDDING_SUFFIX) for n in tensors):
         raise PublishInputError(
-            f"{where}: config.json says {TIE_FIELD}: false, but no {HEAD!r} is published: a replica would "
+            f"{where} says {TIE_FIELD}: false, but no {HEAD!r} is published: a replica would "
             f"start with an output head that is not the trained one. Set {TIE_FIELD} to true if the head is "
             f"the input embedding (a tied model), or publish {HEAD!r}")
     fixes = []
