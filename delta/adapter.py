@@ -34,6 +34,8 @@ ADAPTER_CONFIG_NAME = "adapter_config.json"
 MAX_BASE_NAME = 1024
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+#: adapter_config.json fields that are sets (peft writes a set as a list in no particular order).
+_SET_FIELDS = ("target_modules", "exclude_modules", "modules_to_save")
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,9 @@ def base_tensors(model: torch.nn.Module, adapter_names: Iterable[str] = ()) -> l
 
 
 def canonical_config(config: Mapping[str, Any]) -> bytes:
-    """adapter_config.json as peft's save_pretrained writes it (sets as lists, keys sorted, indent 2), so
-    one config gives one digest however it reached the publisher."""
+    """adapter_config.json as peft's save_pretrained writes it (keys sorted, indent 2), with its sets as sorted
+    lists (peft writes them in no particular order), so one config gives one digest however it reached the
+    publisher: a peft model's config or the file peft saved."""
     def norm(v: Any) -> Any:
         if isinstance(v, (set, frozenset)):
             return sorted(norm(x) for x in v)
@@ -114,7 +117,11 @@ def canonical_config(config: Mapping[str, Any]) -> bytes:
             return v.value
         return v
 
-    return json.dumps(norm(dict(config)), indent=2, sort_keys=True).encode()
+    d = norm(dict(config))
+    for k in _SET_FIELDS:
+        if isinstance(d.get(k), list):
+            d[k] = sorted(d[k], key=str)
+    return json.dumps(d, indent=2, sort_keys=True).encode()
 
 
 def digest_bytes(data: bytes) -> str:

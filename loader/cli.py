@@ -13,7 +13,7 @@ from typing import Any
 from ckptdelta.console import guarded, usage_error
 from . import stopping
 from ckptdelta.options import UsageError, add_storage_args, storage_options
-from delta.errors import CkptDeltaError
+from delta.errors import CkptDeltaError, NotServableError
 
 log = logging.getLogger("ckptdelta.server")
 
@@ -48,6 +48,9 @@ def add_commands(subparsers: Any) -> None:
                    help="what in-flight requests do with their KV cache after a swap (default: recompute; "
                         "docs/SERVING.md)")
     p.add_argument("--model-name", default=None, help="the 'model' field of responses")
+    p.add_argument("--base-model", metavar="DIR", default=None,
+                   help="a LoRA run's base model directory (default: the one the run records, when it is a "
+                        "local directory); its weights must be the ones the adapter was trained on")
     v = p.add_argument_group("vLLM engine (--engine vllm)")
     v.add_argument("--attach", metavar="URL", default=None,
                    help="use a vLLM server already running at URL (http://HOST:PORT, or unix:PATH for one "
@@ -123,6 +126,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int",
     engine = build_engine(args.engine, bucket=args.bucket, snapshot=snapshot, model_dir=args.model,
                           storage_options=storage_options(args), cache_dir=args.cache_dir, device=args.device,
                           cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,
+                          base_model=args.base_model,
                           verify=args.verify, apply_mode=args.apply_mode, vllm_args=passthrough,
                           vllm_log=args.vllm_log, request_timeout=args.request_timeout,
                           control_timeout=args.control_timeout, on_failure=stopper)
@@ -214,6 +218,10 @@ def _check_before_loading(args: argparse.Namespace) -> "tuple[str | int, socket.
         try:
             version = reader.resolve(args.snapshot)
             check_snapshot(reader, version)
+            if args.engine == "vllm" and reader.manifest(version).adapter is not None:
+                raise NotServableError(f"{reader.manifest(version).where()} at {args.bucket} is a LoRA adapter: "
+                                       "vLLM does not serve LoRA runs yet; serve it with --engine reference "
+                                       "--base-model DIR")
         finally:
             reader.store.close()
         return version, sock

@@ -24,8 +24,11 @@ _WEIGHTS = (".safetensors", ".bin")
 
 
 def check_snapshot(reader: "SnapshotReader", version: int) -> None:
-    """The snapshot's extra files (its anchor's) hold config.json and a tokenizer."""
+    """The snapshot's extra files (its anchor's) hold config.json and a tokenizer. A LoRA run's snapshot is an
+    adapter: its base model directory brings them (loader/lora.py)."""
     chain = reader.chain(version)
+    if chain[-1].adapter is not None:
+        return
     names = [rel for rel, _obj in reader.extra_files(version)]
     gaps = serving_gaps(names)
     if gaps:

@@ -244,6 +244,9 @@ class RunAdapter:
         cfg = model.peft_config[name]
         d = check_config(cfg.to_dict(), f"peft model's adapter {name!r}")
         d["inference_mode"] = True              # as peft's save_pretrained writes it: what a replica loads
+        if d.get("task_type") is None and d.get("auto_mapping") is None:     # ditto (AutoPeftModel's hint)
+            base = type(model.get_base_model())
+            d["auto_mapping"] = {"base_model_class": base.__name__, "parent_library": base.__module__}
         from peft import get_peft_model_state_dict
 
         tensors = get_peft_model_state_dict(model, adapter_name=name)

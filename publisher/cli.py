@@ -23,6 +23,7 @@ from delta.storage import Store
 from ckptdelta.console import guarded
 from ckptdelta.options import UsageError, add_storage_args, storage_options
 
+from . import adapter as adapter_mod
 from . import anchor as anchor_fmt
 from .gc import collect
 from .publisher import Publisher
@@ -45,10 +46,12 @@ def _count(minimum: int):
 
 def add_commands(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser(
-        "publish", help="publish a safetensors file or HF model directory as a run's next snapshot",
+        "publish", help="publish a safetensors file, HF model directory or PEFT adapter as a run's next snapshot",
         description="Publish SRC (a .safetensors file, or a Hugging Face model directory of safetensors shards) "
                     "as the next snapshot of the run at URL. The directory's other files (config.json, tokenizer "
-                    "files, generation_config.json) travel with anchors.")
+                    "files, generation_config.json) travel with anchors. A PEFT adapter directory "
+                    "(adapter_config.json + adapter_model.safetensors) makes a LoRA run: its anchors are adapter "
+                    "directories, and the run records its base model (--base-model).")
     p.add_argument("src", metavar="SRC")
     p.add_argument("url", metavar="URL")
     p.add_argument("--step", type=_count(0), required=True, help="the trainer step of these weights")
@@ -62,6 +65,10 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
                    help="how a delta is coded: context (smallest) or fast (quicker to encode and decode, ~1.5x "
                         "the bytes); Publisher(codec='auto') picks per delta from timings a one-shot command does "
                         "not have (default: context)")
+    p.add_argument("--base-model", metavar="DIR", default=None,
+                   help="a PEFT adapter's base model directory, hashed into the run's record (default: the base "
+                        "the run records already, else adapter_config.json's base_model_name_or_path when it is a "
+                        "local directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_storage_args(p)
     p.set_defaults(func=guarded(cmd_publish, "publish"))
@@ -127,11 +134,61 @@ def load_source(src: str) -> tuple[dict[str, Any], dict[str, str]]:
     return tensors, anchor_fmt.model_dir_files(src)
 
 
+def load_adapter_source(src: str, url: str, base_model: str | None,
+                        options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, str], Any]:
+    """(tensors, extra files, AdapterSpec) of a PEFT adapter directory."""
+    from safetensors.torch import load_file
+
+    weights = os.path.join(src, adapter_mod.ADAPTER_WEIGHTS_NAME)
+    if not os.path.isfile(weights):
+        other = " (only adapter_model.bin: save it with safe_serialization=True)" \
+            if os.path.isfile(os.path.join(src, "adapter_model.bin")) else ""
+        raise PublishInputError(f"{src}: holds {adapter_mod.ADAPTER_CONFIG_NAME} but no "
+                                f"{adapter_mod.ADAPTER_WEIGHTS_NAME}{other}: not a PEFT adapter directory")
+    config = adapter_mod.read_config(src)
+    if base_model is not None:
+        base = adapter_mod.BaseModel.of(base_model, name=config.get("base_model_name_or_path") or None)
+    else:
+        base = _recorded_base(url, options, config) or _configured_base(src, config)
+    extra = {k: v for k, v in anchor_fmt.model_dir_files(src).items() if k != adapter_mod.ADAPTER_CONFIG_NAME}
+    return load_file(weights), extra, adapter_mod.AdapterSpec(config, base)
+
+
+def _recorded_base(url: str, options: dict[str, Any] | None, config: dict[str, Any]) -> Any:
+    """The base the run's newest snapshot records, when the adapter names the same one."""
+    with Store.from_url(url, options) as store:
+        versions = committed_versions(store)
+        if not versions:
+            return None
+        rec = read_manifest(store, versions[-1], None).adapter
+    named = config.get("base_model_name_or_path")
+    if rec is None or (named and named != rec.base_model):
+        return None
+    log.info("%s: the adapter's base is the one the run records, %s", url, rec.describe_base())
+    return adapter_mod.BaseModel(rec.base_model, rec.base_xxh3)
+
+
+def _configured_base(src: str, config: dict[str, Any]) -> Any:
+    named = config.get("base_model_name_or_path")
+    if named and os.path.isfile(os.path.join(named, "config.json")):
+        return adapter_mod.BaseModel.of(named)
+    raise PublishInputError(f"{src}: a LoRA run records its base model's weights, and the adapter names "
+                            f"{named!r}, which is not a model directory here: give --base-model DIR")
+
+
 def cmd_publish(args: argparse.Namespace) -> int:
     metadata = dict(_split_kv(m, "--metadata") for m in args.metadata)
-    tensors, extra = load_source(args.src)
+    spec = None
+    if os.path.isfile(os.path.join(args.src, adapter_mod.ADAPTER_CONFIG_NAME)):
+        tensors, extra, spec = load_adapter_source(args.src, args.url, args.base_model, storage_options(args))
+    elif args.base_model is not None:
+        raise PublishInputError(f"--base-model is for PEFT adapter directories; {args.src} holds no "
+                                f"{adapter_mod.ADAPTER_CONFIG_NAME}")
+    else:
+        tensors, extra = load_source(args.src)
     with Publisher(args.url, storage_options=storage_options(args), extra_files=extra,
-                   anchor_every=args.anchor_every, shard_bytes=args.shard_bytes, codec=args.codec) as pub:
+                   anchor_every=args.anchor_every, shard_bytes=args.shard_bytes, codec=args.codec,
+                   adapter=spec) as pub:
         r = pub.publish(tensors, args.step, metadata=metadata, anchor=args.anchor)
     if args.json:
         print(json.dumps({"run_id": pub.run_id, **_result_dict(r)}))

@@ -529,7 +529,7 @@ class Publisher:
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=self.anchor_chain_fraction,
                       force_anchor=any(g[3] for g in gathered))
         why = self._adapter.anchor_reason(adapter)    # a LoRA run's new base or adapter config
-        if why is not None and plan.kind == "delta":
+        if why is not None and (plan.kind == "delta" or plan.schema_change):   # the cause, not its symptom
             plan = replace(plan, kind="anchor", anchor_version=plan.version, reason=why)
         # for an anchor (also one a failed parent rebuild makes); a LoRA anchor is a PEFT adapter directory
         self._anchor_files = self._files_for(union) if adapter is None else {**self._extra, **adapter.extra_files}

@@ -223,10 +223,23 @@ class ReferenceReplica(ReplicaEngine):
 
 def build(*, bucket: str | None = None, snapshot: str | int = "latest", model_dir: str | None = None,
           storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, device: str = "cpu",
-          cache_policy: str = "recompute", model_name: str | None = None, **_: Any) -> ReferenceReplica:
-    """``ckptdelta serve --engine reference``: weights from a bucket's snapshot, or from an HF directory."""
+          cache_policy: str = "recompute", model_name: str | None = None, base_model: str | None = None,
+          **_: Any) -> ReferenceReplica:
+    """``ckptdelta serve --engine reference``: weights from a bucket's snapshot, or from an HF directory;
+    a LoRA run's adapter on its base model (``base_model``: the base's directory) through peft."""
     from ..engine import build_engine
 
+    if bucket is not None and model_dir is None:
+        from . import reference_lora
+
+        if reference_lora.is_lora_run(bucket, snapshot, storage_options):
+            return reference_lora.build(bucket=bucket, snapshot=snapshot, base_model=base_model,
+                                        storage_options=storage_options, cache_dir=cache_dir, device=device,
+                                        cache_policy=cache_policy, model_name=model_name)
+    if base_model is not None:
+        from delta.errors import NotServableError
+
+        raise NotServableError(f"--base-model is for LoRA runs; {bucket or model_dir} holds full models")
     engine, _reader = build_engine(bucket=bucket, snapshot=snapshot, model_dir=model_dir,
                                    storage_options=storage_options, cache_dir=cache_dir, device=device,
                                    cache_policy=cache_policy, model_name=model_name)

@@ -1,0 +1,87 @@
+"""LoRA runs on the replica side, whatever the engine: which base to load, and what a replica refuses.
+
+A LoRA run's snapshots are adapters (delta/adapter.py): a replica serves one on the
+exact base it was trained on, so before it serves it loads the base (``--base-model DIR``,
+or the directory the run's record names), hashes its weights as the publisher did and
+refuses, in one line naming both, a base whose digest differs. A hot-load is refused
+the same way when its target records another base, or another adapter config (a new
+rank, alpha or target modules came with a new anchor: the live adapter's shapes and
+scaling no longer fit; the replica restarts on it). Everything else is a hot-load
+like any other: :class:`LoraHotSwapper` is the HotSwapper over the adapter's live
+tensors (an engine gives them as a mapping from peft's saved names), so prepare,
+pause, rollback and proof are the full-model ones.
+
+An engine adds the loading (loader/engines/reference_lora.py: peft on the reference
+decode loop); a vLLM engine would keep this module's checks and give its LoRA slot's
+host copy to the swapper with an applier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from delta.adapter import AdapterRecord
+from delta.errors import HotLoadError, NotServableError
+from delta.manifest import Manifest, snapshot_name
+
+from .hotswap import HotSwapper, PreparedUpdate
+
+log = logging.getLogger("ckptdelta.loader.lora")
+
+
+def adapter_record(reader: Any, version: int) -> AdapterRecord | None:
+    """The snapshot's adapter record: None for a full-model run."""
+    return reader.manifest(version).adapter
+
+
+def base_dir_for(record: AdapterRecord, base_model: str | None, where: str) -> str:
+    """The directory to load the base from: ``base_model`` when given, else the record's name when it is a
+    local model directory; else one line saying to give ``--base-model DIR``."""
+    if base_model is not None:
+        return base_model
+    if os.path.isfile(os.path.join(record.base_model, "config.json")):
+        return record.base_model
+    raise NotServableError(f"{where} is a LoRA adapter for {record.describe_base()}, which is not a model "
+                           "directory here: give the base with --base-model DIR (base_model= in build())")
+
+
+def check_base(record: AdapterRecord, digest: str, base_dir: str, where: str) -> None:
+    """Refuse a base whose weights are not the ones the adapter was trained on, naming both."""
+    if digest != record.base_xxh3:
+        raise NotServableError(f"{where} is a LoRA adapter for {record.describe_base()}, but the base at "
+                               f"{base_dir} has weights xxh3 {digest}: serve it on the base it was trained on "
+                               "(--base-model DIR)")
+
+
+def check_target(live: AdapterRecord, base_xxh3: str, target: Manifest) -> None:
+    """Refuse a hot-load whose target is not an adapter for this base and this adapter config."""
+    rec = target.adapter
+    if rec is None:
+        raise HotLoadError(f"{target.where()} is not a LoRA adapter (it records no base model): a replica serving "
+                           "an adapter cannot load it")
+    if rec.base_xxh3 != base_xxh3:
+        raise HotLoadError(f"{target.where()} is a LoRA adapter for {rec.describe_base()}; this replica serves "
+                           f"base {live.base_model!r} (weights xxh3 {base_xxh3}): restart it on that base "
+                           "(--base-model DIR)")
+    if rec.config_xxh3 != live.config_xxh3:
+        raise HotLoadError(f"{target.where()} has another adapter config (xxh3 {rec.config_xxh3}) than the live "
+                           f"adapter's ({live.config_xxh3}): a new rank, alpha or target modules; restart the "
+                           f"replica on it (ckptdelta serve --snapshot {target.name})")
+
+
+class LoraHotSwapper(HotSwapper):
+    """A HotSwapper over a LoRA adapter's live tensors that first checks the target is an adapter for the same
+    base and adapter config (:func:`check_target`). ``record`` is the live adapter's; ``base_xxh3`` the digest
+    of the base the replica loaded."""
+
+    def __init__(self, weights: Any, reader: Any, *, record: AdapterRecord, base_xxh3: str, **kwargs: Any) -> None:
+        super().__init__(weights, reader, **kwargs)
+        self.record, self.base_xxh3 = record, base_xxh3
+
+    def _prepare(self, target: "str | int", initial: bool) -> PreparedUpdate:
+        v = self.reader.resolve(target)        # once: "latest" must not move between the check and the plan
+        check_target(self.record, self.base_xxh3, self.reader.manifest(v))
+        log.debug("hot-load to %s: an adapter for the live base and config", snapshot_name(v))
+        return super()._prepare(v, initial)

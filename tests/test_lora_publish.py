@@ -1,0 +1,235 @@
+"""LoRA runs end to end: a real peft adapter on the tiny Llama, trained with AdamW on real gradients, published
+to a real bucket (a local directory, and S3 through moto), served by the reference engine through peft and
+hot-loaded in place (publisher/adapter.py, loader/lora.py, loader/engines/reference_lora.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import httpx
+import pytest
+import torch
+
+from ckptdelta.cli import main
+from delta.errors import HotLoadError, NotServableError, PublishInputError
+from loader import SnapshotReader
+from loader.engines import reference
+from loader.lora import LoraHotSwapper
+from publisher import AdapterSpec, BaseModel, Publisher
+from tests.replicas import LiveServer, make_lm_dir
+
+PROMPT = "hello world, hello replica"
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    return make_lm_dir(str(tmp_path_factory.mktemp("lm")))
+
+
+def peft_model(lm_dir: str, *, r: int = 4, alpha: int = 8, seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return model, opt
+
+
+def train_step(model, opt, seed: int) -> None:
+    """One AdamW step on the next-token loss of a random batch: every lora_A and lora_B element moves."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def adapter_bits(model) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def bits_differ(live: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> list[str]:
+    assert sorted(live) == sorted(truth)
+    return [k for k in truth if live[k].dtype != truth[k].dtype
+            or not torch.equal(live[k].detach().cpu().view(torch.uint8), truth[k].view(torch.uint8))]
+
+
+def publish_steps(pub: Publisher, model, opt, steps: range, truth: dict[int, dict]) -> list:
+    results = []
+    for step in steps:
+        train_step(model, opt, seed=step)
+        r = pub.publish(model, step)
+        truth[r.version] = adapter_bits(model)
+        results.append(r)
+    return results
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_an_adapter_run_hot_loads_every_version_bit_exact_forward_across_an_anchor_and_back(
+        backend, lm_dir, tmp_path, request):
+    url, options = (str(tmp_path / "run"), {}) if backend == "local" else request.getfixturevalue("s3_root")
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    with Publisher(url, storage_options=options, anchor_every=3, anchor_chain_fraction=10.0) as pub:
+        results = publish_steps(pub, model, opt, range(6), truth)
+    assert [r.kind for r in results] == ["anchor", "delta", "delta", "anchor", "delta", "delta"]
+    assert all(r.full_bytes == sum(t.numel() * 4 for t in truth[0].values()) for r in results)   # fp32 adapter
+
+    replica = reference.build(bucket=url, snapshot=0, base_model=lm_dir, storage_options=options)
+    swapper = replica.swapper
+    assert isinstance(swapper, LoraHotSwapper) and replica.version == 0
+    assert bits_differ(swapper.weights, truth[0]) == []
+    for v in [1, 2, 3, 4, 5, 4, 2, 0, 5]:        # forward, across the anchor at v3, back, and a jump
+        report = swapper.hotload(v)
+        assert replica.version == v and report.to_version == v
+        assert bits_differ(swapper.weights, truth[v]) == [], f"v{v}"
+    # the live tensors are the peft model's own parameters: what the decode loop computes with
+    lora = {n: p for n, p in replica.engine.model.named_parameters() if "lora_" in n}
+    assert {p.data_ptr() for p in lora.values()} == {t.data_ptr() for t in swapper.weights.values()}
+
+
+def test_a_materialized_anchor_and_delta_load_in_peft_with_the_trainers_bits_and_logits(lm_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        publish_steps(pub, model, opt, range(2), truth)
+    anchor_dir = os.path.join(url, "anchors", sorted(os.listdir(os.path.join(url, "anchors")))[0])
+    assert sorted(os.listdir(anchor_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.load(open(os.path.join(anchor_dir, "adapter_config.json")))
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["inference_mode"] is True
+    out = SnapshotReader(url).materialize(1, str(tmp_path / "v1"))      # the delta, as an adapter directory
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    for path, v in ((anchor_dir, 0), (out, 1)):
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.bfloat16), path)
+        assert bits_differ(adapter_bits(loaded), truth[v]) == []
+    x = torch.randint(0, model.config.vocab_size, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_a_replica_refuses_an_adapter_for_another_base_in_one_line_naming_both(lm_dir, tmp_path, capsys):
+    from tests.lm import save_tiny_lm
+
+    other = save_tiny_lm(str(tmp_path / "other-lm"), seed=1)       # same architecture, other weights
+    model, opt = peft_model(lm_dir)
+    url = str(tmp_path / "run")
+    with Publisher(url) as pub:
+        publish_steps(pub, model, opt, range(1), {})
+    record = SnapshotReader(url).manifest(0).adapter
+    assert record.base_xxh3 == BaseModel.of(lm_dir).xxh3          # the trainer's base, hashed as a replica does
+    with pytest.raises(NotServableError) as e:
+        reference.build(bucket=url, base_model=other)
+    msg = str(e.value)
+    assert "\n" not in msg and record.base_xxh3 in msg and other in msg and BaseModel.of(other).xxh3 in msg
+
+    # the command line: serve exits 1 with that line, before it listens
+    assert main(["serve", "--bucket", url, "--base-model", other, "--port", "0"]) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(lines) == 1 and record.base_xxh3 in lines[0] and "xxh3" in lines[0], lines
+
+    # a hot-load into an anchor published for another base is refused the same way, and the replica serves on
+    replica = reference.build(bucket=url, base_model=lm_dir)
+    other_model, other_opt = peft_model(other)
+    with Publisher(url) as pub:
+        r = publish_steps(pub, other_model, other_opt, range(1, 2), {})[0]
+    assert r.kind == "anchor" and r.reason.startswith("the base model changed")
+    with pytest.raises(HotLoadError, match="this replica serves base") as e:
+        replica.swapper.hotload(1)
+    assert "\n" not in str(e.value) and replica.version == 0
+
+
+def test_a_rank_or_alpha_change_starts_an_anchor_and_a_replica_refuses_it_in_one_line(lm_dir, tmp_path):
+    url = str(tmp_path / "run")
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        model, opt = peft_model(lm_dir, r=4, alpha=8)
+        first = publish_steps(pub, model, opt, range(2), {})
+        model, opt = peft_model(lm_dir, r=8, alpha=8)
+        ranked = publish_steps(pub, model, opt, range(2, 4), {})
+        model, opt = peft_model(lm_dir, r=8, alpha=32)       # same shapes, another scaling
+        scaled = publish_steps(pub, model, opt, range(4, 5), {})
+    assert [r.kind for r in first + ranked + scaled] == ["anchor", "delta", "anchor", "delta", "anchor"]
+    assert "r 4 -> 8" in ranked[0].reason and "lora_alpha 8 -> 32" in scaled[0].reason
+
+    replica = reference.build(bucket=url, snapshot=1, base_model=lm_dir)
+    with pytest.raises(HotLoadError, match="another adapter config") as e:
+        replica.swapper.hotload(2)
+    assert "\n" not in str(e.value) and replica.version == 1
+    # a publisher restarted on the run knows its config: the same adapter continues the chain
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        r = publish_steps(pub, model, opt, range(5, 6), {})[0]
+    assert r.kind == "delta"
+
+
+def test_bad_input_gets_one_clear_line(lm_dir, tmp_path, capsys):
+    model, opt = peft_model(lm_dir)
+    url = str(tmp_path / "run")
+    with Publisher(url) as pub:
+        publish_steps(pub, model, opt, range(1), {})
+        with pytest.raises(PublishInputError, match="is a LoRA run") as e:   # a full model on a LoRA run
+            pub.publish(model.get_base_model(), 1)
+        assert "\n" not in str(e.value)
+
+    def cli(*argv: str) -> tuple[int, str]:
+        capsys.readouterr()
+        rc = main(["publish", *argv])
+        return rc, capsys.readouterr().err.strip()
+
+    rc, err = cli(lm_dir, url, "--step", "1")                  # a model directory, not an adapter
+    assert rc == 1 and len(err.splitlines()) == 1 and "is a LoRA run" in err, err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    rc, err = cli(str(broken), url, "--step", "1")
+    assert rc == 1 and len(err.splitlines()) == 1 and "no adapter_model.safetensors" in err, err
+    with pytest.raises(PublishInputError, match="not a LoRA adapter"):
+        Publisher(str(tmp_path / "run2"), adapter=AdapterSpec({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                               "target_modules": ["q_proj"]},
+                                                              BaseModel.of(lm_dir))).publish(
+            {"model.embed_tokens.weight": torch.zeros(4)}, 0)
+    # a saved adapter directory publishes through the command line, its base found from the run
+    model.save_pretrained(str(tmp_path / "adapter"))
+    rc, err = cli(str(tmp_path / "adapter"), url, "--step", "1")
+    assert rc == 0, err
+    assert SnapshotReader(url).manifest(1).adapter == SnapshotReader(url).manifest(0).adapter
+
+
+def test_serving_a_lora_run_reports_versions_answers_408_and_its_logprobs_equal_the_trainers(lm_dir, tmp_path):
+    from loader.engine import score_tokens
+    from loader.server import create_app
+
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    pub = Publisher(url, anchor_chain_fraction=10.0)
+    publish_steps(pub, model, opt, range(1), truth)
+    replica = reference.build(bucket=url, base_model=lm_dir)
+    with LiveServer(create_app(replica, replica_id="lora-0")) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3, "logprobs": 0,
+                "score_logprobs": True, "return_engine_data": True}
+        r = http.post("/v1/completions", json={**body, "min_policy_version": 1})
+        assert r.status_code == 408 and r.json()["error"]["type"] == "policy_version_too_old"
+        publish_steps(pub, model, opt, range(1, 2), truth)
+        job = http.post("/v1/hotload", json={"snapshot": "latest"}).json()
+        while job["state"] not in ("READY", "FAILED"):
+            job = http.get(f"/v1/hotload/{job['id']}").json()
+        assert job["state"] == "READY", job
+        out = http.post("/v1/completions", json={**body, "min_policy_version": 1}).json()
+    pub.close()
+    assert out["engine_data"]["policy_version"] == 1
+    choice = out["choices"][0]
+    sampled = torch.tensor(choice["logprobs"]["token_logprobs"])
+    prompt_ids = out["prompt_token_ids"]
+    with torch.no_grad():          # the trainer's own peft model on the bits it published as v1
+        trained = score_tokens(model, prompt_ids + choice["token_ids"], len(prompt_ids))
+    d = sampled - trained
+    k1, k2, k3 = float(d.mean()), float((d * d).mean() / 2), float((torch.exp(-d) - 1 + d).mean())
+    assert torch.equal(sampled, trained) and k1 == k2 == k3 == 0.0
