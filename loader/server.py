@@ -12,6 +12,7 @@ docs/SERVING.md. What is the replica's (auth, body limits, ``min_policy_version`
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -37,6 +38,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 log = logging.getLogger("ckptdelta.server")
 
 MAX_BODY_BYTES = 1 << 20
+STOPPING_MESSAGE = ("the replica is stopping (SIGTERM or Ctrl-C) and this request did not finish within its drain "
+                    "timeout (serve --drain-timeout); send it to another replica")
 #: ``/v1/status`` states besides a hot-load's: the engine died or stopped answering; the live weights are not
 #: proven to be any version (a failed swap or proof: the next hot-load pushes and proves every tensor).
 ENGINE_FAILED, UNKNOWN_VERSION = "ENGINE_FAILED", "UNKNOWN_VERSION"
@@ -102,11 +105,11 @@ class Gatekeeper:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = {"code": 500}  # an exception that escapes is answered 500 further out
+        status = {"code": 500, "started": False}  # an exception that escapes is answered 500 further out
 
         async def send_counted(message: dict) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
             await send(message)
 
         try:
@@ -130,7 +133,13 @@ class Gatekeeper:
                         raise HTTPException(413, f"request body exceeds {self.max_body} bytes")
                 return message
 
-            await self.app(scope, receive_limited, send_counted)
+            try:
+                await self.app(scope, receive_limited, send_counted)
+            except asyncio.CancelledError:
+                # uvicorn cancels what still runs when a stop's drain timeout ends (loader/stopping.py): say so,
+                # not 500 with a traceback in the log; a response already begun (a stream) just ends
+                if not status["started"]:
+                    await _error(503, "replica_stopping", STOPPING_MESSAGE)(scope, receive, send_counted)
         finally:
             self.metrics.requests.labels(endpoint=_endpoint_label(scope.get("path", "")),
                                          status=str(status["code"])).inc()

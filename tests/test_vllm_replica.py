@@ -393,6 +393,69 @@ def test_auth_holds_on_every_endpoint_of_a_vllm_replica(rep):
         assert m.status_code == 200 and "ckptdelta_policy_version" in m.text
 
 
+def test_the_openai_client_streams_and_not_through_the_vllm_replica(rep, llama_run):
+    """vLLM's own events forwarded, the replica's engine_data chunk before [DONE], usage only when asked for."""
+    import openai
+
+    assert rep.hotload(0)["state"] == "READY"
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    with openai.OpenAI(base_url=rep.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        model = client.models.list().data[0].id
+        assert model == rep.engine.model_name
+        plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=extra)
+        chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                                extra_body={**extra, "return_engine_data": True}))
+        assert "".join(c.text for ch in chunks for c in ch.choices) == plain.choices[0].text
+        ids = [t for ch in chunks for c in ch.choices for t in c.model_extra.get("token_ids") or []]
+        assert ids == plain.choices[0].model_extra["token_ids"] and len(ids) == 8
+        assert chunks[-1].choices == [] and chunks[-1].model_extra["engine_data"]["policy_versions"] == [0]
+        assert all(ch.usage is None for ch in chunks)   # the usage chunk the replica asked vLLM for stays there
+
+        msgs = [{"role": "user", "content": "hello"}]
+        plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                               extra_body=extra)
+        chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True},
+                                                     extra_body=extra))
+        text = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+        assert text == plain.choices[0].message.content and chunks[-1].usage.completion_tokens == 6
+        with pytest.raises(openai.NotFoundError) as info:
+            client.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=2, stream=True)
+        assert info.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=2, stream=True,
+                                      extra_body={"min_policy_version": 99})
+        assert info.value.status_code == 408
+
+        # streams back to back while a hot-load to v1 runs: every one whole, some of them across the swap
+        results: list = []
+        swapped = threading.Event()
+
+        def stream() -> None:
+            while True:
+                done = swapped.is_set()
+                chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=150, stream=True,
+                                                        extra_body={**extra, "return_engine_data": True}))
+                results.append(chunks)
+                if done or len(results) > 200:
+                    return
+
+        threads = [threading.Thread(target=stream) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        job = rep.hotload(1)
+        swapped.set()
+        for t in threads:
+            t.join()
+    assert job["state"] == "READY", job
+    spans = [chunks[-1].model_extra["engine_data"]["policy_versions"] for chunks in results]
+    assert all(s in ([0], [1], [0, 1]) for s in spans) and [0, 1] in spans, spans
+    for chunks in results:
+        assert sum(len(c.model_extra.get("token_ids") or []) for ch in chunks for c in ch.choices) == 150
+        assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["length"]
+
+
 # tied embeddings (Qwen2 and Llama, published as modules from fp32 masters): tests/test_hf_policies.py
 @pytest.mark.parametrize("save", [save_tiny_moe], ids=["qwen2-moe"])
 def test_tied_embeddings_and_experts_hotload_bit_exact(save, tmp_path):
