@@ -1,0 +1,63 @@
+"""AsyncRolloutClient against live replicas (real HTTP on 127.0.0.1): a GRPO-style fan-out with asyncio.gather,
+408 retried until a fleet hot-load lands, affinity, timeouts and errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from delta.errors import PolicyVersionTimeoutError, ReplicaError, SnapshotNotFoundError
+from loader.async_client import AsyncRolloutClient
+from loader.client import RolloutClient
+from tests.replicas import PROMPT, lm_dir, run, start_replica  # noqa: F401
+
+
+def _count_408(rep) -> float:
+    line = 'ckptdelta_requests_total{endpoint="/v1/completions",status="408"}'
+    return next((float(x.split()[-1]) for x in rep.http.get("/metrics").text.splitlines() if x.startswith(line)), 0.0)
+
+
+def test_a_gathered_group_retries_408_until_the_fleet_hotload_lands_each_on_its_pinned_replica(start_replica):
+    reps = [start_replica(1, replica_id="r0"), start_replica(1, replica_id="r1")]
+    urls = [r.url for r in reps]
+    keys = [f"group-{i // 2}" for i in range(8)]          # four groups of two completions
+
+    async def main() -> tuple[list[dict], dict]:
+        async with AsyncRolloutClient(urls, ready_timeout=60, backoff_base=0.02, backoff_max=0.2) as client:
+            sampling = asyncio.gather(*(client.sample_async(PROMPT, max_tokens=2, min_policy_version=2,
+                                                            affinity_key=k, seed=i) for i, k in enumerate(keys)))
+            while sum(_count_408(r) for r in reps) < len(keys):     # every request turned away at least once
+                await asyncio.sleep(0.01)
+            states = await client.hotload(2)
+            return await sampling, states
+
+    outs, states = asyncio.run(main())
+    assert {u: s["state"] for u, s in states.items()} == {u: "READY" for u in urls}
+    by_url = {r.url: r.status()["replica_id"] for r in reps}
+    sync = RolloutClient(urls)
+    for key, out in zip(keys, outs):
+        data = out["engine_data"]
+        assert data["policy_version"] == 2 and data["policy_versions"] == [2]
+        assert data["replica_id"] == by_url[sync.replica_for(key)]     # pinned, as the sync client pins it
+    sync.close()
+    assert len({o["engine_data"]["replica_id"] for o in outs}) == 2    # the groups spread over the fleet
+
+
+def test_sample_async_gives_up_after_ready_timeout_and_raises_other_errors_at_once(start_replica):
+    rep = start_replica(1)
+
+    async def main() -> None:
+        async with AsyncRolloutClient([rep.url], ready_timeout=0.5, backoff_base=0.02, backoff_max=0.1) as client:
+            with pytest.raises(PolicyVersionTimeoutError, match="policy version 99"):
+                await client.sample_async(PROMPT, max_tokens=1, min_policy_version=99)
+            with pytest.raises(ReplicaError, match="400"):
+                await client.sample_async(PROMPT, max_tokens=0)
+            with pytest.raises(SnapshotNotFoundError) as e:         # the fleet hot-load's refusal, with states
+                await client.hotload(99)
+            assert rep.url in e.value.states
+            chat = await client.sample_async([{"role": "user", "content": "hi"}], n=2, max_tokens=2)
+            assert chat["object"] == "chat.completion" and len(chat["choices"]) == 2
+            assert (await client.status())[rep.url]["policy_version"] == 1
+
+    asyncio.run(main())
