@@ -19,11 +19,11 @@ Ship bit-exact policy weights from an RL trainer to its sampling replicas as sma
 deltas through object storage (a local directory, s3://, gs://, any fsspec URL).
 
 trainer side:   publish, ls, gc
-replica side:   serve, hotload, materialize, verify
+replica side:   serve, hotload, status, materialize, verify
 inspection:     inspect
 """
 
-COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "materialize", "verify", "inspect")
+COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "status", "materialize", "verify", "inspect")
 
 EPILOG = """\
 examples:
@@ -32,6 +32,8 @@ examples:
   ckptdelta serve --bucket .ckptdelta/bucket/run1 --port 8000
   ckptdelta serve --engine vllm --bucket .ckptdelta/bucket/run1 --port 8000 -- --max-model-len 4096
   ckptdelta hotload http://127.0.0.1:8000 latest --wait
+  ckptdelta hotload --replicas-file replicas.txt latest --wait   # a fleet: one row per replica
+  ckptdelta status http://127.0.0.1:8000 http://127.0.0.1:8001
   ckptdelta materialize s3://bucket/run1 v00000042 ./checkpoint
 
 Credentials and endpoints for s3:// and gs:// come from the usual places (environment,
@@ -72,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
-    args = parser.parse_args(argv)
-    args.passthrough = passthrough
+    args, unknown = parser.parse_known_args(argv)
     command = getattr(args, "command", None)
+    if unknown:    # the subcommand's own --help is the one that lists what it takes
+        return usage_error(command or "", f"unrecognized arguments: {' '.join(unknown)}")
+    args.passthrough = passthrough
     if passthrough and command != "serve":
         return usage_error(command or "", f"arguments after '--' ({' '.join(passthrough[:3])} ...) are only "
                                           "for 'serve --engine vllm'")
-    set_up_logging(args.verbose)
+    set_up_logging(args.verbose, command)
     if not getattr(args, "func", None):
         return usage_error("", f"give a command: {', '.join(COMMANDS)}")
     return guarded(args.func, command)(args)   # each command is guarded already; this catches what is not

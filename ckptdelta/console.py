@@ -81,10 +81,27 @@ def guarded(fn: Callable[[argparse.Namespace], Any], name: str) -> Callable[[arg
     return run
 
 
-def set_up_logging(verbose: int) -> None:
-    """WARNING, -v INFO, -vv DEBUG; the storage clients' own loggers stay quiet below -vv."""
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+#: Loggers that say something at INFO for every HTTP request (httpx: each call a replica forwards to vLLM).
+CHATTY_LOGGERS = ("httpx", "httpcore")
+#: Commands that log at INFO without -v: a replica runs for hours and should say what it is doing (its
+#: engine's start, each hot-load); the others print their result themselves.
+INFO_COMMANDS = ("serve",)
+#: Under a command of INFO_COMMANDS without -v: details the command's own lines already sum up (the swapper's
+#: per-step lines; the replica logs one line per hot-load).
+DETAIL_LOGGERS = ("ckptdelta.loader.hotswap",)
+
+
+def set_up_logging(verbose: int, command: str | None = None) -> None:
+    """WARNING, -v INFO, -vv DEBUG (``serve``: INFO without -v); the storage clients' own loggers stay quiet
+    below -vv, and so do loggers that log each HTTP request."""
+    default = logging.INFO if command in INFO_COMMANDS else logging.WARNING
+    level = [default, logging.INFO, logging.DEBUG][min(verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if verbose < 2:
         for name in NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.CRITICAL)
+        for name in CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    if verbose == 0 and command in INFO_COMMANDS:
+        for name in DETAIL_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,13 +1,11 @@
-"""``ckptdelta serve`` (run a replica) and ``ckptdelta hotload`` (ask one to load a snapshot)."""
+"""``ckptdelta serve``: run a replica (``hotload`` and ``status``, for one replica or many: loader/fleet_cli.py)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
-import sys
 from typing import Any
 
 from ckptdelta.console import guarded, usage_error
@@ -79,17 +77,9 @@ def add_commands(subparsers: Any) -> None:
                         "new replica (default), or stay up answering /health 503")
     p.set_defaults(func=guarded(cmd_serve, "serve"))
 
-    h = subparsers.add_parser(
-        "hotload", help="ask a replica to hot-load a snapshot",
-        description="POST /v1/hotload to a replica and print its state as JSON; exit 0 when READY (or "
-                    "accepted, without --wait), 1 when it FAILED or was refused.")
-    h.add_argument("replica_url", metavar="REPLICA_URL")
-    h.add_argument("snapshot", metavar="SNAPSHOT", help="'latest', a snapshot name (v00000042) or a version")
-    h.add_argument("--wait", action="store_true",
-                   help="wait for the replica to answer (it may be starting), then until READY or FAILED")
-    h.add_argument("--api-key", default=None, help="bearer key (default: $CKPTDELTA_API_KEY)")
-    h.add_argument("--timeout", type=float, default=600.0, help="seconds to wait with --wait (default 600)")
-    h.set_defaults(func=guarded(cmd_hotload, "hotload"))
+    from . import fleet_cli
+
+    fleet_cli.add_commands(subparsers)    # hotload and status, for one replica or many
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -134,8 +124,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int",
     api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
     try:
         app = create_app(engine, replica_id=replica_id, api_key=api_key)
-        log.warning("replica %s (%s engine) serving policy version %s on http://%s:%d%s", replica_id, engine.kind,
-                    engine.version, args.host, args.port, " (API key required)" if api_key else "")
+        log.info("replica %s (%s engine) serving policy version %s on http://%s:%d%s", replica_id, engine.kind,
+                 engine.version, args.host, args.port, " (API key required)" if api_key else "")
         drain = stopping.DRAIN_TIMEOUT_S if args.drain_timeout is None else args.drain_timeout
         stopper.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain))
         if stopper.why is None or not stopper.enabled:
@@ -228,42 +218,3 @@ def _check_before_loading(args: argparse.Namespace) -> "tuple[str | int, socket.
     except BaseException:
         sock.close()
         raise
-
-
-def _wait_until_up(url: str, timeout: float) -> None:
-    """Until something answers HTTP at ``url`` (a replica started a moment ago is still loading its model)."""
-    import time
-
-    import httpx
-
-    from delta.errors import ReplicaError
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            httpx.get(url.rstrip("/") + "/health", timeout=5.0)
-            return
-        except (httpx.ConnectError, httpx.TimeoutException) as e:
-            if time.monotonic() > deadline:
-                raise ReplicaError(f"replica {url} did not answer within {timeout:g}s: {e}") from None
-            time.sleep(0.25)
-
-
-def cmd_hotload(args: argparse.Namespace) -> int:
-    from .client import RolloutClient
-
-    snapshot: str | int = int(args.snapshot) if args.snapshot.isdigit() else args.snapshot
-    api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
-    if args.wait:
-        _wait_until_up(args.replica_url, args.timeout)
-    with RolloutClient([args.replica_url], api_key=api_key) as client:
-        try:
-            states = client.hotload(snapshot, wait=args.wait, timeout=args.timeout)
-        except CkptDeltaError as e:  # FAILED, refused, timeout: the replica's own answer is the useful part
-            states = getattr(e, "states", None)
-            if states:
-                print(json.dumps(states, indent=2))
-            print(f"ckptdelta hotload: error: {' '.join(str(e).split())}", file=sys.stderr)
-            return 1
-    print(json.dumps(states, indent=2))
-    return 0 if all(s.get("state") in ("READY", "PREPARING", "SWAPPING") for s in states.values()) else 1

@@ -83,7 +83,8 @@ class RolloutClient:
                                 else prompt, "n": n, "return_engine_data": return_engine_data, **sampling}
         if min_policy_version is not None:
             body["min_policy_version"] = min_policy_version
-        deadline = time.monotonic() + self.ready_timeout
+        t0 = time.monotonic()
+        deadline = t0 + self.ready_timeout
         last = ""
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
@@ -103,13 +104,17 @@ class RolloutClient:
                                        f"{err.get('message') or r.text[:500]}")
                 else:
                     last = f"{url}: {r.status_code} {err.get('message', '')}"
-            delay = self._delay(attempt)
-            if time.monotonic() + delay > deadline:
+            # the last try is made at the deadline, not one backoff before it: the timeout said is the time tried
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                tried = f"{attempt + 1} tries in {time.monotonic() - t0:.1f}s"
                 if "policy version" in last:
                     raise PolicyVersionTimeoutError(
-                        f"no replica reached policy version {min_policy_version} within {self.ready_timeout}s "
-                        f"({attempt + 1} tries; last: {last})")
-                raise ReplicaError(f"{path} failed on every try for {self.ready_timeout}s; last: {last}")
+                        f"no replica reached policy version {min_policy_version} within the ready_timeout of "
+                        f"{self.ready_timeout:g}s ({tried}; last: {last})")
+                raise ReplicaError(f"{path} failed on every try within the ready_timeout of {self.ready_timeout:g}s "
+                                   f"({tried}); last: {last}")
+            delay = min(self._delay(attempt), remaining)
             log.debug("retrying %s in %.2fs: %s", path, delay, last)
             time.sleep(delay)
         raise AssertionError("unreachable")
@@ -170,6 +175,82 @@ class RolloutClient:
         if r.status_code == 409:
             raise _with_states(HotLoadConflictError(msg), states)
         raise _with_states(ReplicaError(msg), states)
+
+    def hotload_each(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
+                     poll_interval: float = 0.2, wait_up: bool = False) -> dict[str, dict[str, Any]]:
+        """Hot-load ``snapshot`` on every replica, each on its own: a replica that fails, refuses or cannot be
+        reached does not stop the others (what ``ckptdelta hotload URL... SNAPSHOT`` runs). Never raises for a
+        replica; returns replica -> its last answer, whose ``state`` is READY or FAILED (the job's own
+        answer), REJECTED (refused: ``status`` and ``error``), UNREACHABLE (``error``), or, without ``wait``
+        or past ``timeout``, the job's state then (QUEUED, PREPARING, SWAPPING; past ``timeout`` also with
+        ``error``).
+
+        Every replica must serve the run of the first one that answers (one of another run is REJECTED, not
+        hot-loaded: its versions are another run's). "latest" is resolved by the first replica that accepts the
+        hot-load, the others are asked for that exact version. The newest request wins: a replica busy with a
+        hot-load to another version queues this one behind it (``queue``, loader/hotload_jobs.py).
+        ``wait_up``: first wait (within ``timeout``) for replicas that do not answer yet (still starting)."""
+        deadline = time.monotonic() + timeout
+        states: dict[str, dict[str, Any]] = {}
+        with ThreadPoolExecutor(max_workers=min(16, len(self.replicas))) as pool:
+            seen = dict(zip(self.replicas, pool.map(lambda u: self._status_for_hotload(u, deadline, wait_up),
+                                                    self.replicas)))
+            run_of = next(((u, st["run_id"]) for u, st in seen.items() if "run_id" in st), (None, None))
+            todo = []
+            for url, st in seen.items():
+                if "error" in st:     # a transport error, or an answer that is not the replica's status (401...)
+                    states[url] = {"state": "UNREACHABLE" if " unreachable " in st["error"] else "REJECTED",
+                                   "error": st["error"]}
+                elif st.get("run_id") != run_of[1]:
+                    states[url] = {"state": "REJECTED", "status": None, "from_version": st.get("policy_version"),
+                                   "error": f"serves run {st.get('run_id')}, not run {run_of[1]} of {run_of[0]}: "
+                                            "not hot-loaded (its versions are another run's)"}
+                else:
+                    todo.append(url)
+            target: str | int = snapshot
+            while todo and not isinstance(target, int):   # the first replica that accepts resolves the name
+                url = todo.pop(0)
+                states[url] = self._post_each(url, snapshot)
+                if isinstance(states[url].get("target_version"), int):
+                    target = states[url]["target_version"]
+            states.update(zip(todo, pool.map(lambda u: self._post_each(u, target), todo)))
+            if wait:
+                busy = [u for u, st in states.items() if st.get("state") in ("QUEUED", "PREPARING", "SWAPPING")]
+                states.update(zip(busy, pool.map(lambda u: self._wait_job(u, states[u], deadline, poll_interval),
+                                                 busy)))
+        return {u: states[u] for u in self.replicas}
+
+    def _status_for_hotload(self, url: str, deadline: float, wait_up: bool) -> dict[str, Any]:
+        while True:
+            try:
+                return self._get(url, "/v1/status")
+            except ReplicaError as e:
+                if not wait_up or time.monotonic() > deadline or "unreachable" not in str(e):
+                    return {"error": str(e)}
+            time.sleep(0.25)
+
+    def _post_each(self, url: str, snapshot: str | int) -> dict[str, Any]:
+        try:
+            r = self._http.post(url + "/v1/hotload", json={"snapshot": snapshot, "queue": True})
+        except httpx.TransportError as e:
+            return {"state": "UNREACHABLE", "error": f"replica {url} unreachable for hot-load: {e}"}
+        if r.status_code in (200, 202):
+            return r.json()
+        err = _error_of(r)
+        return {"state": "REJECTED", "status": r.status_code,
+                "error": f"{r.status_code} {err.get('type', '')}: {err.get('message') or r.text[:300]}"}
+
+    def _wait_job(self, url: str, job: dict[str, Any], deadline: float, poll_interval: float) -> dict[str, Any]:
+        while True:
+            try:
+                job = self._get(url, f"/v1/hotload/{job['id']}")
+            except ReplicaError as e:
+                return {**job, "error": str(e)}
+            if job.get("state") in ("READY", "FAILED"):
+                return job
+            if time.monotonic() > deadline:
+                return {**job, "error": f"not READY within the timeout (still {job.get('state')})"}
+            time.sleep(poll_interval)
 
     # --- status -----------------------------------------------------------------------------------
 

@@ -6,6 +6,14 @@ loaded joins that job (same id), a different target is a conflict, and a
 request for the version already served is a no-op that reports READY. The job
 thread prepares the update while the replica keeps serving, then commits it in
 the swapper's short pause.
+
+A request with ``queue=True`` (what ``ckptdelta hotload`` sends to a fleet) is
+not refused while another target loads: the newest request wins, as a managed
+service's hot-load does. It waits (QUEUED) and starts when the running one
+ends; a request queued before it and not started yet is dropped (FAILED,
+``error_type`` ``HotLoadSuperseded``, naming the hot-load that replaced it).
+The running one is never interrupted: its swap is short, and what it fetched
+is what the next one builds on.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from delta.manifest import snapshot_name
 
 log = logging.getLogger("ckptdelta.server")
 
-PREPARING, SWAPPING, READY, FAILED = "PREPARING", "SWAPPING", "READY", "FAILED"
+QUEUED, PREPARING, SWAPPING, READY, FAILED = "QUEUED", "PREPARING", "SWAPPING", "READY", "FAILED"
+SUPERSEDED = "HotLoadSuperseded"   # the error_type of a queued hot-load a newer request replaced
 MAX_KEPT_JOBS = 256
 _TIMING_FIELDS = ("fetch_s", "decode_s", "apply_s", "pause_s", "total_s")
 
@@ -44,6 +53,7 @@ class HotLoadJob:
     finished: float | None = None
     report: dict[str, Any] | None = None  # HotLoadReport fields once READY
     noop: bool = False  # already at the target: nothing was done
+    prepare_s: float | None = None  # from its start to the end of prepare (fetch, decode, verify; serving)
 
     @property
     def done(self) -> bool:
@@ -62,6 +72,8 @@ class HotLoadJob:
         if self.report is not None:
             d["report"] = self.report
             d["timings"] = {k: self.report.get(k) for k in _TIMING_FIELDS}
+        if self.prepare_s is not None:
+            d.setdefault("timings", {})["prepare_s"] = self.prepare_s
         return d
 
 
@@ -78,12 +90,18 @@ class HotLoadManager:
         self._lock = threading.Lock()
         self._jobs: dict[str, HotLoadJob] = {}
         self._running: HotLoadJob | None = None
+        self._queued: HotLoadJob | None = None    # waits for the running one (submit(queue=True))
         self._last: HotLoadJob | None = None
         self._seq = itertools.count(1)
 
     @property
     def running(self) -> HotLoadJob | None:
         return self._running
+
+    @property
+    def queued(self) -> HotLoadJob | None:
+        """The hot-load that starts when the running one ends, if one was queued."""
+        return self._queued
 
     @property
     def last(self) -> HotLoadJob | None:
@@ -93,11 +111,12 @@ class HotLoadManager:
     def get(self, job_id: str) -> HotLoadJob | None:
         return self._jobs.get(job_id)
 
-    def submit(self, ref: str | int) -> tuple[HotLoadJob, str]:
-        """Start, join or acknowledge a hot-load of ``ref``; returns (job, "started"|"joined"|"noop").
+    def submit(self, ref: str | int, *, queue: bool = False) -> tuple[HotLoadJob, str]:
+        """Start, join or acknowledge a hot-load of ``ref``; returns (job, "started"|"joined"|"noop"|"queued").
 
-        Raises SnapshotNotFoundError for a snapshot the run lacks and
-        HotLoadConflictError while a hot-load to another version runs."""
+        Raises SnapshotNotFoundError for a snapshot the run lacks and, without
+        ``queue``, HotLoadConflictError while a hot-load to another version runs
+        (with it, the request waits for that one and replaces any queued before it)."""
         # storage I/O, outside the lock; fresh: a snapshot gc deleted, or a run deleted and published again,
         # is refused here (404) instead of failing later on objects its cached manifests still name
         target = self.reader.resolve(ref, fresh=True)
@@ -105,23 +124,50 @@ class HotLoadManager:
         with self._lock:
             run = self._running
             if run is not None:
-                if run.target_version == target:
+                if run.target_version == target and (self._queued is None or not queue):
                     return run, "joined"
-                raise HotLoadConflictError(
-                    f"hot-load {run.id} to {snapshot_name(run.target_version)} is {run.state}; "
-                    f"refusing a concurrent hot-load to {snapshot_name(target)}")
-            current = self.swapper.version
-            if current == target:
-                last = self._last
-                if last is not None and last.state == READY and last.target_version == target:
-                    return last, "noop"
-                job = self._new_job(requested, target, current)
-                job.state, job.noop, job.finished = READY, True, time.time()
-                self._last = job
-                self._notify(job, READY)
-                return job, "noop"
-            job = self._new_job(requested, target, current)
-            self._running = job
+                queued = self._queued
+                if queued is not None and queued.target_version == target:
+                    return queued, "joined"
+                if not queue:
+                    raise HotLoadConflictError(
+                        f"hot-load {run.id} to {snapshot_name(run.target_version)} is {run.state}; "
+                        f"refusing a concurrent hot-load to {snapshot_name(target)}")
+                job = self._new_job(requested, target, None)
+                job.state = QUEUED
+                self._queued = job
+                if queued is not None:
+                    self._supersede(queued, job)
+                log.info("hot-load %s to %s queued behind %s to %s", job.id, snapshot_name(target), run.id,
+                         snapshot_name(run.target_version))
+                return job, "queued"
+            return self._start_locked(requested, target)
+
+    def _supersede(self, old: HotLoadJob, new: HotLoadJob) -> None:
+        old.reason = (f"superseded by hot-load {new.id} to {snapshot_name(new.target_version)}, requested later "
+                      "while this one waited (the newest request wins)")
+        old.error_type, old.finished = SUPERSEDED, time.time()
+        self._notify(old, FAILED)
+        old.state = FAILED
+        log.info("hot-load %s to %s dropped: %s", old.id, snapshot_name(old.target_version), old.reason)
+
+    def _start_locked(self, requested: str, target: int, job: HotLoadJob | None = None) -> tuple[HotLoadJob, str]:
+        """Start a hot-load of ``target`` (``job``: a queued one); the caller holds the lock."""
+        current = self.swapper.version
+        if current == target:
+            last = self._last
+            if job is None and last is not None and last.state == READY and last.target_version == target:
+                return last, "noop"
+            job = job or self._new_job(requested, target, current)
+            job.from_version = current
+            job.noop, job.finished = True, time.time()
+            self._last = job
+            self._notify(job, READY)
+            job.state = READY
+            return job, "noop"
+        job = job or self._new_job(requested, target, current)
+        job.from_version, job.state = current, PREPARING
+        self._running = job
         threading.Thread(target=self._run, args=(job,), name=f"hotload-{job.id}", daemon=True).start()
         log.info("hot-load %s: %s -> %s started", job.id, _name(job.from_version), snapshot_name(target))
         return job, "started"
@@ -141,13 +187,15 @@ class HotLoadManager:
         state = FAILED
         try:
             # Weights of unknown version (an HF directory): only an anchor can establish one ("initial").
+            t0 = time.perf_counter()
             prepared = self.swapper.prepare(job.target_version, initial=self.swapper.version is None)
+            job.prepare_s = time.perf_counter() - t0
             job.state = SWAPPING
             report = self.swapper.commit(prepared)
             del prepared
             job.report = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
             state = READY
-            log.info("hot-load %s: %s ready (pause %.4fs, %d bytes fetched)", job.id,
+            log.debug("hot-load %s: %s ready (pause %.4fs, %d bytes fetched)", job.id,
                      snapshot_name(job.target_version), job.report.get("pause_s", 0.0),
                      job.report.get("bytes_fetched", 0))
         except Exception as e:  # noqa: BLE001 - any failure must leave the replica serving
@@ -163,6 +211,16 @@ class HotLoadManager:
                 self._running = None
                 self._last = job
                 job.state = state
+                nxt, self._queued = self._queued, None
+                if nxt is not None:
+                    try:
+                        self._start_locked(nxt.requested, nxt.target_version, nxt)
+                    except Exception as e:  # noqa: BLE001 - no thread to be had: the queued one fails, said why
+                        nxt.reason, nxt.error_type, nxt.finished = f"{type(e).__name__}: {e}", type(e).__name__, \
+                            time.time()
+                        self._running = None
+                        self._notify(nxt, FAILED)
+                        nxt.state = FAILED
 
     def _notify(self, job: HotLoadJob, state: str) -> None:
         if self.on_done is not None:

@@ -65,6 +65,8 @@ class HotLoadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     snapshot: StrictStr | StrictInt
+    #: while a hot-load to another version runs: wait for it instead of 409 (the newest request wins)
+    queue: StrictBool = False
 
 
 # --- errors ----------------------------------------------------------------------------
@@ -162,6 +164,32 @@ def _engine_data(res: EngineResult, replica_id: str, run_id: str | None) -> dict
     }
 
 
+def _name(version: int | None) -> str:
+    from delta.manifest import snapshot_name
+
+    return "unknown version" if version is None else snapshot_name(version)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _verified(engine: Any) -> str:
+    """What proved the new weights: the engine's own read-back (vLLM), or the manifest's digests."""
+    last = (engine.status() or {}).get("last_swap") or {}
+    if "verify" not in last:
+        return "verified against the manifest's digests"
+    if last.get("verify") == "off":
+        return "not verified (--verify off)"
+    if last.get("verified"):
+        return f"verified: {last.get('verified_tensors', 0)} tensors read back from the engine"
+    return f"NOT verified ({last.get('verify')} proof incomplete)"
+
+
 # --- the app -------------------------------------------------------------------------------------
 
 def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str | None = None,
@@ -186,6 +214,11 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
         if job.noop:
             metrics.hotloads.labels(result="noop").inc()
             return
+        if state == "READY" and job.report:
+            r = job.report
+            log.info("hot-load %s: %s -> %s READY: %s fetched, prepare %.2f s, pause %.3f s, %s", job.id,
+                     _name(job.from_version), _name(job.target_version), _bytes(int(r.get("bytes_fetched") or 0)),
+                     job.prepare_s or 0.0, float(r.get("pause_s") or 0.0), _verified(engine))
         metrics.hotloads.labels(result="ready" if state == "READY" else "failed").inc()
         if job.finished is not None:
             metrics.hotload_duration.observe(job.finished - job.created)
@@ -302,7 +335,7 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
                            f"snapshot {ref[:80]!r} is not 'latest', a snapshot name or a version "
                            "(one path segment of letters, digits, '.', '_', '-')")
         try:
-            job, how = manager.submit(ref)
+            job, how = manager.submit(ref, queue=req.queue)
         except SnapshotNotFoundError as e:
             raise APIError(404, "snapshot_not_found", str(e), snapshot=ref) from None
         except HotLoadConflictError as e:
@@ -329,10 +362,12 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
     async def status() -> dict[str, Any]:
         running = manager.running if manager is not None else None
         last = manager.last if manager is not None else None
+        queued = manager.queued if manager is not None else None
         return {
             "replica_id": replica_id, "run_id": run_id, "policy_version": engine.version,
             "snapshot": engine.snapshot, "state": replica_state(running),
             "hotload": running.to_dict() if running is not None else None,
+            "queued_hotload": queued.to_dict() if queued is not None else None,
             "last_hotload": last.to_dict() if last is not None else None,
             "cache_policy": engine.cache_policy, "model": engine.model_name, "uptime_s": time.time() - started,
             "engine": engine.status(),

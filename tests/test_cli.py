@@ -14,7 +14,7 @@ import delta
 from ckptdelta.cli import main
 from delta.container import ObjectWriter
 
-COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "materialize", "verify", "inspect")
+COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "status", "materialize", "verify", "inspect")
 
 
 def test_help_lists_every_command_with_examples():

@@ -134,7 +134,7 @@ def _cli(*argv: str) -> int:
 
 def test_hotload_command_prints_state_and_exit_status(start_replica, capsys, lm_dir, tmp_path):
     rep = start_replica(1, api_key="k3y")
-    assert _cli("hotload", rep.url, "2", "--wait", "--api-key", "k3y") == 0
+    assert _cli("hotload", rep.url, "2", "--wait", "--api-key", "k3y", "--json") == 0
     out = json.loads(capsys.readouterr().out)
     assert out[rep.url]["state"] == "READY" and out[rep.url]["target_version"] == 2
     assert _cli("hotload", rep.url, "v00000099", "--api-key", "k3y") == 1
@@ -190,6 +190,15 @@ def test_serve_command_runs_a_replica_from_a_bucket_on_the_port_it_picked(run, t
             assert client.hotload("latest")[url]["target_version"] == run.latest
             out = client.sample(PROMPT, max_tokens=2, min_policy_version=run.latest)
             assert out["engine_data"]["replica_id"] == "cli-replica"
+        # without -v, serve says at INFO what it does: one line per hot-load, not one per HTTP request
+        deadline = time.monotonic() + 30
+        while not any(" READY: " in ln for ln in lines):
+            assert time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.1)
+        done = next(ln for ln in lines if " READY: " in ln)
+        assert " INFO " in done and f"v00000001 -> v{run.latest:08d}" in done
+        assert "fetched, prepare " in done and ", pause " in done and "verified" in done
+        assert not [ln for ln in lines if "HTTP Request" in ln or "hotswap" in ln], "".join(lines)[-3000:]
     finally:
         proc.terminate()
         proc.wait(30)
