@@ -66,8 +66,9 @@ class Policy:
     truth: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)   # that directory's tensors
 
 
-def train_and_publish(kind: str, root: str, *, steps: int = 3) -> Policy:
-    """fp32 masters, AdamW, ``publish(model, step)`` with dtype=bf16; each version also saved as a user would."""
+def train_and_publish(kind: str, root: str, *, steps: int = 3, dtype: torch.dtype | None = torch.bfloat16) -> Policy:
+    """fp32 masters, AdamW, ``publish(model, step)`` in ``dtype`` (None: fp32 as they are); each version also
+    saved as a user would, in that dtype."""
     from safetensors.torch import load_file
 
     from publisher import Publisher
@@ -77,12 +78,13 @@ def train_and_publish(kind: str, root: str, *, steps: int = 3) -> Policy:
         build_qwen_tied(len(tokenizer), dtype=torch.float32).train()
     assert model.dtype == torch.float32 and model.lm_head.weight is model.model.embed_tokens.weight
     policy = Policy(kind, os.path.join(root, "bucket", kind), os.path.join(root, "model"))
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(policy.model_dir)
+    served = dtype or torch.float32
+    copy.deepcopy(model).to(served).save_pretrained(policy.model_dir)
     tokenizer.save_pretrained(policy.model_dir)
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(3, len(tokenizer), (4, 24), generator=g)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with Publisher(policy.url, dtype=torch.bfloat16, extra_files=policy.model_dir, progress=False) as pub:
+    with Publisher(policy.url, dtype=dtype, extra_files=policy.model_dir, progress=False) as pub:
         for step in range(steps):
             if step:
                 model(batch, labels=batch).loss.backward()
@@ -90,7 +92,7 @@ def train_and_publish(kind: str, root: str, *, steps: int = 3) -> Policy:
                 opt.zero_grad()
             version = pub.publish(model, step).version
             out = os.path.join(root, f"saved-v{version}")
-            copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out)
+            copy.deepcopy(model).to(served).save_pretrained(out)
             tokenizer.save_pretrained(out)
             policy.saved[version] = out
             policy.truth[version] = load_file(os.path.join(out, "model.safetensors"))
@@ -205,3 +207,28 @@ def test_vllm_serves_and_hot_loads_the_tied_bf16_policy_as_a_vllm_that_loaded_sa
     finally:
         if theirs is not None:
             theirs.stop()
+
+
+@pytest.mark.slow
+def test_vllm_serves_an_fp32_run_in_fp32_and_hot_loads_it_bit_exact(tmp_path):
+    """publish() without dtype: fp32 snapshots. vLLM's own default would downcast them to bf16 (and the
+    replica's start check would fail); the replica passes --dtype float32, and every weight reads back as
+    the published fp32 bits."""
+    from loader.engines import build_engine
+    from loader.reader import SnapshotReader
+
+    policy = train_and_publish("llama", str(tmp_path / "policy"), steps=2, dtype=None)
+    assert {e.dtype for e in SnapshotReader(policy.url).manifest(0).tensors.values()} == {"F32"}
+    engine = build_engine("vllm", bucket=policy.url, snapshot=0, cache_dir=str(tmp_path / "cache"),
+                          vllm_args=ARGS_WITHOUT_DTYPE)
+    cmd = engine.server.proc.args
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    rep = VllmReplicaHandle(engine)
+    try:
+        assert bit_diff(rep.live_weights(str(tmp_path)), policy.truth[0]) == []
+        for v in (1, 0):
+            assert rep.hotload(v)["state"] == "READY"
+            assert bit_diff(rep.live_weights(str(tmp_path)), policy.truth[v]) == [], v
+        assert rep.complete(max_tokens=3, return_engine_data=True)["engine_data"]["policy_version"] == 0
+    finally:
+        rep.close()
