@@ -494,16 +494,16 @@ class VllmApplier(EngineApplier):
         # not once paused: putting the old version back after a failed swap reloads it in that pause
         shadow = self._build(groups, version) if (groups and self.shadows and not self._pause.started
                                                   and not recovering) else None
-        patch_req = None
-        if patch:
-            spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
-            # the worker reads the written positions back at once (the rest of each tensor was not touched)
-            patch_req = {"path": self.shared.path, "positions": self.shared.positions_path, "spans": spans,
-                         "check": self.verify != "off"}
-        self._stop()
-        t_stopped = time.perf_counter()
         swapped = False
-        try:
+        try:    # a shadow not swapped in is dropped however this ends (positions unwritable, the pause refused...)
+            patch_req = None
+            if patch:
+                spans = write_positions(self.shared.positions_path, ((n, positions[n]) for n in patch))
+                # the worker reads the written positions back at once (the rest of each tensor was not touched)
+                patch_req = {"path": self.shared.path, "positions": self.shared.positions_path, "spans": spans,
+                             "check": self.verify != "off"}
+            self._stop()
+            t_stopped = time.perf_counter()
             if shadow is not None:
                 # one round trip: the shadow swapped in, then the in-place patches
                 self.control.rpc("ckptdelta_swap", {"token": shadow.token, "patch": patch_req})
