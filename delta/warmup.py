@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -43,13 +43,21 @@ def _pair(dtype: torch.dtype, n: int, frac: float, seed: int) -> tuple[torch.Ten
     return old, new.contiguous()
 
 
-def warm_up() -> float:
+def warm_up(progress: Callable[[str, int, int, float | None], None] | None = None) -> float:
     """Run encode (both codec modes), the batch paths, stage and apply once per dtype, and the hot-swap commit
-    kernels once per element width, each checked bit-exact; returns the seconds it took."""
+    kernels once per element width, each checked bit-exact; returns the seconds it took.
+
+    ``progress(group, i, n, seconds)`` is called as each of the ``n`` groups starts (``seconds`` None) and ends
+    (the seconds it took): a fresh install compiles for minutes on a busy machine."""
     from delta import apply_, apply_many, encode, encode_many, stage, stage_full
 
+    say = progress or (lambda *_: None)
+    groups = len(DTYPES) + 1
     t0 = time.perf_counter()
     for i, dtype in enumerate(DTYPES):
+        group = f"codec kernels for {str(dtype).removeprefix('torch.')}"
+        say(group, i + 1, groups, None)
+        tg = time.perf_counter()
         for frac in (0.01, 0.5):  # sparse and dense chunk encodings
             old, new = _pair(dtype, 1 << 15, frac, seed=i)
             outs = []
@@ -75,7 +83,11 @@ def warm_up() -> float:
             if not all(torch.equal(o.view(torch.uint8), want) for o in outs):
                 raise AssertionError(f"warm-up round trip of {dtype} is not bit-exact")
             _warm_encoding_4(old, new)
+        say(group, i + 1, groups, time.perf_counter() - tg)
+    say("hot-swap commit kernels", groups, groups, None)
+    tg = time.perf_counter()
     _warm_commit()
+    say("hot-swap commit kernels", groups, groups, time.perf_counter() - tg)
     return time.perf_counter() - t0
 
 
@@ -340,9 +352,16 @@ def _stop_at_exit() -> None:
 
 
 def main() -> int:
-    print("compiling codec kernels (numba caches them: seconds the first time on a checkout)...",
-          file=sys.stderr, flush=True)
-    s = warm_up()
+    print("compiling the codec's kernels once (numba caches them; a minute or more the first time on two cores, "
+          "longer on a busy machine):", file=sys.stderr, flush=True)
+
+    def progress(group: str, i: int, n: int, seconds: float | None) -> None:
+        if seconds is None:
+            print(f"  [{i}/{n}] {group} ...", end="", file=sys.stderr, flush=True)
+        else:
+            print(f" {seconds:.1f} s", file=sys.stderr, flush=True)
+
+    s = warm_up(progress)
     print(f"codec kernels ready ({s:.1f} s)", file=sys.stderr)
     return 0
 

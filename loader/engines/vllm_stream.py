@@ -18,6 +18,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+import anyio
 import httpx
 
 from ..streaming import event
@@ -87,7 +88,8 @@ async def stream(replica: "VllmReplica", kind: RequestKind, body: dict[str, Any]
             yield event({"error": {"type": "engine_unavailable",
                                    "message": f"vLLM at {replica.url} broke off the stream: {type(e).__name__}: {e}"}})
         finally:
-            await r.aclose()
+            with anyio.CancelScope(shield=True):    # a client gone cancels us: the connection to vLLM still
+                await r.aclose()                    # closes properly, which aborts the request there
             versions = replica._versions_since(epoch0, v0) if replica.applier.epoch != epoch0 or crossing else [v0]
             result.policy_versions = versions
             result.snapshot = None if versions[-1] is None else _snapshot(versions[-1])
