@@ -178,7 +178,8 @@ def hotload_table(states: dict[str, dict[str, Any]], requested: str) -> str:
     for st in states.values():
         counts[st.get("state", "?")] = counts.get(st.get("state", "?"), 0) + 1
     head = (f"hot-load of {', '.join(_name(t) for t in targets) or requested}"
-            f"{f' ({requested})' if targets and requested != _name(targets[0]) else ''} on {len(states)} replicas: "
+            f"{f' ({requested})' if targets and requested != _name(targets[0]) else ''} on {len(states)} "
+            f"replica{'s' if len(states) != 1 else ''}: "
             + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     rows = []
     for url, st in states.items():

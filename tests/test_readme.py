@@ -76,5 +76,7 @@ def test_every_readme_command_and_snippet_runs_as_written(tmp_path):
     text = "\n".join(outputs)
     assert "v00000002  delta" in text and "ok: v00000002" in text                  # ls, verify
     assert "verify v00000002" not in text                                          # no progress bar off a terminal
-    assert '"state": "READY"' in text and '"policy_version":2' in text             # hotload, then a completion
+    assert "on 1 replica: 1 READY" in text and '"policy_version":2' in text       # hotload, then a completion
+    assert '"chat.completion.chunk"' in text and "data: [DONE]" in text            # a stream
+    assert "v00000002" in text.split("last hot-load")[-1]                         # status
     assert "model.layers.0.mlp.down_proj.weight" in text                           # read_tensors' filter
