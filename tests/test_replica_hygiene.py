@@ -256,6 +256,12 @@ def _half_sent(port: int, body: dict) -> tuple[socket.socket, bytes]:
     return s, raw[5:]
 
 
+def _health(port: int) -> None:
+    """GET /health on a connection opened after the half-sent ones: its answer comes after the server read them
+    (it accepts and reads connections in the order they arrive)."""
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).status_code == 200
+
+
 def _response(s: socket.socket) -> bytes:
     out = b""
     while True:
@@ -289,7 +295,7 @@ def test_sigterm_finishes_the_request_in_flight_cuts_one_that_hangs_and_exits_0(
     try:
         finishing, rest = _half_sent(port, {"prompt": PROMPT, "max_tokens": 4, "return_engine_data": True})
         hanging, _never = _half_sent(port, {"prompt": PROMPT, "max_tokens": 4})
-        time.sleep(0.5)   # both reach the server (in flight from its point of view) before the signal
+        _health(port)      # answered after both were read: they are in flight, from the server's point of view
         proc.send_signal(signal.SIGTERM)
         _wait_until_refused(port, proc)           # new connections refused while the two are in flight
         finishing.sendall(rest)
@@ -408,7 +414,7 @@ def test_a_vllm_replica_stopped_by_sigterm_starting_or_serving_leaves_nothing_an
         children = psutil.Process(s.pid).children(recursive=True)
         assert children
         req, rest = _half_sent(port, {"prompt": PROMPT, "max_tokens": 8, "return_engine_data": True})
-        time.sleep(0.5)
+        _health(port)
         s.send_signal(signal.SIGTERM)
         _wait_until_refused(port, s)
         req.sendall(rest)
