@@ -236,12 +236,12 @@ def test_after_an_unknown_version_the_next_hotload_pushes_and_proves_even_what_t
     assert rep.engine.applier.last["recovered"] and rep.engine.applier.last["verified"]
 
 
-def _serve(run, proxy_url: str, snapshot, tmp_path, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    port = port or free_port()
+def _serve(run, proxy_url: str, snapshot, tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
     log = open(tmp_path / f"serve-{port}.log", "ab")
     cmd = [os.path.join(os.path.dirname(sys.executable), "ckptdelta"), "serve", "--engine", "vllm",
            "--bucket", run.url, "--snapshot", str(snapshot), "--port", str(port), "--attach", proxy_url,
-           "--control-timeout", str(CONTROL_TIMEOUT), "--request-timeout", "60"]
+           "--control-timeout", str(CONTROL_TIMEOUT), "--request-timeout", "60", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -257,12 +257,12 @@ def _serve(run, proxy_url: str, snapshot, tmp_path, port: int | None = None) -> 
     raise AssertionError("ckptdelta serve --attach did not come up")
 
 
-def _kill_in_the_pause(run, vllm, proxy, tmp_path, point: str) -> None:
+def _kill_in_the_pause(run, vllm, proxy, tmp_path, point: str, *args: str) -> None:
     """A replica SIGKILLed at ``point`` of a hot-load leaves vLLM paused (half swapped, or labelled wrong); a new
     replica attached to it proves every tensor (pushing the snapshot in where they differ), drops the prefix
     cache and resumes it, and serves."""
     start = max(run.truth)
-    proc, url = _serve(run, proxy.url, start, tmp_path)
+    proc, url = _serve(run, proxy.url, start, tmp_path, *args)
     try:
         target = _other(run, start)
         proxy.arm(Fault(point, "kill", pid=proc.pid))
@@ -274,8 +274,8 @@ def _kill_in_the_pause(run, vllm, proxy, tmp_path, point: str) -> None:
         proxy.clear()
         if proc.poll() is None:
             proc.kill()
-    with _vllm(vllm) as c:
-        assert c.get("/is_paused").json()["is_paused"], "the kill did not land inside the pause"
+    with _vllm(vllm) as c:      # killed before its /pause reached vLLM, or inside the pause
+        assert c.get("/is_paused").json()["is_paused"] == (point != "/pause"), point
     proc, url = _serve(run, proxy.url, "latest", tmp_path)
     try:
         _not_paused(vllm)
@@ -305,11 +305,14 @@ def test_a_replica_killed_in_the_pause_leaves_vllm_paused_and_a_new_one_proves_a
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["/pause", "rpc:ckptdelta_check", "/reset_prefix_cache", "/update_weight_version",
-                                   "/resume"])
-def test_a_replica_killed_anywhere_in_the_pause_is_recovered_by_the_next(rep, run, vllm, proxy, tmp_path, point):
+@pytest.mark.parametrize("point,args", [("/pause", ()), ("rpc:ckptdelta_reload", ("--apply", "reload")),
+                                        ("rpc:ckptdelta_check", ("--apply", "reload")), ("/reset_prefix_cache", ()),
+                                        ("/update_weight_version", ()), ("/resume", ())])
+def test_a_replica_killed_anywhere_in_the_pause_is_recovered_by_the_next(rep, run, vllm, proxy, tmp_path, point,
+                                                                         args):
+    """``--apply reload``: the changed modules reloaded and proven by samples inside the pause."""
     rep.close()
-    _kill_in_the_pause(run, vllm, proxy, tmp_path, point)
+    _kill_in_the_pause(run, vllm, proxy, tmp_path, point, *args)
 
 
 # --- the soak: a thousand hot-loads, faults in a random 5% of them, clients sampling all along ---------------
