@@ -34,6 +34,8 @@ ADAPTER_CONFIG_NAME = "adapter_config.json"
 MAX_BASE_NAME = 1024
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+#: Name segments peft inserts into a base module's own names when it wraps it.
+_WRAPPER_SEGMENTS = ("base_layer", "original_module")
 #: adapter_config.json fields that are sets (peft writes a set as a list in no particular order).
 _SET_FIELDS = ("target_modules", "exclude_modules", "modules_to_save")
 
@@ -90,15 +92,16 @@ def base_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 def base_tensors(model: torch.nn.Module, adapter_names: Iterable[str] = ()) -> list[tuple[str, torch.Tensor]]:
     """The base weights of ``model`` under the base's own names: a plain transformers model's state_dict,
     or, for a model peft has injected adapters into, the same without the adapters' tensors (any name with
-    a segment equal to an adapter name, ``lora_A.default.weight``) and with peft's ``base_layer`` segment
-    removed (``q_proj.base_layer.weight`` is the base's ``q_proj.weight``)."""
+    a segment equal to an adapter name, ``lora_A.default.weight``) and with peft's ``base_layer`` and
+    ``original_module`` segments removed (``q_proj.base_layer.weight`` is the base's ``q_proj.weight``; a
+    module peft trains whole, ``modules_to_save``, keeps its base copy as ``lm_head.original_module.weight``)."""
     skip = set(adapter_names)
     out = []
     for name, t in model.state_dict().items():
         parts = name.split(".")
         if skip.intersection(parts):
             continue
-        out.append((".".join(p for p in parts if p != "base_layer"), t))
+        out.append((".".join(p for p in parts if p not in _WRAPPER_SEGMENTS), t))
     return out
 
 

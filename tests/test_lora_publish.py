@@ -233,3 +233,24 @@ def test_serving_a_lora_run_reports_versions_answers_408_and_its_logprobs_equal_
     d = sampled - trained
     k1, k2, k3 = float(d.mean()), float((d * d).mean() / 2), float((torch.exp(-d) - 1 + d).mean())
     assert torch.equal(sampled, trained) and k1 == k2 == k3 == 0.0
+
+
+def test_an_adapter_that_trains_a_whole_module_too_is_served_on_its_base(lm_dir, tmp_path):
+    """modules_to_save: peft keeps the base's lm_head as original_module beside the trained copy; the base's
+    digest is still the base's own, and the trained copy travels with the adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            modules_to_save=["lm_head"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        publish_steps(pub, model, opt, range(2), truth)
+    assert SnapshotReader(url).manifest(0).adapter.base_xxh3 == BaseModel.of(lm_dir).xxh3
+    assert any("lm_head" in n for n in truth[1])
+    replica = reference.build(bucket=url, snapshot=0, base_model=lm_dir)
+    replica.swapper.hotload(1)
+    assert bits_differ(replica.swapper.weights, truth[1]) == []
