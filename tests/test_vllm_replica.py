@@ -341,8 +341,8 @@ def test_a_failed_hotload_leaves_vllm_serving_its_previous_version_bit_exact(rep
     assert rep.hotload(2)["state"] == "READY"
     real = vllm_engine.expected_digests
 
-    def one_wrong(shared, names, kernel=frozenset()):
-        out = real(shared, names, kernel)
+    def one_wrong(shared, names, kernel=frozenset(), slices=None):
+        out = real(shared, names, kernel, slices)
         out[sorted(out)[0]] = "0" * 16
         monkeypatch.setattr(vllm_engine, "expected_digests", real)  # only the first check is wrong
         return out

@@ -64,6 +64,7 @@ from delta.errors import CkptDeltaError, HotLoadError
 
 from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
 from .shared_weights import SharedWeights, write_positions
+from .vllm_tp import sliced, uncovered
 
 log = logging.getLogger("ckptdelta.engine.vllm")
 
@@ -615,9 +616,17 @@ class VllmApplier(EngineApplier):
                 raise VllmError(f"vLLM at {self.control.url}: reading the live weights back failed: {failed[0]}")
         else:
             answers = self.control.rpc("ckptdelta_digests", {"names": names})
+        # tensor parallelism: each worker hashed the slices it holds (loader/engines/vllm_tp.py); together
+        # they must cover every element, and each is compared with the same slice of the host copy
+        parts = [answer.get("slices") or {} for answer in answers]
+        gaps = uncovered({n: tuple(self.shared.tensors[n].shape) for n in names}, parts)
+        if gaps:
+            raise HotLoadError(f"vLLM's {len(answers)} workers read back slices that do not cover {len(gaps)} "
+                               f"tensors whole ({', '.join(gaps[:4])}{', ...' if len(gaps) > 4 else ''}): "
+                               "their tensor-parallel layout is not one loader/engines/vllm_tp.py knows")
         for w, answer in enumerate(answers):
             got = answer.get("digests") or {}
-            expected = expected_digests(self.shared, names, set(answer.get("kernel_view") or ()))
+            expected = expected_digests(self.shared, names, set(answer.get("kernel_view") or ()), parts[w])
             bad = sorted(n for n in names if got.get(n) != expected[n])
             if bad:
                 raise HotLoadError(f"vLLM worker {w}: live weights differ from the snapshot for {len(bad)} "
@@ -625,12 +634,15 @@ class VllmApplier(EngineApplier):
         return len(names)
 
 
-def expected_digests(shared: SharedWeights, names: Sequence[str], kernel: set[str] = frozenset()) -> dict[str, str]:
+def expected_digests(shared: SharedWeights, names: Sequence[str], kernel: set[str] = frozenset(),
+                     slices: dict[str, Any] | None = None) -> dict[str, str]:
     """xxh3 of each host-copy tensor as the worker's read-back reports it: its bits, or for a tensor the worker
-    read through a GEMM kernel, its :func:`loader.engines.vllm_readback.kernel_view`."""
+    read through a GEMM kernel, its :func:`loader.engines.vllm_readback.kernel_view`; under tensor parallelism,
+    of the slice the worker holds (``slices``: name -> [dim, start, length], loader/engines/vllm_tp.py)."""
     from loader.engines.vllm_readback import digests, kernel_view
 
-    return digests({n: kernel_view(shared.tensors[n]) if n in kernel else shared.tensors[n] for n in names})
+    held = sliced(shared.tensors, names, slices)
+    return digests({n: kernel_view(held[n]) if n in kernel else held[n] for n in names})
 
 
 # --- the engine -----------------------------------------------------------------------------------

@@ -43,9 +43,18 @@ as zero; with ``strict=True`` (default) that raises, with ``strict=False`` it
 is returned as ``+0.0``, which is what the kernel computes with. Plain tensors
 (embeddings, norms, biases, MoE experts) have none of these limits.
 
-Not covered (raises :class:`ReadbackError` naming the parameter): tensor,
-pipeline or expert parallelism > 1 (shards, replicated KV heads, expert maps),
-quantized layers (any linear/MoE/embedding quant method other than the
+Tensor parallelism: each rank reads back what it holds, as a slice of the
+checkpoint tensor (rows of a column-parallel linear and of each fused member,
+q/k/v by head group with GQA's kv heads replicated across ranks where there
+are fewer than ranks, input columns of a row-parallel linear, the rank's
+vocabulary rows of an embedding or LM head without its padding), and says
+which slice (``checkpoint_tensors(..., slices=)``; the rules are in
+loader/engines/vllm_tp.py). Linear layer kinds whose sharding is not known
+there raise when read at tensor-parallel size > 1.
+
+Not covered (raises :class:`ReadbackError` naming the parameter): pipeline or
+expert parallelism > 1 and MoE experts at tensor parallelism > 1 (layers on
+other stages, expert maps), quantized layers (any linear/MoE/embedding quant method other than the
 unquantized one), MoE backends other than the CPU grouped-GEMM / zentorch ones
 (e.g. CUDA kernels that shuffle expert weights), non-gated MoE, and checkpoint
 names that vLLM renames through ``hf_to_vllm_mapper`` prefix/substring rules
@@ -65,7 +74,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReadbackError", "checkpoint_tensors", "digests", "kernel_view"]
+from .vllm_tp import Slice, linear_slices, vocab_slice
+
+__all__ = ["ReadbackError", "Slice", "checkpoint_tensors", "digests", "kernel_view"]
 
 #: Identity rows pushed through a linear kernel per call (bounds the temporary output).
 _IDENTITY_CHUNK = 1024
@@ -113,11 +124,6 @@ def _as_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not bool(same.all()) or bool(torch.isnan(t).any()):
         raise ReadbackError(name, f"held as {t.dtype}; not exactly representable in {dtype}")
     return out.contiguous()
-
-
-def _check_tp(name: str, layer: torch.nn.Module) -> None:
-    if int(getattr(layer, "tp_size", 1) or 1) != 1:
-        raise ReadbackError(name, f"tensor parallel size {layer.tp_size} is not supported (only 1)")
 
 
 def _sampled_columns(n_in: int) -> torch.Tensor | None:
@@ -185,7 +191,6 @@ def _linear_weight(name: str, layer: torch.nn.Module, strict: bool) -> tuple[tor
 
     if not isinstance(layer.quant_method, UnquantizedLinearMethod):
         raise ReadbackError(name, f"quantized layer ({type(layer.quant_method).__name__}) is not supported")
-    _check_tp(name, layer)
     n_out = int(sum(layer.output_partition_sizes))
     n_in = int(layer.input_size_per_partition if hasattr(layer, "input_size_per_partition") else layer.input_size)
     w = layer.weight
@@ -241,18 +246,39 @@ class _Producer:
         self.triggers = list(names) + list(triggers or [])
         self.kernel_names: set[str] = set()  # set by read(): tensors it read through a GEMM kernel
         self.columns: dict[str, torch.Tensor] = {}  # set by read() when sampling: the input columns it read
+        self.slices: dict[str, Slice] = {}  # tensors this rank holds part of: which part (vllm_tp.py)
 
 
 def _linear_producer(model, path, layer, strict) -> _Producer:
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
-    sizes = [int(s) for s in (getattr(layer, "output_sizes", None) or [])]
+    # the rank's own rows per member (output_sizes are whole-model sizes, and with kv heads replicated
+    # across ranks not even those of the checkpoint)
+    sizes = [int(s) for s in (getattr(layer, "output_partition_sizes", None) or
+                              getattr(layer, "output_sizes", None) or [])]
     fused = isinstance(layer, (MergedColumnParallelLinear, QKVParallelLinear)) or len(sizes) > 1
     members = _fused_members(model, path, len(sizes)) if fused else [path]
     has_bias = getattr(layer, "bias", None) is not None
     names = [f"{m}.weight" for m in members] + ([f"{m}.bias" for m in members] if has_bias else [])
+    slices: dict[str, Slice] = {}
+    unknown = None       # raised when the layer is read: a model may hold layers nobody asks about
+    try:
+        rows, cols, bias_sliced = linear_slices(layer)
+        if len(rows) != len(members):
+            raise ValueError(f"{len(rows)} output partitions for {len(members)} members")
+        for m, r in zip(members, rows):
+            if r is not None and cols is not None:
+                raise ValueError("sliced along both dimensions")
+            if r is not None or cols is not None:
+                slices[f"{m}.weight"] = r if r is not None else cols
+            if has_bias and bias_sliced and r is not None:
+                slices[f"{m}.bias"] = r
+    except ValueError as e:
+        unknown = ReadbackError(f"{path}.weight", str(e))
 
     def read():
+        if unknown is not None:
+            raise unknown
         wname = f"{path}.weight"
         w, via_kernel = _linear_weight(wname, layer, strict)
         if via_kernel is not False:
@@ -272,6 +298,7 @@ def _linear_producer(model, path, layer, strict) -> _Producer:
         return out
 
     prod = _Producer(names, read)
+    prod.slices = slices
     return prod
 
 
@@ -283,12 +310,12 @@ def _embedding_producer(model, path, layer, strict, embed_of: dict) -> _Producer
     tied = is_head and (_tied(model) or any(layer.weight is e.weight for e in embed_of.values()))
     has_bias = getattr(layer, "bias", None) is not None
     names = ([] if tied else [wname]) + ([f"{path}.bias"] if has_bias else [])
+    # with tensor parallelism the rank's first ``vocab`` rows are its vocabulary slice, the rest padding
+    part, vocab = vocab_slice(layer)
 
     def read():
         if not isinstance(layer.quant_method, UnquantizedEmbeddingMethod):
             raise ReadbackError(wname, f"quantized embedding ({type(layer.quant_method).__name__}) is not supported")
-        _check_tp(wname, layer)
-        vocab = int(layer.org_vocab_size)
         if int(getattr(layer, "num_added_embeddings", 0) or 0):
             raise ReadbackError(wname, "added (LoRA) vocabulary rows are not supported")
         out = {}
@@ -321,6 +348,8 @@ def _embedding_producer(model, path, layer, strict, embed_of: dict) -> _Producer
 
     triggers = [f"{p}.weight" for p, e in embed_of.items() if e.weight is layer.weight] if tied else []
     prod = _Producer(names, read, triggers)
+    if part is not None:
+        prod.slices = {n: part for n in names}
     return prod
 
 
@@ -378,7 +407,7 @@ def _moe_producer(model, path, layer) -> _Producer:
         if not isinstance(qm, UnquantizedFusedMoEMethod):
             raise ReadbackError(wname, f"quantized MoE ({type(qm).__name__}) is not supported")
         cfg = layer.moe_config
-        for attr in ("tp_size", "ep_size", "dp_size", "pcp_size"):
+        for attr in ("tp_size", "ep_size", "dp_size", "pcp_size"):  # TP > 1: see vllm_tp.py (experts not yet)
             if int(getattr(cfg, attr, 1) or 1) != 1:
                 raise ReadbackError(wname, f"MoE {attr}={getattr(cfg, attr)} is not supported (only 1)")
         if int(layer.local_num_experts) != int(layer.global_num_experts):
@@ -458,7 +487,8 @@ def _producers(model: torch.nn.Module, strict: bool) -> list[_Producer]:
 def checkpoint_tensors(model: torch.nn.Module, names: Iterable[str] | None = None, *,
                        strict: bool = True, kernel_read: set[str] | None = None,
                        sample_columns: int | None = None,
-                       columns: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                       columns: dict[str, torch.Tensor] | None = None,
+                       slices: dict[str, Slice] | None = None) -> dict[str, torch.Tensor]:
     """CPU tensors, keyed by checkpoint name, holding the bits ``model`` computes with.
 
     ``names`` restricts the work to the layers those tensors live in (a fused
@@ -469,15 +499,19 @@ def checkpoint_tensors(model: torch.nn.Module, names: Iterable[str] | None = Non
     ``sample_columns=k`` reads only k random input columns of each matrix read
     through a kernel (k identity products instead of one per input: the cheap
     check for inside a pause); ``columns`` then receives which, per name, and
-    those tensors come back as ``[rows, k]``."""
+    those tensors come back as ``[rows, k]``.
+
+    Under tensor parallelism a tensor this rank holds part of comes back as that
+    part, and ``slices``, when given, receives which (a :class:`Slice` of the
+    checkpoint tensor, loader/engines/vllm_tp.py); a name not there is whole."""
     token = _SAMPLE_COLUMNS.set(sample_columns)
     try:
-        return _checkpoint_tensors(model, names, strict, kernel_read, columns)
+        return _checkpoint_tensors(model, names, strict, kernel_read, columns, slices)
     finally:
         _SAMPLE_COLUMNS.reset(token)
 
 
-def _checkpoint_tensors(model, names, strict, kernel_read, columns) -> dict[str, torch.Tensor]:
+def _checkpoint_tensors(model, names, strict, kernel_read, columns, slices) -> dict[str, torch.Tensor]:
     producers = _producers(model, strict)
     wanted = None if names is None else set(names)
     if wanted is not None:
@@ -500,7 +534,18 @@ def _checkpoint_tensors(model, names, strict, kernel_read, columns) -> dict[str,
                     kernel_read.add(n)
                 if columns is not None and n in p.columns:
                     columns[n] = p.columns[n]
+                if n in p.slices:
+                    _check_slice(n, t, p.slices[n])
+                    if slices is not None:
+                        slices[n] = p.slices[n]
     return out
+
+
+def _check_slice(name: str, t: torch.Tensor, part: Slice) -> None:
+    """The rank's tensor is as long as the slice it claims along the sliced dimension (sampled columns aside)."""
+    if part.dim < t.dim() and t.shape[part.dim] != part.length and not (part.dim == 1 and _SAMPLE_COLUMNS.get()):
+        raise ReadbackError(name, f"this rank holds {list(t.shape)}, not {part.length} along dim {part.dim} "
+                                  f"(its slice {part.to_json()})")
 
 
 def kernel_view(t: torch.Tensor) -> torch.Tensor:

@@ -247,16 +247,32 @@ class CkptDeltaWorker:
 
     @_answer
     def ckptdelta_read(self, req: dict) -> dict[str, Any]:
-        """The live weights in checkpoint coordinates, written to ``path`` as safetensors (tests, verify)."""
+        """The live weights in checkpoint coordinates, written to ``path`` as safetensors (tests, verify).
+
+        Under tensor parallelism each rank writes what it holds to ``path`` with ``{rank}`` replaced by its
+        tensor-parallel rank (a path without it is refused there) and says which slice of each tensor that is."""
         from safetensors.torch import save_file
 
         from loader.engines.vllm_readback import checkpoint_tensors
 
+        rank, size = _tp_rank()
+        path = str(req["path"])
+        if size > 1 and "{rank}" not in path:
+            raise ValueError(f"{size} tensor-parallel ranks would write one file: put {{rank}} in the path")
         kernel: set[str] = set()
+        slices: dict[str, Any] = {}
         tensors = checkpoint_tensors(self._ckptdelta_model(), req.get("names"), strict=req.get("strict", True),
-                                     kernel_read=kernel)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, req["path"])
-        return {"tensors": len(tensors), "kernel_view": sorted(kernel)}
+                                     kernel_read=kernel, slices=slices)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path.replace("{rank}", str(rank)))
+        return {"tensors": len(tensors), "kernel_view": sorted(kernel), "rank": rank,
+                "slices": {n: s.to_json() for n, s in slices.items()}}
+
+
+def _tp_rank() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and the group's size."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
 
 
 def _release(shadow: Any, displaced: list[Any]) -> None:
@@ -269,11 +285,15 @@ def _digests(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
     from loader.engines.vllm_readback import checkpoint_tensors, digests, kernel_view
 
     # Tensors read through a GEMM kernel are compared as the kernel sees them (vllm_readback.kernel_view).
+    # Under tensor parallelism each digest is of the slice this rank holds, and ``slices`` says which: the
+    # replica hashes the same slice of the host copy (loader/engines/vllm_tp.py).
     kernel: set[str] = set()
-    tensors = checkpoint_tensors(model, names, strict=False, kernel_read=kernel)
+    slices: dict[str, Any] = {}
+    tensors = checkpoint_tensors(model, names, strict=False, kernel_read=kernel, slices=slices)
     for n in kernel:
         tensors[n] = kernel_view(tensors[n])
-    return {"digests": digests(tensors), "kernel_view": sorted(kernel)}
+    return {"digests": digests(tensors), "kernel_view": sorted(kernel),
+            "slices": {n: s.to_json() for n, s in slices.items()}}
 
 
 def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns: int | None) -> dict[str, Any]:
@@ -284,11 +304,13 @@ def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns
 
     kernel: set[str] = set()
     cols: dict[str, torch.Tensor] = {}
-    live = checkpoint_tensors(model, names, strict=False, kernel_read=kernel, sample_columns=columns, columns=cols)
+    slices: dict[str, Any] = {}
+    live = checkpoint_tensors(model, names, strict=False, kernel_read=kernel, sample_columns=columns, columns=cols,
+                              slices=slices)
     host = open_tensors(path, list(live))
     bad = []
     for n, got in live.items():
-        want = host[n]
+        want = host[n] if n not in slices else slices[n].of(host[n])   # the part this tensor-parallel rank holds
         if n in kernel:
             want, got = _kernel_views(want, got, cols.get(n))
         if want.dtype != got.dtype or want.shape != got.shape or not _same_bits(want, got):
