@@ -58,14 +58,24 @@ class EngineWatch:
         return self._failure
 
     def stop(self) -> None:
+        """Stop watching, without waiting out a probe in flight (a replica stopping must not wait for it): the
+        thread ends at its next check, and closes its client itself."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(PROBE_TIMEOUT_S * 2 + self.interval)
-        self._http.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(0.5)
+        if not self._thread.is_alive():
+            self._http.close()
 
     # --- the probes ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        finally:
+            if self._stop.is_set():
+                self._http.close()
+
+    def _watch(self) -> None:
         missed = 0
         paused_seen = False
         while not self._stop.wait(self.interval):
@@ -74,8 +84,10 @@ class EngineWatch:
                 return
             try:
                 ok = self._http.get("/health").status_code == 200
-            except httpx.HTTPError:
+            except (httpx.HTTPError, RuntimeError):    # RuntimeError: the client closed by stop()
                 ok = False
+            if self._stop.is_set():
+                return
             missed = 0 if ok else missed + 1
             if missed >= self.misses:
                 self._fail(f"vLLM at {self.url} did not answer /health {missed} times in a row "
