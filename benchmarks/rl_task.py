@@ -53,8 +53,9 @@ def build_tokenizer() -> Any:
     return fast
 
 
-def build_model(vocab_size: int, size: str = "small", *, seed: int = 0) -> torch.nn.Module:
-    """A randomly initialised fp32 Llama (the trainer's master copy); untied embeddings, one tensor per name."""
+def build_model(vocab_size: int, size: str = "small", *, seed: int = 0, tied: bool = False) -> torch.nn.Module:
+    """A randomly initialised fp32 Llama (the trainer's master copy); untied embeddings (one tensor per name)
+    unless ``tied``: then its output head is its input embedding, as in most small policies."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if size not in MODEL_SIZES:
@@ -62,7 +63,7 @@ def build_model(vocab_size: int, size: str = "small", *, seed: int = 0) -> torch
     hidden, inter, heads = MODEL_SIZES[size]
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=32, tie_word_embeddings=False,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=32, tie_word_embeddings=tied,
         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.2)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
@@ -159,8 +160,9 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: Any, task: AdditionTask, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.rl_task DIR``: the demo's tiny Llama (random weights, bf16) and its tokenizer,
-    saved as a Hugging Face model directory, for trying ckptdelta without a model at hand (README.md)."""
+    """``python -m benchmarks.rl_task DIR``: the demo's tiny Llama (random weights, bf16), with tied embeddings
+    like most small policies, and its tokenizer, saved as a Hugging Face model directory, for trying ckptdelta
+    without a model at hand (README.md)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.rl_task", description=main.__doc__)
@@ -169,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     tokenizer = build_tokenizer()
-    model = build_model(len(tokenizer), args.size, seed=args.seed).to(torch.bfloat16)
+    model = build_model(len(tokenizer), args.size, seed=args.seed, tied=True).to(torch.bfloat16)
     save_model_dir(model, tokenizer, args.out_dir)
     n = sum(t.numel() for t in model.parameters())
-    print(f"saved a {n // 1000}k-parameter Llama and its tokenizer to {args.out_dir}")
+    print(f"saved a {n // 1000}k-parameter Llama (tied embeddings) and its tokenizer to {args.out_dir}")
     return 0
 
 
