@@ -97,12 +97,12 @@ class DeviceDiff:
         valid = self.version is not None and self.version == parent_version
         lag_ok = self._lag_version is not None and self._lag_version == parent_version
         out: dict[str, torch.Tensor] = {}
-        whole: dict[str, torch.Tensor | np.ndarray] = {}
+        whole: list[str] = []    # copied whole after the loop, read from ``sources`` again (a Cast casts again)
         devices: set[torch.device] = set()
         with torch.no_grad():
             for name, src in sources.items():
                 if not isinstance(src, torch.Tensor):
-                    whole[name] = src
+                    whole.append(name)
                     self._device.pop(name, None)
                     continue
                 bits = dtypes.torch_bits_view(src.detach().contiguous())
@@ -112,7 +112,7 @@ class DeviceDiff:
                           and dev.dtype == bits.dtype and dev.numel() == bits.numel() and p.dtype == src.dtype
                           and tuple(p.shape) == tuple(src.shape))
                 if not usable:
-                    whole[name] = src
+                    whole.append(name)
                     if dev is not None and dev.device == bits.device and dev.dtype == bits.dtype \
                             and dev.numel() == bits.numel():
                         dev.copy_(bits)             # refill the device copy in place
@@ -134,7 +134,7 @@ class DeviceDiff:
                 stats.changed += int(pos_h.shape[0])
                 stats.bytes_moved += pos_h.nbytes + vals_h.nbytes
         if whole:
-            copied = copy_to_host(whole, spare)
+            copied = copy_to_host(sources, spare, whole)    # one source held at a time, not all of them
             stats.full += len(copied)
             stats.bytes_moved += sum(t.numel() * t.element_size() for t in copied.values())
             out.update(copied)

@@ -142,8 +142,10 @@ THREADED_COPY_BYTES = 16 << 20
 
 
 def copy_to_host(sources: Mapping[str, torch.Tensor | np.ndarray],
-                 spare: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies of ``sources`` (pinned for CUDA sources), complete on return.
+                 spare: dict[str, torch.Tensor] | None = None,
+                 names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of ``sources`` (of ``names`` of them, when given), pinned for CUDA sources,
+    complete on return. Each source is read once, as it is copied (a :class:`Cast` casts it then).
 
     ``spare`` holds buffers the caller no longer needs; one of the right dtype,
     shape and pinning is reused instead of allocating.
@@ -152,7 +154,8 @@ def copy_to_host(sources: Mapping[str, torch.Tensor | np.ndarray],
     out: dict[str, torch.Tensor] = {}
     cuda_devices: set[torch.device] = set()
     with torch.no_grad():
-        for name, src in sources.items():
+        for name in (sources if names is None else names):
+            src = sources[name]
             if isinstance(src, np.ndarray):
                 dt = dtypes.of(src)
                 bits = np.ascontiguousarray(src).reshape(-1).view(dt.bits_dtype)
