@@ -162,7 +162,10 @@ async def stream(replica: "ReferenceReplica", kind: RequestKind, body: dict[str,
     result = EngineResult(200, dict(chunks.head), cache_policy=replica.cache_policy)
 
     def put(item: Any) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:      # the event loop is gone (the server stopped): nobody reads on
+            gone.set()
 
     def on_token(c: "Completion", version: int | None, finished: bool) -> None:
         if gone.is_set():
