@@ -140,3 +140,226 @@ def test_slices_that_leave_part_of_a_tensor_unproven_are_refused():
     assert torch.equal(sliced({"w": t}, ["w"], {"w": [1, 2, 2]})["w"], t[:, 2:4])
     with pytest.raises(ValueError, match="does not fit"):
         Slice(0, 5, 2).of(t)
+
+
+# --- a real replica over vLLM's CPU build with --tensor-parallel-size 2 (slow: two starts of minutes) -------
+
+TP_ARGS = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+
+
+def omp_bind(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers on one NUMA node: the allowed cores split in
+    turn. vLLM's default (``auto``) binds one rank per NUMA node and refuses to start with fewer nodes than
+    ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        pytest.skip(f"{ranks} tensor-parallel ranks need {ranks} cores, this process may use {len(cpus)}")
+    return "|".join(",".join(str(c) for c in cpus[i::ranks]) for i in range(ranks))
+
+
+@pytest.fixture(scope="module")
+def tp_env():
+    from tests.vllm_replicas import use_one_gpu_layout
+
+    with pytest.MonkeyPatch.context() as mp:
+        use_one_gpu_layout(mp)       # the engine core in the API server's process; the mp executor adds 2 workers
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_bind(2))
+        yield
+
+
+def _save_tp_llama(out_dir: str) -> str:
+    """The tests' Llama (4 heads, 2 kv heads: one per rank) with a vocabulary vLLM pads (331 -> 384, 192 rows a
+    rank: rank 1 holds 139 rows and 53 of padding), every parameter drawn."""
+    from tests.lm import build_model, build_tokenizer
+    from tests.vllm_models import randomize_
+
+    tokenizer = build_tokenizer()
+    model = build_model(VOCAB, seed=3, hidden=128)
+    randomize_(model, seed=3)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory, tp_env):
+    from tests.vllm_replicas import publish_vllm_run
+
+    root = tmp_path_factory.mktemp("vllm-tp2")
+    run = publish_vllm_run(str(root / "bucket" / "run"), _save_tp_llama(str(root / "model")), deltas=2)
+    yield run
+    run.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def tp_rep(tp_run, tmp_path_factory, tp_env):
+    from loader.engines import build_engine
+    from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle
+
+    engine = build_engine("vllm", bucket=tp_run.url, snapshot=0, cache_dir=str(tmp_path_factory.mktemp("tp-cache")),
+                          vllm_args=VLLM_ARGS + TP_ARGS)
+    rep = VllmReplicaHandle(engine, replica_id="vllm-tp2")
+    yield rep
+    rep.close()
+
+
+def live_weights(engine, tmp_dir: str, shapes: dict[str, torch.Size]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every rank's live weights read back in its own slices, assembled into whole checkpoint tensors; every
+    element must be held by some rank, and ranks holding the same element (replicated tensors) must agree.
+    Also the names read through a GEMM kernel (compare those under kernel_view)."""
+    from safetensors.torch import load_file
+
+    from tests.vllm_replicas import bits
+
+    answers = engine.applier.control.rpc("ckptdelta_read", {"path": os.path.join(tmp_dir, "live-{rank}.safetensors"),
+                                                            "strict": False})
+    assert sorted(a["rank"] for a in answers) == [0, 1]
+    whole: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
+    kernel: set[str] = set()
+    for a in answers:
+        path = os.path.join(tmp_dir, f"live-{a['rank']}.safetensors")
+        part = load_file(path)
+        os.unlink(path)
+        kernel |= set(a["kernel_view"])
+        for n, t in part.items():
+            if n not in whole:
+                whole[n] = torch.empty(shapes[n], dtype=t.dtype)
+                held[n] = torch.zeros(shapes[n], dtype=torch.bool)
+            s = a["slices"].get(n)
+            dst, mask = (whole[n], held[n]) if s is None else (whole[n].narrow(*s), held[n].narrow(*s))
+            assert dst.shape == t.shape, (n, a["rank"], s)
+            if bool(mask.any()):      # another rank holds these elements too: the same bits
+                assert torch.equal(bits(dst)[mask], bits(t)[mask]), (n, a["rank"])
+            dst.copy_(t)
+            mask.fill_(True)
+    assert all(bool(m.all()) for m in held.values()), [n for n, m in held.items() if not bool(m.all())]
+    return whole, kernel
+
+
+def _live_diff(rep, truth: dict[str, torch.Tensor], tmp_dir: str) -> list[str]:
+    from loader.engines.vllm_readback import kernel_view
+    from tests.vllm_replicas import bit_diff
+
+    live, kernel = live_weights(rep.engine, tmp_dir, {n: t.shape for n, t in truth.items()})
+    view = {n: kernel_view(t) if n in kernel else t for n, t in truth.items()}
+    return bit_diff({n: kernel_view(t) if n in kernel else t for n, t in live.items()}, view)
+
+
+def _special_values(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A step with a NaN payload, -0.0 and a subnormal in rank 1's part of plain tensors (the embedding rows
+    past 192, of a token the tokenizer never makes) and -0.0 in rank 1's rows of q_proj (re-packed)."""
+    new = {k: v.clone() for k, v in weights.items()}
+    emb = new["model.embed_tokens.weight"].view(torch.int16)
+    emb[325, 0] = 0x7FC5                                  # a quiet NaN with payload 0x45
+    emb[325, 1] = -0x8000                                 # -0.0
+    emb[325, 2] = 0x0003                                  # a subnormal
+    new["model.norm.weight"].view(torch.int16)[100] = -0x8000
+    q = new["model.layers.1.self_attn.q_proj.weight"].view(torch.int16)
+    q[70, 3] = -0x8000                                    # q rows 64..127 are rank 1's
+    return new
+
+
+@pytest.mark.slow
+def test_tp2_hotloads_forward_across_an_anchor_and_back_are_proven_and_bit_exact_on_every_rank(tp_rep, tp_run,
+                                                                                               tmp_path):
+    st = tp_rep.http.get("/v1/status").json()
+    assert st["policy_version"] == 0 and st["state"] == "READY"     # the start-up proof passed on both ranks
+    if 3 not in tp_run.truth:
+        tp_run.publish(tp_run.truth[2], anchor=True)
+    if 4 not in tp_run.truth:
+        tp_run.publish(_special_values(tp_run.truth[3]))
+    for target, verify in ((1, "full"), (2, "sampled"), (4, "full"), (0, "sampled"), (2, "full")):
+        tp_rep.engine.applier.verify = verify
+        job = tp_rep.hotload(target, timeout=600)
+        assert job["state"] == "READY", job
+        assert tp_rep.engine.version == target and job["report"]["via_anchor"] == (target in (4, 0))
+        last = tp_rep.http.get("/v1/status").json()["engine"]["last_swap"]
+        assert last["verified"] and last["version"] == target and last["apply"] == "shadow", last
+        assert last["verified_tensors"] > 0, last      # every changed tensor, in full (inside the pause or after)
+        if target == 1:   # norms and each rank's vocabulary rows of the embedding, written in place
+            assert last["patched_tensors"] >= 6 and last["patched_elements"] > 0, last
+        assert _live_diff(tp_rep, tp_run.truth[target], str(tmp_path)) == [], target
+    tp_rep.engine.applier.verify = "sampled"
+    assert tp_rep.complete(max_tokens=3, return_engine_data=True)["engine_data"]["policy_version"] == 2
+
+
+@pytest.mark.slow
+def test_tp2_a_wrong_bit_in_one_ranks_slice_is_caught_and_a_reload_repairs_it(tp_rep, tp_run, tmp_path):
+    from delta.errors import HotLoadError
+
+    applier = tp_rep.engine.applier
+    name = "model.layers.1.self_attn.o_proj.weight"        # row-parallel: rank 1 holds input columns 64..127
+    assert applier.check() == len(tp_run.truth[0])
+    host = applier.shared.tensors[name].view(torch.int16)
+    good = host.clone()
+    try:
+        host[5, 100] ^= 0x0004                     # wrong in the host copy only while vLLM reloads it
+        applier.control.rpc("ckptdelta_reload", {"path": applier.shared.path, "names": [name]})
+    finally:
+        host.copy_(good)
+    with pytest.raises(HotLoadError, match=r"vLLM worker 1: .*1 tensors \(model\.layers\.1\.self_attn\.o_proj"):
+        applier.check()
+    live, _ = live_weights(tp_rep.engine, str(tmp_path), {n: t.shape for n, t in applier.shared.tensors.items()})
+    wrong = (live[name].view(torch.int16) != good).nonzero().tolist()
+    assert wrong == [[5, 100]]
+    applier.control.rpc("ckptdelta_reload", {"path": applier.shared.path, "names": [name]})
+    assert applier.check() == len(tp_run.truth[0])
+
+
+@pytest.mark.slow
+def test_tp2_a_hotload_failed_on_one_worker_pushes_the_previous_version_back_on_every_rank(tp_rep, tp_run, tmp_path,
+                                                                                         monkeypatch):
+    from loader.engines import vllm as vllm_engine
+
+    assert tp_rep.hotload(2, timeout=600)["state"] == "READY"
+    before = tp_rep.complete(max_tokens=6, temperature=0)["choices"][0]["text"]
+    real = vllm_engine.expected_digests
+    calls = []
+
+    def wrong_on_rank_1(shared, names, kernel=frozenset(), slices=None):
+        out = real(shared, names, kernel, slices)
+        if (slices or {}).get("model.embed_tokens.weight", [0, 0])[1] > 0 and not calls:   # rank 1's answer
+            calls.append(1)
+            out[sorted(out)[0]] = "0" * 16
+        return out
+
+    monkeypatch.setattr(vllm_engine, "expected_digests", wrong_on_rank_1)
+    monkeypatch.setattr(tp_rep.engine.applier, "verify", "full")
+    job = tp_rep.hotload(1, timeout=600)
+    assert job["state"] == "FAILED" and "vLLM worker 1" in job["reason"], job
+    assert tp_rep.engine.version == 2 and calls
+    assert _live_diff(tp_rep, tp_run.truth[2], str(tmp_path)) == []
+    assert tp_rep.complete(max_tokens=6, temperature=0)["choices"][0]["text"] == before
+    job = tp_rep.hotload(1, timeout=600)
+    assert job["state"] == "READY" and tp_rep.engine.version == 1, job
+    assert _live_diff(tp_rep, tp_run.truth[1], str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_tp2_greedy_tokens_and_logprobs_equal_a_fresh_tp2_vllm_on_the_same_snapshot(tp_rep, tp_run, tmp_path):
+    """Last in the module: it stops the replica's vLLM before starting the fresh one (memory)."""
+    from loader.engines.vllm import VllmServer, http_client
+    from loader.reader import SnapshotReader
+    from tests.vllm_replicas import PROMPT, VLLM_ARGS
+
+    assert tp_rep.hotload(1, timeout=600)["state"] == "READY"
+    assert tp_rep.hotload(2, timeout=600)["state"] == "READY"
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+    hot = tp_rep.complete(**body)["choices"][0]
+    name = tp_rep.engine.model_name
+    tp_rep.close()
+    model_dir = SnapshotReader(tp_run.url).materialize(2, str(tmp_path / "v2"))
+    fresh = VllmServer(model_dir, served_name=name, args=VLLM_ARGS + TP_ARGS)
+    try:
+        fresh.wait_ready()
+        with http_client(fresh.url, timeout=120) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        cold = r.json()["choices"][0]
+    finally:
+        fresh.stop()
+    assert hot["text"] == cold["text"] and hot["logprobs"]["tokens"] == cold["logprobs"]["tokens"]
+    assert hot["logprobs"]["token_logprobs"] == cold["logprobs"]["token_logprobs"]
+    assert hot["logprobs"]["top_logprobs"] == cold["logprobs"]["top_logprobs"]
