@@ -45,6 +45,7 @@ the previous version; generation resumes in every case.
 from __future__ import annotations
 
 import json
+import re
 import logging
 import os
 import signal
@@ -183,8 +184,9 @@ class VllmServer:
                     pass
                 if time.monotonic() - said >= WAIT_LOG_EVERY_S:
                     said = time.monotonic()
+                    last = re.sub(r"^(\(\w+ pid=\d+\)\s*)?([A-Z]+ \d\d-\d\d [\d:]+\s*)?", "", self.tail(1).strip())
                     log.info("waiting for vLLM to start: %.0f s so far (log: %s; last line: %s)", said - t0,
-                             self.log_path, self.tail(1).strip()[-160:] or "none yet")
+                             self.log_path, last[-160:] or "none yet")
                 time.sleep(0.5)
         self.stop(keep_log=True)
         raise VllmError(f"vLLM did not answer /health within {timeout:.0f} s; its log is {self.log_path}, its "
