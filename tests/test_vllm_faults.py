@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -276,8 +277,16 @@ def _kill_in_the_pause(run, vllm, proxy, tmp_path, point: str, *args: str) -> No
             proc.kill()
     with _vllm(vllm) as c:      # killed before its /pause reached vLLM, or inside the pause
         assert c.get("/is_paused").json()["is_paused"] == (point != "/pause"), point
+    dead = proc.pid
     proc, url = _serve(run, proxy.url, "latest", tmp_path)
     try:
+        # the new replica's start swept what the killed one left (its host copy in shared memory, its scratch
+        # model copy): nothing of that pid remains
+        from loader.engines.shared_weights import default_dir
+
+        left = [f for d in (default_dir(), tempfile.gettempdir()) for f in os.listdir(d)
+                if f.startswith("ckptdelta-") and f"-{dead}-" in f and not f.startswith("ckptdelta-vllm-log-")]
+        assert left == [], left
         _not_paused(vllm)
         st = httpx.get(url + "/v1/status", timeout=10).json()
         assert st["state"] == "READY" and st["policy_version"] == start, st
