@@ -171,7 +171,7 @@ def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapsh
 def test_a_vllm_started_by_the_user_attaches_and_is_checked_before_it_serves(llama_run, tmp_path):
     """``serve --engine vllm --attach URL``: vLLM started the user's way with the two documented settings."""
     from loader.engines import build_engine
-    from loader.engines.vllm import VllmError, VllmServer
+    from loader.engines.vllm import VllmServer
     from loader.reader import SnapshotReader
 
     model_dir = SnapshotReader(llama_run.url).materialize(1, str(tmp_path / "v1"))
@@ -180,10 +180,16 @@ def test_a_vllm_started_by_the_user_attaches_and_is_checked_before_it_serves(lla
     assert theirs.url.startswith("http://127.0.0.1:")
     try:
         theirs.wait_ready()
-        with pytest.raises(VllmError, match="differ from the snapshot"):
-            build_engine("vllm", bucket=llama_run.url, snapshot=2, attach=theirs.url)  # not the weights it serves
+        # not the weights it serves: the snapshot is loaded into it whole, in a pause, and proven
+        other = build_engine("vllm", bucket=llama_run.url, snapshot=2, attach=theirs.url)
+        try:
+            assert other.version == 2
+            assert bit_diff(VllmReplicaHandle.read_live(other, str(tmp_path)), llama_run.truth[2]) == []
+        finally:
+            other.close()
         rep = VllmReplicaHandle(build_engine("vllm", bucket=llama_run.url, snapshot=1, attach=theirs.url))
         try:
+            assert bit_diff(rep.live_weights(str(tmp_path)), llama_run.truth[1]) == []
             assert rep.engine.model_name == "their-name"
             assert rep.complete(max_tokens=2, return_engine_data=True)["engine_data"]["policy_version"] == 1
             assert rep.hotload(2)["state"] == "READY"
