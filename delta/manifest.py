@@ -18,9 +18,14 @@ from typing import Any, Iterable, Literal
 from . import dtypes, untrusted_json
 from .adapter import AdapterRecord
 from .errors import ManifestError, RunMismatchError
+from .pieces import MAX_PIECES, PieceEntry, grid_problem, pieces_digest
 from .record import max_record_size
 
 SCHEMA_VERSION = 1
+#: The schema of a manifest that holds a pieced tensor (docs/FORMAT.md, "Pieces"); readers of version 1 refuse
+#: it rather than take its pieced entries' null ``object`` for "unchanged".
+PIECES_SCHEMA_VERSION = 2
+SCHEMA_VERSIONS = (SCHEMA_VERSION, PIECES_SCHEMA_VERSION)
 MANIFEST_FORMAT = "ckptdelta-manifest"
 HEAD_FORMAT = "ckptdelta-head"
 RUN_FORMAT = "ckptdelta-run"
@@ -165,7 +170,9 @@ class TensorEntry:
     In an anchor, ``offset``/``length`` is the tensor's data inside its safetensors
     shard (absolute in the file); in a delta, its record inside the delta object.
     ``object`` is None when the tensor is bit-identical to the parent version's:
-    it then costs only this entry."""
+    it then costs only this entry. A delta's tensor published by several ranks lists
+    ``pieces`` instead (delta/pieces.py): ``object`` is then None, and ``xxh3`` is the
+    digest of its pieces' digests."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -173,10 +180,16 @@ class TensorEntry:
     object: int | None
     offset: int = 0
     length: int = 0
+    pieces: tuple[PieceEntry, ...] = ()
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def has_data(self) -> bool:
+        """Whether this snapshot stores bytes for the tensor (its data, a record, or a record of a piece)."""
+        return self.object is not None or any(p.object is not None for p in self.pieces)
 
     @property
     def nbytes(self) -> int:
@@ -210,8 +223,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = asdict(self)
-        d = {"format": MANIFEST_FORMAT, "schema_version": SCHEMA_VERSION, "name": self.name, **d}
-        d["tensors"] = {k: {**v, "shape": list(v["shape"])} for k, v in d["tensors"].items()}
+        pieced = any(e.pieces for e in self.tensors.values())
+        d = {"format": MANIFEST_FORMAT, "schema_version": PIECES_SCHEMA_VERSION if pieced else SCHEMA_VERSION,
+             "name": self.name, **d}
+        d["tensors"] = {k: _entry_json(v) for k, v in d["tensors"].items()}
         if self.adapter is None:        # a full-model run's manifest has no adapter field at all
             del d["adapter"]
         return json.dumps(d, separators=(",", ":"), sort_keys=False).encode()
@@ -220,8 +235,10 @@ class Manifest:
     def from_json(cls, data: bytes, *, what: str = "manifest", run_id: str | None = None) -> "Manifest":
         d = _load_json(data, what, MAX_MANIFEST_BYTES)
         _expect(d.get("format") == MANIFEST_FORMAT, what, f"format is {d.get('format')!r}, not {MANIFEST_FORMAT!r}")
-        _expect(d.get("schema_version") == SCHEMA_VERSION, what,
-                f"schema_version {d.get('schema_version')!r} is not supported (this reader knows {SCHEMA_VERSION})")
+        schema = d.get("schema_version")
+        _expect(type(schema) is int and schema in SCHEMA_VERSIONS, what,
+                f"schema_version {schema!r} is not supported (this reader knows "
+                f"{', '.join(map(str, SCHEMA_VERSIONS))})")
         version = _int(d, "version", what)
         what = f"{what} (version {version})"
         kind = d.get("kind")
@@ -254,6 +271,9 @@ class Manifest:
         tensors = {}
         for name, t in raw_tensors.items():
             tensors[name] = _tensor(name, t, objects, kind, what)
+        pieced = any(e.pieces for e in tensors.values())
+        _expect(pieced == (schema == PIECES_SCHEMA_VERSION), what,
+                f"schema_version {schema} with{'' if pieced else 'out'} pieced tensors (2 exactly when some are)")
         metadata = d.get("metadata", {})
         _expect(isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
                 and len(json.dumps(metadata)) <= MAX_METADATA_BYTES, what, "metadata must map strings to strings")
@@ -372,6 +392,12 @@ def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: 
     _expect(isinstance(h, str) and bool(_HEX16.match(h)), where, "xxh3")
     obj = t.get("object")
     off, length = _int(t, "offset", where), _int(t, "length", where)
+    if "pieces" in t:
+        _expect(kind == "delta" and obj is None and off == 0 and length == 0, where,
+                "pieces: only a delta's entry has them, with object null, offset and length 0")
+        pieces = _pieces(t["pieces"], shape, dt, len(nb), objects, where)
+        _expect(h == pieces_digest(pieces), where, f"xxh3 {h}: not the digest of its pieces ({pieces_digest(pieces)})")
+        return TensorEntry(dt, tuple(shape), h, None, 0, 0, pieces)
     if obj is None:
         _expect(kind == "delta" and off == 0 and length == 0, where, "unchanged entry outside a delta")
     else:
@@ -385,3 +411,47 @@ def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: 
             most = max_record_size(math.prod(shape), itemsize, len(shape), len(nb))
             _expect(length <= most, where, f"record length {length} (a record of {dt}{shape} takes at most {most})")
     return TensorEntry(dt, tuple(shape), h, obj, off, length)
+
+
+_PIECE_KEYS = {"offsets", "shape", "xxh3", "object", "offset", "length"}
+
+
+def _pieces(raw: Any, shape: list[int], dt: str, name_len: int, objects: tuple[ObjectRef, ...],
+            where: str) -> tuple[PieceEntry, ...]:
+    """A pieced entry's pieces (docs/FORMAT.md, "Pieces"): boxes that tile the tensor as a grid, in order."""
+    _expect(isinstance(raw, list) and 2 <= len(raw) <= MAX_PIECES, where, f"pieces (a list of 2 to {MAX_PIECES})")
+    ndim = len(shape)
+    itemsize = dtypes.by_name(dt).itemsize
+    out = []
+    for k, p in enumerate(raw):
+        pw = f"{where} piece {k}"
+        _expect(isinstance(p, dict) and set(p) == _PIECE_KEYS, pw, f"entry (keys {sorted(_PIECE_KEYS)})")
+        offsets, size = p["offsets"], p["shape"]
+        _expect(all(isinstance(v, list) and len(v) == ndim
+                    and all(type(x) is int and 0 <= x < 1 << 48 for x in v) for v in (offsets, size)), pw,
+                f"offsets / shape (lists of {ndim} ints)")
+        h = p["xxh3"]
+        _expect(isinstance(h, str) and bool(_HEX16.match(h)), pw, "xxh3")
+        obj = p["object"]
+        off, length = _int(p, "offset", pw), _int(p, "length", pw)
+        if obj is None:
+            _expect(off == 0 and length == 0, pw, "unchanged piece with a byte range")
+        else:
+            _expect(type(obj) is int and 0 <= obj < len(objects), pw, f"object index {obj!r}")
+            _expect(off + length <= objects[obj].size, pw, "byte range beyond its object")
+            most = max_record_size(math.prod(size), itemsize, ndim, name_len)
+            _expect(length <= most, pw, f"record length {length} (a record of {dt}{size} takes at most {most})")
+        out.append(PieceEntry(tuple(offsets), tuple(size), h, obj, off, length))
+    problem = grid_problem(shape, [p.box for p in out])
+    _expect(problem is None, where, f"pieces: {problem}")
+    return tuple(out)
+
+
+def _entry_json(v: dict) -> dict:
+    """A tensor entry as the manifest writes it: a plain entry has no ``pieces`` key at all."""
+    out = {**v, "shape": list(v["shape"])}
+    if v["pieces"]:
+        out["pieces"] = [{**p, "offsets": list(p["offsets"]), "shape": list(p["shape"])} for p in v["pieces"]]
+    else:
+        del out["pieces"]
+    return out

@@ -42,7 +42,7 @@ from delta.errors import HotLoadConflictError, HotLoadError, ParentMismatchError
 from delta.manifest import Manifest, snapshot_name
 
 from . import batch_commit
-from .pieces import Piece, rebuild
+from .pieces import Piece, check_assembled, rebuild
 from .plan import UpdatePlan, make_plan
 from .reader import SnapshotReader
 
@@ -319,6 +319,9 @@ class HotSwapper:
         def stage_group(gi: int, values: list) -> "_Staged | None":
             name = names[gi]
             t = live[mapping[name]]
+            if not groups[gi]:      # a pieced tensor no record changed since the live version: prove it as is
+                check_assembled(tgt.tensors[name], _host_copy(t), f"live tensor {mapping[name]!r} for {tgt.where()}")
+                return None
             st = _stage_one(name, t, groups[gi], values, plan, cur)
             if st.dense is None and st.positions.shape[0] == 0:
                 return None
@@ -606,6 +609,8 @@ class _Stager:
 
 def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list, plan: UpdatePlan,
                cur: Manifest | None) -> StagedTensor:
+    if plan.target.tensors[name].pieces or any(p.index is not None for p in pieces):
+        return _stage_pieced(name, live, pieces, values, plan, cur)
     expected = int(plan.target.tensors[name].xxh3, 16)
     if not plan.via_anchor:
         first = values[0]
@@ -621,11 +626,56 @@ def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list,
         return stage_full(live, new, name=name, expected_digest=expected)
     new = rebuild(pieces, values)
     st = stage_full(live, new, name=name, expected_digest=expected)
+    _check_held(name, live, st, cur)
+    return st
+
+
+def _check_held(name: str, live: torch.Tensor, st: StagedTensor, cur: Manifest | None) -> None:
+    """On the anchor route: the live tensor must be the version the replica claims (whole digest, or held in
+    pieces: the digest of its boxes)."""
     ce = None if cur is None else cur.tensors.get(name)
-    if ce is not None and st.parent_digest != int(ce.xxh3, 16):
+    if ce is None:
+        return
+    if ce.pieces:
+        check_assembled(ce, _host_copy(live), f"live tensor of {name!r}, held as {cur.where()}")
+    elif st.parent_digest != int(ce.xxh3, 16):
         raise ParentMismatchError(f"tensor {name!r}: the live tensor hashes to {st.parent_digest:016x}, "
                                   f"{cur.where()} says {ce.xxh3}: the live weights are not the version they claim")
+
+
+def _stage_pieced(name: str, live: torch.Tensor, pieces: list[Piece], values: list, plan: UpdatePlan,
+                  cur: Manifest | None) -> StagedTensor:
+    """A tensor a sharded trainer published in boxes: its records are applied to their boxes of a whole copy
+    (the live tensor's on the forward route, the anchor's on the anchor route), each checking its box's
+    digest; the copy is then proven whole against the target's digest of its pieces and staged like an
+    anchor's tensor. Holds one whole copy of the tensor while it is staged."""
+    te = plan.target.tensors[name]
+    ce = None if cur is None else cur.tensors.get(name)
+    if not plan.via_anchor and ce is not None and ce.pieces:
+        boxes = {p.box: p.xxh3 for p in ce.pieces}      # no tensor data read: records and live version disagree
+        for p, v in zip(pieces, values):
+            if p.index is None or p.manifest.version != pieces[0].manifest.version or not v.header.has_parent:
+                continue
+            held = boxes.get(p.part.box)
+            if held is not None and v.header.parent_digest != int(held, 16):
+                raise ParentMismatchError(f"{p.where()}: the delta was encoded against a box with digest "
+                                          f"{v.header.parent_digest:016x}, {cur.where()} (the version held) "
+                                          f"says {held}")
+    base = _host_copy(live, copy=True) if not plan.via_anchor else None
+    new = rebuild(pieces, values, base=base)           # each record verifies its box's digest
+    check_assembled(te, new, f"tensor {name!r} of {plan.target.where()}")
+    st = stage_full(live, new, name=name, expected_digest=None if te.pieces else int(te.xxh3, 16))
+    if plan.via_anchor:
+        _check_held(name, live, st, cur)
     return st
+
+
+def _host_copy(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor (itself when it already is one and ``copy`` is False)."""
+    t = t.detach()
+    if not copy and t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return t.to("cpu", copy=True).contiguous()
 
 
 def _old_bits(live: torch.Tensor, st: StagedTensor, *, staged: bool = False) -> StagedTensor:

@@ -5,6 +5,12 @@ delta record (checked by its header and chunk checksums, then against the
 manifest's dtype, shape and digest); :func:`rebuild` applies checked pieces in
 order, each record checking its result digest on the way (which proves the bits;
 a wrong parent is named when that or the decode fails).
+
+A tensor a sharded trainer published in parts (delta/pieces.py) has one record per
+box in a delta: ``Piece(m, name, k)`` is box ``k``'s, applied to that box of the
+whole tensor (in place where the box is a flat range of it, as dim-0 rows are).
+Its record proves its box; :func:`check_assembled` then proves the whole tensor
+against the entry's digest of its pieces' digests.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import xxhash
 from delta import EncodedTensor, apply_, decode, digest_hex, dtypes
 from delta.errors import ChecksumError, FormatError, ParentMismatchError, TruncatedError
 from delta.manifest import Manifest, ObjectRef, TensorEntry
+from delta.pieces import PieceEntry, box_view, flat_range, tensor_digest
 from delta.record import max_record_size
 
 #: Neighbouring ranges of one object closer than this are fetched as one request.
@@ -33,14 +40,23 @@ class Piece:
 
     manifest: Manifest
     name: str
+    index: int | None = None      # a pieced entry's piece (its box's record); None: the whole tensor's bytes
 
     @property
     def entry(self) -> TensorEntry:
         return self.manifest.tensors[self.name]
 
     @property
+    def part(self) -> PieceEntry | None:
+        return None if self.index is None else self.entry.pieces[self.index]
+
+    @property
+    def _stored(self) -> "TensorEntry | PieceEntry":
+        return self.entry if self.index is None else self.entry.pieces[self.index]
+
+    @property
     def obj(self) -> ObjectRef:
-        return self.manifest.objects[self.entry.object]
+        return self.manifest.objects[self._stored.object]
 
     @property
     def is_record(self) -> bool:
@@ -48,20 +64,34 @@ class Piece:
 
     @property
     def start(self) -> int:
-        return self.entry.offset
+        return self._stored.offset
 
     @property
     def end(self) -> int:
-        return self.entry.offset + self.entry.length
+        return self._stored.offset + self._stored.length
 
     @property
     def nbytes(self) -> int:
-        return self.entry.length
+        return self._stored.length
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of what the stored bytes hold: the tensor's, or the piece's box."""
+        return tuple(self._stored.shape)
 
     def where(self) -> str:
         kind = "record" if self.is_record else "data"
-        return (f"{kind} of tensor {self.name!r} in {self.obj.key} bytes {self.start}-{self.end} "
+        box = "" if self.index is None else f" piece {self.index} ({self.part.describe()})"
+        return (f"{kind} of tensor {self.name!r}{box} in {self.obj.key} bytes {self.start}-{self.end} "
                 f"({self.manifest.where()})")
+
+
+def stored_pieces(m: Manifest, name: str) -> list[Piece]:
+    """The pieces ``m`` stores for ``name``: its data or record, or each of its boxes' records ([] if none)."""
+    e = m.tensors[name]
+    if e.pieces:
+        return [Piece(m, name, k) for k, p in enumerate(e.pieces) if p.object is not None]
+    return [] if e.object is None else [Piece(m, name)]
 
 
 
@@ -70,31 +100,48 @@ def check_piece_size(p: Piece) -> None:
     length is otherwise what the reader allocates): an anchor tensor's exact size, a record's bound."""
     e = p.entry
     dt = dtypes.by_name(e.dtype)
-    most = max_record_size(e.numel, dt.itemsize, len(e.shape), len(p.name.encode("utf-8"))) if p.is_record \
+    shape = p.shape
+    numel = 1
+    for s in shape:
+        numel *= s
+    most = max_record_size(numel, dt.itemsize, len(shape), len(p.name.encode("utf-8"))) if p.is_record \
         else e.nbytes
-    if e.length > most:
-        raise FormatError(f"{p.where()}: {e.length} bytes claimed, a {e.dtype}{list(e.shape)} tensor's "
+    if p.nbytes > most:
+        raise FormatError(f"{p.where()}: {p.nbytes} bytes claimed, a {e.dtype}{list(shape)} "
+                          f"{'piece' if p.index is not None else 'tensor'}'s "
                           f"{'record' if p.is_record else 'data'} takes at most {most}")
 
 
 def check_piece(p: Piece, data: bytes) -> "bytes | EncodedTensor":
     """Bytes of a piece, checked: an anchor tensor's digest, or a record's checksums and its fit to the manifest."""
     e = p.entry
-    if len(data) != e.length:
-        raise TruncatedError(f"{p.where()}: got {len(data)} bytes, expected {e.length}")
+    stored = p._stored
+    if len(data) != stored.length:
+        raise TruncatedError(f"{p.where()}: got {len(data)} bytes, expected {stored.length}")
     if not p.is_record:
         if _xxh(data) != e.xxh3:
             raise ChecksumError(f"{p.where()}: tensor bytes hash to {_xxh(data)}, the manifest says {e.xxh3}")
         return data
     enc = EncodedTensor.from_bytes(data, what=p.where())
     h = enc.header
-    if h.name != p.name or h.dtype.name != e.dtype or tuple(h.shape) != tuple(e.shape):
+    if h.name != p.name or h.dtype.name != e.dtype or tuple(h.shape) != p.shape:
         raise FormatError(f"{p.where()}: the record holds tensor {h.name!r} {h.dtype.name}{list(h.shape)}, "
-                          f"the manifest expects {e.dtype}{list(e.shape)}")
-    if digest_hex(h.digest) != e.xxh3:
+                          f"the manifest expects {e.dtype}{list(p.shape)}")
+    if digest_hex(h.digest) != stored.xxh3:
         raise ChecksumError(f"{p.where()}: the record yields digest {digest_hex(h.digest)}, "
-                            f"the manifest says {e.xxh3}")
+                            f"the manifest says {stored.xxh3}")
     return enc
+
+
+def check_assembled(e: TensorEntry, t: torch.Tensor, what: str) -> None:
+    """Prove a pieced tensor whole: every box of ``t`` hashes to its piece's digest and those to the entry's
+    (delta/pieces.py). A plain entry's bits were proven by the record or data that produced them."""
+    if not e.pieces:
+        return
+    got = tensor_digest(e.pieces, t)
+    if got != e.xxh3:
+        raise ChecksumError(f"{what}: the assembled tensor's pieces hash to {got}, the manifest says {e.xxh3} "
+                            "(a piece the manifest calls unchanged holds other bits)")
 
 
 def tensor_from_bytes(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
@@ -110,6 +157,10 @@ def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | N
     for p, v in zip(pieces, values):
         if not p.is_record:
             t = tensor_from_bytes(v, p.entry.dtype, p.entry.shape)
+        elif p.index is not None:
+            if t is None:
+                raise ParentMismatchError(f"{p.where()}: a piece's record needs the tensor's previous version")
+            apply_to_box(t, p.part.offsets, p.part.shape, v)
         elif not v.header.has_parent:
             t = decode(None, v)
         elif t is None:
@@ -119,6 +170,21 @@ def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | N
     if t is None:
         raise ValueError("rebuild: no pieces")
     return t
+
+
+def apply_to_box(t: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], enc: EncodedTensor) -> None:
+    """Apply a piece's record to its box of ``t`` (a writable CPU tensor): in place where the box is a flat
+    range of a contiguous ``t``, else through a copy of the box written back once the record checked out."""
+    if t.is_contiguous() and flat_range(offsets, shape, tuple(t.shape)) is not None:
+        view = box_view(t, offsets, shape)
+        if enc.header.has_parent:
+            apply_(view, enc)
+        else:
+            view.copy_(decode(None, enc))
+        return
+    view = box_view(t, offsets, shape)
+    new = decode(view.contiguous(), enc) if enc.header.has_parent else decode(None, enc)
+    view.copy_(new)
 
 
 def coalesce(items: list[tuple[Piece, int]]) -> list[tuple[str, int, int, list[tuple[Piece, int]]]]:

@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 from delta.errors import SnapshotNotFoundError
 from delta.manifest import Manifest, TensorEntry
 
-from .pieces import Piece
+from .pieces import Piece, stored_pieces
 
 
 def rebuild_pieces(chain: Sequence[Manifest], name: str) -> list[Piece]:
@@ -26,7 +26,8 @@ def rebuild_pieces(chain: Sequence[Manifest], name: str) -> list[Piece]:
 
     The first piece is a whole copy (the anchor's data, or the record of a version
     that re-added the tensor or changed its shape or dtype — such records have no
-    parent); every later one is a record against the previous version."""
+    parent); every later one is a record against the previous version: the
+    tensor's, or one per changed box of a tensor stored in pieces."""
     pieces: list[Piece] = []
     prev: TensorEntry | None = None
     for m in chain:
@@ -36,6 +37,8 @@ def rebuild_pieces(chain: Sequence[Manifest], name: str) -> list[Piece]:
             continue
         if m.kind == "anchor":
             pieces = [Piece(m, name)]
+        elif e.pieces:
+            pieces.extend(stored_pieces(m, name))   # records of boxes: each needs the previous version
         elif e.object is not None:
             if prev is None or prev.dtype != e.dtype or prev.shape != e.shape:
                 pieces = [Piece(m, name)]
@@ -107,6 +110,8 @@ def make_plan(manifests: _Manifests, current: int | None, target: int) -> Update
     anchor_groups = [rebuild_pieces(chain, n) for n in names]
     if current is not None and current in versions:
         forward = [[p for p in g if p.manifest.version > current] for g in anchor_groups]
-        if all(forward) and cost(forward) <= cost(anchor_groups):
+        # a pieced entry's digest differs in form from the whole one the anchor gave it, so it may be "changed"
+        # with no record since: the hot-load then proves the live bits against the target's pieces
+        if all(g or tgt.tensors[n].pieces for n, g in zip(names, forward)) and cost(forward) <= cost(anchor_groups):
             return UpdatePlan(current, target, chain, versions[versions.index(current) + 1:], False, names, forward)
     return UpdatePlan(current, target, chain, versions, True, names, anchor_groups)

@@ -32,7 +32,7 @@ from delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST
 from delta.storage import Store
 
 from .cache import DiskCache
-from .pieces import Piece, check_piece, check_piece_size, coalesce, rebuild
+from .pieces import Piece, check_assembled, check_piece, check_piece_size, coalesce, rebuild
 from .plan import rebuild_pieces
 
 log = logging.getLogger("ckptdelta.loader")
@@ -242,7 +242,9 @@ class SnapshotReader:
         selected = select_names(chain[-1], names)
         groups = [rebuild_pieces(chain, n) for n in selected]
         for i, values in self.iter_fetched(groups, batch_bytes=batch_bytes):
-            yield selected[i], rebuild(groups[i], values)
+            t = rebuild(groups[i], values)
+            check_assembled(chain[-1].tensors[selected[i]], t, f"tensor {selected[i]!r} of {chain[-1].where()}")
+            yield selected[i], t
 
     def extra_files(self, ref: "str | int") -> list[tuple[str, ObjectRef]]:
         """(relative path, object) of the non-weight files (config, tokenizer) that go with a snapshot:
@@ -478,11 +480,30 @@ def _check_link(child: Manifest, parent: Manifest) -> None:
         raise ManifestError(f"{child.where()}: anchor {child.anchor_version} but its parent "
                             f"{parent.where()} belongs to anchor {parent.anchor_version}")
     for name, e in child.tensors.items():
+        if e.pieces:
+            _check_pieces_link(child, parent, name)
+            continue
         if e.object is None:
             pe = parent.tensors.get(name)
             if pe is None or (pe.dtype, pe.shape, pe.xxh3) != (e.dtype, e.shape, e.xxh3):
                 raise ManifestError(f"{child.where()}: tensor {name!r} is marked unchanged but differs from "
                                     f"(or is absent in) its parent {parent.where()}")
+
+
+def _check_pieces_link(child: Manifest, parent: Manifest, name: str) -> None:
+    """A pieced entry's records are steps from the parent's bits in their boxes: the parent must hold the tensor
+    at the same dtype and shape, and a box listed unchanged must carry the parent's digest where the parent
+    lists the same boxes (after a whole entry, the assembled tensor's check proves it)."""
+    e, pe = child.tensors[name], parent.tensors.get(name)
+    if pe is None or (pe.dtype, pe.shape) != (e.dtype, e.shape):
+        raise ManifestError(f"{child.where()}: tensor {name!r} is stored in pieces (records against its parent), "
+                            f"but its parent {parent.where()} does not hold it as {e.dtype}{list(e.shape)}")
+    if [p.box for p in pe.pieces] != [p.box for p in e.pieces]:
+        return
+    for k, (p, pp) in enumerate(zip(e.pieces, pe.pieces)):
+        if p.object is None and p.xxh3 != pp.xxh3:
+            raise ManifestError(f"{child.where()}: piece {k} ({p.describe()}) of tensor {name!r} is marked "
+                                f"unchanged but its digest differs from its parent {parent.where()}'s")
 
 
 def _xxh(data: bytes) -> str:

@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import xxhash
 
-from delta import digest, digest_hex, untrusted_json
+from delta import untrusted_json
+from delta.pieces import tensor_digest
 from delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
 from delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
 
-from .pieces import Piece, check_piece, check_piece_size, rebuild
+from .pieces import Piece, check_piece, check_piece_size, rebuild, stored_pieces
 
 if TYPE_CHECKING:
     import torch
@@ -125,8 +126,7 @@ class _TensorChecker:
             if e is None:
                 t = None
                 continue
-            if e.object is not None:
-                p = Piece(m, name)
+            for p in stored_pieces(m, name):      # its data or record, or the records of its changed boxes
                 check_piece_size(p)
                 if not p.is_record:
                     if anchor_data is None:
@@ -136,7 +136,7 @@ class _TensorChecker:
                     assert self.spool is not None
                     value = check_piece(p, self.spool.read(p.obj.key, p.start, p.end))
                 t = rebuild([p], [value], base=t)
-            if t is None or digest_hex(digest(t)) != e.xxh3:
+            if t is None or tensor_digest(e.pieces, t) != e.xxh3:   # a pieced tensor: the digest of its boxes
                 raise ChecksumError(f"tensor {name!r} of {m.where()}: rebuilt tensor does not match "
                                     f"the manifest digest {e.xxh3}")
             self.checked += 1

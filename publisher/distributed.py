@@ -9,13 +9,23 @@ By default the collectives run on a dedicated gloo group created when the
 Publisher is built: publishes run in a background thread, and sharing the
 trainer's own (often NCCL) group from there could interleave with its
 collectives.
+
+What crosses between ranks is counted (``Comm.stats``): the pickled bytes of the
+objects a rank receives, and the tensor bytes it receives. A delta of DTensor
+pieces moves metadata only; an anchor of pieces gathers each tensor, one at a
+time, into the rank that writes its shard (:meth:`Comm.gather_bytes`).
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from delta import errors
@@ -29,16 +39,39 @@ class Comm:
     rank = 0
     world = 1
 
+    def __init__(self) -> None:
+        #: bytes this rank received from the others: pickled objects (metadata), tensor bytes (anchors' pieces)
+        self.stats = {"object_bytes": 0, "tensor_bytes": 0}
+
     def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None on the others)."""
         return [obj]
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (the others pass anything)."""
         return obj
 
-    def agree(self, local_error: BaseException | None, payload: Any = None) -> list[Any]:
-        """Gather every rank's ``payload``; if any rank failed, all raise (the failing rank its own error)."""
+    def gather_bytes(self, data: np.ndarray, dst: int, sizes: Sequence[int]) -> list[np.ndarray] | None:
+        """Every rank's ``data`` (uint8, ``sizes[r]`` bytes on rank r, known to all) on rank ``dst``, else None."""
+        return [data]
+
+    def agree(self, local_error: BaseException | None, payload: Any = None, *, to_root: bool = False) -> list[Any]:
+        """Gather every rank's ``payload``; if any rank failed, all raise (the failing rank its own error).
+
+        ``to_root``: only rank 0 needs the payloads (the others get ``[]``): every rank learns of every error,
+        but a rank's payload (its tensor schemas, its written entries) is not sent to all the others."""
         err = None if local_error is None else describe(local_error)
+        if to_root and self.world > 1:
+            errs = self.all_gather(err)
+            if local_error is not None:
+                raise local_error
+            for r, e in enumerate(errs):
+                if e is not None:
+                    raise remote_error(r, e)
+            return self.gather(payload) or []
         gathered = self.all_gather((payload, err))
         if local_error is not None:
             raise local_error
@@ -65,20 +98,55 @@ class Comm:
 
 class TorchComm(Comm):
     def __init__(self, group: Any):
+        super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
 
+    def _global(self, r: int) -> int:
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
     def all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        with _collective("all_gather", self.rank):
+            dist.all_gather_object(out, obj, group=self.group)
+        self._count(o for r, o in enumerate(out) if r != self.rank)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        with _collective("gather", self.rank):
+            dist.gather_object(obj, out, dst=self._src, group=self.group)
+        if out is not None:
+            self._count(o for r, o in enumerate(out) if r != self.rank)
         return out
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=self._src, group=self.group)
+        with _collective("broadcast", self.rank):
+            dist.broadcast_object_list(box, src=self._src, group=self.group)
+        if self.rank != 0:
+            self._count([box[0]])
         return box[0]
+
+    def gather_bytes(self, data: np.ndarray, dst: int, sizes: Sequence[int]) -> list[np.ndarray] | None:
+        # gloo gathers tensors of one size: each rank's bytes padded to the largest (an uneven last shard's
+        # padding is at most a row per rank)
+        most = max(sizes)
+        buf = torch.zeros(most, dtype=torch.uint8)
+        if data.nbytes:
+            buf[:data.nbytes] = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        out = [torch.empty(most, dtype=torch.uint8) for _ in range(self.world)] if self.rank == dst else None
+        with _collective("gather of an anchor tensor's pieces", self.rank):
+            dist.gather(buf, out, dst=self._global(dst), group=self.group)
+        if out is None:
+            return None
+        self.stats["tensor_bytes"] += sum(sizes[r] for r in range(self.world) if r != self.rank)
+        return [t[:sizes[r]].numpy() for r, t in enumerate(out)]
+
+    def _count(self, objs: Any) -> None:
+        self.stats["object_bytes"] += sum(len(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)) for o in objs)
 
 
 def make_comm(process_group: Any = None, distributed: bool | None = None) -> Comm:
@@ -96,6 +164,18 @@ def make_comm(process_group: Any = None, distributed: bool | None = None) -> Com
     comm = TorchComm(group)
     log.info("publishing as rank %d of %d", comm.rank, comm.world)
     return comm
+
+
+@contextmanager
+def _collective(what: str, rank: int) -> Iterator[None]:
+    """A collective that fails (gloo: a peer's connection closed, or a timeout) fails the publish on this rank
+    with a PublishError that says so: another rank died or stopped taking part, and nothing is committed."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise errors.PublishError(f"rank {rank}: the publishers' {what} failed ({str(e).splitlines()[0][:300]}); "
+                                  "another rank died or stopped publishing: this publish commits nothing, and "
+                                  "the run keeps its last committed snapshot") from e
 
 
 def describe(e: BaseException) -> tuple[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from delta.manifest import Kind, Manifest
 
@@ -28,6 +29,8 @@ class ChainState:
     anchor_bytes: int = 0                 # stored size of the anchor's data objects
     chain_bytes: int = 0                  # stored bytes of the deltas since that anchor
     schema: Schema = field(default_factory=dict)
+    last_kind: str | None = None
+    layout: dict = field(default_factory=dict)   # the last snapshot's tensors held in pieces: name -> boxes
 
     @property
     def chain_length(self) -> int:
@@ -49,9 +52,10 @@ class ChainState:
         """The state once ``m`` is committed on top of this one."""
         schema = {n: (e.dtype, tuple(e.shape)) for n, e in m.tensors.items()}
         if m.kind == "anchor":
-            return ChainState(m.version, m.step, m.version, sum(o.size for o in m.objects), 0, schema)
+            return ChainState(m.version, m.step, m.version, sum(o.size for o in m.objects), 0, schema, m.kind)
+        layout = {n: tuple(p.box for p in e.pieces) for n, e in m.tensors.items() if e.pieces}
         return replace(self, last_version=m.version, last_step=m.step, chain_bytes=self.chain_bytes + m.stored_bytes,
-                       schema=schema)
+                       schema=schema, last_kind=m.kind, layout=layout)
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,18 @@ class Plan:
     reason: str
     data_id: str = ""       # names this attempt's data prefix (<v>-<data_id>/): no two attempts share a key
     schema_change: str = ""  # tensor names, dtypes or shapes that differ from the previous snapshot's ('' if none)
+    layout: Any = None      # the tensors held in pieces and an anchor's shards of them (publisher/sharded.py)
 
 
 def decide(state: ChainState, schema: Schema, *, anchor_every: int, chain_fraction: float,
-           force_anchor: bool = False, max_chain: int = MAX_CHAIN) -> Plan:
-    """The next snapshot's version and kind, with the reason (logged, and in PublishResult)."""
+           force_anchor: bool = False, max_chain: int = MAX_CHAIN, layout: dict | None = None) -> Plan:
+    """The next snapshot's version and kind, with the reason (logged, and in PublishResult). ``layout``: the
+    boxes of the tensors published in pieces (name -> boxes); a delta may follow a delta only in the same."""
     version = 0 if state.last_version is None else state.last_version + 1
     reason = _anchor_reason(state, schema, anchor_every, chain_fraction, force_anchor, max_chain)
+    if reason is None and state.last_kind == "delta" and (layout or {}) != state.layout:
+        reason = ("tensors are held in other pieces than in the previous delta: "
+                  f"{_layout_change(state.layout, layout or {})}")
     # said whatever else made this an anchor: replicas on the old tensors cannot hot-load it
     change = describe_schema_change(state.schema, schema) if state.schema else ""
     if reason is not None:
@@ -97,6 +106,16 @@ def _anchor_reason(state: ChainState, schema: Schema, anchor_every: int, chain_f
     if change:
         return f"tensors changed: {change}"
     return None
+
+
+def _layout_change(old: dict, new: dict) -> str:
+    """Which tensors a publish holds in other pieces than the last delta (another world size or mesh)."""
+    names = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
+    first = names[0]
+    how = f"{len(old.get(first, ()))} -> {len(new.get(first, ()))} pieces" if first in old and first in new else \
+        ("now in pieces" if first in new else "now whole")
+    more = f" (+{len(names) - 1} more)" if len(names) > 1 else ""
+    return f"{first!r} {how}{more}; the ranks' parents are the old pieces (another world size or mesh?)"
 
 
 def describe_schema_change(old: Schema, new: Schema, limit: int = 3) -> str:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -36,8 +36,9 @@ from .codec_choice import CODECS, CONTEXT, FAST, CodecChooser, check_bandwidth, 
 from .distributed import describe, make_comm
 from .nan import nan_tensor_names
 from .plan import ChainState, Plan, decide
-from .rebuild import read_chain, rebuild
+from .rebuild import read_chain, rebuild, rebuild_boxes
 from .result import PublishResult
+from . import sharded
 from .runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id, read_manifest,
                    read_run_info)
 from .device_diff import DeviceDiff
@@ -62,6 +63,7 @@ class _Job:
     wait: bool
     copy_s: float = 0.0
     adapter: "adapter_mod.AdapterSnapshot | None" = None   # a LoRA run's publish (publisher/adapter.py)
+    boxes: "sharded.Boxes" = field(default_factory=dict)   # this rank's boxes of the DTensors it publishes
 
 
 class _Skipped(PublishError):
@@ -184,6 +186,7 @@ class Publisher:
         self._parent: dict[str, torch.Tensor] = {}
         self._parent_version: int | None = None
         self._parent_digests: dict[str, int] = {}   # xxh3 of this rank's tensors as it committed them last
+        self._parent_boxes: sharded.Boxes = {}         # where this rank's parents of DTensors lie in them
         self._lock = threading.Lock()
         self._committed_step: int | None = last_step
         self._last_step: int | None = last_step
@@ -274,13 +277,13 @@ class Publisher:
         try:
             self._check_usable()
             err: BaseException | None = None
-            snapshot, copy_s, snap = None, 0.0, None
+            snapshot, copy_s, snap, boxes = None, 0.0, None, {}
             try:
                 weights, snap = self._adapter.split(weights, f"run {self.run_id} at {self.url}")
                 if snap is not None and self._comm.world > 1:
                     raise PublishInputError("a LoRA adapter is published by one process (world size 1): gather "
                                             "it on one rank")
-                step, metadata, sources = self._check_inputs(weights, step, metadata)
+                step, metadata, sources, boxes = self._check_inputs(weights, step, metadata)
                 if not self._files_checked and snap is None:
                     self._check_files(weights)
                 t0 = time.perf_counter()
@@ -300,7 +303,8 @@ class Publisher:
                 self._last_step = step if err is None else self._last_step
                 failures = self._n_failures
             job = _Job(snapshot, None if snapshot is None else schema_of(snapshot), step,
-                       metadata if err is None else {}, anchor, err, failures, t_start, wait, copy_s, snap)
+                       metadata if err is None else {}, anchor, err, failures, t_start, wait, copy_s, snap,
+                       boxes if err is None else {})
             fut = self._worker.submit(self._run_job, job)
         except BaseException:
             self._slots.release()
@@ -310,13 +314,15 @@ class Publisher:
         fut.add_done_callback(self._job_done)
         return fut.result() if wait else fut
 
-    def _check_inputs(self, weights: Weights, step: Any, metadata: Any) -> tuple[int, dict[str, str], dict]:
+    def _check_inputs(self, weights: Weights, step: Any,
+                      metadata: Any) -> tuple[int, dict[str, str], dict, "sharded.Boxes"]:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise PublishInputError(f"step must be a non-negative int, got {step!r}")
         metadata = dict(metadata or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise PublishInputError("metadata must map strings to strings")
-        sources = gather_sources(weights, self._partition)
+        # a DTensor becomes this rank's box of it: a delta encodes boxes, never a gathered tensor
+        sources, boxes = sharded.split_dtensors(gather_sources(weights, self._partition))
         if not sources and self._comm.world == 1:
             raise PublishInputError("nothing to publish: no tensors")
         with self._lock:
@@ -324,7 +330,7 @@ class Publisher:
         if last is not None and step < last:
             raise PublishInputError(f"step {step} is lower than the run's last step {last} "
                                     f"(run {self.run_id} at {self.url}); steps may not go backwards")
-        return step, metadata, (sources if self.dtype is None else Cast(sources, self.dtype))
+        return step, metadata, (sources if self.dtype is None else Cast(sources, self.dtype)), boxes
 
     def _check_files(self, weights: Weights) -> None:
         """First publish: a transformers model's own config (in the dtype published) replaces extra_files'
@@ -467,10 +473,12 @@ class Publisher:
         comm = self._comm
         skip = job.failures_seen != self._n_failures
         try:
-            gathered = comm.agree(job.error, (skip, job.schema, job.step, job.force_anchor))
-            if any(g[0] for g in gathered):
+            if any(comm.agree(job.error, skip)):    # every rank learns of every error and skip
                 raise _Skipped(f"step {job.step} was not published: an earlier publish of run {self.run_id} failed")
+            # the schemas (and DTensor boxes) only rank 0 needs: it plans, the others follow
+            gathered = comm.gather((skip, job.schema, job.step, job.force_anchor, job.boxes))
             plan: Plan = comm.decide(lambda: self._plan(gathered, job.adapter))
+            pieced = plan.layout.pieces if plan.layout is not None else {}
             parent = None
             if plan.kind == "delta":
                 err: BaseException | None = None
@@ -488,16 +496,17 @@ class Publisher:
             first = total = 0
             if plan.kind == "anchor":
                 assert job.snapshot is not None
-                shards = anchor_fmt.plan_shards(
-                    [(n, t.numel() * t.element_size()) for n, t in job.snapshot.items()], self.shard_bytes)
-                counts = comm.all_gather(len(shards))
+                shards = anchor_fmt.plan_shards([(n, t.numel() * t.element_size()) for n, t in job.snapshot.items()
+                                                 if n not in pieced], self.shard_bytes)
+                # then the shards of tensors in pieces this rank writes (sharded.write_piece_shards)
+                counts = comm.all_gather(len(shards) + (len(plan.layout.shards_of(comm.rank)) if pieced else 0))
                 first, total = sum(counts[:comm.rank]), sum(counts)
             written, err = None, None
             try:
                 written = self._write(plan, job, parent, shards, first, total)
             except Exception as e:  # noqa: BLE001 - reported to every rank by agree()
                 err = e
-            parts = comm.agree(err, written)
+            parts = comm.agree(err, written, to_root=True)    # rank 0 commits them
             outcome = comm.decide(lambda: self._commit(plan, job, parts))
         except _Skipped:
             raise
@@ -508,15 +517,10 @@ class Publisher:
             raise
         return self._committed(plan, job, written, outcome)
 
-    def _plan(self, gathered: list[tuple[bool, Schema, int, bool]],
+    def _plan(self, gathered: list[tuple[bool, Schema, int, bool, "sharded.Boxes"]],
               adapter: "adapter_mod.AdapterSnapshot | None" = None) -> Plan:
-        union: Schema = {}
-        owner: dict[str, int] = {}
-        for r, (_, schema, _, _) in enumerate(gathered):
-            for n, s in (schema or {}).items():
-                if n in owner:
-                    raise PublishInputError(f"tensor {n!r} is published by both rank {owner[n]} and rank {r}")
-                owner[n], union[n] = r, s
+        # plain tensors held by one rank each; a DTensor's boxes tiling it (publisher/sharded.py)
+        union, layout = sharded.plan_union([(g[1], g[4]) for g in gathered], self.shard_bytes)
         if not union:
             raise PublishInputError("nothing to publish: no rank holds a tensor")
         steps = sorted({g[2] for g in gathered})
@@ -527,7 +531,8 @@ class Publisher:
             raise PublishInputError(f"step {step} is lower than the last committed step {self._chain.last_step} "
                                     f"(version {self._chain.last_version} of run {self.run_id})")
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=self.anchor_chain_fraction,
-                      force_anchor=any(g[3] for g in gathered))
+                      force_anchor=any(g[3] for g in gathered), layout=layout.boxes())
+        plan = replace(plan, layout=layout)
         why = self._adapter.anchor_reason(adapter)    # a LoRA run's new base or adapter config
         if why is not None and (plan.kind == "delta" or plan.schema_change):   # the cause, not its symptom
             plan = replace(plan, kind="anchor", anchor_version=plan.version, reason=why)
@@ -568,10 +573,22 @@ class Publisher:
         assert job.snapshot is not None and plan.parent_version is not None
         if self._parent_version != plan.parent_version:
             self._parent, self._parent_version, self._parent_digests = {}, plan.parent_version, {}
+            self._parent_boxes = {}
+        for n, box in job.boxes.items():    # a parent of another box of a DTensor is no parent
+            if n in self._parent and self._parent_boxes.get(n) != box:
+                del self._parent[n]
+                self._parent_digests.pop(n, None)
         missing = [n for n in job.snapshot if n not in self._parent]
         if missing:
             chain = read_chain(self._store, plan.parent_version, self.run_id)
-            self._parent.update(rebuild(self._store, chain, missing))
+            pieced = plan.layout.pieces if plan.layout is not None else {}
+            whole = [n for n in missing if n not in pieced]
+            if whole:
+                self._parent.update(rebuild(self._store, chain, whole))
+            boxes = {n: (job.boxes[n].offsets, tuple(job.snapshot[n].shape)) for n in missing if n in pieced}
+            if boxes:       # this rank's boxes only: the anchor's rows of them, then their records
+                self._parent.update(rebuild_boxes(self._store, chain, boxes))
+            self._parent_boxes.update({n: job.boxes[n] for n in missing if n in job.boxes})
         for n, t in job.snapshot.items():
             p = self._parent.get(n)
             if p is None or p.dtype != t.dtype or p.shape != t.shape:
@@ -582,11 +599,18 @@ class Publisher:
                first: int, total: int) -> Written:
         assert job.snapshot is not None
         if plan.kind == "anchor":
-            written = write_anchor(self._store, self._uploads, job.snapshot, shards, version=plan.version,
-                                   writer_id=plan.data_id, first_shard=first, total_shards=total,
-                                   extra_files=self._anchor_files if self._comm.rank == 0 else {},
+            pieced = plan.layout.pieces if plan.layout is not None else {}
+            written = write_anchor(self._store, self._uploads,
+                                   {n: t for n, t in job.snapshot.items() if n not in pieced}, shards,
+                                   version=plan.version, writer_id=plan.data_id, first_shard=first,
+                                   total_shards=total, extra_files=self._anchor_files if self._comm.rank == 0 else {},
                                    progress=self.progress,
                                    file_name=None if job.adapter is None else adapter_mod.ADAPTER_WEIGHTS_NAME)
+            if pieced:      # gathered one tensor at a time into the rank that writes its shard
+                written = sharded.combine(written, sharded.write_piece_shards(
+                    self._comm, self._store, self._uploads, job.snapshot, job.boxes, plan.layout,
+                    version=plan.version, writer_id=plan.data_id, first_shard=first + len(shards),
+                    total_shards=total, progress=self.progress))
         else:
             assert parent is not None
             written = self._write_delta(plan, job, parent)
@@ -630,6 +654,7 @@ class Publisher:
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
                                      progress=self.progress, parent_digests=self._parent_digests)
+        sharded.with_boxes(written, job.boxes, plan.layout)      # pieces of a DTensor: merged into one entry
         written.codec, written.codec_reason = codec, reason
         if self._chooser is not None:
             self._chooser.observe(codec, elements=elements, changed=written.changed_elements,
@@ -669,7 +694,7 @@ class Publisher:
         self._chain = self._chain.advanced(manifest)
         if plan.kind == "anchor":
             self._anchor_extra = extra_refs
-        n_changed = sum(1 for e in entries.values() if e.object is not None)
+        n_changed = sum(1 for e in entries.values() if e.has_data)
         return {"stored": stored, "full": full, "n_changed": n_changed, "n_tensors": len(entries),
                 "commit_s": time.perf_counter() - t0, "extra": extra_bytes}
 
@@ -677,6 +702,7 @@ class Publisher:
         assert job.snapshot is not None and written is not None
         old, self._parent, self._parent_version = self._parent, job.snapshot, plan.version
         self._parent_digests = {n: int(e.xxh3, 16) for n, e in written.entries.items() if n in job.snapshot}
+        self._parent_boxes = dict(job.boxes)
         self._nan_clean, self._nan_clean_version = self._nan_next, plan.version
         self._adapter.committed(job.adapter)
         with self._lock:

@@ -28,6 +28,7 @@ import xxhash
 from delta import dtypes
 from delta.codec import digest_hex
 from delta.manifest import ObjectRef, TensorEntry, anchor_prefix, delta_prefix
+from delta.pieces import PieceEntry, pieces_digest
 from delta.storage import Store
 
 from . import anchor as anchor_fmt
@@ -52,6 +53,10 @@ class Written:
     codec_reason: str = ""
     encode_s: float = 0.0
     upload_s: float = 0.0
+    # a tensor held in pieces (publisher/sharded.py): entries[name] is this rank's piece, boxes[name] its
+    # (tensor shape, offsets); an anchor's writer of such a tensor lists it whole in ``assembled``
+    boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    assembled: dict[str, TensorEntry] = field(default_factory=dict)
 
 
 def progress_bar(enabled: bool | None, total: int, desc: str) -> Any:
@@ -219,16 +224,30 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
 
 
 def merge(parts: list[Written]) -> tuple[list[ObjectRef], dict[str, TensorEntry], dict[str, str], list[ObjectRef]]:
-    """All ranks' shares as one snapshot: objects concatenated in rank order, entries re-indexed."""
+    """All ranks' shares as one snapshot: objects concatenated in rank order, entries re-indexed; a tensor
+    held in pieces becomes one entry listing them (a delta's), or its writer's whole entry (an anchor's)."""
     objects: list[ObjectRef] = []
     entries: dict[str, TensorEntry] = {}
     weight_map: dict[str, str] = {}
     extra: list[ObjectRef] = []
+    pieces: dict[str, tuple[TensorEntry, tuple[int, ...], list[PieceEntry]]] = {}
     for p in parts:
         base = len(objects)
         objects.extend(p.objects)
         for n, e in p.entries.items():
-            entries[n] = e if e.object is None else replace(e, object=e.object + base)
+            e = e if e.object is None else replace(e, object=e.object + base)
+            if n in p.boxes:
+                shape, offsets = p.boxes[n]
+                pieces.setdefault(n, (e, tuple(shape), []))[2].append(
+                    PieceEntry(tuple(offsets), tuple(e.shape), e.xxh3, e.object, e.offset, e.length))
+            else:
+                entries[n] = e
+        for n, e in p.assembled.items():
+            entries[n] = replace(e, object=e.object + base)
         weight_map.update(p.weight_map)
         extra.extend(p.extra_files)
+    for n, (e, shape, ps) in pieces.items():
+        if n not in entries:
+            ps.sort(key=lambda x: x.offsets)
+            entries[n] = TensorEntry(e.dtype, shape, pieces_digest(ps), None, 0, 0, tuple(ps))
     return objects, entries, weight_map, extra

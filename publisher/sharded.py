@@ -1,0 +1,347 @@
+"""Publishing from DTensor state dicts (FSDP2's ``fully_shard``) without gathering a parameter for a delta.
+
+Each rank takes its own box of every DTensor (:func:`split_dtensors`): the local
+shard of ``Shard(d)`` placements, an uneven last one included; for ``Replicate``
+mesh dimensions, which every rank of that dimension holds whole, the rank's
+``torch.chunk`` share of dimension 0, so the replicas share the encoding instead of
+all doing it. The publisher then treats the box like any tensor it holds: it copies
+it to host memory, keeps it as the next delta's parent, and encodes its record
+against the same box of the previous snapshot. Rank 0 learns every rank's boxes
+with the tensor schemas (metadata), checks that they tile each tensor
+(:func:`plan_union`), and the manifest lists the tensor as pieces
+(docs/FORMAT.md, "Pieces"): no bits cross between ranks for a delta.
+
+Anchors stay Hugging Face checkpoints, whole tensors in safetensors shards, so a
+tensor in pieces must meet its other pieces once per anchor: the shards of such
+tensors are planned by rank 0 and each is written by one rank (the one with the
+fewest anchor bytes so far), which gathers its tensors' pieces one tensor at a
+time and streams them into the file (:func:`write_piece_shards`). Memory on the
+writing rank beyond its own boxes: the gathered pieces of one tensor (gloo gathers
+equal sizes, so each rank's piece padded to the largest: at most one tensor plus a
+row per rank for ``Shard(0)``), plus, for a tensor cut along another dimension than
+0, a block of at most ``BLOCK_BYTES`` being assembled in C order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from delta import dtypes
+from delta.codec import digest_hex
+from delta.errors import PublishInputError
+from delta.manifest import Manifest, ObjectRef, TensorEntry, anchor_prefix
+from delta.pieces import Box, flat_range, grid_problem
+from delta.storage import Store
+
+from . import anchor as anchor_fmt
+from .distributed import Comm
+from .nan import nan_tensor_names
+from .snapshot import Schema
+from .writer import Uploader, Written, progress_bar
+
+log = logging.getLogger("ckptdelta.publisher")
+
+#: A tensor cut along another dimension than 0 is assembled into C order in blocks of rows of at most this size.
+BLOCK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class LocalBox:
+    """Where a rank's piece of a DTensor lies: the whole tensor's shape and the piece's offsets in it."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+#: name -> this rank's box of a DTensor it publishes
+Boxes = dict[str, LocalBox]
+
+
+def is_dtensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor"
+
+
+def split_dtensors(sources: Mapping[str, Any]) -> tuple[dict[str, Any], Boxes]:
+    """``sources`` with each DTensor replaced by this rank's box of it (a view of its local tensor), and the
+    boxes. A rank whose box of a tensor is empty (an uneven last shard; a Replicate split of fewer rows than
+    ranks) does not publish that tensor; a tensor of no elements is published whole by one rank."""
+    out: dict[str, Any] = {}
+    boxes: Boxes = {}
+    for name, value in sources.items():
+        if not is_dtensor(value):
+            out[name] = value
+            continue
+        piece = local_piece(name, value)
+        if piece is not None:
+            out[name], boxes[name] = piece
+    return out, boxes
+
+
+def local_piece(name: str, dt: Any) -> tuple[torch.Tensor, LocalBox] | None:
+    """This rank's box of the DTensor ``dt`` and a view of its bits (None when the box is empty)."""
+    mesh, placements = dt.device_mesh, dt.placements
+    for p in placements:
+        if type(p).__name__ == "_StridedShard" or p.is_partial():
+            raise PublishInputError(
+                f"tensor {name!r} is a DTensor placed as {p}: only Shard(dim) and Replicate placements are "
+                "published as pieces; redistribute it to Shard or Replicate (or full_tensor() it) first")
+    coord = mesh.get_coordinate()
+    if coord is None:                      # this rank is not in the tensor's mesh: it holds none of it
+        return None
+    gshape = tuple(int(s) for s in dt.shape)
+    local = dt.to_local()
+    with torch.no_grad():
+        chunk = dt.__create_chunk_list__()[0]     # the local shard's box (torch.distributed.checkpoint's own)
+        offsets = [int(o) for o in chunk.offsets]
+        lshape = [int(s) for s in chunk.sizes]
+        if tuple(local.shape) != tuple(lshape):
+            raise PublishInputError(f"tensor {name!r}: the DTensor's local tensor is {list(local.shape)}, its "
+                                    f"placements {placements} give a shard of {lshape}")
+        if math.prod(gshape) == 0:
+            if all(c == 0 for c in coord):
+                return torch.empty(gshape, dtype=local.dtype), LocalBox(gshape, (0,) * len(gshape))
+            return None
+        for md, p in enumerate(placements):   # replicated: this rank's share of dimension 0 (torch.chunk's)
+            if not p.is_replicate():
+                continue
+            k, c = mesh.size(md), coord[md]
+            if not gshape:
+                if c != 0:
+                    return None
+                continue
+            size = -(-lshape[0] // k)
+            start = min(c * size, lshape[0])
+            stop = min(start + size, lshape[0])
+            local = local.narrow(0, start, stop - start)
+            offsets[0] += start
+            lshape[0] = stop - start
+        if math.prod(lshape) == 0:
+            return None
+    return local, LocalBox(gshape, tuple(offsets))
+
+
+# --- rank 0: the union of every rank's tensors ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pieced:
+    """A tensor held in pieces: its dtype and shape, and ((rank, offsets, shape), ...) in the format's order."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+
+    @property
+    def dt(self) -> dtypes.DType:
+        return dtypes.by_name(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dt.itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Rank 0's plan for the tensors held in pieces, broadcast with the publish plan.
+
+    ``pieces``: name -> :class:`Pieced`; ``shards``: for an anchor, (writing rank, names) of each shard of
+    those tensors, in the order every rank gathers them."""
+
+    pieces: dict[str, Pieced] = field(default_factory=dict)
+    shards: tuple[tuple[int, tuple[str, ...]], ...] = ()
+
+    def boxes(self) -> dict[str, tuple[Box, ...]]:
+        """name -> its boxes: what must stay the same for a delta to follow a delta."""
+        return {n: tuple((o, s) for _r, o, s in p.parts) for n, p in self.pieces.items()}
+
+    def shards_of(self, rank: int) -> list[int]:
+        return [i for i, (w, _names) in enumerate(self.shards) if w == rank]
+
+
+def layout_of(m: Manifest) -> dict[str, tuple[Box, ...]]:
+    """The boxes of ``m``'s pieced tensors (what :meth:`Layout.boxes` gives for a publish)."""
+    return {n: tuple(p.box for p in e.pieces) for n, e in m.tensors.items() if e.pieces}
+
+
+def plan_union(gathered: list[tuple[Schema, Boxes]], shard_bytes: int) -> tuple[Schema, Layout]:
+    """Every rank's tensors as one snapshot: plain tensors must be held by one rank each, a DTensor's pieces
+    must agree on dtype and shape and tile it (one piece covering it all is a plain tensor of its rank).
+    Also plans an anchor's shards of pieced tensors, each to the rank with the fewest anchor bytes so far."""
+    union: Schema = {}
+    owner: dict[str, int] = {}
+    held: dict[str, list[tuple[int, str, LocalBox, tuple[int, ...]]]] = {}
+    for r, (schema, boxes) in enumerate(gathered):
+        for n, (dtype, shape) in (schema or {}).items():
+            b = (boxes or {}).get(n)
+            if b is not None:
+                held.setdefault(n, []).append((r, dtype, b, tuple(shape)))
+                continue
+            if n in owner:
+                raise PublishInputError(f"tensor {n!r} is published by both rank {owner[n]} and rank {r}")
+            owner[n], union[n] = r, (dtype, tuple(shape))
+    pieces: dict[str, Pieced] = {}
+    for n, hs in held.items():
+        if n in owner:
+            raise PublishInputError(f"tensor {n!r} is a DTensor on rank {hs[0][0]} but a plain tensor on rank "
+                                    f"{owner[n]}: publish it from one kind of state dict")
+        kinds = sorted({(h[1], h[2].global_shape) for h in hs})
+        if len(kinds) > 1:
+            raise PublishInputError(f"ranks disagree on DTensor {n!r}: " + ", ".join(
+                f"{d}{list(s)}" for d, s in kinds))
+        dtype, gshape = kinds[0]
+        union[n] = (dtype, gshape)
+        if len(hs) == 1 and hs[0][3] == gshape:     # one rank holds it all: a plain tensor of that rank
+            owner[n] = hs[0][0]
+            continue
+        rows = sorted((h[2].offsets, h[3], h[0]) for h in hs)
+        problem = grid_problem(gshape, [(o, s) for o, s, _r in rows])
+        if problem is not None:
+            raise PublishInputError(f"DTensor {n!r}: the ranks' pieces cannot be published: {problem}")
+        pieces[n] = Pieced(dtype, gshape, tuple((r, o, s) for o, s, r in rows))
+    load = [0] * len(gathered)
+    for n, r in owner.items():
+        d, s = union[n]
+        load[r] += math.prod(s) * dtypes.by_name(d).itemsize
+    shards = []
+    sizes = [(n, p.nbytes) for n, p in pieces.items()]
+    for names in anchor_fmt.plan_shards(sizes, shard_bytes):
+        writer = min(range(len(load)), key=lambda r: (load[r], r))
+        load[writer] += sum(b for n, b in sizes if n in names)
+        shards.append((writer, tuple(names)))
+    return union, Layout(pieces, tuple(shards))
+
+
+# --- what a rank wrote: its pieces as the manifest lists them --------------------------------------------
+
+def with_boxes(written: Written, boxes: Boxes, layout: Layout | None) -> Written:
+    """Mark which of a rank's entries are pieces of a pieced tensor (merge() lists them as its pieces)."""
+    if layout is not None and layout.pieces:
+        written.boxes = {n: (boxes[n].global_shape, boxes[n].offsets) for n in written.entries if n in layout.pieces}
+    return written
+
+
+# --- anchors: each shard of pieced tensors gathered, one tensor at a time, into its writer -----------------
+
+def write_piece_shards(comm: Comm, store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, torch.Tensor],
+                       boxes: Boxes, layout: Layout, *, version: int, writer_id: str, first_shard: int,
+                       total_shards: int, progress: bool | None) -> Written:
+    """This rank's part of an anchor's shards of pieced tensors: it sends its pieces of every such tensor to the
+    tensor's writer, in the order every rank follows (the shards', then each shard's data order), and writes
+    the shards assigned to it (numbered from ``first_shard``) as their tensors arrive."""
+    out = Written()
+    for n in layout.pieces:      # its own pieces: digests (the next delta's parents) and NaNs (the warning)
+        if n in snapshot:
+            t = snapshot[n]
+            out.entries[n] = TensorEntry(dtypes.of(t).name, tuple(t.shape),
+                                         digest_hex(xxhash.xxh3_64_intdigest(dtypes.host_bits(t))), None)
+            out.boxes[n] = (boxes[n].global_shape, boxes[n].offsets)
+    out.changed_nan = nan_tensor_names(snapshot, sorted(out.boxes), set())
+    mine = layout.shards_of(comm.rank)
+    total = sum(layout.pieces[n].nbytes for i in mine for n in layout.shards[i][1])
+    bar = progress_bar(progress, total, f"anchor v{version} (pieces)")
+    up = Uploader(store, pool, max_pending=4, bar=bar)
+    prefix = anchor_prefix(version, writer_id)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ckptdelta-anchor-") as tmp:
+            try:
+                for i, (writer, names) in enumerate(layout.shards):
+                    _one_shard(comm, snapshot, layout, names, writer, out, up, tmp, prefix,
+                               first_shard + mine.index(i) if writer == comm.rank else -1, total_shards)
+            except BaseException:
+                up.drain()      # no upload may still read the temporary files once they are removed
+                raise
+            out.upload_s = up.wait()
+    finally:
+        bar.close()
+    return out
+
+
+def _one_shard(comm: Comm, snapshot: Mapping[str, torch.Tensor], layout: Layout, names: tuple[str, ...],
+               writer: int, out: Written, up: Uploader, tmp: str, prefix: str, index: int, total: int) -> None:
+    t0 = time.perf_counter()
+    dts = {n: layout.pieces[n].dt for n in names}
+    metas = {n: torch.empty(layout.pieces[n].shape, dtype=dts[n].torch_dtype, device="meta") for n in names}
+    shard = anchor_fmt.layout_shard(metas, list(names))
+    f = None
+    if writer == comm.rank:
+        fname = anchor_fmt.shard_file_name(index, total)
+        path = os.path.join(tmp, fname)
+        f = open(path, "wb")
+        whole = xxhash.xxh3_64()
+        f.write(shard.header)
+        whole.update(shard.header)
+    try:
+        for n in shard.order:
+            parts = layout.pieces[n].parts
+            shape = layout.pieces[n].shape
+            itemsize = dts[n].itemsize
+            sizes = [0] * comm.world
+            for r, _o, s in parts:
+                sizes[r] = math.prod(s) * itemsize
+            mine = dtypes.host_bits(snapshot[n]).view(np.uint8) if n in snapshot else np.empty(0, np.uint8)
+            got = comm.gather_bytes(mine, writer, sizes)
+            if f is None:
+                continue
+            h = xxhash.xxh3_64()
+            for block in _c_order(shape, dts[n], parts, got):
+                f.write(block)
+                whole.update(block)
+                h.update(block)
+            del got
+            off, ln = shard.ranges[n]
+            out.assembled[n] = TensorEntry(dts[n].name, shape, digest_hex(h.intdigest()),
+                                           len(out.objects), off, ln)
+            out.weight_map[n] = fname
+    finally:
+        if f is not None:
+            f.close()
+    if f is not None:
+        out.objects.append(ObjectRef(f"{prefix}/{fname}", shard.size, digest_hex(whole.intdigest())))
+        out.encode_s += time.perf_counter() - t0
+        up.submit_file(f"{prefix}/{fname}", path, shard.size)
+
+
+def _c_order(shape: tuple[int, ...], dt: dtypes.DType, parts, got: list[np.ndarray]):
+    """The tensor's bytes in C order from its pieces' (each piece's bits in its own C order)."""
+    arrays = [(o, s, got[r].view(dt.bits_dtype).reshape(s)) for r, o, s in parts]
+    if all(flat_range(o, s, shape) is not None for o, s, _a in arrays):
+        for _o, _s, a in arrays:          # row ranges in order of offsets: already the tensor's C order
+            yield memoryview(a.reshape(-1).view(np.uint8))
+        return
+    row = math.prod(shape[1:]) * dt.itemsize
+    step = max(1, BLOCK_BYTES // max(1, row))
+    for r0 in range(0, shape[0], step):
+        r1 = min(shape[0], r0 + step)
+        block = np.empty((r1 - r0, *shape[1:]), dt.bits_dtype)
+        for o, s, a in arrays:
+            lo, hi = max(r0, o[0]), min(r1, o[0] + s[0])
+            if lo >= hi:
+                continue
+            dst = (slice(lo - r0, hi - r0), *(slice(x, x + n) for x, n in zip(o[1:], s[1:])))
+            block[dst] = a[lo - o[0]: hi - o[0]]
+        yield memoryview(block.reshape(-1).view(np.uint8))
+
+
+def combine(a: Written, b: Written) -> Written:
+    """Two shares of one rank's anchor (its plain shards, its shards of pieced tensors) as one."""
+    base = len(a.objects)
+    a.objects.extend(b.objects)
+    a.entries.update(b.entries)
+    a.boxes.update(b.boxes)
+    a.assembled.update({n: replace(e, object=e.object + base) for n, e in b.assembled.items()})
+    a.weight_map.update(b.weight_map)
+    a.changed_nan = [*a.changed_nan, *b.changed_nan]
+    a.encode_s += b.encode_s
+    a.upload_s = max(a.upload_s, b.upload_s)
+    return a
