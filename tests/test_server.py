@@ -177,7 +177,7 @@ def test_hotload_forward_matches_fresh_model_bit_for_bit_and_rolls_back(start_re
     report = job["report"]
     assert report["from_version"] == 0 and report["to_version"] == 3 and report["via_anchor"] is False
     assert report["bytes_fetched"] > 0 and set(job["timings"]) == {"fetch_s", "decode_s", "apply_s", "pause_s",
-                                                                   "total_s"}
+                                                                   "total_s", "prepare_s"}
     assert all(v >= 0 for v in job["timings"].values())
     assert state_bits_equal(rep.engine.model, run.truth[3]) == []
     assert greedy(rep) == greedy(fresh_engine(run, 3, tmp_path))
