@@ -82,10 +82,13 @@ def run_snapshot(args: argparse.Namespace) -> int:
         unchanged = 0
         by_object: dict[int, list[tuple[str, Any]]] = {}
         for name, t in m.tensors.items():
-            if t.object is None:
+            # a tensor published in pieces (docs/FORMAT.md, "Pieces"): a row per box that has a record
+            stored = [(f"{name} {p.describe()}", p) for p in t.pieces if p.object is not None] if t.pieces \
+                else [(name, t)] if t.object is not None else []
+            if not stored:
                 unchanged += 1
-            else:
-                by_object.setdefault(t.object, []).append((name, t))
+            for n, e in stored:
+                by_object.setdefault(e.object, []).append((n, e))
         for i, entries in sorted(by_object.items()):
             obj = m.objects[i]
             if m.kind == "anchor":       # safetensors shards: the manifest says all there is to list

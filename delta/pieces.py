@@ -58,13 +58,11 @@ class PieceEntry:
         return self.offsets, self.shape
 
     def describe(self) -> str:
-        """'rows 8-15' for a dim-0 range, else the box's slices."""
+        """The box as slices: '[8:16, 0:20]'."""
         return describe_box(self.offsets, self.shape)
 
 
 def describe_box(offsets: Sequence[int], shape: Sequence[int]) -> str:
-    if len(offsets) >= 1 and all(o == 0 for o in offsets[1:]):
-        return f"rows {offsets[0]}-{offsets[0] + shape[0] - 1}" + (" (all columns)" if len(offsets) > 1 else "")
     return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, shape)) + "]"
 
 

@@ -255,6 +255,17 @@ def test_every_reader_assembles_pieced_deltas_of_blocks_and_rows_bit_exact(piece
         rebuild_boxes(store, chain, {"rows": ((0, 0), (7, 6))})
 
 
+def test_inspect_lists_a_row_per_stored_box_of_a_pieced_tensor(pieced_run, capsys):
+    from ckptdelta.cli import main
+
+    url, _store, _truth = pieced_run
+    assert main(["inspect", url, "2", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["tensors"]}
+    assert sorted(rows) == ["grid [0:3, 0:4]", "grid [0:3, 4:9]", "grid [3:5, 4:9]", "plain", "rows [0:4, 0:6]",
+                            "rows [4:7, 0:6]"]                          # grid [3:5, 0:4] kept its bits in v2
+    assert rows["grid [0:3, 4:9]"]["shape"] == [3, 5] and rows["grid [0:3, 4:9]"]["has_parent"]
+
+
 def test_a_box_listed_unchanged_whose_bits_changed_is_caught_by_the_assembled_check(tmp_path):
     url = str(tmp_path / "run")
     w0 = _weights(0)
