@@ -72,7 +72,7 @@ def test_every_readme_command_and_snippet_runs_as_written(tmp_path):
         outputs.append(out)
         ran += 1
         print(f"block {i} ({lang}): {time.perf_counter() - t0:.1f}s")
-    assert ran == 5 and sorted(skipped) == ["set-up: runs the demo and the whole suite", "starts a vLLM server"]
+    assert ran == 7 and sorted(skipped) == ["set-up: runs the demo and the whole suite", "starts a vLLM server"]
     text = "\n".join(outputs)
     assert "v00000002  delta" in text and "ok: v00000002" in text                  # ls, verify
     assert "verify v00000002" not in text                                          # no progress bar off a terminal
