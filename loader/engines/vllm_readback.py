@@ -54,12 +54,13 @@ there raise when read at tensor-parallel size > 1.
 
 Not covered (raises :class:`ReadbackError` naming the parameter): pipeline or
 expert parallelism > 1 and MoE experts at tensor parallelism > 1 (layers on
-other stages, expert maps), quantized layers (any linear/MoE/embedding quant method other than the
-unquantized one), MoE backends other than the CPU grouped-GEMM / zentorch ones
-(e.g. CUDA kernels that shuffle expert weights), non-gated MoE, and checkpoint
-names that vLLM renames through ``hf_to_vllm_mapper`` prefix/substring rules
-(the vLLM parameter name is used as is). Tensors come back in the dtype vLLM
-serves; they equal the checkpoint bits only when that is the checkpoint's dtype.
+other stages, expert maps), quantized layers (any linear/MoE/embedding quant
+method other than the unquantized one), MoE backends other than the CPU
+grouped-GEMM / zentorch ones (e.g. CUDA kernels that shuffle expert weights),
+non-gated MoE, and checkpoint names that vLLM renames through
+``hf_to_vllm_mapper`` prefix/substring rules (the vLLM parameter name is used
+as is). Tensors come back in the dtype vLLM serves; they equal the checkpoint
+bits only when that is the checkpoint's dtype.
 """
 
 from __future__ import annotations
