@@ -130,7 +130,7 @@ def _run_rank(rank: int, port: int, host_path: str, out_dir: str, corrupt: str |
 
     from loader.engines.shared_weights import open_tensors
     from loader.engines.vllm_patch import patch, targets
-    from loader.engines.vllm_readback import checkpoint_tensors, digests, kernel_view
+    from loader.engines.vllm_readback import checkpoint_tensors
     from loader.engines.vllm_tp import Slice
     from loader.engines.vllm_worker import _compare, _digests
 
@@ -168,6 +168,5 @@ def _run_rank(rank: int, port: int, host_path: str, out_dir: str, corrupt: str |
     answer["packed"] = sorted(p for p, m in model.named_modules() if hasattr(m, "cpu_linear") and
                               getattr(m, "weight", None) is not None and m.weight.numel() == 0)
     answer["local_shapes"] = {n: list(t.shape) for n, t in checkpoint_tensors(model, strict=False).items()}
-    del kernel_view, digests  # imported to fail early if the read-back's public names moved
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(answer, f)
