@@ -147,23 +147,17 @@ def test_slices_that_leave_part_of_a_tensor_unproven_are_refused():
 TP_ARGS = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 
 
-def omp_bind(ranks: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers on one NUMA node: the allowed cores split in
-    turn. vLLM's default (``auto``) binds one rank per NUMA node and refuses to start with fewer nodes than
-    ranks."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < ranks:
-        pytest.skip(f"{ranks} tensor-parallel ranks need {ranks} cores, this process may use {len(cpus)}")
-    return "|".join(",".join(str(c) for c in cpus[i::ranks]) for i in range(ranks))
-
-
 @pytest.fixture(scope="module")
 def tp_env():
+    """VllmServer binds each rank's threads to its share of the cores (loader.engines.vllm.cpu_thread_binding):
+    vLLM's own default binds one rank per NUMA node and refuses 2 ranks on this one-node host."""
     from tests.vllm_replicas import use_one_gpu_layout
 
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("2 tensor-parallel ranks need 2 cores")
     with pytest.MonkeyPatch.context() as mp:
         use_one_gpu_layout(mp)       # the engine core in the API server's process; the mp executor adds 2 workers
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_bind(2))
+        mp.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
         yield
 
 

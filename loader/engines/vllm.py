@@ -132,6 +132,9 @@ class VllmServer:
         environ = {**os.environ, **(env or {})}
         for k, v in VLLM_ENV_DEFAULTS.items():
             environ.setdefault(k, v)
+        ranks = _tensor_parallel_size(args)
+        if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in environ and not torch.cuda.is_available():
+            environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(ranks)
         from loader.scratch import make as make_scratch
 
         self._dir = make_scratch("vllm-sock")    # mode 0700, locked while we live (loader/scratch.py)
@@ -224,6 +227,27 @@ class VllmServer:
                 own.disown()
             else:
                 own.release()
+
+
+def _tensor_parallel_size(args: Sequence[str]) -> int:
+    for i, a in enumerate(args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if a == flag and i + 1 < len(args) and args[i + 1].isdigit():
+                return int(args[i + 1])
+            if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
+                return int(a.split("=", 1)[1])
+    return 1
+
+
+def cpu_thread_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: the cores this process may use, dealt out in turn.
+    vLLM's CPU build binds one rank per NUMA node by default and refuses to start tensor parallelism on a host
+    with fewer nodes than ranks ("Not enough allowed NUMA nodes"); ``serve`` sets this unless the user did."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        raise VllmError(f"--tensor-parallel-size {ranks} on vLLM's CPU build needs {ranks} cores; this process "
+                        f"may use {len(cpus)}")
+    return "|".join(",".join(str(c) for c in cpus[i::ranks]) for i in range(ranks))
 
 
 # --- control calls ------------------------------------------------------------------------------
