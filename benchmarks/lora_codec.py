@@ -1,0 +1,131 @@
+"""How compressible is a LoRA step? The codec on real adapter steps, beside XOR + zstd-3.
+
+A Llama-style base (random bf16 weights, ``--hidden`` wide) gets a peft LoRA adapter
+on every linear layer (rank 16 and 64; peft keeps adapters in fp32 over a bf16 base),
+trained by AdamW on real gradients of next-token cross-entropy over random token
+batches. After ``--warmup`` steps (so Adam's moments are populated and lora_B is no
+longer zero) each consecutive pair of adapter snapshots is encoded by ckptdelta's
+codec (what a delta of a LoRA run holds: one record per tensor) and by XOR + zstd-3
+per tensor (benchmarks/baselines.py). Both lora_A and lora_B change in every element
+at these learning rates: the dense regime, unlike a full model's step.
+
+    python -m benchmarks.lora_codec [--hidden 512] [--steps 3]
+
+Writes benchmarks/results/lora_codec.{md,json} (``--dtype bf16``: lora_codec_bf16.*, the adapter cast to
+bf16 as ``Publisher(dtype=torch.bfloat16)`` publishes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+import delta
+from benchmarks import baselines
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+ENCODINGS = {0: "unchanged", 1: "sparse", 2: "dense_xor", 3: "raw", 4: "ctx", 5: "gctx"}
+
+
+def trajectory(hidden: int, layers: int, rank: int, lr: float, warmup: int, steps: int, seed: int = 0):
+    """``steps + 1`` consecutive adapter snapshots (peft's saved names -> fp32 tensors)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=2000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 8 * 8,
+                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                      num_key_value_heads=max(1, hidden // 128), max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    base = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                            lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def step() -> None:
+        x = torch.randint(0, cfg.vocab_size, (8, 64), generator=g)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(warmup):
+        step()
+    snaps = []
+    for i in range(steps + 1):
+        snaps.append({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()})
+        if i < steps:
+            step()
+    return snaps
+
+
+def measure(old: dict, new: dict) -> dict:
+    raw = sum(t.numel() * t.element_size() for t in new.values())
+    n = sum(t.numel() for t in new.values())
+    changed = sum(int((baselines.to_bits(old[k]) != baselines.to_bits(new[k])).sum()) for k in new)
+    xor = baselines.encoded_nbytes(baselines.XorZstd().encode(old, new))
+    t0 = time.perf_counter()
+    encs = list(delta.encode_many([(k, old[k], new[k]) for k in sorted(new)], threads=1))
+    encode_s = time.perf_counter() - t0
+    ckd = sum(len(e.to_bytes()) for e in encs)
+    chunks = collections.Counter(ENCODINGS.get(c.encoding, str(c.encoding)) for e in encs for c in e.header.chunks)
+    return {"raw_bytes": raw, "changed": changed / n, "xor_zstd3_bytes": xor, "ckptdelta_bytes": ckd,
+            "ratio_xor": raw / xor, "ratio_ckptdelta": raw / ckd, "vs_xor": xor / ckd, "encode_s": encode_s,
+            "chunks": dict(chunks)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ranks", default="16,64")
+    ap.add_argument("--lrs", default="1e-5,1e-4")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="publish the adapter as trained (fp32) or cast to bf16 (Publisher(dtype=torch.bfloat16): "
+                         "the dtype vLLM computes LoRA in on a bf16 base)")
+    args = ap.parse_args(argv)
+    rows = []
+    for rank in map(int, args.ranks.split(",")):
+        for lr in map(float, args.lrs.split(",")):
+            snaps = trajectory(args.hidden, args.layers, rank, lr, args.warmup, args.steps)
+            if args.dtype == "bf16":
+                snaps = [{k: v.to(torch.bfloat16) for k, v in s.items()} for s in snaps]
+            per = [measure(snaps[i], snaps[i + 1]) for i in range(args.steps)]
+            row = {"rank": rank, "lr": lr, "steps": per,
+                   **{k: float(np.median([p[k] for p in per])) for k in
+                      ("raw_bytes", "changed", "ratio_xor", "ratio_ckptdelta", "vs_xor")},
+                   "chunks": per[-1]["chunks"]}
+            rows.append(row)
+            print(f"rank {rank:>3} lr {lr:g}: {row['raw_bytes'] / 1e6:.2f} MB adapter, {100 * row['changed']:.1f}% "
+                  f"changed, XOR+zstd-3 {row['ratio_xor']:.3f}x, ckptdelta {row['ratio_ckptdelta']:.3f}x "
+                  f"({row['vs_xor']:.3f}x fewer bytes than XOR+zstd-3), chunks {row['chunks']}", flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    stem = "lora_codec" if args.dtype == "fp32" else f"lora_codec_{args.dtype}"
+    with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    lines = [f"# LoRA steps: ckptdelta's codec beside XOR + zstd-3 (`python -m benchmarks.lora_codec`)", "",
+             f"Llama-style base, hidden {args.hidden}, {args.layers} layers, bf16; peft LoRA (fp32) on every linear, "
+             f"published as {args.dtype}, "
+             f"AdamW (no weight decay) on real gradients, {args.warmup} warm-up steps, medians of {args.steps} "
+             "consecutive steps. Ratio = adapter bytes / delta bytes.", "",
+             "| rank | lr | adapter | changed | XOR + zstd-3 | ckptdelta | bytes vs XOR + zstd-3 | chunk encodings |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['rank']} | {r['lr']:g} | {r['raw_bytes'] / 1e6:.2f} MB | {100 * r['changed']:.1f}% | "
+                     f"{r['ratio_xor']:.3f}x | {r['ratio_ckptdelta']:.3f}x | {r['vs_xor']:.3f}x fewer | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(r['chunks'].items()))} |")
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
