@@ -254,3 +254,21 @@ def test_an_adapter_that_trains_a_whole_module_too_is_served_on_its_base(lm_dir,
     replica = reference.build(bucket=url, snapshot=0, base_model=lm_dir)
     replica.swapper.hotload(1)
     assert bits_differ(replica.swapper.weights, truth[1]) == []
+
+
+def test_an_adapter_published_in_bf16_is_served_in_bf16_not_in_the_fp32_peft_would_make_it(lm_dir, tmp_path):
+    """Publisher(dtype=torch.bfloat16): the replica's live adapter is the published bf16 bits (peft's autocast
+    would load them into fp32 parameters, another policy), hot-loaded bit-exact."""
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    with Publisher(url, dtype=torch.bfloat16, anchor_chain_fraction=10.0) as pub:
+        for step in range(2):
+            train_step(model, opt, seed=step)
+            r = pub.publish(model, step)
+            truth[r.version] = {k: v.to(torch.bfloat16) for k, v in adapter_bits(model).items()}
+    replica = reference.build(bucket=url, snapshot=0, base_model=lm_dir)
+    assert {t.dtype for t in replica.swapper.weights.values()} == {torch.bfloat16}
+    assert bits_differ(replica.swapper.weights, truth[0]) == []
+    replica.swapper.hotload(1)
+    assert bits_differ(replica.swapper.weights, truth[1]) == []
