@@ -210,7 +210,8 @@ def test_serving_a_lora_run_reports_versions_answers_408_and_its_logprobs_equal_
     url = str(tmp_path / "run")
     pub = Publisher(url, anchor_chain_fraction=10.0)
     publish_steps(pub, model, opt, range(1), truth)
-    replica = reference.build(bucket=url, base_model=lm_dir)
+    assert SnapshotReader(url).manifest(0).adapter.base_model == lm_dir     # peft's base_model_name_or_path
+    replica = reference.build(bucket=url)             # no --base-model: the directory the run records
     with LiveServer(create_app(replica, replica_id="lora-0")) as server, \
             httpx.Client(base_url=server.url, timeout=60) as http:
         body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3, "logprobs": 0,
