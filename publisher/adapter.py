@@ -32,6 +32,11 @@ log = logging.getLogger("ckptdelta.publisher")
 
 #: Segments that mark a tensor of a LoRA adapter in peft's saved names.
 LORA_SEGMENTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+#: A LoRA run's default ``anchor_chain_fraction``: an adapter's step changes every element, so a delta is
+#: 0.25-0.7 of an anchor (docs/PUBLISHING.md); at a full model's 0.5 every other version would anchor and a
+#: replica hot-loading each step would read more than XOR deltas would send. An adapter is small, so a fresh
+#: replica replaying four adapters' worth of deltas reads a few of them.
+CHAIN_FRACTION = 4.0
 #: adapter_config.json fields named when a change of config starts an anchor.
 _DESCRIBED = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern")
 

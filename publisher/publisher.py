@@ -100,7 +100,8 @@ class Publisher:
 
     Anchors are written for the first publish of a run, every ``anchor_every``
     versions, when the chain's delta bytes since the last anchor pass
-    ``anchor_chain_fraction`` of that anchor's size, when tensor names, dtypes or
+    ``anchor_chain_fraction`` (default 0.5; 4 for a LoRA run's adapters) of that anchor's size, when tensor
+    names, dtypes or
     shapes change, when a delta chain would pass 128, and on ``anchor=True``. A
     change of tensor names, dtypes or shapes is logged as a warning: replicas
     serving the old tensors cannot hot-load the new anchor (docs/PUBLISHING.md).
@@ -137,7 +138,7 @@ class Publisher:
     (publisher/adapter.py, docs/PUBLISHING.md "LoRA runs").
     """
 
-    def __init__(self, url: str, *, anchor_every: int = 20, anchor_chain_fraction: float = 0.5,
+    def __init__(self, url: str, *, anchor_every: int = 20, anchor_chain_fraction: float | None = None,
                  storage_options: dict[str, Any] | None = None,
                  extra_files: Mapping[str, str | os.PathLike[str] | bytes] | str | os.PathLike[str] | None = None,
                  shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
@@ -147,7 +148,7 @@ class Publisher:
                  adapter: "adapter_mod.AdapterSpec | None" = None):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
-        if not anchor_chain_fraction >= 0:
+        if anchor_chain_fraction is not None and not anchor_chain_fraction >= 0:
             raise ValueError(f"anchor_chain_fraction must be >= 0, got {anchor_chain_fraction!r}")
         if not (isinstance(shard_bytes, int) and shard_bytes >= 1):
             raise ValueError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
@@ -159,7 +160,9 @@ class Publisher:
             raise ValueError(f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}")
         self.url = url
         self.dtype = check_publish_dtype(dtype)
-        self.anchor_every, self.anchor_chain_fraction = anchor_every, float(anchor_chain_fraction)
+        self.anchor_every = anchor_every
+        # None: 0.5, or for a LoRA run's adapters adapter_mod.CHAIN_FRACTION (their deltas are dense)
+        self.anchor_chain_fraction = None if anchor_chain_fraction is None else float(anchor_chain_fraction)
         self.shard_bytes, self.level, self.progress = shard_bytes, level, progress
         self.codec = _resolve_codec(codec, context_coding, upload_bandwidth)
         self._chooser = CodecChooser(check_bandwidth(upload_bandwidth)) if self.codec == "auto" else None
@@ -530,7 +533,10 @@ class Publisher:
         if self._chain.last_step is not None and step < self._chain.last_step:
             raise PublishInputError(f"step {step} is lower than the last committed step {self._chain.last_step} "
                                     f"(version {self._chain.last_version} of run {self.run_id})")
-        plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=self.anchor_chain_fraction,
+        fraction = self.anchor_chain_fraction
+        if fraction is None:
+            fraction = adapter_mod.CHAIN_FRACTION if adapter is not None else 0.5
+        plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=fraction,
                       force_anchor=any(g[3] for g in gathered), layout=layout.boxes())
         plan = replace(plan, layout=layout)
         why = self._adapter.anchor_reason(adapter)    # a LoRA run's new base or adapter config
