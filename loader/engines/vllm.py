@@ -45,9 +45,9 @@ the previous version; generation resumes in every case.
 from __future__ import annotations
 
 import json
-import re
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
