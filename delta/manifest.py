@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, Iterable, Literal
 
 from . import dtypes, untrusted_json
 from .adapter import AdapterRecord
 from .errors import ManifestError, RunMismatchError
-from .pieces import MAX_PIECES, PieceEntry, grid_problem, pieces_digest
+from .pieces import MAX_PIECES, PieceEntry, cells, grid_cuts, pieces_digest
 from .record import max_record_size
 
 SCHEMA_VERSION = 1
@@ -222,13 +222,25 @@ class Manifest:
         return f"snapshot {self.name} (version {self.version}) of run {self.run_id}"
 
     def to_json(self) -> bytes:
-        d = asdict(self)
+        # Field by field (dataclasses.asdict deep-copies every entry: seconds for the 10^5 pieces of a sharded
+        # 70B model's manifest); the keys in the dataclass's order, as before.
         pieced = any(e.pieces for e in self.tensors.values())
-        d = {"format": MANIFEST_FORMAT, "schema_version": PIECES_SCHEMA_VERSION if pieced else SCHEMA_VERSION,
-             "name": self.name, **d}
-        d["tensors"] = {k: _entry_json(v) for k, v in d["tensors"].items()}
-        if self.adapter is None:        # a full-model run's manifest has no adapter field at all
-            del d["adapter"]
+        d: dict[str, Any] = {"format": MANIFEST_FORMAT,
+                             "schema_version": PIECES_SCHEMA_VERSION if pieced else SCHEMA_VERSION,
+                             "name": self.name}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("objects", "extra_files"):
+                v = [{"key": o.key, "size": o.size, "xxh3": o.xxh3} for o in v]
+            elif f.name == "tensors":
+                v = {k: _entry_json(e) for k, e in v.items()}
+            elif f.name == "metadata":
+                v = dict(v)
+            elif f.name == "adapter":
+                if v is None:       # a full-model run's manifest has no adapter field at all
+                    continue
+                v = asdict(v)
+            d[f.name] = v
         return json.dumps(d, separators=(",", ":"), sort_keys=False).encode()
 
     @classmethod
@@ -413,45 +425,62 @@ def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: 
     return TensorEntry(dt, tuple(shape), h, obj, off, length)
 
 
-_PIECE_KEYS = {"offsets", "shape", "xxh3", "object", "offset", "length"}
+_PIECES_KEYS = {"cuts", "xxh3", "object", "offset", "length"}
+_HEX_RUN = re.compile(r"[0-9a-f]*")
 
 
 def _pieces(raw: Any, shape: list[int], dt: str, name_len: int, objects: tuple[ObjectRef, ...],
             where: str) -> tuple[PieceEntry, ...]:
-    """A pieced entry's pieces (docs/FORMAT.md, "Pieces"): boxes that tile the tensor as a grid, in order."""
-    _expect(isinstance(raw, list) and 2 <= len(raw) <= MAX_PIECES, where, f"pieces (a list of 2 to {MAX_PIECES})")
+    """A pieced entry's pieces (docs/FORMAT.md, "Pieces"): the cells of a grid, their columns of fields."""
+    _expect(isinstance(raw, dict) and set(raw) == _PIECES_KEYS, where, f"pieces (an object with keys "
+            f"{sorted(_PIECES_KEYS)})")
     ndim = len(shape)
+    cuts = raw["cuts"]
+    _expect(ndim >= 1 and isinstance(cuts, list) and len(cuts) == ndim, where,
+            f"pieces cuts (a list of {ndim} lists; a scalar has no pieces)")
+    n = 1
+    for d, c in enumerate(cuts):
+        _expect(isinstance(c, list) and 2 <= len(c) <= MAX_PIECES + 1 and all(type(x) is int for x in c)
+                and c[0] == 0 and c[-1] == shape[d] and all(a < b for a, b in zip(c, c[1:])), where,
+                f"pieces cuts of dimension {d} (ascending ints from 0 to {shape[d]}, at most {MAX_PIECES + 1})")
+        n *= len(c) - 1
+        _expect(n <= MAX_PIECES, where, f"pieces: more than {MAX_PIECES}")
+    _expect(n >= 2, where, "pieces: 1 cell (a tensor in one piece is a plain entry)")
+    cols = {k: raw[k] for k in ("xxh3", "object", "offset", "length")}
+    for k, v in cols.items():
+        _expect(isinstance(v, list) and len(v) == n, where, f"pieces {k} (a list of {n} values, one per cell)")
+    xs = cols["xxh3"]
+    _expect(all(type(h) is str and len(h) == 16 for h in xs) and _HEX_RUN.fullmatch("".join(xs)) is not None,
+            where, "pieces xxh3 (16 lowercase hex digits each)")
     itemsize = dtypes.by_name(dt).itemsize
     out = []
-    for k, p in enumerate(raw):
-        pw = f"{where} piece {k}"
-        _expect(isinstance(p, dict) and set(p) == _PIECE_KEYS, pw, f"entry (keys {sorted(_PIECE_KEYS)})")
-        offsets, size = p["offsets"], p["shape"]
-        _expect(all(isinstance(v, list) and len(v) == ndim
-                    and all(type(x) is int and 0 <= x < 1 << 48 for x in v) for v in (offsets, size)), pw,
-                f"offsets / shape (lists of {ndim} ints)")
-        h = p["xxh3"]
-        _expect(isinstance(h, str) and bool(_HEX16.match(h)), pw, "xxh3")
-        obj = p["object"]
-        off, length = _int(p, "offset", pw), _int(p, "length", pw)
+    for k, (box, h, obj, off, length) in enumerate(zip(cells(cuts), xs, cols["object"], cols["offset"],
+                                                      cols["length"])):
+        _expect(type(off) is int and type(length) is int and 0 <= off < 1 << 62 and 0 <= length < 1 << 62,
+                where, f"piece {k}: offset / length")
         if obj is None:
-            _expect(off == 0 and length == 0, pw, "unchanged piece with a byte range")
+            _expect(off == 0 and length == 0, where, f"piece {k}: an unchanged piece with a byte range")
         else:
-            _expect(type(obj) is int and 0 <= obj < len(objects), pw, f"object index {obj!r}")
-            _expect(off + length <= objects[obj].size, pw, "byte range beyond its object")
-            most = max_record_size(math.prod(size), itemsize, ndim, name_len)
-            _expect(length <= most, pw, f"record length {length} (a record of {dt}{size} takes at most {most})")
-        out.append(PieceEntry(tuple(offsets), tuple(size), h, obj, off, length))
-    problem = grid_problem(shape, [p.box for p in out])
-    _expect(problem is None, where, f"pieces: {problem}")
+            _expect(type(obj) is int and 0 <= obj < len(objects), where, f"piece {k}: object index {obj!r}")
+            _expect(off + length <= objects[obj].size, where, f"piece {k}: byte range beyond its object")
+            most = max_record_size(math.prod(box[1]), itemsize, ndim, name_len)
+            _expect(length <= most, where, f"piece {k}: record length {length} (a record of {dt}{list(box[1])} "
+                                           f"takes at most {most})")
+        out.append(PieceEntry(box[0], box[1], h, obj, off, length))
     return tuple(out)
 
 
-def _entry_json(v: dict) -> dict:
-    """A tensor entry as the manifest writes it: a plain entry has no ``pieces`` key at all."""
-    out = {**v, "shape": list(v["shape"])}
-    if v["pieces"]:
-        out["pieces"] = [{**p, "offsets": list(p["offsets"]), "shape": list(p["shape"])} for p in v["pieces"]]
-    else:
-        del out["pieces"]
+def _entry_json(e: TensorEntry) -> dict:
+    """A tensor entry as the manifest writes it: a plain entry has no ``pieces`` key at all; a pieced one's are
+    the grid's cuts and a column per field, a value per cell (compact: ~40 bytes a piece)."""
+    out = {"dtype": e.dtype, "shape": list(e.shape), "xxh3": e.xxh3, "object": e.object, "offset": e.offset,
+           "length": e.length}
+    if e.pieces:
+        ps = e.pieces
+        cuts = grid_cuts(e.shape, [p.box for p in ps])
+        if cells(cuts) != [p.box for p in ps]:
+            raise ValueError(f"tensor entry {e.dtype}{list(e.shape)}: its pieces are not a grid's cells in order")
+        out["pieces"] = {"cuts": cuts, "xxh3": [p.xxh3 for p in ps],
+                         "object": [p.object for p in ps], "offset": [p.offset for p in ps],
+                         "length": [p.length for p in ps]}
     return out

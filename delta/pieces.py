@@ -20,6 +20,7 @@ Pure format arithmetic and small tensor helpers; no I/O.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def grid_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
                 return f"piece {describe_box(offsets, size)} is empty or outside the tensor's shape {list(shape)}"
     if any(a[0] >= b[0] for a, b in zip(boxes, boxes[1:])):
         return "pieces are not listed in increasing order of their offsets"
-    cuts = [sorted({0, shape[d], *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)}) for d in range(ndim)]
+    cuts = grid_cuts(shape, boxes)
     index = [{c: i for i, c in enumerate(cs)} for cs in cuts]
     cells = set()
     for offsets, size in boxes:
@@ -124,6 +125,19 @@ def grid_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     if want != len(cells):
         return f"{len(boxes)} pieces do not cover the tensor (its grid has {want} cells)"
     return None
+
+
+def grid_cuts(shape: Sequence[int], boxes: Sequence[Box]) -> list[list[int]]:
+    """Per dimension, the edges of ``boxes`` with 0 and the dimension's size, ascending: the grid's cuts (the
+    boxes are its cells when :func:`grid_problem` finds nothing wrong with them)."""
+    return [sorted({0, shape[d], *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)})
+            for d in range(len(shape))]
+
+
+def cells(cuts: Sequence[Sequence[int]]) -> list[Box]:
+    """The boxes of the grid ``cuts`` makes, in C order of their grid coordinates (the format's order)."""
+    spans = [[(c[i], c[i + 1] - c[i]) for i in range(len(c) - 1)] for c in cuts]
+    return [(tuple(o for o, _ in cell), tuple(n for _, n in cell)) for cell in itertools.product(*spans)]
 
 
 def flat_range(offsets: Sequence[int], shape: Sequence[int], full: Sequence[int]) -> tuple[int, int] | None:

@@ -27,9 +27,9 @@ import numpy as np
 
 from .errors import CkptDeltaError, FormatError
 
-#: Deepest nesting a reader parses. The format's documents nest at most 6 levels (a manifest: the document,
-#: ``tensors``, an entry, its ``pieces``, a piece, its ``offsets``); the margin leaves room for the user's
-#: metadata and future fields.
+#: Deepest nesting a reader parses. The format's documents nest at most 5 levels (a manifest: the document,
+#: ``tensors``, an entry, its ``pieces``, their ``cuts``); the margin leaves room for the user's metadata and
+#: future fields.
 MAX_DEPTH = 16
 #: Bytes of memory a parse may hold per byte of the document (docs/FORMAT.md, stated bound).
 PARSE_MEMORY_FACTOR = 32
@@ -53,7 +53,7 @@ def loads(data: bytes | bytearray | memoryview, *, what: str, max_bytes: int,
         raise error(f"{what}: not UTF-8 JSON (byte {e.start}: {e.reason})") from None
     depth = nesting_depth(data, stop_above=max_depth)
     if depth > max_depth:
-        raise error(f"{what}: JSON nested deeper than {max_depth} levels (the format nests at most 6)")
+        raise error(f"{what}: JSON nested deeper than {max_depth} levels (the format nests at most 5)")
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:   # JSONDecodeError is a ValueError; RecursionError: belt and braces

@@ -12,15 +12,15 @@ collectives.
 
 What crosses between ranks is counted (``Comm.stats``): the pickled bytes of the
 objects a rank receives, and the tensor bytes it receives. A delta of DTensor
-pieces moves metadata only; an anchor of pieces gathers each tensor, one at a
-time, into the rank that writes its shard (:meth:`Comm.gather_bytes`).
+pieces moves metadata only; an anchor of pieces sends each tensor's pieces, one
+tensor at a time, to the rank that writes its shard (:meth:`Comm.send_bytes`).
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,8 +40,9 @@ class Comm:
     world = 1
 
     def __init__(self) -> None:
-        #: bytes this rank received from the others: pickled objects (metadata), tensor bytes (anchors' pieces)
-        self.stats = {"object_bytes": 0, "tensor_bytes": 0}
+        #: bytes this rank received from the others: pickled objects (metadata), tensor bytes (anchors' pieces);
+        #: the most bytes of other ranks' pieces an anchor's writer held at once (publisher/sharded.py)
+        self.stats = {"object_bytes": 0, "tensor_bytes": 0, "largest_gather": 0}
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
@@ -54,9 +55,13 @@ class Comm:
         """Rank 0's ``obj`` on every rank (the others pass anything)."""
         return obj
 
-    def gather_bytes(self, data: np.ndarray, dst: int, sizes: Sequence[int]) -> list[np.ndarray] | None:
-        """Every rank's ``data`` (uint8, ``sizes[r]`` bytes on rank r, known to all) on rank ``dst``, else None."""
-        return [data]
+    def send_bytes(self, data: np.ndarray, dst: int, tag: int) -> None:
+        """Send ``data`` (a contiguous array, as bytes) to rank ``dst``, which receives it with ``tag``."""
+        raise errors.PublishError("send_bytes needs more than one rank")
+
+    def recv_bytes(self, nbytes: int, src: int, tag: int) -> np.ndarray:
+        """The ``nbytes`` bytes rank ``src`` sends with ``tag`` (uint8)."""
+        raise errors.PublishError("recv_bytes needs more than one rank")
 
     def agree(self, local_error: BaseException | None, payload: Any = None, *, to_root: bool = False) -> list[Any]:
         """Gather every rank's ``payload``; if any rank failed, all raise (the failing rank its own error).
@@ -130,20 +135,20 @@ class TorchComm(Comm):
             self._count([box[0]])
         return box[0]
 
-    def gather_bytes(self, data: np.ndarray, dst: int, sizes: Sequence[int]) -> list[np.ndarray] | None:
-        # gloo gathers tensors of one size: each rank's bytes padded to the largest (an uneven last shard's
-        # padding is at most a row per rank)
-        most = max(sizes)
-        buf = torch.zeros(most, dtype=torch.uint8)
-        if data.nbytes:
-            buf[:data.nbytes] = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-        out = [torch.empty(most, dtype=torch.uint8) for _ in range(self.world)] if self.rank == dst else None
-        with _collective("gather of an anchor tensor's pieces", self.rank):
-            dist.gather(buf, out, dst=self._global(dst), group=self.group)
-        if out is None:
-            return None
-        self.stats["tensor_bytes"] += sum(sizes[r] for r in range(self.world) if r != self.rank)
-        return [t[:sizes[r]].numpy() for r, t in enumerate(out)]
+    # Point to point, not gloo's gather: that one pads every rank's bytes to the largest and, on the receiving
+    # rank, gathers into a flat buffer it then copies out (3x a tensor held at once where 1x will do), and
+    # the sender would copy its piece into the padded buffer.
+    def send_bytes(self, data: np.ndarray, dst: int, tag: int) -> None:
+        t = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        with _collective("send of an anchor tensor's piece", self.rank):
+            dist.send(t, dst=self._global(dst), group=self.group, tag=tag)
+
+    def recv_bytes(self, nbytes: int, src: int, tag: int) -> np.ndarray:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        with _collective("receive of an anchor tensor's piece", self.rank):
+            dist.recv(t, src=self._global(src), group=self.group, tag=tag)
+        self.stats["tensor_bytes"] += nbytes
+        return t.numpy()
 
     def _count(self, objs: Any) -> None:
         self.stats["object_bytes"] += sum(len(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)) for o in objs)

@@ -14,16 +14,18 @@ with the tensor schemas (metadata), checks that they tile each tensor
 Anchors stay Hugging Face checkpoints, whole tensors in safetensors shards, so a
 tensor in pieces must meet its other pieces once per anchor: the shards of such
 tensors are planned by rank 0 and each is written by one rank (the one with the
-fewest anchor bytes so far), which gathers its tensors' pieces one tensor at a
-time and streams them into the file (:func:`write_piece_shards`). Memory on the
-writing rank beyond its own boxes: the gathered pieces of one tensor (gloo gathers
-equal sizes, so each rank's piece padded to the largest: at most one tensor plus a
-row per rank for ``Shard(0)``), plus, for a tensor cut along another dimension than
-0, a block of at most ``BLOCK_BYTES`` being assembled in C order.
+fewest anchor bytes so far), to which the holders send their pieces point to point,
+one tensor at a time, in an order every rank follows (:func:`write_piece_shards`).
+A holder sends from its host copy and allocates nothing. The writer streams row
+ranges into the file as they arrive (one piece held at a time); a tensor cut along
+another dimension than 0 is received whole (its other ranks' pieces: less than one
+tensor) and written in C order through a block of at most ``BLOCK_BYTES``. So no rank
+holds more than one tensor at a time beyond its own boxes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -238,7 +240,9 @@ def write_piece_shards(comm: Comm, store: Store, pool: ThreadPoolExecutor, snaps
                        total_shards: int, progress: bool | None) -> Written:
     """This rank's part of an anchor's shards of pieced tensors: it sends its pieces of every such tensor to the
     tensor's writer, in the order every rank follows (the shards', then each shard's data order), and writes
-    the shards assigned to it (numbered from ``first_shard``) as their tensors arrive."""
+    the shards assigned to it (numbered from ``first_shard``) as their tensors arrive. A holder sends from its
+    host copy (nothing allocated); ``comm.stats["largest_gather"]``: the most bytes of other ranks' pieces
+    this rank held at once."""
     out = Written()
     for n in layout.pieces:      # its own pieces: digests (the next delta's parents) and NaNs (the warning)
         if n in snapshot:
@@ -252,12 +256,13 @@ def write_piece_shards(comm: Comm, store: Store, pool: ThreadPoolExecutor, snaps
     bar = progress_bar(progress, total, f"anchor v{version} (pieces)")
     up = Uploader(store, pool, max_pending=4, bar=bar)
     prefix = anchor_prefix(version, writer_id)
+    tags = itertools.count()        # one tag per tensor, in the order every rank follows
     try:
         with tempfile.TemporaryDirectory(prefix="ckptdelta-anchor-") as tmp:
             try:
                 for i, (writer, names) in enumerate(layout.shards):
                     _one_shard(comm, snapshot, layout, names, writer, out, up, tmp, prefix,
-                               first_shard + mine.index(i) if writer == comm.rank else -1, total_shards)
+                               first_shard + mine.index(i) if writer == comm.rank else -1, total_shards, tags)
             except BaseException:
                 up.drain()      # no upload may still read the temporary files once they are removed
                 raise
@@ -268,57 +273,65 @@ def write_piece_shards(comm: Comm, store: Store, pool: ThreadPoolExecutor, snaps
 
 
 def _one_shard(comm: Comm, snapshot: Mapping[str, torch.Tensor], layout: Layout, names: tuple[str, ...],
-               writer: int, out: Written, up: Uploader, tmp: str, prefix: str, index: int, total: int) -> None:
+               writer: int, out: Written, up: Uploader, tmp: str, prefix: str, index: int, total: int,
+               tags: "itertools.count[int]") -> None:
     t0 = time.perf_counter()
     dts = {n: layout.pieces[n].dt for n in names}
     metas = {n: torch.empty(layout.pieces[n].shape, dtype=dts[n].torch_dtype, device="meta") for n in names}
     shard = anchor_fmt.layout_shard(metas, list(names))
-    f = None
-    if writer == comm.rank:
-        fname = anchor_fmt.shard_file_name(index, total)
-        path = os.path.join(tmp, fname)
-        f = open(path, "wb")
-        whole = xxhash.xxh3_64()
+    if writer != comm.rank:      # a holder: send each of its pieces when the writer comes to its tensor
+        for n in shard.order:
+            tag = next(tags)
+            if n in snapshot:
+                comm.send_bytes(dtypes.host_bits(snapshot[n]), writer, tag)
+        return
+    fname = anchor_fmt.shard_file_name(index, total)
+    path = os.path.join(tmp, fname)
+    whole = xxhash.xxh3_64()
+    with open(path, "wb") as f:
         f.write(shard.header)
         whole.update(shard.header)
-    try:
         for n in shard.order:
-            parts = layout.pieces[n].parts
-            shape = layout.pieces[n].shape
-            itemsize = dts[n].itemsize
-            sizes = [0] * comm.world
-            for r, _o, s in parts:
-                sizes[r] = math.prod(s) * itemsize
-            mine = dtypes.host_bits(snapshot[n]).view(np.uint8) if n in snapshot else np.empty(0, np.uint8)
-            got = comm.gather_bytes(mine, writer, sizes)
-            if f is None:
-                continue
+            tag = next(tags)
+            p = layout.pieces[n]
             h = xxhash.xxh3_64()
-            for block in _c_order(shape, dts[n], parts, got):
+            for block in _c_order(comm, p, snapshot.get(n), tag, out):
                 f.write(block)
                 whole.update(block)
                 h.update(block)
-            del got
             off, ln = shard.ranges[n]
-            out.assembled[n] = TensorEntry(dts[n].name, shape, digest_hex(h.intdigest()),
-                                           len(out.objects), off, ln)
+            out.assembled[n] = TensorEntry(p.dtype, p.shape, digest_hex(h.intdigest()), len(out.objects), off, ln)
             out.weight_map[n] = fname
-    finally:
-        if f is not None:
-            f.close()
-    if f is not None:
-        out.objects.append(ObjectRef(f"{prefix}/{fname}", shard.size, digest_hex(whole.intdigest())))
-        out.encode_s += time.perf_counter() - t0
-        up.submit_file(f"{prefix}/{fname}", path, shard.size)
+    out.objects.append(ObjectRef(f"{prefix}/{fname}", shard.size, digest_hex(whole.intdigest())))
+    out.encode_s += time.perf_counter() - t0
+    up.submit_file(f"{prefix}/{fname}", path, shard.size)
 
 
-def _c_order(shape: tuple[int, ...], dt: dtypes.DType, parts, got: list[np.ndarray]):
-    """The tensor's bytes in C order from its pieces' (each piece's bits in its own C order)."""
-    arrays = [(o, s, got[r].view(dt.bits_dtype).reshape(s)) for r, o, s in parts]
-    if all(flat_range(o, s, shape) is not None for o, s, _a in arrays):
-        for _o, _s, a in arrays:          # row ranges in order of offsets: already the tensor's C order
-            yield memoryview(a.reshape(-1).view(np.uint8))
+def _c_order(comm: Comm, p: Pieced, own: torch.Tensor | None, tag: int, out: Written):
+    """The tensor's bytes in C order, from its pieces as they arrive (each piece's bits in its box's C order).
+
+    Row ranges (any box that is a flat range of the tensor) follow each other in C order: each piece is
+    written as it arrives, one piece held at a time. Otherwise every piece of the tensor is received first,
+    then blocks of rows of at most ``BLOCK_BYTES`` are assembled from them."""
+    dt = p.dt
+
+    def piece(r: int, s: tuple[int, ...]) -> np.ndarray:
+        if r == comm.rank:
+            assert own is not None
+            return dtypes.host_bits(own)
+        return comm.recv_bytes(math.prod(s) * dt.itemsize, r, tag).view(dt.bits_dtype)
+
+    if all(flat_range(o, s, p.shape) is not None for _r, o, s in p.parts):
+        for r, _o, s in p.parts:
+            bits = piece(r, s)
+            if r != comm.rank:
+                _held(comm, bits.nbytes)
+            yield memoryview(bits.view(np.uint8))
+            del bits
         return
+    arrays = [(o, s, piece(r, s).reshape(s)) for r, o, s in p.parts]
+    _held(comm, sum(a.nbytes for (_o, _s, a), (r, _x, _y) in zip(arrays, p.parts) if r != comm.rank))
+    shape = p.shape
     row = math.prod(shape[1:]) * dt.itemsize
     step = max(1, BLOCK_BYTES // max(1, row))
     for r0 in range(0, shape[0], step):
@@ -331,6 +344,10 @@ def _c_order(shape: tuple[int, ...], dt: dtypes.DType, parts, got: list[np.ndarr
             dst = (slice(lo - r0, hi - r0), *(slice(x, x + n) for x, n in zip(o[1:], s[1:])))
             block[dst] = a[lo - o[0]: hi - o[0]]
         yield memoryview(block.reshape(-1).view(np.uint8))
+
+
+def _held(comm: Comm, nbytes: int) -> None:
+    comm.stats["largest_gather"] = max(comm.stats["largest_gather"], nbytes)
 
 
 def combine(a: Written, b: Written) -> Written:

@@ -173,7 +173,9 @@ def _manifest_json() -> dict:
 
 def test_a_manifest_with_pieces_round_trips_as_schema_version_2_and_one_without_stays_1():
     d = _manifest_json()
-    assert d["schema_version"] == 2 and d["tensors"]["rows"]["pieces"][1]["object"] is None
+    assert d["schema_version"] == 2 and d["tensors"]["rows"]["pieces"] == {
+        "cuts": [[0, 4, 7], [0, 6]], "xxh3": ["00000000000000aa", "00000000000000bb"], "object": [0, None],
+        "offset": [8, 0], "length": [100, 0]}
     m = Manifest.from_json(json.dumps(d).encode())
     assert m.tensors["rows"].pieces[0].box == ((0, 0), (4, 6)) and Manifest.from_json(m.to_json()) == m
     plain = json.loads(Manifest(**{**m.__dict__, "tensors": {"p": TensorEntry("F32", (2,), "0" * 16, 0, 8, 64)}})
@@ -200,14 +202,20 @@ _DROP = object()
     ("kind", "anchor", "only a delta's entry"),
     ("tensors.rows.object", 0, "object null"),
     ("tensors.rows.xxh3", "0123456789abcdef", "not the digest of its pieces"),
-    ("tensors.rows.pieces.1.offsets", [3, 0], "spans several cells"),
-    ("tensors.rows.pieces.1.shape", [3, 7], "outside"),
-    ("tensors.rows.pieces.1.shape", [3], "lists of 2 ints"),
-    ("tensors.rows.pieces.0.length", 5000, "beyond its object"),
-    ("tensors.rows.pieces.0.object", 3, "object index"),
-    ("tensors.rows.pieces.1.offset", 8, "unchanged piece with a byte range"),
-    ("tensors.rows.pieces.1.extra", 1, "keys"),
-    ("tensors.rows.pieces.0.xxh3", "XYZ", "xxh3"),
+    ("tensors.rows.pieces.cuts.0", [0, 4, 8], "cuts of dimension 0"),          # past the tensor's rows
+    ("tensors.rows.pieces.cuts.0", [0, 4, 4, 7], "cuts of dimension 0"),       # not strictly ascending
+    ("tensors.rows.pieces.cuts.0", [1, 4, 7], "cuts of dimension 0"),          # not from 0
+    ("tensors.rows.pieces.cuts.0", [0, 7], "1 cell"),
+    ("tensors.rows.pieces.cuts", [[0, 4, 7]], "pieces cuts (a list of 2 lists"),
+    ("tensors.rows.pieces.cuts.1", list(range(7)), "xxh3 (a list of 12 values"),   # 12 cells, 2 digests
+    ("tensors.rows.pieces.xxh3", ["00000000000000aa"], "xxh3 (a list of 2 values"),
+    ("tensors.rows.pieces.xxh3.0", "XYZ", "xxh3 (16 lowercase hex"),
+    ("tensors.rows.pieces.length.0", 5000, "piece 0: byte range beyond its object"),
+    ("tensors.rows.pieces.object.0", 3, "piece 0: object index 3"),
+    ("tensors.rows.pieces.offset.1", 8, "piece 1: an unchanged piece with a byte range"),
+    ("tensors.rows.pieces.offset.0", -1, "piece 0: offset / length"),
+    ("tensors.rows.pieces.extra", 1, "keys"),
+    ("tensors.rows.pieces", [{"offsets": [0, 0]}], "an object with keys"),
     ("schema_version", 1, "schema_version 1 with pieced tensors"),
     ("schema_version", 3, "schema_version 3 is not supported"),
 ])
@@ -219,6 +227,14 @@ def test_hostile_pieced_entries_are_refused_naming_the_tensor(path, value, why):
     with pytest.raises(ManifestError) as e:
         Manifest.from_json(json.dumps(d).encode())
     assert why in str(e.value) and ("'rows'" in str(e.value) or "schema_version" in why)
+
+
+def test_a_grid_of_more_cells_than_the_format_allows_is_refused_before_its_columns_are_read():
+    d = _manifest_json()
+    d["tensors"]["rows"]["shape"] = [300, 300]                     # 300 x 300 cells, each dimension in bounds
+    d["tensors"]["rows"]["pieces"]["cuts"] = [list(range(301)), list(range(301))]
+    with pytest.raises(ManifestError, match="more than 65536"):
+        Manifest.from_json(json.dumps(d).encode())
 
 
 def test_a_delta_without_pieces_at_schema_version_2_is_refused():
