@@ -35,7 +35,7 @@ test: $(STAMP)
 stress: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-# every benchmark behind a figure in README.md and docs/, one after the other (about 75 min on two cores);
+# every benchmark behind a figure in README.md and docs/, one after the other (about 80 min on two cores);
 # each writes benchmarks/results/<name>.{md,json,png}
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.codec
@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.update_latency
 	$(BIN)/python -m benchmarks.vllm_hotload
 	$(BIN)/python -m benchmarks.at_scale
+	$(BIN)/python -m benchmarks.sharded
 
 clean:
 	rm -rf $(VENV) .ckptdelta build *.egg-info

@@ -38,8 +38,9 @@ import torch
 import xxhash
 
 from delta import StagedTensor, dtypes, stage, stage_full, warmup
-from delta.errors import HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError
-from delta.manifest import Manifest, snapshot_name
+from delta.errors import ChecksumError, HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError
+from delta.manifest import Manifest, TensorEntry, snapshot_name
+from delta.pieces import box_bits, box_view, flat_range
 
 from . import batch_commit
 from .pieces import Piece, check_assembled, rebuild
@@ -661,6 +662,10 @@ def _stage_pieced(name: str, live: torch.Tensor, pieces: list[Piece], values: li
                 raise ParentMismatchError(f"{p.where()}: the delta was encoded against a box with digest "
                                           f"{v.header.parent_digest:016x}, {cur.where()} (the version held) "
                                           f"says {held}")
+    if not plan.via_anchor:
+        st = _stage_boxes(name, live, pieces, values, te, ce)
+        if st is not None:
+            return st
     base = _host_copy(live, copy=True) if not plan.via_anchor else None
     new = rebuild(pieces, values, base=base)           # each record verifies its box's digest
     check_assembled(te, new, f"tensor {name!r} of {plan.target.where()}")
@@ -668,6 +673,42 @@ def _stage_pieced(name: str, live: torch.Tensor, pieces: list[Piece], values: li
     if plan.via_anchor:
         _check_held(name, live, st, cur)
     return st
+
+
+def _stage_boxes(name: str, live: torch.Tensor, pieces: list[Piece], values: list, te: TensorEntry,
+                 ce: TensorEntry | None) -> StagedTensor | None:
+    """The common hot-load of a pieced tensor, without a copy of it: one version forward, every record's box a
+    flat range of a contiguous host tensor (FSDP2's row shards). Each record is staged against its box of the
+    live tensor (verifying the box's digest, as a whole tensor's record does) and the changes are put
+    together at their offsets. A box the target lists unchanged holds the live bits: proven by the held
+    version listing the same box with the same digest, else by hashing it. None: take the general path."""
+    if not (live.device.type == "cpu" and live.is_contiguous() and all(p.index is not None for p in pieces)
+            and len({p.manifest.version for p in pieces}) == 1):
+        return None
+    shape = tuple(te.shape)
+    spans = [flat_range(p.part.offsets, p.part.shape, shape) for p in pieces]
+    if any(r is None for r in spans):
+        return None
+    held = {p.box: p.xxh3 for p in ce.pieces} if ce is not None else {}
+    stored = {p.part.box for p in pieces}
+    for p in te.pieces:
+        if p.box not in stored and held.get(p.box) != p.xxh3:
+            got = f"{xxhash.xxh3_64_intdigest(box_bits(live, p.offsets, p.shape)):016x}"
+            if got != p.xxh3:
+                raise ChecksumError(f"tensor {name!r}: box {p.describe()}, which {pieces[0].manifest.where()} "
+                                    f"lists unchanged, holds bits hashing to {got}, the manifest says {p.xxh3}")
+    staged = []
+    for p, v, (start, _stop) in zip(pieces, values, spans):
+        st = stage(box_view(live.detach(), p.part.offsets, p.part.shape), v)   # proves the box's bits
+        if st.dense is not None:
+            return None
+        staged.append((start, st))
+    dt = staged[0][1].dtype
+    old = [st.old for _s, st in staged]
+    return StagedTensor(name, dt, shape, int(te.xxh3, 16), 0 if ce is None else int(ce.xxh3, 16),
+                        np.concatenate([st.positions + start for start, st in staged]),
+                        np.concatenate([st.values for _s, st in staged]),
+                        old=None if any(o is None for o in old) else np.concatenate(old))
 
 
 def _host_copy(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:

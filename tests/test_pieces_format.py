@@ -21,7 +21,7 @@ import xxhash
 
 from delta import dtypes, encode
 from delta.container import ObjectWriter
-from delta.errors import ChecksumError, ManifestError, PublishError, PublishInputError
+from delta.errors import ChecksumError, ManifestError, ParentMismatchError, PublishError, PublishInputError
 from delta.manifest import Manifest, ObjectRef, TensorEntry, delta_prefix, manifest_key
 from delta.pieces import PieceEntry, grid_problem, pieces_digest, tensor_digest
 from delta.storage import Store
@@ -271,6 +271,17 @@ def test_every_reader_assembles_pieced_deltas_of_blocks_and_rows_bit_exact(piece
         rebuild_boxes(store, chain, {"rows": ((0, 0), (7, 6))})
 
 
+def test_live_rows_that_are_not_the_version_they_claim_are_refused_and_nothing_is_applied(pieced_run):
+    url, _store, truth = pieced_run
+    reader = SnapshotReader(url)
+    live = {n: t.clone() for n, t in truth[1].items()}
+    _bits(live["rows"]).reshape(7, 6)[5, 2] ^= 1               # rank 1's rows: one bit off
+    before = {n: t.clone() for n, t in live.items()}
+    with pytest.raises(ParentMismatchError):
+        HotSwapper(live, reader, version=1, stage_threads=1).hotload(2)
+    assert all(_same(live[n], before[n]) for n in live)
+
+
 def test_inspect_lists_a_row_per_stored_box_of_a_pieced_tensor(pieced_run, capsys):
     from ckptdelta.cli import main
 
@@ -282,17 +293,19 @@ def test_inspect_lists_a_row_per_stored_box_of_a_pieced_tensor(pieced_run, capsy
     assert rows["grid [0:3, 4:9]"]["shape"] == [3, 5] and rows["grid [0:3, 4:9]"]["has_parent"]
 
 
-def test_a_box_listed_unchanged_whose_bits_changed_is_caught_by_the_assembled_check(tmp_path):
+@pytest.mark.parametrize("name", ["grid", "rows"])     # blocks: staged from a copy; rows: box by box in place
+def test_a_box_listed_unchanged_whose_bits_changed_is_caught_by_the_assembled_check(tmp_path, name):
     url = str(tmp_path / "run")
     w0 = _weights(0)
     with Publisher(url, progress=False, codec="fast") as pub:
         pub.publish(w0, 0)
     store = Store.from_url(url)
     w1 = _step(w0, 1)
-    _pieced_delta(store, read_manifest(store, 0, None), w0, w1, 1, {"grid": GRID_2X2}, claim_unchanged=(("grid", 1),))
+    _pieced_delta(store, read_manifest(store, 0, None), w0, w1, 1, {"grid": GRID_2X2, "rows": ROWS},
+                  claim_unchanged=((name, 1),))
     reader = SnapshotReader(url)
     with pytest.raises(ChecksumError, match="pieces hash to"):
-        reader.read_tensors(1, ["grid"])
+        reader.read_tensors(1, [name])
     live = {n: t.clone() for n, t in w0.items()}
     with pytest.raises(ChecksumError):
         HotSwapper(live, reader, version=0, stage_threads=1).hotload(1)
