@@ -127,10 +127,13 @@ class Publisher:
 
     Sharded trainers (torch.distributed up with more than one rank, unless
     ``distributed=False``): build a Publisher on every rank (a collective call);
-    each rank publishes the tensors it holds (its shard's state dict, or the
-    full one filtered by ``partition``: a set of names or a predicate), rank 0
-    decides and commits one manifest. Collectives run on ``process_group``, or a
-    new gloo group by default.
+    each rank publishes the tensors it holds (an FSDP2 model's state dict of
+    DTensors, its own tensors under distinct names, or the full state dict
+    filtered by ``partition``: a set of names or a predicate), rank 0 decides and
+    commits one manifest. A DTensor is never gathered for a delta: each rank
+    encodes its own box of it, listed as the tensor's pieces (publisher/sharded.py);
+    an anchor gathers one such tensor at a time into the rank writing its shard.
+    Collectives run on ``process_group``, or a new gloo group by default.
 
     LoRA runs: ``publish(peft_model, step)`` publishes the model's adapter (its tensors under peft's saved
     names; anchors are PEFT adapter directories, and every manifest records the base model and the adapter

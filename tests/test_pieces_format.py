@@ -250,6 +250,10 @@ def test_every_reader_assembles_pieced_deltas_of_blocks_and_rows_bit_exact(piece
     for v in (0, 1, 2):
         got = reader.read_tensors(v)
         assert all(_same(got[n], truth[v][n]) for n in truth[v]), v
+    cached = SnapshotReader(url, cache_dir=str(tmp_path / "cache"))     # pieces' records through the disk cache
+    for _ in range(2):
+        assert all(_same(t, truth[2][n]) for n, t in cached.read_tensors(2).items())
+    assert cached.stats["cache_hits"] >= 8
     m2 = reader.manifest(2)
     assert m2.tensors["grid"].pieces[2].object is None and m2.tensors["grid"].pieces[0].object is not None
     live = {n: t.clone() for n, t in truth[0].items()}
