@@ -36,8 +36,7 @@ CONTROL_TIMEOUT = 4.0
 #: Every control point of a hot-load (shadow build, pause, swap, in-pause proof, end of pause, proof after).
 POINTS = ("rpc:ckptdelta_stage", "/pause", "rpc:ckptdelta_swap", "rpc:ckptdelta_check", "/reset_prefix_cache",
           "/update_weight_version", "/resume", "rpc:ckptdelta_digests_start", "rpc:ckptdelta_job")
-SHORT = [("/pause", "lost"), ("rpc:ckptdelta_swap", "lost"), ("rpc:ckptdelta_swap", "fail"),
-         ("/reset_prefix_cache", "fail"), ("/update_weight_version", "lost"), ("rpc:ckptdelta_digests_start", "fail")]
+SHORT = [("rpc:ckptdelta_swap", "lost"), ("/reset_prefix_cache", "fail"), ("rpc:ckptdelta_digests_start", "fail")]
 FULL = [(p, a) for p in POINTS for a in ("fail", "lost") if (p, a) not in SHORT]
 
 
