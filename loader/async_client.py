@@ -23,10 +23,10 @@ from typing import Any, Sequence
 
 import httpx
 
-from delta.errors import (HotLoadConflictError, HotLoadError, HotLoadTimeoutError, PolicyVersionTimeoutError,
+from delta.errors import (HotLoadConflictError, HotLoadError, HotLoadTimeoutError,
                           ReplicaError, SnapshotNotFoundError)
 
-from .client import _RETRY_STATUS, RolloutClient, _error_of, _summary, _with_states
+from .client import RolloutClient, SampleTries, _error_of, _summary, _with_states, sample_request
 
 log = logging.getLogger("ckptdelta.client")
 
@@ -75,44 +75,17 @@ class AsyncRolloutClient:
         :meth:`loader.client.RolloutClient.sample`: ``sampling`` passes through (max_tokens, temperature,
         seed, logprobs, ...); 408, 502-504 and unreachable replicas are retried until ``ready_timeout``
         (PolicyVersionTimeoutError when no replica reached ``min_policy_version`` by then)."""
-        chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        body: dict[str, Any] = {("messages" if chat else "prompt"): list(prompt) if not isinstance(prompt, str)
-                                else prompt, "n": n, "return_engine_data": return_engine_data, **sampling}
-        if min_policy_version is not None:
-            body["min_policy_version"] = min_policy_version
-        t0 = time.monotonic()
-        deadline = t0 + self.ready_timeout
-        last = ""
+        path, body = sample_request(prompt, n, min_policy_version, return_engine_data, sampling)
+        tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
             try:
-                r = await self._http.post(url + path, json=body)
+                answer = tries.judge(url, await self._http.post(url + path, json=body))
             except httpx.TransportError as e:
-                last = f"{url}: {type(e).__name__}: {e}"
-            else:
-                if r.status_code == 200:
-                    return r.json()
-                err = _error_of(r)
-                if r.status_code == 408 and err.get("type") == "policy_version_too_old":
-                    last = f"{url} serves policy version {err.get('policy_version')}, needs >= {min_policy_version}"
-                elif r.status_code not in _RETRY_STATUS:
-                    raise ReplicaError(f"replica {url} answered {path} with {r.status_code}: "
-                                       f"{err.get('message') or r.text[:500]}")
-                else:
-                    last = f"{url}: {r.status_code} {err.get('message', '')}"
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                tried = f"{attempt + 1} tries in {time.monotonic() - t0:.1f}s"
-                if "policy version" in last:
-                    raise PolicyVersionTimeoutError(
-                        f"no replica reached policy version {min_policy_version} within the ready_timeout of "
-                        f"{self.ready_timeout:g}s ({tried}; last: {last})")
-                raise ReplicaError(f"{path} failed on every try within the ready_timeout of {self.ready_timeout:g}s "
-                                   f"({tried}); last: {last}")
-            delay = min(self._delay(attempt), remaining)
-            log.debug("retrying %s in %.2fs: %s", path, delay, last)
-            await asyncio.sleep(delay)
+                answer = tries.judge(url, e)
+            if answer is not None:
+                return answer
+            await asyncio.sleep(tries.delay(attempt))
         raise AssertionError("unreachable")
 
     # --- hot-loads ---------------------------------------------------------------------------

@@ -77,46 +77,17 @@ class RolloutClient:
         ``sampling`` passes through (max_tokens, temperature, top_p, seed, stop,
         logprobs, top_logprobs, ...). Retries 408 (policy too old), 502-504 and
         unreachable replicas until ``ready_timeout``; any other error is raised."""
-        chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        body: dict[str, Any] = {("messages" if chat else "prompt"): list(prompt) if not isinstance(prompt, str)
-                                else prompt, "n": n, "return_engine_data": return_engine_data, **sampling}
-        if min_policy_version is not None:
-            body["min_policy_version"] = min_policy_version
-        t0 = time.monotonic()
-        deadline = t0 + self.ready_timeout
-        last = ""
+        path, body = sample_request(prompt, n, min_policy_version, return_engine_data, sampling)
+        tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
             try:
-                r = self._http.post(url + path, json=body)
+                answer = tries.judge(url, self._http.post(url + path, json=body))
             except httpx.TransportError as e:
-                last = f"{url}: {type(e).__name__}: {e}"
-            else:
-                if r.status_code == 200:
-                    return r.json()
-                err = _error_of(r)
-                if r.status_code == 408 and err.get("type") == "policy_version_too_old":
-                    last = (f"{url} serves policy version {err.get('policy_version')}, "
-                            f"needs >= {min_policy_version}")
-                elif r.status_code not in _RETRY_STATUS:
-                    raise ReplicaError(f"replica {url} answered {path} with {r.status_code}: "
-                                       f"{err.get('message') or r.text[:500]}")
-                else:
-                    last = f"{url}: {r.status_code} {err.get('message', '')}"
-            # the last try is made at the deadline, not one backoff before it: the timeout said is the time tried
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                tried = f"{attempt + 1} tries in {time.monotonic() - t0:.1f}s"
-                if "policy version" in last:
-                    raise PolicyVersionTimeoutError(
-                        f"no replica reached policy version {min_policy_version} within the ready_timeout of "
-                        f"{self.ready_timeout:g}s ({tried}; last: {last})")
-                raise ReplicaError(f"{path} failed on every try within the ready_timeout of {self.ready_timeout:g}s "
-                                   f"({tried}); last: {last}")
-            delay = min(self._delay(attempt), remaining)
-            log.debug("retrying %s in %.2fs: %s", path, delay, last)
-            time.sleep(delay)
+                answer = tries.judge(url, e)
+            if answer is not None:
+                return answer
+            time.sleep(tries.delay(attempt))
         raise AssertionError("unreachable")
 
     # --- hot-loads ---------------------------------------------------------------------------
@@ -291,3 +262,61 @@ def _with_states(exc: Exception, states: dict[str, dict[str, Any]]) -> Exception
 
 def _summary(states: dict[str, dict[str, Any]]) -> str:
     return ", ".join(f"{u}={s.get('state')}" for u, s in states.items())
+
+
+def sample_request(prompt: "str | Sequence[int] | Sequence[dict[str, str]]", n: int, min_policy_version: int | None,
+                   return_engine_data: bool, sampling: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(path, body) of one sampling request: a list of ``{"role", "content"}`` messages goes to the chat
+    endpoint, anything else (text, token ids) to completions."""
+    chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+    body: dict[str, Any] = {("messages" if chat else "prompt"): list(prompt) if not isinstance(prompt, str)
+                            else prompt, "n": n, "return_engine_data": return_engine_data, **sampling}
+    if min_policy_version is not None:
+        body["min_policy_version"] = min_policy_version
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+class SampleTries:
+    """The retry rule of one sampling request, the same for the sync and the async client: 408 (policy too
+    old), 502-504 and unreachable replicas are tried again, with backoff, until ``ready_timeout``; any other
+    answer is raised at once."""
+
+    def __init__(self, client: Any, path: str, min_policy_version: int | None):
+        self.client, self.path, self.min_version = client, path, min_policy_version
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + client.ready_timeout
+        self.last = ""
+
+    def judge(self, url: str, r: "httpx.Response | httpx.TransportError") -> dict[str, Any] | None:
+        """The answer's JSON on 200, None when it is worth another try; raises ReplicaError otherwise."""
+        if isinstance(r, httpx.TransportError):
+            self.last = f"{url}: {type(r).__name__}: {r}"
+            return None
+        if r.status_code == 200:
+            return r.json()
+        err = _error_of(r)
+        if r.status_code == 408 and err.get("type") == "policy_version_too_old":
+            self.last = f"{url} serves policy version {err.get('policy_version')}, needs >= {self.min_version}"
+        elif r.status_code not in _RETRY_STATUS:
+            raise ReplicaError(f"replica {url} answered {self.path} with {r.status_code}: "
+                               f"{err.get('message') or r.text[:500]}")
+        else:
+            self.last = f"{url}: {r.status_code} {err.get('message', '')}"
+        return None
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before the next try; raises once ``ready_timeout`` has passed. The last try is made
+        at the deadline, not one backoff before it: the timeout said is the time tried."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            tried = f"{attempt + 1} tries in {time.monotonic() - self.t0:.1f}s"
+            timeout = self.client.ready_timeout
+            if "policy version" in self.last:
+                raise PolicyVersionTimeoutError(
+                    f"no replica reached policy version {self.min_version} within the ready_timeout of "
+                    f"{timeout:g}s ({tried}; last: {self.last})")
+            raise ReplicaError(f"{self.path} failed on every try within the ready_timeout of {timeout:g}s "
+                               f"({tried}); last: {self.last}")
+        delay = min(self.client._delay(attempt), remaining)
+        log.debug("retrying %s in %.2fs: %s", self.path, delay, self.last)
+        return delay
