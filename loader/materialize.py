@@ -10,6 +10,7 @@ appears whole or not at all (written under a temporary name, fsynced, renamed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -120,13 +121,14 @@ def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: lis
                  meta: dict[str, str], bar) -> None:
     with open(path, "wb") as f:
         f.write(safetensors_header(m, names, meta))
-        for name, t in reader.iter_tensors(version, names):
-            bits = dtypes.host_bits(t)
-            if bits.nbytes != m.tensors[name].nbytes:
-                raise AssertionError(f"tensor {name!r}: rebuilt {bits.nbytes} bytes, manifest says "
-                                     f"{m.tensors[name].nbytes}")
-            f.write(bits.view("u1").data)
-            bar.update(bits.nbytes)
+        with contextlib.closing(reader.iter_tensors(version, names)) as tensors:
+            for name, t in tensors:
+                bits = dtypes.host_bits(t)
+                if bits.nbytes != m.tensors[name].nbytes:
+                    raise AssertionError(f"tensor {name!r}: rebuilt {bits.nbytes} bytes, manifest says "
+                                         f"{m.tensors[name].nbytes}")
+                f.write(bits.view("u1").data)
+                bar.update(bits.nbytes)
         f.flush()
         os.fsync(f.fileno())
 

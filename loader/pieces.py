@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from delta import EncodedTensor, apply_, decode, digest_hex, dtypes
-from delta.errors import ChecksumError, FormatError, ParentMismatchError, TruncatedError
+from delta.errors import ChecksumError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError
 from delta.manifest import Manifest, ObjectRef, TensorEntry
 from delta.pieces import PieceEntry, box_view, flat_range, tensor_digest
 from delta.record import max_record_size
@@ -166,6 +166,10 @@ def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | N
         elif t is None:
             raise ParentMismatchError(f"{p.where()}: the record needs the tensor's previous version")
         else:
+            h = v.header
+            if dtypes.of(t) != h.dtype or tuple(t.shape) != tuple(h.shape):   # said with the record's place
+                raise ShapeMismatchError(f"{p.where()}: the record applies to a {h.dtype.name}{list(h.shape)} "
+                                         f"tensor, the previous version's is {dtypes.of(t).name}{list(t.shape)}")
             apply_(t, v)
     if t is None:
         raise ValueError("rebuild: no pieces")

@@ -11,6 +11,7 @@ header and chunk checksums and, once applied, the digest of the tensor it yields
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -241,10 +242,11 @@ class SnapshotReader:
         chain = self.chain(ref)
         selected = select_names(chain[-1], names)
         groups = [rebuild_pieces(chain, n) for n in selected]
-        for i, values in self.iter_fetched(groups, batch_bytes=batch_bytes):
-            t = rebuild(groups[i], values)
-            check_assembled(chain[-1].tensors[selected[i]], t, f"tensor {selected[i]!r} of {chain[-1].where()}")
-            yield selected[i], t
+        with contextlib.closing(self.iter_fetched(groups, batch_bytes=batch_bytes)) as fetched:
+            for i, values in fetched:
+                t = rebuild(groups[i], values)
+                check_assembled(chain[-1].tensors[selected[i]], t, f"tensor {selected[i]!r} of {chain[-1].where()}")
+                yield selected[i], t
 
     def extra_files(self, ref: "str | int") -> list[tuple[str, ObjectRef]]:
         """(relative path, object) of the non-weight files (config, tokenizer) that go with a snapshot:
@@ -367,7 +369,8 @@ class SnapshotReader:
 
         if not groups:
             return
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-prefetch") as ex:
+        ex = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-prefetch")
+        with prefetching(ex):
             fut = ex.submit(fetch_batch, batches[0])
             for bi, b in enumerate(batches):
                 t0 = time.perf_counter()
@@ -449,6 +452,23 @@ class SnapshotReader:
 
 
 # --- helpers shared with loader.hotswap and loader.materialize ----------------------------
+
+@contextlib.contextmanager
+def prefetching(ex: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
+    """``ex`` shut down when the block ends, waiting for its thread unless the block is a generator being
+    closed: the garbage collector closes an abandoned generator wherever it runs, also inside threading's
+    own bookkeeping while that holds a lock which joining a thread takes again (CPython's
+    ``_shutdown_locks_lock``), and the join then waits forever (seen: a reader hung after a refused record).
+    A fetch still in flight then finishes on its own, its result dropped."""
+    wait = True
+    try:
+        yield ex
+    except GeneratorExit:
+        wait = False
+        raise
+    finally:
+        ex.shutdown(wait=wait, cancel_futures=True)
+
 
 def select_names(m: Manifest, names: Names) -> list[str]:
     if names is None:

@@ -35,6 +35,7 @@ from delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNot
 from delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
 
 from .pieces import Piece, check_piece, check_piece_size, rebuild, stored_pieces
+from .reader import prefetching
 
 if TYPE_CHECKING:
     import torch
@@ -165,7 +166,8 @@ def _chunks(reader: "SnapshotReader", o: ObjectRef) -> Iterator[tuple[int, bytes
                                 f"expected {span[1] - span[0]}")
         return data
 
-    with ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-verify") as ex:
+    ex = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-verify")
+    with prefetching(ex):        # not a plain `with`: an abandoned generator must not join (reader.prefetching)
         fut = ex.submit(get, spans[0])
         for i, span in enumerate(spans):
             data = fut.result()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import xxhash
 from hypothesis import strategies as st
 
-from delta import container, record
+from delta import container, dtypes, record
 from delta.manifest import HEAD_KEY, RUN_KEY, manifest_key
 
 # --- JSON with raw fragments and repeated keys --------------------------------------------------------------
@@ -403,6 +403,16 @@ def _records(data: bytes) -> list[tuple[str, int, int]]:
     return sorted(((n, o, ln) for n, (o, ln) in index.items()), key=lambda r: r[1])
 
 
+def _agree(b: Bucket, key: str, name: str, dtype: str, shape: list[int]) -> None:
+    """The manifest entry of ``name``'s record in object ``key`` made to say ``dtype`` and ``shape``."""
+    for mk in b.manifest_keys():
+        d = b.doc(mk)
+        idx = [i for i, o in enumerate(d["objects"]) if o["key"] == key]
+        if idx and d["tensors"].get(name, {}).get("object") == idx[0]:
+            d["tensors"][name]["dtype"], d["tensors"][name]["shape"] = dtype, shape
+            b.files[mk] = json.dumps(d).encode()
+
+
 def _rebuild_object(b: Bucket, key: str, records: list[tuple[str, bytes]], footer: bytes | None = None,
                     trailer_ok: bool = True) -> None:
     """The delta object ``key`` rewritten from (name, record bytes); every manifest entry into it follows."""
@@ -417,7 +427,7 @@ def _rebuild_object(b: Bucket, key: str, records: list[tuple[str, bytes]], foote
     h = xxhash.xxh3_64_intdigest(footer) ^ (0 if trailer_ok else 1)
     out += container.TRAILER.pack(len(footer), h, container.END_MAGIC)
     b.put(key, bytes(out))
-    for mk in b.manifest_keys():
+    for mk in b.manifest_keys():   # the manifests' entries follow the records (and were maybe changed above)
         d = b.doc(mk)
         idx = [i for i, o in enumerate(d["objects"]) if o["key"] == key]
         if idx:
@@ -441,9 +451,23 @@ def record_cases(draw, pristine: Bucket) -> Case:
     ndim, name_len, n_chunks = fixed["ndim"], fixed["name_len"], fixed["n_chunks"]
     table = record.FIXED_SIZE + 8 * ndim + ((name_len + 7) & ~7)
     size = record.header_size_for(ndim, name_len, n_chunks)
-    op = draw(st.sampled_from(["fixed", "fixed", "shape", "name", "chunk", "chunk", "payload"]))
+    op = draw(st.sampled_from(["fixed", "fixed", "shape", "name", "chunk", "chunk", "payload", "agreed"]))
     reseal_checksum = True
-    if op == "fixed":
+    if op == "agreed":
+        # the record and its manifest entry agree on another dtype of the same width, or a permuted shape, so
+        # the change passes every comparison of the two and reaches the decode and the live tensor's checks
+        width = dtypes.BY_CODE[fixed["code"]].itemsize
+        shape = list(struct.unpack_from(f"<{ndim}Q", rec, record.FIXED_SIZE))
+        others = sorted(d.code for d in dtypes.BY_CODE.values() if d.itemsize == width and d.code != fixed["code"])
+        if ndim >= 2 and (not others or draw(st.booleans())):
+            shape = shape[::-1]
+            struct.pack_into(f"<{ndim}Q", rec, record.FIXED_SIZE, *shape)
+        elif others:
+            fixed["code"] = draw(st.sampled_from(others))
+            record._FIXED.pack_into(rec, 0, *fixed.values())
+        _agree(b, key, name, dtypes.BY_CODE[fixed["code"]].name, shape)
+        what = f"record {name!r} and its manifest entry both say {dtypes.BY_CODE[fixed['code']].name}{shape}"
+    elif op == "fixed":
         f_ = draw(st.sampled_from(_FIXED_FIELDS))
         if f_ == "magic":
             fixed[f_] = draw(st.sampled_from([b"CKDX", b"\0\0\0\0", b"CKDO"]))
@@ -495,7 +519,7 @@ def record_cases(draw, pristine: Bucket) -> Case:
             struct.pack_into("<Q", rec, size - 8, xxhash.xxh3_64_intdigest(bytes(rec[: size - 8])))
     recs[i] = (name, bytes(rec))
     _rebuild_object(b, key, recs)
-    return Case("record", key, what, b)
+    return Case("record", key, what, b, meaning_may_change=op == "agreed")
 
 
 @st.composite

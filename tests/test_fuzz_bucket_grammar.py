@@ -9,7 +9,8 @@ case goes through every entry point that reads a bucket, on a real local run pub
 
 * ``SnapshotReader.read_tensors``, ``.verify``, ``.materialize``; ``HotSwapper.prepare`` + ``commit`` (from
   version 0 and as an initial load);
-* ``ckptdelta ls`` / ``verify`` / ``materialize`` / ``inspect`` through ``ckptdelta.cli.main``.
+* ``ckptdelta ls`` / ``verify`` (of the target, and of 'latest' where HEAD or a manifest changed) /
+  ``materialize`` / ``inspect`` / ``gc --dry-run`` through ``ckptdelta.cli.main``.
 
 Each either succeeds -- with exactly the tensors the bucket's manifest claims (names, dtypes, shapes, digests
 of the bits), and when ``verify`` passes, with exactly the published bits -- or raises a ``CkptDeltaError``
@@ -181,6 +182,9 @@ class CaseCheck:
         out = os.path.join(self.scratch, "cli-m")
         if self.cli("materialize", ["materialize", url, str(TARGET), out, "--no-progress"]) == 0:
             self.claimed("cli materialize", _fingerprint(_read_checkpoint(out)))
+        if self.case.kind in ("HEAD", "manifest", "RUN.json"):   # 'latest' reads HEAD and looks past it
+            self.cli("verify latest", ["verify", url])
+        self.cli("gc --dry-run", ["gc", url, "--dry-run", "--json"])
         if self.case.key.endswith(".ckd"):
             self.cli("inspect", ["inspect", os.path.join(url, self.case.key), "--json"])
         for leftover in os.listdir(self.scratch):    # a refused materialize leaves nothing behind
@@ -439,3 +443,34 @@ def test_a_materialize_refused_after_writing_shards_leaves_no_file_behind(run, t
     with pytest.raises(CkptDeltaError, match="vocab.txt"):
         SnapshotReader(url).materialize(TARGET, out, progress=False)
     assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+_ABANDON = """
+import gc, sys, threading
+from loader.reader import SnapshotReader
+from loader.plan import rebuild_pieces
+from loader.verify import _chunks
+reader = SnapshotReader(sys.argv[1])
+chain = reader.chain(2)
+groups = [rebuild_pieces(chain, n) for n in sorted(chain[-1].tensors)]
+gens = [reader.iter_fetched(groups, batch_bytes=1), reader.iter_tensors(2),
+        _chunks(reader, chain[0].objects[0])]
+for g in gens:
+    next(g)                             # its prefetch thread is running
+gc.disable()
+with threading._shutdown_locks_lock:    # what threading holds while it starts a thread, where gc may run
+    del g
+    gens.clear()                        # each generator finalized here, in this thread
+print("closed")
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("threading"), "_shutdown_locks_lock"), reason="CPython 3.9-3.12 only")
+def test_an_abandoned_reading_generator_finalized_inside_threadings_lock_does_not_hang(run):
+    """Found by the long fuzz run: a reader hung forever after a refused record. An abandoned iter_fetched (or
+    iter_tensors, or verify's chunk reader) was closed by the garbage collector inside threading's own
+    bookkeeping, which holds _shutdown_locks_lock; closing joined the prefetch thread, and the join takes that
+    lock again. A generator being closed now shuts its executor down without joining."""
+    out = subprocess.run([sys.executable, "-c", _ABANDON, run["url"]], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and out.stdout.strip() == "closed", out.stderr[-2000:]
