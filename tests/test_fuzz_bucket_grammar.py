@@ -16,8 +16,9 @@ Each either succeeds -- with exactly the tensors the bucket's manifest claims (n
 of the bits), and when ``verify`` passes, with exactly the published bits -- or raises a ``CkptDeltaError``
 naming the object or snapshot (the CLI exits 1 with one line). Never another exception, and never an
 allocation past the stated bound: the tracemalloc peak of a case stays under ``PARSE_MEMORY_FACTOR`` times
-the largest object in the bucket plus a constant (docs/FORMAT.md, "Bounds a reader enforces"), and the
-process's RSS high-water mark barely moves over the whole run.
+the largest object in the bucket plus a constant (docs/FORMAT.md, "Bounds a reader enforces"), and no case
+raises the RSS high-water mark by more than RSS_GROWTH plus tracemalloc's own share (torch's allocator is
+invisible to tracemalloc).
 
 ``make test`` runs a fixed seed and ``CKPTDELTA_GRAMMAR_EXAMPLES`` examples per object kind (hypothesis,
 derandomized); ``make stress`` runs many more (``@pytest.mark.slow``).
@@ -52,14 +53,16 @@ from tests import bucket_grammar as g
 from tests.test_fuzz_entry_points import _cli, _names_object, _read_checkpoint, _weights
 
 TARGET = 2
-EXAMPLES = int(os.environ.get("CKPTDELTA_GRAMMAR_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("CKPTDELTA_GRAMMAR_EXAMPLES", "6"))
 SLOW_EXAMPLES = int(os.environ.get("CKPTDELTA_GRAMMAR_SLOW_EXAMPLES", "150"))
 #: What a case may hold beyond PARSE_MEMORY_FACTOR x its largest object: the interpreter's and the libraries'
 #: working set for this small run (measured on the pristine run: ~3 MiB).
 BASE_BYTES = 24 << 20
-#: How far the RSS high-water mark may rise over all cases (a tensor a header made torch allocate for real
-#: would be gigabytes; tracemalloc does not see torch's allocator).
+#: How far one case may raise the RSS high-water mark: tracemalloc does not see torch's allocator, and a tensor
+#: a header made torch allocate for real would be gigabytes. Per byte of the largest object: tracemalloc's own
+#: record of every live block (a parsed manifest of 50,000 tensors raised it by ~680 MiB).
 RSS_GROWTH = 512 << 20
+RSS_PER_BYTE = 256
 EXTRA = {"config.json": b'{"model_type": "fuzz"}', "tokenizer.json": b'{"version": "1.0"}', "tok/vocab.txt": b"a\nb\n"}
 KINDS = ["manifest", "extra file names", "shard header", "record", "footer", "HEAD", "RUN.json", "shard index"]
 
@@ -199,7 +202,7 @@ def check_case(run, case: g.Case) -> None:
     case.bucket.write(url)
     largest = max(len(d) for d in case.bucket.files.values())
     ck = CaseCheck(run, case, url, scratch)
-    t0 = time.perf_counter()
+    t0, rss0 = time.perf_counter(), _rss()
     tracemalloc.start()
     try:
         ck.run_all()
@@ -212,13 +215,16 @@ def check_case(run, case: g.Case) -> None:
     if peak > bound:
         ck.problems.append(f"tracemalloc peak {peak >> 20} MiB over the bound {bound >> 20} MiB "
                            f"(largest object {largest} bytes)")
+    rss_bound = RSS_GROWTH + RSS_PER_BYTE * largest
+    if _rss() - rss0 > rss_bound:
+        ck.problems.append(f"RSS high-water mark rose by {(_rss() - rss0) >> 20} MiB (bound {rss_bound >> 20} MiB)")
     shutil.rmtree(scratch, ignore_errors=True)
     assert not ck.problems, f"{case}:\n  " + "\n  ".join(ck.problems)
 
 
 def case_strategy(kind: str, bucket: g.Bucket, *, long: bool = False) -> st.SearchStrategy:
-    if kind == "manifest":     # a manifest of 50,000 tensors takes seconds to parse under tracemalloc
-        return g.manifest_cases(bucket, TARGET, most_tensors=50000 if long else 2000)
+    if kind == "manifest":     # a manifest of 20,000 tensors takes a minute through every entry point under tracemalloc
+        return g.manifest_cases(bucket, TARGET, most_tensors=20000 if long else 2000)
     if kind == "extra file names":
         return g.manifest_cases(bucket, TARGET, ops=("extra names",)).map(
             lambda c: g.Case("extra file names", c.key, c.what, c.bucket, c.meaning_may_change))
@@ -263,9 +269,8 @@ def _report(run, kind: str) -> None:
     rows = sorted((e, o, c) for (k, e, o), c in run["stats"].items() if k == kind)
     slowest = run["slowest"].get(kind, (0.0, ""))
     print(f"\n{kind}: tracemalloc peak {run['peaks'].get(kind, 0) / 2**20:.1f} MiB; slowest case "
-          f"{slowest[0]:.1f} s ({slowest[1][:120]}); " + ", ".join(f"{e} {o} {c}" for e, o, c in rows))
-    growth = _rss() - run["rss0"]
-    assert growth < RSS_GROWTH, f"RSS high-water mark rose by {growth >> 20} MiB"
+          f"{slowest[0]:.1f} s ({slowest[1][:120]}); RSS high-water mark +{(_rss() - run['rss0']) >> 20} MiB "
+          "since the run was published; " + ", ".join(f"{e} {o} {c}" for e, o, c in rows))
 
 
 # --- the defects the class came from, and the bounds, one by one --------------------------------------------
