@@ -169,10 +169,23 @@ def _sample(post, prompts: list[str], **extra) -> list[dict]:
     return out
 
 
+@pytest.mark.parametrize("policy", ["llama"], indirect=True)
 def test_vllm_serves_and_hot_loads_the_tied_bf16_policy_as_a_vllm_that_loaded_save_pretrained(policy, tmp_path):
     """Llama: the replica starts vLLM on the run (no --dtype given: it passes the run's); the snapshot is the
-    saved directory's files (test above). Qwen2: a user's vLLM started on the saved directory itself, its
-    answers taken before the replica attaches. Both then hot-load through the anchor and the deltas."""
+    saved directory's files (test above). Qwen2 (make stress, below): a user's vLLM started on the saved
+    directory itself, its answers taken before the replica attaches. Both then hot-load through the anchor and
+    the deltas."""
+    _serves_and_hot_loads_as_save_pretrained(policy, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["qwen2"], indirect=True)
+def test_vllm_attached_to_save_pretrained_hot_loads_the_tied_bf16_qwen2_and_answers_as_before(policy, tmp_path):
+    """In make stress only: a second vLLM start (the suite is near its CI limit)."""
+    _serves_and_hot_loads_as_save_pretrained(policy, tmp_path)
+
+
+def _serves_and_hot_loads_as_save_pretrained(policy, tmp_path) -> None:
     from loader.engines import build_engine
     from loader.engines.vllm import VllmServer, http_client
     from tests.servers import free_port
