@@ -26,6 +26,7 @@ def lab_or_skip():
         pytest.skip(f"rclone unavailable: {e}")
 
 
+@pytest.mark.slow   # a benchmark's quick run (~50 s): make stress, beside make bench; the suite is near its CI limit
 def test_quick_at_scale_run_swaps_bit_exact_and_writes_markdown_json_and_png(tmp_path, lab_or_skip, capsys):
     from benchmarks import at_scale
     from benchmarks.peers import METHODS

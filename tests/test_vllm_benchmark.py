@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import vllm_hotload
 from tests.vllm_replicas import use_one_gpu_layout
 
 
+@pytest.mark.slow   # a benchmark's quick run (~50 s): make stress, beside make bench; the suite is near its CI limit
 def test_quick_run_measures_every_method_verifies_every_swap_and_writes_markdown_json_and_png(tmp_path, capsys,
                                                                                            monkeypatch):
     use_one_gpu_layout(monkeypatch)   # the demo's test keeps vLLM's CPU layout (a worker process)
