@@ -65,6 +65,10 @@ def add_commands(subparsers: Any) -> None:
                         "changed modules beside the live ones while serving and swap them in during the pause "
                         "(more host memory while a hot-load prepares: docs/SERVING.md); reload: reload every "
                         "changed tensor's module inside the pause")
+    v.add_argument("--lora-slots", type=int, default=3, metavar="K",
+                   help="a LoRA run: adapter versions vLLM holds at once (default 3, at least 2); each request runs "
+                        "to its end on the version it was admitted on, and a hot-load writes into a slot no request "
+                        "holds")
     v.add_argument("--vllm-log", default=None, metavar="PATH", help="where the started vLLM server logs")
     v.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a sampling request may wait for vLLM's answer before it fails with 504 "
@@ -116,7 +120,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int",
     engine = build_engine(args.engine, bucket=args.bucket, snapshot=snapshot, model_dir=args.model,
                           storage_options=storage_options(args), cache_dir=args.cache_dir, device=args.device,
                           cache_policy=args.cache_policy, model_name=args.model_name, attach=args.attach,
-                          base_model=args.base_model,
+                          base_model=args.base_model, lora_slots=args.lora_slots,
                           verify=args.verify, apply_mode=args.apply_mode, vllm_args=passthrough,
                           vllm_log=args.vllm_log, request_timeout=args.request_timeout,
                           control_timeout=args.control_timeout, on_failure=stopper)
@@ -208,10 +212,6 @@ def _check_before_loading(args: argparse.Namespace) -> "tuple[str | int, socket.
         try:
             version = reader.resolve(args.snapshot)
             check_snapshot(reader, version)
-            if args.engine == "vllm" and reader.manifest(version).adapter is not None:
-                raise NotServableError(f"{reader.manifest(version).where()} at {args.bucket} is a LoRA adapter: "
-                                       "vLLM does not serve LoRA runs yet; serve it with --engine reference "
-                                       "--base-model DIR")
         finally:
             reader.store.close()
         return version, sock

@@ -673,6 +673,17 @@ def expected_digests(shared: SharedWeights, names: Sequence[str], kernel: set[st
 
 # --- the engine -----------------------------------------------------------------------------------
 
+@dataclass
+class Admission:
+    """One request admitted to vLLM: ``body`` as it goes there, ``versions()`` it ran on (asked once it is
+    done), ``release()`` once vLLM answered or the stream ended (a LoRA replica frees the request's slot)."""
+
+    body: dict[str, Any]
+    versions: Any
+    release: Any = lambda: None
+    model: str | None = None       # the ``model`` answers give back, where vLLM knows it by another name
+
+
 class VllmReplica(ReplicaEngine):
     """A vLLM server whose weights a HotSwapper over the host copy moves; requests are forwarded to it."""
 
@@ -710,6 +721,18 @@ class VllmReplica(ReplicaEngine):
             versions.append(self.version)
         return versions
 
+    def admit(self, body: dict[str, Any]) -> "Admission":
+        """A request starting now: its body as it goes to vLLM, and the versions it ran on once it is done.
+
+        A request in flight across a swap runs on both versions (the ``recompute`` policy recomputes its KV
+        on the new weights): it reports every version it saw."""
+        epoch0, v0, crossing = self.applier.epoch, self.version, self.applier.swapping
+
+        def versions() -> list[int | None]:
+            return self._versions_since(epoch0, v0) if self.applier.epoch != epoch0 or crossing else [v0]
+
+        return Admission(self.forward_body(body, v0), versions)
+
     def forward_body(self, body: dict[str, Any], version: int | None) -> dict[str, Any]:
         """``body`` as it goes to vLLM, for a request that starts while ``version`` is served (503 when vLLM
         failed)."""
@@ -731,28 +754,27 @@ class VllmReplica(ReplicaEngine):
 
     async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
         t0 = time.perf_counter()
-        epoch0, v0 = self.applier.epoch, self.version
-        crossing = self.applier.swapping
-        body = self.forward_body(body, v0)
+        admitted = self.admit(body)
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         try:
-            r = await self._http().post(path, json=body)
+            r = await self._http().post(path, json=admitted.body)
         except httpx.TimeoutException as e:
             raise ReplicaAPIError(504, "engine_timeout", f"vLLM at {self.url} did not answer within the request "
                                   f"timeout ({self.request_timeout:g} s, --request-timeout): "
                                   f"{type(e).__name__}") from None
         except httpx.HTTPError as e:
             raise ReplicaAPIError(503, "engine_unavailable", f"vLLM at {self.url} did not answer: {e}") from None
+        finally:
+            admitted.release()
         try:
             out = r.json()
         except ValueError:
             out = {"error": {"type": "engine_error", "message": r.text[:2000]}}
         if r.status_code != 200:
             return EngineResult(r.status_code, out if isinstance(out, dict) else {"error": out})
-        if self.applier.epoch != epoch0 or crossing:
-            versions = self._versions_since(epoch0, v0)
-        else:
-            versions = [v0]
+        versions = admitted.versions()
+        if admitted.model is not None and "model" in out:
+            out["model"] = admitted.model        # the name the client knows, not vLLM's slot name
         usage = out.get("usage") or {}
         return EngineResult(200, out, policy_versions=versions, snapshot=_snapshot(versions[-1]),
                             cache_policy=self.cache_policy,
@@ -879,6 +901,13 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         raise ValueError(f"cache_policy {cache_policy!r}: expected 'recompute' or 'keep'")
     reader = SnapshotReader(bucket, storage_options=storage_options, cache_dir=cache_dir)
     version = reader.resolve(snapshot)
+    if reader.manifest(version).adapter is not None:       # a LoRA run: the adapter into vLLM's LoRA slots
+        from . import vllm_lora
+
+        return vllm_lora.build(bucket=bucket, snapshot=version, storage_options=storage_options, cache_dir=cache_dir,
+                               cache_policy=cache_policy, model_name=model_name, attach=attach, vllm_args=vllm_args,
+                               vllm_api_key=vllm_api_key, vllm_log=vllm_log, request_timeout=request_timeout,
+                               control_timeout=control_timeout, on_failure=on_failure, **_)
     name = model_name or reader.run_id
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)

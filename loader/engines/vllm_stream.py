@@ -30,8 +30,16 @@ if TYPE_CHECKING:
 
 async def stream(replica: "VllmReplica", kind: RequestKind, body: dict[str, Any]) -> EngineStream | EngineResult:
     t0 = time.perf_counter()
-    epoch0, v0, crossing = replica.applier.epoch, replica.version, replica.applier.swapping
-    body = replica.forward_body(body, v0)
+    admitted = replica.admit(body)
+    try:
+        return await _stream(replica, kind, admitted, t0)
+    except BaseException:
+        admitted.release()
+        raise
+
+
+async def _stream(replica: "VllmReplica", kind: RequestKind, admitted: Any, t0: float) -> EngineStream | EngineResult:
+    body = admitted.body
     opts = body.get("stream_options")
     wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     if opts is None or isinstance(opts, dict):
@@ -51,6 +59,7 @@ async def stream(replica: "VllmReplica", kind: RequestKind, body: dict[str, Any]
             raw = await r.aread()
         finally:
             await r.aclose()
+            admitted.release()
         try:
             out = json.loads(raw)
         except ValueError:
@@ -73,6 +82,9 @@ async def stream(replica: "VllmReplica", kind: RequestKind, body: dict[str, Any]
                 except ValueError:
                     chunk = None
                 if isinstance(chunk, dict):
+                    if admitted.model is not None and chunk.get("model") not in (None, admitted.model):
+                        chunk["model"] = admitted.model
+                        data = json.dumps(chunk, separators=(",", ":"))
                     if not result.body and "id" in chunk:
                         result.body = {k: chunk.get(k) for k in ("id", "object", "created", "model")}
                     if "error" in chunk:
@@ -90,7 +102,8 @@ async def stream(replica: "VllmReplica", kind: RequestKind, body: dict[str, Any]
         finally:
             with anyio.CancelScope(shield=True):    # a client gone cancels us: the connection to vLLM still
                 await r.aclose()                    # closes properly, which aborts the request there
-            versions = replica._versions_since(epoch0, v0) if replica.applier.epoch != epoch0 or crossing else [v0]
+            admitted.release()
+            versions = admitted.versions()
             result.policy_versions = versions
             result.snapshot = None if versions[-1] is None else _snapshot(versions[-1])
             result.recomputes = (len(versions) - 1) if replica.cache_policy == "recompute" else 0

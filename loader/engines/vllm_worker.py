@@ -246,6 +246,38 @@ class CkptDeltaWorker:
         return {"dropped": shadow is not None and shadow.state != "running"}
 
     @_answer
+    def ckptdelta_lora_slots(self, req: dict) -> dict[str, Any]:
+        """The LoRA adapters this worker holds and their slot indices (loader/engines/vllm_lora_slots.py);
+        ``pin``: ids to pin in vLLM's LoRA caches first."""
+        from loader.engines import vllm_lora_slots as slots
+
+        if req.get("pin"):
+            slots.pin(self, [int(i) for i in req["pin"]])
+        return slots.describe(self)
+
+    @_answer
+    def ckptdelta_lora_write(self, req: dict) -> dict[str, Any]:
+        """Write the adapter in the host copy at ``path`` into registered adapter ``id`` in place, through vLLM's
+        own load transform, and prove the slot (``digests``: the manifest's, name -> xxh3)."""
+        from loader.engines import vllm_lora_slots as slots
+
+        return slots.write(self, int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"]))
+
+    @_answer
+    def ckptdelta_lora_prove(self, req: dict) -> dict[str, Any]:
+        """Prove registered adapter ``id`` holds the adapter in the host copy at ``path``, without writing."""
+        from loader.engines import vllm_lora_slots as slots
+
+        return slots.prove(self, int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"]))
+
+    @_answer
+    def ckptdelta_lora_digests(self, req: dict) -> dict[str, Any]:
+        """xxh3 of each LoRA buffer at adapter ``id``'s slot: what two vLLMs hold, compared (tests)."""
+        from loader.engines import vllm_lora_slots as slots
+
+        return {"digests": slots.slot_digests(self, int(req["id"]))}
+
+    @_answer
     def ckptdelta_read(self, req: dict) -> dict[str, Any]:
         """The live weights in checkpoint coordinates, written to ``path`` as safetensors (tests, verify).
 

@@ -1,0 +1,339 @@
+"""vLLM serving a LoRA run: the adapter hot-loaded into vLLM's LoRA slots in place, each request on one version.
+
+``ckptdelta serve --engine vllm --bucket URL`` on a run of adapters (delta/adapter.py)
+lands here. vLLM starts on the base model (``--base-model DIR``, or the directory the
+run records; its weights are hashed and checked against the run's record first,
+loader/lora.py) with LoRA enabled and K adapter *slots* (``--lora-slots K``):
+K adapters registered once, at start, from the snapshot's own PEFT directory
+(``--lora-modules``), pinned in vLLM's LoRA caches, and from then on rewritten in
+place, never re-read from a directory.
+
+- **A hot-load** is prepared while vLLM serves, as for full runs: the adapter's
+  host copy (shared memory, checkpoint names) is patched by the
+  :class:`loader.lora.LoraHotSwapper`. Then one ``/collective_rpc`` writes the
+  whole new version into a slot no request runs on, through vLLM's own load
+  transform, and proves it in every worker (loader/engines/vllm_lora_slots.py).
+  vLLM runs that RPC between two steps: its length is the only time vLLM does
+  not generate, the *pause*; nothing is aborted or frozen, and vLLM is never
+  paused. Only once the slot is proven do new requests go to it.
+- **Every request runs on exactly one version.** At admission a request is
+  pinned to the slot of the newest proven version (its ``model`` rewritten to
+  the slot's name, a per-version ``cache_salt`` so no prefix cached by another
+  version is reused); it keeps that slot until it is answered. A slot is
+  rewritten only once no request holds it, so ``engine_data`` reports one version
+  per request, never a span. With all K slots held by requests still running, a
+  hot-load waits for one (``--request-timeout`` at most) and then fails, naming
+  the slots.
+- **Trust.** A write or proof that fails leaves the slot out of service: the
+  replica goes on serving the version it serves, and the hot-load fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import httpx
+
+from delta.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, base_digest
+from delta.errors import HotLoadError, NotServableError
+
+from .base import EngineApplier, ReplicaAPIError
+from .shared_weights import SharedWeights
+from .vllm import (CONTROL_TIMEOUT_S, REQUEST_TIMEOUT_S, Admission, VllmControl, VllmError, VllmReplica,
+                   VllmServer, _snapshot)
+
+log = logging.getLogger("ckptdelta.engine.vllm")
+
+#: The ranks vLLM's ``--max-lora-rank`` takes.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: Slots by default: the serving version, the one being written, one for a request that outlives a step.
+DEFAULT_SLOTS = 3
+
+
+@dataclass
+class Slot:
+    """One adapter vLLM holds: the name requests give it, vLLM's id for it, the version in it."""
+
+    name: str
+    id: int
+    version: int | None = None
+    ready: bool = False     # holds ``version``, proven
+    refs: int = 0           # requests in flight on it
+    seq: int = 0            # order in which slots became ready: the newest serves new requests
+
+
+class SlotTable:
+    """Which version each slot holds, which slot new requests go to, how many requests hold each."""
+
+    def __init__(self, slots: Sequence[Slot]):
+        self.slots = list(slots)
+        self._cond = threading.Condition()
+        self._seq = 0
+
+    def newest(self) -> Slot | None:
+        ready = [s for s in self.slots if s.ready]
+        return max(ready, key=lambda s: s.seq) if ready else None
+
+    def admit(self) -> Slot:
+        """The slot of the newest proven version, held until :meth:`release`."""
+        with self._cond:
+            s = self.newest()
+            if s is None:
+                raise ReplicaAPIError(503, "engine_unavailable", "no LoRA slot of this replica holds a proven "
+                                      "version")
+            s.refs += 1
+            return s
+
+    def release(self, s: Slot) -> None:
+        with self._cond:
+            s.refs -= 1
+            self._cond.notify_all()
+
+    def claim(self, timeout: float) -> Slot:
+        """A slot to write the next version into: not the newest, held by no request. Waits up to ``timeout``
+        for requests on older versions to finish; the slot is out of service until :meth:`ready`."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                newest = self.newest()
+                free = [s for s in self.slots if s is not newest and s.refs == 0]
+                if free:
+                    s = min(free, key=lambda s: (s.ready, s.seq))      # an empty slot first, else the oldest
+                    s.ready, s.version = False, None
+                    return s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    held = ", ".join(f"{s.name} ({_snapshot(s.version)}, {s.refs} requests)" for s in self.slots)
+                    raise HotLoadError(f"every LoRA slot still runs requests ({held}) after {timeout:g} s: none "
+                                       "can take the next version; give the replica more slots (--lora-slots)")
+                self._cond.wait(left)
+
+    def ready(self, s: Slot, version: int) -> None:
+        with self._cond:
+            self._seq += 1
+            s.version, s.ready, s.seq = version, True, self._seq
+
+    def view(self) -> list[dict[str, Any]]:
+        with self._cond:
+            newest = self.newest()
+            return [{"name": s.name, "id": s.id, "version": s.version if s.ready else None, "serving": s is newest,
+                     "in_flight": s.refs} for s in self.slots]
+
+
+class LoraSlotApplier(EngineApplier):
+    """Writes the host copy's adapter into a free slot of vLLM and proves it; the HotSwapper's applier."""
+
+    def __init__(self, control: VllmControl, shared: SharedWeights, slots: SlotTable, *, reader: Any,
+                 config: dict[str, Any], slot_timeout: float):
+        self.control, self.shared, self.slots, self.reader = control, shared, slots, reader
+        self.config, self.slot_timeout = config, slot_timeout
+        self.epoch, self.swapping = 0, False       # what loader/engines/vllm_watch.py reads
+        self.history: list[tuple[int, int | None]] = []
+        self.last: dict[str, Any] = {}
+        self._pause: Any = None
+
+    @contextmanager
+    def paused(self) -> Iterator[Any]:
+        """No pause of vLLM at all: the slot write is one RPC vLLM runs between two steps (see the module
+        docstring); the Pause yielded says how long that RPC held vLLM's engine loop."""
+        from loader.hotswap import Pause
+
+        self._pause = Pause()
+        self.swapping = True
+        try:
+            yield self._pause
+        finally:
+            self.swapping = False
+
+    def digests(self, version: int) -> dict[str, str]:
+        m = self.reader.manifest(version)
+        return {n: m.tensors[n].xxh3 for n in self.shared.index}
+
+    def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
+        newest = self.slots.newest()
+        if version is None or (newest is not None and newest.version == version):
+            return           # a rollback: the version the replica serves still sits, proven, in its own slot
+        slot = self.slots.claim(self.slot_timeout)
+        t0 = self._pause.started = time.perf_counter()
+        try:
+            answers = self.control.rpc("ckptdelta_lora_write", {"id": slot.id, "path": self.shared.path,
+                                                                "digests": self.digests(version),
+                                                                "config": self.config})
+        except VllmError as e:
+            raise HotLoadError(f"writing {_snapshot(version)} into LoRA slot {slot.name}: {e}; the slot is out "
+                               f"of service, the replica serves {_snapshot(newest.version if newest else None)}") \
+                from None
+        self._pause.seconds = time.perf_counter() - t0
+        self.slots.ready(slot, version)
+        self.epoch += 1
+        self.history.append((self.epoch, version))
+        del self.history[:-64]
+        self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
+                     "workers": [{k: a.get(k) for k in ("index", "checked", "transform_s", "write_s", "prove_s")}
+                                 for a in answers], "proven": "full"}
+        log.info("LoRA slot %s holds %s, proven in %d workers (%d buffers each); vLLM's loop held %.1f ms",
+                 slot.name, _snapshot(version), len(answers), answers[0].get("checked", 0), 1e3 * self._pause.seconds)
+
+    def _resume_engine(self) -> None:
+        """A LoRA replica never pauses vLLM; one found paused (by someone else) is resumed by the watch."""
+        self.control.resume()
+
+
+class VllmLoraReplica(VllmReplica):
+    """A :class:`VllmReplica` whose requests are pinned to LoRA slots (see the module docstring)."""
+
+    def __init__(self, *, slots: SlotTable, lora_rank: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.slots, self.lora_rank = slots, lora_rank
+
+    def admit(self, body: dict[str, Any]) -> Admission:
+        slot = self.slots.admit()
+        version = slot.version
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.slots.release(slot)
+
+        try:
+            out = self.forward_body(body, version)
+        except BaseException:
+            release()
+            raise
+        out["model"] = slot.name            # the slot that holds the version this request runs on, to the end
+        return Admission(out, lambda: [version], release, model=self.model_name)
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "lora_rank": self.lora_rank, "lora_slots": self.slots.view()}
+
+
+def lora_args(slots: int, rank: int) -> list[str]:
+    """vLLM's flags for K slots of adapters of rank ``rank``."""
+    max_rank = next((r for r in LORA_RANKS if r >= rank), None)
+    if max_rank is None:
+        raise NotServableError(f"LoRA rank {rank} is above the largest vLLM serves ({LORA_RANKS[-1]})")
+    return ["--enable-lora", "--max-loras", str(slots), "--max-cpu-loras", str(slots), "--max-lora-rank",
+            str(max_rank)]
+
+
+def register_slots(control: VllmControl, slots: SlotTable, adapter_dir: str, where: str) -> None:
+    """Each slot registered with vLLM from the snapshot's own PEFT directory (vLLM's ``load_lora_adapter``, the
+    one directory read of the replica's life), then pinned in its LoRA caches; an adapter vLLM refuses (a layer
+    its model has no LoRA for, a rank above its limit) is one line naming the snapshot."""
+    for s in slots.slots:
+        try:
+            r = control.http.post("/v1/load_lora_adapter", json={"lora_name": s.name, "lora_path": adapter_dir})
+        except httpx.HTTPError as e:
+            raise VllmError(f"vLLM at {control.url}: POST /v1/load_lora_adapter failed: {e}") from e
+        if r.status_code != 200:        # its answer is a JSON error; its success a line of text
+            try:
+                why = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                why = r.text[:500]
+            raise NotServableError(f"{where}: vLLM refuses the adapter ({r.status_code}): {why}")
+    ids = [s.id for s in slots.slots]
+    for w, answer in enumerate(control.rpc("ckptdelta_lora_slots", {"pin": ids})):
+        if answer.get("registered") != ids:
+            raise VllmError(f"vLLM worker {w} holds LoRA adapters {answer.get('registered')}, not the "
+                            f"{len(ids)} slots registered at start ({ids})")
+
+
+def adapter_rank(config: dict[str, Any]) -> int:
+    ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
+    if not all(isinstance(r, int) and r > 0 for r in ranks):
+        raise NotServableError(f"{ADAPTER_CONFIG_NAME}: rank {config.get('r')!r} is not a positive integer")
+    return max(ranks)
+
+
+def hash_base(base_dir: str) -> str:
+    """base_digest() of the base as transformers loads it (the publisher hashed it so); the model is freed."""
+    from ..engine import load_model
+
+    base, _ = load_model(base_dir, device="cpu")
+    try:
+        return base_digest(base.state_dict().items())
+    finally:
+        del base
+
+
+def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dict[str, Any] | None = None,
+          cache_dir: str | None = None, cache_policy: str = "recompute", model_name: str | None = None,
+          attach: str | None = None, vllm_args: Sequence[str] = (), base_model: str | None = None,
+          lora_slots: int = DEFAULT_SLOTS, vllm_api_key: str | None = None, vllm_log: str | None = None,
+          request_timeout: float = REQUEST_TIMEOUT_S, control_timeout: float = CONTROL_TIMEOUT_S,
+          on_failure: Any = None, **_: Any) -> VllmLoraReplica:
+    """``ckptdelta serve --engine vllm`` on a LoRA run (loader/engines/vllm.py's ``build`` sends it here)."""
+    from safetensors.torch import load_file
+
+    from loader.lora import LoraHotSwapper, base_dir_for, check_base
+    from loader.reader import SnapshotReader
+    from loader.scratch import make as make_scratch
+    from loader.servable import check_model_dir
+
+    if attach:
+        raise NotServableError("--attach serves full-model runs; a LoRA replica starts its own vLLM on the base "
+                               "(it registers its LoRA slots at start): drop --attach")
+    if not isinstance(lora_slots, int) or lora_slots < 2:
+        raise ValueError(f"--lora-slots {lora_slots!r}: at least 2 (one serving, one to write the next version)")
+    reader = SnapshotReader(bucket, storage_options=storage_options, cache_dir=cache_dir)
+    version = reader.resolve(snapshot)
+    m = reader.manifest(version)
+    where = f"{m.where()} at {bucket}"
+    base_dir = base_dir_for(m.adapter, base_model, where)
+    check_model_dir(base_dir)
+    digest = hash_base(base_dir)
+    check_base(m.adapter, digest, base_dir, where)
+    name = model_name or reader.run_id
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+    scratch = make_scratch("vllm", cache_dir)
+    server = shared = control = None
+    try:
+        adapter_dir = reader.materialize(version, os.path.join(scratch.path, "adapter"))
+        with open(os.path.join(adapter_dir, ADAPTER_CONFIG_NAME)) as f:
+            config = json.load(f)
+        rank = adapter_rank(config)
+        shared = SharedWeights.create(load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS_NAME)))
+        slots = SlotTable([Slot(f"{name}@slot{j}", j + 1) for j in range(lora_slots)])
+        server = VllmServer(base_dir, served_name=f"{name}@base", log_path=vllm_log,
+                            args=[*lora_args(lora_slots, rank), *vllm_args],
+                            env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+        server.wait_ready()
+        control = VllmControl(server.url, api_key=vllm_api_key, timeout=control_timeout)
+        control.rpc("ckptdelta_layout", {})
+        register_slots(control, slots, adapter_dir, where)
+        applier = LoraSlotApplier(control, shared, slots, reader=reader, config=config, slot_timeout=request_timeout)
+        t0 = time.perf_counter()
+        for s in reversed(slots.slots):          # loaded by vLLM itself from the snapshot's directory: proven
+            control.rpc("ckptdelta_lora_prove", {"id": s.id, "path": shared.path, "digests": applier.digests(version),
+                                                 "config": config})
+            slots.ready(s, version)              # slot 0 last: the newest, new requests go there
+        log.info("vLLM serves LoRA run %s, %s, in %d slots on base %s (rank %d; proven in %.2fs)", reader.run_id,
+                 _snapshot(version), lora_slots, base_dir, rank, time.perf_counter() - t0)
+        swapper = LoraHotSwapper(shared.tensors, reader, version=version, applier=applier, record=m.adapter,
+                                 base_xxh3=digest)
+        from .vllm_watch import EngineWatch
+
+        watch = EngineWatch(server.url, applier=applier, proc=server.proc, api_key=vllm_api_key,
+                            on_failure=on_failure).start()
+        return VllmLoraReplica(slots=slots, lora_rank=rank, url=server.url, served_name=name, swapper=swapper,
+                               applier=applier, shared=shared, cache_policy=cache_policy, server=server,
+                               model_dir=base_dir, owned_dir=scratch, request_timeout=request_timeout, watch=watch)
+    except BaseException as e:
+        if control is not None:
+            control.close()
+        if server is not None:
+            server.stop(keep_log=isinstance(e, Exception))
+        if shared is not None:
+            shared.close()
+        scratch.release()
+        raise

@@ -1,0 +1,212 @@
+"""vLLM's LoRA slots seen from inside a worker: how a new adapter version is written into one, and proven.
+
+A replica serving a LoRA run (loader/engines/vllm_lora.py) registers K adapters
+with vLLM once, at start, and from then on rewrites them in place: each is a
+*slot* that holds one version at a time. A hot-load writes the next version into
+a slot no request runs on. This module is the worker's half, called through
+``/collective_rpc`` (loader/engines/vllm_worker.py), so it runs in vLLM's
+engine loop between two steps: no request ever sees a half-written slot.
+
+- **The load transform is vLLM's own.** The adapter's tensors (from the replica's
+  host copy, each checked against the manifest's digest first) go through
+  ``LoRAModel.from_lora_tensors`` and the manager's ``add_adapter`` (which packs
+  q/k/v and gate/up and folds the scaling into B), the very steps vLLM runs after
+  reading ``adapter_model.safetensors`` in ``load_lora_adapter``; only the
+  directory read is left out. The tensors are cloned first: vLLM scales B in
+  place, and the host copy must keep the published bits.
+- **Pinned.** Every slot adapter is pinned in vLLM's CPU and GPU LoRA caches:
+  an adapter evicted and asked for again would be re-read from the directory it
+  was first registered from (an old version).
+- **The proof** reads the slot back: for every LoRA layer, each of its stacked
+  buffers at the slot's index is compared, bit for bit, with what the layer's
+  own ``set_lora`` writes for a fresh transform of the verified tensors into a
+  one-slot copy of those buffers (so tensor-parallel slicing, packed groups and
+  zero padding up to ``--max-lora-rank`` are vLLM's). Layers the adapter does
+  not touch must hold zeros there.
+
+Nothing here raises through the RPC: loader/engines/vllm_worker.py turns an
+exception into ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import xxhash
+
+
+class SlotError(RuntimeError):
+    """A slot could not be written or does not hold what was written (raised inside the worker)."""
+
+
+def managers(worker: Any) -> tuple[Any, Any]:
+    """(the worker's LoRA manager, its adapter manager); a clear error when vLLM runs without LoRA."""
+    wm = getattr(worker.model_runner, "lora_manager", None)
+    if wm is None or getattr(wm, "_adapter_manager", None) is None:
+        raise SlotError("this vLLM serves no LoRA adapters: start it with --enable-lora")
+    return wm, wm._adapter_manager
+
+
+def describe(worker: Any) -> dict[str, Any]:
+    """The registered adapter ids, which slot index each active one holds, and the LoRA limits."""
+    wm, mgr = managers(worker)
+    cfg = wm.lora_config
+    return {"registered": sorted(int(i) for i in mgr.list_adapters()),
+            "index_to_id": [None if i is None else int(i) for i in mgr.lora_index_to_id],
+            "max_loras": int(cfg.max_loras), "max_cpu_loras": int(cfg.max_cpu_loras or 0),
+            "max_lora_rank": int(cfg.max_lora_rank), "lora_dtype": str(cfg.lora_dtype)}
+
+
+def pin(worker: Any, ids: list[int]) -> dict[str, Any]:
+    wm, mgr = managers(worker)
+    for i in ids:
+        if i not in mgr.list_adapters():
+            raise SlotError(f"LoRA adapter id {i} is not registered in this worker")
+        wm.pin_adapter(int(i))
+    return {"pinned": sorted(ids)}
+
+
+def _host_digest(t: torch.Tensor) -> str:
+    from delta import dtypes
+
+    return f"{xxhash.xxh3_64_intdigest(dtypes.host_bits(t.detach().contiguous())):016x}"
+
+
+def verified_tensors(path: str, digests: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Clones of the named host-copy tensors, each checked against its digest (the manifest's)."""
+    from loader.engines.shared_weights import open_tensors
+
+    shared = open_tensors(path, list(digests))
+    bad = [n for n, t in shared.items() if _host_digest(t) != digests[n]]
+    if bad:
+        raise SlotError(f"{len(bad)} adapter tensors in the host copy differ from the snapshot's digests "
+                        f"({', '.join(sorted(bad)[:4])})")
+    return {n: t.clone() for n, t in shared.items()}
+
+
+def transform(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
+    """A LoRAModel exactly as vLLM's ``_load_adapter`` builds it from a directory holding ``tensors`` and
+    ``config`` (its checks included: rank within --max-lora-rank, no bias, only modules the model knows),
+    not yet packed (the manager's ``add_adapter`` packs and scales)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+
+    wm, mgr = managers(worker)
+    helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": wm.max_position_embeddings})
+    helper.validate_legal(wm.lora_config)
+    expected: set[str] = set()
+    for module in mgr.supported_lora_modules:
+        expected.update(mgr.packed_modules_mapping.get(module, [module]))
+    model = mgr.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None:
+        mapper = mapper.get_rename_mapper()
+    skip = getattr(model, "lora_skip_prefixes", None)
+    unknown = []
+    for name in tensors:
+        if is_base_embedding_weights(name) or "base_layer" in name:
+            continue
+        module_name, _ = parse_fine_tuned_lora_name(name, mapper)
+        if skip and LoRAModel._should_skip_module(name, skip):
+            continue
+        if module_name.rsplit(".", 1)[-1] not in expected and \
+                module_name.rsplit(".", 1)[-1] not in (helper.modules_to_save or ()):
+            unknown.append(name)
+    if unknown:
+        raise SlotError(f"vLLM's model has no LoRA layer for {len(unknown)} adapter tensors "
+                        f"({', '.join(sorted(unknown)[:3])}); it takes LoRA on {sorted(expected)}")
+    return LoRAModel.from_lora_tensors(lora_id, tensors, helper, device="cpu", dtype=wm.lora_config.lora_dtype,
+                                       model_vocab_size=wm.vocab_size, weights_mapper=mapper, skip_prefixes=skip)
+
+
+def write(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any]) -> dict[str, Any]:
+    """Make registered adapter ``lora_id`` the adapter in the host copy at ``path``, in place, and prove it."""
+    import time
+
+    wm, mgr = managers(worker)
+    t0 = time.perf_counter()
+    if lora_id not in mgr.list_adapters():
+        raise SlotError(f"LoRA adapter id {lora_id} is not registered in this worker (slots: "
+                        f"{sorted(mgr.list_adapters())})")
+    lora = transform(worker, lora_id, verified_tensors(path, digests), config)
+    t1 = time.perf_counter()
+    # the slot's old adapter out, the new one in, at the first free index (vLLM's add/activate: pack + scale)
+    mgr.remove_adapter(lora_id)
+    mgr.add_adapter(lora)
+    mgr.activate_adapter(lora_id)
+    wm.pin_adapter(lora_id)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    proven = prove(worker, lora_id, path, digests, config)
+    return {"id": lora_id, "transform_s": t1 - t0, "write_s": t2 - t1, "prove_s": time.perf_counter() - t2,
+            **proven}
+
+
+def _stacked(module: Any) -> dict[str, Any]:
+    """A LoRA layer's per-slot buffers: each ``*_stacked`` attribute (a tensor or a tuple of them)."""
+    return {k: v for k, v in vars(module).items() if k.endswith("_stacked")
+            and (isinstance(v, torch.Tensor) or (isinstance(v, tuple) and v and isinstance(v[0], torch.Tensor)))}
+
+
+def _at(buf: Any, index: int) -> list[torch.Tensor]:
+    return [buf[index:index + 1]] if isinstance(buf, torch.Tensor) else [t[index:index + 1] for t in buf]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def prove(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any]) -> dict[str, Any]:
+    """Read slot ``lora_id`` back from every LoRA layer and compare it with what each layer's own ``set_lora``
+    writes for a fresh transform of the verified host-copy tensors (see the module docstring)."""
+    wm, mgr = managers(worker)
+    try:
+        index = mgr.lora_index_to_id.index(lora_id)
+    except ValueError:
+        raise SlotError(f"LoRA adapter id {lora_id} is not in any slot") from None
+    # a fresh transform, packed and scaled as the manager does, kept off the manager's books
+    fresh = transform(worker, lora_id, verified_tensors(path, digests), config)
+    mgr._create_merged_loras_inplace(fresh)
+    checked, bad = 0, []
+    for name, module in mgr.modules.items():
+        bufs = _stacked(module)
+        if not bufs:
+            continue
+        one = copy.copy(module)                # a one-slot copy of the layer's buffers, written by its own code
+        for k, buf in bufs.items():
+            held = [t.clone() for t in _at(buf, index)]
+            object.__setattr__(one, k, held[0] if isinstance(buf, torch.Tensor) else tuple(held))
+        weights = mgr._get_lora_layer_weights(fresh, name)
+        if weights:
+            one.set_lora(0, weights.lora_a, weights.lora_b)
+        else:
+            one.reset_lora(0)
+        for k, buf in bufs.items():
+            want = getattr(one, k)
+            want = [want] if isinstance(want, torch.Tensor) else list(want)
+            for i, (live, w) in enumerate(zip(_at(buf, index), want)):
+                checked += 1
+                if not _same_bits(live, w):
+                    bad.append(f"{name}.{k}[{i}]")
+    if bad:
+        raise SlotError(f"LoRA slot {index} (adapter id {lora_id}) differs from vLLM's own load of the adapter in "
+                        f"{len(bad)} buffers ({', '.join(bad[:4])})")
+    return {"index": index, "checked": checked}
+
+
+def slot_digests(worker: Any, lora_id: int) -> dict[str, str]:
+    """xxh3 of every stacked buffer at ``lora_id``'s slot index (tests: compare two vLLMs' slots)."""
+    _, mgr = managers(worker)
+    index = mgr.lora_index_to_id.index(lora_id)
+    out = {}
+    for name, module in mgr.modules.items():
+        for k, buf in _stacked(module).items():
+            for i, t in enumerate(_at(buf, index)):
+                out[f"{name}.{k}[{i}]"] = f"{xxhash.xxh3_64_intdigest(t.cpu().contiguous().view(torch.uint8).numpy()):016x}"
+    return out
