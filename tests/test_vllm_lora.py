@@ -1,0 +1,234 @@
+"""A LoRA run served by a real vLLM (its CPU build): adapters hot-loaded into vLLM's LoRA slots in place.
+
+One vLLM for the module: the replica's (loader/engines/vllm_lora.py), started with one
+LoRA slot more than the replica registers, so the tests can have vLLM load any version
+the way users do, from its PEFT directory (``/v1/load_lora_adapter``), and compare:
+the slot the replica wrote must hold, bit for bit, what vLLM's own directory load puts
+in a slot (scaling folded into B, padding to --max-lora-rank), and answer the same
+greedy tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from delta.errors import HotLoadError, NotServableError
+from loader import SnapshotReader
+from publisher import Publisher
+from tests.test_lora_publish import adapter_bits, peft_model, train_step
+from tests.vllm_models import save_tiny_llama
+from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, use_one_gpu_layout
+
+PROMPTS = ["hello world, hello replica", "the quick brown fox", "one two three four"]
+VERSIONS = 6          # v0 anchor, v1-v2 deltas, v3 anchor, v4-v5 deltas
+DIR_SLOT = "from-directory"
+_loads: list[int] = []          # directory loads so far: each gets a cache salt of its own
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_gpu_layout():
+    with pytest.MonkeyPatch.context() as mp:
+        use_one_gpu_layout(mp)
+        yield
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A rank-8 adapter on every linear layer of the tiny Llama, trained with AdamW; each version also
+    materialized as the PEFT directory users would load."""
+    root = tmp_path_factory.mktemp("vllm-lora")
+    base = save_tiny_llama(str(root / "base"))
+    model, opt = peft_model(base, r=8, alpha=16)
+    for group in opt.param_groups:       # steps large enough that versions answer different greedy tokens
+        group["lr"] = 3e-3
+    url = str(root / "run")
+    pub = Publisher(url, anchor_every=3)
+    kinds = []
+    for step in range(VERSIONS):
+        train_step(model, opt, seed=step)
+        kinds.append(pub.publish(model, step).kind)
+    assert kinds == ["anchor", "delta", "delta", "anchor", "delta", "delta"]
+    reader = SnapshotReader(url)
+    dirs = {v: reader.materialize(v, str(root / f"dir-v{v}")) for v in range(VERSIONS)}
+    yield {"base": base, "url": url, "dirs": dirs, "pub": pub, "model": model, "opt": opt, "root": root}
+    pub.close()
+
+
+@pytest.fixture(scope="module")
+def rep(lora_run):
+    from loader.engines import build_engine
+
+    # one slot beyond the replica's 3 (vLLM takes the last --max-loras): the tests' directory loads
+    engine = build_engine("vllm", bucket=lora_run["url"], snapshot=0, base_model=lora_run["base"], lora_slots=3,
+                          vllm_args=[*VLLM_ARGS, "--max-loras", "4", "--max-cpu-loras", "4"])
+    r = VllmReplicaHandle(engine, replica_id="lora-0")
+    yield r
+    r.close()
+
+
+def _vllm(rep):
+    from loader.engines.vllm import http_client
+
+    return http_client(rep.engine.url, timeout=120)
+
+
+def load_from_directory(rep, version: int, lora_run) -> int:
+    """vLLM's own load of ``version``'s PEFT directory into the spare slot; its adapter id."""
+    _loads.append(version)
+    with _vllm(rep) as c:
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": DIR_SLOT, "lora_path": lora_run["dirs"][version],
+                                                  "load_inplace": True})
+        assert r.status_code == 200, r.text
+    ids = rep.engine.applier.control.rpc("ckptdelta_lora_slots", {})[0]["registered"]
+    (extra,) = set(ids) - {s.id for s in rep.engine.slots.slots}
+    return extra
+
+
+def slot_digests(rep, lora_id: int) -> dict[str, str]:
+    return rep.engine.applier.control.rpc("ckptdelta_lora_digests", {"id": lora_id})[0]["digests"]
+
+
+def greedy(post, model: str | None, prompt: str, max_tokens: int = 8) -> tuple[list[int], list[float], dict]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
+            "return_token_ids": True}
+    if model is not None:      # vLLM's own in-place load keeps the prefix cache of the adapter it replaced
+        body.update(model=model, cache_salt=f"dir-{len(_loads)}")
+    r = post(body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice = out["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"], out
+
+
+def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms_own_directory_load(rep, lora_run):
+    """Forward across the anchor at v3, back and a jump: each hot-load READY with the replica's own full proof
+    of the slot, and the slot bit-identical to the one vLLM fills from that version's PEFT directory."""
+    engine = rep.engine
+    for v in [1, 2, 3, 4, 5, 4, 2, 0, 5]:
+        job = rep.hotload(v)
+        assert job["state"] == "READY", job
+        last = engine.applier.last
+        assert engine.version == v and last["version"] == v and last["proven"] == "full"
+        assert all(w["checked"] > 0 for w in last["workers"])
+        serving = engine.slots.newest()
+        assert serving.version == v and serving.name == last["slot"]
+        assert slot_digests(rep, serving.id) == slot_digests(rep, load_from_directory(rep, v, lora_run)), f"v{v}"
+        out = rep.complete(max_tokens=2, temperature=0.0, return_engine_data=True)
+        assert out["engine_data"]["policy_versions"] == [v] and out["model"] == engine.model_name
+    status = rep.http.get("/v1/status").json()["engine"]
+    assert [s["version"] for s in status["lora_slots"] if s["serving"]] == [5]
+
+
+def test_the_replica_answers_the_greedy_tokens_and_logprobs_of_vllms_own_directory_load(rep, lora_run):
+    job = rep.hotload(2)
+    assert job["state"] == "READY", job
+    load_from_directory(rep, 2, lora_run)
+    with _vllm(rep) as c:
+        for prompt in PROMPTS:
+            got = greedy(lambda b: rep.post("/v1/completions", b), None, prompt)
+            want = greedy(lambda b: c.post("/v1/completions", json=b), DIR_SLOT, prompt)
+            assert got[:2] == want[:2], prompt
+    # and the adapter matters: the base alone answers otherwise for at least one prompt
+    with _vllm(rep) as c:
+        base = [greedy(lambda b: c.post("/v1/completions", json=b), f"{rep.engine.model_name}@base", p)[:2]
+                for p in PROMPTS]
+    assert base != [greedy(lambda b: rep.post("/v1/completions", b), None, p)[:2] for p in PROMPTS]
+
+
+def test_requests_in_flight_across_hot_loads_each_report_one_version_and_finish_on_it(rep, lora_run):
+    """Clients sample greedily all along while the replica hot-loads back and forth: every answer reports one
+    version, and its tokens are that version's own (vLLM's directory load of it answers the same)."""
+    want: dict[int, list[int]] = {}
+    with _vllm(rep) as c:
+        for v in (3, 4, 5):
+            load_from_directory(rep, v, lora_run)
+            want[v] = greedy(lambda b: c.post("/v1/completions", json=b), DIR_SLOT, PROMPTS[0], 16)[0]
+    assert len({tuple(t) for t in want.values()}) > 1        # the versions answer differently
+    assert rep.hotload(3)["state"] == "READY"
+    stop = threading.Event()
+    answers: list[tuple[list, list[int]]] = []
+    errors: list[str] = []
+
+    def client() -> None:
+        import httpx
+
+        with httpx.Client(base_url=rep.url, timeout=120) as http:
+            while not stop.is_set():
+                r = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0.0,
+                                                       "return_token_ids": True, "return_engine_data": True})
+                if r.status_code != 200:
+                    errors.append(f"{r.status_code} {r.text[:200]}")
+                    continue
+                out = r.json()
+                answers.append((out["engine_data"]["policy_versions"], out["choices"][0]["token_ids"]))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for v in (4, 5, 3, 4):
+            while sum(1 for vs, _ in answers if vs == [rep.engine.version]) < 2:   # requests on the old one
+                assert not errors, errors[:3]
+                threading.Event().wait(0.05)
+            assert rep.hotload(v)["state"] == "READY"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert errors == []
+    assert {tuple(vs) for vs, _ in answers} >= {(3,), (4,), (5,)}
+    for versions, tokens in answers:
+        assert len(versions) == 1 and tokens == want[versions[0]], versions
+
+
+def test_an_adapter_vllm_has_no_layer_for_is_refused_in_one_line(rep, lora_run, tmp_path):
+    """A PEFT directory with a tensor on a module the model lacks: vLLM refuses it when the replica registers
+    its slots, and the replica says so in one line naming the snapshot (the replica's own vLLM, through the
+    same registration)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loader.engines.vllm_lora import Slot, SlotTable, register_slots
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(lora_run["dirs"][0], bad)
+    tensors = load_file(f"{bad}/adapter_model.safetensors")
+    some = next(n for n in tensors if n.endswith("q_proj.lora_A.weight"))
+    tensors[some.replace("q_proj", "router_proj")] = tensors[some].clone()
+    save_file(tensors, f"{bad}/adapter_model.safetensors")
+    with pytest.raises(NotServableError) as e:
+        register_slots(rep.engine.applier.control, SlotTable([Slot("bad", 99)]), bad, "v00000000 of run r")
+    msg = str(e.value)
+    assert msg.startswith("v00000000 of run r: vLLM refuses the adapter") and "router_proj" in msg and "\n" not in msg
+
+
+def test_an_adapter_for_another_base_is_refused_naming_both_before_vllm_starts(lora_run, tmp_path):
+    from loader.engines import build_engine
+
+    other = save_tiny_llama(str(tmp_path / "other"), seed=7)
+    with pytest.raises(NotServableError) as e:
+        build_engine("vllm", bucket=lora_run["url"], base_model=other)
+    msg = str(e.value)
+    assert lora_run["base"] in msg and other in msg and "weights xxh3" in msg
+
+
+def test_a_rank_change_anchors_and_the_replica_refuses_to_hot_load_it_and_serves_on(rep, lora_run):
+    """Last: it adds a version to the module's run."""
+    from peft import get_peft_model_state_dict
+
+    model, opt = peft_model(lora_run["base"], r=4, alpha=8, seed=1)
+    train_step(model, opt, seed=99)
+    r = lora_run["pub"].publish(model, 100)
+    assert r.kind == "anchor"
+    before = rep.engine.version
+    job = rep.hotload(r.version)
+    assert job["state"] == "FAILED" and "another adapter config" in job["reason"]
+    assert rep.engine.version == before
+    assert rep.complete(max_tokens=2, return_engine_data=True)["engine_data"]["policy_versions"] == [before]
+    assert get_peft_model_state_dict(model)             # the rank-4 adapter itself was a real one
+    with pytest.raises(HotLoadError):
+        rep.engine.swapper.hotload(r.version)
