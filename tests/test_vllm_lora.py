@@ -184,6 +184,22 @@ def test_requests_in_flight_across_hot_loads_each_report_one_version_and_finish_
         assert len(versions) == 1 and tokens == want[versions[0]], versions
 
 
+def test_a_stream_runs_on_one_slot_names_the_run_and_frees_its_slot_when_it_ends(rep):
+    import json
+
+    chunks = []
+    with rep.http.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4, "stream": True,
+                                                          "return_engine_data": True}) as r:
+        assert r.status_code == 200
+        chunks = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    ed = json.loads(chunks[-2])["engine_data"]
+    assert ed["policy_versions"] == [rep.engine.version]
+    models = {json.loads(c).get("model") for c in chunks[:-2]}
+    assert models == {rep.engine.model_name}                  # the run's name, never the slot's
+    assert all(s["in_flight"] == 0 for s in rep.engine.status()["lora_slots"])
+
+
 def test_an_adapter_vllm_has_no_layer_for_is_refused_in_one_line(rep, lora_run, tmp_path):
     """A PEFT directory with a tensor on a module the model lacks: vLLM refuses it when the replica registers
     its slots, and the replica says so in one line naming the snapshot (the replica's own vLLM, through the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
@@ -110,7 +111,11 @@ async def _stream(replica: "VllmReplica", kind: RequestKind, admitted: Any, t0: 
             result.duration_s = time.perf_counter() - t0
             result.completion_tokens = tokens
 
-    return EngineStream(events(), result)
+    gen = events()
+    # a stream never iterated (its client went away before the first byte) never runs its finally: its
+    # admission is released when the generator is collected (release is idempotent)
+    weakref.finalize(gen, admitted.release)
+    return EngineStream(gen, result)
 
 
 def _snapshot(version: int) -> str:
