@@ -24,6 +24,9 @@ place, never re-read from a directory.
   per request, never a span. With all K slots held by requests still running, a
   hot-load waits for one (``--request-timeout`` at most) and then fails, naming
   the slots.
+- **Resident versions.** The K slots keep the last K versions; a hot-load to one of
+  them (a step back, a rollback) writes nothing: the slot is proven again where it
+  sits, then serves.
 - **Trust.** A write or proof that fails leaves the slot out of service: the
   replica goes on serving the version it serves, and the hot-load fails.
 """
@@ -115,6 +118,16 @@ class SlotTable:
                                        "can take the next version; give the replica more slots (--lora-slots)")
                 self._cond.wait(left)
 
+    def retire(self, s: Slot) -> None:
+        """Out of service (its proof failed): rewritten before it serves again."""
+        with self._cond:
+            s.ready, s.version = False, None
+
+    def holding(self, version: int) -> Slot | None:
+        """A proven slot that holds ``version`` already (a version hot-loaded again while still resident)."""
+        with self._cond:
+            return next((s for s in self.slots if s.ready and s.version == version), None)
+
     def ready(self, s: Slot, version: int) -> None:
         with self._cond:
             self._seq += 1
@@ -160,26 +173,32 @@ class LoraSlotApplier(EngineApplier):
         newest = self.slots.newest()
         if version is None or (newest is not None and newest.version == version):
             return           # a rollback: the version the replica serves still sits, proven, in its own slot
-        slot = self.slots.claim(self.slot_timeout)
+        resident = self.slots.holding(version)
+        slot = resident or self.slots.claim(self.slot_timeout)
         t0 = self._pause.started = time.perf_counter()
+        method = "ckptdelta_lora_prove" if resident else "ckptdelta_lora_write"
         try:
-            answers = self.control.rpc("ckptdelta_lora_write", {"id": slot.id, "path": self.shared.path,
-                                                                "digests": self.digests(version),
-                                                                "config": self.config})
+            # a version still resident is proven again where it sits (nothing written); any other is written
+            answers = self.control.rpc(method, {"id": slot.id, "path": self.shared.path,
+                                                "digests": self.digests(version), "config": self.config})
         except VllmError as e:
-            raise HotLoadError(f"writing {_snapshot(version)} into LoRA slot {slot.name}: {e}; the slot is out "
-                               f"of service, the replica serves {_snapshot(newest.version if newest else None)}") \
-                from None
+            if resident:
+                self.slots.retire(slot)
+            raise HotLoadError(f"{'proving' if resident else 'writing'} {_snapshot(version)} in LoRA slot "
+                               f"{slot.name}: {e}; the slot is out of service, the replica serves "
+                               f"{_snapshot(newest.version if newest else None)}") from None
         self._pause.seconds = time.perf_counter() - t0
         self.slots.ready(slot, version)
         self.epoch += 1
         self.history.append((self.epoch, version))
         del self.history[:-64]
         self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
+                     "written": resident is None,
                      "workers": [{k: a.get(k) for k in ("index", "checked", "transform_s", "write_s", "prove_s")}
                                  for a in answers], "proven": "full"}
-        log.info("LoRA slot %s holds %s, proven in %d workers (%d buffers each); vLLM's loop held %.1f ms",
-                 slot.name, _snapshot(version), len(answers), answers[0].get("checked", 0), 1e3 * self._pause.seconds)
+        log.info("LoRA slot %s holds %s (%s), proven in %d workers (%d buffers each); vLLM's loop held %.1f ms",
+                 slot.name, _snapshot(version), "resident" if resident else "written", len(answers),
+                 answers[0].get("checked", 0), 1e3 * self._pause.seconds)
 
     def _resume_engine(self) -> None:
         """A LoRA replica never pauses vLLM; one found paused (by someone else) is resumed by the watch."""
