@@ -338,6 +338,7 @@ def _leftovers(pid: int, *dirs: str) -> list[str]:
     return [os.path.join(d, n) for d in (*dirs, SHM) for n in _theirs(d, pid)]
 
 
+@pytest.mark.slow     # three vLLM starts through the CLI (~42 s); the reference replica's SIGTERM case stays in make test
 def test_a_vllm_replica_stopped_by_sigterm_starting_or_serving_leaves_nothing_and_kill_9_leftovers_are_swept(
         vllm_run, short_tmp, tmp_path):
     cache = os.path.join(short_tmp, "cache")

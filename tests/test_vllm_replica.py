@@ -201,6 +201,7 @@ def test_a_vllm_started_by_the_user_attaches_and_is_checked_before_it_serves(lla
         theirs.stop()
 
 
+@pytest.mark.slow     # its own vLLM starts through the CLI, twice (~65 s); make test keeps CLI serving in test_demo.py
 def test_serve_engine_vllm_from_the_command_line_and_a_replica_killed_mid_hotload_restarts_on_latest(llama_run,
                                                                                                      tmp_path):
     import signal
