@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -114,7 +115,8 @@ class Replica:
 
     def __init__(self, run_url: str, *, port: int, replica_id: str, log_path: str, threads: int,
                  storage_options: dict[str, Any] | None = None, engine: str = "reference",
-                 vllm_args: tuple[str, ...] = VLLM_ARGS, timeout: float | None = None):
+                 vllm_args: tuple[str, ...] = VLLM_ARGS, timeout: float | None = None,
+                 serve_args: tuple[str, ...] = ()):
         import httpx
 
         self.url = f"http://127.0.0.1:{port}"
@@ -124,6 +126,7 @@ class Replica:
                 "--snapshot", "latest", "--port", str(port), "--replica-id", replica_id]
         if storage_options:
             argv += ["--storage-options", json.dumps(storage_options)]
+        argv += serve_args
         if engine == "vllm":  # vLLM's own log beside the replica's; its options after "--"
             self.vllm_log = os.path.splitext(log_path)[0] + "-vllm.log"
             open(self.vllm_log, "wb").close()  # the server appends: one run's log per file
@@ -274,20 +277,30 @@ class Trainer:
 
 # --- the loop --------------------------------------------------------------------------------
 
-def _rollouts(client: Any, task: AdditionTask, tokenizer: Any, problems: list[tuple[str, str]], cfg: DemoConfig,
-              min_version: int, step: int) -> tuple[list[list[Sample]], list[dict]]:
+def sample_kwargs(cfg: DemoConfig, task: AdditionTask, min_version: int, step: int, i: int) -> dict[str, Any]:
+    """The sampling request for problem ``i`` of ``step``: a group of ``cfg.group_size`` completions on at least
+    ``min_version``, each with its sampled tokens' logprobs."""
     # reference: the replica rescores the sampled tokens (score_logprobs) with the trainer's function;
     # vLLM: its own logprobs of the sampled tokens (logprobs=0) and the token ids it sampled
     extra = {"score_logprobs": True} if cfg.engine == "reference" else {"return_token_ids": True}
+    return dict(n=cfg.group_size, max_tokens=task.max_tokens, temperature=cfg.temperature, logprobs=0,
+                min_policy_version=min_version, seed=(cfg.seed * 1_000_003 + step * 1009 + i) % (1 << 62), **extra)
 
+
+def _rollouts(client: Any, task: AdditionTask, tokenizer: Any, problems: list[tuple[str, str]], cfg: DemoConfig,
+              min_version: int, step: int) -> tuple[list[list[Sample]], list[dict]]:
     def one(i: int) -> dict:
-        prompt, _ = problems[i]
-        return client.sample(prompt, n=cfg.group_size, max_tokens=task.max_tokens, temperature=cfg.temperature,
-                             logprobs=0, min_policy_version=min_version,
-                             seed=(cfg.seed * 1_000_003 + step * 1009 + i) % (1 << 62), **extra)
+        return client.sample(problems[i][0], **sample_kwargs(cfg, task, min_version, step, i))
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         bodies = list(pool.map(one, range(len(problems))))
+    return groups_of(task, tokenizer, problems, bodies), [b["engine_data"] for b in bodies]
+
+
+def groups_of(task: AdditionTask, tokenizer: Any, problems: list[tuple[str, str]],
+              bodies: list[dict]) -> list[list[Sample]]:
+    """The replica's answers (one per problem) as groups of rewarded samples with their group's advantages,
+    refusing an answer whose tokens, logprobs or prompt do not agree with what the trainer would score."""
     groups = []
     for (prompt, answer), body in zip(problems, bodies):
         version = body["engine_data"]["policy_version"]
@@ -308,7 +321,7 @@ def _rollouts(client: Any, task: AdditionTask, tokenizer: Any, problems: list[tu
         for s, a in zip(group, group_advantages([s.reward for s in group])):
             s.advantage = a
         groups.append(group)
-    return groups, [b["engine_data"] for b in bodies]
+    return groups
 
 
 def _fmt_bytes(n: float) -> str:
@@ -342,6 +355,23 @@ def format_row(r: dict[str, Any]) -> str:
             f"{_exact(r):>5} {r['k1']:>9.2e} {r['k2']:>9.2e} {r['k3']:>9.2e}")
 
 
+def run_url_of(cfg: DemoConfig, prefix: str) -> str:
+    """Where the run goes: ``cfg.run_name`` (default ``<prefix>-<UTC time>``) under the bucket."""
+    run_name = cfg.run_name or f"{prefix}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    remote = "://" in cfg.bucket and not cfg.bucket.startswith("file://")
+    return f"{cfg.bucket.rstrip('/')}/{run_name}" if remote else os.path.abspath(os.path.join(cfg.bucket, run_name))
+
+
+def pretrained(cfg: DemoConfig, say: Any) -> tuple[Any, torch.nn.Module, dict[str, float]]:
+    """(tokenizer, fp32 model, pre-train stats): the tiny Llama after the supervised pre-train on noisy addition."""
+    tokenizer = build_tokenizer()
+    master = build_model(len(tokenizer), cfg.model_size, seed=cfg.seed)
+    n_params = sum(p.numel() for p in master.parameters())
+    say(f"pre-training a {cfg.model_size} Llama ({n_params / 1e3:.0f}k parameters, bf16 {_fmt_bytes(2 * n_params)}) "
+        f"on noisy addition for {cfg.pretrain_steps} steps ...")
+    return tokenizer, master, pretrain(master, tokenizer, cfg.task, steps=cfg.pretrain_steps, seed=cfg.seed)
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole loop; returns (and writes under ``cfg.report_dir``) the rows and the summary."""
     from loader.client import RolloutClient
@@ -359,18 +389,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     task = cfg.task
-    run_name = cfg.run_name or f"demo-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    remote = "://" in cfg.bucket and not cfg.bucket.startswith("file://")
-    run_url = f"{cfg.bucket.rstrip('/')}/{run_name}" if remote else os.path.abspath(os.path.join(cfg.bucket, run_name))
+    run_url = run_url_of(cfg, "demo")
     os.makedirs(cfg.report_dir, exist_ok=True)
 
     # 1. a policy with something left to learn
-    tokenizer = build_tokenizer()
-    master = build_model(len(tokenizer), cfg.model_size, seed=cfg.seed)
-    n_params = sum(p.numel() for p in master.parameters())
-    say(f"pre-training a {cfg.model_size} Llama ({n_params / 1e3:.0f}k parameters, bf16 {_fmt_bytes(2 * n_params)}) "
-        f"on noisy addition for {cfg.pretrain_steps} steps ...")
-    pre = pretrain(master, tokenizer, task, steps=cfg.pretrain_steps, seed=cfg.seed)
+    tokenizer, master, pre = pretrained(cfg, say)
 
     rows: list[dict[str, Any]] = []
     replica = None
@@ -437,8 +460,17 @@ def _one_step(cfg: DemoConfig, task: AdditionTask, tokenizer: Any, trainer: Trai
     states = client.hotload(res.version, wait=True, poll_interval=0.01)
     t4 = time.perf_counter()
     job = next(iter(states.values()))
+    proof = replica_proof(cfg, client, res.version, job.get("report") or {})
+    return step_row(step, version, samples, engine_data, stats, res, job, proof, (t0, t1, t2, t3, t4))
+
+
+def step_row(step: int, version: int, samples: list[Sample], engine_data: list[dict], stats: dict[str, float],
+             res: Any, job: dict[str, Any], proof: dict[str, Any],
+             times: tuple[float, float, float, float, float]) -> dict[str, Any]:
+    """One step's row: rollouts on ``version`` (before), the publish ``res``, the hot-load ``job`` (after), the
+    replica's ``proof``; ``times``: rollouts started, trained from, published from, hot-load from, swapped."""
+    t0, t1, t2, t3, t4 = times
     rep = job.get("report") or {}
-    proof = replica_proof(cfg, client, res.version, rep)
     served = sorted({v for ed in engine_data for v in ed["policy_versions"]})
     return {
         "step": step, "reward": sum(s.reward for s in samples) / len(samples), "samples": len(samples),
@@ -560,7 +592,9 @@ def summarize(rows: list[dict], pre: dict, first: Any, cfg: DemoConfig, run_url:
     }
 
 
-def format_summary(s: dict[str, Any], report_dir: str) -> str:
+def format_summary(s: dict[str, Any], report_dir: str, name: str = "demo", exact: Any = None) -> str:
+    """The summary's lines; the report files are ``<name>.json`` and ``<name>.png``; ``exact(s)``, the lines on
+    the replica's proof, defaults to the full-model replica's."""
     lines = [
         f"reward: {s['reward_first']:.3f} (mean of the first {s['window']} steps) -> {s['reward_last']:.3f} "
         f"(last {s['window']})" + ("" if s["reward_rose"] else "  [did not rise]"),
@@ -570,11 +604,11 @@ def format_summary(s: dict[str, Any], report_dir: str) -> str:
         f"latency (median): publish {s['publish_s_median']:.3f}s, hot-load {s['hotload_s_median']:.3f}s, "
         f"pause {s['pause_ms_median']:.2f}ms; publish() to replica swapped {s['update_s_median']:.3f}s",
         *_divergence_lines(s),
-        *_exact_lines(s),
+        *(exact or _exact_lines)(s),
         "every step's rollouts were served by the version published before it: "
         + ("yes" if s["all_served_by_previous_version"] else "NO"),
         f"wall time {s['wall_s']:.1f}s (pre-train {s['pretrain_s']:.1f}s, replica start {s['replica_startup_s']:.1f}s)",
-        f"report: {os.path.join(report_dir, 'demo.json')}, {os.path.join(report_dir, 'demo.png')}",
+        f"report: {os.path.join(report_dir, name + '.json')}, {os.path.join(report_dir, name + '.png')}",
     ]
     return "\n".join(lines)
 
@@ -614,10 +648,10 @@ def _exact_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_report(report: dict[str, Any], report_dir: str) -> None:
-    with open(os.path.join(report_dir, "demo.json"), "w") as f:
+def write_report(report: dict[str, Any], report_dir: str, name: str = "demo") -> None:
+    with open(os.path.join(report_dir, name + ".json"), "w") as f:
         json.dump(report, f, indent=1)
-    plot(report["rows"], os.path.join(report_dir, "demo.png"))
+    plot(report["rows"], os.path.join(report_dir, name + ".png"))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -665,12 +699,19 @@ def plot(rows: list[dict], path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> DemoConfig:
     d = DemoConfig()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__.split("\n\n")[0],
+    return config_from(parser(d, "python -m benchmarks.demo", __doc__).parse_args(argv), d)
+
+
+def parser(d: DemoConfig, prog: str, doc: str, *, score_with: bool = True) -> argparse.ArgumentParser:
+    """The demo's options with ``d``'s defaults (the LoRA demo adds its own to the same parser, without
+    ``--score-with``: its trainer has no fp32 masters)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=ENGINES, default=d.engine,
                    help="the replica: 'vllm' (ckptdelta serve --engine vllm, the default) or 'reference'")
     p.add_argument("--bucket", default=d.bucket, help=f"where runs go: a local dir (default {d.bucket}), s3://, gs://")
-    p.add_argument("--run-name", default=None, help="the run's prefix under the bucket (default demo-<UTC time>)")
+    p.add_argument("--run-name", default=None,
+                   help="the run's prefix under the bucket (default: the demo's name and the UTC time)")
     p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
                    help="fsspec storage options for the bucket (trainer and replica)")
     p.add_argument("--steps", type=int, default=d.steps)
@@ -684,14 +725,22 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads for trainer and replica each")
     p.add_argument("--report-dir", default=d.report_dir)
-    p.add_argument("--score-with", choices=SCORE_WITH, default=d.score_with,
-                   help="'master': score with the fp32 masters, not the published bf16 (shows nonzero divergence)")
+    if score_with:
+        p.add_argument("--score-with", choices=SCORE_WITH, default=d.score_with,
+                       help="'master': score with the fp32 masters, not the published bf16 (shows nonzero "
+                            "divergence)")
     p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(argv)
-    return DemoConfig(engine=a.engine, bucket=a.bucket, run_name=a.run_name, storage_options=a.storage_options, steps=a.steps,
-                      model_size=a.model_size, group_size=a.group_size, prompts_per_step=a.prompts, lr=a.lr,
-                      pretrain_steps=a.pretrain_steps, anchor_every=a.anchor_every, port=a.port, seed=a.seed,
-                      threads=a.threads, report_dir=a.report_dir, score_with=a.score_with, quiet=a.quiet)
+    return p
+
+
+def config_from(a: argparse.Namespace, d: DemoConfig) -> DemoConfig:
+    """``d`` (of any DemoConfig subclass) with the parsed options in place."""
+    return dataclasses.replace(d, engine=a.engine, bucket=a.bucket, run_name=a.run_name,
+                               storage_options=a.storage_options, steps=a.steps, model_size=a.model_size,
+                               group_size=a.group_size, prompts_per_step=a.prompts, lr=a.lr,
+                               pretrain_steps=a.pretrain_steps, anchor_every=a.anchor_every, port=a.port, seed=a.seed,
+                               threads=a.threads, report_dir=a.report_dir,
+                               score_with=getattr(a, "score_with", d.score_with), quiet=a.quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
