@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.vllm_hotload
 	$(BIN)/python -m benchmarks.at_scale
 	$(BIN)/python -m benchmarks.sharded
+	$(BIN)/python -m benchmarks.lora
 
 clean:
 	rm -rf $(VENV) .ckptdelta build *.egg-info

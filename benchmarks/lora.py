@@ -1,0 +1,523 @@
+"""LoRA runs on a vLLM replica: ckptdelta beside the full adapter every step and XOR + zstd-3 adapter deltas.
+
+One run, the same adapters for every method (issue 30, item 6):
+
+- **the base**: a Llama-shaped bf16 model made here with random weights (default:
+  hidden 1024, 16 layers, intermediate 2816, 8 heads / 4 KV heads, vocabulary 32000,
+  untied: 0.51 GB; nothing is downloaded);
+- **the adapters**: peft LoRA on every linear layer, rank 16 and 64 (alpha 2r, fp32
+  as peft trains them; ``--dtype bf16`` publishes them cast to bf16), trained by
+  AdamW on real gradients (next-token loss of a small random batch) in the trainer
+  process, after ``--warmup`` steps; ``--steps`` steps at lr 1e-5, then as many at
+  1e-4 (the same adapter, its optimizer's lr raised);
+- **the bucket and the links**: ``rclone serve s3`` over a directory
+  (benchmarks/s3disk.py), the trainer and the replica each in their own network
+  namespace with a 1 Gbit/s link (tc tbf; benchmarks/links.py), as
+  benchmarks/at_scale.py does. Without namespaces (not root, no ``ip``/``tc``) the run
+  says so and uses an unshaped local-directory bucket, labelled as such;
+- **the replica**: one vLLM (CPU build here) per rank, started by ckptdelta's LoRA
+  engine (``build_engine("vllm", ..., lora_slots=3)``, the replica app in front)
+  with two more LoRA slots for the baselines' adapters, which load into the same
+  vLLM by name; a sampling load of ``--clients`` streaming clients runs throughout,
+  aimed at the adapter of the method being measured;
+- **the methods** (benchmarks/lora_peers.py): (a) ckptdelta: ``Publisher.publish`` ->
+  ``POST /v1/hotload``; (b) the whole adapter every step through the bucket, loaded
+  with vLLM's ``/v1/load_lora_adapter`` (``load_inplace``); (c) XOR + zstd-3 adapter
+  deltas, applied to the replica's copy, written as an adapter directory and loaded
+  the same way. Each step the trainer takes one AdamW step, then every method
+  publishes that adapter and the replica loads it.
+
+Columns: bytes per step (what the method's prefix of the bucket grew by on the
+server's disk), trainer-side time (serialize / encode), publish() -> serving, the
+pause measured two ways for every method (the write call's time: ckptdelta's slot
+RPC, vLLM's load_lora_adapter; and the longest interval without any streamed token
+around it), requests failed or aborted, tokens/s while the replica prepares.
+Every step is checked (untimed): ckptdelta's own proof, the baselines' files
+against the trainer's digests, and vLLM's LoRA buffers of each baseline adapter
+against ckptdelta's serving slot, bit for bit.
+
+    python -m benchmarks.lora            # 0.51 GB base, ranks 16 and 64: ~20-30 min on 2 cores
+    python -m benchmarks.lora --quick    # tiny base, rank 16, 2 steps: ~1-2 min (a smoke test)
+
+Writes benchmarks/results/lora{,-quick}.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import select
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from benchmarks import links, lora_load, s3disk
+from benchmarks.lora_peers import LABELS, METHODS
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FULL = dict(hidden=1024, layers=16, intermediate=2816, heads=8, kv_heads=4, vocab=32000)
+QUICK = dict(hidden=128, layers=2, intermediate=256, heads=4, kv_heads=2, vocab=512)
+VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "bfloat16", "--max-num-seqs", "16",
+             "--disable-log-stats"]
+SLOTS = 3
+LINK = 1e9
+
+
+# --- the base ---------------------------------------------------------------------------------------
+
+def save_base(out: str, c: dict) -> tuple[str, int]:
+    """A random bf16 Llama of shape ``c`` (+ tokenizer) written as a model directory; its weight bytes."""
+    from benchmarks.vllm_hotload import llama_names, save_model_dir
+
+    g = torch.Generator().manual_seed(0)
+    w = {}
+    for n, shape in llama_names(c).items():
+        t = torch.randn(shape, generator=g)
+        w[n] = ((1.0 + 0.1 * t) if n.endswith("norm.weight") else 0.02 * t).to(torch.bfloat16)
+    nbytes = sum(t.numel() * 2 for t in w.values())
+    save_model_dir(out, c, w)
+    return out, nbytes
+
+
+# --- a peer process -------------------------------------------------------------------------------------
+
+class Peer:
+    """benchmarks/lora_peers.py ROLE in a lab host (or a plain child without one): one JSON line each way."""
+
+    def __init__(self, role: str, lab: links.Lab | None, host: links.Host | None, url: str, opts: dict,
+                 scratch: str, env: dict[str, str] | None = None):
+        self.role = role
+        self.log_path = os.path.join(scratch, f"{role}.log")
+        argv = [sys.executable, "-m", "benchmarks.lora_peers", role, url, json.dumps(opts),
+                os.path.join(scratch, role)]
+        kw = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env={**os.environ, **(env or {})})
+        with open(self.log_path, "wb") as log:
+            if lab is not None:
+                self.proc = lab.popen(host, argv, stderr=log, **kw)
+            else:
+                self.proc = subprocess.Popen(argv, stderr=log, start_new_session=True, **kw)
+        self.recv(120)
+
+    def recv(self, timeout: float = 1800.0) -> dict[str, Any]:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            raise RuntimeError(f"{self.role}: no answer ({'exited' if self.proc.poll() is not None else 'timeout'})"
+                               f"; log tail:\n{_tail(self.log_path)}")
+        r = json.loads(line)
+        if not r.pop("ok"):
+            raise RuntimeError(f"{self.role}: {r['error']}\n{r['trace']}")
+        return r
+
+    def call(self, op: str, timeout: float = 1800.0, **kw: Any) -> dict[str, Any]:
+        self.proc.stdin.write((json.dumps({"op": op, **kw}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self.recv(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b'{"op": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def du(path: str) -> int:
+    total = 0
+    for d, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except OSError:
+                pass
+    return total
+
+
+# --- one step of one method ------------------------------------------------------------------------------
+
+def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str], timed: bool) -> dict[str, Any]:
+    trainer, rep, lab = ctx["trainer"], ctx["replica"], ctx["lab"]
+    idle = rep.call("target", method=method, settle=ctx["settle"])["idle"]
+    where = os.path.join(ctx["disk"], ctx["prefix"], method)
+    d0 = du(where)
+    c0 = lab.counters(ctx["srv"]) if lab else None
+    p = trainer.call("publish", method=method)
+    h = rep.call("hotload", method=method, info=p)
+    c1 = lab.counters(ctx["srv"]) if lab else None
+    s = {"method": method, "rank": rank, "lr": lr, "timed": timed, "bytes": du(where) - d0,
+         "trainer_s": p["trainer_s"], "upload_s": p["upload_s"], "publish_s": p["publish_s"],
+         "publish_to_serving_s": h["t_serving"] - p["t0"], "pause_rpc_s": h["pause_rpc_s"],
+         "t0": p["t0"], "t_serving": h["t_serving"], "rpc": h["rpc"], "prepare": h["prepare"], "idle": idle,
+         "wire_up": (c1["rx_bytes"] - c0["rx_bytes"]) if lab else None,
+         "wire_down": (c1["tx_bytes"] - c0["tx_bytes"]) if lab else None}
+    if method == "ckptdelta":
+        s.update(kind=p["kind"], codec=p["codec"], version=p["version"],
+                 exact=h["serving_version"] == p["version"] and h["proven"] == "full",
+                 workers=h["workers"], report=h.get("report"))
+    else:
+        s["exact"] = h["digests"] == want
+    print(f"  r{rank} lr {lr:g} {method:>9}{'' if timed else ' (untimed)'}: {s['bytes'] / 1e6:7.3f} MB, trainer "
+          f"{s['trainer_s']:.3f} s, publish->serving {s['publish_to_serving_s']:.3f} s, write call "
+          f"{s['pause_rpc_s'] * 1e3:.0f} ms{'' if s['exact'] else '  NOT EXACT'}", flush=True)
+    return s
+
+
+def run_rank(ctx: dict, a: argparse.Namespace, rank: int) -> tuple[list[dict], dict[str, Any]]:
+    trainer, rep = ctx["trainer"], ctx["replica"]
+    ctx["prefix"] = prefix = f"r{rank}"
+    t0 = time.perf_counter()
+    init = trainer.call("init", base_dir=ctx["base"], rank=rank, prefix=prefix, warmup=a.warmup, lr=a.lrs[0],
+                        dtype=a.dtype, batch=a.batch)
+    print(f"rank {rank}: adapter {init['adapter_params'] / 1e6:.2f} M params ({init['adapter_bytes'] / 1e6:.1f} MB, "
+          f"{init['tensors']} tensors), {a.warmup} warm-up steps in {time.perf_counter() - t0:.0f} s", flush=True)
+    max_rank = next(r for r in (8, 16, 32, 64, 128, 256) if r >= rank)
+    args = [*VLLM_ARGS, "--max-loras", str(SLOTS + 2), "--max-cpu-loras", str(SLOTS + 2), "--max-lora-rank",
+            str(max_rank)]
+    t0 = time.perf_counter()
+    st = rep.call("start", prefix=prefix, step=init["step"], base_dir=ctx["base"], vllm_args=args, slots=SLOTS, clients=a.clients,
+                  max_tokens=a.max_tokens, vllm_log=os.path.join(ctx["scratch"], f"vllm-{prefix}.log"))
+    print(f"rank {rank}: vLLM replica up in {time.perf_counter() - t0:.0f} s (LoRA adapters {st['ids']})", flush=True)
+    samples, checks = [], []
+    plan = [(a.lrs[0], False)] * a.untimed + [(lr, True) for lr in a.lrs for _ in range(a.steps)]
+    for lr, timed in plan:
+        tr = trainer.call("train", lr=lr)
+        for m in a.methods:
+            samples.append(one_step(ctx, m, rank, lr, tr["digests"], timed))
+        if "full" in a.methods or "xor" in a.methods:
+            checks.append(rep.call("check")["same_as_ckptdelta_slot"])
+    logs = rep.call("stop")
+    trainer.call("close")
+    info = {"rank": rank, "adapter_params": init["adapter_params"], "adapter_bytes": init["adapter_bytes"],
+            "tensors": init["tensors"], "vllm_start_s": st["vllm_start_s"], "checks": checks,
+            "warmup_train_s": init["warmup_train_s"]}
+    return samples, {**info, **analyse(samples, logs)}
+
+
+# --- what the sampling load saw -----------------------------------------------------------------------------
+
+def analyse(samples: list[dict], logs: dict[str, Any]) -> dict[str, Any]:
+    """Per step: the longest token-free interval around the write call, tokens/s while preparing and idle, the
+    requests of its method that failed or ended otherwise while it ran; the typical inter-token gap."""
+    chunks = sorted(logs["chunks"])
+    tokens = logs["tokens"]
+    reqs = logs["requests"]
+    for s in samples:
+        s["stall_s"] = lora_load.stall(chunks, *s["rpc"])
+        s["prepare_tok_s"] = lora_load.rate(tokens, *s["prepare"])
+        s["idle_tok_s"] = lora_load.rate(tokens, *s["idle"])
+        span = (s["t0"], s["t_serving"] + 1.0)
+        mine = [r for r in reqs if r["label"] == s["method"] and r["t1"] > span[0] and r["t0"] < span[1]]
+        s["requests"] = len(mine)
+        s["failed"] = sum(1 for r in mine if r["error"])
+        s["errors"] = sorted({r["error"] for r in mine if r["error"]})[:3]
+        s["mixed_versions"] = sum(1 for r in mine if r["versions"] is not None and len(r["versions"]) != 1)
+    idle_gaps = lora_load.gaps(chunks, [tuple(s["idle"]) for s in samples])
+    by_label: dict[str, dict[str, int]] = {}
+    for r in reqs:
+        b = by_label.setdefault(r["label"], {"requests": 0, "failed": 0, "mixed_versions": 0, "tokens": 0,
+                                             "seconds": []})
+        b["requests"] += 1
+        b["seconds"].append(r["t1"] - r["t0"])
+        b["failed"] += bool(r["error"])
+        b["tokens"] += r["tokens"]
+        b["mixed_versions"] += r["versions"] is not None and len(r["versions"]) != 1
+    for b in by_label.values():
+        b["request_s_median"] = statistics.median(b.pop("seconds"))
+    return {"idle_gap_median_s": statistics.median(idle_gaps) if idle_gaps else None,
+            "idle_gap_p99_s": sorted(idle_gaps)[int(0.99 * (len(idle_gaps) - 1))] if idle_gaps else None,
+            "load": by_label, "errors": sorted({r["error"] for r in reqs if r["error"]})[:5]}
+
+
+FIELDS = ("bytes", "trainer_s", "upload_s", "publish_s", "publish_to_serving_s", "pause_rpc_s", "stall_s",
+          "prepare_tok_s", "idle_tok_s")
+
+
+def rows_of(samples: list[dict]) -> list[dict[str, Any]]:
+    rows = []
+    keys = sorted({(s["rank"], s["lr"], s["method"]) for s in samples if s["timed"]},
+                  key=lambda k: (k[0], k[1], METHODS.index(k[2])))
+    for rank, lr, m in keys:
+        ss = [s for s in samples if s["timed"] and (s["rank"], s["lr"], s["method"]) == (rank, lr, m)]
+        row = {"rank": rank, "lr": lr, "method": m, "n": len(ss)}
+        for k in FIELDS:
+            row[k] = statistics.median(s[k] for s in ss)
+        for k in ("failed", "requests", "mixed_versions"):
+            row[k] = sum(s[k] for s in ss)
+        row["exact"] = all(s["exact"] for s in ss)
+        if m == "ckptdelta":
+            row["kinds"] = sorted({s["kind"] for s in ss})
+        rows.append(row)
+    return rows
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    c = QUICK if a.quick else FULL
+    why = links.available()
+    meta: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}", "quick": a.quick,
+        "model": c, "ranks": a.ranks, "lrs": a.lrs, "steps": a.steps, "untimed": a.untimed, "warmup": a.warmup,
+        "batch": a.batch, "dtype": a.dtype, "clients": a.clients, "max_tokens": a.max_tokens, "settle_s": a.settle,
+        "slots": SLOTS, "vllm_args": VLLM_ARGS, "links": None if why else f"{LINK / 1e9:g} Gbit/s",
+        "links_unavailable": why}
+    if why:
+        print(f"NOTE: shaped links are not available here ({why}): the bucket is an UNSHAPED local directory",
+              flush=True)
+    t_all = time.perf_counter()
+    scratch = tempfile.mkdtemp(prefix="ckptdelta-lora-bench-")
+    lab = None
+    peers: list[Peer] = []
+    samples: list[dict] = []
+    ranks: list[dict] = []
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        base, nbytes = save_base(os.path.join(scratch, "base"), c)
+        meta["base_bytes"] = nbytes
+        print(f"base: {nbytes / 1e9:.3f} GB bf16 ({c})", flush=True)
+        ctx: dict[str, Any] = {"base": base, "scratch": scratch, "settle": a.settle, "lab": None, "srv": None}
+        if not why:
+            s3disk.rclone_binary()
+            lab = links.Lab().__enter__()
+            srv = lab.add_host("srv")
+            th = lab.add_host("trainer", rate_bit=LINK)
+            rh = lab.add_host("replica", rate_bit=LINK)
+            server = s3disk.start(lab, srv, os.path.join(scratch, "bucket"))
+            url, opts = server.url, server.options
+            ctx.update(lab=lab, srv=srv, disk=os.path.join(scratch, "bucket", s3disk.BUCKET))
+            meta["bucket"] = f"rclone serve s3 ({s3disk.RCLONE_PIN}) over a directory, server link unshaped"
+        else:
+            th = rh = None
+            url, opts = os.path.join(scratch, "bucket"), {}
+            os.makedirs(url)
+            ctx["disk"] = url
+            meta["bucket"] = "a local directory (unshaped: no network namespaces here)"
+        ctx["trainer"] = Peer("trainer", lab, th, url, opts, scratch, env)
+        ctx["replica"] = Peer("replica", lab, rh, url, opts, scratch, env)
+        peers = [ctx["trainer"], ctx["replica"]]
+        for rank in a.ranks:
+            s, info = run_rank(ctx, a, rank)
+            samples += s
+            ranks.append(info)
+    except BaseException:
+        for p in peers:
+            print(f"--- {p.role} log tail ---\n{_tail(p.log_path)}", file=sys.stderr)
+        raise
+    finally:
+        for p in peers:
+            p.close()
+        if lab is not None:
+            lab.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    meta["wall_s"] = time.perf_counter() - t_all
+    out = {"meta": meta, "ranks": ranks, "rows": rows_of(samples), "samples": samples}
+    out["targets"] = targets(out)
+    out["exact"] = all(s["exact"] for s in samples) and all(
+        v is True for info in ranks for chk in info["checks"] for v in chk.values())
+    return out
+
+
+# --- report --------------------------------------------------------------------------------------------------
+
+def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
+    by = {(r["rank"], r["lr"], r["method"]): r for r in out["rows"]}
+    res = []
+    for rank in sorted({r["rank"] for r in out["rows"]}):
+        for lr in sorted({r["lr"] for r in out["rows"]}):
+            a, b, c = (by.get((rank, lr, m)) for m in METHODS)
+            if not a:
+                continue
+            if c:
+                x = c["bytes"] / a["bytes"]
+                res.append({"what": f"rank {rank}, lr {lr:g}: bytes per step >= 1.5x fewer than (c) XOR+zstd-3",
+                            "value": f"{x:.2f}x fewer ({a['bytes'] / 1e6:.2f} vs {c['bytes'] / 1e6:.2f} MB)",
+                            "met": x >= 1.5})
+            if b:
+                x = a["publish_to_serving_s"] / b["publish_to_serving_s"]
+                res.append({"what": f"rank {rank}, lr {lr:g}: publish() -> serving <= 1/3 of (b)",
+                            "value": f"{x:.2f}x of (b) ({a['publish_to_serving_s']:.3f} vs "
+                                     f"{b['publish_to_serving_s']:.3f} s)", "met": x <= 1 / 3})
+                x = a["pause_rpc_s"] / b["pause_rpc_s"]
+                res.append({"what": f"rank {rank}, lr {lr:g}: pause <= 1/5 of (b)'s load (write call time)",
+                            "value": f"{x:.2f}x of (b) ({a['pause_rpc_s'] * 1e3:.0f} vs "
+                                     f"{b['pause_rpc_s'] * 1e3:.0f} ms)", "met": x <= 1 / 5})
+                x = a["stall_s"] / b["stall_s"] if b["stall_s"] else float("inf")
+                res.append({"what": f"rank {rank}, lr {lr:g}: pause <= 1/5 of (b)'s load (longest token gap "
+                                    "around it)",
+                            "value": f"{x:.2f}x of (b) ({a['stall_s'] * 1e3:.0f} vs {b['stall_s'] * 1e3:.0f} ms)",
+                            "met": x <= 1 / 5})
+    failed = sum(r["failed"] for r in out["rows"])
+    mixed = sum(r["mixed_versions"] for r in out["rows"] if r["method"] == "ckptdelta")
+    res.append({"what": "0 requests failed or aborted (all methods' timed steps, under the sampling load)",
+                "value": "; ".join(f"{m}: {sum(r['failed'] for r in out['rows'] if r['method'] == m)} of "
+                                   f"{sum(r['requests'] for r in out['rows'] if r['method'] == m)}" for m in METHODS),
+                "met": failed == 0})
+    res.append({"what": "ckptdelta: every request on exactly one version",
+                "value": f"{mixed} requests with more or fewer than one", "met": mixed == 0})
+    return res
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def markdown(out: dict[str, Any]) -> str:
+    meta, rows = out["meta"], out["rows"]
+    link = meta["links"] or f"UNSHAPED (shaped links unavailable: {meta['links_unavailable']})"
+    lines = [f"# LoRA runs on a vLLM replica: ckptdelta beside full adapters and XOR + zstd-3 deltas"
+             f"{' (quick)' if meta['quick'] else ''}", "",
+             f"`python -m benchmarks.lora{' --quick' if meta['quick'] else ''}`. {meta['machine']}; wall time "
+             f"{meta['wall_s'] / 60:.1f} min. Base: Llama-shaped, random bf16 weights, {meta['base_bytes'] / 1e9:.2f} GB "
+             f"({meta['model']}). Adapters: peft LoRA on every linear layer (alpha 2r), published as "
+             f"{meta['dtype']}, AdamW (no weight decay) on real gradients of a {meta['batch'][0]}x{meta['batch'][1]} "
+             f"token batch, {meta['warmup']} warm-up steps, then per learning rate {meta['steps']} timed steps "
+             f"(medians; {meta['untimed']} untimed step first at each rank). Bucket: {meta['bucket']}; trainer and "
+             f"replica links: {link}. Replica: one vLLM (CPU build, eager) per rank started by ckptdelta's LoRA "
+             f"engine with {meta['slots']} slots, the baselines' two adapters loaded into the same vLLM by name; "
+             f"{meta['clients']} streaming clients ({meta['max_tokens']} tokens each, back to back) on the adapter of "
+             "the method being measured, throughout. Every method ships the same adapter bits each step.", "",
+             "| rank | lr | method | bytes / step (MB) | vs (c) | trainer-side | upload | **publish() -> serving** | "
+             "write call (pause) | longest token gap around it | failed / aborted | tok/s preparing (idle) |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    by = {(r["rank"], r["lr"], r["method"]): r for r in rows}
+    for r in rows:
+        c = by.get((r["rank"], r["lr"], "xor"))
+        vs = f"{c['bytes'] / r['bytes']:.2f}x fewer" if c and r["method"] != "xor" else ""
+        kinds = f" ({', '.join(r['kinds'])})" if r.get("kinds") and r["kinds"] != ["delta"] else ""
+        lines.append(f"| {r['rank']} | {r['lr']:g} | {LABELS[r['method']]}{kinds} | {r['bytes'] / 1e6:.3f} | {vs} | "
+                     f"{_ms(r['trainer_s'])} | {_ms(r['upload_s'])} | **{_ms(r['publish_to_serving_s'])}** | "
+                     f"{_ms(r['pause_rpc_s'])} | {_ms(r['stall_s'])} | {r['failed']} of {r['requests']} | "
+                     f"{r['prepare_tok_s']:.1f} ({r['idle_tok_s']:.1f}) |")
+    gaps = [(i["rank"], i["idle_gap_median_s"], i["idle_gap_p99_s"]) for i in out["ranks"]]
+    lines += ["", "Bytes per step: what the method's prefix of the bucket grew by (ckptdelta: its data objects and "
+              "manifest; (b): adapter_model.safetensors + adapter_config.json; (c): one object of per-tensor zstd "
+              "frames and its index). Trainer-side: serialize (b) or XOR + compress (c) or ckptdelta's host copy + "
+              "encode, in the trainer's process; upload: to the bucket (ckptdelta: data objects + commit). "
+              "publish() -> serving: the trainer's publish call to the replica serving the new adapter (ckptdelta: "
+              "its hot-load job READY, proven; (b)/(c): load_lora_adapter answered), one monotonic clock across the "
+              "two processes. The pause, two ways, the same for every method: the write call (ckptdelta: the one "
+              "collective RPC that writes and proves the slot, run in vLLM's engine loop between two steps; "
+              "(b)/(c): the HTTP call to load_lora_adapter with load_inplace), and the longest interval in which no "
+              "streaming client received a token that overlaps that call (the time vLLM did not generate, plus up "
+              "to one ordinary step). Typical interval between streamed tokens when idle: " + "; ".join(
+                  f"rank {k}: median {_ms(m)}, p99 {_ms(p)}" for k, m, p in gaps if m is not None) + ". Failed / "
+              "aborted: requests of the method's adapter running between publish() and 1 s after serving that got "
+              "an HTTP error, an error event, or a finish other than length/stop. tok/s preparing: tokens streamed "
+              "while the replica fetched and prepared the new adapter (before the write call); idle: in the "
+              f"{meta['settle_s']:g} s before the trainer's publish."]
+    lines += ["", "## Targets", ""] + [f"- {t['what']}: {t['value']} -> **{'met' if t['met'] else 'NOT met'}**"
+                                       for t in out["targets"]]
+    lines += ["", f"Every step checked: ckptdelta's own full proof of the slot, the baselines' files against the "
+              f"trainer's digests, vLLM's LoRA buffers of each baseline adapter against ckptdelta's serving slot "
+              f"(bit for bit): {'all exact' if out['exact'] else 'NOT ALL EXACT'}."]
+    for i in out["ranks"]:
+        load = "; ".join(f"{k}: {v['requests']} requests (median {v.get('request_s_median', 0):.1f} s), "
+                         f"{v['failed']} failed, {v['tokens']} tokens"
+                         for k, v in i["load"].items())
+        lines.append(f"Rank {i['rank']}: adapter {i['adapter_params'] / 1e6:.2f} M params "
+                     f"({i['adapter_bytes'] / 1e6:.1f} MB, {i['tensors']} tensors); vLLM replica start "
+                     f"{i['vllm_start_s']:.0f} s; the whole sampling load: {load}"
+                     f"{'; errors: ' + '; '.join(i['errors']) if i['errors'] else ''}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    cells = sorted({(r["rank"], r["lr"]) for r in rows})
+    by = {(r["rank"], r["lr"], r["method"]): r for r in rows}
+    fig, ax = plt.subplots(1, 3, figsize=(18, 5))
+    w = 0.8 / len(METHODS)
+    for i, m in enumerate(METHODS):
+        for panel, key, scale in ((0, "bytes", 1e6), (1, "publish_to_serving_s", 1), (2, "pause_rpc_s", 1e-3)):
+            xs = [x + (i - len(METHODS) / 2 + 0.5) * w for x, c in enumerate(cells) if (*c, m) in by]
+            ys = [by[(*c, m)][key] / scale for c in cells if (*c, m) in by]
+            ax[panel].bar(xs, ys, w, label=LABELS[m].split(" load_lora")[0])
+    for panel, title, ylab in ((0, "bytes per step", "MB"), (1, "publish() -> serving", "seconds"),
+                               (2, "write call (pause)", "ms")):
+        ax[panel].set_xticks(range(len(cells)), [f"rank {r}\nlr {lr:g}" for r, lr in cells])
+        ax[panel].set(title=title, ylabel=ylab)
+        ax[panel].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(out: dict[str, Any], out_dir: str) -> None:
+    md = markdown(out)
+    print()
+    print(md)
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, "lora" + ("-quick" if out["meta"]["quick"] else ""))
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    with open(stem + ".json", "w") as f:
+        json.dump(out, f, indent=1)
+    plot(out, stem + ".png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lora", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="16,64")
+    p.add_argument("--lrs", default="1e-5,1e-4")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per learning rate (default 3)")
+    p.add_argument("--untimed", type=int, default=1, help="untimed steps first at each rank (default 1)")
+    p.add_argument("--warmup", type=int, default=10, help="AdamW steps before the first publish (default 10)")
+    p.add_argument("--batch", default="2,64", help="sequences,tokens of each training batch (default 2,64)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the adapter as peft trains it (fp32, default) or cast to bf16 (Publisher(dtype=bf16))")
+    p.add_argument("--clients", type=int, default=3, help="streaming clients of the sampling load (default 3)")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="tokens per request (default 16: on 2 CPU cores a request then lasts a few seconds, and "
+                        "ckptdelta's older slots are free again by its next step)")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds of load before each publish (default 2)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--quick", action="store_true", help="tiny base, rank 16, one step per lr: a smoke test")
+    p.add_argument("--out-dir", default=RESULTS)
+    p.add_argument("--from-json", metavar="PATH", help="only re-render the markdown and plot of a run")
+    a = p.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            out = json.load(f)
+        write(out, a.out_dir)
+        return 0
+    a.ranks = [int(x) for x in a.ranks.split(",")]
+    a.lrs = [float(x) for x in a.lrs.split(",")]
+    a.batch = [int(x) for x in a.batch.split(",")]
+    a.methods = [m for m in METHODS if m in a.methods.split(",")]
+    if "ckptdelta" not in a.methods:
+        p.error("--methods must include ckptdelta (its replica is the vLLM the baselines load into)")
+    if a.quick:
+        a.ranks, a.steps, a.untimed, a.warmup, a.batch = [16], 1, 0, 2, [2, 16]
+        a.clients, a.max_tokens, a.settle = 2, 16, 0.5
+    out = run(a)
+    write(out, a.out_dir)
+    return 0 if out["exact"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
