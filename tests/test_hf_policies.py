@@ -30,18 +30,14 @@ import torch
 
 from tests.lm import CORPUS, build_tokenizer
 from tests.vllm_models import build_qwen_tied, randomize_
-from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, bit_diff, use_one_gpu_layout
+from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, bit_diff, one_gpu_layout
 
 PROMPTS = [CORPUS[3], CORPUS[0], CORPUS[5]]
 #: The tests' vLLM options without --dtype: the replica passes the run's own.
 ARGS_WITHOUT_DTYPE = [a for i, a in enumerate(VLLM_ARGS) if a != "--dtype" and VLLM_ARGS[i - 1] != "--dtype"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_gpu_layout():
-    with pytest.MonkeyPatch.context() as mp:
-        use_one_gpu_layout(mp)
-        yield
+pytestmark = pytest.mark.usefixtures("one_gpu_layout")   # (imported) every vLLM here: its worker in the engine core
 
 
 def build_tied_llama(vocab_size: int, *, seed: int = 3) -> torch.nn.Module:

@@ -28,7 +28,7 @@ import pytest
 from tests.servers import free_port
 from tests.vllm_faults import Fault, FaultProxy
 from tests.vllm_models import save_tiny_llama
-from tests.vllm_replicas import PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff, publish_vllm_run, use_one_gpu_layout
+from tests.vllm_replicas import PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff, publish_vllm_run, one_gpu_layout
 
 #: Seconds each control call may take in these replicas: a lost answer costs this much, not 300 s.
 CONTROL_TIMEOUT = 4.0
@@ -40,11 +40,7 @@ SHORT = [("rpc:ckptdelta_swap", "lost"), ("/reset_prefix_cache", "fail"), ("rpc:
 FULL = [(p, a) for p in POINTS for a in ("fail", "lost") if (p, a) not in SHORT]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_gpu_layout():
-    with pytest.MonkeyPatch.context() as mp:
-        use_one_gpu_layout(mp)
-        yield
+pytestmark = pytest.mark.usefixtures("one_gpu_layout")   # (imported) every vLLM here: its worker in the engine core
 
 
 @pytest.fixture(scope="module")

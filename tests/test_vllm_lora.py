@@ -13,14 +13,13 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from delta.errors import HotLoadError, NotServableError
 from loader import SnapshotReader
 from publisher import Publisher
-from tests.test_lora_publish import adapter_bits, peft_model, train_step
+from tests.test_lora_publish import peft_model, train_step
 from tests.vllm_models import save_tiny_llama
-from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, use_one_gpu_layout
+from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, one_gpu_layout  # noqa: F401 (a fixture)
 
 PROMPTS = ["hello world, hello replica", "the quick brown fox", "one two three four"]
 VERSIONS = 6          # v0 anchor, v1-v2 deltas, v3 anchor, v4-v5 deltas
@@ -28,11 +27,7 @@ DIR_SLOT = "from-directory"
 _loads: list[int] = []          # directory loads so far: each gets a cache salt of its own
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_gpu_layout():
-    with pytest.MonkeyPatch.context() as mp:
-        use_one_gpu_layout(mp)
-        yield
+pytestmark = pytest.mark.usefixtures("one_gpu_layout")   # (imported) every vLLM here: its worker in the engine core
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +184,7 @@ def test_requests_in_flight_across_hot_loads_each_report_one_version_and_finish_
         assert len(versions) == 1 and tokens == want[versions[0]], versions
 
 
-def test_a_stream_runs_on_one_slot_names_the_run_and_frees_its_slot_when_it_ends(rep):
+def test_a_stream_runs_on_one_slot_names_the_run_and_frees_its_slot_and_a_too_new_minimum_is_408(rep):
     import json
 
     chunks = []
@@ -203,6 +198,8 @@ def test_a_stream_runs_on_one_slot_names_the_run_and_frees_its_slot_when_it_ends
     models = {json.loads(c).get("model") for c in chunks[:-2]}
     assert models == {rep.engine.model_name}                  # the run's name, never the slot's
     assert all(s["in_flight"] == 0 for s in rep.engine.status()["lora_slots"])
+    r = rep.post("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2, "min_policy_version": 99})
+    assert r.status_code == 408 and r.json()["error"]["type"] == "policy_version_too_old"
 
 
 def test_an_adapter_vllm_has_no_layer_for_is_refused_in_one_line(rep, lora_run, tmp_path):

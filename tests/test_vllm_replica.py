@@ -20,15 +20,10 @@ import torch
 from tests.servers import free_port
 from tests.vllm_models import save_tiny_llama, save_tiny_moe
 from tests.vllm_replicas import (PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff, publish_vllm_run,
-                                 start_vllm_replica, use_one_gpu_layout)
+                                 start_vllm_replica, one_gpu_layout)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_gpu_layout():
-    """Every vLLM this module starts (in process or through the CLI) runs its worker in the engine core."""
-    with pytest.MonkeyPatch.context() as mp:
-        use_one_gpu_layout(mp)
-        yield
+pytestmark = pytest.mark.usefixtures("one_gpu_layout")   # (imported) every vLLM here: its worker in the engine core
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 import torch
 
 from tests.lm import hf_extra_files, rl_step
@@ -34,6 +35,15 @@ def use_one_gpu_layout(mp) -> None:
     """Set ONE_GPU_LAYOUT_ENV through a pytest MonkeyPatch ``mp`` for every vLLM started while it holds."""
     for k, v in ONE_GPU_LAYOUT_ENV.items():
         mp.setenv(k, v)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_layout():
+    """For a module whose every vLLM (in process or through the CLI) runs its worker in the engine core:
+    ``pytestmark = pytest.mark.usefixtures("one_gpu_layout")`` after importing this fixture."""
+    with pytest.MonkeyPatch.context() as mp:
+        use_one_gpu_layout(mp)
+        yield
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
