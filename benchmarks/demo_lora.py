@@ -208,6 +208,7 @@ def run_lora_demo(cfg: LoraDemoConfig) -> dict[str, Any]:
         # the frozen base: the bf16 HF directory the replica serves and the trainer loads its base from
         base_dir = os.path.join(tmp, "base")
         save_model_dir(master.to(torch.bfloat16), tokenizer, base_dir)
+        base_bytes = sum(p.numel() * p.element_size() for p in master.parameters())
         del master
         trainer = LoraTrainer(lora_model(base_dir, cfg), lr=cfg.lr, clip=cfg.clip)
         pre["greedy_accuracy"] = greedy_accuracy(trainer.policy, tokenizer, cfg.task, n=100)
@@ -232,6 +233,8 @@ def run_lora_demo(cfg: LoraDemoConfig) -> dict[str, Any]:
             say(f"replica {NAME}-0 ({cfg.engine}) serving adapter v{replica.status['policy_version']} on "
                 f"{replica.url} (started in {replica.startup_s:.1f}s)\n")
             say(HEADER)
+            say(f"bytes, ratio: the adapter's delta, against the whole fp32 adapter ({_fmt_bytes(first.full_bytes)}); "
+                f"the bf16 base ({_fmt_bytes(base_bytes)}) never moves")
             say(EXACT_NOTE_LORA[cfg.engine])
             rows = asyncio.run(_loop(cfg, tokenizer, trainer, pub, reader, replica.url, first.version, say))
         finally:

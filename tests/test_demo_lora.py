@@ -12,7 +12,6 @@ reference engine and on vLLM: ``make stress`` (each ~1-3 minutes on 2 cores).
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
