@@ -65,6 +65,7 @@ class FaultProxy:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         app = Starlette(routes=[Route("/{path:path}", self._forward, methods=["GET", "POST", "PUT", "DELETE"])])
         self.server = LiveServer(app).__enter__()
         self.url = self.server.url
@@ -82,7 +83,14 @@ class FaultProxy:
             return sum(f.fired for f in self.faults)
 
     def close(self) -> None:
+        self._closing.set()           # answers held back end first, so the server stops without cancelling them
         self.server.__exit__()
+
+    async def _hang(self) -> Response:
+        """Never answer (the caller times out), until the proxy closes."""
+        while not self._closing.is_set():
+            await asyncio.sleep(0.2)
+        return Response(b"", status_code=503)
 
     async def _forward(self, request: Request) -> Response:
         body = await request.body()
@@ -101,13 +109,13 @@ class FaultProxy:
                             media_type="application/json")
         if fault is not None and fault.action == "kill":
             os.kill(fault.pid, signal.SIGKILL)
-            await asyncio.sleep(3600)
+            return await self._hang()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
         async with httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(600.0, connect=10.0)) as c:
             r = await c.request(request.method, request.url.path, params=request.query_params, content=body,
                                 headers=headers)
         if fault is not None and fault.action == "lost":
-            await asyncio.sleep(3600)      # the client gives up; vLLM has done it
+            return await self._hang()      # the client gives up; vLLM has done it
         return Response(r.content, status_code=r.status_code,
                         headers={k: v for k, v in r.headers.items()
                                  if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")})
