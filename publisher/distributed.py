@@ -63,27 +63,31 @@ class Comm:
         """The ``nbytes`` bytes rank ``src`` sends with ``tag`` (uint8)."""
         raise errors.PublishError("recv_bytes needs more than one rank")
 
-    def agree(self, local_error: BaseException | None, payload: Any = None, *, to_root: bool = False) -> list[Any]:
-        """Gather every rank's ``payload``; if any rank failed, all raise (the failing rank its own error).
+    def settle(self, local_error: BaseException | None, payload: Any, fn: Any) -> Any:
+        """One round trip through rank 0: every rank's ``payload`` (and its error, if it failed) goes to rank 0,
+        which runs ``fn(payloads)`` when no rank failed, and its result (or the error: the first failing rank's,
+        else ``fn``'s) comes back to every rank. A rank that failed raises its own error, the others that rank's.
 
-        ``to_root``: only rank 0 needs the payloads (the others get ``[]``): every rank learns of every error,
-        but a rank's payload (its tensor schemas, its written entries) is not sent to all the others."""
-        err = None if local_error is None else describe(local_error)
-        if to_root and self.world > 1:
-            errs = self.all_gather(err)
-            if local_error is not None:
-                raise local_error
-            for r, e in enumerate(errs):
-                if e is not None:
-                    raise remote_error(r, e)
-            return self.gather(payload) or []
-        gathered = self.all_gather((payload, err))
+        Two exchanges, a gather then a broadcast, where an all-gather of the errors followed by a gather and
+        a broadcast took three: a step's publish is two of these rounds (plan, then commit)."""
+        gathered = self.gather((payload, None if local_error is None else describe(local_error)))
+        result, failed, exc = None, None, None
+        if self.rank == 0:
+            assert gathered is not None
+            failed = next(((r, e) for r, (_p, e) in enumerate(gathered) if e is not None), None)
+            if failed is None:
+                try:
+                    result = fn([p for p, _e in gathered])
+                except Exception as e:  # noqa: BLE001 - forwarded to every rank, then re-raised
+                    failed, exc = (0, describe(e)), e
+        result, failed = self.broadcast((result, failed))
         if local_error is not None:
             raise local_error
-        for r, (_, e) in enumerate(gathered):
-            if e is not None:
-                raise remote_error(r, e)
-        return [p for p, _ in gathered]
+        if exc is not None:
+            raise exc
+        if failed is not None:
+            raise remote_error(*failed)
+        return result
 
     def decide(self, fn: Any) -> Any:
         """Run ``fn()`` on rank 0 and hand its result (or its error) to every rank."""
@@ -119,21 +123,42 @@ class TorchComm(Comm):
         self._count(o for r, o in enumerate(out) if r != self.rank)
         return out
 
+    # gather_object all-gathers every rank's size and pads each payload to the largest; rank 0 needs only
+    # theirs: each rank sends its size and its pickled bytes to rank 0, which receives every rank's at once.
     def gather(self, obj: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         with _collective("gather", self.rank):
-            dist.gather_object(obj, out, dst=self._src, group=self.group)
-        if out is not None:
-            self._count(o for r, o in enumerate(out) if r != self.rank)
-        return out
+            if self.rank != 0:
+                size = torch.tensor([len(data)], dtype=torch.int64)
+                sends = [dist.isend(size, dst=self._src, group=self.group, tag=_GATHER_SIZE_TAG),
+                         dist.isend(_bytes_tensor(data), dst=self._src, group=self.group, tag=_GATHER_TAG)]
+                for w in sends:
+                    w.wait()
+                return None
+            peers = range(1, self.world)
+            sizes = {r: torch.empty(1, dtype=torch.int64) for r in peers}
+            for w in [dist.irecv(sizes[r], src=self._global(r), group=self.group, tag=_GATHER_SIZE_TAG)
+                      for r in peers]:
+                w.wait()
+            bufs = {r: torch.empty(int(sizes[r]), dtype=torch.uint8) for r in peers}
+            for w in [dist.irecv(bufs[r], src=self._global(r), group=self.group, tag=_GATHER_TAG) for r in peers]:
+                w.wait()
+        self.stats["object_bytes"] += sum(b.numel() for b in bufs.values())
+        return [obj, *(pickle.loads(bufs[r].numpy()) for r in peers)]
 
     def broadcast(self, obj: Any) -> Any:
-        box = [obj]
+        size = torch.empty(1, dtype=torch.int64)
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            size[0] = len(data)
         with _collective("broadcast", self.rank):
-            dist.broadcast_object_list(box, src=self._src, group=self.group)
-        if self.rank != 0:
-            self._count([box[0]])
-        return box[0]
+            dist.broadcast(size, src=self._src, group=self.group)
+            buf = _bytes_tensor(data) if self.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+            dist.broadcast(buf, src=self._src, group=self.group)
+        if self.rank == 0:
+            return obj
+        self.stats["object_bytes"] += buf.numel()
+        return pickle.loads(buf.numpy())
 
     # Point to point, not gloo's gather: that one pads every rank's bytes to the largest and, on the receiving
     # rank, gathers into a flat buffer it then copies out (3x a tensor held at once where 1x will do), and
@@ -152,6 +177,15 @@ class TorchComm(Comm):
 
     def _count(self, objs: Any) -> None:
         self.stats["object_bytes"] += sum(len(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)) for o in objs)
+
+
+#: Tags of gather()'s point-to-point messages (an anchor's pieces use tags from 0 up: publisher/sharded.py).
+_GATHER_SIZE_TAG, _GATHER_TAG = 0x7FFF0000, 0x7FFF0001
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    """``data`` as a uint8 tensor for gloo (one copy, into memory torch may write; never empty)."""
+    return torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8)[:len(data)]
 
 
 def make_comm(process_group: Any = None, distributed: bool | None = None) -> Comm:

@@ -193,6 +193,7 @@ class Publisher:
         self._parent_version: int | None = None
         self._parent_digests: dict[str, int] = {}   # xxh3 of this rank's tensors as it committed them last
         self._parent_boxes: sharded.Boxes = {}         # where this rank's parents of DTensors lie in them
+        self._box_cache: sharded.BoxCache = {}         # where this rank's boxes of DTensors lie, by layout
         self._lock = threading.Lock()
         self._committed_step: int | None = last_step
         self._last_step: int | None = last_step
@@ -328,7 +329,7 @@ class Publisher:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise PublishInputError("metadata must map strings to strings")
         # a DTensor becomes this rank's box of it: a delta encodes boxes, never a gathered tensor
-        sources, boxes = sharded.split_dtensors(gather_sources(weights, self._partition))
+        sources, boxes = sharded.split_dtensors(gather_sources(weights, self._partition), self._box_cache)
         if not sources and self._comm.world == 1:
             raise PublishInputError("nothing to publish: no tensors")
         with self._lock:
@@ -479,20 +480,29 @@ class Publisher:
         comm = self._comm
         skip = job.failures_seen != self._n_failures
         try:
-            if any(comm.agree(job.error, skip)):    # every rank learns of every error and skip
+            # Round 1: every rank's error or skip, its schemas and DTensor boxes (only rank 0 needs them: it
+            # plans, the others follow) and whether it holds the parent in memory; the plan comes back.
+            state = (skip, job.schema, job.step, job.force_anchor, job.boxes, self._parent_version,
+                     self._holds_parent(job))
+            decided = comm.settle(job.error, state, lambda gathered: self._plan_round(gathered, job.adapter))
+            if decided is None:
                 raise _Skipped(f"step {job.step} was not published: an earlier publish of run {self.run_id} failed")
-            # the schemas (and DTensor boxes) only rank 0 needs: it plans, the others follow
-            gathered = comm.gather((skip, job.schema, job.step, job.force_anchor, job.boxes))
-            plan: Plan = comm.decide(lambda: self._plan(gathered, job.adapter))
+            plan, parents_held = decided
             pieced = plan.layout.pieces if plan.layout is not None else {}
-            parent = None
-            if plan.kind == "delta":
-                err: BaseException | None = None
+            parent, err = None, None
+            if plan.kind == "delta" and parents_held:
+                # every rank said it holds its parent: nothing to read, nothing that can differ between ranks
+                try:
+                    parent = self._ensure_parent(plan, job)
+                except Exception as e:  # noqa: BLE001 - reported to every rank by the commit round
+                    err = e
+            elif plan.kind == "delta":
                 try:
                     parent = self._ensure_parent(plan, job)
                 except Exception as e:  # noqa: BLE001 - any rank without its parent makes everyone anchor
                     err = e
                 failed = [f for f in comm.all_gather(None if err is None else describe(err)) if f]
+                err = None
                 if failed:
                     log.warning("cannot rebuild the parent %d of version %d (%s); writing an anchor instead",
                                 plan.parent_version, plan.version, failed[0][1])
@@ -507,13 +517,14 @@ class Publisher:
                 # then the shards of tensors in pieces this rank writes (sharded.write_piece_shards)
                 counts = comm.all_gather(len(shards) + (len(plan.layout.shards_of(comm.rank)) if pieced else 0))
                 first, total = sum(counts[:comm.rank]), sum(counts)
-            written, err = None, None
-            try:
-                written = self._write(plan, job, parent, shards, first, total)
-            except Exception as e:  # noqa: BLE001 - reported to every rank by agree()
-                err = e
-            parts = comm.agree(err, written, to_root=True)    # rank 0 commits them
-            outcome = comm.decide(lambda: self._commit(plan, job, parts))
+            written = None
+            if err is None:
+                try:
+                    written = self._write(plan, job, parent, shards, first, total)
+                except Exception as e:  # noqa: BLE001 - reported to every rank by the commit round
+                    err = e
+            # Round 2: every rank's written objects and entries (or its error) to rank 0, which commits them
+            outcome = comm.settle(err, written, lambda parts: self._commit(plan, job, parts))
         except _Skipped:
             raise
         except BaseException as e:
@@ -523,13 +534,32 @@ class Publisher:
             raise
         return self._committed(plan, job, written, outcome)
 
-    def _plan(self, gathered: list[tuple[bool, Schema, int, bool, "sharded.Boxes"]],
+    def _holds_parent(self, job: _Job) -> bool:
+        """Whether this rank's parent in memory (version ``_parent_version``) has every tensor of the job, in the
+        same dtype, shape and box: then a delta on that version needs no read and no agreement about it."""
+        if job.snapshot is None or self._parent_version is None:
+            return False
+        for n, t in job.snapshot.items():
+            p = self._parent.get(n)
+            if p is None or p.dtype != t.dtype or p.shape != t.shape or self._parent_boxes.get(n) != job.boxes.get(n):
+                return False
+        return True
+
+    def _plan_round(self, gathered: list[tuple], adapter: "adapter_mod.AdapterSnapshot | None") -> tuple[Plan, bool] | None:
+        """Rank 0: None when a rank skips this publish, else the plan and whether every rank holds its parent."""
+        if any(g[0] for g in gathered):
+            return None
+        plan = self._plan([g[1:5] for g in gathered], adapter)
+        held = plan.kind == "delta" and all(g[5] == plan.parent_version and g[6] for g in gathered)
+        return plan, held
+
+    def _plan(self, gathered: list[tuple[Schema, int, bool, "sharded.Boxes"]],
               adapter: "adapter_mod.AdapterSnapshot | None" = None) -> Plan:
         # plain tensors held by one rank each; a DTensor's boxes tiling it (publisher/sharded.py)
-        union, layout = sharded.plan_union([(g[1], g[4]) for g in gathered], self.shard_bytes)
+        union, layout = sharded.plan_union([(g[0], g[3]) for g in gathered], self.shard_bytes)
         if not union:
             raise PublishInputError("nothing to publish: no rank holds a tensor")
-        steps = sorted({g[2] for g in gathered})
+        steps = sorted({g[1] for g in gathered})
         if len(steps) > 1:
             raise PublishInputError(f"ranks disagree on the step being published: {steps}")
         step = steps[0]
@@ -540,7 +570,7 @@ class Publisher:
         if fraction is None:
             fraction = adapter_mod.CHAIN_FRACTION if adapter is not None else 0.5
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=fraction,
-                      force_anchor=any(g[3] for g in gathered), layout=layout.boxes())
+                      force_anchor=any(g[2] for g in gathered), layout=layout.boxes())
         plan = replace(plan, layout=layout)
         why = self._adapter.anchor_reason(adapter)    # a LoRA run's new base or adapter config
         if why is not None and (plan.kind == "delta" or plan.schema_change):   # the cause, not its symptom

@@ -75,63 +75,102 @@ def is_dtensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor"
 
 
-def split_dtensors(sources: Mapping[str, Any]) -> tuple[dict[str, Any], Boxes]:
+#: (mesh, placements, global shape) -> where this rank's box of such a DTensor lies (see :func:`_box_of`)
+BoxCache = dict[tuple, "_Where"]
+
+
+@dataclass(frozen=True)
+class _Where:
+    """This rank's box of every DTensor of one mesh, placements and shape: the local tensor's shape, the rows
+    of it the rank publishes (a Replicate share) and the box; ``box`` None: the rank publishes none of it."""
+
+    local_shape: tuple[int, ...]
+    rows: tuple[int, int] | None
+    box: LocalBox | None
+    whole_empty: bool = False
+
+
+def split_dtensors(sources: Mapping[str, Any], cache: BoxCache | None = None) -> tuple[dict[str, Any], Boxes]:
     """``sources`` with each DTensor replaced by this rank's box of it (a view of its local tensor), and the
     boxes. A rank whose box of a tensor is empty (an uneven last shard; a Replicate split of fewer rows than
-    ranks) does not publish that tensor; a tensor of no elements is published whole by one rank."""
+    ranks) does not publish that tensor; a tensor of no elements is published whole by one rank.
+
+    ``cache``: boxes already worked out by this rank, kept by the caller from publish to publish (a box
+    depends only on the mesh, the placements and the shape; torch's own computation of it costs ~60 us a
+    tensor, a few ms a step for a small model, 50 ms for 700 tensors)."""
     out: dict[str, Any] = {}
     boxes: Boxes = {}
     for name, value in sources.items():
         if not is_dtensor(value):
             out[name] = value
             continue
-        piece = local_piece(name, value)
+        piece = local_piece(name, value, cache)
         if piece is not None:
             out[name], boxes[name] = piece
     return out, boxes
 
 
-def local_piece(name: str, dt: Any) -> tuple[torch.Tensor, LocalBox] | None:
+def local_piece(name: str, dt: Any, cache: BoxCache | None = None) -> tuple[torch.Tensor, LocalBox] | None:
     """This rank's box of the DTensor ``dt`` and a view of its bits (None when the box is empty)."""
+    key = (dt.device_mesh, tuple(dt.placements), tuple(int(s) for s in dt.shape))
+    where = cache.get(key) if cache is not None else None
+    if where is None:
+        where = _box_of(name, dt)
+        if cache is not None:
+            cache[key] = where
+    with torch.no_grad():          # to_local() outside no_grad is an autograd call, ~30x the cost
+        local = dt.to_local()
+    if tuple(local.shape) != where.local_shape:
+        raise PublishInputError(f"tensor {name!r}: the DTensor's local tensor is {list(local.shape)}, its "
+                                f"placements {list(dt.placements)} give a shard of {list(where.local_shape)}")
+    if where.box is None:
+        return None
+    if where.whole_empty:
+        return torch.empty(where.box.global_shape, dtype=local.dtype), where.box
+    if where.rows is not None:
+        local = local.narrow(0, where.rows[0], where.rows[1])
+    return local, where.box
+
+
+def _box_of(name: str, dt: Any) -> _Where:
     mesh, placements = dt.device_mesh, dt.placements
     for p in placements:
         if type(p).__name__ == "_StridedShard" or p.is_partial():
             raise PublishInputError(
                 f"tensor {name!r} is a DTensor placed as {p}: only Shard(dim) and Replicate placements are "
                 "published as pieces; redistribute it to Shard or Replicate (or full_tensor() it) first")
+    gshape = tuple(int(s) for s in dt.shape)
     coord = mesh.get_coordinate()
     if coord is None:                      # this rank is not in the tensor's mesh: it holds none of it
-        return None
-    gshape = tuple(int(s) for s in dt.shape)
-    local = dt.to_local()
+        with torch.no_grad():
+            return _Where(tuple(dt.to_local().shape), None, None)
     with torch.no_grad():
         chunk = dt.__create_chunk_list__()[0]     # the local shard's box (torch.distributed.checkpoint's own)
-        offsets = [int(o) for o in chunk.offsets]
-        lshape = [int(s) for s in chunk.sizes]
-        if tuple(local.shape) != tuple(lshape):
-            raise PublishInputError(f"tensor {name!r}: the DTensor's local tensor is {list(local.shape)}, its "
-                                    f"placements {placements} give a shard of {lshape}")
-        if math.prod(gshape) == 0:
-            if all(c == 0 for c in coord):
-                return torch.empty(gshape, dtype=local.dtype), LocalBox(gshape, (0,) * len(gshape))
-            return None
-        for md, p in enumerate(placements):   # replicated: this rank's share of dimension 0 (torch.chunk's)
-            if not p.is_replicate():
-                continue
-            k, c = mesh.size(md), coord[md]
-            if not gshape:
-                if c != 0:
-                    return None
-                continue
-            size = -(-lshape[0] // k)
-            start = min(c * size, lshape[0])
-            stop = min(start + size, lshape[0])
-            local = local.narrow(0, start, stop - start)
-            offsets[0] += start
-            lshape[0] = stop - start
-        if math.prod(lshape) == 0:
-            return None
-    return local, LocalBox(gshape, tuple(offsets))
+    offsets = [int(o) for o in chunk.offsets]
+    lshape = [int(s) for s in chunk.sizes]
+    local_shape = tuple(lshape)
+    if math.prod(gshape) == 0:
+        if all(c == 0 for c in coord):
+            return _Where(local_shape, None, LocalBox(gshape, (0,) * len(gshape)), whole_empty=True)
+        return _Where(local_shape, None, None)
+    rows = None
+    for md, p in enumerate(placements):   # replicated: this rank's share of dimension 0 (torch.chunk's)
+        if not p.is_replicate():
+            continue
+        k, c = mesh.size(md), coord[md]
+        if not gshape:
+            if c != 0:
+                return _Where(local_shape, None, None)
+            continue
+        size = -(-lshape[0] // k)
+        start = min(c * size, lshape[0])
+        stop = min(start + size, lshape[0])
+        rows = (start if rows is None else rows[0] + start, stop - start)
+        offsets[0] += start
+        lshape[0] = stop - start
+    if math.prod(lshape) == 0:
+        return _Where(local_shape, None, None)
+    return _Where(local_shape, rows, LocalBox(gshape, tuple(offsets)))
 
 
 # --- rank 0: the union of every rank's tensors ---------------------------------------------------------

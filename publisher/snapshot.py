@@ -79,7 +79,8 @@ def _partition_filter(partition: Partition) -> Callable[[str], bool] | None:
 def _check_value(name: str, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         if type(value).__name__ == "DTensor":    # each rank publishes its box of it (publisher/sharded.py)
-            value = value.to_local()
+            with torch.no_grad():                # outside no_grad to_local() is an autograd call
+                value = value.to_local()
         if value.is_meta:
             raise PublishInputError(f"tensor {name!r} is on the meta device: it has no data to publish")
         if value.layout != torch.strided:
