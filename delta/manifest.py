@@ -408,7 +408,8 @@ def _tensor(name: str, t: Any, objects: tuple[ObjectRef, ...], kind: str, what: 
         _expect(kind == "delta" and obj is None and off == 0 and length == 0, where,
                 "pieces: only a delta's entry has them, with object null, offset and length 0")
         pieces = _pieces(t["pieces"], shape, dt, len(nb), objects, where)
-        _expect(h == pieces_digest(pieces), where, f"xxh3 {h}: not the digest of its pieces ({pieces_digest(pieces)})")
+        digest = pieces_digest(pieces)
+        _expect(h == digest, where, f"xxh3 {h}: not the digest of its pieces ({digest})")
         return TensorEntry(dt, tuple(shape), h, None, 0, 0, pieces)
     if obj is None:
         _expect(kind == "delta" and off == 0 and length == 0, where, "unchanged entry outside a delta")
@@ -432,23 +433,26 @@ _HEX_RUN = re.compile(r"[0-9a-f]*")
 def _pieces(raw: Any, shape: list[int], dt: str, name_len: int, objects: tuple[ObjectRef, ...],
             where: str) -> tuple[PieceEntry, ...]:
     """A pieced entry's pieces (docs/FORMAT.md, "Pieces"): the cells of a grid, their columns of fields."""
-    _expect(isinstance(raw, dict) and set(raw) == _PIECES_KEYS, where, f"pieces (an object with keys "
-            f"{sorted(_PIECES_KEYS)})")
+    if not (isinstance(raw, dict) and set(raw) == _PIECES_KEYS):
+        _expect(False, where, f"pieces (an object with keys {sorted(_PIECES_KEYS)})")
     ndim = len(shape)
     cuts = raw["cuts"]
-    _expect(ndim >= 1 and isinstance(cuts, list) and len(cuts) == ndim, where,
-            f"pieces cuts (a list of {ndim} lists; a scalar has no pieces)")
+    if not (ndim >= 1 and isinstance(cuts, list) and len(cuts) == ndim):
+        _expect(False, where, f"pieces cuts (a list of {ndim} lists; a scalar has no pieces)")
     n = 1
     for d, c in enumerate(cuts):
-        _expect(isinstance(c, list) and 2 <= len(c) <= MAX_PIECES + 1 and all(type(x) is int for x in c)
-                and c[0] == 0 and c[-1] == shape[d] and all(a < b for a, b in zip(c, c[1:])), where,
-                f"pieces cuts of dimension {d} (ascending ints from 0 to {shape[d]}, at most {MAX_PIECES + 1})")
+        if not (isinstance(c, list) and 2 <= len(c) <= MAX_PIECES + 1 and all(type(x) is int for x in c)
+                and c[0] == 0 and c[-1] == shape[d] and all(a < b for a, b in zip(c, c[1:]))):
+            _expect(False, where,
+                    f"pieces cuts of dimension {d} (ascending ints from 0 to {shape[d]}, at most {MAX_PIECES + 1})")
         n *= len(c) - 1
-        _expect(n <= MAX_PIECES, where, f"pieces: more than {MAX_PIECES}")
+        if n > MAX_PIECES:
+            _expect(False, where, f"pieces: more than {MAX_PIECES}")
     _expect(n >= 2, where, "pieces: 1 cell (a tensor in one piece is a plain entry)")
     cols = {k: raw[k] for k in ("xxh3", "object", "offset", "length")}
     for k, v in cols.items():
-        _expect(isinstance(v, list) and len(v) == n, where, f"pieces {k} (a list of {n} values, one per cell)")
+        if not (isinstance(v, list) and len(v) == n):
+            _expect(False, where, f"pieces {k} (a list of {n} values, one per cell)")
     xs = cols["xxh3"]
     _expect(all(type(h) is str and len(h) == 16 for h in xs) and _HEX_RUN.fullmatch("".join(xs)) is not None,
             where, "pieces xxh3 (16 lowercase hex digits each)")
@@ -456,16 +460,22 @@ def _pieces(raw: Any, shape: list[int], dt: str, name_len: int, objects: tuple[O
     out = []
     for k, (box, h, obj, off, length) in enumerate(zip(cells(cuts), xs, cols["object"], cols["offset"],
                                                       cols["length"])):
-        _expect(type(off) is int and type(length) is int and 0 <= off < 1 << 62 and 0 <= length < 1 << 62,
-                where, f"piece {k}: offset / length")
+        # each message is formatted only for a piece that fails its check (formatting them all was most of
+        # a pieced manifest's parse)
+        if not (type(off) is int and type(length) is int and 0 <= off < 1 << 62 and 0 <= length < 1 << 62):
+            _expect(False, where, f"piece {k}: offset / length")
         if obj is None:
-            _expect(off == 0 and length == 0, where, f"piece {k}: an unchanged piece with a byte range")
+            if not (off == 0 and length == 0):
+                _expect(False, where, f"piece {k}: an unchanged piece with a byte range")
         else:
-            _expect(type(obj) is int and 0 <= obj < len(objects), where, f"piece {k}: object index {obj!r}")
-            _expect(off + length <= objects[obj].size, where, f"piece {k}: byte range beyond its object")
+            if not (type(obj) is int and 0 <= obj < len(objects)):
+                _expect(False, where, f"piece {k}: object index {obj!r}")
+            if not off + length <= objects[obj].size:
+                _expect(False, where, f"piece {k}: byte range beyond its object")
             most = max_record_size(math.prod(box[1]), itemsize, ndim, name_len)
-            _expect(length <= most, where, f"piece {k}: record length {length} (a record of {dt}{list(box[1])} "
-                                           f"takes at most {most})")
+            if not length <= most:
+                _expect(False, where, f"piece {k}: record length {length} (a record of {dt}{list(box[1])} "
+                                      f"takes at most {most})")
         out.append(PieceEntry(box[0], box[1], h, obj, off, length))
     return tuple(out)
 

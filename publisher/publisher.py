@@ -728,8 +728,9 @@ class Publisher:
             anchor_version=plan.anchor_version, created=now_iso(), step=job.step, writer_id=self.writer_id,
             objects=tuple(objects), tensors=entries, extra_files=extra_refs, metadata=job.metadata,
             full_bytes=full, stored_bytes=stored, adapter=None if job.adapter is None else job.adapter.record)
-        Manifest.from_json(manifest.to_json(), run_id=self.run_id)  # never commit what a reader would refuse
-        commit(store, manifest)
+        data = manifest.to_json()
+        Manifest.from_json(data, run_id=self.run_id)  # never commit what a reader would refuse
+        commit(store, manifest, data)
         self._chain = self._chain.advanced(manifest)
         if plan.kind == "anchor":
             self._anchor_extra = extra_refs

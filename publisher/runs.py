@@ -82,11 +82,12 @@ def read_manifests(store: Store, versions: Iterable[int], run_id: str | None) ->
         return list(pool.map(lambda v: read_manifest(store, v, run_id), versions))
 
 
-def commit(store: Store, manifest: Manifest) -> str:
+def commit(store: Store, manifest: Manifest, data: bytes | None = None) -> str:
     """Make ``manifest`` visible (the commit point), then move HEAD. Returns the manifest's xxh3.
 
+    ``data``: ``manifest.to_json()`` when the caller has it already (it parsed it back first).
     HEAD is best effort: a failure there is logged, the snapshot is committed regardless."""
-    data = manifest.to_json()
+    data = manifest.to_json() if data is None else data
     key = manifest_key(manifest.version)
     try:
         store.put_if_absent(key, data)
