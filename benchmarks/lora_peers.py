@@ -73,18 +73,21 @@ class Trainer:
         self.prev: dict[str, np.ndarray] = {}
 
     def op_init(self, base_dir: str, rank: int, prefix: str, warmup: int, lr: float, dtype: str,
-                batch: list[int], seed: int = 0) -> dict:
+                batch: list[int], threads: int = 1, seed: int = 0) -> dict:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        from publisher import Publisher
+        from publisher import AdapterSpec, BaseModel, Publisher
 
         self.op_close()
+        torch.set_num_threads(threads)     # the trainer leaves the replica's vLLM its cores (--trainer-threads)
         torch.manual_seed(seed)
         t0 = time.perf_counter()
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
-        self.model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
-                                                     lora_dropout=0.0))
+        # The bf16 base upcast to fp32 (exact): this CPU torch's bf16 matmuls run 5-80x slower than fp32 ones (a
+        # step of the 0.51 GB base took ~25 s on one thread against ~0.6 s), and the gradients are as real.
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
+        self.model = get_peft_model(base, cfg)
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
                                      weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed + 1)
@@ -98,8 +101,9 @@ class Trainer:
             self.config = f.read()
         if not self.config:
             raise RuntimeError(f"peft wrote an empty {CONFIG} in {cfg_dir}")
-        self.pub = Publisher(f"{self.url}/{prefix}/ckptdelta", storage_options=self.opts,
-                             dtype=self.dtype)
+        # the run records the bf16 base directory the replica serves, not the trainer's fp32 copy of it
+        self.pub = Publisher(f"{self.url}/{prefix}/ckptdelta", storage_options=self.opts, dtype=self.dtype,
+                             adapter=AdapterSpec(cfg, BaseModel.of(base_dir)))
         r = self.pub.publish(self.model, self.steps)            # the anchor every method starts from
         sd = self.adapter()
         self._put_full(sd, self.steps)
@@ -226,8 +230,14 @@ class Replica:
         self.vllm = http_client(self.engine.url, timeout=300)
         self.load_client = http_client(self.engine.url, timeout=300)
         local = self._download_full(step)
+        self.ids: dict[str, int] = {}       # each baseline adapter's id in vLLM (its first load registers it)
         for m in ("full", "xor"):
+            before = set(self._ids())
             self._load_adapter(m, local, inplace=False)
+            new = set(self._ids()) - before
+            if len(new) != 1:
+                raise RuntimeError(f"loading {BASELINE_NAMES[m]} registered {sorted(new)} in vLLM, not one id")
+            self.ids[m] = new.pop()
         from safetensors.torch import load_file
 
         self.held = {k: to_bits(v).copy() for k, v in load_file(os.path.join(local, WEIGHTS)).items()}
@@ -311,8 +321,11 @@ class Replica:
             last = self.engine.applier.last
             p = self.engine.applier._pause          # the Pause of this hot-load: when the write RPC began, its length
             started = p.started
+            held = [sum(w.get(k) or 0.0 for k in ("transform_s", "write_s", "prove_s")) for w in last["workers"]]
             return {"t_serving": t1, "rpc": [started, started + last["pause_s"]], "prepare": [t0, started],
-                    "pause_rpc_s": last["pause_s"], "workers": last["workers"], "slot": last["slot"],
+                    "pause_rpc_s": last["pause_s"], "hold_s": max(held),
+                    "prove_s": max(w.get("prove_s") or 0.0 for w in last["workers"]),
+                    "workers": last["workers"], "slot": last["slot"],
                     "serving_version": self.engine.version, "proven": last.get("proven"),
                     "report": job.get("report")}
         if method == "full":
@@ -320,9 +333,13 @@ class Replica:
         else:
             local = self._xor_dir(info["step"])
         r0, r1 = self._load_adapter(method, local, inplace=True)
+        # the same in-place load again, run by the worker itself and timed there: how long it holds the engine loop
+        answers = self.engine.applier.control.rpc(
+            "ckptdelta_lora_load_dir", {"name": BASELINE_NAMES[method], "id": self.ids[method], "path": local})
         from safetensors.torch import load_file
 
         return {"t_serving": r1, "rpc": [r0, r1], "prepare": [t0, r0], "pause_rpc_s": r1 - r0,
+                "hold_s": max(a["load_s"] for a in answers), "workers": answers,
                 "digests": digests(load_file(os.path.join(local, WEIGHTS)))}
 
     def _ids(self) -> list[int]:

@@ -1,7 +1,8 @@
 """Smoke test of benchmarks/lora.py (slow: one vLLM start on a tiny base, a trainer and a replica process, through a
 shaped bucket where network namespaces work): a quick run writes its table, JSON and plot, every method's steps
 carry the same adapter bits into vLLM (the baselines' LoRA buffers equal ckptdelta's serving slot, bit for bit),
-every ckptdelta request ran on one version, and no request failed. No timing is asserted."""
+every method's write was timed inside the vLLM worker, every ckptdelta request ran on one version, and no request
+failed. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def test_a_quick_lora_run_loads_the_same_adapter_bits_by_every_method_and_writes
     assert {(r["lr"], r["method"]) for r in out["rows"]} == {(lr, m) for lr in (1e-5, 1e-4)
                                                               for m in ("ckptdelta", "full", "xor")}
     assert all(r["exact"] and r["bytes"] > 0 and r["publish_to_serving_s"] > 0 for r in out["rows"])
+    # the pause of every method timed the same way: inside the vLLM worker, for each step's write
+    assert all(0 < r["hold_s"] for r in out["rows"])
+    for s in out["samples"]:
+        key = "load_s" if s["method"] != "ckptdelta" else "write_s"
+        assert s["workers"] and all(w[key] > 0 for w in s["workers"]), s
     checks = out["ranks"][0]["checks"]
     assert len(checks) == 2 and all(v is True for c in checks for v in c.values()) and all(len(c) == 2 for c in checks)
     load = out["ranks"][0]["load"]
@@ -29,5 +35,5 @@ def test_a_quick_lora_run_loads_the_same_adapter_bits_by_every_method_and_writes
     full = [r for r in out["rows"] if r["method"] == "full"]
     assert all(r["bytes"] >= out["ranks"][0]["adapter_bytes"] for r in full)
     md = (tmp_path / "lora-quick.md").read_text()
-    assert "## Targets" in md and "| (a) ckptdelta" in md and ("1 Gbit/s" in md or "UNSHAPED" in md)
+    assert "## Targets" in md and "| (a) ckptdelta" in md and "engine loop held (worker)" in md and ("1 Gbit/s" in md or "UNSHAPED" in md)
     assert (tmp_path / "lora-quick.png").stat().st_size > 10_000

@@ -278,6 +278,22 @@ class CkptDeltaWorker:
         return {"digests": slots.slot_digests(self, int(req["id"]))}
 
     @_answer
+    def ckptdelta_lora_load_dir(self, req: dict) -> dict[str, Any]:
+        """vLLM's own in-place load of the PEFT directory ``path`` as adapter ``name`` / ``id``: the worker half
+        of ``/v1/load_lora_adapter`` with ``load_inplace`` (what the engine core runs for ``add_lora``: the LRU
+        manager's ``add_adapter``). benchmarks/lora.py times it here, in the worker, to compare how long it
+        holds vLLM's engine loop with ckptdelta's slot write (whose times ``ckptdelta_lora_write`` reports)."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        self.model_runner.lora_manager.add_adapter(  # type: ignore[attr-defined]
+            LoRARequest(lora_name=str(req["name"]), lora_int_id=int(req["id"]), lora_path=str(req["path"]),
+                        load_inplace=True))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"id": int(req["id"]), "load_s": time.perf_counter() - t0}
+
+    @_answer
     def ckptdelta_read(self, req: dict) -> dict[str, Any]:
         """The live weights in checkpoint coordinates, written to ``path`` as safetensors (tests, verify).
 
