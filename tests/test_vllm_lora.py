@@ -1,11 +1,10 @@
 """A LoRA run served by a real vLLM (its CPU build): adapters hot-loaded into vLLM's LoRA slots in place.
 
-One vLLM for the module: the replica's (loader/engines/vllm_lora.py), started with one
-LoRA slot more than the replica registers, so the tests can have vLLM load any version
-the way users do, from its PEFT directory (``/v1/load_lora_adapter``), and compare:
-the slot the replica wrote must hold, bit for bit, what vLLM's own directory load puts
-in a slot (scaling folded into B, padding to --max-lora-rank), and answer the same
-greedy tokens and logprobs.
+Two vLLMs for the module: the replica's (loader/engines/vllm_lora.py), and a fresh one
+on the same base that loaded every version from its PEFT directory at start, the way
+users serve adapters. The slot the replica wrote must hold, bit for bit, what vLLM's
+own directory load put in the fresh one's slot (scaling folded into B, padding to
+--max-lora-rank), and answer the same greedy tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, one_gpu_layout  # 
 
 PROMPTS = ["hello world, hello replica", "the quick brown fox", "one two three four"]
 VERSIONS = 6          # v0 anchor, v1-v2 deltas, v3 anchor, v4-v5 deltas
-DIR_SLOT = "from-directory"
-_loads: list[int] = []          # directory loads so far: each gets a cache salt of its own
 
 
 pytestmark = pytest.mark.usefixtures("one_gpu_layout")   # (imported) every vLLM here: its worker in the engine core
@@ -56,41 +53,41 @@ def lora_run(tmp_path_factory):
 def rep(lora_run):
     from loader.engines import build_engine
 
-    # one slot beyond the replica's 3 (vLLM takes the last --max-loras): the tests' directory loads
     engine = build_engine("vllm", bucket=lora_run["url"], snapshot=0, base_model=lora_run["base"], lora_slots=3,
-                          vllm_args=[*VLLM_ARGS, "--max-loras", "4", "--max-cpu-loras", "4"])
+                          vllm_args=VLLM_ARGS)
     r = VllmReplicaHandle(engine, replica_id="lora-0")
     yield r
     r.close()
 
 
-def _vllm(rep):
-    from loader.engines.vllm import http_client
+@pytest.fixture(scope="module")
+def fresh(lora_run):
+    """A fresh vLLM on the base that loaded every version from its PEFT directory at start, the way users
+    serve adapters (``--lora-modules v0=DIR ...``): adapter id v+1 holds version v."""
+    from loader.engines.vllm import VllmControl, VllmServer
 
-    return http_client(rep.engine.url, timeout=120)
+    server = VllmServer(lora_run["base"], served_name="base", args=[
+        *VLLM_ARGS, "--enable-lora", "--max-loras", str(VERSIONS), "--max-cpu-loras", str(VERSIONS),
+        "--max-lora-rank", "8", "--lora-modules", *[f"v{v}={d}" for v, d in lora_run["dirs"].items()]])
+    try:
+        server.wait_ready()
+        control = VllmControl(server.url)
+        assert control.rpc("ckptdelta_lora_slots", {})[0]["registered"] == list(range(1, VERSIONS + 1))
+        yield control
+        control.close()
+    finally:
+        server.stop()
 
 
-def load_from_directory(rep, version: int, lora_run) -> int:
-    """vLLM's own load of ``version``'s PEFT directory into the spare slot; its adapter id."""
-    _loads.append(version)
-    with _vllm(rep) as c:
-        r = c.post("/v1/load_lora_adapter", json={"lora_name": DIR_SLOT, "lora_path": lora_run["dirs"][version],
-                                                  "load_inplace": True})
-        assert r.status_code == 200, r.text
-    ids = rep.engine.applier.control.rpc("ckptdelta_lora_slots", {})[0]["registered"]
-    (extra,) = set(ids) - {s.id for s in rep.engine.slots.slots}
-    return extra
-
-
-def slot_digests(rep, lora_id: int) -> dict[str, str]:
-    return rep.engine.applier.control.rpc("ckptdelta_lora_digests", {"id": lora_id})[0]["digests"]
+def slot_digests(control, lora_id: int) -> dict[str, str]:
+    return control.rpc("ckptdelta_lora_digests", {"id": lora_id})[0]["digests"]
 
 
 def greedy(post, model: str | None, prompt: str, max_tokens: int = 8) -> tuple[list[int], list[float], dict]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
             "return_token_ids": True}
-    if model is not None:      # vLLM's own in-place load keeps the prefix cache of the adapter it replaced
-        body.update(model=model, cache_salt=f"dir-{len(_loads)}")
+    if model is not None:
+        body["model"] = model
     r = post(body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -98,9 +95,13 @@ def greedy(post, model: str | None, prompt: str, max_tokens: int = 8) -> tuple[l
     return choice["token_ids"], choice["logprobs"]["token_logprobs"], out
 
 
-def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms_own_directory_load(rep, lora_run):
+def on_fresh(fresh):
+    return lambda body: fresh.http.post("/v1/completions", json=body)
+
+
+def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms_own_directory_load(rep, fresh):
     """Forward across the anchor at v3, back and a jump: each hot-load READY with the replica's own full proof
-    of the slot, and the slot bit-identical to the one vLLM fills from that version's PEFT directory; a version
+    of the slot, and the slot bit-identical to the one a fresh vLLM filled from that version's PEFT directory; a version
     still resident in a slot is proven where it sits, not written again."""
     engine = rep.engine
     written = []
@@ -113,7 +114,7 @@ def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms
         assert all(w["checked"] > 0 for w in last["workers"])
         serving = engine.slots.newest()
         assert serving.version == v and serving.name == last["slot"]
-        assert slot_digests(rep, serving.id) == slot_digests(rep, load_from_directory(rep, v, lora_run)), f"v{v}"
+        assert slot_digests(engine.applier.control, serving.id) == slot_digests(fresh, v + 1), f"v{v}"
         out = rep.complete(max_tokens=2, temperature=0.0, return_engine_data=True)
         assert out["engine_data"]["policy_versions"] == [v] and out["model"] == engine.model_name
     # 3 slots: v4 was still resident (proven where it sat, nothing written); v2, v0 and then v5 were not
@@ -122,30 +123,20 @@ def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms
     assert [s["version"] for s in status["lora_slots"] if s["serving"]] == [5]
 
 
-def test_the_replica_answers_the_greedy_tokens_and_logprobs_of_vllms_own_directory_load(rep, lora_run):
+def test_the_replica_answers_the_greedy_tokens_and_logprobs_of_a_fresh_vllm_that_loaded_the_adapter_directory(
+        rep, fresh):
     job = rep.hotload(2)
     assert job["state"] == "READY", job
-    load_from_directory(rep, 2, lora_run)
-    with _vllm(rep) as c:
-        for prompt in PROMPTS:
-            got = greedy(lambda b: rep.post("/v1/completions", b), None, prompt)
-            want = greedy(lambda b: c.post("/v1/completions", json=b), DIR_SLOT, prompt)
-            assert got[:2] == want[:2], prompt
+    mine = [greedy(lambda b: rep.post("/v1/completions", b), None, p)[:2] for p in PROMPTS]
+    assert mine == [greedy(on_fresh(fresh), "v2", p)[:2] for p in PROMPTS]
     # and the adapter matters: the base alone answers otherwise for at least one prompt
-    with _vllm(rep) as c:
-        base = [greedy(lambda b: c.post("/v1/completions", json=b), f"{rep.engine.model_name}@base", p)[:2]
-                for p in PROMPTS]
-    assert base != [greedy(lambda b: rep.post("/v1/completions", b), None, p)[:2] for p in PROMPTS]
+    assert mine != [greedy(on_fresh(fresh), "base", p)[:2] for p in PROMPTS]
 
 
-def test_requests_in_flight_across_hot_loads_each_report_one_version_and_finish_on_it(rep, lora_run):
+def test_requests_in_flight_across_hot_loads_each_report_one_version_and_finish_on_it(rep, fresh):
     """Clients sample greedily all along while the replica hot-loads back and forth: every answer reports one
-    version, and its tokens are that version's own (vLLM's directory load of it answers the same)."""
-    want: dict[int, list[int]] = {}
-    with _vllm(rep) as c:
-        for v in (3, 4, 5):
-            load_from_directory(rep, v, lora_run)
-            want[v] = greedy(lambda b: c.post("/v1/completions", json=b), DIR_SLOT, PROMPTS[0], 16)[0]
+    version, and its tokens are that version's own (a fresh vLLM's directory load of it answers the same)."""
+    want = {v: greedy(on_fresh(fresh), f"v{v}", PROMPTS[0], 16)[0] for v in (3, 4, 5)}
     assert len({tuple(t) for t in want.values()}) > 1        # the versions answer differently
     assert rep.hotload(3)["state"] == "READY"
     stop = threading.Event()
