@@ -195,7 +195,9 @@ class LoraSlotApplier(EngineApplier):
         self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
                      "written": resident is None,
                      "workers": [{k: a.get(k) for k in ("index", "checked", "transform_s", "write_s", "prove_s")}
-                                 for a in answers], "proven": "full"}
+                                 for a in answers], "proven": "full",
+                     # what the replica's job log says proved it (loader/server.py): the slot's buffers read back
+                     "verify": "full", "verified": True, "verified_tensors": sum(a.get("checked", 0) for a in answers)}
         log.info("LoRA slot %s holds %s (%s), proven in %d workers (%d buffers each); vLLM's loop held %.1f ms",
                  slot.name, _snapshot(version), "resident" if resident else "written", len(answers),
                  answers[0].get("checked", 0), 1e3 * self._pause.seconds)
