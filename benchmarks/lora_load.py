@@ -26,7 +26,7 @@ class StreamLoad:
 
     def __init__(self, clients: int, max_tokens: int):
         self.clients, self.max_tokens = clients, max_tokens
-        self.chunks: list[float] = []                 # arrival time of every streamed chunk with text
+        self.chunks: list[float] = []                 # arrival time of every streamed chunk of tokens
         self.tokens: list[tuple[float, float]] = []   # (arrival, tokens it carried) once its request ended
         self.requests: list[dict[str, Any]] = []      # one per finished (or failed) request
         self._target: dict[str, Any] | None = None
@@ -92,15 +92,17 @@ class StreamLoad:
                         if chunk.get("usage"):
                             rec["tokens"] = int(chunk["usage"].get("completion_tokens") or 0)
                         for ch in chunk.get("choices") or ():
-                            if ch.get("text"):
-                                self.chunks.append(time.perf_counter())
-                                times.append(self.chunks[-1])
+                            # every choice vLLM streams carries new tokens, even with no text: a random model's
+                            # tokens mostly decode to none (only the usage chunk at the end has no choice)
+                            self.chunks.append(time.perf_counter())
+                            times.append(self.chunks[-1])
                             if ch.get("finish_reason"):
                                 rec["finish"] = ch["finish_reason"]
         except (httpx.HTTPError, ValueError) as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:200]
         rec["t1"] = time.perf_counter()
         rec["chunks"] = len(times)
+        rec["first"], rec["last"] = (times[0], times[-1]) if times else (None, None)
         rec["tokens"] = rec["tokens"] or len(times)
         w = rec["tokens"] / len(times) if times else 0.0     # a chunk may carry several tokens
         self.tokens.extend((t, w) for t in times)
