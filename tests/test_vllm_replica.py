@@ -139,6 +139,7 @@ def test_hotloads_forward_across_an_anchor_and_back_are_bit_exact_in_every_runti
     assert mine and all(f.startswith(f"ckptdelta-weights-{os.getpid()}-") for f in mine), mine
 
 
+@pytest.mark.slow     # its own vLLM start (~30-60 s); make test proves every live weight bit for bit instead
 def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapshot(rep, llama_run, tmp_path):
     from loader.engines.vllm import VllmServer, http_client
     from loader.reader import SnapshotReader
