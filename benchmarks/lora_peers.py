@@ -28,7 +28,6 @@ import logging
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 import numpy as np
@@ -36,6 +35,7 @@ import torch
 import xxhash
 
 from benchmarks.baselines import from_bits, to_bits
+from benchmarks.peers import serve_ops
 
 log = logging.getLogger("ckptdelta.bench.lora")
 
@@ -389,26 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     os.makedirs(scratch, exist_ok=True)
     node = {"trainer": Trainer, "replica": Replica}[role](url, json.loads(opts), scratch)
-    out = sys.stdout
-    sys.stdout = sys.stderr   # anything printed by libraries goes to the log, not the protocol
-    out.write(json.dumps({"ok": True, "ready": role}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        if op == "exit":
-            break
-        try:
-            reply = {"ok": True, **getattr(node, f"op_{op}")(**cmd)}
-        except Exception as e:  # noqa: BLE001 - the caller reports it
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-    node.op_drop()
-    return 0
-
+    return serve_ops(node, hello={"ok": True, "ready": role})
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -348,9 +348,17 @@ class Node:
 def main(argv: list[str] | None = None) -> int:
     url, opts, scratch = (argv or sys.argv[1:])[:3]
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    node = Node(url, json.loads(opts), scratch)
+    return serve_ops(Node(url, json.loads(opts), scratch))
+
+
+def serve_ops(node: Any, hello: dict | None = None) -> int:
+    """The peer protocol on stdin/stdout: one JSON command per line (``{"op": name, ...}`` calls
+    ``node.op_<name>(...)``), one JSON reply per line, until ``exit``; then ``node.op_drop()``."""
     out = sys.stdout
     sys.stdout = sys.stderr   # anything printed by libraries goes to the log, not the protocol
+    if hello is not None:
+        out.write(json.dumps(hello) + "\n")
+        out.flush()
     for line in sys.stdin:
         if not line.strip():
             continue
