@@ -131,7 +131,10 @@ def write(worker: Any, lora_id: int, path: str, digests: dict[str, str], config:
     if lora_id not in mgr.list_adapters():
         raise SlotError(f"LoRA adapter id {lora_id} is not registered in this worker (slots: "
                         f"{sorted(mgr.list_adapters())})")
-    lora = transform(worker, lora_id, verified_tensors(path, digests), config)
+    tensors = verified_tensors(path, digests)
+    # the proof's own copies, taken now: the write's are scaled in place by vLLM's add_adapter
+    reference = {n: t.clone() for n, t in tensors.items()}
+    lora = transform(worker, lora_id, tensors, config)
     t1 = time.perf_counter()
     # the slot's old adapter out, the new one in, at the first free index (vLLM's add/activate: pack + scale)
     mgr.remove_adapter(lora_id)
@@ -141,7 +144,7 @@ def write(worker: Any, lora_id: int, path: str, digests: dict[str, str], config:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t2 = time.perf_counter()
-    proven = prove(worker, lora_id, path, digests, config)
+    proven = prove(worker, lora_id, path, digests, config, tensors=reference)
     return {"id": lora_id, "transform_s": t1 - t0, "write_s": t2 - t1, "prove_s": time.perf_counter() - t2,
             **proven}
 
@@ -162,16 +165,18 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def prove(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any]) -> dict[str, Any]:
+def prove(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any],
+          tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Read slot ``lora_id`` back from every LoRA layer and compare it with what each layer's own ``set_lora``
-    writes for a fresh transform of the verified host-copy tensors (see the module docstring)."""
+    writes for a fresh transform of the verified host-copy tensors (see the module docstring); ``tensors``:
+    clones :func:`write` verified already (the host copy is then not read and hashed twice)."""
     wm, mgr = managers(worker)
     try:
         index = mgr.lora_index_to_id.index(lora_id)
     except ValueError:
         raise SlotError(f"LoRA adapter id {lora_id} is not in any slot") from None
     # a fresh transform, packed and scaled as the manager does, kept off the manager's books
-    fresh = transform(worker, lora_id, verified_tensors(path, digests), config)
+    fresh = transform(worker, lora_id, tensors if tensors is not None else verified_tensors(path, digests), config)
     mgr._create_merged_loras_inplace(fresh)
     checked, bad = 0, []
     for name, module in mgr.modules.items():
