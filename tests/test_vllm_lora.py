@@ -112,6 +112,8 @@ def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms
         assert engine.version == v and last["version"] == v and last["proven"] == "full"
         written.append(last["written"])
         assert all(w["checked"] > 0 for w in last["workers"])
+        # a written version was prepared in each worker's thread while vLLM generated, not inside the write
+        assert all((w["staged"] is True) == last["written"] for w in last["workers"]), last["workers"]
         serving = engine.slots.newest()
         assert serving.version == v and serving.name == last["slot"]
         assert slot_digests(engine.applier.control, serving.id) == slot_digests(fresh, v + 1), f"v{v}"
@@ -121,6 +123,30 @@ def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms
     assert written == [True, True, True, True, True, False, True, True, True]
     status = rep.http.get("/v1/status").json()["engine"]
     assert [s["version"] for s in status["lora_slots"] if s["serving"]] == [5]
+
+
+def test_a_preparation_whose_host_copy_fails_its_digests_writes_nothing_and_the_write_refuses(rep):
+    """The worker's preparation (run in its thread while vLLM generates) verifies the host copy first: with a
+    digest that does not match, it fails naming the tensor, the write that follows refuses, and the slot keeps
+    the bits it held."""
+    from loader.engines.vllm import VllmError
+
+    a = rep.engine.applier
+    serving = rep.engine.slots.newest()
+    other = next(s for s in rep.engine.slots.slots if s is not serving and s.ready)
+    before = slot_digests(a.control, other.id)
+    digests = a.digests(serving.version)
+    name = sorted(digests)[0]
+    digests[name] = "0" * 16
+    req = {"id": other.id, "path": a.shared.path, "digests": digests, "config": a.config, "token": "t-bad"}
+    a.control.rpc("ckptdelta_lora_stage", req)
+    answers = a.control.poll("ckptdelta_lora_staged", "t-bad", "preparing a bad host copy")
+    assert all(x["state"] == "failed" and name in x["why"] for x in answers), answers
+    with pytest.raises(VllmError) as e:
+        a.control.rpc("ckptdelta_lora_write", req)
+    assert name in str(e.value) and "digests" in str(e.value)
+    assert slot_digests(a.control, other.id) == before
+    assert rep.complete(max_tokens=1, return_engine_data=True)["engine_data"]["policy_versions"] == [serving.version]
 
 
 def test_the_replica_answers_the_greedy_tokens_and_logprobs_of_a_fresh_vllm_that_loaded_the_adapter_directory(

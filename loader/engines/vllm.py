@@ -302,6 +302,20 @@ class VllmControl:
                 raise VllmError(f"vLLM at {self.url}: worker {w} failed {method}: {r['error']}")
         return results
 
+    def poll(self, method: str, token: str, what: str, timeout: float = CONTROL_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Every worker's answer about background job ``token`` once none is running (each poll is a short
+        RPC; the work itself runs in the workers' threads, beside vLLM's steps). Polls every 5 ms at first,
+        backing off to 50 ms: short jobs are seen done soon, long ones cost few calls."""
+        deadline, wait = time.monotonic() + timeout, 0.005
+        while True:
+            answers = self.rpc(method, {"token": token})
+            if all(a.get("state") != "running" for a in answers):
+                return answers
+            if time.monotonic() > deadline:
+                raise VllmError(f"{what} ({token}) took more than {timeout:.0f}s")
+            time.sleep(wait)
+            wait = min(0.05, wait * 1.5)
+
     def close(self) -> None:
         self.http.close()
 
@@ -486,16 +500,7 @@ class VllmApplier(EngineApplier):
         return self._poll("ckptdelta_staged", token, "building the shadow")
 
     def _poll(self, method: str, token: str, what: str, timeout: float = CONTROL_TIMEOUT_S) -> list[dict[str, Any]]:
-        """Every worker's answer about background job ``token`` once none is running (each poll is a short
-        RPC; the work itself runs in the workers' threads, beside vLLM's steps)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            answers = self.control.rpc(method, {"token": token})
-            if all(a.get("state") != "running" for a in answers):
-                return answers
-            if time.monotonic() > deadline:
-                raise VllmError(f"{what} ({token}) took more than {timeout:.0f}s")
-            time.sleep(0.05)
+        return self.control.poll(method, token, what, timeout)
 
     def _drop(self, token: str) -> None:
         try:

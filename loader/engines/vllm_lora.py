@@ -151,6 +151,7 @@ class LoraSlotApplier(EngineApplier):
         self.history: list[tuple[int, int | None]] = []
         self.last: dict[str, Any] = {}
         self._pause: Any = None
+        self._prepare_s = 0.02     # how long the workers' last preparation took: when to ask for the write
 
     @contextmanager
     def paused(self) -> Iterator[Any]:
@@ -175,12 +176,15 @@ class LoraSlotApplier(EngineApplier):
             return           # a rollback: the version the replica serves still sits, proven, in its own slot
         resident = self.slots.holding(version)
         slot = resident or self.slots.claim(self.slot_timeout)
-        t0 = self._pause.started = time.perf_counter()
         method = "ckptdelta_lora_prove" if resident else "ckptdelta_lora_write"
+        req = {"id": slot.id, "path": self.shared.path, "digests": self.digests(version), "config": self.config}
         try:
-            # a version still resident is proven again where it sits (nothing written); any other is written
-            answers = self.control.rpc(method, {"id": slot.id, "path": self.shared.path,
-                                                "digests": self.digests(version), "config": self.config})
+            if resident:
+                # a version still resident is proven again where it sits (nothing written)
+                t0 = self._pause.started = time.perf_counter()
+                answers = self.control.rpc(method, req)
+            else:
+                t0, answers = self._write(slot, version, req)
         except VllmError as e:
             if resident:
                 self.slots.retire(slot)
@@ -194,13 +198,36 @@ class LoraSlotApplier(EngineApplier):
         del self.history[:-64]
         self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
                      "written": resident is None,
-                     "workers": [{k: a.get(k) for k in ("index", "checked", "transform_s", "write_s", "prove_s")}
-                                 for a in answers], "proven": "full",
+                     "workers": [{k: a.get(k) for k in ("index", "checked", "staged", "prepare_s", "transform_s",
+                                                        "write_s", "prove_s", "held_s")} for a in answers], "proven": "full",
                      # what the replica's job log says proved it (loader/server.py): the slot's buffers read back
                      "verify": "full", "verified": True, "verified_tensors": sum(a.get("checked", 0) for a in answers)}
         log.info("LoRA slot %s holds %s (%s), proven in %d workers (%d buffers each); vLLM's loop held %.1f ms",
                  slot.name, _snapshot(version), "resident" if resident else "written", len(answers),
                  answers[0].get("checked", 0), 1e3 * self._pause.seconds)
+
+    def _write(self, slot: Slot, version: int, req: dict[str, Any]) -> tuple[float, list[dict[str, Any]]]:
+        """Each worker prepares the version in a thread while vLLM generates (``ckptdelta_lora_stage``); the
+        write is asked for once the preparation should be done (the last one's time), and only writes where it
+        is (``if_ready``; a worker that wrote already answers again what it answered): every RPC waits for vLLM's
+        step in progress, so there are no separate polls. Returns when the last write RPC began and every
+        worker's answer."""
+        req["token"] = f"lora-{slot.id}-{version}-{os.urandom(4).hex()}"
+        self.control.rpc("ckptdelta_lora_stage", req)
+        deadline, wait = time.monotonic() + CONTROL_TIMEOUT_S, self._prepare_s
+        while True:
+            time.sleep(wait)
+            t0 = self._pause.started = time.perf_counter()
+            answers = self.control.rpc("ckptdelta_lora_write", {**req, "if_ready": True})
+            if not any(a.get("state") == "running" for a in answers):
+                break
+            if time.monotonic() > deadline:
+                raise VllmError(f"preparing {_snapshot(version)} took more than {CONTROL_TIMEOUT_S:.0f}s")
+            wait = 0.005
+        prepared = [a.get("prepare_s") for a in answers if a.get("prepare_s") is not None]
+        if prepared:
+            self._prepare_s = min(1.0, max(prepared))
+        return t0, answers
 
     def _resume_engine(self) -> None:
         """A LoRA replica never pauses vLLM; one found paused (by someone else) is resumed by the watch."""

@@ -14,6 +14,13 @@ engine loop between two steps: no request ever sees a half-written slot.
   reading ``adapter_model.safetensors`` in ``load_lora_adapter``; only the
   directory read is left out. The tensors are cloned first: vLLM scales B in
   place, and the host copy must keep the published bits.
+- **Prepared off the loop.** Reading and verifying the host copy, the transform, the
+  packing and scaling, and the proof's reference (below) run in a worker thread
+  (:func:`prepare`, started by one RPC that returns at once, polled by short
+  ones) while vLLM generates. The write itself, inside the engine loop, is what
+  is left of vLLM's ``add_adapter`` and ``activate_adapter`` (registering the
+  prepared LoRAModel and each layer's ``set_lora`` copy into the slot) and the
+  comparison of the slot with the reference.
 - **Pinned.** Every slot adapter is pinned in vLLM's CPU and GPU LoRA caches:
   an adapter evicted and asked for again would be re-read from the directory it
   was first registered from (an old version).
@@ -31,7 +38,8 @@ exception into ``{"error": ...}``.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -122,31 +130,73 @@ def transform(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], confi
                                        model_vocab_size=wm.vocab_size, weights_mapper=mapper, skip_prefixes=skip)
 
 
-def write(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any]) -> dict[str, Any]:
-    """Make registered adapter ``lora_id`` the adapter in the host copy at ``path``, in place, and prove it."""
-    import time
+class Prepared(NamedTuple):
+    """One adapter version made ready off vLLM's engine loop (:func:`prepare`), for one slot."""
 
-    wm, mgr = managers(worker)
+    lora: Any                            # vLLM's LoRAModel, packed and scaled: what add_adapter registers
+    reference: dict[str, torch.Tensor]   # clones of the verified tensors: the proof's own transform's input
+    index: int                           # the slot index activate_adapter will give it
+    expected: dict[str, dict[str, list[torch.Tensor]]]   # what each layer's set_lora writes there
+    seconds: float
+
+
+def next_index(mgr: Any, lora_id: int) -> int:
+    """The slot index ``activate_adapter`` gives ``lora_id`` once its current one is freed: the first free."""
+    ids = [None if i == lora_id else i for i in mgr.lora_index_to_id]
+    if None not in ids:
+        raise SlotError(f"no free LoRA slot index for adapter id {lora_id} ({ids})")
+    return ids.index(None)
+
+
+def prepare(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any]) -> Prepared:
+    """Everything a write needs that leaves the live slots alone: the host copy verified, vLLM's load transform
+    with its packing and scaling (``_add_adapter`` less the registration), and the proof's reference for the
+    slot index the write will take. Runs in a worker thread while vLLM generates (the RPC that starts it
+    returns at once), so the engine loop is held only for the copy into the slot and the comparison."""
     t0 = time.perf_counter()
+    _, mgr = managers(worker)
     if lora_id not in mgr.list_adapters():
         raise SlotError(f"LoRA adapter id {lora_id} is not registered in this worker (slots: "
                         f"{sorted(mgr.list_adapters())})")
     tensors = verified_tensors(path, digests)
-    # the proof's own copies, taken now: the write's are scaled in place by vLLM's add_adapter
+    # the proof's own copies, taken now: the write's are scaled in place by the merge
     reference = {n: t.clone() for n, t in tensors.items()}
     lora = transform(worker, lora_id, tensors, config)
+    validate = getattr(mgr, "_validate_moe_lora_format", None)
+    if validate is not None:
+        validate(lora)
+    mgr._create_merged_loras_inplace(lora)
+    index = next_index(mgr, lora_id)
+    expected = expected_slot(worker, lora_id, reference, config, index)
+    return Prepared(lora, reference, index, expected, time.perf_counter() - t0)
+
+
+def write(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any],
+          prepared: Prepared | None = None) -> dict[str, Any]:
+    """Make registered adapter ``lora_id`` the adapter in the host copy at ``path``, in place, and prove it;
+    ``prepared``: :func:`prepare`'s result made off the engine loop (else it is made here, inside it)."""
+    wm, mgr = managers(worker)
+    t0 = time.perf_counter()
+    staged = prepared is not None
+    if prepared is None:
+        prepared = prepare(worker, lora_id, path, digests, config)
     t1 = time.perf_counter()
-    # the slot's old adapter out, the new one in, at the first free index (vLLM's add/activate: pack + scale)
+    # the slot's old adapter out, the new one in at the first free index: vLLM's add_adapter less the merge
+    # (done in prepare()), then its activate_adapter (each layer's set_lora at that index) and the pin
     mgr.remove_adapter(lora_id)
-    mgr.add_adapter(lora)
+    mgr._registered_adapters[lora_id] = prepared.lora
     mgr.activate_adapter(lora_id)
     wm.pin_adapter(lora_id)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t2 = time.perf_counter()
-    proven = prove(worker, lora_id, path, digests, config, tensors=reference)
-    return {"id": lora_id, "transform_s": t1 - t0, "write_s": t2 - t1, "prove_s": time.perf_counter() - t2,
-            **proven}
+    index = mgr.lora_index_to_id.index(lora_id)
+    expected = prepared.expected if index == prepared.index else \
+        expected_slot(worker, lora_id, prepared.reference, config, index)
+    checked = compare(mgr, lora_id, index, expected)
+    t3 = time.perf_counter()
+    return {"id": lora_id, "index": index, "checked": checked, "staged": staged, "prepare_s": prepared.seconds,
+            "transform_s": t1 - t0, "write_s": t2 - t1, "prove_s": t3 - t2, "held_s": t3 - t0}
 
 
 def _stacked(module: Any) -> dict[str, Any]:
@@ -165,20 +215,15 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def prove(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any],
-          tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """Read slot ``lora_id`` back from every LoRA layer and compare it with what each layer's own ``set_lora``
-    writes for a fresh transform of the verified host-copy tensors (see the module docstring); ``tensors``:
-    clones :func:`write` verified already (the host copy is then not read and hashed twice)."""
-    wm, mgr = managers(worker)
-    try:
-        index = mgr.lora_index_to_id.index(lora_id)
-    except ValueError:
-        raise SlotError(f"LoRA adapter id {lora_id} is not in any slot") from None
-    # a fresh transform, packed and scaled as the manager does, kept off the manager's books
-    fresh = transform(worker, lora_id, tensors if tensors is not None else verified_tensors(path, digests), config)
+def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                  index: int) -> dict[str, dict[str, list[torch.Tensor]]]:
+    """For every LoRA layer, what its own ``set_lora`` writes at a slot for a fresh transform of ``tensors``
+    (packed and scaled as the manager does, kept off its books), in a one-slot copy of its buffers at
+    ``index``; layers the adapter leaves out are reset there. Reads the live buffers at ``index`` only."""
+    _, mgr = managers(worker)
+    fresh = transform(worker, lora_id, tensors, config)
     mgr._create_merged_loras_inplace(fresh)
-    checked, bad = 0, []
+    out: dict[str, dict[str, list[torch.Tensor]]] = {}
     for name, module in mgr.modules.items():
         bufs = _stacked(module)
         if not bufs:
@@ -192,17 +237,50 @@ def prove(worker: Any, lora_id: int, path: str, digests: dict[str, str], config:
             one.set_lora(0, weights.lora_a, weights.lora_b)
         else:
             one.reset_lora(0)
-        for k, buf in bufs.items():
+        out[name] = {}
+        for k in bufs:
             want = getattr(one, k)
-            want = [want] if isinstance(want, torch.Tensor) else list(want)
-            for i, (live, w) in enumerate(zip(_at(buf, index), want)):
+            out[name][k] = [want] if isinstance(want, torch.Tensor) else list(want)
+    return out
+
+
+def compare(mgr: Any, lora_id: int, index: int, expected: dict[str, dict[str, list[torch.Tensor]]]) -> int:
+    """Every stacked buffer at slot ``index`` against ``expected``, bit for bit; the count compared."""
+    checked, bad = 0, []
+    for name, module in mgr.modules.items():
+        bufs = _stacked(module)
+        if not bufs:
+            continue
+        want = expected.get(name)
+        if want is None or set(want) != set(bufs):
+            bad.append(name)
+            continue
+        for k, buf in bufs.items():
+            for i, (live, w) in enumerate(zip(_at(buf, index), want[k], strict=True)):
                 checked += 1
                 if not _same_bits(live, w):
                     bad.append(f"{name}.{k}[{i}]")
     if bad:
         raise SlotError(f"LoRA slot {index} (adapter id {lora_id}) differs from vLLM's own load of the adapter in "
                         f"{len(bad)} buffers ({', '.join(bad[:4])})")
-    return {"index": index, "checked": checked}
+    return checked
+
+
+def prove(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any],
+          tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Read slot ``lora_id`` back from every LoRA layer and compare it with what each layer's own ``set_lora``
+    writes for a fresh transform of the verified host-copy tensors (see the module docstring)."""
+    t0 = time.perf_counter()
+    _, mgr = managers(worker)
+    try:
+        index = mgr.lora_index_to_id.index(lora_id)
+    except ValueError:
+        raise SlotError(f"LoRA adapter id {lora_id} is not in any slot") from None
+    expected = expected_slot(worker, lora_id, tensors if tensors is not None else verified_tensors(path, digests),
+                             config, index)
+    checked = compare(mgr, lora_id, index, expected)
+    return {"index": index, "checked": checked, "prove_s": time.perf_counter() - t0,
+            "held_s": time.perf_counter() - t0}
 
 
 def slot_digests(worker: Any, lora_id: int) -> dict[str, str]:

@@ -256,12 +256,60 @@ class CkptDeltaWorker:
         return slots.describe(self)
 
     @_answer
+    def ckptdelta_lora_stage(self, req: dict) -> dict[str, Any]:
+        """Start preparing the adapter in the host copy at ``path`` for registered adapter ``id`` in a thread
+        (``vllm_lora_slots.prepare``: verify, transform, pack, the proof's reference) and return at once; poll
+        with ``ckptdelta_lora_staged``, then ``ckptdelta_lora_write`` with the same ``token``."""
+        from loader.engines import vllm_lora_slots as slots
+        from loader.engines.vllm_shadow import BackgroundJob
+
+        lora_id, path, digests, config = int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"])
+        holder: dict[str, Any] = {}
+
+        def run() -> dict[str, Any]:
+            holder["prepared"] = p = slots.prepare(self, lora_id, path, digests, config)
+            return {"prepare_s": p.seconds, "index": p.index}
+
+        job = BackgroundJob(str(req["token"]), run)
+        job.prepared = holder                     # type: ignore[attr-defined]
+        self._ckptdelta_lora_job = job
+        return {"token": job.token, "state": "running"}
+
+    @_answer
+    def ckptdelta_lora_staged(self, req: dict) -> dict[str, Any]:
+        """Where the LoRA preparation ``token`` stands: running, ready or failed (with why). Never waits."""
+        job = getattr(self, "_ckptdelta_lora_job", None)
+        if job is None or job.token != str(req.get("token")):
+            return {"token": req.get("token"), "state": "missing"}
+        return job.answer()
+
+    @_answer
     def ckptdelta_lora_write(self, req: dict) -> dict[str, Any]:
         """Write the adapter in the host copy at ``path`` into registered adapter ``id`` in place, through vLLM's
-        own load transform, and prove the slot (``digests``: the manifest's, name -> xxh3)."""
+        own load transform, and prove the slot (``digests``: the manifest's, name -> xxh3). With the ``token``
+        of a ready ``ckptdelta_lora_stage``, only the copy into the slot and the comparison run here; without
+        one (or if that preparation is gone) everything runs inside this call; with ``if_ready`` and a
+        preparation still running, nothing is done and the answer's ``state`` says "running"."""
         from loader.engines import vllm_lora_slots as slots
 
-        return slots.write(self, int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"]))
+        done = getattr(self, "_ckptdelta_lora_done", None)
+        if done is not None and "token" in req and done[0] == str(req["token"]):
+            return done[1]                          # written already (other workers were still preparing)
+        job = getattr(self, "_ckptdelta_lora_job", None)
+        prepared = None
+        if job is not None and "token" in req and job.token == str(req["token"]):
+            if job.state == "running" and req.get("if_ready"):
+                return {"token": job.token, "state": "running"}     # nothing written: the caller asks again
+            self._ckptdelta_lora_job = None
+            if job.state == "failed":
+                raise slots.SlotError(job.error)
+            if job.state == "ready":
+                prepared = job.prepared.get("prepared")
+        out = slots.write(self, int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"]),
+                          prepared=prepared)
+        if "token" in req:
+            self._ckptdelta_lora_done = (str(req["token"]), out)
+        return out
 
     @_answer
     def ckptdelta_lora_prove(self, req: dict) -> dict[str, Any]:
