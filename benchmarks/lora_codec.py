@@ -21,6 +21,7 @@ import argparse
 import collections
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -65,6 +66,59 @@ def trajectory(hidden: int, layers: int, rank: int, lr: float, warmup: int, step
     return snaps
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _keys(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """docs/FORMAT.md's keys of a float tensor (ordered like the floats, one ulp = 1) and each element's
+    exponent field (its class in encodings 4 and 5), as int64."""
+    w = t.element_size()
+    b = t.detach().contiguous().view(torch.uint8).numpy().view(_UINT[w]).ravel().astype(np.int64)
+    bits = 8 * w
+    sign, mask = 1 << (bits - 1), (1 << bits) - 1
+    mbits = {"torch.float32": 23, "torch.bfloat16": 7, "torch.float16": 10}[str(t.dtype)]
+    key = np.where(b & sign, ~b & mask, b | sign)
+    return key, (b & (sign - 1)) >> mbits
+
+
+def _bucket(v: np.ndarray) -> np.ndarray:
+    """Bit length of |v| (0 for 0)."""
+    a = np.abs(v)
+    out = np.zeros(a.shape, np.int64)
+    nz = a > 0
+    out[nz] = np.floor(np.log2(a[nz].astype(np.float64))).astype(np.int64) + 1
+    return out
+
+
+def _model_bits(step: np.ndarray, ctx: np.ndarray) -> float:
+    """Bits to code ``step`` given ``ctx`` under a model of step *sizes*: the empirical entropy of the step's bit
+    length within each context (its tables counted as free), then the bits below the leading one as they are
+    and a sign per moved element. What a coder of that model family reaches at best on these steps."""
+    size = _bucket(step)
+    total = float(np.maximum(size - 1, 0).sum() + (size > 0).sum())
+    order = np.lexsort((size, ctx))
+    pairs = np.stack([ctx[order], size[order]])
+    _, counts = np.unique(pairs, axis=1, return_counts=True)
+    _, ctx_counts = np.unique(ctx, return_counts=True)
+    total -= float((counts * np.log2(counts)).sum()) - float((ctx_counts * np.log2(ctx_counts)).sum())
+    return total
+
+
+def model_estimates(older: dict | None, old: dict, new: dict) -> dict:
+    """Bytes per step that coders of two model families could reach at best (see :func:`_model_bits`):
+    step sizes per parent exponent class (what encodings 4 and 5 model, with Golomb codes), and the same with
+    the previous step's size as a second context (a coder that keeps the grandparent); None without it."""
+    by_class = by_prev = 0.0
+    for k in new:
+        k1, cls = _keys(old[k])
+        step = _keys(new[k])[0] - k1
+        by_class += _model_bits(step, cls)
+        if older is not None:
+            prev = k1 - _keys(older[k])[0]
+            by_prev += _model_bits(step, cls * 64 + _bucket(prev))
+    return {"model_class_bytes": by_class / 8, "model_prev_bytes": by_prev / 8 if older is not None else None}
+
+
 def measure(old: dict, new: dict) -> dict:
     raw = sum(t.numel() * t.element_size() for t in new.values())
     n = sum(t.numel() for t in new.values())
@@ -98,29 +152,46 @@ def main(argv: list[str] | None = None) -> int:
             snaps = trajectory(args.hidden, args.layers, rank, lr, args.warmup, args.steps)
             if args.dtype == "bf16":
                 snaps = [{k: v.to(torch.bfloat16) for k, v in s.items()} for s in snaps]
-            per = [measure(snaps[i], snaps[i + 1]) for i in range(args.steps)]
+            per = [{**measure(snaps[i], snaps[i + 1]),
+                    **model_estimates(snaps[i - 1] if i else None, snaps[i], snaps[i + 1])} for i in range(args.steps)]
+            for p in per:
+                p["model_class_vs_xor"] = p["xor_zstd3_bytes"] / p["model_class_bytes"]
+                if p["model_prev_bytes"] is not None:
+                    p["model_prev_vs_xor"] = p["xor_zstd3_bytes"] / p["model_prev_bytes"]
             row = {"rank": rank, "lr": lr, "steps": per,
-                   **{k: float(np.median([p[k] for p in per])) for k in
-                      ("raw_bytes", "changed", "ratio_xor", "ratio_ckptdelta", "vs_xor")},
+                   **{k: float(np.median([p[k] for p in per if k in p])) for k in
+                      ("raw_bytes", "changed", "ratio_xor", "ratio_ckptdelta", "vs_xor", "model_class_vs_xor",
+                       "model_prev_vs_xor")},
                    "chunks": per[-1]["chunks"]}
             rows.append(row)
             print(f"rank {rank:>3} lr {lr:g}: {row['raw_bytes'] / 1e6:.2f} MB adapter, {100 * row['changed']:.1f}% "
                   f"changed, XOR+zstd-3 {row['ratio_xor']:.3f}x, ckptdelta {row['ratio_ckptdelta']:.3f}x "
-                  f"({row['vs_xor']:.3f}x fewer bytes than XOR+zstd-3), chunks {row['chunks']}", flush=True)
+                  f"({row['vs_xor']:.3f}x fewer bytes than XOR+zstd-3), chunks {row['chunks']}; models at best: "
+                  f"{row['model_class_vs_xor']:.3f}x, {row['model_prev_vs_xor']:.3f}x", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     stem = "lora_codec" if args.dtype == "fp32" else f"lora_codec_{args.dtype}"
     with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    lines = [f"# LoRA steps: ckptdelta's codec beside XOR + zstd-3 (`python -m benchmarks.lora_codec`)", "",
+    cmd = " ".join(["python -m benchmarks.lora_codec", *(argv if argv is not None else sys.argv[1:])])
+    lines = [f"# LoRA steps: ckptdelta's codec beside XOR + zstd-3 (`{cmd}`)", "",
              f"Llama-style base, hidden {args.hidden}, {args.layers} layers, bf16; peft LoRA (fp32) on every linear, "
              f"published as {args.dtype}, "
              f"AdamW (no weight decay) on real gradients, {args.warmup} warm-up steps, medians of {args.steps} "
-             "consecutive steps. Ratio = adapter bytes / delta bytes.", "",
-             "| rank | lr | adapter | changed | XOR + zstd-3 | ckptdelta | bytes vs XOR + zstd-3 | chunk encodings |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "consecutive steps (the first step has no step before it: the last column's median is over the "
+             "others). Ratio = adapter bytes / delta bytes.", "",
+             "The two *model* columns are not coders: they are the empirical entropy of each element's step (in "
+             "ulps, docs/FORMAT.md's keys) under a model of step sizes, the bit length of the step coded with "
+             "its exact frequencies per context and the bits below its leading one as they are. *Per class*: "
+             "the context is the parent's exponent (what encodings 4 and 5 model); *+ previous step*: also the "
+             "size of the step before (a coder that keeps the grandparent). They show how far any coder of "
+             "those models could go on these steps, in bytes fewer than XOR + zstd-3.", "",
+             "| rank | lr | adapter | changed | XOR + zstd-3 | ckptdelta | bytes vs XOR + zstd-3 | model: per class "
+             "| model: + previous step | chunk encodings |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['rank']} | {r['lr']:g} | {r['raw_bytes'] / 1e6:.2f} MB | {100 * r['changed']:.1f}% | "
                      f"{r['ratio_xor']:.3f}x | {r['ratio_ckptdelta']:.3f}x | {r['vs_xor']:.3f}x fewer | "
+                     f"{r['model_class_vs_xor']:.3f}x fewer | {r['model_prev_vs_xor']:.3f}x fewer | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(r['chunks'].items()))} |")
     with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
