@@ -25,6 +25,12 @@ AdamW steps at lr 1e-6, tiled), through a real S3 API (moto on 127.0.0.1, or
   downloaded, ``load_file`` and ``copy_`` into the live tensors (the copy is the
   pause: the model cannot serve half-copied weights).
 
+With ``--device cuda`` the replica's live state dict is on the GPU (the trainer's weights and the
+publisher stay on the host): the hot-load writes them with torch ops on the device and synchronizes
+before its pause ends, the full copy is a device-to-device ``copy_`` of the model and the full
+checkpoint's pause the host-to-device ``copy_`` of the loaded file; the bare scatter and the cache-line
+share are host-memory figures and are left out there.
+
 Every swap is checked bit-exact against the trainer's tensors (untimed).
 Timings are wall-clock; each ckptdelta step is the median of ``--repeats`` publishes and hot-loads (the
 step forward, back and forward again: the same elements change each time), the full checkpoint one run.
@@ -32,8 +38,9 @@ step forward, back and forward again: the same elements change each time), the f
     python -m benchmarks.update_latency                    # 0.1 and 1 GB, local dir + S3 (moto)
     python -m benchmarks.update_latency --sizes 0.1,1,4
     python -m benchmarks.update_latency --quick            # 0.02 GB, local dir only, < 30 s
+    python -m benchmarks.update_latency --device cuda --backends local --sizes 1 --sweep 0.01,0.05,0.25
 
-Writes benchmarks/results/update_latency{,-quick}.{md,json,png}.
+Writes benchmarks/results/update_latency{,-quick}{,-cuda}.{md,json,png} (-cuda: live weights on a GPU).
 """
 
 from __future__ import annotations
@@ -110,7 +117,25 @@ def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     from delta import dtypes
 
     return a.keys() == b.keys() and all(
-        torch.equal(dtypes.torch_bits_view(a[k].reshape(-1)), dtypes.torch_bits_view(b[k].reshape(-1))) for k in a)
+        torch.equal(dtypes.torch_bits_view(a[k].reshape(-1).cpu()), dtypes.torch_bits_view(b[k].reshape(-1).cpu()))
+        for k in a)
+
+
+def _on_host(device: str) -> bool:
+    """Whether live weights on ``device`` are in host memory (then they are the trainer's tensors themselves,
+    and the bare scatter and cache-line share are measured beside the pause)."""
+    return torch.device(device).type == "cpu"
+
+
+def _device_name(device: str) -> str:
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "host memory" if dev.type == "cpu" else device
+
+
+def _sync(live: dict[str, torch.Tensor]) -> None:
+    """Wait for the devices of ``live`` (copies on a GPU are queued, not done, when copy_ returns)."""
+    for d in {t.device for t in live.values() if t.device.type == "cuda"}:
+        torch.cuda.synchronize(d)
 
 
 def _changed_elements(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
@@ -255,10 +280,12 @@ def _full_copy(live: dict[str, torch.Tensor]) -> float:
     """Seconds of a plain copy of the whole model into the live tensors from a staged copy of it (the same
     bits: the live weights stay the version they are). The staged copy is made, and first touched, untimed."""
     staged = {k: t.clone() for k, t in live.items()}
+    _sync(live)
     t0 = time.perf_counter()
     with torch.no_grad():
         for k, t in staged.items():
             live[k].copy_(t)
+    _sync(live)
     dt = time.perf_counter() - t0
     del staged
     return dt
@@ -273,15 +300,17 @@ def _paired(med: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sweep(pub: Any, swapper: Any, new: dict[str, torch.Tensor], live: dict[str, torch.Tensor], version: int,
-           repeats: int, fractions: tuple[float, ...]) -> tuple[list[dict[str, Any]], int]:
-    """The pause at each share of changed elements beside a full copy of the model right before and after it."""
+           repeats: int, fractions: tuple[float, ...], floor: bool = True) -> tuple[list[dict[str, Any]], int]:
+    """The pause at each share of changed elements beside a full copy of the model right before and after it
+    (with ``floor``, and the bare scatter of the same changes after it: host memory only)."""
     out = []
     for i, frac in enumerate(fractions):
         samples = []
         for _ in range(max(repeats, 1)):   # the same positions each time: on, off, on
             n = _sparse_step(new, frac, seed=100 + i)
             version += 1
-            step = _delta_step(pub, swapper, new, version, around=lambda: _full_copy(live), live=live)
+            step = _delta_step(pub, swapper, new, version, around=lambda: _full_copy(live),
+                               live=live if floor else None)
             step["elements_changed_expected"] = n
             step["bit_exact"] = _bits_equal(live, new)
             samples.append(step)
@@ -318,6 +347,7 @@ def _full_checkpoint(root: str, opts: dict | None, new: dict[str, torch.Tensor],
     with torch.no_grad():
         for k, t in loaded.items():
             live[k].copy_(t)
+    _sync(live)
     t5 = time.perf_counter()
     nbytes = fs.size(key)
     del loaded
@@ -327,21 +357,23 @@ def _full_checkpoint(root: str, opts: dict | None, new: dict[str, torch.Tensor],
             "load_s": t4 - t3, "copy_s": t5 - t4, "pause_s": t5 - t4, "total_s": t5 - t0}
 
 
-def warm_up(root: str, opts: dict | None) -> None:
+def warm_up(root: str, opts: dict | None, device: str = "cpu") -> None:
     """One small publish/hot-load cycle first, so that numba's compile-or-load, thread pools and first-use
-    imports are not charged to the first size measured (a trainer pays them once per process)."""
+    imports are not charged to the first size measured (a trainer pays them once per process); with the live
+    weights on ``device``, as measured (a GPU's context and the kernels the hot-load runs there load then)."""
     from loader import HotSwapper, SnapshotReader
     from publisher import Publisher
 
     g = torch.Generator().manual_seed(0)
     w = {f"w{i}": torch.randn(256, 1024, generator=g).to(torch.bfloat16) for i in range(4)}
-    live = {k: v.clone() for k, v in w.items()}
+    live = {k: v.clone().to(device) for k, v in w.items()}
     with Publisher(f"{root}/warm-up", storage_options=opts, progress=False, codec=CODEC) as pub:
         v0 = pub.publish(w, 0).version
         swapper = HotSwapper(live, SnapshotReader(f"{root}/warm-up", storage_options=opts), version=v0)
-        for step in (1, 2):
-            _sparse_step(w, 0.01, seed=step)
+        for step, frac in ((1, 0.01), (2, 0.5)):      # sparse, then dense (staged whole: the swap path)
+            _sparse_step(w, frac, seed=step)
             swapper.hotload(pub.publish(w, step).version)
+        _full_copy(live)
 
 
 def _median_step(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -360,9 +392,10 @@ def _median_step(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: bool,
-            repeats: int = 3, sweep: tuple[float, ...] = ()) -> dict[str, Any]:
+            repeats: int = 3, sweep: tuple[float, ...] = (), device: str = "cpu") -> dict[str, Any]:
     """One size on one backend. With ``repeats`` > 1 the step is published forward, back and forward again
-    (the same changed elements each time; one extra copy of the weights is held for the way back)."""
+    (the same changed elements each time; one extra copy of the weights is held for the way back). The
+    replica's live weights are on ``device``; on the CPU they are the trainer's first snapshot itself."""
     from benchmarks.workloads import scaled_pair
     from loader import HotSwapper, SnapshotReader
     from publisher import Publisher
@@ -375,7 +408,8 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
     expected_changed = _changed_elements(old, new)
     run = f"{root}/run-{size_gb:g}gb"
     out: dict[str, Any] = {"backend": kind, "size_gb": size_gb, "model_bytes": model_bytes, "elements": n_elements,
-                           "tensors": len(new), "build_s": build_s, "repeats": repeats}
+                           "tensors": len(new), "build_s": build_s, "repeats": repeats, "device": device}
+    host = _on_host(device)
     with tempfile.TemporaryDirectory(prefix="ckptdelta-latency-") as scratch:
         pub = Publisher(run, storage_options=opts, progress=False, anchor_every=1000, anchor_chain_fraction=100.0,
                         codec=CODEC)
@@ -383,16 +417,21 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
             t = time.perf_counter()
             anchor = pub.publish(old, 0)
             out["anchor"] = {"stored_bytes": anchor.stored_bytes, "publish_s": time.perf_counter() - t}
-            back = {k: v.clone() for k, v in old.items()} if repeats > 1 else None  # the trainer's v0 bits
-            live = old  # the replica's live weights are these very tensors: no extra copy
+            if host:
+                back = {k: v.clone() for k, v in old.items()} if repeats > 1 else None  # the trainer's v0 bits
+                live = old  # the replica's live weights are these very tensors: no extra copy
+            else:
+                back = old if repeats > 1 else None
+                live = {k: v.to(device, copy=True) for k, v in old.items()}
+                _sync(live)
             old = None
             swapper = HotSwapper(live, SnapshotReader(run, storage_options=opts), version=anchor.version)
             version, samples = 0, []
             for i in range(repeats):
                 target = new if i % 2 == 0 else back
                 version += 1
-                step = _delta_step(pub, swapper, target, version,
-                                   around=(lambda: _full_copy(live)) if sweep else None, live=live if sweep else None)
+                step = _delta_step(pub, swapper, target, version, around=(lambda: _full_copy(live)) if sweep else None,
+                                   live=live if sweep and host else None)
                 step["elements_changed_expected"] = expected_changed
                 step["bit_exact"] = _bits_equal(live, target)
                 samples.append(step)
@@ -411,7 +450,7 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
                 samples.append(step)
             out["sparse"] = _median_step(samples)
             if sweep:
-                out["sweep"], version = _sweep(pub, swapper, new, live, version, repeats, sweep)
+                out["sweep"], version = _sweep(pub, swapper, new, live, version, repeats, sweep, floor=host)
                 real = out["delta"]
                 _paired(out["delta"])
         finally:
@@ -430,6 +469,24 @@ def _ms(x: float) -> str:
     return f"{1000 * x:.1f}"
 
 
+def _device_note(meta: dict) -> str:
+    device = meta.get("device", "cpu")
+    if _on_host(device):
+        return ""
+    return (f" The replica's live weights are on `{device}` ({meta.get('device_name', device)}); the trainer's "
+            "weights, the publisher and the replica's fetch and decode are on the host. The pause is the hot-load's "
+            "torch writes on the device, synchronized; the full copy of the model is a device-to-device `copy_`, "
+            "the full checkpoint's copy the host-to-device `copy_` of the loaded file. The bare scatter and the "
+            "cache-line share are host-memory figures: not measured here (-).")
+
+
+def _floor_cells(d: dict) -> str:
+    """The bare scatter, its share of the copy and the cache lines changed; '-' where not measured (a device)."""
+    if d.get("floor_s") is None:
+        return "- | - | -"
+    return f"{_ms(d['floor_s'])} | {d['floor_over_copy']:.2f}x | {100 * d['lines_share']:.0f}%"
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     lines = [
         "# Weight-update latency: publish() -> live weights swapped",
@@ -437,7 +494,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"{meta['machine']}; bf16 snapshots from `scaled_pair(..., lr=1e-6)`; ckptdelta columns: median of "
         f"{meta['repeats']} publish+hot-load cycles, full checkpoint: one run; "
         f"times in ms unless marked. ckptdelta = publish a delta + hot-load it (HotSwapper, same process); "
-        f"full = safetensors save_file + upload, download + load_file + copy_ into the live tensors.",
+        f"full = safetensors save_file + upload, download + load_file + copy_ into the live tensors."
+        + _device_note(meta),
         "",
         "| backend | model | changed | delta stored | host copy | encode | upload | commit | fetch | decode | "
         "pause | **ckptdelta total** | full: save | upload | download | load | copy (pause) | **full total** | "
@@ -505,7 +563,7 @@ def markdown(results: list[dict], meta: dict) -> str:
                              f"{d['tensors_copied']:g} / {d['tensors_changed']:g} | {_ms(d['pause_s'])} | "
                              f"{_ms(min(pauses))}-{_ms(max(pauses))} | {_ms(copy_s)} | {_ms(copy_min)} | "
                              f"**{d['pause_over_copy']:.2f}x** | {d['pause_over_fastest_copy']:.2f}x | "
-                             f"{_ms(d['floor_s'])} | {d['floor_over_copy']:.2f}x | {100 * d['lines_share']:.0f}% |")
+                             f"{_floor_cells(d)} |")
     lines += ["", "Growth with size (largest / smallest size, per backend):", ""]
     lines += growth_lines(results)
     lines += ["", "Targets:", ""] + [f"- {t}" for t in targets(results)]
@@ -549,10 +607,14 @@ def targets(results: list[dict]) -> list[str]:
             continue
         tag = f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB"
         x, xf = r["delta"]["pause_over_copy"], r["delta"]["pause_over_fastest_copy"]
+        floor = r["delta"].get("floor_s") is not None     # host memory only (not on a device)
+        if not _on_host(r.get("device", "cpu")):
+            tag += f" on {r['device']}"
         out.append(f"pause at ~1% changed (the lr 1e-6 step, {tag}) <= 0.2x a full copy of the model: {x:.2f}x of "
-                   f"the median copy, {xf:.2f}x of the fastest -> {'met' if x <= 0.2 else 'NOT met'}; a bare "
-                   f"scatter of the same changes takes {r['delta']['floor_over_copy']:.2f}x, and "
-                   f"{100 * r['delta']['lines_share']:.0f}% of the model's cache lines hold a change")
+                   f"the median copy, {xf:.2f}x of the fastest -> {'met' if x <= 0.2 else 'NOT met'}"
+                   + (f"; a bare scatter of the same changes takes {r['delta']['floor_over_copy']:.2f}x, and "
+                      f"{100 * r['delta']['lines_share']:.0f}% of the model's cache lines hold a change"
+                      if floor else ""))
         worst = max(r["sweep"], key=lambda d: d["pause_over_copy"])
         worst_f = max(r["sweep"], key=lambda d: d["pause_over_fastest_copy"])
         share = worst["elements_changed_expected"] / max(1, r["elements"])
@@ -561,9 +623,9 @@ def targets(results: list[dict]) -> list[str]:
         out.append(f"pause <= 1.0x a full copy at every share changed, {lo:.1f}-{hi:.0f}% ({tag}): worst "
                    f"{worst['pause_over_copy']:.2f}x "
                    f"of the median copy at {100 * share:.1f}% ({worst_f['pause_over_fastest_copy']:.2f}x of the fastest "
-                   f"at worst) -> {'met' if worst['pause_over_copy'] <= 1.0 else 'NOT met'}; a bare scatter of the "
-                   f"same changes takes {worst['floor_over_copy']:.2f}x there, at most "
-                   f"{max(d['floor_over_copy'] for d in r['sweep']):.2f}x over the sweep")
+                   f"at worst) -> {'met' if worst['pause_over_copy'] <= 1.0 else 'NOT met'}"
+                   + (f"; a bare scatter of the same changes takes {worst['floor_over_copy']:.2f}x there, at most "
+                      f"{max(d['floor_over_copy'] for d in r['sweep']):.2f}x over the sweep" if floor else ""))
     by = {(r["backend"], r["size_gb"]): r for r in results}
     for kind in sorted({r["backend"] for r in results}):
         sizes = sorted(s for (k, s) in by if k == kind)
@@ -635,8 +697,9 @@ def plot(results: list[dict], path: str) -> None:
         xs = [100 * d["elements_changed_expected"] / r["elements"] for d in r["sweep"]]
         line = ax[3].plot(xs, [d["pause_over_copy"] for d in r["sweep"]], marker="o",
                           label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: random changes")[0]
-        ax[3].plot(xs, [d["floor_over_copy"] for d in r["sweep"]], ls=":", color=line.get_color(),
-                   label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: bare scatter (floor)")
+        if r["sweep"][0].get("floor_s") is not None:        # host memory only
+            ax[3].plot(xs, [d["floor_over_copy"] for d in r["sweep"]], ls=":", color=line.get_color(),
+                       label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: bare scatter (floor)")
         ax[3].scatter([100 * r["delta"]["elements_changed_expected"] / r["elements"]], [r["delta"]["pause_over_copy"]],
                       marker="*", s=120, zorder=3, label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: lr 1e-6 step")
     if swept:
@@ -659,21 +722,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="0.02 GB, local directory only (a smoke test)")
     p.add_argument("--repeats", type=int, default=3,
                    help="hot-loads per step kind, median reported (default 3; 1 above 2 GB to bound memory)")
+    p.add_argument("--sweep", default=None, metavar="FRACTIONS",
+                   help="shares of elements changed for the pause-vs-copy sweep on the local backend, "
+                        f"comma-separated (default {','.join(map(str, SWEEP))}; 'none' for no sweep)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the replica's live weights (cpu, cuda, cuda:1...; default cpu)")
     p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from loader.servable import check_device
+
+    check_device(a.device)
+    on_host = _on_host(a.device)
     sizes = [0.02] if a.quick else [float(s) for s in a.sizes.split(",") if s]
     kinds = ["local"] if a.quick else [k for k in a.backends.split(",") if k]
+    if a.sweep is None:
+        fractions = QUICK_SWEEP if a.quick else SWEEP
+    else:
+        fractions = () if a.sweep == "none" else tuple(float(x) for x in a.sweep.split(",") if x)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-            "sizes_gb": sizes, "backends": kinds, "quick": a.quick, "repeats": a.repeats}
+            "sizes_gb": sizes, "backends": kinds, "quick": a.quick, "repeats": a.repeats, "device": a.device,
+            "device_name": _device_name(a.device)}
     results = []
     for kind in kinds:
         with backend(kind, a.s3_url, a.storage_options) as (root, opts):
-            warm_up(root, opts)
+            warm_up(root, opts, a.device)
             for size in sizes:
-                sweep = () if kind != "local" or size > 2 else (QUICK_SWEEP if a.quick else SWEEP)
+                sweep = () if kind != "local" or size > 2 else fractions
                 r = measure(size, kind, root, opts, quick=a.quick, repeats=a.repeats if size <= 2 else 1,
-                            sweep=sweep)
+                            sweep=sweep, device=a.device)
                 results.append(r)
                 d, f = r["delta"], r["full"]
                 print(f"{kind:>5} {r['model_bytes'] / 1e9:5.2f} GB: ckptdelta {d['total_s']:6.2f} s "
@@ -685,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(md)
     os.makedirs(a.out_dir, exist_ok=True)
-    stem = os.path.join(a.out_dir, "update_latency" + ("-quick" if a.quick else ""))
+    suffix = ("-quick" if a.quick else "") + ("" if on_host else f"-{torch.device(a.device).type}")
+    stem = os.path.join(a.out_dir, "update_latency" + suffix)
     with open(stem + ".md", "w") as f:
         f.write(md)
     with open(stem + ".json", "w") as f:
