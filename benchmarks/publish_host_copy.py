@@ -182,7 +182,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "its mmap threshold); reused buffers pay the copy only. The device diff moves positions and values only (int32 positions: 4 + 2 "
               "bytes per changed bf16 element); " + ("on this CPU-only machine its compare runs on the CPU too, so it shows the host "
                               "side's cost, not what a GPU's compare would cost."
-                              if meta["device"] == "cpu" else "here the compare runs on the GPU.")]
+                              if meta["device"] == "cpu" else
+                              f"here the sources are on `{meta['device']}`: the device diff column is the device-side "
+                              "diff itself (the compare against the last published bits and the gather of the "
+                              "changed elements run on the GPU, then positions and values cross to pinned host "
+                              "memory and the host snapshot is built from them by two scatters), against copies of "
+                              "the whole model into pinned buffers in the two columns before it.")]
     return "\n".join(lines) + "\n"
 
 
