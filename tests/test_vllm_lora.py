@@ -149,6 +149,26 @@ def test_a_preparation_whose_host_copy_fails_its_digests_writes_nothing_and_the_
     assert rep.complete(max_tokens=1, return_engine_data=True)["engine_data"]["policy_versions"] == [serving.version]
 
 
+def test_a_slot_rewritten_behind_the_replicas_back_fails_its_proof_when_its_version_comes_back_and_is_retired(
+        rep, lora_run):
+    """A resident slot that no longer holds its version (here vLLM's own in-place load of another version's
+    PEFT directory into it, as a stray ``load_lora_adapter`` would do) fails its proof when that version is
+    hot-loaded again: the job FAILs naming the slot's buffers, the slot is out of service, the replica serves
+    on; the next hot-load of that version writes it anew and proves it."""
+    engine, a = rep.engine, rep.engine.applier
+    serving = engine.slots.newest()
+    other = next(s for s in engine.slots.slots if s is not serving and s.ready)
+    held = other.version
+    wrong = next(v for v in lora_run["dirs"] if v != held)
+    a.control.rpc("ckptdelta_lora_load_dir", {"name": other.name, "id": other.id, "path": lora_run["dirs"][wrong]})
+    job = rep.hotload(held)
+    assert job["state"] == "FAILED" and "differs from vLLM's own load" in job["reason"], job
+    assert not other.ready and engine.version == serving.version
+    assert rep.complete(max_tokens=1, return_engine_data=True)["engine_data"]["policy_versions"] == [serving.version]
+    job = rep.hotload(held)
+    assert job["state"] == "READY" and engine.applier.last["written"] and engine.version == held, job
+
+
 def test_the_replica_answers_the_greedy_tokens_and_logprobs_of_a_fresh_vllm_that_loaded_the_adapter_directory(
         rep, fresh):
     job = rep.hotload(2)
