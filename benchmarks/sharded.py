@@ -16,19 +16,35 @@ have 2, as each rank of a real job brings its own cores. Per step and rank: **tr
 time from ``publish()`` called to committed (for the baseline, plus the gather before it), **bytes gathered** =
 what the rank received from other ranks (the publishers' pickled metadata and tensor bytes, counted by
 ``publisher.distributed.Comm``; the baseline's all-gather of the parameters), **bytes written** = the delta
-objects the rank uploaded. Medians of ``--steps`` timed deltas after 2 untimed ones. The first publish is an
-anchor: its gathered bytes and the writer's memory (the RSS above the rank's level before it, sampled every
-2 ms, against the bound: its own shards' host copy plus one gathered tensor) are reported apart.
+objects the rank uploaded. The first publish is an anchor: its gathered bytes and the writer's memory (the RSS
+above the rank's level before it, sampled every 2 ms, against the bound: its own shards' host copy plus one
+gathered tensor) are reported apart.
+
+**Rounds.** On a shared machine the load drifts from minute to minute, so configurations run one after the
+other compare the machine's moments as much as the code (two quiet runs that way gave 0.75x and 0.53x for 2
+ranks / 1 rank). The configurations therefore run interleaved, ``--rounds`` times: each round is a fresh job of
+every configuration (its own first anchor and 2 untimed deltas, then ``--steps`` timed deltas), in the order
+1 rank, 2 ranks, baseline, and reversed in every other round (ABC, CBA, ABC, ...), so no configuration always
+runs first or last. The table's medians are over every round's timed deltas pooled per configuration; the
+2-ranks / 1-rank ratio is also given per round (each round's own medians) with its spread (min-max), which
+shows how much the machine moved it. The anchor after the timed deltas and the replica's hot-load are measured
+in the first round only (neither is part of the ratio, and each costs a job ~5-10 s at 1 GB). Every rank builds
+the same model and copies its own rows out of it (``distribute_tensor(..., src_data_rank=None)``: the same
+DTensors, without the scatter from rank 0, since a job's setup is now paid in every round). The default, 3
+rounds of 3 timed deltas, pools 9 deltas per configuration and gives 3 ratios; most of its ~5 minutes at 1 GB
+is each job's own start and first anchor (~15-25 s), so fewer deltas per round would not make it much shorter
+(``--rounds 2``: ~3.5 minutes, 2 ratios).
 
 It also times rank 0's share of a publish at the projection's scales (no I/O; ``--no-metadata`` skips it):
 planning the pieces of every rank (``plan_union``), merging the ranks' entries and the manifest's JSON round
 trip, for synthetic layouts of 70B (723 tensors on 64 ranks) and 1T (1,830 tensors on 256 ranks).
 
-    python -m benchmarks.sharded                   # 1 GB, 7 timed deltas: ~3 minutes on two cores
-    python -m benchmarks.sharded --gb 0.05 --steps 2 --quick
+    python -m benchmarks.sharded                   # 1 GB, 3 rounds x 3 timed deltas: ~5 minutes on two cores
+    python -m benchmarks.sharded --gb 0.05 --steps 2 --rounds 2 --quick --out DIR     # a smoke run
     python -m benchmarks.sharded --render benchmarks/results/sharded.json    # the table and plot again
 
-Writes benchmarks/results/sharded.{md,json,png}.
+Writes benchmarks/results/sharded.{md,json,png} (or under ``--out``). A JSON from before rounds (no ``rounds``
+per result) renders as one round.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ import multiprocessing
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -46,6 +63,8 @@ from datetime import timedelta
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 WARM = 2
+ROUNDS = 3           # default --rounds (2 with --quick)
+STEPS = 3            # default --steps: timed deltas per configuration and round
 
 
 def _rss() -> int:
@@ -78,7 +97,7 @@ class _PeakRss:
 
 
 def _rank(method: str, world: int, rank: int, init: str, url: str, gb: float, steps: int, codec: str,
-          out: str) -> None:
+          out: str, anchor: bool) -> None:
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     import torch
     import torch.distributed as dist
@@ -90,14 +109,16 @@ def _rank(method: str, world: int, rank: int, init: str, url: str, gb: float, st
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from benchmarks.workloads import scaled_pair
-    from delta.manifest import delta_prefix
     from publisher import Publisher
 
     mesh = init_device_mesh("cpu", (world,))
     old, new = scaled_pair(int(gb * 1e9))
     full_bytes = sum(t.numel() * t.element_size() for t in old.values())
     largest = max(t.numel() * t.element_size() for t in old.values())
-    snaps = [{n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in sd.items()} for sd in (old, new)]
+    # every rank built the same model: each takes (copies) its own rows, without the scatter from rank 0 that
+    # distribute_tensor does by default (seconds per job, paid in every round)
+    snaps = [{n: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for n, t in sd.items()}
+             for sd in (old, new)]
     del old, new
     import gc
     gc.collect()
@@ -107,7 +128,7 @@ def _rank(method: str, world: int, rank: int, init: str, url: str, gb: float, st
     pub = Publisher(url, codec=codec, anchor_every=1000, anchor_chain_fraction=1e9, progress=False,
                     distributed=False if baseline else None) if (not baseline or rank == 0) else None
     try:
-        for step in range(WARM + steps + 2):     # an anchor, deltas, then an anchor measured warm
+        for step in range(WARM + steps + 1 + anchor):   # an anchor, deltas, then (anchor) one measured warm
             sd = snaps[step % 2]
             dist.barrier()
             before = dict(pub._comm.stats) if pub is not None else {}
@@ -159,12 +180,14 @@ def _rank(method: str, world: int, rank: int, init: str, url: str, gb: float, st
     dist.destroy_process_group()
 
 
-def run(method: str, world: int, gb: float, steps: int, codec: str) -> dict:
+def job(method: str, world: int, gb: float, steps: int, codec: str, *, first: bool) -> dict:
+    """One fresh gloo job of a configuration (a round's share): every rank's rows of every publish, and for a
+    DTensor publish in the ``first`` round a replica's hot-load of its timed deltas. Only the first round
+    publishes the warm anchor after the timed deltas."""
     with tempfile.TemporaryDirectory(prefix="ckptdelta-sharded-") as d:
         ctx = multiprocessing.get_context("spawn")
-        args = (method, world)
-        procs = [ctx.Process(target=_rank, args=(*args, r, os.path.join(d, "init"), os.path.join(d, "run"), gb,
-                                                  steps, codec, d)) for r in range(world)]
+        procs = [ctx.Process(target=_rank, args=(method, world, r, os.path.join(d, "init"), os.path.join(d, "run"),
+                                                  gb, steps, codec, d, first)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -172,33 +195,80 @@ def run(method: str, world: int, gb: float, steps: int, codec: str) -> dict:
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"{method} on {world} ranks: exit codes {[p.exitcode for p in procs]}")
         ranks = [json.load(open(os.path.join(d, f"{method}-{world}-{r}.json"))) for r in range(world)]
-        hot = replica(os.path.join(d, "run"), list(range(WARM + 1, WARM + 1 + steps))) if method == "dtensor" else {}
+        timed = list(range(WARM + 1, WARM + 1 + steps))
+        hot = replica(os.path.join(d, "run"), timed) if method == "dtensor" and first else {}
+    return {"ranks": ranks, "replica": hot, "anchor": first}
+
+
+def pool(method: str, world: int, jobs: list[dict], steps: int) -> dict:
+    """A configuration's figures over its rounds' jobs: medians of every round's timed deltas pooled, each
+    round's own medians (``rounds``), and the anchor and replica from the round that measured them."""
     timed = range(WARM + 1, WARM + 1 + steps)
-    med = lambda k, r=0: statistics.median(ranks[r]["rows"][i][k] for i in timed)  # noqa: E731
-    written = ranks[0]["written"]
-    out = {
-        "method": method, "ranks": world, "full_bytes": ranks[0]["full_bytes"],
-        "largest_tensor": ranks[0]["largest_tensor"],
-        "trainer_s": statistics.median(max(rk["rows"][i]["trainer_s"] for rk in ranks) for i in timed),
-        "cpu_s": statistics.median(max(rk["rows"][i]["cpu_s"] for rk in ranks) for i in timed),
-        "gather_s": med("gather_s"), "copy_s": med("copy_s"), "encode_s": med("encode_s"),
-        "upload_s": med("upload_s"), "commit_s": med("commit_s"), "stored_bytes": med("stored_bytes"),
+
+    def per_step(job: dict, key: str) -> list[float]:       # the slowest rank's, per timed step
+        return [max(rk["rows"][i][key] for rk in job["ranks"]) for i in timed]
+
+    def pooled(key: str, r: int = 0) -> float:
+        return statistics.median(j["ranks"][r]["rows"][i][key] for j in jobs for i in timed)
+
+    def pooled_count(key: str, r: int = 0) -> int:      # a count seen, not the mean of two
+        return statistics.median_low(j["ranks"][r]["rows"][i][key] for j in jobs for i in timed)
+
+    def written(job: dict, i: int, r: int) -> int:
+        w = job["ranks"][0]["written"]
+        return w[str(i)][r] if str(i) in w else w[i][r]
+
+    first = jobs[0]["ranks"][0]
+    anchored = next(j for j in jobs if j["anchor"])
+    a_ranks = anchored["ranks"]
+    return {
+        "method": method, "ranks": world, "full_bytes": first["full_bytes"], "largest_tensor": first["largest_tensor"],
+        "trainer_s": statistics.median(x for j in jobs for x in per_step(j, "trainer_s")),
+        "cpu_s": statistics.median(x for j in jobs for x in per_step(j, "cpu_s")),
+        "gather_s": pooled("gather_s"), "copy_s": pooled("copy_s"), "encode_s": pooled("encode_s"),
+        "upload_s": pooled("upload_s"), "commit_s": pooled("commit_s"), "stored_bytes": pooled_count("stored_bytes"),
         "per_rank": [{
             "rank": r, "own_bytes": rk["own_bytes"],
-            "gathered_tensor_bytes": statistics.median(rk["rows"][i]["gathered_tensor_bytes"] for i in timed),
-            "gathered_object_bytes": statistics.median(rk["rows"][i]["gathered_object_bytes"] for i in timed),
-            "written_bytes": statistics.median(written[str(i)][r] if str(i) in written else written[i][r]
-                                               for i in timed),
+            "gathered_tensor_bytes": pooled_count("gathered_tensor_bytes", r),
+            "gathered_object_bytes": pooled_count("gathered_object_bytes", r),
+            "written_bytes": statistics.median_low(written(j, i, r) for j in jobs for i in timed),
             "anchor_tensor_bytes": rk["rows"][-1]["gathered_tensor_bytes"],
             "anchor_object_bytes": rk["rows"][-1]["gathered_object_bytes"],
             "anchor_rss_extra": rk["rows"][-1]["rss_extra"], "largest_gather": rk["rows"][-1]["largest_gather"],
-        } for r, rk in enumerate(ranks)],
-        "anchor_s": max(rk["rows"][-1]["trainer_s"] for rk in ranks),
-        "first_anchor_s": max(rk["rows"][0]["trainer_s"] for rk in ranks),
-        "samples": [[rk["rows"][i]["trainer_s"] for i in timed] for rk in ranks],
-        "replica": hot,
+        } for r, rk in enumerate(a_ranks)],
+        "anchor_s": max(rk["rows"][-1]["trainer_s"] for rk in a_ranks),
+        "first_anchor_s": statistics.median(max(rk["rows"][0]["trainer_s"] for rk in j["ranks"]) for j in jobs),
+        "samples": [[j["ranks"][r]["rows"][i]["trainer_s"] for j in jobs for i in timed] for r in range(world)],
+        "rounds": [{"round": n + 1, "trainer_s": statistics.median(per_step(j, "trainer_s")),
+                    "cpu_s": statistics.median(per_step(j, "cpu_s")), "steps_s": per_step(j, "trainer_s"),
+                    "first_anchor_s": max(rk["rows"][0]["trainer_s"] for rk in j["ranks"])}
+                   for n, j in enumerate(jobs)],
+        "replica": anchored["replica"],
     }
-    return out
+
+
+def run(configs: list[tuple[str, int]], gb: float, steps: int, codec: str, rounds: int,
+        log=print) -> tuple[list[dict], list[list[str]]]:
+    """Every configuration ``rounds`` times, interleaved (the order reversed in every other round). Returns each
+    configuration's pooled figures and the order each round ran in."""
+    jobs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
+    order = []
+    for n in range(rounds):
+        seq = configs if n % 2 == 0 else configs[::-1]
+        order.append([_key(*c) for c in seq])
+        for c in seq:
+            t0 = time.perf_counter()
+            j = job(*c, gb, steps, codec, first=n == 0)
+            jobs[c].append(j)
+            med = statistics.median(max(rk["rows"][i]["trainer_s"] for rk in j["ranks"])
+                                    for i in range(WARM + 1, WARM + 1 + steps))
+            log(f"round {n + 1}/{rounds}: {_key(*c)}: trainer-side median {med:.3f} s "
+                f"(job {time.perf_counter() - t0:.0f} s)")
+    return [pool(*c, jobs[c], steps) for c in configs], order
+
+
+def _key(method: str, world: int) -> str:
+    return f"{method}-{world}"
 
 
 def replica(url: str, versions: list[int]) -> dict:
@@ -292,32 +362,78 @@ def table(res: list[dict]) -> list[str]:
     return lines
 
 
-def report(res: list[dict], meta: list[dict], args, elapsed: float) -> str:
+def rounds_of(r: dict) -> list[dict]:
+    """A configuration's per-round figures; a result from before rounds (no ``rounds``) is one round."""
+    if "rounds" in r:
+        return r["rounds"]
+    return [{"round": 1, "trainer_s": r["trainer_s"], "cpu_s": r["cpu_s"],
+             "steps_s": [max(x) for x in zip(*r["samples"])], "first_anchor_s": r["first_anchor_s"]}]
+
+
+def round_ratios(one: dict, two: dict) -> list[float]:
+    """2 ranks / 1 rank per round: each round's trainer-side medians."""
+    return [b["trainer_s"] / a["trainer_s"] for a, b in zip(rounds_of(one), rounds_of(two))]
+
+
+def round_table(res: list[dict], order: list[list[str]]) -> list[str]:
     one = next(r for r in res if r["ranks"] == 1 and r["method"] == "dtensor")
     two = next(r for r in res if r["ranks"] == 2 and r["method"] == "dtensor")
     base = next((r for r in res if r["method"] == "gather"), None)
+    ratios = round_ratios(one, two)
+    names = {"dtensor-1": "1 rank", "dtensor-2": "2 ranks", "gather-2": "gather"}
+    steps = lambda rd: ", ".join(f"{x:.2f}" for x in rd["steps_s"])  # noqa: E731
+    lines = ["| round | order | 1 rank: median (per step), s | 2 ranks: median (per step), s | 2 ranks / 1 rank |"
+             + (" gather then publish: median, s |" if base else ""),
+             "|---:|---|---|---|---:|" + ("---:|" if base else "")]
+    for n, (a, b, q) in enumerate(zip(rounds_of(one), rounds_of(two), ratios)):
+        seq = ", ".join(names.get(k, k) for k in order[n]) if n < len(order) else "?"
+        lines.append(f"| {n + 1} | {seq} | {a['trainer_s']:.3f} ({steps(a)}) | {b['trainer_s']:.3f} ({steps(b)}) | "
+                     f"{q:.2f}x |" + (f" {rounds_of(base)[n]['trainer_s']:.3f} |" if base else ""))
+    return lines
+
+
+def report(res: list[dict], meta: list[dict], args, elapsed: float, order: list[list[str]] | None = None) -> str:
+    one = next(r for r in res if r["ranks"] == 1 and r["method"] == "dtensor")
+    two = next(r for r in res if r["ranks"] == 2 and r["method"] == "dtensor")
+    base = next((r for r in res if r["method"] == "gather"), None)
+    order = order or [[_key(r["method"], r["ranks"]) for r in res]]     # a run from before rounds: in list order
+    n_rounds = len(rounds_of(one))
     ratio = two["trainer_s"] / one["trainer_s"]
+    ratios = round_ratios(one, two)
+    spread = f"{min(ratios):.2f}-{max(ratios):.2f}x"
+    method = (f"medians of {args.steps} deltas after {WARM} untimed" if n_rounds == 1 else
+              f"{n_rounds} rounds, each a fresh job of every configuration ({WARM} untimed deltas, then "
+              f"{args.steps} timed), the order reversed every other round; medians of the {n_rounds} x "
+              f"{args.steps} timed deltas pooled")
     lines = [f"# Sharded publish: per-rank encoding of DTensor shards (`python -m benchmarks.sharded`)", "",
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (each rank pinned to one), "
              f"model {one['full_bytes'] / 1e9:.2f} GB bf16 (benchmarks.workloads.scaled_pair, lr 1e-6), "
-             f"codec={args.codec}, medians of {args.steps} deltas after {WARM} untimed, local-directory bucket. "
+             f"codec={args.codec}, {method}, local-directory bucket. "
              f"Run took {elapsed:.0f} s.", "", *table(res), "",
              "Per-rank columns are rank 0 / rank 1. Trainer-side: publish() called -> committed on every rank (for "
              "the gather baseline: the all-gather of the parameters, then rank 0's publish; rank 1 waits). CPU: "
              "the CPU time of the busiest rank's process (all its threads) over the same span: the work each rank "
              "does, whatever else shares its core.", "",
-             f"- **At 2 ranks the DTensor publish takes {ratio:.2f}x the trainer-side time of 1 rank** (target <= "
-             f"0.6x: {'met' if ratio <= 0.6 else 'NOT met'}; per step: "
-             f"{', '.join(f'{x:.2f}' for x in two['samples'][0])} s against "
-             f"{', '.join(f'{x:.2f}' for x in one['samples'][0])} s), and its busiest rank's CPU "
-             f"{two['cpu_s'] / one['cpu_s']:.2f}x of 1 rank's."]
+             "## Per round", "", *round_table(res, order), "",
+             (f"The 2-ranks / 1-rank ratio of each round's medians spans **{spread}** over {n_rounds} rounds "
+              f"({', '.join(f'{q:.2f}x' for q in ratios)}); pooled, {ratio:.2f}x. Each round ran every "
+              "configuration as a fresh job, in the order shown: the spread is what the machine's drift between "
+              "jobs seconds to a minute apart does to the ratio." if n_rounds > 1 else
+              "One round: each configuration ran once, one after the other, so this run cannot tell how much the "
+              "machine's drift between them moved the ratio (`--rounds` interleaves them)."), "",
+             f"- **At 2 ranks the DTensor publish takes {ratio:.2f}x the trainer-side time of 1 rank** ("
+             + (f"pooled over {n_rounds} rounds; per round {spread}; " if n_rounds > 1 else "")
+             + f"target <= 0.6x: {'met' if ratio <= 0.6 else 'NOT met'}"
+             + (f", in {sum(q <= 0.6 for q in ratios)} of {n_rounds} rounds" if n_rounds > 1 else "")
+             + f"), and its busiest rank's CPU {two['cpu_s'] / one['cpu_s']:.2f}x of 1 rank's."]
     gathered = [p["gathered_tensor_bytes"] for p in two["per_rank"]]
     lines.append(f"- Bytes gathered for a delta: tensor bytes {gathered} (target: none, metadata only: "
                  f"{'met' if not any(gathered) else 'NOT met'}); metadata "
                  f"{[p['gathered_object_bytes'] for p in two['per_rank']]} bytes per rank (pickled schemas, "
                  "boxes, entries and the plan).")
     if one.get("replica") and two.get("replica"):
-        lines.append(f"- A replica's hot-load of these deltas (one core): prepare {one['replica']['prepare_s']:.3f} s, "
+        lines.append(f"- A replica's hot-load of these deltas (one core{', round 1' if n_rounds > 1 else ''}): "
+                     f"prepare {one['replica']['prepare_s']:.3f} s, "
                      f"pause {one['replica']['pause_s']:.3f} s for the 1-rank run's plain records; prepare "
                      f"{two['replica']['prepare_s']:.3f} s, pause {two['replica']['pause_s']:.3f} s for the 2-rank "
                      "run's pieces (row boxes staged one by one against the live tensor, each proving its bits).")
@@ -326,7 +442,8 @@ def report(res: list[dict], meta: list[dict], args, elapsed: float) -> str:
                      f"gathering {base['per_rank'][0]['gathered_tensor_bytes']:,} bytes into each rank), "
                      f"{base['trainer_s'] / two['trainer_s']:.2f}x the DTensor publish.")
     a = two["per_rank"]
-    lines += ["", "## An anchor on 2 ranks (anchor=True after the timed deltas)", "",
+    lines += ["", f"## An anchor on 2 ranks (anchor=True after the timed deltas{', round 1' if n_rounds > 1 else ''})",
+              "",
               "| rank | own shards (bytes) | tensor bytes gathered in | largest gather buffer | extra RSS during the "
               "anchor | bound: the largest piece of another rank, or its tensor's other pieces for a column cut |", "|---:|---:|---:|---:|---:|---:|"]
     for p in a:
@@ -334,8 +451,9 @@ def report(res: list[dict], meta: list[dict], args, elapsed: float) -> str:
                      f" | {p['anchor_rss_extra']:,} | {two['largest_tensor'] // 2:,} (rows) |")
     lines += ["", f"Anchor trainer-side: {two['anchor_s']:.2f} s on 2 ranks, {one['anchor_s']:.2f} s on 1 (the "
               f"first publish, also an anchor, with every first-use cost: {two['first_anchor_s']:.2f} s and "
-              f"{one['first_anchor_s']:.2f} s). With the default 5 GiB shards this model's pieced tensors make one "
-              "shard, so rank 0 writes it and receives rank 1's rows, one tensor at a time, point to point. Its "
+              f"{one['first_anchor_s']:.2f} s{', medians of the rounds' if n_rounds > 1 else ''}). With the default "
+              "5 GiB shards this model's pieced tensors make one shard, so rank 0 writes it and receives rank 1's "
+              "rows, one tensor at a time, point to point. Its "
               "memory beyond the publisher's usual host copies (the parent and the staging copy of its own shards, "
               "reused from step to step) is one received piece at a time for row pieces (the 'largest gather "
               "buffer'; bound: the largest tensor's other half), or a tensor's other pieces plus a block of at most "
@@ -362,7 +480,11 @@ def plot(res: list[dict], path: str) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"{r['method']}\n{r['ranks']} rank{'s' if r['ranks'] > 1 else ''}" for r in res]
     ax.bar(labels, [r["trainer_s"] for r in res], color=["#4c72b0", "#55a868", "#c44e52"][:len(res)])
-    ax.set_ylabel("trainer-side seconds per delta (median)")
+    for x, r in enumerate(res):        # each round's own median: how far the machine moved it
+        ys = [rd["trainer_s"] for rd in rounds_of(r)]
+        ax.plot([x] * len(ys), ys, "k.", label="a round's median" if x == 0 else None)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylabel("trainer-side seconds per delta (median, pooled)")
     ax.set_title("publish() -> committed")
     bx.bar(labels, [max(1, max(p["gathered_tensor_bytes"] + p["gathered_object_bytes"] for p in r["per_rank"]))
                     for r in res], color=["#4c72b0", "#55a868", "#c44e52"][:len(res)])
@@ -377,38 +499,48 @@ def plot(res: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=1.0, help="model size in GB (default 1)")
-    p.add_argument("--steps", type=int, default=7, help="timed deltas per configuration (default 7)")
+    p.add_argument("--steps", type=int, default=STEPS,
+                   help=f"timed deltas per configuration and round (default {STEPS})")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"rounds, each a fresh job of every configuration, interleaved (default {ROUNDS}; "
+                        "2 with --quick)")
     p.add_argument("--codec", default="fast", choices=("fast", "context"))
     p.add_argument("--no-baseline", action="store_true", help="skip gather-then-publish")
-    p.add_argument("--quick", action="store_true", help="small metadata scales (tests)")
+    p.add_argument("--quick", action="store_true", help="small metadata scales and 2 rounds (tests)")
     p.add_argument("--no-metadata", action="store_true")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--render", metavar="JSON", help="write the table and plot again from a run's JSON; no run")
     args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else ROUNDS
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
     if args.render:
         saved = json.load(open(args.render))
         run_args = argparse.Namespace(**saved["args"])
-        text = report(saved["results"], saved["metadata"], run_args, saved.get("elapsed_s", 0.0))
+        text = report(saved["results"], saved["metadata"], run_args, saved.get("elapsed_s", 0.0),
+                      saved.get("order"))
         with open(os.path.join(args.out, "sharded.md"), "w") as f:
             f.write(text)
         plot(saved["results"], os.path.join(args.out, "sharded.png"))
         print(text)
         return 0
     t0 = time.perf_counter()
-    res = [run("dtensor", 1, args.gb, args.steps, args.codec), run("dtensor", 2, args.gb, args.steps, args.codec)]
-    if not args.no_baseline:
-        res.append(run("gather", 2, args.gb, args.steps, args.codec))
+    configs = [("dtensor", 1), ("dtensor", 2)] + ([] if args.no_baseline else [("gather", 2)])
+    res, order = run(configs, args.gb, args.steps, args.codec, args.rounds,
+                     log=lambda m: print(m, file=sys.stderr, flush=True))
     meta = [] if args.no_metadata else \
         [metadata_cost(72, 8), metadata_cost(180, 16)] if args.quick else \
         [metadata_cost(723, 64), metadata_cost(1830, 256)]
     elapsed = time.perf_counter() - t0
-    text = report(res, meta, args, elapsed)
+    text = report(res, meta, args, elapsed, order)
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sharded.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "sharded.json"), "w") as f:
-        json.dump({"args": vars(args), "results": res, "metadata": meta, "elapsed_s": elapsed}, f, indent=1)
+        json.dump({"args": vars(args), "results": res, "order": order, "metadata": meta, "elapsed_s": elapsed},
+                  f, indent=1)
     plot(res, os.path.join(args.out, "sharded.png"))
     return 0
 
