@@ -225,8 +225,8 @@ class LoraSlotApplier(EngineApplier):
                 raise VllmError(f"preparing {_snapshot(version)} took more than {CONTROL_TIMEOUT_S:.0f}s")
             wait = 0.005
         prepared = [a.get("prepare_s") for a in answers if a.get("prepare_s") is not None]
-        if prepared:
-            self._prepare_s = min(1.0, max(prepared))
+        if prepared:        # a slow first preparation (first use) must not delay every write after it
+            self._prepare_s = min(0.25, max(prepared))
         return t0, answers
 
     def _resume_engine(self) -> None:
