@@ -419,6 +419,36 @@ def test_few_changes_are_sparse_and_small():
     assert enc.nbytes < 100_000 * 2 // 50
 
 
+def test_a_step_moving_every_element_by_noise_is_coded_sparse_without_compressing_the_dense_or_raw_planes(
+        monkeypatch):
+    """A LoRA-like step (every fp32 element moved by a noise-like amount): the dense and raw planes' order-0
+    estimate is far above sparse's payload, so neither is compressed; the record is the one they would lose to."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(200_000, generator=g) * 1e-3
+    b = a + torch.randn(200_000, generator=g) * 1e-5   # sparse 525 KB; dense XOR 540 KB, estimated 531 KB
+    before = codec.encode(a, b, name="w", chunk_elems=1 << 20).to_bytes()
+    calls = []
+    real = chunks._compressor
+
+    def counting(level):
+        c = real(level)
+
+        class Counting:
+            def compress(self, data):
+                calls.append(len(data))
+                return c.compress(data)
+        return Counting()
+
+    monkeypatch.setattr(chunks, "_compressor", counting)
+    enc = codec.encode(a, b, name="w", chunk_elems=1 << 20)
+    assert enc.encoding_counts() == {"sparse": 1}
+    assert len(calls) == 2, calls            # sparse's gaps and steps only: no dense or raw try
+    assert enc.to_bytes() == before
+    monkeypatch.setattr(chunks, "SURELY_LARGER", float("inf"))      # every try compressed: the same choice
+    calls.clear()
+    assert codec.encode(a, b, name="w", chunk_elems=1 << 20).to_bytes() == before and len(calls) == 4
+
+
 def test_dense_xor_is_chosen_when_it_is_smaller():
     a = _bf16_weights(100_000)
     b = a.clone()

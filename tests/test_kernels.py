@@ -212,6 +212,26 @@ def test_planes_round_trip_and_match_reference(width):
                 np.testing.assert_array_equal(out, v.astype(out_dtype), err_msg=f"seed={SEED} nplanes={nplanes}")
 
 
+def test_planes_entropy_is_per_plane_block_the_smaller_of_order0_and_two_bytes_a_run_as_the_reference_says():
+    rng = np.random.default_rng(SEED)
+    for n, plane_len, block in [(1, 1, 4), (1000, 1000, 1000), (1000, 250, 64), (3000, 1500, 1 << 14),
+                                (4000, 1000, 300)]:
+        for planes in (rng.integers(0, 256, n, dtype=np.uint8), np.zeros(n, np.uint8),
+                       (rng.geometric(0.3, n) % 256).astype(np.uint8), np.repeat(rng.integers(0, 256, n // 50 + 1,
+                                                                                              dtype=np.uint8), 50)[:n]):
+            got = kernels.planes_entropy_bytes(planes, plane_len, block)
+            assert got == pytest.approx(naive.planes_entropy_bytes(planes, plane_len, block), rel=1e-9, abs=1e-9), \
+                f"seed={SEED} n={n} plane_len={plane_len} block={block}"
+    # one block of 256 distinct bytes repeated evenly: exactly 8 bits each
+    assert kernels.planes_entropy_bytes(np.tile(np.arange(256, dtype=np.uint8), 4), 1024, 1024) == pytest.approx(1024)
+    # two planes, each constant: nothing, whatever the block (no block spans two planes)
+    two = np.concatenate([np.ones(1000, np.uint8), np.zeros(1000, np.uint8)])
+    assert kernels.planes_entropy_bytes(two, 1000, 1 << 14) == 0.0
+    # long runs: two bytes a run, below the order-0 entropy of the mix
+    runs = np.repeat(np.arange(4, dtype=np.uint8), 500)
+    assert kernels.planes_entropy_bytes(runs, 2000, 2000) == 8.0
+
+
 def test_gap_planes_use_uint32():
     gaps = np.array([0, 255, 65535, (1 << 24) - 1, 0xFFFFFFFF], np.uint32)
     planes = kernels.to_planes(gaps, 4)
