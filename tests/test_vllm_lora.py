@@ -34,8 +34,8 @@ def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-lora")
     base = save_tiny_llama(str(root / "base"))
     model, opt = peft_model(base, r=8, alpha=16)
-    for group in opt.param_groups:       # steps large enough that versions answer different greedy tokens
-        group["lr"] = 3e-3
+    for group in opt.param_groups:       # steps large enough that versions answer different greedy tokens: at
+        group["lr"] = 1e-2               # 3e-3, v3-v5 shared their first 8 tokens and vLLM's numerics decided the rest
     url = str(root / "run")
     pub = Publisher(url, anchor_every=3)
     kinds = []
