@@ -1,18 +1,19 @@
 """Tensor-parallel vLLM: every rank proves the slice it holds, in checkpoint coordinates, against the host copy.
 
-In ``make test``: two real ranks (a gloo group set up by vLLM's own
-``init_distributed_environment``) build vLLM's layers, load whole checkpoint
-tensors through vLLM's own weight loaders and CPU re-packing, and run the
-worker's read-back; the replica's side (:func:`loader.engines.vllm.expected_digests`
-with the workers' slices, :func:`loader.engines.vllm_tp.uncovered`) proves each
-slice and that the slices cover every tensor. No vLLM server: a start of one
-with ``--tensor-parallel-size 2`` costs minutes on two cores.
+Two real ranks (a gloo group set up by vLLM's own ``init_distributed_environment``)
+build vLLM's layers, load whole checkpoint tensors through vLLM's own weight loaders
+and CPU re-packing, and run the worker's read-back; the replica's side
+(:func:`loader.engines.vllm.expected_digests` with the workers' slices,
+:func:`loader.engines.vllm_tp.uncovered`) proves each slice and that the slices
+cover every tensor.
 
-Marked slow (``make stress``): a real replica over vLLM's CPU build started with
-``--tensor-parallel-size 2``: hot-loads forward, across an anchor and back, each
-proven; a wrong bit in one rank's slice caught and repaired; a failed hot-load
-pushing the old version back on both ranks; greedy tokens and logprobs equal
-to a fresh TP-2 vLLM on the same snapshot.
+Then a real replica over vLLM's CPU build started with ``--tensor-parallel-size 2``
+(one start, about 30 s here): hot-loads forward, across an anchor and back, each
+proven on both ranks and read back bit-exact; a wrong bit in one rank's slice caught
+and repaired; a failed hot-load pushing the old version back on both ranks.
+
+Marked slow (``make stress``): greedy tokens and logprobs equal to a fresh TP-2 vLLM
+on the same snapshot (a second start).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def test_slices_that_leave_part_of_a_tensor_unproven_are_refused():
         Slice(0, 5, 2).of(t)
 
 
-# --- a real replica over vLLM's CPU build with --tensor-parallel-size 2 (slow: two starts of minutes) -------
+# --- a real replica over vLLM's CPU build with --tensor-parallel-size 2 ------------------------------------------
 
 TP_ARGS = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 
@@ -255,7 +256,6 @@ def _special_values(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return new
 
 
-@pytest.mark.slow
 def test_tp2_hotloads_forward_across_an_anchor_and_back_are_proven_and_bit_exact_on_every_rank(tp_rep, tp_run,
                                                                                                tmp_path):
     st = tp_rep.http.get("/v1/status").json()
@@ -279,7 +279,6 @@ def test_tp2_hotloads_forward_across_an_anchor_and_back_are_proven_and_bit_exact
     assert tp_rep.complete(max_tokens=3, return_engine_data=True)["engine_data"]["policy_version"] == 2
 
 
-@pytest.mark.slow
 def test_tp2_a_wrong_bit_in_one_ranks_slice_is_caught_and_a_reload_repairs_it(tp_rep, tp_run, tmp_path):
     from delta.errors import HotLoadError
 
@@ -302,7 +301,6 @@ def test_tp2_a_wrong_bit_in_one_ranks_slice_is_caught_and_a_reload_repairs_it(tp
     assert applier.check() == len(tp_run.truth[0])
 
 
-@pytest.mark.slow
 def test_tp2_a_hotload_failed_on_one_worker_pushes_the_previous_version_back_on_every_rank(tp_rep, tp_run, tmp_path,
                                                                                          monkeypatch):
     from loader.engines import vllm as vllm_engine
