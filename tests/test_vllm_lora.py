@@ -149,6 +149,34 @@ def test_a_preparation_whose_host_copy_fails_its_digests_writes_nothing_and_the_
     assert rep.complete(max_tokens=1, return_engine_data=True)["engine_data"]["policy_versions"] == [serving.version]
 
 
+def test_a_hotload_whose_workers_find_the_host_copy_wrong_fails_naming_the_tensor_and_serves_on(rep, monkeypatch):
+    """The replica's own path (each worker prepares, writes between two steps and proves in its thread, and
+    answers in a file): a host copy that fails its digests is written nowhere; the hot-load FAILs naming the
+    tensor and the worker, the claimed slot stays out of service, the replica serves what it served, no answer
+    file is left beside the host copy, and the next hot-load of that version is written and proven."""
+    import glob
+
+    engine, a = rep.engine, rep.engine.applier
+    before = engine.version
+    ready = sum(s.ready for s in engine.slots.slots)
+    target = next(v for v in range(VERSIONS) if engine.slots.holding(v) is None)
+    real = a.digests
+    name = sorted(real(target))[0]
+    monkeypatch.setattr(a, "digests", lambda v: {**real(v), name: "0" * 16})
+    job = rep.hotload(target)
+    assert job["state"] == "FAILED" and name in job["reason"] and "vLLM worker 0 failed" in job["reason"], job
+    assert engine.version == before and engine.slots.holding(target) is None
+    assert sum(s.ready for s in engine.slots.slots) == ready - 1           # the slot claimed for it
+    assert rep.complete(max_tokens=1, return_engine_data=True)["engine_data"]["policy_versions"] == [before]
+    assert glob.glob(a.shared.path + ".lora-*") == []
+    monkeypatch.setattr(a, "digests", real)
+    job = rep.hotload(target)
+    assert job["state"] == "READY" and a.last["written"] and engine.version == target, job
+    # vLLM's steps waited for the copy into the slot only: the proof ran after it, beside them
+    assert all(w["held_s"] == w["write_s"] and w["prove_s"] > 0 for w in a.last["workers"]), a.last["workers"]
+    assert a.last["pause_s"] == max(w["held_s"] for w in a.last["workers"])
+
+
 def test_a_slot_rewritten_behind_the_replicas_back_fails_its_proof_when_its_version_comes_back_and_is_retired(
         rep, lora_run):
     """A resident slot that no longer holds its version (here vLLM's own in-place load of another version's

@@ -151,7 +151,6 @@ class LoraSlotApplier(EngineApplier):
         self.history: list[tuple[int, int | None]] = []
         self.last: dict[str, Any] = {}
         self._pause: Any = None
-        self._prepare_s = 0.02     # how long the workers' last preparation took: when to ask for the write
 
     @contextmanager
     def paused(self) -> Iterator[Any]:
@@ -176,22 +175,22 @@ class LoraSlotApplier(EngineApplier):
             return           # a rollback: the version the replica serves still sits, proven, in its own slot
         resident = self.slots.holding(version)
         slot = resident or self.slots.claim(self.slot_timeout)
-        method = "ckptdelta_lora_prove" if resident else "ckptdelta_lora_write"
         req = {"id": slot.id, "path": self.shared.path, "digests": self.digests(version), "config": self.config}
         try:
             if resident:
-                # a version still resident is proven again where it sits (nothing written)
+                # a version still resident is proven again where it sits (nothing written): one RPC, all of it
+                # in vLLM's engine loop
                 t0 = self._pause.started = time.perf_counter()
-                answers = self.control.rpc(method, req)
+                answers = self.control.rpc("ckptdelta_lora_prove", req)
+                self._pause.seconds = time.perf_counter() - t0
             else:
-                t0, answers = self._write(slot, version, req)
+                self._pause.started, self._pause.seconds, answers = self._write(slot, version, req)
         except VllmError as e:
             if resident:
                 self.slots.retire(slot)
             raise HotLoadError(f"{'proving' if resident else 'writing'} {_snapshot(version)} in LoRA slot "
                                f"{slot.name}: {e}; the slot is out of service, the replica serves "
                                f"{_snapshot(newest.version if newest else None)}") from None
-        self._pause.seconds = time.perf_counter() - t0
         self.slots.ready(slot, version)
         self.epoch += 1
         self.history.append((self.epoch, version))
@@ -199,35 +198,69 @@ class LoraSlotApplier(EngineApplier):
         self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
                      "written": resident is None,
                      "workers": [{k: a.get(k) for k in ("index", "checked", "staged", "prepare_s", "transform_s",
-                                                        "write_s", "prove_s", "held_s")} for a in answers], "proven": "full",
+                                                        "write_s", "prove_s", "held_s")} for a in answers],
+                     "proven": "full",
                      # what the replica's job log says proved it (loader/server.py): the slot's buffers read back
                      "verify": "full", "verified": True, "verified_tensors": sum(a.get("checked", 0) for a in answers)}
         log.info("LoRA slot %s holds %s (%s), proven in %d workers (%d buffers each); vLLM's loop held %.1f ms",
                  slot.name, _snapshot(version), "resident" if resident else "written", len(answers),
                  answers[0].get("checked", 0), 1e3 * self._pause.seconds)
 
-    def _write(self, slot: Slot, version: int, req: dict[str, Any]) -> tuple[float, list[dict[str, Any]]]:
-        """Each worker prepares the version in a thread while vLLM generates (``ckptdelta_lora_stage``); the
-        write is asked for once the preparation should be done (the last one's time), and only writes where it
-        is (``if_ready``; a worker that wrote already answers again what it answered): every RPC waits for vLLM's
-        step in progress, so there are no separate polls. Returns when the last write RPC began and every
-        worker's answer."""
-        req["token"] = f"lora-{slot.id}-{version}-{os.urandom(4).hex()}"
-        self.control.rpc("ckptdelta_lora_stage", req)
-        deadline, wait = time.monotonic() + CONTROL_TIMEOUT_S, self._prepare_s
-        while True:
-            time.sleep(wait)
-            t0 = self._pause.started = time.perf_counter()
-            answers = self.control.rpc("ckptdelta_lora_write", {**req, "if_ready": True})
-            if not any(a.get("state") == "running" for a in answers):
-                break
-            if time.monotonic() > deadline:
-                raise VllmError(f"preparing {_snapshot(version)} took more than {CONTROL_TIMEOUT_S:.0f}s")
-            wait = 0.005
-        prepared = [a.get("prepare_s") for a in answers if a.get("prepare_s") is not None]
-        if prepared:        # a slow first preparation (first use) must not delay every write after it
-            self._prepare_s = min(0.25, max(prepared))
-        return t0, answers
+    def _write(self, slot: Slot, version: int, req: dict[str, Any]) -> tuple[float, float, list[dict[str, Any]]]:
+        """Each worker prepares the version in a thread while vLLM generates, writes it into the slot between two
+        steps (holding the lock vLLM's steps hold), proves it after, beside vLLM's steps, then leaves its answer in a file beside
+        the host copy (``ckptdelta_lora_stage`` with ``answer``): one RPC, which returns at once; no second one
+        waiting for vLLM's step in progress. Returns when the write began in the first worker, how long the
+        longest held vLLM's steps, and every worker's answer."""
+        token = f"lora-{slot.id}-{version}-{os.urandom(4).hex()}"
+        answer = f"{self.shared.path}.{token}.{{rank}}.json"
+        staged = self.control.rpc("ckptdelta_lora_stage", {**req, "token": token, "answer": answer})
+        paths = [answer.replace("{rank}", str(rank)) for rank in range(len(staged))]
+        try:
+            answers = self._answers(paths, version)
+        finally:
+            for p in paths:
+                for q in (p, p + ".tmp"):
+                    try:
+                        os.unlink(q)
+                    except FileNotFoundError:
+                        pass
+        failed = [f"vLLM worker {w} failed: {a.get('why')}" for w, a in enumerate(answers)
+                  if a.get("state") != "ready"]
+        if failed:
+            raise VllmError("; ".join(failed))
+        return min(a["write_t"] for a in answers), max(a["held_s"] for a in answers), answers
+
+    def _answers(self, paths: Sequence[str], version: int) -> list[dict[str, Any]]:
+        """The workers' answer files, once all are there (polled every 2 ms; vLLM's health asked every second,
+        so a vLLM that died is one clear error, not a wait of the control timeout)."""
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
+        health = time.monotonic() + 1.0
+        while not all(os.path.exists(p) for p in paths):
+            now = time.monotonic()
+            if now > deadline:
+                raise VllmError(f"writing {_snapshot(version)} took more than {CONTROL_TIMEOUT_S:.0f}s")
+            if now > health:
+                health = now + 1.0
+                try:
+                    alive = self.control.http.get("/health").status_code == 200
+                except httpx.HTTPError:
+                    alive = False
+                if not alive:
+                    raise VllmError(f"vLLM at {self.control.url} stopped answering /health while writing "
+                                    f"{_snapshot(version)}")
+            time.sleep(0.002)
+        out = []
+        for w, p in enumerate(paths):
+            try:
+                with open(p) as f:
+                    a = json.load(f)
+            except (OSError, ValueError) as e:
+                raise VllmError(f"vLLM worker {w}: its answer {p} is unreadable: {e}") from None
+            if not isinstance(a, dict):
+                raise VllmError(f"vLLM worker {w}: its answer {p} is not an object")
+            out.append(a)
+        return out
 
     def _resume_engine(self) -> None:
         """A LoRA replica never pauses vLLM; one found paused (by someone else) is resumed by the watch."""

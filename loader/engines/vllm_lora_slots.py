@@ -72,11 +72,36 @@ def describe(worker: Any) -> dict[str, Any]:
 
 def pin(worker: Any, ids: list[int]) -> dict[str, Any]:
     wm, mgr = managers(worker)
+    install_lora_lock(worker.model_runner)
     for i in ids:
         if i not in mgr.list_adapters():
             raise SlotError(f"LoRA adapter id {i} is not registered in this worker")
         wm.pin_adapter(int(i))
     return {"pinned": sorted(ids)}
+
+
+_LORA_METHODS = ("add_lora", "remove_lora", "pin_lora")
+
+
+def install_lora_lock(model_runner: Any) -> None:
+    """Make the runner's own LoRA registry calls (``/v1/load_lora_adapter``, unloads, pins) hold the kernel
+    lock, as its steps do (loader/engines/vllm_shadow.py): a slot write from a worker thread
+    (:func:`write_locked`) then never meets another change of the LoRA manager. Idempotent."""
+    from loader.engines.vllm_shadow import KERNEL_LOCK
+
+    if getattr(model_runner, "_ckptdelta_lora_lock", False):
+        return
+    for name in _LORA_METHODS:
+        method = getattr(model_runner, name, None)
+        if method is None:
+            continue
+
+        def locked(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            with KERNEL_LOCK:
+                return _method(*args, **kwargs)
+
+        setattr(model_runner, name, locked)
+    model_runner._ckptdelta_lora_lock = True
 
 
 def _host_digest(t: torch.Tensor) -> str:
@@ -178,28 +203,55 @@ def write(worker: Any, lora_id: int, path: str, digests: dict[str, str], config:
           prepared: Prepared | None = None) -> dict[str, Any]:
     """Make registered adapter ``lora_id`` the adapter in the host copy at ``path``, in place, and prove it;
     ``prepared``: :func:`prepare`'s result made off the engine loop (else it is made here, inside it)."""
-    wm, mgr = managers(worker)
     t0 = time.perf_counter()
     staged = prepared is not None
     if prepared is None:
         prepared = prepare(worker, lora_id, path, digests, config)
     t1 = time.perf_counter()
-    # the slot's old adapter out, the new one in at the first free index: vLLM's add_adapter less the merge
-    # (done in prepare()), then its activate_adapter (each layer's set_lora at that index) and the pin
+    _swap_in(worker, lora_id, prepared)
+    t2 = time.perf_counter()
+    index, checked = _prove_written(worker, lora_id, config, prepared)
+    t3 = time.perf_counter()
+    return {"id": lora_id, "index": index, "checked": checked, "staged": staged, "prepare_s": prepared.seconds,
+            "transform_s": t1 - t0, "write_s": t2 - t1, "prove_s": t3 - t2, "held_s": t3 - t0}
+
+
+def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
+    """:func:`write` from a worker thread, not the engine loop: the swap-in holds the kernel lock, which vLLM's
+    steps and its own LoRA registry calls hold too (so it runs between two steps, and nothing else changes the
+    LoRA manager meanwhile); the proof runs after it, beside vLLM's steps: no request runs on the slot until the
+    replica hears it proven, and nothing else writes it. ``write_t`` is when the swap-in began
+    (``time.perf_counter``, the host's monotonic clock), ``held_s`` how long vLLM's steps waited for it."""
+    from loader.engines.vllm_shadow import KERNEL_LOCK
+
+    with KERNEL_LOCK:
+        t1 = time.perf_counter()
+        _swap_in(worker, lora_id, prepared)
+        t2 = time.perf_counter()
+    index, checked = _prove_written(worker, lora_id, config, prepared)
+    t3 = time.perf_counter()
+    return {"id": lora_id, "index": index, "checked": checked, "staged": True, "prepare_s": prepared.seconds,
+            "transform_s": 0.0, "write_s": t2 - t1, "prove_s": t3 - t2, "held_s": t2 - t1, "write_t": t1}
+
+
+def _swap_in(worker: Any, lora_id: int, prepared: Prepared) -> None:
+    """The slot's old adapter out, the new one in at the first free index: vLLM's add_adapter less the merge
+    (done in prepare()), then its activate_adapter (each layer's set_lora at that index) and the pin."""
+    wm, mgr = managers(worker)
     mgr.remove_adapter(lora_id)
     mgr._registered_adapters[lora_id] = prepared.lora
     mgr.activate_adapter(lora_id)
     wm.pin_adapter(lora_id)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t2 = time.perf_counter()
+
+
+def _prove_written(worker: Any, lora_id: int, config: dict[str, Any], prepared: Prepared) -> tuple[int, int]:
+    _, mgr = managers(worker)
     index = mgr.lora_index_to_id.index(lora_id)
     expected = prepared.expected if index == prepared.index else \
         expected_slot(worker, lora_id, prepared.reference, config, index)
-    checked = compare(mgr, lora_id, index, expected)
-    t3 = time.perf_counter()
-    return {"id": lora_id, "index": index, "checked": checked, "staged": staged, "prepare_s": prepared.seconds,
-            "transform_s": t1 - t0, "write_s": t2 - t1, "prove_s": t3 - t2, "held_s": t3 - t0}
+    return index, compare(mgr, lora_id, index, expected)
 
 
 def _stacked(module: Any) -> dict[str, Any]:

@@ -259,16 +259,33 @@ class CkptDeltaWorker:
     def ckptdelta_lora_stage(self, req: dict) -> dict[str, Any]:
         """Start preparing the adapter in the host copy at ``path`` for registered adapter ``id`` in a thread
         (``vllm_lora_slots.prepare``: verify, transform, pack, the proof's reference) and return at once; poll
-        with ``ckptdelta_lora_staged``, then ``ckptdelta_lora_write`` with the same ``token``."""
+        with ``ckptdelta_lora_staged``, then ``ckptdelta_lora_write`` with the same ``token``.
+
+        With ``answer`` (a file path with ``{rank}`` in it), the thread also writes the slot itself between two
+        steps and proves it (``vllm_lora_slots.write_locked``), then leaves its answer, or ``{"state": "failed",
+        "why": ...}``, in that file (its tensor-parallel rank put in): the replica reads it there, without
+        another RPC waiting for vLLM's step in progress."""
         from loader.engines import vllm_lora_slots as slots
         from loader.engines.vllm_shadow import BackgroundJob
 
         lora_id, path, digests, config = int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"])
+        answer = req.get("answer")
+        if answer is not None and "{rank}" not in str(answer):
+            raise ValueError(f"answer path {answer!r} has no {{rank}}: every worker would write one file")
         holder: dict[str, Any] = {}
 
         def run() -> dict[str, Any]:
-            holder["prepared"] = p = slots.prepare(self, lora_id, path, digests, config)
-            return {"prepare_s": p.seconds, "index": p.index}
+            try:
+                holder["prepared"] = p = slots.prepare(self, lora_id, path, digests, config)
+                out = {"prepare_s": p.seconds, "index": p.index}
+                if answer is not None:
+                    out = slots.write_locked(self, lora_id, config, p)
+                    _leave(str(answer), {"state": "ready", **out})
+                return out
+            except Exception as e:
+                if answer is not None:
+                    _leave(str(answer), {"state": "failed", "why": f"{type(e).__name__}: {e}"})
+                raise
 
         job = BackgroundJob(str(req["token"]), run)
         job.prepared = holder                     # type: ignore[attr-defined]
@@ -333,10 +350,13 @@ class CkptDeltaWorker:
         holds vLLM's engine loop with ckptdelta's slot write (whose times ``ckptdelta_lora_write`` reports)."""
         from vllm.lora.request import LoRARequest
 
+        from loader.engines.vllm_shadow import KERNEL_LOCK
+
         t0 = time.perf_counter()
-        self.model_runner.lora_manager.add_adapter(  # type: ignore[attr-defined]
-            LoRARequest(lora_name=str(req["name"]), lora_int_id=int(req["id"]), lora_path=str(req["path"]),
-                        load_inplace=True))
+        with KERNEL_LOCK:        # as the runner's own add_lora (vllm_lora_slots.install_lora_lock)
+            self.model_runner.lora_manager.add_adapter(  # type: ignore[attr-defined]
+                LoRARequest(lora_name=str(req["name"]), lora_int_id=int(req["id"]), lora_path=str(req["path"]),
+                            load_inplace=True))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return {"id": int(req["id"]), "load_s": time.perf_counter() - t0}
@@ -362,6 +382,15 @@ class CkptDeltaWorker:
         save_file({k: v.contiguous() for k, v in tensors.items()}, path.replace("{rank}", str(rank)))
         return {"tensors": len(tensors), "kernel_view": sorted(kernel), "rank": rank,
                 "slices": {n: s.to_json() for n, s in slices.items()}}
+
+
+def _leave(path: str, answer: dict[str, Any]) -> None:
+    """A background job's answer in a file for the replica (``{rank}`` replaced), whole or not at all."""
+    path = path.replace("{rank}", str(_tp_rank()[0]))
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(answer, f)
+    os.replace(tmp, path)
 
 
 def _tp_rank() -> tuple[int, int]:
