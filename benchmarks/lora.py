@@ -32,7 +32,7 @@ One run, the same adapters for every method (issue 30, item 6):
 Columns: bytes per step (what the method's prefix of the bucket grew by on the
 server's disk), trainer-side time (serialize / encode), publish() -> serving, and
 the pause, the same measures for every method: how long the write held vLLM's
-engine loop, timed inside the worker (ckptdelta: its slot-write RPC; (b)/(c):
+engine loop, timed inside the worker (ckptdelta: its slot write; (b)/(c):
 vLLM's own in-place directory load, run by the worker method
 ``ckptdelta_lora_load_dir`` right after the HTTP call: the issue's pause target
 compares these), the write call's wall time (what the caller waits: it includes
@@ -462,7 +462,7 @@ def markdown(out: dict[str, Any]) -> str:
         b = by.get((r["rank"], r["lr"], "full"))
         vs = f"{c['bytes'] / r['bytes']:.2f}x fewer" if c and r["method"] != "xor" else ""
         kinds = f" ({', '.join(r['kinds'])})" if r.get("kinds") and r["kinds"] != ["delta"] else ""
-        hold = _ms(r["hold_s"]) + (f" (proof {_ms(r['prove_s'])})" if "prove_s" in r else "")
+        hold = _ms(r["hold_s"]) + (f" (+ proof {_ms(r['prove_s'])} beside it)" if "prove_s" in r else "")
         gap = _ms(r["stall_s"])
         if b is None or gap_resolves(info.get(r["rank"], {}), b["hold_s"]):
             gap += " (not meaningful)"
@@ -481,13 +481,14 @@ def markdown(out: dict[str, Any]) -> str:
               "",
               "The pause, the same measures for every method. **Engine loop held (worker)**: how long the write "
               "held vLLM's engine loop, timed inside the vLLM worker (the loop runs it between two steps and "
-              "generates nothing meanwhile): ckptdelta: its slot-write RPC's transform + write + proof "
-              "(`ckptdelta_lora_write`; the proof, which the baselines do not do, in brackets); (b)/(c): vLLM's "
+              "generates nothing meanwhile): ckptdelta: the copy of the prepared adapter into the slot, which each "
+              "worker's thread runs holding the lock vLLM's steps hold (`vllm_lora_slots.write_locked`; its proof, "
+              "which the baselines do not do, runs after it beside vLLM's steps: in brackets); (b)/(c): vLLM's "
               "own in-place directory load, the LRU manager's `add_adapter(LoRARequest(..., load_inplace=True))` "
               "that the engine core runs for `load_lora_adapter`, run once more on the same directory right after "
               "the HTTP call by `ckptdelta_lora_load_dir` (loader/engines/vllm_worker.py) and timed there. This is "
               "the column the issue's pause target compares. **Call wall time**: what the caller waits for the "
-              "write (ckptdelta: the collective RPC; (b)/(c): the HTTP `/v1/load_lora_adapter` call with "
+              "write (ckptdelta: the worker's wait for the lock, then the copy; (b)/(c): the HTTP `/v1/load_lora_adapter` call with "
               "`load_inplace`); it includes waiting for the engine step in progress to end, which is not time "
               "vLLM stops generating. **Longest token gap around the call**: the longest interval in which no "
               "streaming client received a token that overlaps the call: the time vLLM did not generate plus up "

@@ -198,7 +198,7 @@ class LoraSlotApplier(EngineApplier):
         self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
                      "written": resident is None,
                      "workers": [{k: a.get(k) for k in ("index", "checked", "staged", "prepare_s", "transform_s",
-                                                        "write_s", "prove_s", "held_s")} for a in answers],
+                                                        "lock_wait_s", "write_s", "prove_s", "held_s")} for a in answers],
                      "proven": "full",
                      # what the replica's job log says proved it (loader/server.py): the slot's buffers read back
                      "verify": "full", "verified": True, "verified_tensors": sum(a.get("checked", 0) for a in answers)}

@@ -221,9 +221,11 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     steps and its own LoRA registry calls hold too (so it runs between two steps, and nothing else changes the
     LoRA manager meanwhile); the proof runs after it, beside vLLM's steps: no request runs on the slot until the
     replica hears it proven, and nothing else writes it. ``write_t`` is when the swap-in began
-    (``time.perf_counter``, the host's monotonic clock), ``held_s`` how long vLLM's steps waited for it."""
+    (``time.perf_counter``, the host's monotonic clock), ``lock_wait_s`` how long it waited for the step in
+    progress, ``held_s`` how long vLLM's steps waited for it."""
     from loader.engines.vllm_shadow import KERNEL_LOCK
 
+    t0 = time.perf_counter()
     with KERNEL_LOCK:
         t1 = time.perf_counter()
         _swap_in(worker, lora_id, prepared)
@@ -231,7 +233,8 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     index, checked = _prove_written(worker, lora_id, config, prepared)
     t3 = time.perf_counter()
     return {"id": lora_id, "index": index, "checked": checked, "staged": True, "prepare_s": prepared.seconds,
-            "transform_s": 0.0, "write_s": t2 - t1, "prove_s": t3 - t2, "held_s": t2 - t1, "write_t": t1}
+            "transform_s": 0.0, "lock_wait_s": t1 - t0, "write_s": t2 - t1, "prove_s": t3 - t2, "held_s": t2 - t1,
+            "write_t": t1}
 
 
 def _swap_in(worker: Any, lora_id: int, prepared: Prepared) -> None:
