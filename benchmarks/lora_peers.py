@@ -319,14 +319,15 @@ class Replica:
             if job["state"] != "READY":
                 raise RuntimeError(f"hotload {info['version']} failed: {job}")
             last = self.engine.applier.last
-            p = self.engine.applier._pause          # the Pause of this hot-load: when the write RPC began, its length
+            p = self.engine.applier._pause          # the Pause of this hot-load: when the write began, its length
             started = p.started
             # the write's own time in each worker (its preparation and its proof ran beside vLLM's steps)
             held = [w["held_s"] if w.get("held_s") is not None else
                     sum(w.get(k) or 0.0 for k in ("transform_s", "write_s", "prove_s")) for w in last["workers"]]
             # what the write is waited for: the step in progress (the lock vLLM's steps hold), then the copy
             wait = max(w.get("lock_wait_s") or 0.0 for w in last["workers"])
-            return {"t_serving": t1, "rpc": [started - wait, started + last["pause_s"]], "prepare": [t0, started - wait],
+            return {"t_serving": t1, "rpc": [started - wait, started + last["pause_s"]],
+                    "prepare": [t0, started - wait],
                     "pause_rpc_s": wait + last["pause_s"], "hold_s": max(held),
                     "prove_s": max(w.get("prove_s") or 0.0 for w in last["workers"]),
                     "workers": last["workers"], "slot": last["slot"],

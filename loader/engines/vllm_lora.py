@@ -10,12 +10,13 @@ place, never re-read from a directory.
 
 - **A hot-load** is prepared while vLLM serves, as for full runs: the adapter's
   host copy (shared memory, checkpoint names) is patched by the
-  :class:`loader.lora.LoraHotSwapper`. Then one ``/collective_rpc`` writes the
-  whole new version into a slot no request runs on, through vLLM's own load
-  transform, and proves it in every worker (loader/engines/vllm_lora_slots.py).
-  vLLM runs that RPC between two steps: its length is the only time vLLM does
-  not generate, the *pause*; nothing is aborted or frozen, and vLLM is never
-  paused. Only once the slot is proven do new requests go to it.
+  :class:`loader.lora.LoraHotSwapper`. Then one ``/collective_rpc`` (which
+  returns at once) has a thread in every worker prepare the new version through
+  vLLM's own load transform, write it into a slot no request runs on between two
+  steps (holding the lock vLLM's steps hold), prove it, and answer in a file
+  beside the host copy (loader/engines/vllm_lora_slots.py). The copy is the only
+  time vLLM's steps wait, the *pause*; nothing is aborted or frozen, and vLLM is
+  never paused. Only once the slot is proven do new requests go to it.
 - **Every request runs on exactly one version.** At admission a request is
   pinned to the slot of the newest proven version (its ``model`` rewritten to
   the slot's name, a per-version ``cache_salt`` so no prefix cached by another
@@ -56,6 +57,9 @@ log = logging.getLogger("ckptdelta.engine.vllm")
 
 #: The ranks vLLM's ``--max-lora-rank`` takes.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: What each worker's answer to a write or proof says, kept in ``last`` (and /v1/status).
+WORKER_FIELDS = ("index", "checked", "staged", "prepare_s", "transform_s", "lock_wait_s", "write_s", "prove_s",
+                 "held_s")
 #: Slots by default: the serving version, the one being written, one for a request that outlives a step.
 DEFAULT_SLOTS = 3
 
@@ -197,8 +201,7 @@ class LoraSlotApplier(EngineApplier):
         del self.history[:-64]
         self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
                      "written": resident is None,
-                     "workers": [{k: a.get(k) for k in ("index", "checked", "staged", "prepare_s", "transform_s",
-                                                        "lock_wait_s", "write_s", "prove_s", "held_s")} for a in answers],
+                     "workers": [{k: a.get(k) for k in WORKER_FIELDS} for a in answers],
                      "proven": "full",
                      # what the replica's job log says proved it (loader/server.py): the slot's buffers read back
                      "verify": "full", "verified": True, "verified_tensors": sum(a.get("checked", 0) for a in answers)}
@@ -208,9 +211,9 @@ class LoraSlotApplier(EngineApplier):
 
     def _write(self, slot: Slot, version: int, req: dict[str, Any]) -> tuple[float, float, list[dict[str, Any]]]:
         """Each worker prepares the version in a thread while vLLM generates, writes it into the slot between two
-        steps (holding the lock vLLM's steps hold), proves it after, beside vLLM's steps, then leaves its answer in a file beside
-        the host copy (``ckptdelta_lora_stage`` with ``answer``): one RPC, which returns at once; no second one
-        waiting for vLLM's step in progress. Returns when the write began in the first worker, how long the
+        steps (holding the lock vLLM's steps hold), proves it after, beside vLLM's steps, then leaves its answer
+        in a file beside the host copy (``ckptdelta_lora_stage`` with ``answer``): one RPC, which returns at
+        once; no second one waiting for vLLM's step in progress. Returns when the write began in the first worker, how long the
         longest held vLLM's steps, and every worker's answer."""
         token = f"lora-{slot.id}-{version}-{os.urandom(4).hex()}"
         answer = f"{self.shared.path}.{token}.{{rank}}.json"

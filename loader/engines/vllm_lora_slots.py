@@ -3,9 +3,11 @@
 A replica serving a LoRA run (loader/engines/vllm_lora.py) registers K adapters
 with vLLM once, at start, and from then on rewrites them in place: each is a
 *slot* that holds one version at a time. A hot-load writes the next version into
-a slot no request runs on. This module is the worker's half, called through
-``/collective_rpc`` (loader/engines/vllm_worker.py), so it runs in vLLM's
-engine loop between two steps: no request ever sees a half-written slot.
+a slot no request runs on. This module is the worker's half, started through
+``/collective_rpc`` (loader/engines/vllm_worker.py) and run in a thread of the
+worker; the copy into the slot holds the lock vLLM's steps hold, so it runs
+between two steps, and no request runs on the slot until it is proven: no
+request ever sees a half-written slot.
 
 - **The load transform is vLLM's own.** The adapter's tensors (from the replica's
   host copy, each checked against the manifest's digest first) go through
@@ -14,13 +16,16 @@ engine loop between two steps: no request ever sees a half-written slot.
   reading ``adapter_model.safetensors`` in ``load_lora_adapter``; only the
   directory read is left out. The tensors are cloned first: vLLM scales B in
   place, and the host copy must keep the published bits.
-- **Prepared off the loop.** Reading and verifying the host copy, the transform, the
+- **Off the loop.** Reading and verifying the host copy, the transform, the
   packing and scaling, and the proof's reference (below) run in a worker thread
-  (:func:`prepare`, started by one RPC that returns at once, polled by short
-  ones) while vLLM generates. The write itself, inside the engine loop, is what
-  is left of vLLM's ``add_adapter`` and ``activate_adapter`` (registering the
-  prepared LoRAModel and each layer's ``set_lora`` copy into the slot) and the
-  comparison of the slot with the reference.
+  (:func:`prepare`, started by one RPC that returns at once) while vLLM
+  generates. The same thread then writes (:func:`write_locked`): what is left of
+  vLLM's ``add_adapter`` and ``activate_adapter`` (registering the prepared
+  LoRAModel and each layer's ``set_lora`` copy into the slot), holding the
+  kernel lock that vLLM's steps and its own LoRA registry calls hold
+  (:func:`install_lora_lock`); the comparison of the slot with the reference
+  runs after, beside vLLM's steps. (:func:`write` does the same inside one RPC,
+  in the engine loop.)
 - **Pinned.** Every slot adapter is pinned in vLLM's CPU and GPU LoRA caches:
   an adapter evicted and asked for again would be re-read from the directory it
   was first registered from (an old version).
@@ -31,8 +36,7 @@ engine loop between two steps: no request ever sees a half-written slot.
   zero padding up to ``--max-lora-rank`` are vLLM's). Layers the adapter does
   not touch must hold zeros there. On the CPU the comparison is of the bits'
   xxh3 (the reference's hashed while preparing), as every other proof of
-  ckptdelta: it runs inside the engine loop, and hashing is ~6x faster there
-  than comparing the bytes.
+  ckptdelta: hashing is ~6x faster than comparing the bytes.
 
 Nothing here raises through the RPC: loader/engines/vllm_worker.py turns an
 exception into ``{"error": ...}``.

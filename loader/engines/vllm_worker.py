@@ -347,7 +347,7 @@ class CkptDeltaWorker:
         """vLLM's own in-place load of the PEFT directory ``path`` as adapter ``name`` / ``id``: the worker half
         of ``/v1/load_lora_adapter`` with ``load_inplace`` (what the engine core runs for ``add_lora``: the LRU
         manager's ``add_adapter``). benchmarks/lora.py times it here, in the worker, to compare how long it
-        holds vLLM's engine loop with ckptdelta's slot write (whose times ``ckptdelta_lora_write`` reports)."""
+        holds vLLM's engine loop with ckptdelta's slot write (whose times the workers report)."""
         from vllm.lora.request import LoRARequest
 
         from loader.engines.vllm_shadow import KERNEL_LOCK
