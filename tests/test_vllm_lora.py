@@ -172,8 +172,8 @@ def test_a_hotload_whose_workers_find_the_host_copy_wrong_fails_naming_the_tenso
     monkeypatch.setattr(a, "digests", real)
     job = rep.hotload(target)
     assert job["state"] == "READY" and a.last["written"] and engine.version == target, job
-    # vLLM's steps waited for the copy into the slot only: the proof ran after it, beside them
-    assert all(w["held_s"] == w["write_s"] and w["prove_s"] > 0 for w in a.last["workers"]), a.last["workers"]
+    # the pause reported is what vLLM's steps waited for in the worker (the copy and the proof ran beside them)
+    assert all(w["prove_s"] > 0 and w["write_s"] > 0 for w in a.last["workers"]), a.last["workers"]
     assert a.last["pause_s"] == max(w["held_s"] for w in a.last["workers"])
 
 

@@ -12,10 +12,11 @@ place, never re-read from a directory.
   host copy (shared memory, checkpoint names) is patched by the
   :class:`loader.lora.LoraHotSwapper`. Then one ``/collective_rpc`` (which
   returns at once) has a thread in every worker prepare the new version through
-  vLLM's own load transform, write it into a slot no request runs on between two
-  steps (holding the lock vLLM's steps hold), prove it, and answer in a file
-  beside the host copy (loader/engines/vllm_lora_slots.py). The copy is the only
-  time vLLM's steps wait, the *pause*; nothing is aborted or frozen, and vLLM is
+  vLLM's own load transform, copy it into a slot no request runs on (rows no
+  step reads), swap vLLM's registry entry for the slot between two steps
+  (holding the lock vLLM's steps hold), prove it, and answer in a file beside
+  the host copy (loader/engines/vllm_lora_slots.py). That swap is the only time
+  vLLM's steps wait, the *pause*; nothing is aborted or frozen, and vLLM is
   never paused. Only once the slot is proven do new requests go to it.
 - **Every request runs on exactly one version.** At admission a request is
   pinned to the slot of the newest proven version (its ``model`` rewritten to
@@ -210,9 +211,9 @@ class LoraSlotApplier(EngineApplier):
                  answers[0].get("checked", 0), 1e3 * self._pause.seconds)
 
     def _write(self, slot: Slot, version: int, req: dict[str, Any]) -> tuple[float, float, list[dict[str, Any]]]:
-        """Each worker prepares the version in a thread while vLLM generates, writes it into the slot between two
-        steps (holding the lock vLLM's steps hold), proves it after, beside vLLM's steps, then leaves its answer
-        in a file beside the host copy (``ckptdelta_lora_stage`` with ``answer``): one RPC, which returns at
+        """Each worker prepares the version in a thread while vLLM generates, writes it into the slot (the copy
+        beside vLLM's steps, the registry swap between two: vllm_lora_slots.write_locked), proves it, then leaves
+        its answer in a file beside the host copy (``ckptdelta_lora_stage`` with ``answer``): one RPC, which returns at
         once; no second one waiting for vLLM's step in progress. Returns when the write began in the first worker, how long the
         longest held vLLM's steps, and every worker's answer."""
         token = f"lora-{slot.id}-{version}-{os.urandom(4).hex()}"

@@ -5,9 +5,8 @@ with vLLM once, at start, and from then on rewrites them in place: each is a
 *slot* that holds one version at a time. A hot-load writes the next version into
 a slot no request runs on. This module is the worker's half, started through
 ``/collective_rpc`` (loader/engines/vllm_worker.py) and run in a thread of the
-worker; the copy into the slot holds the lock vLLM's steps hold, so it runs
-between two steps, and no request runs on the slot until it is proven: no
-request ever sees a half-written slot.
+worker. No request runs on the slot until it is proven, so no request ever sees
+a half-written slot.
 
 - **The load transform is vLLM's own.** The adapter's tensors (from the replica's
   host copy, each checked against the manifest's digest first) go through
@@ -19,13 +18,14 @@ request ever sees a half-written slot.
 - **Off the loop.** Reading and verifying the host copy, the transform, the
   packing and scaling, and the proof's reference (below) run in a worker thread
   (:func:`prepare`, started by one RPC that returns at once) while vLLM
-  generates. The same thread then writes (:func:`write_locked`): what is left of
-  vLLM's ``add_adapter`` and ``activate_adapter`` (registering the prepared
-  LoRAModel and each layer's ``set_lora`` copy into the slot), holding the
-  kernel lock that vLLM's steps and its own LoRA registry calls hold
-  (:func:`install_lora_lock`); the comparison of the slot with the reference
-  runs after, beside vLLM's steps. (:func:`write` does the same inside one RPC,
-  in the engine loop.)
+  generates. The same thread then writes (:func:`write_locked`): each layer's
+  ``set_lora`` copy into the slot's rows, which no step reads (the slot keeps its
+  index: every slot stays registered, active and pinned), beside vLLM's steps;
+  then, holding the kernel lock that vLLM's steps and its own LoRA registry
+  calls hold (:func:`install_lora_lock`), the registry's entry for the slot is
+  swapped for the prepared LoRAModel: that swap is all vLLM's steps wait for.
+  The comparison of the slot with the reference runs after, beside vLLM's steps.
+  (:func:`write` does it all inside one RPC, in the engine loop.)
 - **Pinned.** Every slot adapter is pinned in vLLM's CPU and GPU LoRA caches:
   an adapter evicted and asked for again would be re-read from the directory it
   was first registered from (an old version).
@@ -173,11 +173,13 @@ class Prepared(NamedTuple):
 
 
 def next_index(mgr: Any, lora_id: int) -> int:
-    """The slot index ``activate_adapter`` gives ``lora_id`` once its current one is freed: the first free."""
-    ids = [None if i == lora_id else i for i in mgr.lora_index_to_id]
-    if None not in ids:
-        raise SlotError(f"no free LoRA slot index for adapter id {lora_id} ({ids})")
-    return ids.index(None)
+    """The slot index the write will take: the one ``lora_id`` holds (:func:`write_locked` writes it in
+    place), else the first free one, as ``activate_adapter`` gives it."""
+    if lora_id in mgr.lora_index_to_id:
+        return mgr.lora_index_to_id.index(lora_id)
+    if None not in mgr.lora_index_to_id:
+        raise SlotError(f"no free LoRA slot index for adapter id {lora_id} ({list(mgr.lora_index_to_id)})")
+    return mgr.lora_index_to_id.index(None)
 
 
 def prepare(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any]) -> Prepared:
@@ -221,24 +223,61 @@ def write(worker: Any, lora_id: int, path: str, digests: dict[str, str], config:
 
 
 def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
-    """:func:`write` from a worker thread, not the engine loop: the swap-in holds the kernel lock, which vLLM's
-    steps and its own LoRA registry calls hold too (so it runs between two steps, and nothing else changes the
-    LoRA manager meanwhile); the proof runs after it, beside vLLM's steps: no request runs on the slot until the
-    replica hears it proven, and nothing else writes it. ``write_t`` is when the swap-in began
+    """:func:`write` from a worker thread, not the engine loop, so that vLLM's steps do not wait for the copy.
+
+    The slot keeps its index in vLLM's LoRA buffers (all K slots stay registered, active and pinned), and no
+    request runs on it until the replica hears it proven: its rows are read by no step, so each layer's own
+    ``set_lora`` (or ``reset_lora`` for a layer the adapter leaves out) writes them beside vLLM's steps.
+    Only the registry's entry for the slot (the LoRAModel vLLM would copy in again if it ever re-activated
+    it) is swapped holding the kernel lock, which vLLM's steps and its own LoRA registry calls hold too: that
+    swap is all vLLM's steps wait for. A slot not active (a write that failed half way) takes :func:`_swap_in`
+    under the lock instead. The proof runs after, beside vLLM's steps. ``write_t`` is when the lock was taken
     (``time.perf_counter``, the host's monotonic clock), ``lock_wait_s`` how long it waited for the step in
-    progress, ``held_s`` how long vLLM's steps waited for it."""
+    progress, ``held_s`` how long vLLM's steps waited, ``write_s`` the copy."""
     from loader.engines.vllm_shadow import KERNEL_LOCK
 
+    wm, mgr = managers(worker)
+    index = _active_index(mgr, lora_id)
     t0 = time.perf_counter()
+    if index is not None:
+        _copy_into(mgr, index, prepared.lora)
+    t1 = time.perf_counter()
     with KERNEL_LOCK:
-        t1 = time.perf_counter()
-        _swap_in(worker, lora_id, prepared)
         t2 = time.perf_counter()
+        if index is not None and mgr.lora_index_to_id[index] == lora_id:
+            mgr._registered_adapters[lora_id] = prepared.lora
+            wm.pin_adapter(lora_id)
+        else:                   # not active, or vLLM moved it meanwhile: vLLM's own path, under the lock
+            _swap_in(worker, lora_id, prepared)
+        t3 = time.perf_counter()
     index, checked = _prove_written(worker, lora_id, config, prepared)
-    t3 = time.perf_counter()
+    t4 = time.perf_counter()
     return {"id": lora_id, "index": index, "checked": checked, "staged": True, "prepare_s": prepared.seconds,
-            "transform_s": 0.0, "lock_wait_s": t1 - t0, "write_s": t2 - t1, "prove_s": t3 - t2, "held_s": t2 - t1,
-            "write_t": t1}
+            "transform_s": 0.0, "write_s": (t1 - t0) + (t3 - t2), "lock_wait_s": t2 - t1, "held_s": t3 - t2,
+            "prove_s": t4 - t3, "write_t": t2}
+
+
+def _active_index(mgr: Any, lora_id: int) -> int | None:
+    """The slot index adapter ``lora_id`` holds in vLLM's buffers, or None (not active, or a layer kind whose
+    slot this module does not write in place)."""
+    if lora_id not in mgr.lora_index_to_id:
+        return None
+    if any(hasattr(m, "set_module_to_save") for m in mgr.modules.values()):
+        return None          # a classification head's slot: only vLLM's activate_adapter writes it
+    return mgr.lora_index_to_id.index(lora_id)
+
+
+def _copy_into(mgr: Any, index: int, lora: Any) -> None:
+    """What vLLM's ``activate_adapter`` writes at ``index`` for ``lora``: each layer's ``set_lora``, or its
+    ``reset_lora`` where the adapter has no weights for it."""
+    for name, module in mgr.modules.items():
+        weights = mgr._get_lora_layer_weights(lora, name)
+        if weights:
+            module.set_lora(index, weights.lora_a, weights.lora_b)
+        else:
+            module.reset_lora(index)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _swap_in(worker: Any, lora_id: int, prepared: Prepared) -> None:
