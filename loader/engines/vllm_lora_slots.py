@@ -269,7 +269,9 @@ def _active_index(mgr: Any, lora_id: int) -> int | None:
 
 def _copy_into(mgr: Any, index: int, lora: Any) -> None:
     """What vLLM's ``activate_adapter`` writes at ``index`` for ``lora``: each layer's ``set_lora``, or its
-    ``reset_lora`` where the adapter has no weights for it."""
+    ``reset_lora`` where the adapter has no weights for it. Run beside vLLM's steps: no step reads these rows,
+    since every request a LoRA replica sends names a proven slot (a request on the base alone would not do:
+    its tokens' index -1 is read as the last slot by vLLM's CPU torch kernels)."""
     for name, module in mgr.modules.items():
         weights = mgr._get_lora_layer_weights(lora, name)
         if weights:
