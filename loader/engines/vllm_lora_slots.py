@@ -91,21 +91,9 @@ def install_lora_lock(model_runner: Any) -> None:
     """Make the runner's own LoRA registry calls (``/v1/load_lora_adapter``, unloads, pins) hold the kernel
     lock, as its steps do (loader/engines/vllm_shadow.py): a slot write from a worker thread
     (:func:`write_locked`) then never meets another change of the LoRA manager. Idempotent."""
-    from loader.engines.vllm_shadow import KERNEL_LOCK
+    from loader.engines.vllm_shadow import hold_kernel_lock
 
-    if getattr(model_runner, "_ckptdelta_lora_lock", False):
-        return
-    for name in _LORA_METHODS:
-        method = getattr(model_runner, name, None)
-        if method is None:
-            continue
-
-        def locked(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
-            with KERNEL_LOCK:
-                return _method(*args, **kwargs)
-
-        setattr(model_runner, name, locked)
-    model_runner._ckptdelta_lora_lock = True
+    hold_kernel_lock(model_runner, _LORA_METHODS, "_ckptdelta_lora_lock")
 
 
 def _host_digest(t: torch.Tensor) -> str:

@@ -299,10 +299,16 @@ _STEP_METHODS = ("execute_model", "sample_tokens")
 def install_step_lock(model_runner: Any) -> None:
     """Make every step of ``model_runner`` (an instance attribute wrapping its own methods) hold
     :data:`KERNEL_LOCK`. Idempotent."""
-    if getattr(model_runner, "_ckptdelta_step_lock", False):
+    hold_kernel_lock(model_runner, _STEP_METHODS, "_ckptdelta_step_lock")
+
+
+def hold_kernel_lock(obj: Any, names: tuple[str, ...], flag: str) -> None:
+    """Wrap each of ``obj``'s methods ``names`` (as instance attributes) so that it holds :data:`KERNEL_LOCK`;
+    ``flag``, set on ``obj``, makes it idempotent."""
+    if getattr(obj, flag, False):
         return
-    for name in _STEP_METHODS:
-        method = getattr(model_runner, name, None)
+    for name in names:
+        method = getattr(obj, name, None)
         if method is None:
             continue
 
@@ -310,8 +316,8 @@ def install_step_lock(model_runner: Any) -> None:
             with KERNEL_LOCK:
                 return _method(*args, **kwargs)
 
-        setattr(model_runner, name, locked)
-    model_runner._ckptdelta_step_lock = True
+        setattr(obj, name, locked)
+    setattr(obj, flag, True)
 
 
 def _locked_method(method: Any) -> Any:
