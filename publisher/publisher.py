@@ -38,7 +38,7 @@ from .nan import nan_tensor_names
 from .plan import ChainState, Plan, decide
 from .rebuild import read_chain, rebuild, rebuild_boxes
 from .result import PublishResult
-from . import sharded
+from . import sharded, tempdirs
 from .runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id, read_manifest,
                    read_run_info)
 from .device_diff import DeviceDiff
@@ -175,6 +175,7 @@ class Publisher:
         self._config_where = "extra_files' config.json"   # where the anchors' config.json comes from
         self._config_said: set[tuple] = set()              # config fixes and warnings already logged
         self._anchor_files: dict[str, bytes] = {}          # rank 0: the extra files of the anchor being planned
+        tempdirs.sweep()         # what publishers killed mid-publish on this host left in the temp dir
         self._store = Store.from_url(url, storage_options)
         self._comm = make_comm(process_group, distributed)
         if self._comm.world > 1 and max_in_flight > 1:

@@ -29,7 +29,6 @@ import itertools
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +50,7 @@ from . import anchor as anchor_fmt
 from .distributed import Comm
 from .nan import nan_tensor_names
 from .snapshot import Schema
+from .tempdirs import locked_tempdir
 from .writer import Uploader, Written, progress_bar
 
 log = logging.getLogger("ckptdelta.publisher")
@@ -297,7 +297,7 @@ def write_piece_shards(comm: Comm, store: Store, pool: ThreadPoolExecutor, snaps
     prefix = anchor_prefix(version, writer_id)
     tags = itertools.count()        # one tag per tensor, in the order every rank follows
     try:
-        with tempfile.TemporaryDirectory(prefix="ckptdelta-anchor-") as tmp:
+        with locked_tempdir("ckptdelta-anchor-") as tmp:
             try:
                 for i, (writer, names) in enumerate(layout.shards):
                     _one_shard(comm, snapshot, layout, names, writer, out, up, tmp, prefix,

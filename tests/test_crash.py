@@ -36,7 +36,7 @@ from delta.errors import ObjectNotFoundError
 from delta.manifest import HEAD_KEY, RUN_KEY, Head, manifest_key
 from delta.storage import Store
 from loader.reader import SnapshotReader
-from publisher import collect
+from publisher import Publisher, collect
 from publisher.runs import committed_versions, read_manifest
 from tests.crashers.publish_loop import ANCHOR_EVERY, weights_for
 from tests.crashers.zygote import Zygote
@@ -426,3 +426,39 @@ def test_publisher_killed_50_times_leaves_a_readable_unrewritten_run_s3(tmp_path
     _assert_campaign(fig, 50)
     assert sum(n for (k, _p), n in fig.kills_by.items() if k == "anchor") >= 20
     assert sum(n for (k, _p), n in fig.kills_by.items() if k == "delta") >= 20
+
+
+def test_a_publisher_killed_mid_publish_leaves_temp_dirs_the_next_publisher_removes_and_a_live_ones_stay(tmp_path):
+    """A trainer killed while it writes an anchor or a delta (SIGKILL: no cleanup runs) leaves its temporary
+    directory behind; the next Publisher on the host removes it, while a directory whose publish still runs
+    (locked by a live process) and one that is not a publisher's own (no lock file) stay."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from publisher import tempdirs
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.getcwd())
+    child = ("import os, sys\n"
+             "from publisher.tempdirs import locked_tempdir\n"
+             "with locked_tempdir(sys.argv[1]) as d:\n"
+             "    open(os.path.join(d, 'shard'), 'wb').write(b'x' * 4096)\n"
+             "    print(d, flush=True)\n"
+             "    os.kill(os.getpid(), 9)\n")
+    dead = []
+    for prefix in tempdirs.PREFIXES:
+        p = subprocess.run([sys.executable, "-c", child, prefix], env=env, capture_output=True, text=True)
+        assert p.returncode == -9, p.stderr
+        dead.append(p.stdout.strip())
+    foreign = tmp / "ckptdelta-delta-not-ours"
+    foreign.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tempfile, "tempdir", str(tmp))
+        with tempdirs.locked_tempdir("ckptdelta-anchor-") as live:
+            assert all(os.path.isdir(d) for d in dead)
+            Publisher(str(tmp_path / "run")).close()       # a new publisher sweeps at start
+            assert not any(os.path.exists(d) for d in dead)
+            assert os.path.isdir(live) and foreign.is_dir()
+        assert not os.path.exists(live)
