@@ -305,28 +305,20 @@ class CkptDeltaWorker:
         """Write the adapter in the host copy at ``path`` into registered adapter ``id`` in place, through vLLM's
         own load transform, and prove the slot (``digests``: the manifest's, name -> xxh3). With the ``token``
         of a ready ``ckptdelta_lora_stage``, only the copy into the slot and the comparison run here; without
-        one (or if that preparation is gone) everything runs inside this call; with ``if_ready`` and a
-        preparation still running, nothing is done and the answer's ``state`` says "running"."""
+        one (or if that preparation is gone or still running) everything runs inside this call. The replica
+        writes through ``ckptdelta_lora_stage`` with ``answer`` instead; this call is the in-loop path."""
         from loader.engines import vllm_lora_slots as slots
 
-        done = getattr(self, "_ckptdelta_lora_done", None)
-        if done is not None and "token" in req and done[0] == str(req["token"]):
-            return done[1]                          # written already (other workers were still preparing)
         job = getattr(self, "_ckptdelta_lora_job", None)
         prepared = None
         if job is not None and "token" in req and job.token == str(req["token"]):
-            if job.state == "running" and req.get("if_ready"):
-                return {"token": job.token, "state": "running"}     # nothing written: the caller asks again
             self._ckptdelta_lora_job = None
             if job.state == "failed":
                 raise slots.SlotError(job.error)
             if job.state == "ready":
                 prepared = job.prepared.get("prepared")
-        out = slots.write(self, int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"]),
-                          prepared=prepared)
-        if "token" in req:
-            self._ckptdelta_lora_done = (str(req["token"]), out)
-        return out
+        return slots.write(self, int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"]),
+                           prepared=prepared)
 
     @_answer
     def ckptdelta_lora_prove(self, req: dict) -> dict[str, Any]:
