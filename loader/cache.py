@@ -25,7 +25,7 @@ file system, at most 32 GiB, or ``$CKPTDELTA_CACHE_MAX_GB``): a run publishes
 a delta per step, and a replica that hot-loads every one of them for weeks
 would otherwise fill the disk. Only entries are evicted, least recently used
 first (a hit refreshes an entry); anything else in the directory, such as a
-live replica's scratch model copy, is never touched (loader/scratch.py sweeps
+live replica's scratch model copy, is never touched (delta/scratch.py sweeps
 dead replicas' copies).
 """
 

@@ -161,9 +161,9 @@ class _StopOnEngineFailure:
 
 
 def _sweep_host(args: argparse.Namespace) -> None:
-    """What dead replicas of this host left (loader/scratch.py), and the disk cache down to its bound."""
+    """What dead replicas of this host left (delta/scratch.py), and the disk cache down to its bound."""
     from .cache import MAX_GB_ENV, DiskCache
-    from .scratch import sweep_host
+    from delta.scratch import sweep_host
 
     if args.cache_max_gb is not None:
         os.environ[MAX_GB_ENV] = str(args.cache_max_gb)   # every DiskCache of this process (its readers')

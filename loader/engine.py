@@ -446,7 +446,7 @@ def build_engine(*, bucket: str | None = None, snapshot: str | int = "latest", m
     config.json and a tokenizer in the directory or the snapshot's anchor."""
     from loader.hotswap import HotSwapper
     from loader.reader import SnapshotReader
-    from loader.scratch import make as make_scratch
+    from delta.scratch import make as make_scratch
     from loader.servable import check_device, check_model_dir, check_snapshot
 
     if bucket is None and model_dir is None:

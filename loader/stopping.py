@@ -10,7 +10,7 @@ uvicorn takes both signals over: it stops accepting connections, lets requests
 in flight finish for up to ``--drain-timeout`` seconds, cancels what is left,
 then raises the signal again, which lands here. Later SIGTERMs are ignored so
 that clean-up is not cut short (SIGKILL remains; the next replica on the host
-sweeps what a killed one left: loader/scratch.py).
+sweeps what a killed one left: delta/scratch.py).
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ def write_piece_shards(comm: Comm, store: Store, pool: ThreadPoolExecutor, snaps
     prefix = anchor_prefix(version, writer_id)
     tags = itertools.count()        # one tag per tensor, in the order every rank follows
     try:
-        with locked_tempdir("ckptdelta-anchor-") as tmp:
+        with locked_tempdir("anchor") as tmp:
             try:
                 for i, (writer, names) in enumerate(layout.shards):
                     _one_shard(comm, snapshot, layout, names, writer, out, up, tmp, prefix,

@@ -149,7 +149,7 @@ def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, 
             key = f"{prefix}/{name}"
             up.submit_bytes(key, data)
             out.extra_files.append(ObjectRef(key, len(data), digest_hex(xxhash.xxh3_64_intdigest(data))))
-        with locked_tempdir("ckptdelta-anchor-") as tmp:
+        with locked_tempdir("anchor") as tmp:
             try:
                 for i, names in enumerate(shards):
                     t0 = time.perf_counter()
@@ -192,7 +192,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
     uploads: list[Future] = []
     upload_s = [0.0]
     try:
-        with locked_tempdir("ckptdelta-delta-") as tmp, \
+        with locked_tempdir("delta") as tmp, \
                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptdelta-delta-upload") as pool:
             def path_of(i: int) -> str:
                 return os.path.join(tmp, rank_object_name(rank, i))

@@ -448,15 +448,15 @@ def test_a_publisher_killed_mid_publish_leaves_temp_dirs_the_next_publisher_remo
              "    print(d, flush=True)\n"
              "    os.kill(os.getpid(), 9)\n")
     dead = []
-    for prefix in tempdirs.PREFIXES:
-        p = subprocess.run([sys.executable, "-c", child, prefix], env=env, capture_output=True, text=True)
+    for kind in tempdirs.KINDS:
+        p = subprocess.run([sys.executable, "-c", child, kind], env=env, capture_output=True, text=True)
         assert p.returncode == -9, p.stderr
         dead.append(p.stdout.strip())
     foreign = tmp / "ckptdelta-delta-not-ours"
     foreign.mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tempfile, "tempdir", str(tmp))
-        with tempdirs.locked_tempdir("ckptdelta-anchor-") as live:
+        with tempdirs.locked_tempdir("anchor") as live:
             assert all(os.path.isdir(d) for d in dead)
             Publisher(str(tmp_path / "run")).close()       # a new publisher sweeps at start
             assert not any(os.path.exists(d) for d in dead)

@@ -61,7 +61,7 @@ def test_an_index_pointing_outside_the_file_is_refused(tmp_path):
 
 
 def test_files_of_dead_replicas_are_removed_and_live_ones_kept(tmp_path):
-    """Dead or alive is the owner's lock on the file (loader/scratch.py), not the pid in its name: an unlocked
+    """Dead or alive is the owner's lock on the file (delta/scratch.py), not the pid in its name: an unlocked
     file named with this very process's pid is a dead replica's (another PID namespace's pid, reused here)."""
     live = SharedWeights.create({"a": torch.ones(4)}, directory=str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from loader import scratch
+from delta import scratch
 from loader.cache import MAX_GB_ENV, DiskCache, default_max_bytes
 from tests.replicas import PROMPT, lm_dir, publish_run, run  # noqa: F401
 from tests.vllm_replicas import ONE_GPU_LAYOUT_ENV, VLLM_ARGS, publish_vllm_run
@@ -54,7 +54,7 @@ def short_tmp():
 
 
 def _theirs(directory: str, pid: int) -> list[str]:
-    """What process ``pid`` made in ``directory`` (loader/scratch.py's names carry the owner's pid)."""
+    """What process ``pid`` made in ``directory`` (delta/scratch.py's names carry the owner's pid)."""
     try:
         return sorted(n for n in os.listdir(directory) if n.startswith("ckptdelta-") and f"-{pid}-" in n)
     except FileNotFoundError:
@@ -65,7 +65,7 @@ def _theirs(directory: str, pid: int) -> list[str]:
 
 OWNER = """
 import os, sys
-from loader import scratch
+from delta import scratch
 d, dead = sys.argv[1], sys.argv[2]
 items = [scratch.make("weights", d), scratch.make("vllm", d)]
 open(items[0].path + ".json", "w").write("{}")

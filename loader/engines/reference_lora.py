@@ -83,7 +83,7 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", base_model: str | No
     """``ckptdelta serve --engine reference --bucket URL [--base-model DIR]`` on a LoRA run."""
     from ..engine import Engine, load_model
     from ..reader import SnapshotReader
-    from ..scratch import make as make_scratch
+    from delta.scratch import make as make_scratch
     from ..servable import check_device, check_model_dir
 
     check_device(device)

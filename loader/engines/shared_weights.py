@@ -17,7 +17,7 @@ The file's pages are reserved before anything is written (``posix_fallocate``):
 a sparse file on a ``/dev/shm`` smaller than the model (Docker's default is
 64 MiB) would kill the replica with SIGBUS halfway through the copy, with no
 word of why. The replica holds a lock on the file while it lives
-(loader/scratch.py): any replica of the host removes those nobody holds.
+(delta/scratch.py): any replica of the host removes those nobody holds.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -33,11 +32,12 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from delta.errors import CkptDeltaError
+from delta.scratch import SHM_DIR_ENV, shm_dir
 
 ALIGN = 64
 #: Where the host copy goes instead of /dev/shm (a tmpfs or a directory of its own; every engine worker of the
 #: host must see it at the same path).
-DIR_ENV = "CKPTDELTA_SHM_DIR"
+DIR_ENV = SHM_DIR_ENV
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -57,9 +57,7 @@ class HostCopySpaceError(CkptDeltaError, OSError):
 def default_dir() -> str:
     """``$CKPTDELTA_SHM_DIR``, else ``/dev/shm`` where it exists (memory, visible to every process of the host),
     else the temp dir."""
-    if os.environ.get(DIR_ENV):
-        return os.environ[DIR_ENV]
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return shm_dir()
 
 
 def _mib(n: int) -> str:
@@ -98,7 +96,7 @@ class SharedWeights:
     path: str
     index: dict[str, dict]
     tensors: dict[str, torch.Tensor]
-    owner: Any = field(default=None, repr=False)   # loader.scratch.Owned: the file, locked while we live
+    owner: Any = field(default=None, repr=False)   # delta.scratch.Owned: the file, locked while we live
 
     @property
     def index_path(self) -> str:
@@ -118,7 +116,7 @@ class SharedWeights:
             index[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                            "offset": offset, "nbytes": nbytes}
             offset += -(-max(nbytes, 1) // ALIGN) * ALIGN
-        from loader import scratch
+        from delta import scratch
 
         directory = directory or default_dir()
         remove_orphans(directory)
@@ -185,8 +183,8 @@ def open_positions(path: str) -> torch.Tensor:
 
 def remove_orphans(directory: str) -> list[str]:
     """Remove the host copies (and their index and positions files) of replicas that died without closing
-    theirs: those no process holds locked (loader/scratch.py), whatever their pid says."""
-    from loader import scratch
+    theirs: those no process holds locked (delta/scratch.py), whatever their pid says."""
+    from delta import scratch
 
     return scratch.sweep(directory, ("weights",))
 

@@ -135,9 +135,9 @@ class VllmServer:
         ranks = _tensor_parallel_size(args)
         if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in environ and not torch.cuda.is_available():
             environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(ranks)
-        from loader.scratch import make as make_scratch
+        from delta.scratch import make as make_scratch
 
-        self._dir = make_scratch("vllm-sock")    # mode 0700, locked while we live (loader/scratch.py)
+        self._dir = make_scratch("vllm-sock")    # mode 0700, locked while we live (delta/scratch.py)
         if "TMPDIR" not in (env or {}):
             # vLLM's own temp files (its ZeroMQ sockets, torch.distributed's rendezvous file) were left in the
             # temp dir on every stop: they go in here, and go with it
@@ -205,7 +205,7 @@ class VllmServer:
     def stop(self, timeout: float = STOP_TIMEOUT_S, *, keep_log: bool | None = None) -> None:
         """SIGTERM vLLM's process group, SIGKILL after ``timeout``; remove the socket's directory, and the log
         unless the user named it or it may tell why something failed: ``keep_log``, by default when vLLM had
-        exited before it was asked to (a dead replica's logs are kept too: loader/scratch.py keeps the last
+        exited before it was asked to (a dead replica's logs are kept too: delta/scratch.py keeps the last
         few). Idempotent."""
         crashed = self.proc.poll() is not None
         if not crashed:
@@ -808,7 +808,7 @@ class VllmReplica(ReplicaEngine):
             self.server.stop()
         self.shared.close()
         if self._owned_dir is not None:
-            self._owned_dir.release()      # the scratch model copy (loader.scratch.Owned)
+            self._owned_dir.release()      # the scratch model copy (delta.scratch.Owned)
 
 
 def _snapshot(version: int | None) -> str | None:
@@ -916,7 +916,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
     name = model_name or reader.run_id
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-    from loader.scratch import make as make_scratch
+    from delta.scratch import make as make_scratch
 
     scratch = make_scratch("vllm", cache_dir)    # locked while we live; a dead replica's is swept by the next
     server = shared = control = None

@@ -361,7 +361,7 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
 
     from loader.lora import LoraHotSwapper, base_dir_for, check_base
     from loader.reader import SnapshotReader
-    from loader.scratch import make as make_scratch
+    from delta.scratch import make as make_scratch
     from loader.servable import check_model_dir
 
     if attach:

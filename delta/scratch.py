@@ -1,5 +1,6 @@
-"""What a replica leaves on its host (scratch model copies, vLLM's socket directory and log, the host copy of the
-weights in shared memory), owned by a lock, so that any replica can sweep what a dead one left.
+"""What a replica or a publisher leaves on its host (scratch model copies, vLLM's socket directory and log, the
+host copy of the weights in shared memory, a publisher's shards and parts on their way to the bucket), owned by a
+lock, so that any replica or publisher can sweep what a dead one left.
 
 A replica killed -9, or by SIGBUS, or SIGTERM'd before it could clean up, leaves
 a whole model on disk and another in ``/dev/shm``; nothing else will ever remove
@@ -40,12 +41,14 @@ KINDS: dict[str, tuple[str, bool]] = {
     "vllm-sock": ("", True),        # the directory of vLLM's Unix socket (VllmServer)
     "vllm-log": (".log", False),    # vLLM's log (VllmServer), kept after a crash
     "serve": ("", True),            # the reference engine's scratch copy while it loads (loader/engine.py)
+    "anchor": ("", True),           # a publisher's anchor shards on their way up (publisher/tempdirs.py)
+    "delta": ("", True),            # a publisher's delta parts on their way up (publisher/tempdirs.py)
 }
 #: kinds with files beside them: the host copy's index and positions files (``PATH.json``, ``PATH.pos``)
 WITH_SIBLINGS = ("weights",)
 #: Logs of dead owners kept per directory (newest first); older ones are removed by the next sweep.
 KEEP_LOGS = 5
-_NAME = re.compile(r"ckptdelta-(?P<kind>vllm-sock|vllm-log|weights|vllm|serve)-(?P<pid>[0-9]{1,10})-"
+_NAME = re.compile(r"ckptdelta-(?P<kind>vllm-sock|vllm-log|weights|vllm|serve|anchor|delta)-(?P<pid>[0-9]{1,10})-"
                    r"(?P<tag>[0-9a-f]{8})(?P<rest>.*)", re.S)
 
 
@@ -150,14 +153,24 @@ def sweep(directory: str, kinds: "tuple[str, ...] | None" = None, *, keep_logs: 
     return removed
 
 
+#: Where a replica's host copy of the weights lives, when set (loader/engines/shared_weights.py).
+SHM_DIR_ENV = "CKPTDELTA_SHM_DIR"
+
+
+def shm_dir() -> str:
+    """``$CKPTDELTA_SHM_DIR``, else ``/dev/shm`` where it exists (memory, visible to every process of the host),
+    else the temp dir."""
+    if os.environ.get(SHM_DIR_ENV):
+        return os.environ[SHM_DIR_ENV]
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
 def sweep_host(*directories: "str | None") -> list[str]:
     """Sweep the places replicas leave things: the temp dir, the host copy's directory and ``directories``
     (a ``--cache-dir``). Returns the paths removed."""
-    from loader.engines.shared_weights import default_dir
-
     removed = []
     seen = set()
-    for d in (tempfile.gettempdir(), default_dir(), *directories):
+    for d in (tempfile.gettempdir(), shm_dir(), *directories):
         if d and os.path.realpath(d) not in seen:
             seen.add(os.path.realpath(d))
             removed += [os.path.join(d, n) for n in sweep(d)]
