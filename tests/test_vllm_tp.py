@@ -14,6 +14,8 @@ and repaired; a failed hot-load pushing the old version back on both ranks.
 
 Marked slow (``make stress``): greedy tokens and logprobs equal to a fresh TP-2 vLLM
 on the same snapshot (a second start).
+
+Last, the replica's stop: none of the shared memory its vLLM's workers created in ``/dev/shm`` is left.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import pytest
 import torch
 
+from loader.engines import vllm_shm
 from tests.servers import free_port
 from tests.vllm_tp_ranks import VOCAB, checkpoint, run_rank
 
@@ -192,9 +195,13 @@ def tp_rep(tp_run, tmp_path_factory, tp_env):
     from loader.engines import build_engine
     from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle
 
+    before = vllm_shm.segments()
     engine = build_engine("vllm", bucket=tp_run.url, snapshot=0, cache_dir=str(tmp_path_factory.mktemp("tp-cache")),
                           vllm_args=VLLM_ARGS + TP_ARGS)
     rep = VllmReplicaHandle(engine, replica_id="vllm-tp2")
+    # the CPU all-reduce segments its workers created, named for its rendezvous file (in vLLM's private TMPDIR)
+    ident = tuple(f"{i}-" for i in vllm_shm.idents(engine.server._tmp))
+    rep.vllm_shm = {n for n in vllm_shm.segments() - before if n.startswith(ident)}
     yield rep
     rep.close()
 
@@ -355,3 +362,14 @@ def test_tp2_greedy_tokens_and_logprobs_equal_a_fresh_tp2_vllm_on_the_same_snaps
     assert hot["text"] == cold["text"] and hot["logprobs"]["tokens"] == cold["logprobs"]["tokens"]
     assert hot["logprobs"]["token_logprobs"] == cold["logprobs"]["token_logprobs"]
     assert hot["logprobs"]["top_logprobs"] == cold["logprobs"]["top_logprobs"]
+
+
+def test_tp2_stopping_the_replica_removes_the_cpu_all_reduce_shared_memory_its_vllm_created(tp_rep):
+    """Last in the module (the slow test before it may have stopped the replica already). vLLM's CPU workers
+    create a 4 MB segment each in /dev/shm for their all-reduce and never unlink it: every TP-2 start left a
+    pair there for good until VllmServer.stop removed them (loader/engines/vllm_shm.py)."""
+    created = tp_rep.vllm_shm
+    assert sorted(n.rsplit("-", 1)[1] for n in created) == ["cpushm_0", "cpushm_1"], created
+    tp_rep.close()
+    assert vllm_shm.live_members(tp_rep.engine.server.proc.pid) == []
+    assert not created & vllm_shm.segments()

@@ -63,6 +63,7 @@ import torch
 
 from delta.errors import CkptDeltaError, HotLoadError
 
+from . import vllm_shm
 from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
 from .shared_weights import SharedWeights, write_positions
 from .vllm_tp import sliced, uncovered
@@ -138,11 +139,15 @@ class VllmServer:
         from delta.scratch import make as make_scratch
 
         self._dir = make_scratch("vllm-sock")    # mode 0700, locked while we live (delta/scratch.py)
+        self._tmp: str | None = None
         if "TMPDIR" not in (env or {}):
             # vLLM's own temp files (its ZeroMQ sockets, torch.distributed's rendezvous file) were left in the
             # temp dir on every stop: they go in here, and go with it
-            environ["TMPDIR"] = os.path.join(self._dir.path, "tmp")
+            environ["TMPDIR"] = self._tmp = os.path.join(self._dir.path, "tmp")
             os.mkdir(environ["TMPDIR"], 0o700)
+        # vLLM's CPU all-reduce shared memory, removed on stop: what is there before it starts is not its
+        self._shm_before: set[str] | None = vllm_shm.segments()
+        self._shm_idents: set[str] = set()
         if port is None:
             where = ["--uds", os.path.join(self._dir.path, "vllm.sock")]
             self.url = UNIX_PREFIX + where[1]
@@ -206,8 +211,10 @@ class VllmServer:
         """SIGTERM vLLM's process group, SIGKILL after ``timeout``; remove the socket's directory, and the log
         unless the user named it or it may tell why something failed: ``keep_log``, by default when vLLM had
         exited before it was asked to (a dead replica's logs are kept too: delta/scratch.py keeps the last
-        few). Idempotent."""
+        few). Then whatever of the group still runs (vLLM's workers) is ended too, and the shared memory of vLLM's
+        CPU all-reduce removed (loader/engines/vllm_shm.py). Idempotent."""
         crashed = self.proc.poll() is not None
+        self._shm_idents |= vllm_shm.idents(self._tmp)    # before SIGTERM: a clean exit may remove the file
         if not crashed:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -218,8 +225,13 @@ class VllmServer:
                 except ProcessLookupError:
                     pass
                 self.proc.wait()
+        vllm_shm.end_group(self.proc.pid, timeout, term=crashed)
+        if self._shm_before is not None:
+            ours = self._shm_idents | vllm_shm.idents(self._tmp)
+            vllm_shm.remove_leftovers(self._shm_before, own=ours or None)
+            self._shm_before = None
         self._log.close()
-        self._dir.release()                              # the socket's directory
+        self._dir.release()                              # the socket's directory (and vLLM's TMPDIR in it)
         own = self._own_log
         if own is not None and own.fd >= 0:
             if crashed if keep_log is None else keep_log:
