@@ -164,11 +164,13 @@ class _Encoding:
         self.index, self.name, self.error = index, None, None
         try:
             name, old, new, *rest = item
-            if len(rest) > 1:
-                raise TypeError(f"encode_many items are (name, old, new[, parent_digest]), got {len(item)} fields")
+            if len(rest) > 2:
+                raise TypeError("encode_many items are (name, old, new[, parent_digest[, grandparent]]), got "
+                                f"{len(item)} fields")
             self.name = name
             job = codec._EncodeJob.prepare(old, new, name=name, chunk_elems=chunk_elems, level=level,
-                                           parent_digest=rest[0] if rest else None, context=context)
+                                           parent_digest=rest[0] if rest else None, context=context,
+                                           grandparent=rest[1] if len(rest) > 1 else None)
         except Exception as e:
             self.error, self.weight = e, 1
             return
@@ -214,8 +216,9 @@ def _encode_whole(job: codec._EncodeJob) -> tuple[int, int, list]:
 def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: int = chunks.DEFAULT_LEVEL,
                 context: bool = True, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
                 window: int | None = None) -> Iterator[EncodedTensor]:
-    """:func:`~delta.codec.encode` for every ``(name, old, new)`` (or ``(name, old, new, parent_digest)``)
-    of ``items``, lazily and in order, each record byte-identical to encode()'s.
+    """:func:`~delta.codec.encode` for every ``(name, old, new)`` (or ``(name, old, new, parent_digest)``,
+    or ``(name, old, new, parent_digest, grandparent)``; either may be None) of ``items``, lazily and in
+    order, each record byte-identical to encode()'s.
 
     ``threads``: threads working at once, this one (while it waits for a record) and
     ``threads - 1`` of the codec pool (default: every core; 1 runs all in this thread,
@@ -279,10 +282,13 @@ class _Applying:
         self.write: _Task | None = None
         self.verify, self.method = verify, method
         try:
-            live, enc = item
+            live, enc, *rest = item
+            if len(rest) > 1:
+                raise TypeError(f"apply_many items are (live, enc[, grandparent]), got {len(item)} fields")
             enc = codec._as_encoded(enc)
             h = enc.header
             self.name, self.live, self.enc = h.name, live, enc
+            self.grand = codec._grand_bits(enc, rest[0] if rest else None)
             in_place = codec._in_place(live, h, method)
         except Exception as e:
             self.error = e
@@ -291,7 +297,8 @@ class _Applying:
         self.bits: np.ndarray | None = None
         self.stage: _Task | None = None
         if not in_place:           # device, strided or method="torch": stage, then apply as apply_() does
-            self.stage = runner.submit(partial(codec.stage, live, enc, verify=verify, threads=1))
+            self.stage = runner.submit(partial(codec.stage, live, enc, verify=verify, threads=1,
+                                               grandparent=rest[0] if rest else None))
             return
         if len(h.chunks) <= 1:     # the task takes the view of the bits too: fewer calls into torch here
             self.write = runner.submit(self._whole)
@@ -301,7 +308,8 @@ class _Applying:
         except Exception as e:
             self.error = e
             return
-        self.chunks = [runner.submit(partial(codec._decode_chunk, enc, self.bits, i)) for i in range(len(h.chunks))]
+        self.chunks = [runner.submit(partial(codec._decode_chunk, enc, self.bits, i, None, self.grand))
+                       for i in range(len(h.chunks))]
 
     def commit(self, runner: _Runner) -> None:
         """Check what the tasks found; then start writing (in place) or apply the staged change (here)."""
@@ -331,7 +339,7 @@ class _Applying:
         h = self.enc.header
         self.bits = dtypes.host_bits(self.live)     # a view: codec._in_place() said so
         try:
-            per_chunk = [codec._decode_chunk(self.enc, self.bits, i) for i in range(len(h.chunks))]
+            per_chunk = [codec._decode_chunk(self.enc, self.bits, i, None, self.grand) for i in range(len(h.chunks))]
         except DeltaError:
             codec.diagnose_parent(self.enc, self.bits, self.verify)
             raise
@@ -390,8 +398,8 @@ def _old_bits(live: "torch.Tensor | np.ndarray", st: StagedTensor) -> StagedTens
 
 def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bool = True,
                method: str = "auto", window: int | None = None) -> None:
-    """:func:`~delta.codec.apply_` for every ``(live, enc)`` of ``items`` (``enc``: an
-    EncodedTensor or a record's bytes), all or nothing.
+    """:func:`~delta.codec.apply_` for every ``(live, enc)`` or ``(live, enc, grandparent)`` of ``items``
+    (``enc``: an EncodedTensor or a record's bytes), all or nothing.
 
     Each tensor is checked as apply_() checks it (result digest; parent digest on failure). If
     any tensor fails (corrupt record, wrong parent, shape mismatch), every tensor this

@@ -17,10 +17,10 @@ import numpy as np
 import xxhash
 import zstandard
 
-from . import ctxcoder, kernels
+from . import ctxcoder, kernels, pctx
 from .dtypes import DType, nan_rule
-from .errors import ChecksumError, FormatError
-from .record import CTX, CTX_LAYOUT, DENSE_XOR, GCTX, RAW, SPARSE, UNCHANGED, ChunkEntry
+from .errors import ChecksumError, FormatError, GrandparentNeededError
+from .record import CTX, CTX_LAYOUT, DENSE_XOR, GCTX, PCTX, PCTX_LAYOUT, RAW, SPARSE, UNCHANGED, ChunkEntry
 
 DEFAULT_LEVEL = 3
 # Above this fraction of changed elements the dense XOR form is tried as well and the smaller kept,
@@ -111,11 +111,13 @@ CONTEXT_ENCODING = GCTX
 
 
 def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int = DEFAULT_LEVEL,
-                 context: bool = True) -> EncodedChunk:
+                 context: bool = True, grand: np.ndarray | None = None) -> EncodedChunk:
     """Pick the smallest encoding for one chunk. ``old``/``new`` are the chunk's bits.
 
     ``context=False`` leaves out the context coder (id 5, or 4: CONTEXT_ENCODING): deltas
-    about 1.6x larger, encode and decode faster where many elements change."""
+    about 1.6x larger, encode and decode faster where many elements change. ``grand``, the
+    grandparent's bits of the chunk, lets the context coder try encoding 6 as well (a reader
+    then needs them too)."""
     n = new.shape[0]
     if old is None:
         payload = _compressor(level).compress(kernels.to_planes(new, dt.itemsize))
@@ -139,6 +141,10 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
         best = _encode_sparse(old, new, dt, changed, level, sparse)
         if ctx is not None and len(ctx.payload) < best[0].length:
             best = _entry(CTXE, *CTX_LAYOUT[dt.name], changed, ctx.payload), ctx.payload
+    if context and grand is not None and dt.name in PCTX_LAYOUT:
+        payload = pctx.encode_pctx(old, new, grand, dt)
+        if payload is not None and len(payload) < best[0].length:
+            best = _entry(PCTX, *PCTX_LAYOUT[dt.name], changed, payload), payload
     if changed > DENSE_TRY_FRACTION * n and DENSE_SKIP_RATIO * best[0].length > n * dt.itemsize:
         planes = kernels.xor_planes(old, new, dt.itemsize)
         if _may_beat(planes, n, best[0].length):
@@ -199,14 +205,16 @@ def decode_raw(entry: ChunkEntry, payload: bytes | memoryview, n: int, dt: DType
 
 
 def decode_changes(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarray, dt: DType,
-                   where: str, out: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+                   where: str, out: "tuple[np.ndarray, np.ndarray] | None" = None,
+                   grand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Chunk-local positions (int64) and new bits for a chunk encoded against ``old``.
 
     ``out``: arrays of exactly ``entry.count`` elements (int64, ``dt``'s bits) to decode
     into instead of new ones, for a sparse, dense or ctx chunk (the slices of a staged
-    tensor that the chunk's changes fill); returned as they are, filled."""
+    tensor that the chunk's changes fill); returned as they are, filled. ``grand``: the
+    grandparent's bits of the chunk, which a pctx chunk needs."""
     n = old.shape[0]
-    if out is not None and (entry.encoding not in (SPARSE, CTX, GCTX, DENSE_XOR)
+    if out is not None and (entry.encoding not in (SPARSE, CTX, GCTX, PCTX, DENSE_XOR)
                             or out[0].shape != (entry.count,) or out[1].shape != (entry.count,)):
         raise ValueError(f"{where}: only sparse, dense and ctx chunks decode into given arrays, of their count")
     if entry.encoding == UNCHANGED:
@@ -231,6 +239,11 @@ def decode_changes(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarr
         return positions, values
     if entry.encoding in (CTX, GCTX):
         return ctxcoder.decode_ctx(payload, old, entry.count, dt, where, out, grouped=entry.encoding == GCTX)
+    if entry.encoding == PCTX:
+        if grand is None:
+            raise GrandparentNeededError(f"{where}: a pctx chunk, coded against the tensor's version before its "
+                                         "parent too, which this reader was not given")
+        return pctx.decode_pctx(payload, old, grand, entry.count, dt, where, out)
     if entry.encoding == DENSE_XOR:
         planes = np.frombuffer(_unzstd(payload, n * dt.itemsize, where), np.uint8)
         positions, values = (np.empty(entry.count, np.int64), np.empty(entry.count, dt.bits_dtype)) \

@@ -21,9 +21,9 @@ import torch
 import xxhash
 
 from . import chunks, dtypes, kernels
-from .errors import (ChecksumError, DeltaError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError,
-                     UnsupportedDtypeError)
-from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RAW, RecordHeader,
+from .errors import (ChecksumError, DeltaError, FormatError, GrandparentNeededError, ParentMismatchError,
+                     ShapeMismatchError, TruncatedError, UnsupportedDtypeError)
+from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, PCTX, RAW, RecordHeader,
                      header_size_for, n_chunks_for, pack_header, parse_header)
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
@@ -115,6 +115,11 @@ class EncodedTensor:
     def to_bytes(self) -> bytes:
         return pack_header(self.header) + b"".join(bytes(p) for p in self.payloads)
 
+    @property
+    def needs_grandparent(self) -> bool:
+        """Whether decoding needs the tensor's version before its parent too (a pctx chunk, encoding 6)."""
+        return any(c.encoding == PCTX for c in self.header.chunks)
+
     def encoding_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for c in self.header.chunks:
@@ -144,7 +149,8 @@ def _as_encoded(enc: "EncodedTensor | bytes | memoryview", what: str | None = No
 
 def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: int = DEFAULT_CHUNK_ELEMS,
            level: int = chunks.DEFAULT_LEVEL, threads: int | None = None,
-           parent_digest: int | None = None, context: bool = True) -> EncodedTensor:
+           parent_digest: int | None = None, context: bool = True,
+           grandparent: Array | None = None) -> EncodedTensor:
     """Encode ``new`` against ``old`` (or on its own when ``old`` is None).
 
     A shape or dtype change needs no special call: pass ``old=None`` and the
@@ -152,9 +158,12 @@ def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: 
     already knows ``digest(old)`` (a publisher does: it recorded it last step),
     saves one pass over ``old``. ``context=False`` skips the context coder
     (docs/FORMAT.md, encoding 4): larger deltas, faster encode and decode.
+    ``grandparent``: the tensor before ``old`` (same dtype and shape), whose step to ``old``
+    predicts the next one (encoding 6: where nearly every element moves, as in a LoRA step,
+    ~12% fewer bytes than encoding 5); a reader then needs it too.
     Many tensors: :func:`delta.encode_many` spreads them over the cores as well."""
     job = _EncodeJob.prepare(old, new, name=name, chunk_elems=chunk_elems, level=level,
-                             parent_digest=parent_digest, context=context)
+                             parent_digest=parent_digest, context=context, grandparent=grandparent)
     results = _map(job.chunk, list(range(job.n_chunks)), threads)
     return job.assemble(results, job.digest(), job.parent_digest())
 
@@ -175,10 +184,11 @@ class _EncodeJob:
     new_bits: np.ndarray = field(repr=False)
     old_bits: np.ndarray | None = field(repr=False)
     known_parent: int | None
+    grand_bits: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def prepare(cls, old: Array | None, new: Array, *, name: str, chunk_elems: int, level: int,
-                parent_digest: int | None, context: bool) -> "_EncodeJob":
+                parent_digest: int | None, context: bool, grandparent: Array | None = None) -> "_EncodeJob":
         """Check the inputs and take their bits (a host copy only for device or strided tensors)."""
         try:
             dt = dtypes.of(new)
@@ -196,11 +206,17 @@ class _EncodeJob:
                     f"tensor {name!r}: cannot encode {dt.name}{list(shape)} against {dtypes.of(old).name}"
                     f"{list(old.shape)}; pass old=None to store it whole")
             old_bits = dtypes.host_bits(old)
+        grand_bits = None
+        if grandparent is not None and old is not None:
+            if dtypes.of(grandparent) != dt or tuple(grandparent.shape) != shape:
+                raise ShapeMismatchError(f"tensor {name!r}: its grandparent is {dtypes.of(grandparent).name}"
+                                         f"{list(grandparent.shape)}, the tensor {dt.name}{list(shape)}")
+            grand_bits = dtypes.host_bits(grandparent)
         chunk_elems = max(1, min(MAX_CHUNK_ELEMS, max(chunk_elems, -(-numel // MAX_CHUNKS))))
         if numel:
             chunk_elems = min(chunk_elems, numel)
         return cls(name, dt, shape, numel, chunk_elems, n_chunks_for(numel, chunk_elems), level, context,
-                   new_bits, old_bits, parent_digest)
+                   new_bits, old_bits, parent_digest, grand_bits)
 
     @property
     def hashes_parent(self) -> bool:
@@ -210,7 +226,8 @@ class _EncodeJob:
     def chunk(self, i: int) -> chunks.EncodedChunk:
         s, e = i * self.chunk_elems, min(self.numel, (i + 1) * self.chunk_elems)
         old = None if self.old_bits is None else self.old_bits[s:e]
-        return chunks.encode_chunk(old, self.new_bits[s:e], self.dt, self.level, self.context)
+        grand = None if self.grand_bits is None else self.grand_bits[s:e]
+        return chunks.encode_chunk(old, self.new_bits[s:e], self.dt, self.level, self.context, grand)
 
     def digest(self) -> int:
         return xxhash.xxh3_64_intdigest(self.new_bits)
@@ -338,29 +355,50 @@ def diagnose_parent(enc: EncodedTensor, bits: np.ndarray, verify: bool) -> None:
     decode: ~8% of a decode at 1% changed."""
     if verify and enc.header.has_parent:
         _check_parent(enc, xxhash.xxh3_64_intdigest(bits))
+        if enc.needs_grandparent:      # the record stores no digest of it: the right parent leaves only this
+            raise ParentMismatchError(f"{enc.where()}: decoded against its parent, but the grandparent given is "
+                                      "not the tensor it was encoded against (or the record is corrupt)")
 
 
 def _decode_chunk(enc: EncodedTensor, bits: np.ndarray, i: int,
-                  out: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+                  out: "tuple[np.ndarray, np.ndarray] | None" = None,
+                  grand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Chunk ``i``'s changes against ``bits`` (the whole parent): chunk-local positions and new bits
-    (into ``out``, as :func:`chunks.decode_changes` takes it)."""
+    (into ``out``, as :func:`chunks.decode_changes` takes it). ``grand``: the whole grandparent's bits."""
     h = enc.header
     s, e = h.chunk_range(i)
-    return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"{enc.where()} chunk {i}", out)
+    return chunks.decode_changes(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"{enc.where()} chunk {i}", out,
+                                 None if grand is None else grand[s:e])
 
 
-def _decode_against(enc: EncodedTensor, bits: np.ndarray, verify: bool, threads: int | None):
+def _grand_bits(enc: EncodedTensor, grandparent: Array | None) -> np.ndarray | None:
+    """The grandparent's bits, checked against the record's dtype and shape; None when no chunk needs them.
+    A record that needs them and did not get them fails here, before anything is decoded."""
+    if not enc.needs_grandparent:
+        return None
+    if grandparent is None:
+        raise GrandparentNeededError(f"{enc.where()}: the record is coded against the tensor's version before its "
+                                     "parent too (pctx chunks, docs/FORMAT.md encoding 6), which was not given")
+    h = enc.header
+    if dtypes.of(grandparent) != h.dtype or tuple(grandparent.shape) != tuple(h.shape):
+        raise ShapeMismatchError(f"{enc.where()}: the grandparent given is {dtypes.of(grandparent).name}"
+                                 f"{list(grandparent.shape)}, the record's tensor {h.dtype.name}{list(h.shape)}")
+    return dtypes.host_bits(grandparent)
+
+
+def _decode_against(enc: EncodedTensor, bits: np.ndarray, verify: bool, threads: int | None,
+                    grand: np.ndarray | None = None):
     """Decode every chunk's changes against ``bits``; a failure against the wrong parent says so."""
     h = enc.header
     try:
-        return _map(lambda i: _decode_chunk(enc, bits, i), list(range(len(h.chunks))), threads)
+        return _map(lambda i: _decode_chunk(enc, bits, i, None, grand), list(range(len(h.chunks))), threads)
     except DeltaError:
         diagnose_parent(enc, bits, verify)
         raise
 
 
 def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bool = True,
-          threads: int | None = None) -> StagedTensor:
+          threads: int | None = None, grandparent: Array | None = None) -> StagedTensor:
     """Decode ``enc`` against the current content of ``live`` without modifying it.
 
     With ``verify`` (the default) the staged result must hash to the record's digest,
@@ -372,16 +410,18 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     Chunks decode on the codec pool; this thread takes them in order as they come and,
     while each chunk's bits are in cache, gathers the bits the change overwrites
     (``StagedTensor.old``, the undo of an in-place apply) and hashes the result: one
-    read of ``live`` from memory instead of two."""
+    read of ``live`` from memory instead of two. ``grandparent``: the tensor before ``live``'s
+    version, which a record with pctx chunks needs (:class:`GrandparentNeededError` without it)."""
     enc = _as_encoded(enc)
     h = enc.header
     _check_live(live, h.name, h.dtype, h.shape)
     bits = dtypes.host_bits(live)
+    grand = _grand_bits(enc, grandparent)
     w = h.dtype.itemsize
     counts = [c.count for c in h.chunks]           # each checked <= its chunk's elements (record.py)
     total = sum(counts)
     if any(c.encoding == RAW for c in h.chunks) or total * (8 + w) > h.numel * w:
-        return _stage_chunkwise(bits, enc, verify, threads)
+        return _stage_chunkwise(bits, enc, verify, threads, grand)
     # The changes decode straight into the staged arrays, each chunk into its slice: no per-chunk arrays
     # to assemble afterwards (a copy of every change: 15% of a sparse stage at 7% changed).
     positions = np.empty(total, np.int64)
@@ -397,7 +437,7 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     def decode(i: int) -> None:
         a, b = offs[i], offs[i + 1]
         if b > a:
-            _decode_chunk(enc, bits, i, (positions[a:b], values[a:b]))
+            _decode_chunk(enc, bits, i, (positions[a:b], values[a:b]), grand)
 
     try:
         for i, _ in enumerate(_imap(decode, range(len(h.chunks)), threads)):
@@ -430,15 +470,16 @@ def _check_result(enc: EncodedTensor, result: "xxhash.xxh3_64 | None", bits: np.
             f"the record says {digest_hex(enc.header.digest)}")
 
 
-def _stage_chunkwise(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: int | None) -> StagedTensor:
+def _stage_chunkwise(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: int | None,
+                     grand: np.ndarray | None = None) -> StagedTensor:
     """:func:`stage` where the changes cannot be sized before decoding (raw chunks) or are staged densely."""
     h = enc.header
     result = xxhash.xxh3_64() if verify else None
     per_chunk: list[tuple[np.ndarray, np.ndarray]] = []
     olds: list[np.ndarray] = []
     try:
-        for i, (pos, vals) in enumerate(_imap(lambda i: _decode_chunk(enc, bits, i), range(len(h.chunks)),
-                                              threads)):
+        for i, (pos, vals) in enumerate(_imap(lambda i: _decode_chunk(enc, bits, i, None, grand),
+                                              range(len(h.chunks)), threads)):
             s, e = h.chunk_range(i)
             old = np.empty(pos.shape[0], h.dtype.bits_dtype)
             if pos.shape[0] and result is not None:
@@ -504,9 +545,9 @@ def stage_full(live: Array, new: Array, *, name: str = "tensor", expected_digest
 
 
 def decode(old: Array | None, enc: "EncodedTensor | bytes | memoryview", *, verify: bool = True,
-           threads: int | None = None):
+           threads: int | None = None, grandparent: Array | None = None):
     """The new tensor. Returns the type of ``old`` (torch on old's device, or numpy);
-    a CPU torch tensor when ``old`` is None (records without parent)."""
+    a CPU torch tensor when ``old`` is None (records without parent). ``grandparent``: see :func:`stage`."""
     enc = _as_encoded(enc)
     h = enc.header
     if not h.has_parent:
@@ -523,7 +564,7 @@ def decode(old: Array | None, enc: "EncodedTensor | bytes | memoryview", *, veri
         out = np.array(old, copy=True, order="C")
     else:
         out = old.detach().clone(memory_format=torch.contiguous_format)
-    apply_(out, enc, verify=verify, threads=threads)
+    apply_(out, enc, verify=verify, threads=threads, grandparent=grandparent)
     return out
 
 
@@ -548,21 +589,21 @@ def _decode_raw(enc: EncodedTensor, verify: bool, threads: int | None) -> np.nda
 
 
 def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bool = True,
-           threads: int | None = None, method: str = "auto") -> None:
+           threads: int | None = None, method: str = "auto", grandparent: Array | None = None) -> None:
     """Rewrite ``live`` in place into the tensor ``enc`` encodes. On any error ``live`` is untouched.
 
     On contiguous host memory this verifies after writing instead of staging a
     checked copy first: the old bits of every changed element are kept, the result
     is hashed in place, and a mismatch puts the old bits back before raising. That
     reads the tensor twice (parent digest, result digest) and copies only the old
-    bits of what changes. Many tensors: :func:`delta.apply_many`."""
+    bits of what changes. ``grandparent``: see :func:`stage`. Many tensors: :func:`delta.apply_many`."""
     enc = _as_encoded(enc)
     h = enc.header
     bits = _writable_bits(live, h, method)
     if bits is None:
-        stage(live, enc, verify=verify, threads=threads).apply_(live, method=method)
+        stage(live, enc, verify=verify, threads=threads, grandparent=grandparent).apply_(live, method=method)
         return
-    per_chunk = _decode_against(enc, bits, verify, threads)
+    per_chunk = _decode_against(enc, bits, verify, threads, _grand_bits(enc, grandparent))
     undo: list[_Undo] = []
     try:
         for i, (pos, vals) in enumerate(per_chunk):

@@ -37,6 +37,11 @@ class ParentMismatchError(DeltaError):
     """A delta was applied to a tensor that is not the one it was encoded against."""
 
 
+class GrandparentNeededError(DeltaError):
+    """A record's chunks are coded against the tensor's version before its parent too (docs/FORMAT.md,
+    encoding 6), and the caller did not pass it: rebuild that version, or take the anchor route."""
+
+
 class UnsupportedDtypeError(CkptDeltaError, TypeError):
     """A tensor's dtype has no exact byte representation in the format."""
 

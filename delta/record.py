@@ -28,10 +28,13 @@ DENSE_XOR = 2
 RAW = 3
 CTX = 4
 GCTX = 5
+PCTX = 6
 ENCODING_NAMES = {UNCHANGED: "unchanged", SPARSE: "sparse", DENSE_XOR: "dense_xor", RAW: "raw", CTX: "ctx",
-                  GCTX: "gctx"}
+                  GCTX: "gctx", PCTX: "pctx"}
 # ctx: an element's context is its parent's exponent field; (planes_a, planes_b) = (mantissa bits, exponent bits)
 CTX_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F8_E4M3": (3, 4), "F8_E5M2": (2, 5)}
+# pctx: the same fields, for the dtypes it serves (it also needs the grandparent: docs/FORMAT.md, encoding 6)
+PCTX_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F32": (23, 8)}
 
 FLAG_HAS_PARENT = 1
 
@@ -238,7 +241,7 @@ def _check_entry(where: str, i: int, enc: int, pa: int, pb: int, count: int, n: 
         bad = f"unknown encoding id {enc}"
     elif enc == UNCHANGED and (count or length or pa or pb):
         bad = "unchanged chunk with a payload or planes"
-    elif enc in (UNCHANGED, SPARSE, DENSE_XOR, CTX, GCTX) and not has_parent:
+    elif enc in (UNCHANGED, SPARSE, DENSE_XOR, CTX, GCTX, PCTX) and not has_parent:
         bad = f"{ENCODING_NAMES[enc]} chunk in a record without parent"
     elif enc == SPARSE and not (1 <= count <= n and 1 <= pa <= 4 and 1 <= pb <= itemsize):
         bad = f"sparse chunk fields out of range (count={count}, planes={pa}/{pb})"
@@ -249,5 +252,7 @@ def _check_entry(where: str, i: int, enc: int, pa: int, pb: int, count: int, n: 
     elif enc in (CTX, GCTX) and not (1 <= count <= n and CTX_LAYOUT.get(dtype_name) == (pa, pb)):
         bad = (f"{ENCODING_NAMES[enc]} chunk fields out of range for {dtype_name or 'this dtype'} "
                f"(count={count}, planes={pa}/{pb})")
+    elif enc == PCTX and not (1 <= count <= n and PCTX_LAYOUT.get(dtype_name) == (pa, pb)):
+        bad = f"pctx chunk fields out of range for {dtype_name or 'this dtype'} (count={count}, planes={pa}/{pb})"
     if bad:
         raise FormatError(f"{where} chunk {i}: {bad}")

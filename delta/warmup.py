@@ -83,12 +83,27 @@ def warm_up(progress: Callable[[str, int, int, float | None], None] | None = Non
             if not all(torch.equal(o.view(torch.uint8), want) for o in outs):
                 raise AssertionError(f"warm-up round trip of {dtype} is not bit-exact")
             _warm_encoding_4(old, new)
+            _warm_pctx(old, new, seed=i)
         say(group, i + 1, groups, time.perf_counter() - tg)
     say("hot-swap commit kernels", groups, groups, None)
     tg = time.perf_counter()
     _warm_commit()
     say("hot-swap commit kernels", groups, groups, time.perf_counter() - tg)
     return time.perf_counter() - t0
+
+
+def _warm_pctx(old: torch.Tensor, new: torch.Tensor, seed: int) -> None:
+    """Encoding 6 (a record coded against its grandparent too: LoRA runs), for the dtypes it serves, checked."""
+    from delta import apply_, dtypes, encode
+    from delta.record import PCTX_LAYOUT
+
+    if dtypes.of(old).name not in PCTX_LAYOUT:
+        return
+    grand = _pair(old.dtype, old.numel(), 0.5, seed=seed + 101)[1]
+    live = old.clone()
+    apply_(live, encode(old, new, name="warmup", grandparent=grand).to_bytes(), grandparent=grand)
+    if not torch.equal(live.view(torch.uint8), new.view(torch.uint8)):
+        raise AssertionError(f"warm-up of encoding 6 for {old.dtype} is not bit-exact")
 
 
 def _warm_encoding_4(old: torch.Tensor, new: torch.Tensor) -> None:
@@ -197,6 +212,8 @@ def _warm_stage(dtype: torch.dtype, context: bool) -> None:
         stage(live, encode(old, new, name="warmup", context=context).to_bytes()).apply_(live)
         if not torch.equal(live.view(torch.uint8), new.view(torch.uint8)):
             raise AssertionError(f"warm-up of the staging path of {dtype} is not bit-exact")
+        if context:
+            _warm_pctx(old, new, seed=0)
 
 
 #: Set to 0 to turn the background warm-up off (every HotSwapper then loads its kernels on first use).

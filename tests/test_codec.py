@@ -585,15 +585,21 @@ def test_golden_record_still_decodes(case):
     assert enc.header.name == case["name"] and enc.header.dtype == dt
     expected = np.load(GOLDEN / case["expected"])
     assert expected.dtype == dt.bits_dtype and list(expected.shape) == case["shape"]
-    parent = None
+    parent = grand = None
+
+    def tensor(key: str) -> torch.Tensor:
+        bits = np.load(GOLDEN / case[key])
+        return torch.from_numpy(bits.reshape(-1).view(_np_int(dt))).view(dt.torch_dtype).reshape(case["shape"])
+
     if case["parent"] is not None:
-        pbits = np.load(GOLDEN / case["parent"])
-        parent = torch.from_numpy(pbits.reshape(-1).view(_np_int(dt))).view(dt.torch_dtype).reshape(case["shape"])
-    out = codec.decode(parent, buf)
+        parent = tensor("parent")
+    if case.get("grandparent") is not None:     # encoding 6's cases
+        grand = tensor("grandparent")
+    out = codec.decode(parent, buf, grandparent=grand)
     np.testing.assert_array_equal(bits_of(out), expected.reshape(-1))
     assert tuple(out.shape) == tuple(case["shape"])
     if parent is not None:
-        codec.apply_(parent, buf)
+        codec.apply_(parent, buf, grandparent=grand)
         np.testing.assert_array_equal(bits_of(parent), expected.reshape(-1))
 
 

@@ -48,8 +48,8 @@ def cases() -> list[dict]:
     rng = np.random.default_rng(20240601)
     out = []
 
-    def add(name, dtype, old, new, chunk_elems, must):
-        out.append(dict(name=name, dtype=dtype, old=old, new=new, chunk_elems=chunk_elems, must=must))
+    def add(name, dtype, old, new, chunk_elems, must, grand=None):
+        out.append(dict(name=name, dtype=dtype, old=old, new=new, chunk_elems=chunk_elems, must=must, grand=grand))
 
     a = _bits(rng, "F32", (4, 5))
     add("f32_unchanged", "F32", a, a.copy(), 8, {"unchanged"})
@@ -111,6 +111,7 @@ def cases() -> list[dict]:
             add(f"{name.lower()}_sparse", name, u, un, 1 << 20, {"sparse"})
     _ctx_cases(add)
     _gctx_cases(add)
+    _pctx_cases(add)
     return out
 
 
@@ -163,6 +164,47 @@ def _gctx_cases(add) -> None:
     add("f8e4m3_gctx", "F8_E4M3", e4, e4n, 1 << 20, {"gctx"})
 
 
+def _keys_of(bits: np.ndarray, w: int) -> np.ndarray:
+    b = bits.astype(np.int64)
+    sign, mask = 1 << (w - 1), (1 << w) - 1
+    return np.where(b & sign, ~b & mask, b | sign)
+
+
+def _from_keys(keys: np.ndarray, w: int, dtype) -> np.ndarray:
+    sign, mask = 1 << (w - 1), (1 << w) - 1
+    keys = keys % (1 << w)
+    return np.where(keys & sign, keys ^ sign, ~keys & mask).astype(dtype)
+
+
+def _pctx_cases(add) -> None:
+    """Encoding 6 (pctx): two Adam-like steps, the second mostly in the first's direction and of a
+    similar size in ulps (from one to hundreds: weights near zero), every element moving; special values
+    (NaN payloads, infinities, -0.0, subnormals) changing; BF16, F16 and F32, several chunks. Its own
+    generator, as above."""
+    rng = np.random.default_rng(20261204)
+    for name, w, dtype, n, scale in (("bf16_pctx", 16, np.uint16, 3000, 1), ("f16_pctx", 16, np.uint16, 900, 4),
+                                     ("f32_pctx", 32, np.uint32, 1500, 1 << 12)):
+        if w == 16 and name.startswith("bf16"):
+            g = _bf16_weights(rng, n)
+        elif w == 16:
+            g = (rng.standard_normal(n) * 0.05).astype(np.float16).view(np.uint16)
+        else:
+            g = (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+        size = np.maximum(1, (rng.pareto(1.5, n) * scale).astype(np.int64))
+        direction = np.where(rng.random(n) < 0.5, 1, -1)
+        step1 = direction * size * (rng.random(n) < 0.8)
+        flip = np.where(rng.random(n) < 0.15, -1, 1)
+        step2 = flip * direction * np.maximum(1, size + rng.integers(-1, 2, n) * (size // 4)) * (rng.random(n) < 0.8)
+        kg = _keys_of(g, w)
+        old = _from_keys(kg + step1, w, dtype)
+        new = _from_keys(_keys_of(old, w) + step2, w, dtype)
+        top = (1 << w) - 1
+        specials = [0x7FC1, 0xFF80, 0x8000, 0x0001] if w == 16 else [0x7FC00001, 0xFF800000, 0x80000000, 0x00000001]
+        new[:4] = specials                     # a NaN payload, -inf, -0.0, the smallest subnormal
+        old[4:6] = [top >> 1, 0]               # a NaN (all ones) and +0.0 become ordinary values
+        add(name, name.split("_")[0].upper(), old, new, 1024 if w == 16 else 512, {"pctx"}, grand=g)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--force", action="store_true", help="overwrite existing golden files")
@@ -178,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = list(c["new"].shape)
         new = _tensor(c["new"], c["dtype"]).reshape(shape)
         old = None if c["old"] is None else _tensor(c["old"], c["dtype"]).reshape(shape)
-        enc = codec.encode(old, new, name=c["name"], chunk_elems=c["chunk_elems"])
+        grand = None if c.get("grand") is None else _tensor(c["grand"], c["dtype"]).reshape(shape)
+        enc = codec.encode(old, new, name=c["name"], chunk_elems=c["chunk_elems"], grandparent=grand)
         counts = enc.encoding_counts()
         if not c["must"] <= set(counts):
             raise SystemExit(f"{c['name']}: encoded as {counts}, expected to contain {sorted(c['must'])}")
@@ -187,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         payloads = {files["record"]: enc.to_bytes(), files["expected"]: c["new"]}
         if c["old"] is not None:
             payloads[files["parent"]] = c["old"]
+        if grand is not None:
+            files["grandparent"] = f"{c['name']}.grandparent.npy"
+            payloads[files["grandparent"]] = c["grand"]
         for fname, data in payloads.items():
             path = HERE / fname
             if path.exists() and not args.force:
