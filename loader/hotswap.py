@@ -38,12 +38,13 @@ import torch
 import xxhash
 
 from delta import StagedTensor, dtypes, stage, stage_full, warmup
-from delta.errors import ChecksumError, HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError
+from delta.errors import (ChecksumError, GrandparentNeededError, HotLoadConflictError, HotLoadError,
+                          ParentMismatchError, ShapeMismatchError)
 from delta.manifest import Manifest, TensorEntry, snapshot_name
 from delta.pieces import box_bits, box_view, flat_range
 
 from . import batch_commit
-from .pieces import Piece, check_assembled, rebuild
+from .pieces import Piece, Prior, check_assembled, rebuild, replay
 from .plan import UpdatePlan, make_plan
 from .reader import SnapshotReader
 
@@ -187,6 +188,8 @@ class PreparedUpdate:
     _owner: int = field(default=0, repr=False)
     batch: batch_commit.CommitBatch | None = field(default=None, repr=False)
     committed: bool = False
+    #: where each staged tensor last changed, and its bits before (with ``HotSwapper.keep_priors``)
+    priors: dict[str, Prior] = field(default_factory=dict, repr=False)
 
     @property
     def snapshot(self) -> str:
@@ -229,6 +232,11 @@ class HotSwapper:
         # An engine that keeps weights of its own (loader.engines.base.EngineApplier): ``weights`` are then
         # its host copy, the applier's pause replaces the gate and it pushes each commit into the engine.
         self.applier = applier
+        #: Keep each tensor's bits before its last change (a copy of what a hot-load changes), so that the next
+        #: delta's records coded against their grandparent (docs/FORMAT.md encoding 6: LoRA runs) decode on the
+        #: forward route; without them such a hot-load takes the anchor route. loader/lora.py turns it on.
+        self.keep_priors = False
+        self._priors: dict[str, Prior] = {}
         self._lock = threading.Lock()
         # this process's first hot-load would otherwise load the staging and commit kernels from numba's
         # cache: done now, in the background (delta/warmup.py; CKPTDELTA_WARMUP=0: not)
@@ -294,13 +302,23 @@ class HotSwapper:
         return out
 
     def _prepare(self, target: "str | int", initial: bool) -> PreparedUpdate:
+        v = self.reader.resolve(target)
+        try:
+            return self._prepare_plan(v, initial, False)
+        except GrandparentNeededError as e:
+            # a record coded against its grandparent, which this replica does not hold: rebuild from the anchor
+            log.info("hot-load to %s takes the anchor route: %s", snapshot_name(v), e)
+            return self._prepare_plan(v, initial, True)
+
+    def _prepare_plan(self, v: int, initial: bool, force_anchor: bool) -> PreparedUpdate:
         t0 = time.perf_counter()
         warmup.cancel_pending()
         current = self.version
         if current is None and not initial:
             raise HotLoadError("the live weights have no known version; use load_initial() for the first load")
-        v = self.reader.resolve(target)
-        plan = make_plan(self.reader, current, v)
+        plan = make_plan(self.reader, current, v, force_anchor=force_anchor)
+        if force_anchor and not plan.via_anchor:
+            raise GrandparentNeededError(f"{plan.target.where()}: no anchor route to it")
         tgt = plan.target
         live = self._live_map()
         mapping = {n: self.name_map(n) for n in tgt.tensors}
@@ -314,6 +332,7 @@ class HotSwapper:
         cur = None if current is None else self.reader.manifest(current)
         counter: dict = {}
         staged: list[_Staged] = []
+        priors: dict[str, Prior] = {}
         decode_s = 0.0
         to_fetch = sum(p.nbytes for g in groups for p in g)
 
@@ -323,7 +342,10 @@ class HotSwapper:
             if not groups[gi]:      # a pieced tensor no record changed since the live version: prove it as is
                 check_assembled(tgt.tensors[name], _host_copy(t), f"live tensor {mapping[name]!r} for {tgt.where()}")
                 return None
-            st = _stage_one(name, t, groups[gi], values, plan, cur)
+            prior = None if plan.via_anchor else _last_change(plan, name, self._priors.get(name))
+            st, after = _stage_one(name, t, groups[gi], values, plan, cur, prior, self.keep_priors)
+            if after is not None and self.keep_priors:
+                priors[name] = after
             if st.dense is None and st.positions.shape[0] == 0:
                 return None
             undo = None if st.dense is not None else _old_bits(t, st, staged=True)
@@ -356,7 +378,8 @@ class HotSwapper:
         log.info("prepared %s -> %s via %s: %d tensors, %d bytes fetched, %d bytes staged",
                  snapshot_name(current) if current is not None else "unknown weights", snapshot_name(v),
                  "anchor" if plan.via_anchor else "deltas", len(staged), report.bytes_fetched, staging)
-        return PreparedUpdate(current, v, plan.path, plan.via_anchor, staged, report, staging, id(self), batch)
+        return PreparedUpdate(current, v, plan.path, plan.via_anchor, staged, report, staging, id(self), batch,
+                              priors=priors)
 
     def _commit(self, p: PreparedUpdate) -> HotLoadReport:
         t0 = time.perf_counter()
@@ -426,6 +449,7 @@ class HotSwapper:
                                    f"({type(e).__name__}: {e}); the {written} tensors already written were "
                                    f"restored, live weights and version are unchanged") from e
             self.version = p.to_version
+            self._priors.update(p.priors)     # each checked against the chain before use (_last_change)
             apply_s = time.perf_counter() - ta
         p.committed = True
         p.staged, p.batch = [], None   # densely staged tensors now hold the old bits: nothing left worth keeping
@@ -608,10 +632,29 @@ class _Stager:
         return _Done(gi, value)
 
 
+def _last_change(plan: UpdatePlan, name: str, held: Prior | None) -> Prior | None:
+    """Where the live tensor ``name`` last changed in the chain of the version held (the forward route's
+    chain), with the bits before that change when ``held`` is that very change's; None when not found."""
+    last = None
+    for m in plan.chain:
+        if m.version > plan.from_version:
+            break
+        e = m.tensors.get(name)
+        if e is None:
+            last = None
+        elif m.kind == "anchor" or e.object is not None or any(p.object is not None for p in e.pieces):
+            last = m.version
+    if last is None:
+        return None
+    return held if held is not None and held.version == last else Prior(last)
+
+
 def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list, plan: UpdatePlan,
-               cur: Manifest | None) -> StagedTensor:
+               cur: Manifest | None, prior: Prior | None = None,
+               keep_prior: bool = False) -> tuple[StagedTensor, Prior | None]:
+    """The tensor's change, and (with ``keep_prior``, or None) where it last changes and its bits before."""
     if plan.target.tensors[name].pieces or any(p.index is not None for p in pieces):
-        return _stage_pieced(name, live, pieces, values, plan, cur)
+        return _stage_pieced(name, live, pieces, values, plan, cur), None
     expected = int(plan.target.tensors[name].xxh3, 16)
     if not plan.via_anchor:
         first = values[0]
@@ -620,15 +663,16 @@ def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list,
             raise ParentMismatchError(          # no tensor data read: the record and the held version disagree
                 f"{pieces[0].where()}: the delta was encoded against a tensor with digest "
                 f"{first.header.parent_digest:016x}, {cur.where()} (the version held) says {ce.xxh3}")
-        if len(pieces) == 1 and first.header.has_parent:
-            return stage(live, first)          # verifies the result digest (and so the bits), one chunk of scratch
+        if len(pieces) == 1 and first.header.has_parent and not first.needs_grandparent and not keep_prior:
+            return stage(live, first), None    # verifies the result digest (and so the bits), one chunk of scratch
         base = live.detach().to("cpu", copy=True).contiguous() if first.header.has_parent else None
-        new = rebuild(pieces, values, base=base)  # each record verifies its result digest
-        return stage_full(live, new, name=name, expected_digest=expected)
-    new = rebuild(pieces, values)
+        # each record verifies its result digest
+        new, after = replay(pieces, values, base=base, prior=prior, keep_prior=keep_prior)
+        return stage_full(live, new, name=name, expected_digest=expected), after if keep_prior else None
+    new, after = replay(pieces, values, keep_prior=keep_prior)
     st = stage_full(live, new, name=name, expected_digest=expected)
     _check_held(name, live, st, cur)
-    return st
+    return st, after if keep_prior else None
 
 
 def _check_held(name: str, live: torch.Tensor, st: StagedTensor, cur: Manifest | None) -> None:

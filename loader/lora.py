@@ -79,6 +79,7 @@ class LoraHotSwapper(HotSwapper):
     def __init__(self, weights: Any, reader: Any, *, record: AdapterRecord, base_xxh3: str, **kwargs: Any) -> None:
         super().__init__(weights, reader, **kwargs)
         self.record, self.base_xxh3 = record, base_xxh3
+        self.keep_priors = True     # an adapter's deltas are coded against their grandparent too (small copies)
 
     def _prepare(self, target: "str | int", initial: bool) -> PreparedUpdate:
         v = self.reader.resolve(target)        # once: "latest" must not move between the check and the plan

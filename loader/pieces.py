@@ -23,7 +23,8 @@ import torch
 import xxhash
 
 from delta import EncodedTensor, apply_, decode, digest_hex, dtypes
-from delta.errors import ChecksumError, FormatError, ParentMismatchError, ShapeMismatchError, TruncatedError
+from delta.errors import (ChecksumError, FormatError, GrandparentNeededError, ParentMismatchError,
+                          ShapeMismatchError, TruncatedError)
 from delta.manifest import Manifest, ObjectRef, TensorEntry
 from delta.pieces import PieceEntry, box_view, flat_range, tensor_digest
 from delta.record import max_record_size
@@ -150,11 +151,57 @@ def tensor_from_bytes(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Te
     return dtypes.from_bits(np.frombuffer(data, dt.bits_dtype).copy(), dt, tuple(shape))
 
 
-def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Prior:
+    """Where a tensor last changed: snapshot ``version``'s record (or anchor) of it, and the tensor as it was
+    before that record when kept (None: not kept, or a whole copy, before which nothing counts). A record of
+    the next snapshot may be coded against it (its grandparent: docs/FORMAT.md, encoding 6)."""
+
+    version: int
+    tensor: torch.Tensor | None = None
+
+
+def grandparent_of(record: Piece, held: torch.Tensor | None, prior: Prior | None) -> torch.Tensor | None:
+    """The grandparent of ``record`` (a whole tensor's record) for a reader holding ``held``, the tensor in
+    the record's parent snapshot, and ``prior``, where it last changed: the tensor before that change when
+    it was in the parent; ``held`` itself when it was earlier (the parent did not change it); None when
+    not known."""
+    if prior is None or held is None:
+        return None
+    parent = record.manifest.parent_version
+    if prior.version == parent:
+        return prior.tensor
+    return held if prior.version < parent else None
+
+
+def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | None = None,
+            prior: Prior | None = None) -> torch.Tensor:
     """Apply checked payloads in order, starting from ``base`` (a writable CPU tensor, modified
-    in place) or from the first piece's whole copy. Each record checks its result digest."""
+    in place) or from the first piece's whole copy. Each record checks its result digest.
+    ``prior``: ``base`` before its last record, for a first record coded against its grandparent."""
+    return replay(pieces, values, base=base, prior=prior)[0]
+
+
+def replay(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | None = None,
+           prior: Prior | None = None, keep_prior: bool = False) -> tuple[torch.Tensor, Prior | None]:
+    """:func:`rebuild`, and the tensor before the last record applied (with ``keep_prior``, or where a later
+    record needs it: a copy of the tensor per such record, which only LoRA runs write). A record that needs a
+    grandparent this replay cannot give raises :class:`GrandparentNeededError`."""
     t = base
-    for p, v in zip(pieces, values):
+    for k, (p, v) in enumerate(zip(pieces, values)):
+        grand = None
+        if p.is_record and p.index is None and v.header.has_parent and v.needs_grandparent:
+            grand = grandparent_of(p, t, prior)
+            if grand is None:
+                raise GrandparentNeededError(f"{p.where()}: the record is coded against the tensor two snapshots "
+                                             "back, which this rebuild does not hold")
+        nxt = pieces[k + 1] if k + 1 < len(pieces) else None
+        keep = keep_prior and nxt is None or nxt is not None and nxt.manifest.parent_version == p.manifest.version \
+            and values[k + 1].header.has_parent and values[k + 1].needs_grandparent
+        if p.is_record and p.index is None and v.header.has_parent and t is not None and keep:
+            before = Prior(p.manifest.version, t.clone())
+        else:
+            before = Prior(p.manifest.version)      # not needed, or a whole copy (nothing before it counts)
         if not p.is_record:
             t = tensor_from_bytes(v, p.entry.dtype, p.entry.shape)
         elif p.index is not None:
@@ -170,10 +217,11 @@ def rebuild(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | N
             if dtypes.of(t) != h.dtype or tuple(t.shape) != tuple(h.shape):   # said with the record's place
                 raise ShapeMismatchError(f"{p.where()}: the record applies to a {h.dtype.name}{list(h.shape)} "
                                          f"tensor, the previous version's is {dtypes.of(t).name}{list(t.shape)}")
-            apply_(t, v)
+            apply_(t, v, grandparent=grand)
+        prior = before
     if t is None:
         raise ValueError("rebuild: no pieces")
-    return t
+    return t, prior
 
 
 def apply_to_box(t: torch.Tensor, offsets: Sequence[int], shape: Sequence[int], enc: EncodedTensor) -> None:

@@ -96,10 +96,10 @@ def changed_names(current: Manifest | None, target: Manifest) -> list[str]:
     return out
 
 
-def make_plan(manifests: _Manifests, current: int | None, target: int) -> UpdatePlan:
+def make_plan(manifests: _Manifests, current: int | None, target: int, *, force_anchor: bool = False) -> UpdatePlan:
     """The cheaper of the forward route (records after ``current`` along the target's chain)
     and the anchor route (the target's anchor plus its records), counted in stored bytes
-    of the changed tensors only."""
+    of the changed tensors only; ``force_anchor``: the anchor route."""
     chain = manifests.chain(target)
     tgt = chain[-1]
     versions = [m.version for m in chain]
@@ -108,7 +108,7 @@ def make_plan(manifests: _Manifests, current: int | None, target: int) -> Update
     cur = None if current is None else manifests.manifest(current)
     names = changed_names(cur, tgt)
     anchor_groups = [rebuild_pieces(chain, n) for n in names]
-    if current is not None and current in versions:
+    if current is not None and current in versions and not force_anchor:
         forward = [[p for p in g if p.manifest.version > current] for g in anchor_groups]
         # a pieced entry's digest differs in form from the whole one the anchor gave it, so it may be "changed"
         # with no record since: the hot-load then proves the live bits against the target's pieces

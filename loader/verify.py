@@ -34,7 +34,7 @@ from delta.pieces import tensor_digest
 from delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
 from delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
 
-from .pieces import Piece, check_piece, check_piece_size, rebuild, stored_pieces
+from .pieces import Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
 from .reader import prefetching
 
 if TYPE_CHECKING:
@@ -122,10 +122,12 @@ class _TensorChecker:
     def check(self, name: str, anchor_data: bytes | None) -> None:
         self.done.add(name)
         t: "torch.Tensor | None" = None
+        prior: Prior | None = None
+        lora = self.chain[-1].adapter is not None    # records coded against their grandparent: keep it
         for m in self.chain:
             e = m.tensors.get(name)
             if e is None:
-                t = None
+                t = prior = None
                 continue
             for p in stored_pieces(m, name):      # its data or record, or the records of its changed boxes
                 check_piece_size(p)
@@ -136,7 +138,7 @@ class _TensorChecker:
                 else:
                     assert self.spool is not None
                     value = check_piece(p, self.spool.read(p.obj.key, p.start, p.end))
-                t = rebuild([p], [value], base=t)
+                t, prior = replay([p], [value], base=t, prior=prior, keep_prior=lora)
             if t is None or tensor_digest(e.pieces, t) != e.xxh3:   # a pieced tensor: the digest of its boxes
                 raise ChecksumError(f"tensor {name!r} of {m.where()}: rebuilt tensor does not match "
                                     f"the manifest digest {e.xxh3}")

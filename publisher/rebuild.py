@@ -56,8 +56,12 @@ def rebuild(store: Store, chain: Sequence[Manifest], names: Collection[str] | No
     if missing:
         raise ManifestError(f"{last.where()}: tensor {missing[0]!r} is not in its anchor {anchor.name}")
     out = _read_anchor(store, anchor, wanted)
+    # a LoRA run's records may be coded against the snapshot before their parent too (encoding 6): keep the
+    # tensors a delta changed as they were before it, for the next delta (adapters are small; a full model's
+    # publisher never writes such records, so nothing is copied there)
+    older: dict[str, torch.Tensor] | None = {} if last.adapter is not None else None
     for m in chain[1:]:
-        _apply_delta(store, m, out)
+        _apply_delta(store, m, out, older)
     for n in wanted:
         e = last.tensors[n]
         got = tensor_digest(e.pieces, out[n])     # a pieced tensor's: the digest of its boxes' digests
@@ -82,8 +86,11 @@ def _read_anchor(store: Store, m: Manifest, names: list[str]) -> dict[str, torch
     return out
 
 
-def _apply_delta(store: Store, m: Manifest, tensors: dict[str, torch.Tensor]) -> None:
-    """Apply ``m``'s records to whole tensors: a tensor's record, or each changed box's record to its box."""
+def _apply_delta(store: Store, m: Manifest, tensors: dict[str, torch.Tensor],
+                 older: dict[str, torch.Tensor] | None = None) -> None:
+    """Apply ``m``'s records to whole tensors: a tensor's record, or each changed box's record to its box.
+    ``older``: each tensor as it was before the last delta that changed it, when that was ``m``'s parent (a
+    record's grandparent, docs/FORMAT.md encoding 6), updated for the next delta; None: not kept."""
     todo: list[tuple[str, "TensorEntry | PieceEntry", str]] = []
     for n in tensors:
         if n not in m.tensors:
@@ -102,7 +109,11 @@ def _apply_delta(store: Store, m: Manifest, tensors: dict[str, torch.Tensor]) ->
         if not piece and not enc.header.has_parent:       # stored whole (its shape or dtype may have changed)
             tensors[n] = codec.decode(None, enc)
         elif not piece:
-            in_place.append((tensors[n], enc))
+            grand = None
+            if enc.needs_grandparent:
+                # the parent's record of n left its before-image in older; no record there: the parent's bits
+                grand = older.get(n, tensors[n]) if older is not None else None
+            in_place.append((tensors[n], enc, grand))
         else:
             _check_piece_record(enc, n, st, what)
             t = tensors[n]
@@ -110,6 +121,11 @@ def _apply_delta(store: Store, m: Manifest, tensors: dict[str, torch.Tensor]) ->
                 in_place.append((box_view(t, st.offsets, st.shape), enc))   # rows: a contiguous view, in place
             else:
                 through_copy.append((box_view(t, st.offsets, st.shape), enc))
+    if older is not None:
+        changed = {id(item[0]) for item in in_place}
+        before = {n: t.clone() for n, t in tensors.items() if id(t) in changed}
+        older.clear()
+        older.update(before)
     apply_many(in_place)                    # every tensor of the delta at once, on every core
     for view, enc in through_copy:          # column boxes: decoded from a copy, written back
         view.copy_(codec.decode(view.contiguous(), enc))
