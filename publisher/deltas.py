@@ -98,12 +98,17 @@ class DeltaPart:
     encode_s: float = 0.0
 
 
+def _grandparent(g: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor | None:
+    return g if g is not None and g.dtype == new.dtype and g.shape == new.shape else None
+
+
 def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch.Tensor],
                 snapshot: Mapping[str, torch.Tensor], *, level: int,
                 on_part: Callable[[int, int, str], None] | None = None,
                 on_bytes: Callable[[int], None] | None = None, part_bytes: int = DEFAULT_PART_BYTES,
                 first_part_bytes: int = FIRST_PART_BYTES, context: bool = True,
-                parent_digests: Mapping[str, int] | None = None) -> DeltaPart:
+                parent_digests: Mapping[str, int] | None = None,
+                grandparents: Mapping[str, torch.Tensor] | None = None) -> DeltaPart:
     """Encode ``snapshot`` against ``parent`` (same names, dtypes and shapes) into part streams.
 
     ``open_part(i)`` gives the stream for part ``i``; ``on_part(i, size, xxh3)`` is called
@@ -111,7 +116,9 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
     ``parent_digests``: the xxh3 of parent tensors the caller already knows (what it
     committed last time), so the encoder does not read those parents once more to hash
     them. A wrong one cannot pass: a replica's parent check would refuse the record,
-    and the record's own digest is always hashed from ``snapshot``."""
+    and the record's own digest is always hashed from ``snapshot``. ``grandparents``: tensors of the
+    snapshot ``parent`` was itself encoded against (same names, dtypes and shapes), for the context coder's
+    encoding 6 (a replica then needs them too: LoRA runs only)."""
     t0 = time.perf_counter()
     part = DeltaPart(entries={})
     f: BinaryIO | None = None
@@ -130,9 +137,9 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
             on_part(len(part.objects) - 1, out.size, out.hexdigest())
         f = out = writer = None
 
-    known = parent_digests or {}
-    records = encode_many(((name, parent[name], new, known.get(name)) for name, new in snapshot.items()),
-                          level=level, context=context)
+    known, grand = parent_digests or {}, grandparents or {}
+    records = encode_many(((name, parent[name], new, known.get(name), _grandparent(grand.get(name), new))
+                           for name, new in snapshot.items()), level=level, context=context)
     with closing(records):          # on an error here, the encoding work still queued is dropped
         for enc in records:
             h = enc.header

@@ -194,6 +194,10 @@ class Publisher:
         self._parent_version: int | None = None
         self._parent_digests: dict[str, int] = {}   # xxh3 of this rank's tensors as it committed them last
         self._parent_boxes: sharded.Boxes = {}         # where this rank's parents of DTensors lie in them
+        # a LoRA run's grandparent: the snapshot version _grand_of (the parent) was encoded against, whose step to
+        # the parent predicts the next one (docs/FORMAT.md encoding 6); empty when not held
+        self._grand: dict[str, torch.Tensor] = {}
+        self._grand_of: int | None = None
         self._box_cache: sharded.BoxCache = {}         # where this rank's boxes of DTensors lie, by layout
         self._lock = threading.Lock()
         self._committed_step: int | None = last_step
@@ -614,6 +618,7 @@ class Publisher:
         if self._parent_version != plan.parent_version:
             self._parent, self._parent_version, self._parent_digests = {}, plan.parent_version, {}
             self._parent_boxes = {}
+            self._grand, self._grand_of = {}, None
         for n, box in job.boxes.items():    # a parent of another box of a DTensor is no parent
             if n in self._parent and self._parent_boxes.get(n) != box:
                 del self._parent[n]
@@ -691,9 +696,11 @@ class Publisher:
                 log.info("run %s: v%d switches to the %s codec (%s)", self.run_id, plan.version, codec, reason)
             else:
                 log.debug("run %s: v%d codec %s (%s)", self.run_id, plan.version, codec, reason)
+        grand = self._grand if self._grand_of == plan.parent_version else None
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
-                                     progress=self.progress, parent_digests=self._parent_digests)
+                                     progress=self.progress, parent_digests=self._parent_digests,
+                                     grandparents=grand)
         sharded.with_boxes(written, job.boxes, plan.layout)      # pieces of a DTensor: merged into one entry
         written.codec, written.codec_reason = codec, reason
         if self._chooser is not None:
@@ -746,9 +753,16 @@ class Publisher:
         self._parent_boxes = dict(job.boxes)
         self._nan_clean, self._nan_clean_version = self._nan_next, plan.version
         self._adapter.committed(job.adapter)
+        recycled = old
+        if plan.kind == "delta" and job.adapter is not None and self._diff is None:
+            # the parent's bits become the next delta's grandparent (small: an adapter); the superseded
+            # grandparent's buffers take the parent's place as the spares of the next copy
+            recycled, self._grand, self._grand_of = self._grand, old, plan.version
+        else:
+            self._grand, self._grand_of = {}, None
         with self._lock:
             self._committed_step = job.step
-            self._spare = spares(old)
+            self._spare = spares(recycled)
             if not self._spare:
                 self._start_prefault(job.snapshot)
         if self._diff is not None:

@@ -183,9 +183,10 @@ def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, 
 def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], *,
                        version: int, writer_id: str, rank: int, level: int, progress: bool | None,
                        part_bytes: int | None = None, context: bool = True,
-                       parent_digests: Mapping[str, int] | None = None) -> Written:
+                       parent_digests: Mapping[str, int] | None = None,
+                       grandparents: Mapping[str, torch.Tensor] | None = None) -> Written:
     """This rank's delta objects (none when nothing changed); each finished part uploads while the
-    next tensors are encoded. ``parent_digests`` as in :func:`publisher.deltas.write_delta`."""
+    next tensors are encoded. ``parent_digests`` and ``grandparents`` as in :func:`publisher.deltas.write_delta`."""
     total = sum(t.numel() * t.element_size() for t in snapshot.values())
     bar = progress_bar(progress, total, f"delta v{version}")
     out = Written()
@@ -203,7 +204,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
                 upload_s[0] += time.perf_counter() - t0
 
             part = write_delta(lambda i: open(path_of(i), "wb"), parent, snapshot, level=level, context=context,
-                               parent_digests=parent_digests,
+                               parent_digests=parent_digests, grandparents=grandparents,
                                on_part=lambda i, _size, _h: uploads.append(pool.submit(upload, i)),
                                on_bytes=bar.update,
                                part_bytes=deltas_mod.DEFAULT_PART_BYTES if part_bytes is None else part_bytes)
