@@ -199,7 +199,8 @@ def run_rank(ctx: dict, a: argparse.Namespace, rank: int) -> tuple[list[dict], d
     ctx["prefix"] = prefix = f"r{rank}"
     t0 = time.perf_counter()
     init = trainer.call("init", base_dir=ctx["base"], rank=rank, prefix=prefix, warmup=a.warmup, lr=a.lrs[0],
-                        dtype=a.dtype, batch=a.batch, threads=a.trainer_threads)
+                        dtype=a.dtype, batch=a.batch, threads=a.trainer_threads,
+                        codec=None if a.codec == "auto" else a.codec)
     print(f"rank {rank}: adapter {init['adapter_params'] / 1e6:.2f} M params ({init['adapter_bytes'] / 1e6:.1f} MB, "
           f"{init['tensors']} tensors), {a.warmup} warm-up steps in {time.perf_counter() - t0:.0f} s", flush=True)
     max_rank = next(r for r in (8, 16, 32, 64, 128, 256) if r >= rank)
@@ -300,7 +301,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}", "quick": a.quick,
         "model": c, "ranks": a.ranks, "lrs": a.lrs, "steps": a.steps, "untimed": a.untimed, "warmup": a.warmup,
-        "batch": a.batch, "dtype": a.dtype, "clients": a.clients, "max_tokens": a.max_tokens, "settle_s": a.settle,
+        "batch": a.batch, "dtype": a.dtype, "codec": a.codec, "clients": a.clients, "max_tokens": a.max_tokens, "settle_s": a.settle,
         "load_timing": "every streamed chunk", "trainer_threads": a.trainer_threads, "argv": a.argv, "slots": SLOTS, "vllm_args": VLLM_ARGS,
         "links": None if why else f"{LINK / 1e9:g} Gbit/s", "links_unavailable": why}
     if why:
@@ -442,6 +443,7 @@ def command(meta: dict[str, Any]) -> str:
 
 def markdown(out: dict[str, Any]) -> str:
     meta, rows = out["meta"], out["rows"]
+    codec = meta.get("codec", "auto")
     link = meta["links"] or f"UNSHAPED (shaped links unavailable: {meta['links_unavailable']})"
     lines = [f"# LoRA runs on a vLLM replica: ckptdelta beside full adapters and XOR + zstd-3 deltas"
              f" ({meta['dtype']} adapters{', quick' if meta['quick'] else ''})", "",
@@ -473,7 +475,8 @@ def markdown(out: dict[str, Any]) -> str:
         gap = _ms(r["stall_s"])
         if b is None or gap_resolves(info.get(r["rank"], {}), b["hold_s"]):
             gap += " (not meaningful)"
-        lines.append(f"| {r['rank']} | {r['lr']:g} | {LABELS[r['method']]}{kinds} | {r['bytes'] / 1e6:.3f} | {vs} | "
+        label = LABELS[r["method"]] + (f", codec={codec}" if r["method"] == "ckptdelta" and codec != "auto" else "")
+        lines.append(f"| {r['rank']} | {r['lr']:g} | {label}{kinds} | {r['bytes'] / 1e6:.3f} | {vs} | "
                      f"{_ms(r['trainer_s'])} | {_ms(r['upload_s'])} | **{_ms(r['publish_to_serving_s'])}** | "
                      f"**{hold}** | {_ms(r['pause_rpc_s'])} | {gap} | {r['failed']} of {r['requests']} | "
                      f"{r['prepare_tok_s']:.1f} ({r['idle_tok_s']:.1f}) |")
@@ -564,8 +567,11 @@ def plot(out: dict[str, Any], path: str) -> None:
 
 
 def stem_of(meta: dict[str, Any]) -> str:
-    """lora{-bf16}{-quick}: one set of files per adapter dtype (fp32, peft's own, is the plain name)."""
-    return "lora" + ("-bf16" if meta["dtype"] == "bf16" else "") + ("-quick" if meta["quick"] else "")
+    """lora{-bf16}{-context}{-quick}: one set of files per adapter dtype (fp32, peft's own, is the plain name)
+    and ckptdelta codec (the publisher's default, "auto", is the plain name)."""
+    codec = meta.get("codec", "auto")
+    return "lora" + ("-bf16" if meta["dtype"] == "bf16" else "") + ("" if codec == "auto" else f"-{codec}") + \
+        ("-quick" if meta["quick"] else "")
 
 
 def write(out: dict[str, Any], out_dir: str) -> None:
@@ -599,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
                         "ckptdelta's older slots are free again by its next step)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds of load before each publish (default 2)")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--codec", choices=("auto", "context", "fast"), default="auto",
+                   help="ckptdelta's Publisher(codec=...): auto (default) picks per delta whichever serves sooner; "
+                        "context always takes the context coder (the smallest deltas)")
     p.add_argument("--quick", action="store_true", help="tiny base, rank 16, one step per lr: a smoke test")
     p.add_argument("--out-dir", default=RESULTS)
     p.add_argument("--from-json", metavar="PATH", help="only re-render the markdown and plot of a run")

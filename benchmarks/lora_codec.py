@@ -29,9 +29,10 @@ import torch
 
 import delta
 from benchmarks import baselines
+from delta import record
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-ENCODINGS = {0: "unchanged", 1: "sparse", 2: "dense_xor", 3: "raw", 4: "ctx", 5: "gctx"}
+ENCODINGS = record.ENCODING_NAMES
 
 
 def trajectory(hidden: int, layers: int, rank: int, lr: float, warmup: int, steps: int, seed: int = 0):
@@ -95,19 +96,30 @@ def _model_bits(step: np.ndarray, ctx: np.ndarray) -> float:
     length within each context (its tables counted as free), then the bits below the leading one as they are
     and a sign per moved element. What a coder of that model family reaches at best on these steps."""
     size = _bucket(step)
-    total = float(np.maximum(size - 1, 0).sum() + (size > 0).sum())
-    order = np.lexsort((size, ctx))
-    pairs = np.stack([ctx[order], size[order]])
+    return float(np.maximum(size - 1, 0).sum() + (size > 0).sum()) + _entropy_bits(size, ctx)
+
+
+def _entropy_bits(sym: np.ndarray, ctx: np.ndarray) -> float:
+    """Bits of the empirical conditional entropy of ``sym`` given ``ctx`` (frequencies per context, free)."""
+    order = np.lexsort((sym, ctx))
+    pairs = np.stack([ctx[order], sym[order]])
     _, counts = np.unique(pairs, axis=1, return_counts=True)
     _, ctx_counts = np.unique(ctx, return_counts=True)
-    total -= float((counts * np.log2(counts)).sum()) - float((ctx_counts * np.log2(ctx_counts)).sum())
-    return total
+    return -(float((counts * np.log2(counts)).sum()) - float((ctx_counts * np.log2(ctx_counts)).sum()))
+
+
+def _model_bits_signed(step: np.ndarray, ctx: np.ndarray) -> float:
+    """As :func:`_model_bits`, with the step's direction coded in its context too (the symbol is the signed bit
+    length): what a context that knows the previous step's direction can predict."""
+    size = _bucket(step)
+    return float(np.maximum(size - 1, 0).sum()) + _entropy_bits(np.sign(step) * size + 64, ctx)
 
 
 def model_estimates(older: dict | None, old: dict, new: dict) -> dict:
     """Bytes per step that coders of two model families could reach at best (see :func:`_model_bits`):
-    step sizes per parent exponent class (what encodings 4 and 5 model, with Golomb codes), and the same with
-    the previous step's size as a second context (a coder that keeps the grandparent); None without it."""
+    step sizes per parent exponent class (what encodings 4 and 5 model, with Golomb codes), and signed step
+    sizes per class and signed size of the previous step (what encoding 6 models: a coder that keeps the
+    grandparent); None without it."""
     by_class = by_prev = 0.0
     for k in new:
         k1, cls = _keys(old[k])
@@ -115,22 +127,30 @@ def model_estimates(older: dict | None, old: dict, new: dict) -> dict:
         by_class += _model_bits(step, cls)
         if older is not None:
             prev = k1 - _keys(older[k])[0]
-            by_prev += _model_bits(step, cls * 64 + _bucket(prev))
+            by_prev += _model_bits_signed(step, cls * 128 + np.sign(prev) * _bucket(prev) + 64)
     return {"model_class_bytes": by_class / 8, "model_prev_bytes": by_prev / 8 if older is not None else None}
 
 
-def measure(old: dict, new: dict) -> dict:
+def measure(old: dict, new: dict, older: dict | None = None) -> dict:
+    """XOR + zstd-3 and ckptdelta on one step; with ``older`` (the snapshot before ``old``) ckptdelta's records
+    are coded against it too, as a publisher does where the parent is a delta (encoding 6)."""
     raw = sum(t.numel() * t.element_size() for t in new.values())
     n = sum(t.numel() for t in new.values())
     changed = sum(int((baselines.to_bits(old[k]) != baselines.to_bits(new[k])).sum()) for k in new)
     xor = baselines.encoded_nbytes(baselines.XorZstd().encode(old, new))
     t0 = time.perf_counter()
-    encs = list(delta.encode_many([(k, old[k], new[k]) for k in sorted(new)], threads=1))
+    encs = list(delta.encode_many([(k, old[k], new[k], None, None if older is None else older[k])
+                                   for k in sorted(new)], threads=1))
     encode_s = time.perf_counter() - t0
     ckd = sum(len(e.to_bytes()) for e in encs)
+    t0 = time.perf_counter()
+    for e in encs:
+        delta.decode(old[e.name], e, grandparent=None if older is None else older[e.name])
+    decode_s = time.perf_counter() - t0
     chunks = collections.Counter(ENCODINGS.get(c.encoding, str(c.encoding)) for e in encs for c in e.header.chunks)
     return {"raw_bytes": raw, "changed": changed / n, "xor_zstd3_bytes": xor, "ckptdelta_bytes": ckd,
             "ratio_xor": raw / xor, "ratio_ckptdelta": raw / ckd, "vs_xor": xor / ckd, "encode_s": encode_s,
+            "decode_s": decode_s, "grandparent": older is not None,
             "chunks": dict(chunks)}
 
 
@@ -152,21 +172,27 @@ def main(argv: list[str] | None = None) -> int:
             snaps = trajectory(args.hidden, args.layers, rank, lr, args.warmup, args.steps)
             if args.dtype == "bf16":
                 snaps = [{k: v.to(torch.bfloat16) for k, v in s.items()} for s in snaps]
-            per = [{**measure(snaps[i], snaps[i + 1]),
+            per = [{**measure(snaps[i], snaps[i + 1], snaps[i - 1] if i else None),
                     **model_estimates(snaps[i - 1] if i else None, snaps[i], snaps[i + 1])} for i in range(args.steps)]
+            first = measure(snaps[1], snaps[2]) if args.steps > 1 else per[0]     # as after an anchor
             for p in per:
                 p["model_class_vs_xor"] = p["xor_zstd3_bytes"] / p["model_class_bytes"]
                 if p["model_prev_bytes"] is not None:
                     p["model_prev_vs_xor"] = p["xor_zstd3_bytes"] / p["model_prev_bytes"]
             row = {"rank": rank, "lr": lr, "steps": per,
                    **{k: float(np.median([p[k] for p in per if k in p])) for k in
-                      ("raw_bytes", "changed", "ratio_xor", "ratio_ckptdelta", "vs_xor", "model_class_vs_xor",
-                       "model_prev_vs_xor")},
+                      ("raw_bytes", "changed", "ratio_xor", "model_class_vs_xor", "model_prev_vs_xor")},
+                   # with the grandparent: every step but the first; without it: the second step, coded as the
+                   # first delta after an anchor is
+                   **{k: float(np.median([p[k] for p in per if p["grandparent"]] or [p[k] for p in per]))
+                      for k in ("ratio_ckptdelta", "vs_xor", "encode_s", "decode_s")},
+                   "vs_xor_no_grandparent": first["vs_xor"],
                    "chunks": per[-1]["chunks"]}
             rows.append(row)
             print(f"rank {rank:>3} lr {lr:g}: {row['raw_bytes'] / 1e6:.2f} MB adapter, {100 * row['changed']:.1f}% "
                   f"changed, XOR+zstd-3 {row['ratio_xor']:.3f}x, ckptdelta {row['ratio_ckptdelta']:.3f}x "
-                  f"({row['vs_xor']:.3f}x fewer bytes than XOR+zstd-3), chunks {row['chunks']}; models at best: "
+                  f"({row['vs_xor']:.3f}x fewer bytes than XOR+zstd-3; {row['vs_xor_no_grandparent']:.3f}x without "
+                  f"the grandparent), chunks {row['chunks']}; models at best: "
                   f"{row['model_class_vs_xor']:.3f}x, {row['model_prev_vs_xor']:.3f}x", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     stem = "lora_codec" if args.dtype == "fp32" else f"lora_codec_{args.dtype}"
@@ -178,20 +204,27 @@ def main(argv: list[str] | None = None) -> int:
              f"published as {args.dtype}, "
              f"AdamW (no weight decay) on real gradients, {args.warmup} warm-up steps, medians of {args.steps} "
              "consecutive steps (the first step has no step before it: the last column's median is over the "
-             "others). Ratio = adapter bytes / delta bytes.", "",
+             "others). Ratio = adapter bytes / delta bytes. ckptdelta codes each step against the snapshot before "
+             "its parent too (docs/FORMAT.md encoding 6), as its publisher does where the parent is a delta; "
+             "*without grandparent* is the same codec on one step (the second) with nothing before it (as the "
+             "first delta after an anchor is: encodings 4/5). Encode and decode: seconds per step, one thread.",
+             "",
              "The two *model* columns are not coders: they are the empirical entropy of each element's step (in "
              "ulps, docs/FORMAT.md's keys) under a model of step sizes, the bit length of the step coded with "
              "its exact frequencies per context and the bits below its leading one as they are. *Per class*: "
              "the context is the parent's exponent (what encodings 4 and 5 model); *+ previous step*: also the "
-             "size of the step before (a coder that keeps the grandparent). They show how far any coder of "
+             "signed size of the step before, and the step's direction in the symbol (what encoding 6 models). "
+             "They show how far any coder of "
              "those models could go on these steps, in bytes fewer than XOR + zstd-3.", "",
-             "| rank | lr | adapter | changed | XOR + zstd-3 | ckptdelta | bytes vs XOR + zstd-3 | model: per class "
-             "| model: + previous step | chunk encodings |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| rank | lr | adapter | changed | XOR + zstd-3 | ckptdelta | bytes vs XOR + zstd-3 | without "
+             "grandparent | model: per class | model: + previous step | encode / decode | chunk encodings |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['rank']} | {r['lr']:g} | {r['raw_bytes'] / 1e6:.2f} MB | {100 * r['changed']:.1f}% | "
-                     f"{r['ratio_xor']:.3f}x | {r['ratio_ckptdelta']:.3f}x | {r['vs_xor']:.3f}x fewer | "
+                     f"{r['ratio_xor']:.3f}x | {r['ratio_ckptdelta']:.3f}x | **{r['vs_xor']:.3f}x fewer** | "
+                     f"{r['vs_xor_no_grandparent']:.3f}x fewer | "
                      f"{r['model_class_vs_xor']:.3f}x fewer | {r['model_prev_vs_xor']:.3f}x fewer | "
+                     f"{r['encode_s'] * 1e3:.0f} / {r['decode_s'] * 1e3:.0f} ms | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(r['chunks'].items()))} |")
     with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -73,7 +73,7 @@ class Trainer:
         self.prev: dict[str, np.ndarray] = {}
 
     def op_init(self, base_dir: str, rank: int, prefix: str, warmup: int, lr: float, dtype: str,
-                batch: list[int], threads: int = 1, seed: int = 0) -> dict:
+                batch: list[int], threads: int = 1, seed: int = 0, codec: str | None = None) -> dict:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -103,7 +103,7 @@ class Trainer:
             raise RuntimeError(f"peft wrote an empty {CONFIG} in {cfg_dir}")
         # the run records the bf16 base directory the replica serves, not the trainer's fp32 copy of it
         self.pub = Publisher(f"{self.url}/{prefix}/ckptdelta", storage_options=self.opts, dtype=self.dtype,
-                             adapter=AdapterSpec(cfg, BaseModel.of(base_dir)))
+                             adapter=AdapterSpec(cfg, BaseModel.of(base_dir)), codec=codec)
         r = self.pub.publish(self.model, self.steps)            # the anchor every method starts from
         sd = self.adapter()
         self._put_full(sd, self.steps)

@@ -216,7 +216,8 @@ def decode_changes(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarr
     n = old.shape[0]
     if out is not None and (entry.encoding not in (SPARSE, CTX, GCTX, PCTX, DENSE_XOR)
                             or out[0].shape != (entry.count,) or out[1].shape != (entry.count,)):
-        raise ValueError(f"{where}: only sparse, dense and ctx chunks decode into given arrays, of their count")
+        raise ValueError(f"{where}: only sparse, dense, ctx, gctx and pctx chunks decode into given arrays, of their "
+                         "count")
     if entry.encoding == UNCHANGED:
         return np.empty(0, np.int64), np.empty(0, dt.bits_dtype)
     if entry.encoding == SPARSE:

@@ -21,8 +21,8 @@ import torch
 import xxhash
 
 from . import chunks, dtypes, kernels
-from .errors import (ChecksumError, DeltaError, FormatError, GrandparentNeededError, ParentMismatchError,
-                     ShapeMismatchError, TruncatedError, UnsupportedDtypeError)
+from .errors import (ChecksumError, DeltaError, FormatError, GrandparentMismatchError, GrandparentNeededError,
+                     ParentMismatchError, ShapeMismatchError, TruncatedError, UnsupportedDtypeError)
 from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, PCTX, RAW, RecordHeader,
                      header_size_for, n_chunks_for, pack_header, parse_header)
 
@@ -356,7 +356,7 @@ def diagnose_parent(enc: EncodedTensor, bits: np.ndarray, verify: bool) -> None:
     if verify and enc.header.has_parent:
         _check_parent(enc, xxhash.xxh3_64_intdigest(bits))
         if enc.needs_grandparent:      # the record stores no digest of it: the right parent leaves only this
-            raise ParentMismatchError(f"{enc.where()}: decoded against its parent, but the grandparent given is "
+            raise GrandparentMismatchError(f"{enc.where()}: decoded against its parent, but the grandparent given is "
                                       "not the tensor it was encoded against (or the record is corrupt)")
 
 

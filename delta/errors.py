@@ -42,6 +42,10 @@ class GrandparentNeededError(DeltaError):
     encoding 6), and the caller did not pass it: rebuild that version, or take the anchor route."""
 
 
+class GrandparentMismatchError(ParentMismatchError):
+    """A record decoded against its right parent but another grandparent than it was encoded against."""
+
+
 class UnsupportedDtypeError(CkptDeltaError, TypeError):
     """A tensor's dtype has no exact byte representation in the format."""
 

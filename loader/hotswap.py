@@ -38,8 +38,8 @@ import torch
 import xxhash
 
 from delta import StagedTensor, dtypes, stage, stage_full, warmup
-from delta.errors import (ChecksumError, GrandparentNeededError, HotLoadConflictError, HotLoadError,
-                          ParentMismatchError, ShapeMismatchError)
+from delta.errors import (ChecksumError, GrandparentMismatchError, GrandparentNeededError, HotLoadConflictError,
+                          HotLoadError, ParentMismatchError, ShapeMismatchError)
 from delta.manifest import Manifest, TensorEntry, snapshot_name
 from delta.pieces import box_bits, box_view, flat_range
 
@@ -305,8 +305,12 @@ class HotSwapper:
         v = self.reader.resolve(target)
         try:
             return self._prepare_plan(v, initial, False)
-        except GrandparentNeededError as e:
-            # a record coded against its grandparent, which this replica does not hold: rebuild from the anchor
+        except (GrandparentNeededError, GrandparentMismatchError) as e:
+            # a record coded against its grandparent, which this replica does not hold (or not as kept: those
+            # kept are dropped): rebuild from the anchor, which gives them again
+            if isinstance(e, GrandparentMismatchError):
+                log.warning("hot-load to %s: %s; the bits kept are dropped", snapshot_name(v), e)
+                self._priors.clear()
             log.info("hot-load to %s takes the anchor route: %s", snapshot_name(v), e)
             return self._prepare_plan(v, initial, True)
 
