@@ -677,7 +677,7 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
     raw = codec.encode(old, torch.zeros_like(old))                  # raw chunks: smaller than XOR planes
     r = raw.header.chunks[0]
     assert r.encoding == record.RAW
-    with pytest.raises(ValueError, match="only sparse, dense and ctx chunks"):
+    with pytest.raises(ValueError, match="only sparse, dense, ctx, gctx and pctx chunks"):
         chunks.decode_changes(r, raw.payloads[0], bits, raw.header.dtype, "t",
                               (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))
 
