@@ -44,7 +44,7 @@ from delta.manifest import Manifest, TensorEntry, snapshot_name
 from delta.pieces import box_bits, box_view, flat_range
 
 from . import batch_commit
-from .pieces import Piece, Prior, check_assembled, rebuild, replay
+from .pieces import Piece, Prior, check_assembled, grandparent_of, rebuild, replay
 from .plan import UpdatePlan, make_plan
 from .reader import SnapshotReader
 
@@ -667,8 +667,15 @@ def _stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list,
             raise ParentMismatchError(          # no tensor data read: the record and the held version disagree
                 f"{pieces[0].where()}: the delta was encoded against a tensor with digest "
                 f"{first.header.parent_digest:016x}, {cur.where()} (the version held) says {ce.xxh3}")
-        if len(pieces) == 1 and first.header.has_parent and not first.needs_grandparent and not keep_prior:
-            return stage(live, first), None    # verifies the result digest (and so the bits), one chunk of scratch
+        if len(pieces) == 1 and first.header.has_parent:
+            grand = grandparent_of(pieces[0], live, prior) if first.needs_grandparent else None
+            if first.needs_grandparent and grand is None:
+                raise GrandparentNeededError(f"{pieces[0].where()}: the record is coded against the tensor two "
+                                             "snapshots back, which this replica does not hold")
+            # verifies the result digest (and so the bits), one chunk of scratch; the live bits, before the
+            # record, are what the next snapshot's record of this tensor may be coded against
+            after = Prior(pieces[0].manifest.version, live.detach().to("cpu", copy=True)) if keep_prior else None
+            return stage(live, first, grandparent=grand), after
         base = live.detach().to("cpu", copy=True).contiguous() if first.header.has_parent else None
         # each record verifies its result digest
         new, after = replay(pieces, values, base=base, prior=prior, keep_prior=keep_prior)

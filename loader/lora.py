@@ -76,10 +76,14 @@ class LoraHotSwapper(HotSwapper):
     base and adapter config (:func:`check_target`). ``record`` is the live adapter's; ``base_xxh3`` the digest
     of the base the replica loaded."""
 
-    def __init__(self, weights: Any, reader: Any, *, record: AdapterRecord, base_xxh3: str, **kwargs: Any) -> None:
+    def __init__(self, weights: Any, reader: Any, *, record: AdapterRecord, base_xxh3: str,
+                 priors: dict | None = None, **kwargs: Any) -> None:
         super().__init__(weights, reader, **kwargs)
         self.record, self.base_xxh3 = record, base_xxh3
         self.keep_priors = True     # an adapter's deltas are coded against their grandparent too (small copies)
+        # what the initial materialization kept (SnapshotReader.materialize(priors=...)): without it, the first
+        # hot-load whose records need the bits before the live version takes the anchor route
+        self._priors.update(priors or {})
 
     def _prepare(self, target: "str | int", initial: bool) -> PreparedUpdate:
         v = self.reader.resolve(target)        # once: "latest" must not move between the check and the plan

@@ -71,8 +71,9 @@ def safetensors_header(m: Manifest, names: list[str], metadata: dict[str, str]) 
 
 
 def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, progress: bool | None = None,
-                     shard_bytes: int = SHARD_BYTES) -> str:
-    """Materialize ``version`` into ``out_dir`` (which must not exist, or be empty); returns ``out_dir``."""
+                     shard_bytes: int = SHARD_BYTES, priors: dict | None = None) -> str:
+    """Materialize ``version`` into ``out_dir`` (which must not exist, or be empty); returns ``out_dir``.
+    ``priors``: filled with where each tensor last changed and its bits before (``SnapshotReader.iter_tensors``)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise FileExistsError(f"cannot materialize {snapshot_name(version)} into {out_dir}: it exists and is not empty")
@@ -93,7 +94,7 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
                   desc=f"materialize {snapshot_name(version)}") as bar:
             meta = {"format": "pt", "ckptdelta_run": reader.run_id, "ckptdelta_version": str(version)}
             for names, fname in zip(shards, files):
-                _write_shard(reader, m, version, names, os.path.join(tmp, fname), meta, bar)
+                _write_shard(reader, m, version, names, os.path.join(tmp, fname), meta, bar, priors)
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {n: f for names, f in zip(shards, files) for n in names}}
@@ -118,10 +119,10 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
 
 
 def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: list[str], path: str,
-                 meta: dict[str, str], bar) -> None:
+                 meta: dict[str, str], bar, priors: dict | None = None) -> None:
     with open(path, "wb") as f:
         f.write(safetensors_header(m, names, meta))
-        with contextlib.closing(reader.iter_tensors(version, names)) as tensors:
+        with contextlib.closing(reader.iter_tensors(version, names, priors=priors)) as tensors:
             for name, t in tensors:
                 bits = dtypes.host_bits(t)
                 if bits.nbytes != m.tensors[name].nbytes:

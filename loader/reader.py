@@ -33,7 +33,7 @@ from delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST
 from delta.storage import Store
 
 from .cache import DiskCache
-from .pieces import Piece, check_assembled, check_piece, check_piece_size, coalesce, rebuild
+from .pieces import Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
 from .plan import rebuild_pieces
 
 log = logging.getLogger("ckptdelta.loader")
@@ -236,15 +236,19 @@ class SnapshotReader:
         """Tensors of a snapshot (all, a list, or those a predicate selects), on CPU, bit-exact."""
         return dict(self.iter_tensors(ref, names))
 
-    def iter_tensors(self, ref: "str | int", names: Names = None, *,
-                     batch_bytes: int = BATCH_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in the order asked (sorted for None/predicates), a batch in memory at a time."""
+    def iter_tensors(self, ref: "str | int", names: Names = None, *, batch_bytes: int = BATCH_BYTES,
+                     priors: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in the order asked (sorted for None/predicates), a batch in memory at a time.
+        ``priors``: filled with each tensor's :class:`loader.pieces.Prior` (where it last changed, and a copy of
+        its bits before that), what a LoRA replica keeps for records coded against their grandparent."""
         chain = self.chain(ref)
         selected = select_names(chain[-1], names)
         groups = [rebuild_pieces(chain, n) for n in selected]
         with contextlib.closing(self.iter_fetched(groups, batch_bytes=batch_bytes)) as fetched:
             for i, values in fetched:
-                t = rebuild(groups[i], values)
+                t, prior = replay(groups[i], values, keep_prior=priors is not None)
+                if priors is not None and prior is not None:
+                    priors[selected[i]] = prior
                 check_assembled(chain[-1].tensors[selected[i]], t, f"tensor {selected[i]!r} of {chain[-1].where()}")
                 yield selected[i], t
 
@@ -276,10 +280,12 @@ class SnapshotReader:
 
     # --- whole checkpoints -------------------------------------------------------
 
-    def materialize(self, ref: "str | int", out_dir: str, *, progress: bool | None = None) -> str:
-        """Write a HF-style safetensors checkpoint of the snapshot to ``out_dir`` (atomically)."""
+    def materialize(self, ref: "str | int", out_dir: str, *, progress: bool | None = None,
+                    priors: dict | None = None) -> str:
+        """Write a HF-style safetensors checkpoint of the snapshot to ``out_dir`` (atomically); ``priors`` as in
+        :meth:`iter_tensors`."""
         from .materialize import write_checkpoint
-        return write_checkpoint(self, self.resolve(ref), out_dir, progress=progress)
+        return write_checkpoint(self, self.resolve(ref), out_dir, progress=progress, priors=priors)
 
     def verify(self, ref: "str | int | None" = None, *, progress: bool | None = None) -> VerifyReport:
         """Check every object and every tensor of every version on the chain (default: latest), reading each

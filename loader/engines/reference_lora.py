@@ -102,11 +102,12 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", base_model: str | No
         os.makedirs(cache_dir, exist_ok=True)
     scratch = make_scratch("serve", cache_dir)
     try:
-        path = reader.materialize(version, os.path.join(scratch.path, "adapter"))
+        priors: dict = {}     # each tensor's bits before its last change: the next deltas are coded against them
+        path = reader.materialize(version, os.path.join(scratch.path, "adapter"), priors=priors)
         model, live = load_adapter(base, path, m)
     finally:
         scratch.release()
-    swapper = LoraHotSwapper(live, reader, version=version, record=m.adapter, base_xxh3=digest)
+    swapper = LoraHotSwapper(live, reader, version=version, record=m.adapter, base_xxh3=digest, priors=priors)
     # the peft-injected transformers model: peft's wrapper only forwards to it, and the decode loop passes
     # the KV cache under the keyword the transformers model itself takes
     engine = Engine(model.get_base_model(), tokenizer, swapper=swapper, cache_policy=cache_policy,

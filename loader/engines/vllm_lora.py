@@ -383,7 +383,8 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
     scratch = make_scratch("vllm", cache_dir)
     server = shared = control = None
     try:
-        adapter_dir = reader.materialize(version, os.path.join(scratch.path, "adapter"))
+        priors: dict = {}     # each tensor's bits before its last change: the next deltas are coded against them
+        adapter_dir = reader.materialize(version, os.path.join(scratch.path, "adapter"), priors=priors)
         with open(os.path.join(adapter_dir, ADAPTER_CONFIG_NAME)) as f:
             config = json.load(f)
         rank = adapter_rank(config)
@@ -405,7 +406,7 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
         log.info("vLLM serves LoRA run %s, %s, in %d slots on base %s (rank %d; proven in %.2fs)", reader.run_id,
                  _snapshot(version), lora_slots, base_dir, rank, time.perf_counter() - t0)
         swapper = LoraHotSwapper(shared.tensors, reader, version=version, applier=applier, record=m.adapter,
-                                 base_xxh3=digest)
+                                 base_xxh3=digest, priors=priors)
         from .vllm_watch import EngineWatch
 
         watch = EngineWatch(server.url, applier=applier, proc=server.proc, api_key=vllm_api_key,
