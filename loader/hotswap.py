@@ -346,7 +346,9 @@ class HotSwapper:
             if not groups[gi]:      # a pieced tensor no record changed since the live version: prove it as is
                 check_assembled(tgt.tensors[name], _host_copy(t), f"live tensor {mapping[name]!r} for {tgt.where()}")
                 return None
-            prior = None if plan.via_anchor else _last_change(plan, name, self._priors.get(name))
+            # where the tensor last changed: only a swapper that keeps priors can use it (a walk of the chain)
+            prior = _last_change(plan, name, self._priors.get(name)) if self.keep_priors and not plan.via_anchor \
+                else None
             st, after = _stage_one(name, t, groups[gi], values, plan, cur, prior, self.keep_priors)
             if after is not None and self.keep_priors:
                 priors[name] = after

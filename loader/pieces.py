@@ -196,8 +196,9 @@ def replay(pieces: Sequence[Piece], values: Sequence, *, base: torch.Tensor | No
                 raise GrandparentNeededError(f"{p.where()}: the record is coded against the tensor two snapshots "
                                              "back, which this rebuild does not hold")
         nxt = pieces[k + 1] if k + 1 < len(pieces) else None
-        keep = keep_prior and nxt is None or nxt is not None and nxt.manifest.parent_version == p.manifest.version \
-            and values[k + 1].header.has_parent and values[k + 1].needs_grandparent
+        keep = (keep_prior and nxt is None) or (nxt is not None and nxt.manifest.parent_version == p.manifest.version
+                                                and values[k + 1].header.has_parent
+                                                and values[k + 1].needs_grandparent)
         if p.is_record and p.index is None and v.header.has_parent and t is not None and keep:
             before = Prior(p.manifest.version, t.clone())
         else:

@@ -39,15 +39,19 @@ def idents(tmp_dir: str | None) -> set[str]:
     return segments(tmp_dir) if tmp_dir else set()
 
 
+def _pids() -> list[str]:
+    """Every process's id as /proc lists it (none where /proc cannot be read)."""
+    try:
+        return [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+
+
 def in_use(paths: Iterable[str]) -> set[str]:
     """Those of ``paths`` (absolute, resolved) that a live process maps or holds open; processes this one may not
     read are skipped."""
     paths, found = set(paths), set()
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return found
-    for pid in pids:
+    for pid in _pids():
         try:
             with open(f"/proc/{pid}/maps", "rb") as f:
                 for line in f:
@@ -69,11 +73,7 @@ def in_use(paths: Iterable[str]) -> set[str]:
 def live_members(pgid: int) -> list[int]:
     """The processes of process group ``pgid`` that still run (zombies, which map nothing, are not counted)."""
     out = []
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return out
-    for pid in pids:
+    for pid in _pids():
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
