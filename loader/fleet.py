@@ -30,7 +30,7 @@ JOB_STATES = (QUEUED, PREPARING, SWAPPING, READY, FAILED)
 BUSY = (QUEUED, PREPARING, SWAPPING)
 #: Seconds between two tries of a replica that refuses connections while the caller waits for it to come up.
 UP_POLL_S = 0.25
-_JOB_ID = re.compile(r"[A-Za-z0-9._\-]{1,128}")
+_JOB_ID = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,127}")     # one path segment, never '.' or '..'
 _PEEK = 120
 
 
@@ -55,9 +55,9 @@ class BadAnswer(ReplicaError):
 
 
 def transport_error(url: str, what: str, e: httpx.TransportError) -> Unreachable:
-    refused = isinstance(e, httpx.ConnectError)
-    how = "refused the connection" if refused else \
-        "did not answer in time" if isinstance(e, httpx.TimeoutException) else "dropped the connection"
+    refused = isinstance(e, httpx.ConnectError)     # refused, or a name that does not resolve (yet)
+    how = ("refused the connection" if "refused" in str(e).lower() else "could not be connected to") if refused \
+        else "did not answer in time" if isinstance(e, httpx.TimeoutException) else "dropped the connection"
     return Unreachable(f"replica {url} unreachable ({what}): it {how} ({type(e).__name__}: {e})", refused=refused)
 
 
