@@ -23,10 +23,10 @@ from typing import Any, Sequence
 
 import httpx
 
-from delta.errors import (HotLoadConflictError, HotLoadError, HotLoadTimeoutError,
-                          ReplicaError, SnapshotNotFoundError)
+from delta.errors import ReplicaError
 
-from .client import RolloutClient, SampleTries, _error_of, _summary, _with_states, sample_request
+from . import fleet
+from .client import RolloutClient, SampleTries, sample_request
 
 log = logging.getLogger("ckptdelta.client")
 
@@ -92,71 +92,95 @@ class AsyncRolloutClient:
 
     async def hotload(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
                       poll_interval: float = 0.1) -> dict[str, dict[str, Any]]:
-        """Hot-load ``snapshot`` on every replica, as :meth:`loader.client.RolloutClient.hotload`: "latest" is
-        resolved by the first replica and the others asked for that exact version; with ``wait``, until each
-        is READY at it. Raises HotLoadError (FAILED somewhere), HotLoadTimeoutError, HotLoadConflictError or
-        SnapshotNotFoundError, each carrying ``.states`` (replica -> its answer)."""
-        states: dict[str, dict[str, Any]] = {}
-        first = await self._post_hotload(self.replicas[0], snapshot, states)
-        target = first["target_version"]
-        await asyncio.gather(*(self._post_hotload(u, target, states) for u in self.replicas[1:]))
-        if not wait:
-            return states
-        deadline = time.monotonic() + timeout
-        pending = {u for u, s in states.items() if s.get("state") != "READY"}
-        while pending:
-            answers = await asyncio.gather(*(self._get(u, f"/v1/hotload/{states[u]['id']}") for u in sorted(pending)))
-            for url, r in zip(sorted(pending), answers):
-                states[url] = r
-                if r.get("state") == "READY" and r.get("target_version") == target:
-                    pending.discard(url)
-                elif r.get("state") == "FAILED":
-                    raise _with_states(HotLoadError(
-                        f"hot-load of version {target} FAILED on {url}: {r.get('reason')} "
-                        f"(states: {_summary(states)})"), states)
-            if pending:
-                if time.monotonic() > deadline:
-                    raise _with_states(HotLoadTimeoutError(
-                        f"hot-load of version {target} not READY within {timeout}s on {sorted(pending)} "
-                        f"(states: {_summary(states)})"), states)
-                await asyncio.sleep(poll_interval)
+        """Hot-load ``snapshot`` on every replica, as :meth:`loader.client.RolloutClient.hotload`: every replica on
+        its own, at once, each hot-load given ``timeout`` (one that is dead, hung, of another run or answering
+        something else stops no other); "latest" is resolved by the first replica that accepts it and the others asked for
+        that exact version; with ``wait``, until each is READY at it. Unless every one is, raises (once all have
+        ended) SnapshotNotFoundError, RunMismatchError, HotLoadConflictError, HotLoadError (FAILED somewhere),
+        ReplicaError or HotLoadTimeoutError, each carrying ``.states`` (replica -> its answer)."""
+        plan = fleet.FleetPlan(self.replicas, snapshot)
+        cond = asyncio.Condition()
+
+        async def one(i: int) -> dict[str, Any]:
+            try:
+                return await self._hotload_one(i, plan, cond, wait=wait, timeout=timeout,
+                                               poll_interval=poll_interval)
+            finally:     # whatever ended it, the others must not wait for this one's first answer or resolve
+                async with cond:
+                    plan.answered(i, None)
+                    plan.resolved(i, None)
+                    cond.notify_all()
+
+        states = dict(zip(self.replicas, await asyncio.gather(*(one(i) for i in range(len(self.replicas))))))
+        fleet.raise_for(states, snapshot, wait=wait)
         return states
 
-    async def _post_hotload(self, url: str, snapshot: str | int, states: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    async def _hotload_one(self, i: int, plan: fleet.FleetPlan, cond: asyncio.Condition, *, wait: bool,
+                           timeout: float, poll_interval: float) -> dict[str, Any]:
+        url = self.replicas[i]
+        try:
+            st = fleet.status_answer(url, await self._get(url, "/v1/status"))
+        except ReplicaError as e:
+            return fleet.failed_state(e)
+        run_id = st["run_id"]
+        run = None
+        async with cond:
+            plan.answered(i, run_id)
+            cond.notify_all()
+            while run_id is not None and (run := plan.run(i, run_id)) is None:
+                await cond.wait()      # for the replicas before it to answer once: each within one request
+        if run is not None and run[0] != run_id:
+            return fleet.other_run(st, run)
+        async with cond:
+            while (target := plan.take_target(i)) is None:
+                await cond.wait()      # for the replica resolving the name: one request
+        job = await self._post_job(url, target[0])
+        if not isinstance(target[0], int):      # this replica was asked for the name: the others wait on it
+            async with cond:
+                plan.resolved(i, job["target_version"] if job["state"] in fleet.JOB_STATES else None)
+                cond.notify_all()
+        if not wait:
+            return job
+        path = f"/v1/hotload/{job['id']}" if job["state"] in fleet.BUSY else None
+        deadline = time.monotonic() + timeout         # its own timeout, from its own start
+        while path is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return fleet.timed_out(job, timeout)
+            await asyncio.sleep(min(poll_interval, left))
+            try:
+                job = fleet.job_answer(url, f"GET {path}", await self._get(url, path), job["id"])
+            except ReplicaError as e:
+                return {**job, "error": str(e)}
+            if job["state"] not in fleet.BUSY:
+                break
+        return job
+
+    async def _post_job(self, url: str, snapshot: str | int) -> dict[str, Any]:
+        what = "POST /v1/hotload"
         try:
             r = await self._http.post(url + "/v1/hotload", json={"snapshot": snapshot})
+            return fleet.job_answer(url, what, fleet.answer(url, what, r, ok=(200, 202)))
         except httpx.TransportError as e:
-            raise _with_states(ReplicaError(f"replica {url} unreachable for hot-load: {e}"), states) from None
-        body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-        if r.status_code in (200, 202):
-            states[url] = body
-            return body
-        err = body.get("error", {}) if isinstance(body, dict) else {}
-        states[url] = {"state": "REJECTED", "status": r.status_code, "error": err}
-        msg = f"replica {url} refused hot-load of {snapshot!r}: {r.status_code} {err.get('message', r.text[:300])}"
-        if r.status_code == 404:
-            raise _with_states(SnapshotNotFoundError(msg), states)
-        if r.status_code == 409:
-            raise _with_states(HotLoadConflictError(msg), states)
-        raise _with_states(ReplicaError(msg), states)
+            return fleet.failed_state(fleet.transport_error(url, what, e))
+        except ReplicaError as e:
+            return fleet.failed_state(e)
 
     # --- status -----------------------------------------------------------------------------------
 
     async def status(self) -> dict[str, dict[str, Any]]:
-        """``GET /v1/status`` of every replica, at once; an unreachable one maps to ``{"error": ...}``."""
+        """``GET /v1/status`` of every replica, at once; one that cannot be reached or answers something that is
+        not a replica's status maps to ``{"state": "UNREACHABLE" or "REJECTED", "error": ...}``."""
         async def one(url: str) -> dict[str, Any]:
             try:
-                return await self._get(url, "/v1/status")
+                return fleet.status_answer(url, await self._get(url, "/v1/status"))
             except ReplicaError as e:
-                return {"error": str(e)}
+                return fleet.failed_state(e)
         return dict(zip(self.replicas, await asyncio.gather(*(one(u) for u in self.replicas))))
 
     async def _get(self, url: str, path: str) -> dict[str, Any]:
         try:
             r = await self._http.get(url + path)
         except httpx.TransportError as e:
-            raise ReplicaError(f"replica {url} unreachable ({path}): {e}") from None
-        if r.status_code != 200:
-            raise ReplicaError(f"replica {url} answered {path} with {r.status_code}: "
-                               f"{_error_of(r).get('message') or r.text[:300]}")
-        return r.json()
+            raise fleet.transport_error(url, f"GET {path}", e) from None
+        return fleet.answer(url, f"GET {path}", r)

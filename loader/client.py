@@ -21,8 +21,9 @@ from typing import Any, Sequence
 
 import httpx
 
-from delta.errors import (HotLoadConflictError, HotLoadError, HotLoadTimeoutError, PolicyVersionTimeoutError,
-                          ReplicaError, SnapshotNotFoundError)
+from delta.errors import PolicyVersionTimeoutError, ReplicaError
+
+from . import fleet
 
 log = logging.getLogger("ckptdelta.client")
 
@@ -96,172 +97,145 @@ class RolloutClient:
                 poll_interval: float = 0.1) -> dict[str, dict[str, Any]]:
         """Hot-load ``snapshot`` on every replica; with ``wait``, until each is READY at that version.
 
-        "latest" is resolved by the first replica and the others are asked for
-        that exact version, so a snapshot published meanwhile cannot split the
-        fleet. Raises HotLoadError (FAILED somewhere), HotLoadTimeoutError,
-        HotLoadConflictError (a replica runs another hot-load) or
-        SnapshotNotFoundError; each carries ``.states`` (replica -> its answer)."""
-        states: dict[str, dict[str, Any]] = {}
-        first = self._post_hotload(self.replicas[0], snapshot, states)
-        target = first["target_version"]
-        if len(self.replicas) > 1:
-            with ThreadPoolExecutor(max_workers=min(16, len(self.replicas) - 1)) as pool:
-                list(pool.map(lambda u: self._post_hotload(u, target, states), self.replicas[1:]))
-        if not wait:
-            return states
-        deadline = time.monotonic() + timeout
-        pending = {u for u, s in states.items() if s.get("state") != "READY"}
-        while pending:
-            for url in sorted(pending):
-                r = self._get(url, f"/v1/hotload/{states[url]['id']}")
-                states[url] = r
-                if r.get("state") == "READY" and r.get("target_version") == target:
-                    pending.discard(url)
-                elif r.get("state") == "FAILED":
-                    raise _with_states(HotLoadError(
-                        f"hot-load of version {target} FAILED on {url}: {r.get('reason')} "
-                        f"(states: {_summary(states)})"), states)
-            if pending:
-                if time.monotonic() > deadline:
-                    raise _with_states(HotLoadTimeoutError(
-                        f"hot-load of version {target} not READY within {timeout}s on {sorted(pending)} "
-                        f"(states: {_summary(states)})"), states)
-                time.sleep(poll_interval)
+        As :meth:`hotload_each` (every replica on its own, at once, each hot-load given ``timeout``; one that is
+        down does not stop the others), without waiting for replicas to come up or queueing behind another
+        hot-load, and then strict: unless every replica is READY (or, without ``wait``, has accepted), raises
+        SnapshotNotFoundError, RunMismatchError (a replica of another run), HotLoadConflictError (a replica runs
+        another hot-load), HotLoadError (FAILED somewhere), ReplicaError (unreachable, or answering something
+        else) or HotLoadTimeoutError, in that order of precedence, once every replica has ended; each carries
+        ``.states`` (replica -> its answer, as :meth:`hotload_each` returns them)."""
+        states = self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval,
+                                     wait_up=False, queue=False)
+        fleet.raise_for(states, snapshot, wait=wait)
         return states
-
-    def _post_hotload(self, url: str, snapshot: str | int, states: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        try:
-            r = self._http.post(url + "/v1/hotload", json={"snapshot": snapshot})
-        except httpx.TransportError as e:
-            raise _with_states(ReplicaError(f"replica {url} unreachable for hot-load: {e}"), states) from None
-        body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-        if r.status_code in (200, 202):
-            states[url] = body
-            return body
-        err = body.get("error", {}) if isinstance(body, dict) else {}
-        states[url] = {"state": "REJECTED", "status": r.status_code, "error": err}
-        msg = f"replica {url} refused hot-load of {snapshot!r}: {r.status_code} {err.get('message', r.text[:300])}"
-        if r.status_code == 404:
-            raise _with_states(SnapshotNotFoundError(msg), states)
-        if r.status_code == 409:
-            raise _with_states(HotLoadConflictError(msg), states)
-        raise _with_states(ReplicaError(msg), states)
 
     def hotload_each(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
                      poll_interval: float = 0.2, wait_up: bool = False) -> dict[str, dict[str, Any]]:
-        """Hot-load ``snapshot`` on every replica, each on its own: a replica that fails, refuses or cannot be
-        reached does not stop the others (what ``ckptdelta hotload URL... SNAPSHOT`` runs). Never raises for a
-        replica; returns replica -> its last answer, whose ``state`` is READY or FAILED (the job's own
-        answer), REJECTED (refused: ``status`` and ``error``), UNREACHABLE (``error``), or, without ``wait``
-        or past ``timeout``, the job's state then (QUEUED, PREPARING, SWAPPING; past ``timeout`` also with
-        ``error``).
+        """Hot-load ``snapshot`` on every replica, each on its own: a replica that fails, refuses, cannot be
+        reached, hangs or answers something that is not a replica's answer does not stop or delay the others
+        (what ``ckptdelta hotload URL... SNAPSHOT`` runs). All are asked at once, and each hot-load has its own
+        ``timeout`` from when it was asked for: none spends another's. Never raises for a replica; returns
+        replica -> its last answer, whose ``state`` is READY or FAILED (the job's own answer), REJECTED
+        (refused, or an answer that is not a replica's: ``status``, ``error``), UNREACHABLE (``error``), or,
+        without ``wait`` or past ``timeout``, the job's state then (QUEUED, PREPARING, SWAPPING; past
+        ``timeout`` also with ``error``).
 
-        Every replica must serve the run of the first one that answers (one of another run is REJECTED, not
-        hot-loaded: its versions are another run's). "latest" is resolved by the first replica that accepts the
-        hot-load, the others are asked for that exact version. The newest request wins: a replica busy with a
-        hot-load to another version queues this one behind it (``queue``, loader/hotload_jobs.py).
-        ``wait_up``: first wait (within ``timeout``) for replicas that do not answer yet (still starting)."""
-        deadline = time.monotonic() + timeout
-        states: dict[str, dict[str, Any]] = {}
-        with ThreadPoolExecutor(max_workers=min(16, len(self.replicas))) as pool:
-            seen = dict(zip(self.replicas, pool.map(lambda u: self._status_for_hotload(u, deadline, wait_up),
-                                                    self.replicas)))
-            run_of = next(((u, st["run_id"]) for u, st in seen.items() if "run_id" in st), (None, None))
-            todo = []
-            for url, st in seen.items():
-                if "error" in st:     # a transport error, or an answer that is not the replica's status (401...)
-                    states[url] = {"state": "UNREACHABLE" if " unreachable " in st["error"] else "REJECTED",
-                                   "error": st["error"]}
-                elif st.get("run_id") != run_of[1]:
-                    states[url] = {"state": "REJECTED", "status": None, "from_version": st.get("policy_version"),
-                                   "error": f"serves run {st.get('run_id')}, not run {run_of[1]} of {run_of[0]}: "
-                                            "not hot-loaded (its versions are another run's)"}
-                else:
-                    todo.append(url)
-            target: str | int = snapshot
-            while todo and not isinstance(target, int):   # the first replica that accepts resolves the name
-                url = todo.pop(0)
-                states[url] = self._post_each(url, snapshot)
-                if isinstance(states[url].get("target_version"), int):
-                    target = states[url]["target_version"]
-            states.update(zip(todo, pool.map(lambda u: self._post_each(u, target), todo)))
-            if wait:
-                busy = [u for u, st in states.items() if st.get("state") in ("QUEUED", "PREPARING", "SWAPPING")]
-                states.update(zip(busy, pool.map(lambda u: self._wait_job(u, states[u], deadline, poll_interval),
-                                                 busy)))
-        return {u: states[u] for u in self.replicas}
+        Every replica must serve the run of the first one, in the order given, that answers (one of another run
+        is REJECTED, not hot-loaded: its versions are another run's). "latest" is resolved by the first replica
+        that accepts the hot-load, the others are asked for that exact version (loader/fleet.py, FleetPlan).
+        The newest request wins: a replica busy with a hot-load to another version queues this one behind it
+        (``queue``, loader/hotload_jobs.py). ``wait_up``: a replica that refuses connections may be starting
+        (``serve`` listens once it serves): it is tried again for ``timeout`` from the call, while the others go
+        on. Before its hot-load is asked for, a replica waits at most for those before it in the order given to
+        answer ``/v1/status`` once, and for the one resolving the name: one request each (the client's
+        ``timeout``), whatever they do."""
+        return self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval,
+                                   wait_up=wait_up, queue=True)
 
-    def _status_for_hotload(self, url: str, deadline: float, wait_up: bool) -> dict[str, Any]:
+    def _hotload_fleet(self, snapshot: str | int, *, wait: bool, timeout: float, poll_interval: float,
+                       wait_up: bool, queue: bool) -> dict[str, dict[str, Any]]:
+        plan = fleet.FleetPlan(self.replicas, snapshot)
+        cond = threading.Condition()
+
+        def one(i: int) -> dict[str, Any]:
+            try:
+                return self._hotload_one(i, plan, cond, wait=wait, timeout=timeout, poll_interval=poll_interval,
+                                         wait_up=wait_up, queue=queue)
+            finally:     # whatever ended it, the others must not wait for this one's first answer or resolve
+                with cond:
+                    plan.answered(i, None)
+                    plan.resolved(i, None)
+                    cond.notify_all()
+
+        # one thread a replica: one dead, hung or starting holds a thread for its timeout, never another replica
+        with ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="ckptdelta-fleet") as pool:
+            return dict(zip(self.replicas, pool.map(one, range(len(self.replicas)))))
+
+    def _hotload_one(self, i: int, plan: fleet.FleetPlan, cond: threading.Condition, *, wait: bool,
+                     timeout: float, poll_interval: float, wait_up: bool, queue: bool) -> dict[str, Any]:
+        url = self.replicas[i]
+        up_deadline = time.monotonic() + timeout
         while True:
             try:
-                return self._get(url, "/v1/status")
+                st = fleet.status_answer(url, self._get(url, "/v1/status"))
+                break
             except ReplicaError as e:
-                if not wait_up or time.monotonic() > deadline or "unreachable" not in str(e):
-                    return {"error": str(e)}
-            time.sleep(0.25)
+                with cond:
+                    plan.answered(i, None)
+                    cond.notify_all()
+                starting = wait_up and isinstance(e, fleet.Unreachable) and e.refused
+                if not starting or time.monotonic() >= up_deadline:
+                    row = fleet.failed_state(e)
+                    if starting:
+                        row["error"] += f"; still refused after {timeout:g}s of waiting for it to start"
+                    return row
+            time.sleep(min(fleet.UP_POLL_S, max(0.0, up_deadline - time.monotonic())))
+        run_id = st["run_id"]
+        run = None
+        with cond:
+            plan.answered(i, run_id)
+            cond.notify_all()
+            while run_id is not None and (run := plan.run(i, run_id)) is None:
+                cond.wait()       # for the replicas before it to answer once: each within one request
+        if run is not None and run[0] != run_id:
+            return fleet.other_run(st, run)
+        with cond:
+            while (target := plan.take_target(i)) is None:
+                cond.wait()       # for the replica resolving the name: one request
+        job = self._post_job(url, target[0], queue)
+        if not isinstance(target[0], int):      # this replica was asked for the name: the others wait on it
+            with cond:
+                plan.resolved(i, job["target_version"] if job["state"] in fleet.JOB_STATES else None)
+                cond.notify_all()
+        if wait and job["state"] in fleet.BUSY:      # its own timeout, from its own start
+            job = self._wait_job(url, job, time.monotonic() + timeout, poll_interval, timeout)
+        return job
 
-    def _post_each(self, url: str, snapshot: str | int) -> dict[str, Any]:
+    def _post_job(self, url: str, snapshot: str | int, queue: bool) -> dict[str, Any]:
+        what = "POST /v1/hotload"
         try:
-            r = self._http.post(url + "/v1/hotload", json={"snapshot": snapshot, "queue": True})
+            r = self._http.post(url + "/v1/hotload", json={"snapshot": snapshot, **({"queue": True} if queue else {})})
+            return fleet.job_answer(url, what, fleet.answer(url, what, r, ok=(200, 202)))
         except httpx.TransportError as e:
-            return {"state": "UNREACHABLE", "error": f"replica {url} unreachable for hot-load: {e}"}
-        if r.status_code in (200, 202):
-            return r.json()
-        err = _error_of(r)
-        return {"state": "REJECTED", "status": r.status_code,
-                "error": f"{r.status_code} {err.get('type', '')}: {err.get('message') or r.text[:300]}"}
+            return fleet.failed_state(fleet.transport_error(url, what, e))
+        except ReplicaError as e:
+            return fleet.failed_state(e)
 
-    def _wait_job(self, url: str, job: dict[str, Any], deadline: float, poll_interval: float) -> dict[str, Any]:
+    def _wait_job(self, url: str, job: dict[str, Any], deadline: float, poll_interval: float,
+                  timeout: float) -> dict[str, Any]:
+        path = f"/v1/hotload/{job['id']}"
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return fleet.timed_out(job, timeout)
+            time.sleep(min(poll_interval, left))
             try:
-                job = self._get(url, f"/v1/hotload/{job['id']}")
+                job = fleet.job_answer(url, f"GET {path}", self._get(url, path), job["id"])
             except ReplicaError as e:
                 return {**job, "error": str(e)}
-            if job.get("state") in ("READY", "FAILED"):
+            if job["state"] not in fleet.BUSY:
                 return job
-            if time.monotonic() > deadline:
-                return {**job, "error": f"not READY within the timeout (still {job.get('state')})"}
-            time.sleep(poll_interval)
 
     # --- status -----------------------------------------------------------------------------------
 
     def status(self) -> dict[str, dict[str, Any]]:
-        """``GET /v1/status`` of every replica; an unreachable one maps to ``{"error": ...}``."""
-        out = {}
-        for url in self.replicas:
+        """``GET /v1/status`` of every replica, all at once; one that cannot be reached or answers something that
+        is not a replica's status maps to ``{"state": "UNREACHABLE" or "REJECTED", "error": ...}``."""
+        def one(url: str) -> dict[str, Any]:
             try:
-                out[url] = self._get(url, "/v1/status")
+                return fleet.status_answer(url, self._get(url, "/v1/status"))
             except ReplicaError as e:
-                out[url] = {"error": str(e)}
-        return out
+                return fleet.failed_state(e)
+
+        with ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="ckptdelta-fleet") as pool:
+            return dict(zip(self.replicas, pool.map(one, self.replicas)))
 
     def _get(self, url: str, path: str) -> dict[str, Any]:
         try:
             r = self._http.get(url + path)
         except httpx.TransportError as e:
-            raise ReplicaError(f"replica {url} unreachable ({path}): {e}") from None
-        if r.status_code != 200:
-            raise ReplicaError(f"replica {url} answered {path} with {r.status_code}: "
-                               f"{_error_of(r).get('message') or r.text[:300]}")
-        return r.json()
-
-
-def _error_of(r: httpx.Response) -> dict[str, Any]:
-    try:
-        body = r.json()
-    except ValueError:
-        return {}
-    err = body.get("error") if isinstance(body, dict) else None
-    return err if isinstance(err, dict) else {}
-
-
-def _with_states(exc: Exception, states: dict[str, dict[str, Any]]) -> Exception:
-    exc.states = dict(states)  # type: ignore[attr-defined]
-    return exc
-
-
-def _summary(states: dict[str, dict[str, Any]]) -> str:
-    return ", ".join(f"{u}={s.get('state')}" for u, s in states.items())
+            raise fleet.transport_error(url, f"GET {path}", e) from None
+        return fleet.answer(url, f"GET {path}", r)
 
 
 def sample_request(prompt: "str | Sequence[int] | Sequence[dict[str, str]]", n: int, min_policy_version: int | None,
@@ -293,8 +267,8 @@ class SampleTries:
             self.last = f"{url}: {type(r).__name__}: {r}"
             return None
         if r.status_code == 200:
-            return r.json()
-        err = _error_of(r)
+            return fleet.answer(url, f"POST {self.path}", r)     # a body that is not JSON: ReplicaError at once
+        err = fleet.error_of(r)
         if r.status_code == 408 and err.get("type") == "policy_version_too_old":
             self.last = f"{url} serves policy version {err.get('policy_version')}, needs >= {self.min_version}"
         elif r.status_code not in _RETRY_STATUS:

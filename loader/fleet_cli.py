@@ -59,19 +59,24 @@ def add_commands(subparsers: Any) -> None:
     h.add_argument("--wait", action="store_true",
                    help="wait for the replicas to answer (they may be starting), then until each is READY or FAILED")
     h.add_argument("--api-key", default=None, help="bearer key (default: $CKPTDELTA_API_KEY)")
-    h.add_argument("--timeout", type=float, default=600.0, help="seconds to wait with --wait (default 600)")
+    h.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait with --wait (default 600): for a replica to come up, then for its "
+                        "hot-load, each replica its own; also the longest one request may take (at most 60)")
     h.add_argument("--json", action="store_true", help="print the replicas' answers as one JSON object")
     h.set_defaults(func=guarded(cmd_hotload, "hotload"))
     h.__class__ = _Intermixed
 
     s = subparsers.add_parser(
         "status", help="what one replica or many serve",
-        description="GET /v1/status of every replica and print one row per replica: state, version, run, the "
-                    "last hot-load. Exit 0 when every replica answered, 1 otherwise.")
+        description="GET /v1/status of every replica, all at once, and print one row per replica: state, "
+                    "version, run, the last hot-load (UNREACHABLE or REJECTED, and why, for one that did not "
+                    "answer with a replica's status). Exit 0 when every replica answered, 1 otherwise.")
     s.add_argument("urls", nargs="*", metavar="URL", help="replica URLs")
     s.add_argument("--replicas-file", metavar="FILE", action="append", default=[],
                    help="more replica URLs, one per line ('#' comments and blank lines skipped; repeatable)")
     s.add_argument("--api-key", default=None, help="bearer key (default: $CKPTDELTA_API_KEY)")
+    s.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds each replica has to answer (default 30; they are asked at once)")
     s.add_argument("--json", action="store_true", help="print the replicas' answers as one JSON object")
     s.set_defaults(func=guarded(cmd_status, "status"))
     s.__class__ = _Intermixed
@@ -96,6 +101,11 @@ def replica_urls(urls: list[str], files: list[str]) -> list[str]:
     return out
 
 
+def _check_timeout(args: argparse.Namespace) -> None:
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: must be > 0 seconds")
+
+
 def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
 
@@ -107,8 +117,10 @@ def cmd_hotload(args: argparse.Namespace) -> int:
     if snapshot.startswith(("http://", "https://")):
         raise UsageError(f"the last argument is the snapshot ('latest', a name or a version), not {snapshot!r}")
     urls = replica_urls(urls, args.replicas_file)
+    _check_timeout(args)
     target: str | int = int(snapshot) if snapshot.isdigit() else snapshot
-    with RolloutClient(urls, api_key=_api_key(args), timeout=60.0) as client:
+    # no request outlasts the whole wait: a hung replica is given up on within --timeout, like the others
+    with RolloutClient(urls, api_key=_api_key(args), timeout=min(60.0, args.timeout)) as client:
         states = client.hotload_each(target, wait=args.wait, timeout=args.timeout, wait_up=args.wait)
     ok = ("READY",) if args.wait else ("READY", "QUEUED", "PREPARING", "SWAPPING")
     bad = {u: st for u, st in states.items() if st.get("state") not in ok or "error" in st}
@@ -128,7 +140,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .client import RolloutClient
 
     urls = replica_urls(args.urls, args.replicas_file)
-    with RolloutClient(urls, api_key=_api_key(args), timeout=30.0) as client:
+    _check_timeout(args)
+    with RolloutClient(urls, api_key=_api_key(args), timeout=args.timeout) as client:
         states = client.status()
     if args.json:
         print(json.dumps(states, indent=2))
@@ -193,7 +206,7 @@ def status_table(states: dict[str, dict[str, Any]]) -> str:
     rows = []
     for url, st in states.items():
         if "error" in st:
-            rows.append([url, "UNREACHABLE", "-", "-", "-", one_line(st["error"])[:200]])
+            rows.append([url, str(st.get("state", "UNREACHABLE")), "-", "-", "-", one_line(st["error"])[:200]])
             continue
         last = st.get("last_hotload") or {}
         last_s = (f"{last.get('state')} {_name(last.get('target_version'))}" if last else "-")

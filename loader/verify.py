@@ -206,7 +206,7 @@ def _stream_shard(reader: "SnapshotReader", m: Manifest, index: int, bar,
     _size(reader, o, m)
     placed = {name: e for name, e in m.tensors.items() if e.object == index}
     problem = _overlaps(m, o, placed)          # a damaged manifest: hash the shard, then say so
-    order = sorted(placed, key=lambda n: (placed[n].offset, n))
+    order = _data_order(placed)
     nxt = 0
     active: dict[str, bytearray] = {}
     prefix = bytearray()                      # the 8-byte length, then the JSON header
@@ -238,7 +238,10 @@ def _stream_shard(reader: "SnapshotReader", m: Manifest, index: int, bar,
                 prefix = bytearray()
         if problem is not None or failure is not None or not header_done:
             continue
-        while nxt < len(order) and placed[order[nxt]].offset < e_:
+        # a tensor starts once its first byte is in; an empty one (no bytes) once its offset is reached, also
+        # at the shard's very end, where safetensors places the empty tensors laid out last
+        while nxt < len(order) and (placed[order[nxt]].offset < e_
+                                    or (placed[order[nxt]].length == 0 and placed[order[nxt]].offset == e_)):
             active[order[nxt]] = bytearray()
             nxt += 1
         for name in list(active):
@@ -269,10 +272,18 @@ def _stream_shard(reader: "SnapshotReader", m: Manifest, index: int, bar,
         raise ChecksumError(f"{m.where()}: shard {o.key} ended before tensor {next(iter(active), order[nxt])!r}")
 
 
+def _data_order(placed: dict[str, TensorEntry]) -> list[str]:
+    """Tensors by where their data lies, an empty one (a zero-element tensor: no bytes) before the tensor that
+    starts where it does: safetensors gives it the offset of the next tensor's data, and ordered after that
+    tensor (by name, at the same offset) it would seem to start inside it."""
+    return sorted(placed, key=lambda n: (placed[n].offset, placed[n].length, n))
+
+
 def _overlaps(m: Manifest, o: ObjectRef, placed: dict[str, TensorEntry]) -> str | None:
-    """The manifest's ranges in a shard must lie inside it without overlapping (as safetensors requires)."""
+    """The manifest's ranges in a shard must lie inside it without overlapping (as safetensors requires); an
+    empty range may start where another starts or ends, not inside it."""
     end, prev = 0, None
-    for name in sorted(placed, key=lambda n: (placed[n].offset, n)):
+    for name in _data_order(placed):
         e = placed[name]
         check_piece_size(Piece(m, name))
         if e.offset < end or e.offset + e.length > o.size:

@@ -235,4 +235,6 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equality of bits (NaN payloads, -0.0), with dtype and shape."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy())
+    # flat first: a 0-d tensor cannot be viewed as bytes of another width
+    return bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy()) == \
+        bytes(b.contiguous().reshape(-1).view(torch.uint8).numpy())

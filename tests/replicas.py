@@ -93,7 +93,8 @@ class LiveServer:
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        if self.thread.ident is not None:     # a server never entered holds its port, bound, and no thread
+            self.thread.join(timeout=15)
         self.sock.close()
 
 
@@ -170,6 +171,11 @@ class Replica:
     def status(self) -> dict:
         return self.http.get("/v1/status").json()
 
+    def listen(self) -> "Replica":
+        """Start serving a replica started with ``listen=False`` (until now its port refused connections)."""
+        self.server.__enter__()
+        return self
+
 
 @pytest.fixture
 def start_replica(run):
@@ -180,11 +186,15 @@ def start_replica(run):
     from loader.server import create_app
 
     def start(snapshot="latest", *, bucket: str | None = None, model_dir: str | None = None,
-              api_key: str | None = None, cache_policy: str = "recompute", replica_id: str = "r0") -> Replica:
+              api_key: str | None = None, cache_policy: str = "recompute", replica_id: str = "r0",
+              listen: bool = True) -> Replica:
+        """``listen=False``: the port is bound but refuses connections until ``rep.listen()``, as ``serve``'s
+        does while its engine starts."""
         engine, reader = build_engine(bucket=bucket or run.url, snapshot=snapshot, model_dir=model_dir,
                                       cache_policy=cache_policy)
         app = create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key)
-        rep = Replica(LiveServer(app).__enter__(), engine, reader, api_key)
+        server = LiveServer(app)
+        rep = Replica(server.__enter__() if listen else server, engine, reader, api_key)
         started.append(rep)
         return rep
 

@@ -10,7 +10,8 @@ import pytest
 from delta.errors import PolicyVersionTimeoutError, ReplicaError, SnapshotNotFoundError
 from loader.async_client import AsyncRolloutClient
 from loader.client import RolloutClient
-from tests.replicas import PROMPT, lm_dir, run, start_replica  # noqa: F401
+from tests.bad_replicas import HANG, JSON_LIST, BadReplica, dead_url, replica_status
+from tests.replicas import PROMPT, lm_dir, run, start_replica, state_bits_equal  # noqa: F401
 
 
 def _count_408(rep) -> float:
@@ -61,3 +62,31 @@ def test_sample_async_gives_up_after_ready_timeout_and_raises_other_errors_at_on
             assert (await client.status())[rep.url]["policy_version"] == 1
 
     asyncio.run(main())
+
+
+def test_fleet_hotload_async_loads_the_live_replica_beside_dead_hung_and_garbage_ones_then_raises(start_replica, run):
+    """Issue 39, the fan-out class: the async hot-load asked the first replica alone first (a dead one raised
+    before any other was asked), and a garbage answer raised KeyError. Now the live replica, listed last, is
+    READY at the version, and ReplicaError carries a row for each other member."""
+    live = start_replica(0)
+    dead = dead_url()
+    bad_post = (200, "application/json", replica_status(live.status()["run_id"], 0))
+
+    async def main(urls: list[str]) -> tuple[dict, dict]:
+        async with AsyncRolloutClient(urls, timeout=2) as client:
+            with pytest.raises(ReplicaError) as info:
+                await client.hotload("latest", timeout=60)
+            return info.value.states, await client.status()
+
+    with BadReplica({("GET", "/"): HANG}) as hung, BadReplica({("GET", "/"): JSON_LIST}) as listing, \
+            BadReplica({("GET", "/v1/status"): bad_post, ("POST", "/v1/hotload"): JSON_LIST}) as post:
+        urls = [dead, hung.url, listing.url, post.url, live.url]
+        states, status = asyncio.run(main(urls))
+    assert states[live.url]["state"] == "READY" and states[live.url]["target_version"] == run.latest
+    assert state_bits_equal(live.engine.model, run.truth[run.latest]) == []
+    assert {u: states[u]["state"] for u in urls[:4]} == {dead: "UNREACHABLE", hung.url: "UNREACHABLE",
+                                                          listing.url: "REJECTED", post.url: "REJECTED"}
+    assert "did not answer in time" in states[hung.url]["error"]
+    assert "POST /v1/hotload" in states[post.url]["error"] and "not an object" in states[post.url]["error"]
+    assert status[live.url]["policy_version"] == run.latest
+    assert [status[u]["state"] for u in urls[:3]] == ["UNREACHABLE", "UNREACHABLE", "REJECTED"]

@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from delta.errors import (HotLoadConflictError, HotLoadError, PolicyVersionTimeoutError, ReplicaError,
-                          SnapshotNotFoundError)
+                          RunMismatchError, SnapshotNotFoundError)
 from loader import cli
 from loader.client import RolloutClient
+from tests.bad_replicas import HTML, BadReplica, dead_url
 from tests.replicas import PROMPT, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
 
 
@@ -119,6 +120,38 @@ def test_fleet_hotload_raises_with_per_replica_states_on_failure_and_conflict(st
             assert reps[1].wait(job["id"])["state"] == "READY"
     finally:
         run.close()
+
+
+def test_fleet_hotload_loads_the_live_replica_then_raises_for_the_dead_the_other_run_and_the_garbage_one(
+        start_replica, run, lm_dir, tmp_path):
+    """Issue 39, the fan-out class: a dead first replica raised before any other was asked to hot-load; one of
+    another run was hot-loaded to that run's version of the same number; an answer that is not JSON raised
+    JSONDecodeError. Now every replica is asked at once, the live one is READY, the one of another run keeps
+    what it serves, and the error (the most telling kind: RunMismatchError) carries every replica's row."""
+    other = publish_run(str(tmp_path / "other" / "run"), lm_dir, n_versions=2)
+    try:
+        live, theirs = start_replica(0, replica_id="live"), start_replica(0, bucket=other.url, replica_id="theirs")
+        dead = dead_url()
+        with BadReplica({("GET", "/"): HTML, ("POST", "/"): HTML}) as html, \
+                RolloutClient([dead, live.url, theirs.url, html.url], timeout=10) as client:
+            with pytest.raises(RunMismatchError) as info:
+                client.hotload(1, timeout=60)
+            states = info.value.states
+            assert states[live.url]["state"] == "READY" and states[live.url]["target_version"] == 1
+            assert state_bits_equal(live.engine.model, run.truth[1]) == []
+            assert states[theirs.url]["state"] == "REJECTED" and "serves run" in states[theirs.url]["error"]
+            assert theirs.status()["policy_version"] == 0           # not moved to the other run's v1
+            assert states[dead]["state"] == "UNREACHABLE" and "refused the connection" in states[dead]["error"]
+            assert states[html.url]["state"] == "REJECTED" and "not JSON" in states[html.url]["error"]
+            assert "UNREACHABLE" in str(info.value) and theirs.url in str(info.value)
+
+            status = client.status()
+            assert status[live.url]["policy_version"] == 1 and status[html.url]["state"] == "REJECTED"
+            with pytest.raises(ReplicaError, match="not JSON"):     # sampling: named, not a JSONDecodeError
+                client.sample(PROMPT, max_tokens=1, affinity_key=next(
+                    k for k in map(str, range(100)) if client.replica_for(k) == html.url))
+    finally:
+        other.close()
 
 
 def _parse(*argv: str) -> argparse.Namespace:
