@@ -17,8 +17,9 @@ What a swap means for a request in flight is the *cache policy* (docs/SERVING.md
 - ``"keep"``: the request continues on its stale KV cache (cheaper; the attention
   over the prefix still reflects the old weights); engine_data says so.
 
-Each request records the policy versions its steps ran under, so a request that
-crossed a swap reports the span.
+Each request reports its span (loader/spans.py): the version served when it was
+admitted and every version served after it, up to its last step, so a request
+that crossed a swap reports every version that may have computed for it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
+
+from .spans import Span, VersionLog
 
 log = logging.getLogger("ckptdelta.engine")
 
@@ -76,7 +79,7 @@ class Generation:
 
     prompt_token_ids: list[int]
     completions: list[Completion]
-    policy_versions: list[int | None]  # distinct versions, in the order the steps used them
+    policy_versions: list[int | None]  # served from its admission to its last step, in order (loader/spans.py)
     snapshot: str | None
     cache_policy: str
     recomputes: int = 0  # prefix re-runs after a swap ("recompute")
@@ -171,6 +174,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.swapper = swapper
         self.gate = gate
+        # what requests' spans are read from: the swapper's log, or one version (None) for fixed weights
+        self.served = swapper.served if swapper is not None else VersionLog(None)
         self.cache_policy = cache_policy
         self.model_name = model_name
         self.device = next(model.parameters()).device
@@ -277,13 +282,21 @@ class Engine:
         t0 = time.perf_counter()
         prompt = list(prompt_ids)
         self.check_prompt(prompt, params.max_tokens)
+        span = self.served.open()
+        try:
+            return self._generate(prompt, params, on_token, span, t0)
+        finally:
+            span.close()
+
+    def _generate(self, prompt: list[int], params: SamplingParams,
+                  on_token: Callable[[Completion, int | None, bool], None] | None, span: Span,
+                  t0: float) -> Generation:
         n = params.n
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         rows: list[list[int]] = [list(prompt) for _ in range(n)]  # aligned: finished rows get pad fillers
         comps = [Completion(index=i) for i in range(n)]
         done = [False] * n
-        versions: list[int | None] = []
         cache: Any = None
         kv_version: Any = _NO_VERSION
         recomputes = stale_steps = 0
@@ -291,6 +304,7 @@ class Engine:
 
         for _ in range(params.max_tokens):
             with self.step() as version:
+                span.ran()
                 if cache is None or (version != kv_version and self.cache_policy == "recompute"):
                     if cache is not None:
                         recomputes += 1
@@ -302,8 +316,6 @@ class Engine:
                     if version != kv_version:
                         stale_steps += 1
                 logits = self._forward(inp, cache)
-            if version not in versions:
-                versions.append(version)
             tokens, logprobs = _sample(logits, params.temperature, params.top_p, gen)
             top = torch.topk(logprobs, k_top, dim=-1) if k_top else None
             for i in range(n):
@@ -330,23 +342,23 @@ class Engine:
             if all(done):
                 break
         if params.logprobs is not None and params.score_logprobs:
-            version = self._rescore(prompt, comps, k_top)
-            if version not in versions:
-                versions.append(version)
+            self._rescore(prompt, comps, k_top, span)
+        versions = span.close()     # up to the last step: a swap after it computed nothing of this request
         for c in comps:
             if c.stop_reason is None:
                 c.text = self.decode(c.token_ids)
         return Generation(prompt_token_ids=prompt, completions=comps, policy_versions=versions,
-                          snapshot=self.snapshot, cache_policy=self.cache_policy, recomputes=recomputes,
+                          snapshot=_snapshot(versions[-1]), cache_policy=self.cache_policy, recomputes=recomputes,
                           stale_kv_steps=stale_steps, duration_s=time.perf_counter() - t0)
 
 
-    def _rescore(self, prompt: list[int], comps: list[Completion], k_top: int) -> int | None:
+    def _rescore(self, prompt: list[int], comps: list[Completion], k_top: int, span: Span) -> None:
         """Replace each completion's logprobs by :func:`score_logprobs` of prompt + completion.
 
-        All completions are scored inside one step, so by one version (returned):
+        All completions are scored inside one step, so by one version (the span's last):
         the version a trainer must hold to reproduce these numbers bit for bit."""
-        with self.step() as version, torch.inference_mode():
+        with self.step(), torch.inference_mode():
+            span.ran()
             for c in comps:
                 lp = score_logprobs(self.model, prompt + c.token_ids, len(prompt)).cpu()
                 rows = torch.arange(len(c.token_ids))
@@ -354,10 +366,15 @@ class Engine:
                 top = torch.topk(lp, k_top, dim=-1) if k_top else None
                 c.top_logprobs = ([[(int(j), float(v)) for v, j in zip(top.values[i], top.indices[i])]
                                    for i in range(len(c.token_ids))] if top is not None else [[] for _ in rows])
-        return version
 
 
 _NO_VERSION = object()
+
+
+def _snapshot(version: int | None) -> str | None:
+    from delta.manifest import snapshot_name
+
+    return None if version is None else snapshot_name(version)
 
 
 def score_logprobs(model: torch.nn.Module, token_ids: Sequence[int], prompt_len: int) -> torch.Tensor:

@@ -47,6 +47,7 @@ from . import batch_commit
 from .pieces import Piece, Prior, check_assembled, grandparent_of, rebuild, replay
 from .plan import UpdatePlan, make_plan
 from .reader import SnapshotReader
+from .spans import VersionLog
 
 log = logging.getLogger("ckptdelta.loader.hotswap")
 
@@ -222,7 +223,9 @@ class HotSwapper:
             raise ValueError(f"version must be a non-negative int or None, not {version!r}")
         self.weights = weights
         self.reader = reader
-        self.version: int | None = version
+        # the versions served, in order: ``version`` reads and writes it, so every change of the version a
+        # request may run on is in the log its span is read from (loader/spans.py)
+        self.served = VersionLog(version)
         self.gate = gate or ServingGate()
         self.name_map = name_map or (lambda n: n)
         self.apply_method = apply_method
@@ -241,6 +244,16 @@ class HotSwapper:
         # this process's first hot-load would otherwise load the staging and commit kernels from numba's
         # cache: done now, in the background (delta/warmup.py; CKPTDELTA_WARMUP=0: not)
         warmup.warm_in_background(_dtypes_of(weights))
+
+    @property
+    def version(self) -> int | None:
+        """The version the live weights hold (None: unknown)."""
+        return self.served.current
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        # set inside the pause, before anything computes with the new bits (a span must never miss them)
+        self.served.serve(version)
 
     @property
     def snapshot(self) -> str | None:

@@ -130,3 +130,30 @@ def store_url(request, tmp_path):
         raise ValueError(f"unknown store backend {backend!r}")
 
 # ============================ end of storage section ==========================
+
+
+# =============================================================================
+# Spans (loader/spans.py)
+#
+#   every test: each request a replica of this process answered reports, in engine_data.policy_versions,
+#   every version the replica served while it ran (tests/spans_check.py); the test fails otherwise
+# =============================================================================
+
+@pytest.fixture(scope="session", autouse=True)
+def _span_check_installed():
+    from tests import spans_check
+
+    with pytest.MonkeyPatch.context() as mp:
+        spans_check.install(mp)
+        yield spans_check
+
+
+@pytest.fixture(autouse=True)
+def spans_hold_every_version_served(_span_check_installed):
+    seen = len(_span_check_installed.violations)
+    yield
+    found = _span_check_installed.violations[seen:]
+    if found:
+        pytest.fail("spans short of the versions served:\n" + "\n".join(found), pytrace=False)
+
+# ============================ end of spans section ============================

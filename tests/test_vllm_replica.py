@@ -460,6 +460,88 @@ def test_the_openai_client_streams_and_not_through_the_vllm_replica(rep, llama_r
         assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["length"]
 
 
+_PUSHES = ("ckptdelta_swap", "ckptdelta_reload", "ckptdelta_patch")   # the RPCs that write vLLM's live weights
+
+
+@pytest.mark.parametrize("verify", ["sampled", "full"])
+def test_spans_hold_every_version_vllm_served_at_every_phase_point_of_three_hotloads(rep, llama_run, monkeypatch,
+                                                                                     verify):
+    """Issue 39's case and its class, on the real vLLM replica: requests admitted (VllmReplica.admit, as every
+    request and stream is) at every phase point of three hot-loads (0 -> 1 -> 2 -> 1), each point before and
+    after every call the swap makes to vLLM (building the shadow while serving, pausing, pushing, proving,
+    resetting the prefix cache, labelling, resuming, proving after resuming), and completed (its answer back) at
+    that point and every later one. vLLM computes nothing from its pause to its resume, and with the old bits
+    until a push: a span must be the versions served from its admission to its completion, one stretch of the
+    sequence, none left out. A request admitted in the first pause and answered after the second hot-load once
+    reported [0, 2]: v1 generated its tokens."""
+    engine, control = rep.engine, rep.engine.applier.control
+    assert rep.hotload(0)["state"] == "READY"
+    monkeypatch.setattr(engine.applier, "verify", verify)
+    me = threading.current_thread()
+    served = [0]                             # the versions vLLM computed with, in order
+    now = {"paused": False, "pushed": False, "target": None}
+    where: list[tuple[int, int]] = []        # per point: the positions in ``served`` a span may start or end at
+    phases: list[tuple[int, str]] = []       # per point: (position of the version served last, phase)
+    waiting: list[list] = []                 # per point: requests admitted there, not answered yet
+    spans: list[tuple[int, int, list]] = []  # (admitted at, answered at, versions reported)
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    per_point = 150
+
+    def point() -> None:
+        if threading.current_thread() is not me:     # the watch's probes are not the swap's phases
+            return
+        k = len(served) - 1
+        where.append((k, k + 1) if now["paused"] and now["pushed"] else (k, k))
+        phases.append((k, "pushed" if now["pushed"] else "paused" if now["paused"] else "serving"))
+        q = len(where) - 1
+        assert q < per_point, "more phase points than requests admitted at each"
+        waiting.append([engine.admit(body) for _ in range(per_point)])
+        for p in range(q + 1):
+            spans.append((p, q, waiting[p].pop().versions()))
+
+    def after_pause(*_a) -> None:
+        now.update(paused=True, pushed=False)
+
+    def after_rpc(method, *_a) -> None:
+        if now["paused"] and method in _PUSHES:
+            now["pushed"] = True
+
+    def after_resume(*_a) -> None:
+        served.append(now["target"])
+        now.update(paused=False, pushed=False)
+
+    for name, after in (("pause", after_pause), ("resume", after_resume), ("rpc", after_rpc), ("poll", None),
+                        ("reset_prefix_cache", None), ("set_version", None)):
+        def call(*args, _real=getattr(control, name), _after=after, **kwargs):
+            point()
+            out = _real(*args, **kwargs)
+            if _after is not None and threading.current_thread() is me:
+                _after(*args)
+            point()
+            return out
+
+        monkeypatch.setattr(control, name, call)
+    for target in (1, 2, 1):
+        now["target"] = target
+        point()
+        pauses = len(served)
+        engine.swapper.hotload(target)
+        assert engine.version == target and len(served) == pauses + 1     # one pause, then serving the target
+        point()
+    for admitted in (a for w in waiting for a in w):
+        admitted.release()
+
+    wrong = []
+    for p, q, versions in spans:
+        (i0, i1), (j0, j1) = where[p], where[q]
+        if not any(served[i:j + 1] == versions for i in range(i0, i1 + 1) for j in range(max(i, j0), j1 + 1)):
+            wrong.append(f"admitted at point {p} {where[p]}, answered at {q} {where[q]}: {versions}")
+    assert wrong == [], f"vLLM served {served}; " + "; ".join(wrong[:10])
+    # the reported case itself: admitted in the first pause, answered once the second hot-load is served
+    p, q = phases.index((0, "paused")), phases.index((2, "serving"))
+    assert [v for a, b, v in spans if (a, b) == (p, q)] == [[0, 1, 2]]
+
+
 # tied embeddings (Qwen2 and Llama, published as modules from fp32 masters): tests/test_hf_policies.py
 @pytest.mark.parametrize("save", [save_tiny_moe], ids=["qwen2-moe"])
 def test_tied_embeddings_and_experts_hotload_bit_exact(save, tmp_path):

@@ -64,6 +64,7 @@ import torch
 from delta.errors import CkptDeltaError, HotLoadError
 
 from . import vllm_shm
+from ..spans import Span
 from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
 from .shared_weights import SharedWeights, write_positions
 from .vllm_tp import sliced, uncovered
@@ -384,8 +385,7 @@ class VllmApplier(EngineApplier):
         self.patchable = set(patchable) if apply_mode == "auto" else set()
         # modules re-packed beside the live ones while serving (before the pause), swapped in during it
         self.shadows = apply_mode == "auto"
-        self.epoch = 0                       # swaps begun; a request that saw it move crossed a swap
-        self.history: list[tuple[int, int | None]] = []  # (epoch, version after it)
+        self.epoch = 0                       # pauses begun (loader/engines/vllm_watch.py reads it)
         self.swapping = False
         self.last: dict[str, Any] = {}
         self.current_version: Any = lambda: None  # the swapper's version (set by build); labels vLLM after a swap
@@ -454,8 +454,6 @@ class VllmApplier(EngineApplier):
             except VllmError as e:
                 failed.append(f"resuming: {e}")
                 self.on_unverified()
-            self.history.append((self.epoch, self.current_version()))
-            del self.history[:-64]
             self.swapping = False
             self._pause.seconds = time.perf_counter() - t0
         if failed:
@@ -635,7 +633,6 @@ class VllmApplier(EngineApplier):
             finally:
                 self._resume_engine()
         finally:
-            self.history.append((self.epoch, self.current_version()))
             self.swapping = False
 
     def _label_unknown(self) -> None:
@@ -692,13 +689,23 @@ def expected_digests(shared: SharedWeights, names: Sequence[str], kernel: set[st
 
 @dataclass
 class Admission:
-    """One request admitted to vLLM: ``body`` as it goes there, ``versions()`` it ran on (asked once it is
-    done), ``release()`` once vLLM answered or the stream ended (a LoRA replica frees the request's slot)."""
+    """One request admitted to vLLM: ``body`` as it goes there and its span (loader/spans.py), open from now.
+    ``release()`` once vLLM answered or the stream ended (or was dropped): the span ends there, and a LoRA
+    replica frees the request's slot (``free``); ``versions()`` are the span's, from then on."""
 
     body: dict[str, Any]
-    versions: Any
-    release: Any = lambda: None
+    span: Span
+    free: Any = lambda: None
     model: str | None = None       # the ``model`` answers give back, where vLLM knows it by another name
+
+    def release(self) -> None:
+        """Idempotent: a stream's end and its collection may both call it."""
+        self.span.close()
+        self.free()
+
+    def versions(self) -> list[int | None]:
+        """Every version served from the admission to the release (closed now if it was not yet)."""
+        return self.span.close()
 
 
 class VllmReplica(ReplicaEngine):
@@ -729,26 +736,21 @@ class VllmReplica(ReplicaEngine):
                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         return client
 
-    def _versions_since(self, epoch0: int, v0: int | None) -> list[int | None]:
-        versions = [v0]
-        for e, v in list(self.applier.history):
-            if e > epoch0 and v is not None and v not in versions:
-                versions.append(v)
-        if self.version not in versions:
-            versions.append(self.version)
-        return versions
-
     def admit(self, body: dict[str, Any]) -> "Admission":
-        """A request starting now: its body as it goes to vLLM, and the versions it ran on once it is done.
+        """A request starting now: its body as it goes to vLLM, and its span, open until it is released.
 
-        A request in flight across a swap runs on both versions (the ``recompute`` policy recomputes its KV
-        on the new weights): it reports every version it saw."""
-        epoch0, v0, crossing = self.applier.epoch, self.version, self.applier.swapping
-
-        def versions() -> list[int | None]:
-            return self._versions_since(epoch0, v0) if self.applier.epoch != epoch0 or crossing else [v0]
-
-        return Admission(self.forward_body(body, v0), versions)
+        vLLM's steps are not seen from here, so a request's span is every version served from before it goes to
+        vLLM until its answer (or stream) ended: the version served now (the old one inside a pause: vLLM
+        computes with it until its pause returns) and every version a swap set after it (set in the pause,
+        before vLLM resumes). A request in flight across a swap runs on both (``recompute`` recomputes its KV on
+        the new weights, ``keep`` goes on over the old KV), and may have sampled its last token just before a
+        pause: the span is an upper bound, never short of a version that computed for it."""
+        span = self.swapper.served.open()
+        try:
+            return Admission(self.forward_body(body, span.admitted), span)
+        except BaseException:
+            span.close()
+            raise
 
     def forward_body(self, body: dict[str, Any], version: int | None) -> dict[str, Any]:
         """``body`` as it goes to vLLM, for a request that starts while ``version`` is served (503 when vLLM

@@ -49,6 +49,7 @@ import httpx
 from delta.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, base_digest
 from delta.errors import HotLoadError, NotServableError
 
+from ..spans import pinned
 from .base import EngineApplier, ReplicaAPIError
 from .shared_weights import SharedWeights
 from .vllm import (CONTROL_TIMEOUT_S, REQUEST_TIMEOUT_S, Admission, VllmControl, VllmError, VllmReplica,
@@ -153,7 +154,6 @@ class LoraSlotApplier(EngineApplier):
         self.control, self.shared, self.slots, self.reader = control, shared, slots, reader
         self.config, self.slot_timeout = config, slot_timeout
         self.epoch, self.swapping = 0, False       # what loader/engines/vllm_watch.py reads
-        self.history: list[tuple[int, int | None]] = []
         self.last: dict[str, Any] = {}
         self._pause: Any = None
 
@@ -198,8 +198,6 @@ class LoraSlotApplier(EngineApplier):
                                f"{_snapshot(newest.version if newest else None)}") from None
         self.slots.ready(slot, version)
         self.epoch += 1
-        self.history.append((self.epoch, version))
-        del self.history[:-64]
         self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
                      "written": resident is None,
                      "workers": [{k: a.get(k) for k in WORKER_FIELDS} for a in answers],
@@ -295,7 +293,7 @@ class VllmLoraReplica(VllmReplica):
             release()
             raise
         out["model"] = slot.name            # the slot that holds the version this request runs on, to the end
-        return Admission(out, lambda: [version], release, model=self.model_name)
+        return Admission(out, pinned(version), release, model=self.model_name)
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "lora_rank": self.lora_rank, "lora_slots": self.slots.view()}

@@ -6,8 +6,8 @@ replica counts the tokens exactly; vLLM's usage chunk is passed on only when the
 client asked for it. Every other event is forwarded byte for byte (vLLM's
 ``token_ids``, ``prompt_token_ids``, logprobs: what vLLM users know), up to
 vLLM's ``[DONE]``, which the replica sends itself after its own last chunk
-(loader/streaming.py). The versions a stream ran under are those of a plain
-request: the swaps that began between its first and its last event.
+(loader/streaming.py). A stream's span is a plain request's (loader/spans.py): every
+version served from its admission until its last event came from vLLM.
 
 A client that goes away closes the connection to vLLM, which aborts the request.
 """
