@@ -25,7 +25,8 @@ import xxhash
 
 from delta import dtypes
 from delta.codec import digest_hex
-from delta.errors import CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError
+from delta.errors import (CkptDeltaError, CollectiveError, ConcurrentPublisherError, PublishError, PublishInputError,
+                          RunMismatchError)
 from delta.hf import CONFIG_FILE, config_differences, reconcile_config, serving_gaps
 from delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
 from delta.storage import Store
@@ -64,6 +65,10 @@ class _Job:
     copy_s: float = 0.0
     adapter: "adapter_mod.AdapterSnapshot | None" = None   # a LoRA run's publish (publisher/adapter.py)
     boxes: "sharded.Boxes" = field(default_factory=dict)   # this rank's boxes of the DTensors it publishes
+    version: int | None = None       # the version planned for it (round 1)
+
+    def describe(self) -> str:
+        return f"step {self.step}" + (f" (version {self.version})" if self.version is not None else "")
 
 
 class _Skipped(PublishError):
@@ -133,7 +138,11 @@ class Publisher:
     commits one manifest. A DTensor is never gathered for a delta: each rank
     encodes its own box of it, listed as the tensor's pieces (publisher/sharded.py);
     an anchor gathers one such tensor at a time into the rank writing its shard.
-    Collectives run on ``process_group``, or a new gloo group by default.
+    Collectives run on ``process_group``, or a new gloo group by default, which waits at most
+    ``collective_timeout`` seconds (default 300) for another rank at any step of a publish: long enough for
+    a healthy rank to lag (a later publish() call, a larger share of an anchor to upload), short enough that
+    a rank that hangs costs the others minutes, not torch's 30. A rank's own failure never waits for it: it
+    fails the publish on every rank at the next round they all join (publisher/distributed.py).
 
     LoRA runs: ``publish(peft_model, step)`` publishes the model's adapter (its tensors under peft's saved
     names; anchors are PEFT adapter directories, and every manifest records the base model and the adapter
@@ -148,7 +157,7 @@ class Publisher:
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
                  progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
                  codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None,
-                 adapter: "adapter_mod.AdapterSpec | None" = None):
+                 adapter: "adapter_mod.AdapterSpec | None" = None, collective_timeout: float | None = None):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if anchor_chain_fraction is not None and not anchor_chain_fraction >= 0:
@@ -177,7 +186,7 @@ class Publisher:
         self._anchor_files: dict[str, bytes] = {}          # rank 0: the extra files of the anchor being planned
         tempdirs.sweep()         # what publishers killed mid-publish on this host left in the temp dir
         self._store = Store.from_url(url, storage_options)
-        self._comm = make_comm(process_group, distributed)
+        self._comm = make_comm(process_group, distributed, collective_timeout)
         if self._comm.world > 1 and max_in_flight > 1:
             # Ranks must agree on which publishes run; with one slot each publish() starts only after
             # the previous one finished on this rank, so every rank sees the same failures.
@@ -482,17 +491,31 @@ class Publisher:
     # --- one publish, in the worker thread ------------------------------------------------------
 
     def _execute(self, job: _Job) -> PublishResult:
+        """One publish on this rank. Sharded, every rank runs the same collective rounds in the same order
+        whatever fails on it: a local failure (its input, its parent, its writes, its temp dir, its uploads) is
+        carried to the next round every rank joins (the commit round, or a status round before the anchor's
+        piece exchange), which fails the publish on every rank together, so none waits on a collective for a
+        rank that left the publish; only the collective itself failing (a rank gone, or the group's
+        ``collective_timeout``) ends it at once."""
         comm = self._comm
         skip = job.failures_seen != self._n_failures
         try:
             # Round 1: every rank's error or skip, its schemas and DTensor boxes (only rank 0 needs them: it
             # plans, the others follow) and whether it holds the parent in memory; the plan comes back.
-            state = (skip, job.schema, job.step, job.force_anchor, job.boxes, self._parent_version,
-                     self._holds_parent(job))
-            decided = comm.settle(job.error, state, lambda gathered: self._plan_round(gathered, job.adapter))
+            err: BaseException | None = job.error
+            state = None
+            try:
+                state = (skip, job.schema, job.step, job.force_anchor, job.boxes, self._parent_version,
+                         self._holds_parent(job))
+            except Exception as e:  # noqa: BLE001 - reported to every rank by this round
+                err = err or e
+            decided = comm.settle(err, state, lambda gathered: self._plan_round(gathered, job.adapter),
+                                  f"step {job.step} of run {self.run_id}")
             if decided is None:
                 raise _Skipped(f"step {job.step} was not published: an earlier publish of run {self.run_id} failed")
             plan, parents_held = decided
+            job.version = plan.version
+            context = f"{job.describe()} of run {self.run_id}"
             pieced = plan.layout.pieces if plan.layout is not None else {}
             parent, err = None, None
             if plan.kind == "delta" and parents_held:
@@ -516,20 +539,28 @@ class Publisher:
             shards: list[list[str]] = []
             first = total = 0
             if plan.kind == "anchor":
-                assert job.snapshot is not None
-                shards = anchor_fmt.plan_shards([(n, t.numel() * t.element_size()) for n, t in job.snapshot.items()
-                                                 if n not in pieced], self.shard_bytes)
-                # then the shards of tensors in pieces this rank writes (sharded.write_piece_shards)
-                counts = comm.all_gather(len(shards) + (len(plan.layout.shards_of(comm.rank)) if pieced else 0))
+                count = 0
+                try:
+                    assert job.snapshot is not None
+                    shards = anchor_fmt.plan_shards([(n, t.numel() * t.element_size())
+                                                     for n, t in job.snapshot.items() if n not in pieced],
+                                                    self.shard_bytes)
+                    # then the shards of tensors in pieces this rank writes (sharded.write_piece_shards)
+                    count = len(shards) + (len(plan.layout.shards_of(comm.rank)) if pieced else 0)
+                except Exception as e:  # noqa: BLE001 - a status round: every rank fails here together
+                    err = e
+                counts = comm.exchange(err, count, context)
                 first, total = sum(counts[:comm.rank]), sum(counts)
             written = None
             if err is None:
                 try:
                     written = self._write(plan, job, parent, shards, first, total)
+                except CollectiveError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - reported to every rank by the commit round
                     err = e
             # Round 2: every rank's written objects and entries (or its error) to rank 0, which commits them
-            outcome = comm.settle(err, written, lambda parts: self._commit(plan, job, parts))
+            outcome = comm.settle(err, written, lambda parts: self._commit(plan, job, parts), context)
         except _Skipped:
             raise
         except BaseException as e:
@@ -645,17 +676,26 @@ class Publisher:
         assert job.snapshot is not None
         if plan.kind == "anchor":
             pieced = plan.layout.pieces if plan.layout is not None else {}
-            written = write_anchor(self._store, self._uploads,
-                                   {n: t for n, t in job.snapshot.items() if n not in pieced}, shards,
-                                   version=plan.version, writer_id=plan.data_id, first_shard=first,
-                                   total_shards=total, extra_files=self._anchor_files if self._comm.rank == 0 else {},
-                                   progress=self.progress,
-                                   file_name=None if job.adapter is None else adapter_mod.ADAPTER_WEIGHTS_NAME)
+            failed: BaseException | None = None
+            try:
+                written = write_anchor(self._store, self._uploads,
+                                       {n: t for n, t in job.snapshot.items() if n not in pieced}, shards,
+                                       version=plan.version, writer_id=plan.data_id, first_shard=first,
+                                       total_shards=total,
+                                       extra_files=self._anchor_files if self._comm.rank == 0 else {},
+                                       progress=self.progress,
+                                       file_name=None if job.adapter is None else adapter_mod.ADAPTER_WEIGHTS_NAME)
+            except Exception as e:  # noqa: BLE001 - the pieces' status round reports it to every rank
+                if not pieced:
+                    raise
+                failed = e
             if pieced:      # gathered one tensor at a time into the rank that writes its shard
-                written = sharded.combine(written, sharded.write_piece_shards(
+                pieces = sharded.write_piece_shards(
                     self._comm, self._store, self._uploads, job.snapshot, job.boxes, plan.layout,
                     version=plan.version, writer_id=plan.data_id, first_shard=first + len(shards),
-                    total_shards=total, progress=self.progress))
+                    total_shards=total, progress=self.progress, failed=failed,
+                    context=f"{job.describe()} of run {self.run_id}")
+                written = sharded.combine(written, pieces)
         else:
             assert parent is not None
             written = self._write_delta(plan, job, parent)
@@ -813,3 +853,4 @@ def _last_readable(store: Store, versions: list[int], run_id: str) -> Manifest |
         except CkptDeltaError as e:
             log.warning("run %s at %s: manifest of version %d is unreadable (%s); skipping it", run_id, store.url, v, e)
     return None
+
