@@ -4,8 +4,9 @@ One real job serves every test here (a module fixture: the ranks' imports are pa
 publish DTensors (``Shard(0)``, so an anchor sends each tensor's pieces to the rank writing its shard) and a
 plain tensor each. Each rank in turn then fails locally, by real faults of its own: a file-size limit
 (``RLIMIT_FSIZE``: EFBIG) that refuses its plain anchor shard, one that lets its plain shard through but
-refuses the shard of pieces it writes during the exchange, a temp dir that cannot be created, and both
-again for a delta; after each rank's turn the job publishes an anchor or a delta that must commit. Without
+refuses the shard of pieces it writes during the exchange, a temp dir that cannot be created, its storage
+refusing the upload of its shard of pieces (an OSError raised in the Store's ``put_file``), and a delta's
+write, temp dir and upload; after each rank's turn the job publishes an anchor or a delta that must commit. Without
 status rounds the first of these left the other rank waiting for a piece until the group's timeout (torch's
 30 minutes): the job's bound (``JOIN_S``, well under the publishers' ``collective_timeout``) is the proof.
 Last, rank 1 stops taking part without dying: rank 0 fails after its publisher's ``collective_timeout``.
@@ -13,6 +14,7 @@ Last, rank 1 stops taking part without dying: rank 0 fails after its publisher's
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -46,8 +48,11 @@ PIECES_ONLY_LIMIT = 2600
 FAULTS = [("anchor-efbig-plain-shard", True, "fsize0"),
           ("anchor-efbig-piece-shard", True, "fsize-pieces"),
           ("anchor-no-temp-dir", True, "no-tempdir"),
+          ("anchor-upload-of-piece-shard-refused", True, "upload-pieces"),
           ("delta-efbig", False, "fsize0"),
-          ("delta-no-temp-dir", False, "no-tempdir")]
+          ("delta-no-temp-dir", False, "no-tempdir"),
+          ("delta-upload-refused", False, "upload")]
+REFUSED = "the bucket refused the upload (injected)"
 CASES = [(name, rank) for rank in range(WORLD) for name, _a, _f in FAULTS]
 
 
@@ -91,6 +96,12 @@ def _rank_main(rank: int, init_file: str, url: str, url_timeout: str, out_dir: s
 
     def publish(pub: Publisher, step: int, anchor: bool, fault: str | None) -> dict:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        put_file = pub.store.put_file
+
+        def refuse(key: str, path: str) -> None:     # this rank's storage refuses its upload (of a shard of pieces)
+            if fault == "upload" or os.path.getsize(path) > PIECES_ONLY_LIMIT:
+                raise OSError(errno.EIO, REFUSED)
+            put_file(key, path)
         t0 = time.monotonic()
         try:
             if fault == "fsize0":
@@ -99,6 +110,8 @@ def _rank_main(rank: int, init_file: str, url: str, url_timeout: str, out_dir: s
                 resource.setrlimit(resource.RLIMIT_FSIZE, (PIECES_ONLY_LIMIT, limit[1]))
             elif fault == "no-tempdir":
                 tempfile.tempdir = os.path.join(tmp, "gone")
+            elif fault in ("upload", "upload-pieces"):
+                pub.store.put_file = refuse
             r = pub.publish(state(step), step, anchor=anchor)
             out = {"version": r.version, "kind": r.kind}
         except Exception as e:  # noqa: BLE001 - what each rank got is the result
@@ -108,6 +121,7 @@ def _rank_main(rank: int, init_file: str, url: str, url_timeout: str, out_dir: s
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
             tempfile.tempdir = tmp
+            pub.store.put_file = put_file
         out["seconds"] = round(time.monotonic() - t0, 2)   # for people reading the results; never asserted
         return out
 
@@ -163,17 +177,17 @@ def faulty_job(tmp_path_factory):
 def test_a_local_failure_of_one_rank_fails_the_publish_on_every_rank_with_a_publish_error_naming_it(
         faulty_job, name, failing):
     _url, results = faulty_job
-    cause = "File too large" if "efbig" in name else "No such file or directory"
+    cause = "File too large" if "efbig" in name else REFUSED if "upload" in name else "No such file or directory"
     for rank in range(WORLD):
         got = results[rank][f"{name}@{failing}"]
         assert got.get("error") == "PublishError", f"rank {rank}: {got}"
         assert got["message"].startswith(f"rank {failing}: ") and cause in got["message"], f"rank {rank}: {got}"
         assert "nothing is committed" in got["message"] and "of run" in got["message"]
-    # each fault hit where it was meant to: before the piece exchange, or in the middle of it
+    # each fault hit where it was meant to: before the piece exchange, in the middle of it, or after it
     where = results[failing][f"{name}@{failing}"]["where"]
     expected = {"anchor-efbig-plain-shard": "write_anchor", "anchor-efbig-piece-shard": "_one_shard",
-                "anchor-no-temp-dir": "write_anchor"}.get(name, "write_delta_object")
-    assert expected in where, where
+                "anchor-no-temp-dir": "write_anchor", "anchor-upload-of-piece-shard-refused": "refuse"}
+    assert expected.get(name, "write_delta_object") in where, where
 
 
 def test_nothing_of_a_failed_publish_is_committed_and_the_next_anchor_and_delta_commit_bit_exact(faulty_job):
