@@ -953,3 +953,6 @@ def _at_exit() -> None:
 
 
 threading._register_atexit(_at_exit)   # type: ignore[attr-defined]   # the hook concurrent.futures uses too
+# A forked child (a DataLoader worker) runs threading's exit hooks too when it ends, with copies of this process's
+# publishers whose threads it does not have: theirs are not its to finish (it would wait exit_timeout for them).
+os.register_at_fork(after_in_child=_LIVE.clear)

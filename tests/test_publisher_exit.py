@@ -10,7 +10,9 @@ with work in flight, then dies of an uncaught RuntimeError raised inside a ``wit
   never raised to the script;
 - ``c``: a ``wait=False`` publish whose upload does not return until the publisher has given up on it at
   exit (``exit_timeout=1``): given up on, it must commit nothing afterwards;
-- ``d``: three ``wait=False`` publishes, then the RuntimeError inside its with-block.
+- ``d``: three ``wait=False`` publishes, then the RuntimeError inside its with-block;
+
+and forks a child process (as a DataLoader does) that ends while ``b`` and ``c`` have something to say.
 """
 
 from __future__ import annotations
@@ -99,6 +101,14 @@ c.publish(big(0), 0)
 stall(c, "put_file", Said("c", "given up on"))
 c.publish(big(1), 1, wait=False)
 
+# a forked child (a DataLoader worker, say) that ends while b's failure is unreported and c's publish in flight:
+# they are the parent's, not the child's to finish or report
+import multiprocessing
+child = multiprocessing.get_context("fork").Process(target=int)
+child.start()
+child.join()
+print(f"forked child exited with {child.exitcode}", file=sys.stderr)
+
 # d: a with-block left on an error while its third publish is in flight (it plans only once the block is left)
 with publisher("d") as d:
     leaving = Said("d", "the with-block was left")
@@ -168,6 +178,13 @@ def test_a_publish_still_running_past_exit_timeout_is_logged_as_given_up_and_com
     _line(p.stderr, r"^ERROR run \S+ at \S+/c: step 1 \(version 1\) was not committed: still running 1s after the "
                     r"interpreter exits")
     assert _versions(base, "c") == [0]          # its upload returned after that: it did not commit
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_publishes_to_the_parent(trainer):
+    _base, p = trainer
+    assert "forked child exited with 0" in p.stderr
+    assert len(re.findall(r"/b: step 1 \(version 1\) was not published", p.stderr)) == 1, p.stderr[-6000:]
+    assert len(re.findall(r"/c: 1 publish\(es\) in flight", p.stderr)) == 1, p.stderr[-6000:]
 
 
 def test_leaving_a_with_block_on_an_error_finishes_the_publishes_in_flight_and_lets_the_error_go_on(trainer):
