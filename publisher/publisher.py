@@ -463,7 +463,7 @@ class Publisher:
         if pending:
             log.warning("run %s at %s: %d publish(es) in flight (%s) when %s; finishing them%s", self.run_id,
                         self.url, len(pending), _steps(pending.values()), why,
-                        "" if timeout is None else f" (at most {timeout:g}s: Publisher(exit_timeout=...))")
+                        "" if timeout is None else f" (at most {self.exit_timeout:g}s: Publisher(exit_timeout=...))")
             _done, late = wait_futures(pending, timeout=timeout)
             if late:
                 with self._lock:
@@ -473,7 +473,7 @@ class Publisher:
             for f, job in sorted(pending.items(), key=lambda fj: fj[1].step):
                 if not f.done():
                     log.error("run %s at %s: %s was not committed: still running %gs after %s; given up on, it "
-                              "commits nothing", self.run_id, self.url, job.describe(), timeout or 0, why)
+                              "commits nothing", self.run_id, self.url, job.describe(), self.exit_timeout, why)
                 elif f.exception() is None:
                     r = f.result()
                     log.info("run %s at %s: %s committed as %s (%s) when %s", self.run_id, self.url,
@@ -945,9 +945,11 @@ def _at_exit() -> None:
     pools they run on (a publish left to that would fail to schedule its uploads, its error unread: a
     trainer exiting 0 with its last publishes silently lost). threading calls its exit hooks last registered
     first, so this one, registered after concurrent.futures' own, runs before the pools are shut."""
-    for pub in list(_LIVE):
+    t0 = time.monotonic()
+    for pub in list(_LIVE):     # each one's exit_timeout counts from here: they all run meanwhile
         try:
-            pub._finish(pub.exit_timeout, "the interpreter exits without Publisher.close()")
+            pub._finish(max(0.0, t0 + pub.exit_timeout - time.monotonic()),
+                        "the interpreter exits without Publisher.close()")
         except Exception as e:  # noqa: BLE001 - never stop the exit; say what happened
             log.error("run %s at %s: finishing its publishes at exit failed: %s", pub.run_id, pub.url, e)
 
