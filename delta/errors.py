@@ -104,6 +104,11 @@ class PublishInputError(PublishError, ValueError):
     """The weights handed to publish() cannot be published as given (meta tensors, bad step...)."""
 
 
+class CollectiveError(PublishError):
+    """A sharded publish's collective itself failed: another rank died, or stopped taking part for longer than
+    the publishers' ``collective_timeout``. Nothing was committed; the publishers' group is of no further use."""
+
+
 # --- loading / serving -------------------------------------------------------
 
 class HotLoadError(CkptDeltaError, RuntimeError):

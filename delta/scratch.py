@@ -88,11 +88,15 @@ def make(kind: str, directory: str | None = None) -> Owned:
         try:
             if is_dir:
                 os.mkdir(path, 0o700)
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             else:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             continue
+        if is_dir:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:    # a sweeper found it unlocked and removed it before we could open it
+                continue
         # a sweeper may have locked and removed it between its creation and our lock: then try another name
         if _lock(fd) and _same(path, fd):
             return Owned(path, fd, is_dir)

@@ -16,8 +16,9 @@ Replicas that hot-load the same step at the same moment fetch each range once
 it) and returns None, the caller fetches and ``put`` releases the claim; a reader
 that finds the entry claimed by another process waits for it to appear, at most
 ``wait_s`` seconds, then fetches it itself. A claim held by a process that died is
-free at once (the kernel drops its lock); one whose fetch failed without a ``put``
-is passed over after ``wait_s``. Claims are never taken in one process against
+free at once (the kernel drops its lock); a reader whose fetch fails, or whose caller
+stops it, gives its claims back (``release``, loader/reader.py); one left anyway without
+a ``put`` is passed over after ``wait_s``. Claims are never taken in one process against
 another thread of the same process (the second fetches too, as without claims).
 
 The cache is bounded by default (:func:`default_max_bytes`: a quarter of its
@@ -226,6 +227,11 @@ class DiskCache:
         path = self.path(obj_xxh3, obj_size, start, end)
         _unlink(path)
         self._release(path)
+
+    def release(self, obj_xxh3: str, obj_size: int, start: int, end: int) -> None:
+        """Give back the claim a miss took, without an entry: the fetch failed, or its caller stopped. Until
+        then, every other replica of the host that misses the entry waits for it (``wait_s``)."""
+        self._release(self.path(obj_xxh3, obj_size, start, end))
 
     def entries(self) -> list[tuple[str, int, float]]:
         """(path, size, mtime) of every entry. Only names this class writes count: temp files of writers

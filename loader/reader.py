@@ -261,21 +261,27 @@ class SnapshotReader:
 
     def read_object(self, obj: ObjectRef, *, use_cache: bool = True) -> bytes:
         """A whole (small) object: size checked before download, xxh3 after."""
-        if use_cache and self.cache is not None:
-            data = self.cache.get(obj.xxh3, obj.size, 0, obj.size)
+        cache = self.cache if use_cache else None
+        if cache is not None:
+            data = cache.get(obj.xxh3, obj.size, 0, obj.size)
             if data is not None and _xxh(data) == obj.xxh3:
                 self._count(cache_hits=1)
                 return data
-        size = self.store.size(obj.key)
-        self._count(requests=1)
-        if size != obj.size:
-            raise ChecksumError(f"object {obj.key}: {size} bytes in the store, its manifest says {obj.size}")
-        data = self._get(obj.key, max_size=obj.size)
-        if len(data) != obj.size or _xxh(data) != obj.xxh3:
-            raise ChecksumError(f"object {obj.key}: content does not match its manifest "
-                                f"({len(data)} bytes hashing to {_xxh(data)}, expected {obj.size} / {obj.xxh3})")
-        if use_cache and self.cache is not None:
-            self.cache.put(obj.xxh3, obj.size, 0, obj.size, data)
+        try:
+            size = self.store.size(obj.key)
+            self._count(requests=1)
+            if size != obj.size:
+                raise ChecksumError(f"object {obj.key}: {size} bytes in the store, its manifest says {obj.size}")
+            data = self._get(obj.key, max_size=obj.size)
+            if len(data) != obj.size or _xxh(data) != obj.xxh3:
+                raise ChecksumError(f"object {obj.key}: content does not match its manifest "
+                                    f"({len(data)} bytes hashing to {_xxh(data)}, expected {obj.size} / {obj.xxh3})")
+        except BaseException:
+            if cache is not None:       # the miss's claim: the other replicas of the host stop waiting for it
+                cache.release(obj.xxh3, obj.size, 0, obj.size)
+            raise
+        if cache is not None:
+            cache.put(obj.xxh3, obj.size, 0, obj.size, data)
         return data
 
     # --- whole checkpoints -------------------------------------------------------
@@ -305,24 +311,40 @@ class SnapshotReader:
         Cache hits are checked like fetched bytes; the misses are coalesced per object
         into few range requests, fetched in parallel, checked, then cached."""
         out: list = [None] * len(pieces)
-        misses = []
+        misses: list[int] = []
         for p in pieces:
             check_piece_size(p)
-        for i, p in enumerate(pieces):
-            if p.nbytes == 0:
-                out[i] = check_piece(p, b"")
-                continue
-            if use_cache and self.cache is not None:
-                data = self.cache.get(p.obj.xxh3, p.obj.size, p.start, p.end)
-                if data is not None:
-                    try:
-                        out[i] = check_piece(p, data)
-                        self._count(cache_hits=1)
-                        continue
-                    except DeltaError as e:
-                        log.warning("cache entry for %s failed its check (%s); refetching", p.where(), e)
-                        self.cache.discard(p.obj.xxh3, p.obj.size, p.start, p.end)
-            misses.append(i)
+        cache = self.cache if use_cache else None
+        claimed: set[int] = set()     # misses whose claim this call holds until it puts (or gives back) the entry
+        try:
+            for i, p in enumerate(pieces):
+                if p.nbytes == 0:
+                    out[i] = check_piece(p, b"")
+                    continue
+                if cache is not None:
+                    data = cache.get(p.obj.xxh3, p.obj.size, p.start, p.end)
+                    if data is None:
+                        claimed.add(i)
+                    else:
+                        try:
+                            out[i] = check_piece(p, data)
+                            self._count(cache_hits=1)
+                            continue
+                        except DeltaError as e:
+                            log.warning("cache entry for %s failed its check (%s); refetching", p.where(), e)
+                            cache.discard(p.obj.xxh3, p.obj.size, p.start, p.end)
+                misses.append(i)
+            return self._fetch_misses(pieces, misses, out, cache, claimed, counter)
+        except BaseException:
+            # a failed fetch, or a caller that stopped (an interrupt, a generator closed): the other replicas
+            # of the host must not wait wait_s for entries this call will never put
+            if cache is not None:
+                for i in claimed:
+                    cache.release(pieces[i].obj.xxh3, pieces[i].obj.size, pieces[i].start, pieces[i].end)
+            raise
+
+    def _fetch_misses(self, pieces: Sequence[Piece], misses: list[int], out: list, cache: "DiskCache | None",
+                      claimed: set[int], counter: dict | None) -> list["bytes | EncodedTensor"]:
         requests = coalesce([(pieces[i], i) for i in misses])
         try:
             datas = self._get_many([(key, (s, e)) for key, s, e, _members in requests])
@@ -345,8 +367,9 @@ class SnapshotReader:
                     with self._lock:
                         self._manifests.pop(p.manifest.version, None)
                     raise
-                if use_cache and self.cache is not None:
-                    self.cache.put(p.obj.xxh3, p.obj.size, p.start, p.end, chunk)
+                if cache is not None:
+                    cache.put(p.obj.xxh3, p.obj.size, p.start, p.end, chunk)
+                    claimed.discard(i)
         if counter is not None:
             counter["bytes"] = counter.get("bytes", 0) + fetched
             counter["requests"] = counter.get("requests", 0) + len(requests)

@@ -8,7 +8,15 @@ collectives are identities, so one code path serves both cases.
 By default the collectives run on a dedicated gloo group created when the
 Publisher is built: publishes run in a background thread, and sharing the
 trainer's own (often NCCL) group from there could interleave with its
-collectives.
+collectives. That group waits at most ``collective_timeout`` seconds
+(:data:`COLLECTIVE_TIMEOUT_S` by default, not torch's 30 minutes) for another
+rank at any step; a rank that is gone or stuck past it fails the publish.
+
+A rank's own failure never waits for that timeout: every local step of a publish
+ends in a round every rank joins (:meth:`Comm.settle`, :meth:`Comm.exchange`),
+which carries the failure, so every rank raises it together; and the anchor's
+piece exchange, the one place ranks send each other data between rounds, is
+followed to its end by a rank that failed during it (publisher/sharded.py).
 
 What crosses between ranks is counted (``Comm.stats``): the pickled bytes of the
 objects a rank receives, and the tensor bytes it receives. A delta of DTensor
@@ -19,9 +27,11 @@ tensor at a time, to the rank that writes its shard (:meth:`Comm.send_bytes`).
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -29,8 +39,15 @@ import torch
 import torch.distributed as dist
 
 from delta import errors
+from delta.errors import CollectiveError
 
 log = logging.getLogger("ckptdelta.publisher")
+
+#: How long the publishers' own gloo group waits for another rank at any step of a publish (seconds): the
+#: time it allows between two ranks reaching the same step, so it must pass the longest a healthy rank can
+#: lag behind (publish() called later, a larger share of an anchor to write and upload), and it is what a
+#: rank that hangs without failing costs the others. ``Publisher(collective_timeout=...)`` sets it.
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
 class Comm:
@@ -63,10 +80,11 @@ class Comm:
         """The ``nbytes`` bytes rank ``src`` sends with ``tag`` (uint8)."""
         raise errors.PublishError("recv_bytes needs more than one rank")
 
-    def settle(self, local_error: BaseException | None, payload: Any, fn: Any) -> Any:
+    def settle(self, local_error: BaseException | None, payload: Any, fn: Any, context: str = "") -> Any:
         """One round trip through rank 0: every rank's ``payload`` (and its error, if it failed) goes to rank 0,
         which runs ``fn(payloads)`` when no rank failed, and its result (or the error: the first failing rank's,
-        else ``fn``'s) comes back to every rank. A rank that failed raises its own error, the others that rank's.
+        else ``fn``'s) comes back to every rank. A rank that failed raises its own error, the others that rank's
+        (sharded, as a PublishError naming the rank, the error and ``context``: what was being published).
 
         Two exchanges, a gather then a broadcast, where an all-gather of the errors followed by a gather and
         a broadcast took three: a step's publish is two of these rounds (plan, then commit)."""
@@ -82,12 +100,34 @@ class Comm:
                     failed, exc = (0, describe(e)), e
         result, failed = self.broadcast((result, failed))
         if local_error is not None:
-            raise local_error
+            raise self._own(local_error, context)
         if exc is not None:
-            raise exc
+            raise self._own(exc, context)
         if failed is not None:
-            raise remote_error(*failed)
+            raise publish_error(*failed, context)
         return result
+
+    def exchange(self, local_error: BaseException | None, payload: Any = None, context: str = "") -> list[Any]:
+        """A status round: every rank's ``payload`` on every rank, unless a rank failed (``local_error``): then
+        every rank raises it, the failing rank its own error and the others a :class:`PublishError` naming
+        that rank and its error. A local step that ranks must agree on before the next one (where a rank that
+        went on alone would wait for a message the failed rank never sends) ends in one of these."""
+        gathered = self.all_gather((payload, None if local_error is None else describe(local_error)))
+        if local_error is not None:
+            raise self._own(local_error, context)
+        failed = next(((r, e) for r, (_p, e) in enumerate(gathered) if e is not None), None)
+        if failed is not None:
+            raise publish_error(*failed, context)
+        return [p for p, _e in gathered]
+
+    def _own(self, e: BaseException, context: str = "") -> BaseException:
+        """This rank's failure as every rank sees it: a PublishError naming the rank (the error itself
+        chained), so a sharded publish fails the same way everywhere; one process keeps the error as it is."""
+        if self.world == 1 or isinstance(e, errors.PublishError) or not isinstance(e, Exception):
+            return e
+        out = publish_error(self.rank, describe(e), context)
+        out.__cause__ = e
+        return out
 
     def decide(self, fn: Any) -> Any:
         """Run ``fn()`` on rank 0 and hand its result (or its error) to every rank."""
@@ -188,8 +228,16 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8)[:len(data)]
 
 
-def make_comm(process_group: Any = None, distributed: bool | None = None) -> Comm:
-    """The collectives for this process: torch.distributed when it is up with more than one rank."""
+def make_comm(process_group: Any = None, distributed: bool | None = None, timeout: float | None = None) -> Comm:
+    """The collectives for this process: torch.distributed when it is up with more than one rank, on
+    ``process_group`` or on a new gloo group that waits at most ``timeout`` seconds for another rank
+    (:data:`COLLECTIVE_TIMEOUT_S` when None). A group of the caller's keeps its own timeout."""
+    if timeout is not None:
+        if process_group is not None:
+            raise ValueError("collective_timeout applies to the gloo group the Publisher creates; a process_group "
+                             "of yours keeps the timeout it was created with (dist.new_group(timeout=...))")
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf):
+            raise ValueError(f"collective_timeout must be a positive number of seconds, got {timeout!r}")
     if distributed is False:
         return Comm()
     up = dist.is_available() and dist.is_initialized()
@@ -199,7 +247,11 @@ def make_comm(process_group: Any = None, distributed: bool | None = None) -> Com
         return Comm()
     if dist.get_world_size(process_group) == 1:
         return Comm()
-    group = process_group if process_group is not None else dist.new_group(backend="gloo")
+    if process_group is None:
+        seconds = COLLECTIVE_TIMEOUT_S if timeout is None else float(timeout)
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+    else:
+        group = process_group
     comm = TorchComm(group)
     log.info("publishing as rank %d of %d", comm.rank, comm.world)
     return comm
@@ -212,13 +264,25 @@ def _collective(what: str, rank: int) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        raise errors.PublishError(f"rank {rank}: the publishers' {what} failed ({str(e).splitlines()[0][:300]}); "
-                                  "another rank died or stopped publishing: this publish commits nothing, and "
-                                  "the run keeps its last committed snapshot") from e
+        raise CollectiveError(f"rank {rank}: the publishers' {what} failed ({str(e).splitlines()[0][:300]}); "
+                              "another rank died or stopped publishing: this publish commits nothing, and "
+                              "the run keeps its last committed snapshot") from e
 
 
 def describe(e: BaseException) -> tuple[str, str]:
     return type(e).__name__, str(e)
+
+
+def publish_error(rank: int, err: tuple[str, str], context: str = "") -> BaseException:
+    """Rank ``rank``'s failure of a publish, as this rank raises it: the same class where it is a PublishError
+    (bad input stays PublishInputError everywhere), else a PublishError naming the error's class and what was
+    being published (``context``)."""
+    name, msg = err
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.PublishError):
+        return cls(f"rank {rank}: {msg}")
+    where = f" (publishing {context}: nothing is committed)" if context else ""
+    return errors.PublishError(f"rank {rank}: {name}: {msg}{where}")
 
 
 def remote_error(rank: int, err: tuple[str, str]) -> BaseException:

@@ -14,8 +14,10 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -25,7 +27,8 @@ import xxhash
 
 from delta import dtypes
 from delta.codec import digest_hex
-from delta.errors import CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError
+from delta.errors import (CkptDeltaError, CollectiveError, ConcurrentPublisherError, PublishError, PublishInputError,
+                          RunMismatchError)
 from delta.hf import CONFIG_FILE, config_differences, reconcile_config, serving_gaps
 from delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
 from delta.storage import Store
@@ -49,6 +52,9 @@ from .writer import Written, merge, write_anchor, write_delta_object
 
 log = logging.getLogger("ckptdelta.publisher")
 
+#: ``Publisher(exit_timeout=...)``'s default: how long the interpreter's exit waits for publishes still in flight.
+EXIT_TIMEOUT_S = 600.0
+
 
 @dataclass
 class _Job:
@@ -64,6 +70,11 @@ class _Job:
     copy_s: float = 0.0
     adapter: "adapter_mod.AdapterSnapshot | None" = None   # a LoRA run's publish (publisher/adapter.py)
     boxes: "sharded.Boxes" = field(default_factory=dict)   # this rank's boxes of the DTensors it publishes
+    version: int | None = None       # the version planned for it (round 1)
+    committing: bool = False         # past the last point where giving up at exit stops its commit
+
+    def describe(self) -> str:
+        return f"step {self.step}" + (f" (version {self.version})" if self.version is not None else "")
 
 
 class _Skipped(PublishError):
@@ -133,7 +144,17 @@ class Publisher:
     commits one manifest. A DTensor is never gathered for a delta: each rank
     encodes its own box of it, listed as the tensor's pieces (publisher/sharded.py);
     an anchor gathers one such tensor at a time into the rank writing its shard.
-    Collectives run on ``process_group``, or a new gloo group by default.
+    Collectives run on ``process_group``, or a new gloo group by default, which waits at most
+    ``collective_timeout`` seconds (default 300) for another rank at any step of a publish: long enough for
+    a healthy rank to lag (a later publish() call, a larger share of an anchor to upload), short enough that
+    a rank that hangs costs the others minutes, not torch's 30. A rank's own failure never waits for it: it
+    fails the publish on every rank at the next round they all join (publisher/distributed.py).
+
+    Publishes still in flight when the interpreter exits (``wait=False`` and no ``close()``) are finished
+    first, for at most ``exit_timeout`` seconds, and logged (a warning names them, each commit is logged);
+    one that fails or is still running then is logged as an error naming its step and version, and a
+    publish given up on commits nothing afterwards. Leaving a ``with Publisher(...)`` block on an
+    exception finishes them the same way (without the bound), then lets the exception go on.
 
     LoRA runs: ``publish(peft_model, step)`` publishes the model's adapter (its tensors under peft's saved
     names; anchors are PEFT adapter directories, and every manifest records the base model and the adapter
@@ -148,7 +169,8 @@ class Publisher:
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
                  progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
                  codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None,
-                 adapter: "adapter_mod.AdapterSpec | None" = None):
+                 adapter: "adapter_mod.AdapterSpec | None" = None, collective_timeout: float | None = None,
+                 exit_timeout: float = EXIT_TIMEOUT_S):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if anchor_chain_fraction is not None and not anchor_chain_fraction >= 0:
@@ -161,6 +183,9 @@ class Publisher:
             raise ValueError("device_diff=True builds each snapshot from the previous one: it needs max_in_flight=1")
         if run_id is not None and not (isinstance(run_id, str) and 0 < len(run_id) <= 256):
             raise ValueError(f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}")
+        if isinstance(exit_timeout, bool) or not (isinstance(exit_timeout, (int, float)) and exit_timeout >= 0):
+            raise ValueError(f"exit_timeout must be a number of seconds >= 0, got {exit_timeout!r}")
+        self.exit_timeout = float(exit_timeout)
         self.url = url
         self.dtype = check_publish_dtype(dtype)
         self.anchor_every = anchor_every
@@ -177,7 +202,7 @@ class Publisher:
         self._anchor_files: dict[str, bytes] = {}          # rank 0: the extra files of the anchor being planned
         tempdirs.sweep()         # what publishers killed mid-publish on this host left in the temp dir
         self._store = Store.from_url(url, storage_options)
-        self._comm = make_comm(process_group, distributed)
+        self._comm = make_comm(process_group, distributed, collective_timeout)
         if self._comm.world > 1 and max_in_flight > 1:
             # Ranks must agree on which publishes run; with one slot each publish() starts only after
             # the previous one finished on this rank, so every rank sees the same failures.
@@ -217,11 +242,16 @@ class Publisher:
         self._pending_error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._closed = False
+        self._abandoned = False     # given up on at interpreter exit: nothing commits any more
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._futures: set[Future] = set()
+        self._jobs: dict[Future, _Job] = {}      # publishes in flight
+        # wait=False publishes that failed (or were skipped behind a failure) while no call of the caller's
+        # raised it yet: logged at exit, or when a with-block is left on an error, so no loss goes unsaid
+        self._unreported: list[tuple[str, str]] = []    # (the publish, its error), no job: it holds a snapshot
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-publish")
         self._warmed: set[torch.dtype] = set()   # dtypes whose kernels auto loaded before a timed delta
         self._uploads = ThreadPoolExecutor(4, thread_name_prefix="ckptdelta-upload")
+        _LIVE.add(self)
 
     @property
     def rank(self) -> int:
@@ -322,7 +352,7 @@ class Publisher:
             self._slots.release()
             raise
         with self._lock:
-            self._futures.add(fut)
+            self._jobs[fut] = job
         fut.add_done_callback(self._job_done)
         return fut.result() if wait else fut
 
@@ -377,13 +407,15 @@ class Publisher:
         """Block until every publish in flight is committed or failed; raise the first background failure."""
         while True:
             with self._lock:
-                pending = list(self._futures)
+                pending = list(self._jobs)
             if not pending:
                 break
             for f in pending:
                 f.exception()  # waits; the error itself is kept in _pending_error
             with self._lock:
-                self._futures.difference_update(f for f in pending if f.done())
+                for f in pending:
+                    if f.done():
+                        self._jobs.pop(f, None)
         self._raise_pending()
 
     def close(self) -> None:
@@ -393,11 +425,15 @@ class Publisher:
         try:
             self.wait_until_finished()
         finally:
-            self._closed = True
-            self._join_prefault()
-            self._worker.shutdown(wait=True)
-            self._uploads.shutdown(wait=True)
-            self._store.close()
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        _LIVE.discard(self)
+        self._join_prefault()
+        self._worker.shutdown(wait=True)
+        self._uploads.shutdown(wait=True)
+        self._store.close()
 
     def __enter__(self) -> "Publisher":
         return self
@@ -406,10 +442,51 @@ class Publisher:
         if exc_type is None:
             self.close()
             return
+        if self._closed:
+            return
+        # The caller's error goes on once the publishes in flight are finished; what they became is logged
+        # (the error a close() would raise is not: it would hide the caller's).
         try:
-            self.close()
-        except Exception as e:  # do not hide the error that ended the with-block
-            log.error("closing the publisher after an error: %s", e)
+            self._finish(None, f"the with-block was left on {exc_type.__name__}")
+        finally:
+            self._release()
+
+    # --- the end of the process ------------------------------------------------------------
+
+    def _finish(self, timeout: float | None, why: str) -> None:
+        """Wait for the publishes in flight (at most ``timeout`` seconds), logging each one's end: a commit on
+        INFO, a failure on ERROR naming its step and version, as for any failure no call of the caller's
+        raised yet. Past ``timeout`` the rest are given up on: they commit nothing (a commit already under
+        way is waited for), and each is logged as lost."""
+        with self._lock:
+            pending = dict(self._jobs)
+        if pending:
+            log.warning("run %s at %s: %d publish(es) in flight (%s) when %s; finishing them%s", self.run_id,
+                        self.url, len(pending), _steps(pending.values()), why,
+                        "" if timeout is None else f" (at most {self.exit_timeout:g}s: Publisher(exit_timeout=...))")
+            _done, late = wait_futures(pending, timeout=timeout)
+            if late:
+                with self._lock:
+                    self._abandoned = True
+                    committing = [f for f in late if pending[f].committing]
+                wait_futures(committing)     # past the point of no return: its answer is the truth
+            for f, job in sorted(pending.items(), key=lambda fj: fj[1].step):
+                if not f.done():
+                    log.error("run %s at %s: %s was not committed: still running %gs after %s; given up on, it "
+                              "commits nothing", self.run_id, self.url, job.describe(), self.exit_timeout, why)
+                elif f.exception() is None:
+                    r = f.result()
+                    log.info("run %s at %s: %s committed as %s (%s) when %s", self.run_id, self.url,
+                             job.describe(), r.name, r.kind, why)
+                elif job.wait:      # its publish() call was interrupted (Ctrl-C): nobody else will say this
+                    log.error("run %s at %s: %s was not published (%s: %s); nothing of it is committed",
+                              self.run_id, self.url, job.describe(), type(f.exception()).__name__, f.exception())
+        with self._lock:
+            lost, self._unreported = self._unreported, []
+            self._pending_error = None
+        for what, e in lost:
+            log.error("run %s at %s: %s was not published (%s); nothing of it is committed", self.run_id, self.url,
+                      what, e)
 
     # --- bookkeeping -----------------------------------------------------------------------
 
@@ -460,12 +537,14 @@ class Publisher:
     def _raise_pending(self) -> None:
         with self._lock:
             err, self._pending_error = self._pending_error, None
+            if err is not None:
+                self._unreported.clear()     # the caller hears of the failure now
         if err is not None:
             raise err
 
     def _job_done(self, fut: Future) -> None:
         with self._lock:
-            self._futures.discard(fut)
+            self._jobs.pop(fut, None)
 
     def _run_job(self, job: _Job) -> PublishResult:
         try:
@@ -475,6 +554,8 @@ class Publisher:
                 self._last_step = self._committed_step
                 if not job.wait and self._pending_error is None and not isinstance(e, _Skipped):
                     self._pending_error = e
+                if not job.wait:
+                    self._unreported.append((job.describe(), f"{type(e).__name__}: {e}"))
             raise
         finally:
             self._slots.release()
@@ -482,17 +563,31 @@ class Publisher:
     # --- one publish, in the worker thread ------------------------------------------------------
 
     def _execute(self, job: _Job) -> PublishResult:
+        """One publish on this rank. Sharded, every rank runs the same collective rounds in the same order
+        whatever fails on it: a local failure (its input, its parent, its writes, its temp dir, its uploads) is
+        carried to the next round every rank joins (the commit round, or a status round before the anchor's
+        piece exchange), which fails the publish on every rank together, so none waits on a collective for a
+        rank that left the publish; only the collective itself failing (a rank gone, or the group's
+        ``collective_timeout``) ends it at once."""
         comm = self._comm
         skip = job.failures_seen != self._n_failures
         try:
             # Round 1: every rank's error or skip, its schemas and DTensor boxes (only rank 0 needs them: it
             # plans, the others follow) and whether it holds the parent in memory; the plan comes back.
-            state = (skip, job.schema, job.step, job.force_anchor, job.boxes, self._parent_version,
-                     self._holds_parent(job))
-            decided = comm.settle(job.error, state, lambda gathered: self._plan_round(gathered, job.adapter))
+            err: BaseException | None = job.error
+            state = None
+            try:
+                state = (skip, job.schema, job.step, job.force_anchor, job.boxes, self._parent_version,
+                         self._holds_parent(job))
+            except Exception as e:  # noqa: BLE001 - reported to every rank by this round
+                err = err or e
+            decided = comm.settle(err, state, lambda gathered: self._plan_round(gathered, job.adapter),
+                                  f"step {job.step} of run {self.run_id}")
             if decided is None:
                 raise _Skipped(f"step {job.step} was not published: an earlier publish of run {self.run_id} failed")
             plan, parents_held = decided
+            job.version = plan.version
+            context = f"{job.describe()} of run {self.run_id}"
             pieced = plan.layout.pieces if plan.layout is not None else {}
             parent, err = None, None
             if plan.kind == "delta" and parents_held:
@@ -516,20 +611,33 @@ class Publisher:
             shards: list[list[str]] = []
             first = total = 0
             if plan.kind == "anchor":
-                assert job.snapshot is not None
-                shards = anchor_fmt.plan_shards([(n, t.numel() * t.element_size()) for n, t in job.snapshot.items()
-                                                 if n not in pieced], self.shard_bytes)
-                # then the shards of tensors in pieces this rank writes (sharded.write_piece_shards)
-                counts = comm.all_gather(len(shards) + (len(plan.layout.shards_of(comm.rank)) if pieced else 0))
+                count = 0
+                try:
+                    assert job.snapshot is not None
+                    shards = anchor_fmt.plan_shards([(n, t.numel() * t.element_size())
+                                                     for n, t in job.snapshot.items() if n not in pieced],
+                                                    self.shard_bytes)
+                    # then the shards of tensors in pieces this rank writes (sharded.write_piece_shards)
+                    count = len(shards) + (len(plan.layout.shards_of(comm.rank)) if pieced else 0)
+                except Exception as e:  # noqa: BLE001 - a status round: every rank fails here together
+                    err = e
+                counts = comm.exchange(err, count, context)
                 first, total = sum(counts[:comm.rank]), sum(counts)
             written = None
             if err is None:
                 try:
                     written = self._write(plan, job, parent, shards, first, total)
+                except CollectiveError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - reported to every rank by the commit round
                     err = e
+            with self._lock:     # the last point where giving up at exit (_finish) stops the commit
+                if err is None and self._abandoned:
+                    err = PublishError(f"{job.describe()} of run {self.run_id}: given up on at interpreter exit "
+                                       "(Publisher(exit_timeout=...)); nothing is committed")
+                job.committing = err is None
             # Round 2: every rank's written objects and entries (or its error) to rank 0, which commits them
-            outcome = comm.settle(err, written, lambda parts: self._commit(plan, job, parts))
+            outcome = comm.settle(err, written, lambda parts: self._commit(plan, job, parts), context)
         except _Skipped:
             raise
         except BaseException as e:
@@ -645,17 +753,26 @@ class Publisher:
         assert job.snapshot is not None
         if plan.kind == "anchor":
             pieced = plan.layout.pieces if plan.layout is not None else {}
-            written = write_anchor(self._store, self._uploads,
-                                   {n: t for n, t in job.snapshot.items() if n not in pieced}, shards,
-                                   version=plan.version, writer_id=plan.data_id, first_shard=first,
-                                   total_shards=total, extra_files=self._anchor_files if self._comm.rank == 0 else {},
-                                   progress=self.progress,
-                                   file_name=None if job.adapter is None else adapter_mod.ADAPTER_WEIGHTS_NAME)
+            failed: BaseException | None = None
+            try:
+                written = write_anchor(self._store, self._uploads,
+                                       {n: t for n, t in job.snapshot.items() if n not in pieced}, shards,
+                                       version=plan.version, writer_id=plan.data_id, first_shard=first,
+                                       total_shards=total,
+                                       extra_files=self._anchor_files if self._comm.rank == 0 else {},
+                                       progress=self.progress,
+                                       file_name=None if job.adapter is None else adapter_mod.ADAPTER_WEIGHTS_NAME)
+            except Exception as e:  # noqa: BLE001 - the pieces' status round reports it to every rank
+                if not pieced:
+                    raise
+                failed = e
             if pieced:      # gathered one tensor at a time into the rank that writes its shard
-                written = sharded.combine(written, sharded.write_piece_shards(
+                pieces = sharded.write_piece_shards(
                     self._comm, self._store, self._uploads, job.snapshot, job.boxes, plan.layout,
                     version=plan.version, writer_id=plan.data_id, first_shard=first + len(shards),
-                    total_shards=total, progress=self.progress))
+                    total_shards=total, progress=self.progress, failed=failed,
+                    context=f"{job.describe()} of run {self.run_id}")
+                written = sharded.combine(written, pieces)
         else:
             assert parent is not None
             written = self._write_delta(plan, job, parent)
@@ -813,3 +930,31 @@ def _last_readable(store: Store, versions: list[int], run_id: str) -> Manifest |
         except CkptDeltaError as e:
             log.warning("run %s at %s: manifest of version %d is unreadable (%s); skipping it", run_id, store.url, v, e)
     return None
+
+
+def _steps(jobs: Any) -> str:
+    return ", ".join(j.describe() for j in sorted(jobs, key=lambda j: j.step))
+
+
+#: Publishers not closed yet: the interpreter's exit finishes their publishes in flight (_at_exit).
+_LIVE: "weakref.WeakSet[Publisher]" = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    """Finish every open Publisher's publishes in flight before the interpreter's exit shuts down the thread
+    pools they run on (a publish left to that would fail to schedule its uploads, its error unread: a
+    trainer exiting 0 with its last publishes silently lost). threading calls its exit hooks last registered
+    first, so this one, registered after concurrent.futures' own, runs before the pools are shut."""
+    t0 = time.monotonic()
+    for pub in list(_LIVE):     # each one's exit_timeout counts from here: they all run meanwhile
+        try:
+            pub._finish(max(0.0, t0 + pub.exit_timeout - time.monotonic()),
+                        "the interpreter exits without Publisher.close()")
+        except Exception as e:  # noqa: BLE001 - never stop the exit; say what happened
+            log.error("run %s at %s: finishing its publishes at exit failed: %s", pub.run_id, pub.url, e)
+
+
+threading._register_atexit(_at_exit)   # type: ignore[attr-defined]   # the hook concurrent.futures uses too
+# A forked child (a DataLoader worker) runs threading's exit hooks too when it ends, with copies of this process's
+# publishers whose threads it does not have: theirs are not its to finish (it would wait exit_timeout for them).
+os.register_at_fork(after_in_child=_LIVE.clear)

@@ -25,6 +25,7 @@ holds more than one tensor at a time beyond its own boxes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -274,114 +275,201 @@ def with_boxes(written: Written, boxes: Boxes, layout: Layout | None) -> Written
 
 # --- anchors: each shard of pieced tensors gathered, one tensor at a time, into its writer -----------------
 
+class _Fault:
+    """The first local failure of a rank during the piece exchange (``with fault:`` around each local step).
+
+    The exchange is point to point, between status rounds: a rank that left it at its first failure would
+    leave the others waiting for pieces it never sends or never receives. So a failed rank goes on with the
+    exchange: it still receives every piece sent to it (and drops it) and sends every piece it owes (zeros
+    where its own bits cannot be had), skips the local steps that would build on what failed, and raises the
+    failure once the exchange is over; the commit round then fails the publish on every rank. A failure of
+    the exchange itself (:class:`~delta.errors.CollectiveError`, raised by the comm's calls, which
+    stay outside these blocks) is not caught."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def __enter__(self) -> "_Fault":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if isinstance(exc, Exception):
+            if self.error is None:
+                self.error = exc
+            return True
+        return False
+
+
 def write_piece_shards(comm: Comm, store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, torch.Tensor],
                        boxes: Boxes, layout: Layout, *, version: int, writer_id: str, first_shard: int,
-                       total_shards: int, progress: bool | None) -> Written:
+                       total_shards: int, progress: bool | None, failed: BaseException | None = None,
+                       context: str = "") -> Written:
     """This rank's part of an anchor's shards of pieced tensors: it sends its pieces of every such tensor to the
     tensor's writer, in the order every rank follows (the shards', then each shard's data order), and writes
     the shards assigned to it (numbered from ``first_shard``) as their tensors arrive. A holder sends from its
     host copy (nothing allocated); ``comm.stats["largest_gather"]``: the most bytes of other ranks' pieces
-    this rank held at once."""
+    this rank held at once.
+
+    A status round comes first, which every rank joins: ``failed`` (this rank's anchor failed before, its
+    plain shards) or a failure of its preparation here (the temp dir) fails the publish on every rank there,
+    before any piece is sent. A failure during the exchange does not stop this rank's part of it
+    (:class:`_Fault`): it is raised once every message has been sent and received, so no rank ever waits for
+    a piece from a rank that failed. ``context``: what is being published, for the errors' messages."""
     out = Written()
-    for n in layout.pieces:      # its own pieces: digests (the next delta's parents) and NaNs (the warning)
-        if n in snapshot:
-            t = snapshot[n]
-            out.entries[n] = TensorEntry(dtypes.of(t).name, tuple(t.shape),
-                                         digest_hex(xxhash.xxh3_64_intdigest(dtypes.host_bits(t))), None)
-            out.boxes[n] = (boxes[n].global_shape, boxes[n].offsets)
-    out.changed_nan = nan_tensor_names(snapshot, sorted(out.boxes), set())
     mine = layout.shards_of(comm.rank)
-    total = sum(layout.pieces[n].nbytes for i in mine for n in layout.shards[i][1])
-    bar = progress_bar(progress, total, f"anchor v{version} (pieces)")
-    up = Uploader(store, pool, max_pending=4, bar=bar)
-    prefix = anchor_prefix(version, writer_id)
-    tags = itertools.count()        # one tag per tensor, in the order every rank follows
-    try:
-        with locked_tempdir("anchor") as tmp:
+    with contextlib.ExitStack() as stack:
+        shards: list[anchor_fmt.ShardLayout] = []
+        tmp: str | None = None
+        bar: Any = progress_bar(False, 0, "")     # none until the preparation below succeeds
+        if failed is None:
             try:
-                for i, (writer, names) in enumerate(layout.shards):
-                    _one_shard(comm, snapshot, layout, names, writer, out, up, tmp, prefix,
-                               first_shard + mine.index(i) if writer == comm.rank else -1, total_shards, tags)
-            except BaseException:
-                up.drain()      # no upload may still read the temporary files once they are removed
-                raise
-            out.upload_s = up.wait()
-    finally:
-        bar.close()
+                for n in layout.pieces:   # its own pieces: digests (the next delta's parents) and NaNs (the warning)
+                    if n in snapshot:
+                        t = snapshot[n]
+                        out.entries[n] = TensorEntry(dtypes.of(t).name, tuple(t.shape),
+                                                     digest_hex(xxhash.xxh3_64_intdigest(dtypes.host_bits(t))), None)
+                        out.boxes[n] = (boxes[n].global_shape, boxes[n].offsets)
+                out.changed_nan = nan_tensor_names(snapshot, sorted(out.boxes), set())
+                shards = [anchor_fmt.layout_shard({n: _meta(layout.pieces[n]) for n in names}, list(names))
+                          for _w, names in layout.shards]
+                if mine:
+                    tmp = stack.enter_context(locked_tempdir("anchor"))
+                total = sum(layout.pieces[n].nbytes for i in mine for n in layout.shards[i][1])
+                bar = progress_bar(progress, total, f"anchor v{version} (pieces)")
+                stack.callback(bar.close)
+            except Exception as e:  # noqa: BLE001 - every rank raises it in the round below
+                failed = e
+        comm.exchange(failed, context=context)
+        fault = _Fault()
+        up = Uploader(store, pool, max_pending=4, bar=bar)
+        prefix = anchor_prefix(version, writer_id)
+        tags = itertools.count()        # one tag per tensor, in the order every rank follows
+        try:
+            for i, ((writer, _names), shard) in enumerate(zip(layout.shards, shards)):
+                _one_shard(comm, snapshot, layout, shard, writer, out, up, tmp, prefix,
+                           first_shard + mine.index(i) if writer == comm.rank else -1, total_shards, tags, fault)
+            if fault.ok:
+                with fault:
+                    out.upload_s = up.wait()
+        finally:
+            up.drain()      # no upload may still read the temporary files once they are removed
+    if fault.error is not None:
+        raise fault.error
     return out
 
 
-def _one_shard(comm: Comm, snapshot: Mapping[str, torch.Tensor], layout: Layout, names: tuple[str, ...],
-               writer: int, out: Written, up: Uploader, tmp: str, prefix: str, index: int, total: int,
-               tags: "itertools.count[int]") -> None:
+def _one_shard(comm: Comm, snapshot: Mapping[str, torch.Tensor], layout: Layout, shard: "anchor_fmt.ShardLayout",
+               writer: int, out: Written, up: Uploader, tmp: str | None, prefix: str, index: int, total: int,
+               tags: "itertools.count[int]", fault: _Fault) -> None:
     t0 = time.perf_counter()
-    dts = {n: layout.pieces[n].dt for n in names}
-    metas = {n: torch.empty(layout.pieces[n].shape, dtype=dts[n].torch_dtype, device="meta") for n in names}
-    shard = anchor_fmt.layout_shard(metas, list(names))
     if writer != comm.rank:      # a holder: send each of its pieces when the writer comes to its tensor
         for n in shard.order:
             tag = next(tags)
             if n in snapshot:
-                comm.send_bytes(dtypes.host_bits(snapshot[n]), writer, tag)
+                comm.send_bytes(_own_bits(snapshot[n], fault), writer, tag)
         return
+    assert tmp is not None
     fname = anchor_fmt.shard_file_name(index, total)
     path = os.path.join(tmp, fname)
+    f = None
     whole = xxhash.xxh3_64()
-    with open(path, "wb") as f:
-        f.write(shard.header)
-        whole.update(shard.header)
+    if fault.ok:
+        with fault:
+            f = open(path, "wb")
+    try:
+        if f is not None:
+            with fault:
+                f.write(shard.header)
+                whole.update(shard.header)
         for n in shard.order:
             tag = next(tags)
             p = layout.pieces[n]
             h = xxhash.xxh3_64()
-            for block in _c_order(comm, p, snapshot.get(n), tag, out):
-                f.write(block)
-                whole.update(block)
-                h.update(block)
-            off, ln = shard.ranges[n]
-            out.assembled[n] = TensorEntry(p.dtype, p.shape, digest_hex(h.intdigest()), len(out.objects), off, ln)
-            out.weight_map[n] = fname
-    out.objects.append(ObjectRef(f"{prefix}/{fname}", shard.size, digest_hex(whole.intdigest())))
-    out.encode_s += time.perf_counter() - t0
-    up.submit_file(f"{prefix}/{fname}", path, shard.size)
+            for block in _c_order(comm, p, snapshot.get(n), tag, out, fault):   # every piece, even after a fault
+                if f is not None and fault.ok:
+                    with fault:
+                        f.write(block)
+                        whole.update(block)
+                        h.update(block)
+            if fault.ok:
+                off, ln = shard.ranges[n]
+                out.assembled[n] = TensorEntry(p.dtype, p.shape, digest_hex(h.intdigest()), len(out.objects), off,
+                                               ln)
+                out.weight_map[n] = fname
+    finally:
+        if f is not None:
+            with fault:
+                f.close()       # the last bytes reach the file here: a full disk may say so only now
+    if fault.ok:
+        with fault:
+            out.objects.append(ObjectRef(f"{prefix}/{fname}", shard.size, digest_hex(whole.intdigest())))
+            out.encode_s += time.perf_counter() - t0
+            up.submit_file(f"{prefix}/{fname}", path, shard.size)
 
 
-def _c_order(comm: Comm, p: Pieced, own: torch.Tensor | None, tag: int, out: Written):
+def _meta(p: Pieced) -> torch.Tensor:
+    return torch.empty(p.shape, dtype=p.dt.torch_dtype, device="meta")
+
+
+def _own_bits(t: torch.Tensor, fault: _Fault) -> np.ndarray:
+    """This rank's piece as bytes to send; zeros of its size where they cannot be had (``fault`` keeps why,
+    and the publish fails: those zeros are never committed)."""
+    if fault.ok:
+        with fault:
+            return np.ascontiguousarray(dtypes.host_bits(t))
+    return np.zeros(t.numel() * t.element_size(), np.uint8)
+
+
+def _c_order(comm: Comm, p: Pieced, own: torch.Tensor | None, tag: int, out: Written, fault: _Fault):
     """The tensor's bytes in C order, from its pieces as they arrive (each piece's bits in its box's C order).
 
     Row ranges (any box that is a flat range of the tensor) follow each other in C order: each piece is
     written as it arrives, one piece held at a time. Otherwise every piece of the tensor is received first,
-    then blocks of rows of at most ``BLOCK_BYTES`` are assembled from them."""
+    then blocks of rows of at most ``BLOCK_BYTES`` are assembled from them. Every other rank's piece is
+    received even after ``fault`` holds a failure (nothing is yielded then)."""
     dt = p.dt
 
     def piece(r: int, s: tuple[int, ...]) -> np.ndarray:
         if r == comm.rank:
             assert own is not None
-            return dtypes.host_bits(own)
+            return _own_bits(own, fault).view(dt.bits_dtype)
         return comm.recv_bytes(math.prod(s) * dt.itemsize, r, tag).view(dt.bits_dtype)
 
     if all(flat_range(o, s, p.shape) is not None for _r, o, s in p.parts):
         for r, _o, s in p.parts:
+            if r == comm.rank and not fault.ok:
+                continue
             bits = piece(r, s)
             if r != comm.rank:
                 _held(comm, bits.nbytes)
-            yield memoryview(bits.view(np.uint8))
+            if fault.ok:
+                yield memoryview(bits.view(np.uint8))
             del bits
         return
-    arrays = [(o, s, piece(r, s).reshape(s)) for r, o, s in p.parts]
-    _held(comm, sum(a.nbytes for (_o, _s, a), (r, _x, _y) in zip(arrays, p.parts) if r != comm.rank))
+    pieces = [(r, o, s, piece(r, s)) for r, o, s in p.parts]
+    if not fault.ok:
+        return
+    _held(comm, sum(a.nbytes for r, _o, _s, a in pieces if r != comm.rank))
     shape = p.shape
     row = math.prod(shape[1:]) * dt.itemsize
     step = max(1, BLOCK_BYTES // max(1, row))
     for r0 in range(0, shape[0], step):
         r1 = min(shape[0], r0 + step)
-        block = np.empty((r1 - r0, *shape[1:]), dt.bits_dtype)
-        for o, s, a in arrays:
-            lo, hi = max(r0, o[0]), min(r1, o[0] + s[0])
-            if lo >= hi:
-                continue
-            dst = (slice(lo - r0, hi - r0), *(slice(x, x + n) for x, n in zip(o[1:], s[1:])))
-            block[dst] = a[lo - o[0]: hi - o[0]]
+        block = None
+        with fault:
+            block = np.empty((r1 - r0, *shape[1:]), dt.bits_dtype)
+            for _r, o, s, a in pieces:
+                lo, hi = max(r0, o[0]), min(r1, o[0] + s[0])
+                if lo >= hi:
+                    continue
+                dst = (slice(lo - r0, hi - r0), *(slice(x, x + n) for x, n in zip(o[1:], s[1:])))
+                block[dst] = a.reshape(s)[lo - o[0]: hi - o[0]]
+        if block is None or not fault.ok:
+            return
         yield memoryview(block.reshape(-1).view(np.uint8))
 
 

@@ -108,3 +108,41 @@ def test_readers_in_two_processes_fetch_a_version_once_between_them(tmp_path):
     for p in procs:
         p.join(30)
     assert one > 0 and sum(got) == one, (got, one)   # the bytes of version 3 crossed once, not twice
+
+
+def _read_version(url: str, cache: str, version: int, out) -> None:
+    from loader.reader import SnapshotReader
+
+    r = SnapshotReader(url, cache_dir=cache)
+    r.cache.wait_s = 600                     # a held claim would keep this replica waiting for 10 minutes
+    out.put(sorted(r.read_tensors(version)))
+
+
+def test_a_fetch_that_fails_gives_back_its_claims_so_no_replica_of_the_host_waits_for_them(tmp_path):
+    """A replica whose fetch fails (here a damaged delta object; also a storage error, or a hot-load
+    interrupted mid-fetch) gives back the claims its misses took: another replica of the host that misses
+    the same entries fetches them at once, instead of waiting ``wait_s`` (60 s) for a put that never comes."""
+    import pytest
+
+    from delta.errors import DeltaError
+    from loader.reader import SnapshotReader
+    from tests.bucketgen import make_run
+
+    run = make_run(str(tmp_path / "run"), n_versions=2, anchors={0})
+    cache = str(tmp_path / "cache")
+    path = os.path.join(str(tmp_path / "run"), run.manifests[1].objects[0].key)
+    original = open(path, "rb").read()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0x10
+    open(path, "wb").write(bytes(damaged))
+    with pytest.raises(DeltaError):
+        SnapshotReader(run.url, cache_dir=cache).read_tensors(1)
+    claims = [n for _d, _s, names in os.walk(cache) for n in names if n.startswith(".tmp-claim-")]
+    assert claims == []                       # every claim given back: none is left locked for others
+    open(path, "wb").write(original)          # repaired: the other replica reads it, fetching what it must
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_read_version, args=(run.url, cache, 1, out))
+    p.start()
+    assert out.get(timeout=120) == sorted(run.truth[1])
+    p.join(30)

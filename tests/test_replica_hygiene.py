@@ -133,6 +133,26 @@ def test_a_sweep_leaves_other_names_symlinks_and_half_made_items_alone(tmp_path)
     assert len(os.listdir(d)) == 7
 
 
+def test_a_directory_swept_between_its_creation_and_its_lock_is_made_again_under_another_name(tmp_path, monkeypatch):
+    """A sweep (another Publisher or replica starting on the host, or in the same process) can find a directory
+    ``scratch.make`` has created and not locked yet, and remove it: make takes another name instead of failing
+    (a publish failed on it with FileNotFoundError naming its temp dir)."""
+    d = str(tmp_path)
+    real_mkdir, swept = os.mkdir, []
+
+    def mkdir_then_a_sweep(path, mode=0o777):
+        real_mkdir(path, mode)
+        if not swept:
+            swept.extend(scratch.sweep(d))        # the new directory is nobody's yet: this sweep removes it
+    monkeypatch.setattr(scratch.os, "mkdir", mkdir_then_a_sweep)
+    owned = scratch.make("delta", d)
+    monkeypatch.undo()
+    assert len(swept) == 1 and swept[0] != os.path.basename(owned.path) and os.path.isdir(owned.path)
+    assert scratch.sweep(d) == [] and os.listdir(d) == [os.path.basename(owned.path)]   # locked: kept
+    owned.release()
+    assert os.listdir(d) == []
+
+
 # --- /dev/shm smaller than the model ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
