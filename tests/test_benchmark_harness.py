@@ -5,11 +5,16 @@ logic of their own. The benchmarks' own runs are the other tests' (tests/test_*b
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
+import fcntl
 import io
+import json
 import os
 import shutil
 import sys
+import termios
+import time
 
 import pytest
 
@@ -119,6 +124,18 @@ serve(Node(), hello={"ok": True, "ready": "node"})
 """
 
 
+def _until_unread(peer: harness.Peer, n: int) -> None:
+    """Until ``n`` bytes of answers wait unread in the peer's stdout pipe (the kernel's count, FIONREAD)."""
+    deadline = time.monotonic() + 120
+    count = array.array("i", [0])
+    while True:
+        fcntl.ioctl(peer.proc.stdout.fileno(), termios.FIONREAD, count)
+        if count[0] >= n:
+            return
+        assert time.monotonic() < deadline, f"{count[0]} of {n} bytes of answers"
+        time.sleep(0.01)
+
+
 def test_a_peer_answers_each_command_in_turn_names_itself_in_an_error_and_drops_its_state_on_exit(tmp_path):
     marker = tmp_path / "dropped"
     peer = harness.Peer("peer n0", [sys.executable, "-c", _NODE, str(marker)], str(tmp_path / "n0.log"),
@@ -128,7 +145,8 @@ def test_a_peer_answers_each_command_in_turn_names_itself_in_an_error_and_drops_
         assert peer.call("add", a=2, b=3) == {"sum": 5}
         peer.send("add", a=1, b=1)                       # sent ahead, answered in order
         peer.send("add", a=4, b=5)
-        assert [peer.recv()["sum"], peer.recv()["sum"]] == [2, 9]
+        _until_unread(peer, sum(len(json.dumps({"ok": True, "sum": x})) + 1 for x in (2, 9)))
+        assert [peer.recv()["sum"], peer.recv()["sum"]] == [2, 9]     # both lines came in one read
         with pytest.raises(RuntimeError, match=r"^peer n0: ValueError: cannot divide\n.*Traceback") as e:
             peer.call("fail", what="divide")
         assert "op_fail" in str(e.value)                 # the peer's own trace
