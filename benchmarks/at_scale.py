@@ -42,12 +42,7 @@ import collections
 import gc
 import json
 import os
-import platform
-import re
-import select
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,24 +51,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks import links, s3disk
+from benchmarks import harness, links, s3disk
+from benchmarks.harness import mb, parse_bitrate, seconds
 from benchmarks.peers import CODECS, LABELS, METHODS
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LRS = ("1e-06", "1e-05")
 MARGIN = 3e9   # bytes of memory left to others (a shared machine) beyond what a phase is estimated to take
 FIELDS = ("bytes", "trainer_s", "upload_s", "fetch_s", "decode_s", "pause_s", "total_s", "egress")
-
-
-def parse_rate(s: str) -> float | None:
-    """'1gbit' -> 1e9, '500mbit' -> 5e8, 'fast' -> None (unshaped)."""
-    if s == "fast":
-        return None
-    m = re.fullmatch(r"([0-9.]+)(k|m|g)bit", s.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"link {s!r}: expected e.g. 1gbit, 500mbit or fast")
-    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
 def mem_available() -> int:
@@ -86,55 +70,22 @@ def mem_available() -> int:
 
 # --- a peers process inside a lab host ------------------------------------------------------------
 
-class Peer:
+class Peer(harness.Peer):
+    """benchmarks/peers.py in a lab host. It warms up as it starts, before its first command's answer: peers
+    started together warm up together."""
+
     def __init__(self, lab: links.Lab, host: links.Host, server: s3disk.Server, scratch: str) -> None:
-        self.name = host.name
-        self.log_path = os.path.join(scratch, f"{host.name}.log")
-        log = open(self.log_path, "wb")
-        d = os.path.join(scratch, host.name)
-        self.proc = lab.popen(host, [sys.executable, "-m", "benchmarks.peers", server.url,
-                                     json.dumps(server.options), d],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO)
-        log.close()
-        self.send("warm")        # answered before the first call's reply: peers started together warm up together
+        super().__init__(f"peer {host.name}", [sys.executable, "-m", "benchmarks.peers", server.url,
+                                               json.dumps(server.options), os.path.join(scratch, host.name)],
+                         os.path.join(scratch, f"{host.name}.log"), lab=lab, host=host)
+        self.host = host
+        self.send("warm")
         self.warm_s: float | None = None
-
-    def send(self, op: str, **kw: Any) -> None:
-        self.proc.stdin.write((json.dumps({"op": op, **kw}) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def recv(self, timeout: float = 900.0) -> dict[str, Any]:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            raise RuntimeError(f"peer {self.name}: no answer ({'exited' if self.proc.poll() is not None else 'timeout'}"
-                               f"); log tail:\n{_tail(self.log_path)}")
-        r = json.loads(line)
-        if not r.pop("ok"):
-            raise RuntimeError(f"peer {self.name}: {r['error']}\n{r['trace']}")
-        return r
 
     def call(self, op: str, **kw: Any) -> dict[str, Any]:
         if self.warm_s is None:
             self.warm_s = self.recv()["seconds"]
-        self.send(op, **kw)
-        return self.recv()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send("exit")
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-
-
-def _tail(path: str, n: int = 3000) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read()[-n:].decode(errors="replace")
-    except OSError:
-        return ""
+        return super().call(op, **kw)
 
 
 # --- snapshots ---------------------------------------------------------------------------------------
@@ -224,9 +175,7 @@ def one_step(ctx: dict, method: str, target: str, run: str, step: int, replicas:
 
 
 def median_row(samples: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
-    row = dict(meta)
-    for k in FIELDS + ("publish_s", "bytes_fetched"):
-        row[k] = statistics.median(s[k] for s in samples)
+    row = {**meta, **harness.medians(samples, FIELDS + ("publish_s", "bytes_fetched"))}
     row["exact"] = all(s["exact"] for s in samples)
     row["codecs"] = dict(collections.Counter(s["codec"] for s in samples if s.get("codec")))
     row["samples"] = samples
@@ -273,7 +222,7 @@ def run_cell(ctx: dict, link: str, size_gb: float, files: dict[str, str], pairs:
                 print(f"  {link:>7} {size_gb:g} GB lr {lr} {method:>15}: {s['bytes'] / 1e6:8.2f} MB{s['codec'][:1]}, "
                       f"publish->swapped {s['total_s']:7.2f} s (pause {s['pause_s'] * 1e3:7.1f} ms)"
                       f"{'' if s['exact'] else '  NOT BIT-EXACT'}", flush=True)
-            rows.append(median_row(samples, link=link, rate_bit=parse_rate(link), size_gb=size_gb,
+            rows.append(median_row(samples, link=link, rate_bit=parse_bitrate(link), size_gb=size_gb,
                                    model_bytes=model_bytes, lr=lr, method=method))
         if method.startswith("ckptdelta"):
             trainer.call("release_run", run=run)
@@ -288,11 +237,11 @@ def run_cell(ctx: dict, link: str, size_gb: float, files: dict[str, str], pairs:
 def run_fanout(ctx: dict, link: str, files: dict[str, str], counts: list[int], pairs: int,
                size_gb: float) -> list[dict[str, Any]]:
     trainer, lab, server = ctx["trainer"], ctx["lab"], ctx["server"]
-    rate = parse_rate(link)
+    rate = parse_bitrate(link)
     reps = ctx["replicas"][:max(counts)]
     trainer.call("load", labels=files)
     for r in reps:
-        lab.shape(lab.hosts[r.name], rate)
+        lab.shape(r.host, rate)
         r.call("load", labels={"old": files["old"]})
         r.call("replica", base="old")
     want = {k: trainer.call("digest", label=k)["digests"] for k in files}
@@ -331,8 +280,7 @@ def run_fanout(ctx: dict, link: str, files: dict[str, str], counts: list[int], p
 # --- the run --------------------------------------------------------------------------------------------
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    meta: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-                                       f"{mem_available() / 2**30:.0f} GiB available at start, torch {torch.__version__}",
+    meta: dict[str, Any] = {"machine": harness.machine(f"{mem_available() / 2**30:.0f} GiB available at start"),
                             "quick": a.quick, "pairs": a.pairs, "links": a.links, "sizes_gb": a.sizes,
                             "big_links": a.big_links, "skipped": [], "cpus": os.cpu_count()}
     t_start = time.monotonic()
@@ -374,7 +322,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 for link in [] if a.fanout_only else a.links:
                     if size > 2 and link not in a.big_links:
                         continue
-                    rate = parse_rate(link)
+                    rate = parse_bitrate(link)
                     for h in (th, r0):
                         lab.shape(h, rate)
                     rows += run_cell(ctx, link, size, files, 1 if size > 2 or a.quick else a.pairs, a.methods)
@@ -450,7 +398,7 @@ _NOT_PROJECTED = ("ckptdelta_auto",)
 
 def fp8_factors() -> dict[str, float]:
     """bytes-per-model-byte of fp8 relative to bf16, per method, from benchmarks/results/codec.json."""
-    path = os.path.join(RESULTS, "codec.json")
+    path = os.path.join(harness.RESULTS, "codec.json")
     out = {m: 1.0 for m in METHODS}
     try:
         with open(path) as f:
@@ -479,7 +427,7 @@ def projection(rows: list[dict], cores: int) -> dict[str, Any]:
         pick = [r for r in rows if r["lr"] == "1e-06"]
     if not pick:
         return {}
-    fastest = max({r["link"] for r in pick}, key=lambda lk: parse_rate(lk) or float("inf"))
+    fastest = max({r["link"] for r in pick}, key=lambda lk: parse_bitrate(lk) or float("inf"))
     f8 = fp8_factors()
     per: dict[str, dict[str, float]] = {}
     for r in pick:
@@ -505,14 +453,6 @@ def projection(rows: list[dict], cores: int) -> dict[str, Any]:
 
 
 # --- report -----------------------------------------------------------------------------------------
-
-def _s(x: float) -> str:
-    return f"{x:.2f}" if x >= 0.1 else f"{x * 1000:.0f} ms"
-
-
-def _mb(x: float) -> str:
-    return f"{x / 1e6:.1f}" if x >= 1e5 else f"{x / 1e6:.3f}"
-
 
 def markdown(out: dict[str, Any]) -> str:
     meta, rows, fan = out["meta"], out["rows"], out["fanout"]
@@ -547,10 +487,10 @@ def markdown(out: dict[str, Any]) -> str:
             vs = f"{r['total_s'] / f['total_s']:.3f}x" if f else ""
             best = r["method"] == "ckptdelta_auto"
             lines.append(
-                f"| {r['link']} | {r['model_bytes'] / 1e9:.2f} GB | {lr} | {_label(r)} | {_mb(r['bytes'])} | "
-                f"{_s(r['trainer_s'])} | {_s(r['upload_s'])} | {_s(r['fetch_s'])} | {_s(r['decode_s'])} | "
-                f"{_s(r['pause_s'])} | {'**' if best else ''}{_s(r['total_s'])}{'**' if best else ''} | {vs} | "
-                f"{_mb(r['egress'])} |")
+                f"| {r['link']} | {r['model_bytes'] / 1e9:.2f} GB | {lr} | {_label(r)} | {mb(r['bytes'])} | "
+                f"{seconds(r['trainer_s'])} | {seconds(r['upload_s'])} | {seconds(r['fetch_s'])} | "
+                f"{seconds(r['decode_s'])} | {seconds(r['pause_s'])} | "
+                f"{'**' if best else ''}{seconds(r['total_s'])}{'**' if best else ''} | {vs} | {mb(r['egress'])} |")
     lines += ["", "Stages: trainer-side = serialize/encode (+ host copy of the published bits: ckptdelta's copy_s, "
               "the peers' parent update); upload = to the bucket (ckptdelta: data objects, each part uploading while "
               "later ones encode, + manifest commit; the stages can then sum to more than publish() -> swapped); "
@@ -569,8 +509,8 @@ def markdown(out: dict[str, Any]) -> str:
         for r in fan:
             base = one.get(False)
             lines.append(f"| {r['replicas']} | {'shared (single flight)' if r['shared_cache'] else 'none'} | "
-                         f"{_s(r['total_s'])} | {_mb(r['egress'])} | "
-                         f"{r['egress'] / base['egress']:.2f}x | {_mb(r['bytes_fetched'])} |" if base else "")
+                         f"{seconds(r['total_s'])} | {mb(r['egress'])} | "
+                         f"{r['egress'] / base['egress']:.2f}x | {mb(r['bytes_fetched'])} |" if base else "")
     proj = out.get("projection") or {}
     if proj.get("table"):
         ms = [m for m in METHODS if m in proj["per_GB"]]
@@ -607,15 +547,15 @@ def _label(r: dict) -> str:
 
 def _ordered(rows: list[dict]) -> list[dict]:
     order = {m: i for i, m in enumerate(METHODS)}
-    return sorted(rows, key=lambda r: (-(parse_rate(r["link"]) or 1e30), r["size_gb"], r["lr"] if r["method"] != "full"
-                                       else "", order[r["method"]]))
+    return sorted(rows, key=lambda r: (-(parse_bitrate(r["link"]) or 1e30), r["size_gb"],
+                                       r["lr"] if r["method"] != "full" else "", order[r["method"]]))
 
 
 def targets(out: dict[str, Any]) -> list[str]:
     rows, fan = out["rows"], out["fanout"]
     res = []
     by = {(r["link"], r["size_gb"], r["lr"], r["method"]): r for r in rows}
-    lks = sorted({r["link"] for r in rows}, key=lambda lk: parse_rate(lk) or float("inf"))
+    lks = sorted({r["link"] for r in rows}, key=lambda lk: parse_bitrate(lk) or float("inf"))
     one_gb = sorted({r["size_gb"] for r in rows}, key=lambda g: abs(g - 1.0))[:1]
     for link in lks:
         for lr in LRS:
@@ -628,11 +568,11 @@ def targets(out: dict[str, Any]) -> list[str]:
                 peers = {m: by[(link, size, lr, m)] for m in ("xor", "idx") if (link, size, lr, m) in by}
                 ahead = [LABELS[m] for m, p in peers.items() if c["total_s"] < p["total_s"]]
                 behind = [f"{LABELS[m]} ({p['total_s']:.2f} s)" for m, p in peers.items() if c["total_s"] >= p["total_s"]]
-                stages = ", ".join(f"{k[:-2]} {_s(c[k])}" for k in ("trainer_s", "upload_s", "fetch_s", "decode_s",
-                                                                  "pause_s"))
+                stages = ", ".join(f"{k[:-2]} {seconds(c[k])}"
+                                   for k in ("trainer_s", "upload_s", "fetch_s", "decode_s", "pause_s"))
                 head = (f"{size:g} GB at {link}, lr {lr}, {LABELS[variant]}: {c['total_s']:.2f} s vs full "
                         f"{f['total_s']:.2f} s (1/{f['total_s'] / c['total_s']:.1f})")
-                if parse_rate(link) == 1e9:
+                if parse_bitrate(link) == 1e9:
                     ok = c["total_s"] <= f["total_s"] / 10 and not behind
                     goal = "target <= 1/10 of full and ahead of XOR and indices"
                 elif link == lks[-1]:
@@ -653,55 +593,50 @@ def targets(out: dict[str, Any]) -> list[str]:
 
 
 def plot(out: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     rows, fan = out["rows"], out["fanout"]
-    fig, ax = plt.subplots(1, 3, figsize=(20, 6))
-    cells = sorted({(r["link"], r["size_gb"], lr) for r in rows for lr in LRS if r["method"] != "full"},
-                   key=lambda c: (-(parse_rate(c[0]) or 1e30), c[1], c[2]))
-    colors = dict(zip(METHODS, plt.get_cmap("tab10").colors))
-    w = 0.8 / len(METHODS)
-    by = {(r["link"], r["size_gb"], r["lr"], r["method"]): r for r in rows}
-    for i, m in enumerate(METHODS):
-        for panel, key in ((0, "total_s"), (1, "bytes")):
-            ys, xs = [], []
-            for x, (lk, size, lr) in enumerate(cells):
-                r = by.get((lk, size, "1e-06" if m == "full" else lr, m))
-                if r:
-                    xs.append(x + (i - len(METHODS) / 2 + 0.5) * w)
-                    ys.append(r[key] / (1e6 if key == "bytes" else 1))
-            ax[panel].bar(xs, ys, w, color=colors[m], label=LABELS[m])
-    labels = [f"{lk}\n{size:g} GB\nlr {lr}" for lk, size, lr in cells]
-    for panel, title, ylab in ((0, "publish() -> swapped", "seconds"), (1, "bytes per step", "MB")):
-        ax[panel].set_xticks(range(len(cells)), labels, fontsize=7)
-        ax[panel].set(yscale="log", title=title, ylabel=ylab)
-        ax[panel].legend(fontsize=7)
-    if fan:
-        for shared, ls in ((False, "--"), (True, "-")):
-            rs = sorted((r for r in fan if r["shared_cache"] == shared), key=lambda r: r["replicas"])
-            tag = "shared cache" if shared else "no cache"
-            ax[2].plot([r["replicas"] for r in rs], [r["egress"] / 1e6 for r in rs], ls, marker="o",
-                       color="tab:blue", label=f"bucket egress / step, {tag}")
-        ax2 = ax[2].twinx()
-        for shared, ls in ((False, "--"), (True, "-")):
-            rs = sorted((r for r in fan if r["shared_cache"] == shared), key=lambda r: r["replicas"])
-            ax2.plot([r["replicas"] for r in rs], [r["total_s"] for r in rs], ls, marker="s", color="tab:red",
-                     label=f"publish() -> all swapped, {'shared cache' if shared else 'no cache'}")
-        ax[2].set(xlabel="replicas", ylabel="MB from the bucket per step",
-                  title=f"fan-out, {fan[0]['size_gb']:g} GB, {fan[0]['link']} per replica")
-        ax2.set_ylabel("seconds")
-        ax[2].legend(fontsize=7, loc="upper left")
-        ax2.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with harness.figure(path, 1, 3, figsize=(20, 6)) as (_, ax):
+        cells = sorted({(r["link"], r["size_gb"], lr) for r in rows for lr in LRS if r["method"] != "full"},
+                       key=lambda c: (-(parse_bitrate(c[0]) or 1e30), c[1], c[2]))
+        colors = dict(zip(METHODS, plt.get_cmap("tab10").colors))
+        w = 0.8 / len(METHODS)
+        by = {(r["link"], r["size_gb"], r["lr"], r["method"]): r for r in rows}
+        for i, m in enumerate(METHODS):
+            for panel, key in ((0, "total_s"), (1, "bytes")):
+                ys, xs = [], []
+                for x, (lk, size, lr) in enumerate(cells):
+                    r = by.get((lk, size, "1e-06" if m == "full" else lr, m))
+                    if r:
+                        xs.append(x + (i - len(METHODS) / 2 + 0.5) * w)
+                        ys.append(r[key] / (1e6 if key == "bytes" else 1))
+                ax[panel].bar(xs, ys, w, color=colors[m], label=LABELS[m])
+        labels = [f"{lk}\n{size:g} GB\nlr {lr}" for lk, size, lr in cells]
+        for panel, title, ylab in ((0, "publish() -> swapped", "seconds"), (1, "bytes per step", "MB")):
+            ax[panel].set_xticks(range(len(cells)), labels, fontsize=7)
+            ax[panel].set(yscale="log", title=title, ylabel=ylab)
+            ax[panel].legend(fontsize=7)
+        if fan:
+            for shared, ls in ((False, "--"), (True, "-")):
+                rs = sorted((r for r in fan if r["shared_cache"] == shared), key=lambda r: r["replicas"])
+                tag = "shared cache" if shared else "no cache"
+                ax[2].plot([r["replicas"] for r in rs], [r["egress"] / 1e6 for r in rs], ls, marker="o",
+                           color="tab:blue", label=f"bucket egress / step, {tag}")
+            ax2 = ax[2].twinx()
+            for shared, ls in ((False, "--"), (True, "-")):
+                rs = sorted((r for r in fan if r["shared_cache"] == shared), key=lambda r: r["replicas"])
+                ax2.plot([r["replicas"] for r in rs], [r["total_s"] for r in rs], ls, marker="s", color="tab:red",
+                         label=f"publish() -> all swapped, {'shared cache' if shared else 'no cache'}")
+            ax[2].set(xlabel="replicas", ylabel="MB from the bucket per step",
+                      title=f"fan-out, {fan[0]['size_gb']:g} GB, {fan[0]['link']} per replica")
+            ax2.set_ylabel("seconds")
+            ax[2].legend(fontsize=7, loc="upper left")
+            ax2.legend(fontsize=7, loc="lower right")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.at_scale", description=__doc__.split("\n\n")[0])
+    p = harness.parser("at_scale", __doc__, quick="0.01 GB, pairs 1, fan-out 1,2: a smoke test (< 1 min)",
+                       from_json="only re-render the markdown, projection and plot of a run (several: rows merged, "
+                                 "later first)", from_json_metavar="PATH[,PATH]")
     p.add_argument("--sizes", default="0.1,1,4", help="GB, comma-separated (default 0.1,1,4)")
     p.add_argument("--links", default="1gbit,fast", help="link settings: NNgbit, NNmbit, fast (= unshaped)")
     p.add_argument("--big-links", default="fast", help="settings at which sizes above 2 GB run (default fast)")
@@ -710,17 +645,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fanout", action="store_true")
     p.add_argument("--fanout-size", type=float, default=1.0)
     p.add_argument("--fanout-link", default="1gbit")
-    p.add_argument("--quick", action="store_true", help="0.01 GB, pairs 1, fan-out 1,2: a smoke test (< 1 min)")
-    p.add_argument("--out-dir", default=RESULTS)
     p.add_argument("--fanout-only", action="store_true", help="only the fan-out (at --fanout-size)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (default all; a row's ratio to the full "
                         "checkpoint needs 'full')")
-    p.add_argument("--from-json", metavar="PATH[,PATH]",
-                   help="only re-render the markdown, projection and plot of a run (several: rows merged, later first)")
     a = p.parse_args(argv)
     if a.from_json:
-        out = merge([json.load(open(path)) for path in a.from_json.split(",")])
+        out = merge([harness.read_json(path) for path in a.from_json.split(",")])
         return _write(out, a.out_dir, out["meta"]["quick"])
     why = links.available()
     if why:
@@ -729,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     a.links = [s.strip() for s in a.links.split(",") if s.strip()]
     a.big_links = [s.strip() for s in a.big_links.split(",") if s.strip()]
     for s in a.links + a.big_links + [a.fanout_link]:
-        parse_rate(s)
+        parse_bitrate(s)
     a.sizes = [float(s) for s in a.sizes.split(",") if s]
     a.methods = tuple(m for m in METHODS if m in {s.strip() for s in a.methods.split(",")})
     if not a.methods:
@@ -766,20 +697,12 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _write(out: dict[str, Any], out_dir: str, quick: bool) -> int:
     out["projection"] = projection(out["rows"], out["meta"].get("cpus") or os.cpu_count() or 1)
-    md = markdown(out)
-    print()
-    print(md)
-    os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, "at_scale" + ("-quick" if quick else ""))
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump(out, f, indent=1)
+    harness.write(stem, markdown(out), out, lambda path: plot(out, path))
     try:
         os.unlink(stem + ".partial.json")
     except OSError:
         pass
-    plot(out, stem + ".png")
     return 0 if all(r["exact"] for r in out["rows"] + out["fanout"]) else 1
 
 

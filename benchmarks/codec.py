@@ -24,8 +24,6 @@ Writes benchmarks/results/codec.{md,json,png}.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,9 +35,7 @@ import xxhash
 
 import delta
 from delta import dtypes
-from benchmarks import baselines, entropy, stages, workloads
-
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks import baselines, entropy, harness, stages, workloads
 
 
 class CkptDelta(baselines.Baseline):
@@ -157,12 +153,10 @@ def entropy_line(w: workloads.Workload) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny model, five workloads, one repeat")
+    ap = harness.parser("codec", __doc__, full_doc=True, quick="tiny model, five workloads, one repeat", out="--out")
     ap.add_argument("--size", default=None, help="workload model size (tiny, small)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--only", default=None, help="substring filter on workload names")
-    ap.add_argument("--out", default=RESULTS, help="directory for codec.md/json/png")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -187,18 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_workload(codecs, w, repeats)
         if w.dtype in ("bf16", "fp8"):
             stage_times[w.name] = stages.measure(w.old, w.new, max(3, repeats))
-    report = render(rows, entropies, wl, stage_times)
-    print(report)
-    os.makedirs(args.out, exist_ok=True)
-    tag = "codec-quick" if args.quick else "codec"
-    with open(os.path.join(args.out, f"{tag}.md"), "w") as f:
-        f.write(report)
-    with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
-        json.dump({"machine": _machine(), "repeats": repeats, "rows": [r.__dict__ for r in rows],
-                   "entropy": entropies, "stages_ns_per_element": stage_times,
-                   "targets": targets(rows, stage_times)}, f, indent=1)
-    if not args.no_plot:
-        plot(rows, os.path.join(args.out, f"{tag}.png"))
+    harness.write(os.path.join(args.out, "codec-quick" if args.quick else "codec"),
+                  render(rows, entropies, wl, stage_times),
+                  {"machine": _machine(), "repeats": repeats, "rows": [r.__dict__ for r in rows],
+                   "entropy": entropies, "stages_ns_per_element": stage_times, "targets": targets(rows, stage_times)},
+                  None if args.no_plot else lambda path: plot(rows, path))
     bad = [r for r in rows if r.exact is False]
     if bad:
         print("NOT BIT-EXACT:", [(r.workload, r.codec) for r in bad])
@@ -321,25 +308,18 @@ def render(rows: list[Row], entropies: dict, wl: list, stage_times: dict | None 
 
 
 def plot(rows: list[Row], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(dict.fromkeys(r.workload for r in rows))
     codecs = list(dict.fromkeys(r.codec for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(names)), 4.5))
-    width = 0.8 / len(codecs)
-    for i, c in enumerate(codecs):
-        ys = [next((r.ratio or 0 for r in rows if r.workload == n and r.codec == c), 0) for n in names]
-        ax.bar([j + i * width for j in range(len(names))], ys, width, label=c)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("compression ratio (log)")
-    ax.set_title("Lossless delta size: model bytes / encoded bytes")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with harness.figure(path, figsize=(max(8, 1.6 * len(names)), 4.5), dpi=110) as (_, ax):
+        width = 0.8 / len(codecs)
+        for i, c in enumerate(codecs):
+            ys = [next((r.ratio or 0 for r in rows if r.workload == n and r.codec == c), 0) for n in names]
+            ax.bar([j + i * width for j in range(len(names))], ys, width, label=c)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("compression ratio (log)")
+        ax.set_title("Lossless delta size: model bytes / encoded bytes")
+        ax.legend(fontsize=7, ncol=2)
 
 
 if __name__ == "__main__":

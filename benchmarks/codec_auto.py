@@ -33,11 +33,8 @@ Writes benchmarks/results/codec_auto.{md,json,png}.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -46,7 +43,9 @@ from collections import Counter
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks import harness
+from benchmarks.harness import bitrate
+
 VARIANTS = ("auto", "context", "fast")
 
 
@@ -122,9 +121,8 @@ def summarize(rows: list[dict]) -> dict:
     out = {}
     for v in VARIANTS:
         mine = [r for r in rows if r["variant"] == v]
-        out[v] = {k: statistics.median(r[k] for r in mine)
-                  for k in ("encode_s", "stored_bytes", "upload_s", "coded_s", "total_s", "hotload_s", "decode_s",
-                            "swapped_s")}
+        out[v] = harness.medians(mine, ("encode_s", "stored_bytes", "upload_s", "coded_s", "total_s", "hotload_s",
+                                        "decode_s", "swapped_s"))
         out[v]["mean_coded_s"] = statistics.fmean(r["coded_s"] for r in mine)
         out[v]["mean_total_s"] = statistics.fmean(r["total_s"] for r in mine)
         out[v]["mean_swapped_s"] = statistics.fmean(r["swapped_s"] for r in mine)
@@ -137,10 +135,6 @@ def summarize(rows: list[dict]) -> dict:
     out["best_fixed"] = best
     out["auto_vs_best"] = out["auto"]["mean_swapped_s"] / out[best]["mean_swapped_s"]
     return out
-
-
-def _rate(bit: float) -> str:
-    return f"{bit / 1e9:g} Gbit/s" if bit >= 1e9 else f"{bit / 1e6:g} Mbit/s"
 
 
 def _codecs(counts: dict) -> str:
@@ -168,11 +162,11 @@ def markdown(cases: list[dict], meta: dict) -> str:
             name = f"**{v}**" if v == "auto" else v
             rel = (f"**{sm['auto_vs_best']:.2f}x** {sm['best_fixed']}" if v == "auto" else
                    "best" if v == sm["best_fixed"] else f"{s['mean_swapped_s'] / best:.2f}x")
-            lines.append(f"| lr {case['lr']:g} ({100 * case['changed']:.1f}% changed) | {_rate(case['rate_bit'])} | "
+            lines.append(f"| lr {case['lr']:g} ({100 * case['changed']:.1f}% changed) | {bitrate(case['rate_bit'])} | "
                          f"{name} | {_codecs(s['codecs'])} | {s['encode_s']:.3f} | {s['stored_bytes'] / 1e3:.0f} kB | "
                          f"{s['upload_s']:.3f} | {s['total_s']:.3f} | {s['hotload_s']:.3f} ({s['decode_s']:.3f}) | "
                          f"{s['mean_total_s']:.3f} | {s['mean_swapped_s']:.3f} | {rel} |")
-    even = "; ".join(f"lr {c['lr']:g} at {_rate(c['rate_bit'])}: {c['summary']['break_even_bit'] / 1e6:.3g} Mbit/s"
+    even = "; ".join(f"lr {c['lr']:g} at {bitrate(c['rate_bit'])}: {c['summary']['break_even_bit'] / 1e6:.3g} Mbit/s"
                      for c in cases if c["summary"]["break_even_bit"])
     lines += ["", f"Break-even link rate from the fixed codecs' medians, publish() -> swapped (the fast path is faster "
               f"above it): {even}.",
@@ -188,37 +182,29 @@ def markdown(cases: list[dict], meta: dict) -> str:
 
 def plot(cases: list[dict], path: str) -> None:
     """publish() -> swapped per delta: a panel per workload (rows) and link (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lrs = sorted({c["lr"] for c in cases})
     rates = sorted({c["rate_bit"] for c in cases})
-    fig, axes = plt.subplots(len(lrs), len(rates), figsize=(5.5 * len(rates), 3.6 * len(lrs)), squeeze=False,
-                             sharex=True)
-    colors = {"context": "tab:blue", "fast": "tab:orange"}
-    for case in cases:
-        ax = axes[lrs.index(case["lr"])][rates.index(case["rate_bit"])]
-        for v in ("context", "fast"):
-            rows = [r for r in case["rows"] if r["variant"] == v]
-            ax.plot([r["step"] for r in rows], [1e3 * r["swapped_s"] for r in rows], color=colors[v], alpha=0.6,
-                    label=f"always {v}")
-        rows = [r for r in case["rows"] if r["variant"] == "auto"]
-        ax.plot([r["step"] for r in rows], [1e3 * r["swapped_s"] for r in rows], "k--", lw=1, label="auto")
-        for c in ("context", "fast"):
-            pts = [r for r in rows if r["codec"] == c]
-            ax.scatter([r["step"] for r in pts], [1e3 * r["swapped_s"] for r in pts], color=colors[c],
-                       edgecolor="k", zorder=3, s=30, label=f"auto chose {c}")
-        ax.set(title=f"lr {case['lr']:g} ({100 * case['changed']:.1f}% changed), link {_rate(case['rate_bit'])}",
-               ylabel="publish() -> swapped (ms)")
-        ax.set_ylim(bottom=0)
-    for ax in axes[-1]:
-        ax.set_xlabel("delta (step)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with harness.figure(path, len(lrs), len(rates), figsize=(5.5 * len(rates), 3.6 * len(lrs)), squeeze=False,
+                        sharex=True) as (_, axes):
+        colors = {"context": "tab:blue", "fast": "tab:orange"}
+        for case in cases:
+            ax = axes[lrs.index(case["lr"])][rates.index(case["rate_bit"])]
+            for v in ("context", "fast"):
+                rows = [r for r in case["rows"] if r["variant"] == v]
+                ax.plot([r["step"] for r in rows], [1e3 * r["swapped_s"] for r in rows], color=colors[v], alpha=0.6,
+                        label=f"always {v}")
+            rows = [r for r in case["rows"] if r["variant"] == "auto"]
+            ax.plot([r["step"] for r in rows], [1e3 * r["swapped_s"] for r in rows], "k--", lw=1, label="auto")
+            for c in ("context", "fast"):
+                pts = [r for r in rows if r["codec"] == c]
+                ax.scatter([r["step"] for r in pts], [1e3 * r["swapped_s"] for r in pts], color=colors[c],
+                           edgecolor="k", zorder=3, s=30, label=f"auto chose {c}")
+            ax.set(title=f"lr {case['lr']:g} ({100 * case['changed']:.1f}% changed), link {bitrate(case['rate_bit'])}",
+                   ylabel="publish() -> swapped (ms)")
+            ax.set_ylim(bottom=0)
+        for ax in axes[-1]:
+            ax.set_xlabel("delta (step)")
+        axes[0][0].legend(fontsize=8)
 
 
 def _changed_share(snaps: list[dict[str, torch.Tensor]]) -> float:
@@ -228,7 +214,7 @@ def _changed_share(snaps: list[dict[str, torch.Tensor]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.codec_auto", description=__doc__.split("\n\n")[0])
+    p = harness.parser("codec_auto", __doc__, from_json="only render the table and plot of an earlier run's JSON")
     p.add_argument("--rates", default="10,1000", help="link rates in Mbit/s, comma-separated (default 10,1000)")
     p.add_argument("--latency-ms", type=float, default=0.0, help="added to every delta upload (default 0)")
     p.add_argument("--lrs", default="1e-6,1e-5", help="workload learning rates, comma-separated (default 1e-6,1e-5)")
@@ -238,13 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch intra-op threads (default 1: they only take publish()'s host copy here, and on a "
                         "loaded machine their OpenMP regions wait for a core: copy_s 0.1-0.8 s instead of 1 ms "
                         "for 7 MB with 2 threads, noise common to every codec)")
-    p.add_argument("--out-dir", default=RESULTS)
     p.add_argument("--name", default="codec_auto")
-    p.add_argument("--from-json", metavar="PATH", help="only render the table and plot of an earlier run's JSON")
     a = p.parse_args(argv)
     if a.from_json:
-        with open(a.from_json) as f:
-            data = json.load(f)
+        data = harness.read_json(a.from_json)
         _write(data["cases"], data["meta"], a.out_dir, a.name)
         return 0
     try:
@@ -274,28 +257,20 @@ def main(argv: list[str] | None = None) -> int:
                 case = {"lr": lr, "changed": changed, **run_link(snaps, rate, a.latency_ms / 1e3, root)}
             cases.append(case)
             sm = case["summary"]
-            print(f"lr {lr:g}, {_rate(rate)}: " + "; ".join(
+            print(f"lr {lr:g}, {bitrate(rate)}: " + "; ".join(
                 f"{v} ({_codecs(sm[v]['codecs'])}) mean publish->swapped {sm[v]['mean_swapped_s']:.3f} s"
                 for v in VARIANTS), flush=True)
         del cached, snaps
-    meta.update({"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-                 "size": a.size, "deltas": a.steps, "torch_threads": torch.get_num_threads(),
-                 "latency_s": a.latency_ms / 1e3, "cpus": os.cpu_count(), "load": [load0, os.getloadavg()[0]]})
+    meta.update({"machine": harness.machine(), "size": a.size, "deltas": a.steps,
+                 "torch_threads": torch.get_num_threads(), "latency_s": a.latency_ms / 1e3, "cpus": os.cpu_count(),
+                 "load": [load0, os.getloadavg()[0]]})
     _write(cases, meta, a.out_dir, a.name)
     return 0
 
 
 def _write(cases: list[dict], meta: dict, out_dir: str, name: str) -> None:
-    md = markdown(cases, meta)
-    print()
-    print(md)
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, name)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "cases": cases}, f, indent=1)
-    plot(cases, stem + ".png")
+    harness.write(os.path.join(out_dir, name), markdown(cases, meta), {"meta": meta, "cases": cases},
+                  lambda path: plot(cases, path))
 
 
 if __name__ == "__main__":

@@ -18,17 +18,15 @@ Writes benchmarks/results/commit_choice.{md,json,png}.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
 import time
 
 import numpy as np
 import torch
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks import harness
+
 DENSITIES = (0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.2, 0.4)
 WIDTHS = (1, 2, 4, 8)
 
@@ -121,34 +119,25 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     widths = sorted({r["width"] for r in rows})
-    fig, axes = plt.subplots(1, len(widths), figsize=(4.5 * len(widths), 4), sharey=True, squeeze=False)
-    for ax, w in zip(axes[0], widths):
-        rs = sorted((r for r in rows if r["width"] == w), key=lambda r: r["density"])
-        xs = [100 * r["density"] for r in rs]
-        for k, label in (("scatter_s", "scatter"), ("copy_s", "copy (block-hash checked)")):
-            ax.plot(xs, [r[k] / r["torch_copy_s"] for r in rs], marker="o", label=label)
-        ax.axhline(1.0, color="black", lw=1, ls="--", label="plain torch copy")
-        ax.set(xscale="log", xlabel="elements changed (%)", title=f"{w}-byte elements")
-    axes[0][0].set_ylabel("time / plain copy of the tensor")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with harness.figure(path, 1, len(widths), figsize=(4.5 * len(widths), 4), sharey=True, squeeze=False) as (_, axes):
+        for ax, w in zip(axes[0], widths):
+            rs = sorted((r for r in rows if r["width"] == w), key=lambda r: r["density"])
+            xs = [100 * r["density"] for r in rs]
+            for k, label in (("scatter_s", "scatter"), ("copy_s", "copy (block-hash checked)")):
+                ax.plot(xs, [r[k] / r["torch_copy_s"] for r in rs], marker="o", label=label)
+            ax.axhline(1.0, color="black", lw=1, ls="--", label="plain torch copy")
+            ax.set(xscale="log", xlabel="elements changed (%)", title=f"{w}-byte elements")
+        axes[0][0].set_ylabel("time / plain copy of the tensor")
+        axes[0][0].legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.commit_choice", description=__doc__.split("\n\n")[0])
+    p = harness.parser("commit_choice", __doc__)
     p.add_argument("--mb", type=int, default=256, help="tensor size in MB (default 256)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     p.add_argument("--densities", default=",".join(map(str, DENSITIES)))
-    p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
@@ -158,17 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             print(f"width {w} changed {100 * d:5.1f}%: scatter {1e3 * r['scatter_s']:7.1f} ms, copy "
                   f"{1e3 * r['copy_s']:7.1f} ms, torch copy {1e3 * r['torch_copy_s']:7.1f} ms", flush=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}", "mb": a.mb,
-            "repeats": a.repeats, "threads": rows[0]["threads"] if rows else 1}
-    md = markdown(rows, meta)
-    print()
-    print(md)
-    os.makedirs(a.out_dir, exist_ok=True)
-    with open(os.path.join(a.out_dir, "commit_choice.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(a.out_dir, "commit_choice.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    plot(rows, os.path.join(a.out_dir, "commit_choice.png"))
+    meta = {"machine": harness.machine(), "mb": a.mb, "repeats": a.repeats,
+            "threads": rows[0]["threads"] if rows else 1}
+    harness.write(os.path.join(a.out_dir, "commit_choice"), markdown(rows, meta), {"meta": meta, "rows": rows},
+                  lambda path: plot(rows, path))
     return 0
 
 

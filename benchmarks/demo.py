@@ -61,6 +61,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import harness
+from benchmarks.harness import nbytes
 from benchmarks.rl_task import (EOS, MODEL_SIZES, AdditionTask, build_model, build_tokenizer, encode, greedy_accuracy,
                                 pretrain, save_model_dir)
 
@@ -142,9 +144,9 @@ class Replica:
         deadline = t0 + timeout
         while True:
             if self.proc.poll() is not None:
-                tail = self.log_tail()
+                output = harness.tail(self.log_path)
                 self.close()
-                raise RuntimeError(f"the replica exited with {self.proc.returncode} while starting:\n{tail}")
+                raise RuntimeError(f"the replica exited with {self.proc.returncode} while starting:\n{output}")
             try:
                 r = httpx.get(self.url + "/v1/status", timeout=2.0)
                 if r.status_code == 200:
@@ -153,18 +155,11 @@ class Replica:
             except httpx.TransportError:
                 pass
             if time.perf_counter() > deadline:
-                tail = self.log_tail()
+                output = harness.tail(self.log_path)
                 self.close()
-                raise RuntimeError(f"the replica did not answer on {self.url} within {timeout:.0f}s:\n{tail}")
+                raise RuntimeError(f"the replica did not answer on {self.url} within {timeout:.0f}s:\n{output}")
             time.sleep(0.2)
         self.startup_s = time.perf_counter() - t0
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode(errors="replace")[-n:]
-        except OSError:
-            return ""
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -324,14 +319,6 @@ def groups_of(task: AdditionTask, tokenizer: Any, problems: list[tuple[str, str]
     return groups
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
 HEADER = (f"{'step':>4} {'reward':>6} {'served':>7} {'kind':>7} {'bytes':>9} {'ratio':>6} {'publish':>8} "
           f"{'hotload':>8} {'pause':>8} {'exact':>5} {'k1':>9} {'k2':>9} {'k3':>9}")
 #: printed under the header: what "exact" is
@@ -350,7 +337,7 @@ def _exact(r: dict[str, Any]) -> str:
 def format_row(r: dict[str, Any]) -> str:
     served = ",".join(f"v{v}" for v in r["served_versions"])
     kind = r["kind"] if r["kind"] != "delta" or not r.get("codec") else r["codec"]   # context / fast (auto's pick)
-    return (f"{r['step']:>4} {r['reward']:>6.3f} {served:>7} {kind:>7} {_fmt_bytes(r['stored_bytes']):>9} "
+    return (f"{r['step']:>4} {r['reward']:>6.3f} {served:>7} {kind:>7} {nbytes(r['stored_bytes']):>9} "
             f"{100 * r['ratio']:>5.1f}% {r['publish_s']:>7.3f}s {r['hotload_s']:>7.3f}s {r['pause_ms']:>6.2f}ms "
             f"{_exact(r):>5} {r['k1']:>9.2e} {r['k2']:>9.2e} {r['k3']:>9.2e}")
 
@@ -367,7 +354,7 @@ def pretrained(cfg: DemoConfig, say: Any) -> tuple[Any, torch.nn.Module, dict[st
     tokenizer = build_tokenizer()
     master = build_model(len(tokenizer), cfg.model_size, seed=cfg.seed)
     n_params = sum(p.numel() for p in master.parameters())
-    say(f"pre-training a {cfg.model_size} Llama ({n_params / 1e3:.0f}k parameters, bf16 {_fmt_bytes(2 * n_params)}) "
+    say(f"pre-training a {cfg.model_size} Llama ({n_params / 1e3:.0f}k parameters, bf16 {nbytes(2 * n_params)}) "
         f"on noisy addition for {cfg.pretrain_steps} steps ...")
     return tokenizer, master, pretrain(master, tokenizer, cfg.task, steps=cfg.pretrain_steps, seed=cfg.seed)
 
@@ -411,7 +398,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                         extra_files=extra, progress=False)
         try:
             first = pub.publish(trainer.policy, 0)
-            say(f"published v{first.version} ({first.kind}, {_fmt_bytes(first.stored_bytes)}) to {run_url}")
+            say(f"published v{first.version} ({first.kind}, {nbytes(first.stored_bytes)}) to {run_url}")
             say(f"starting replica demo-0: ckptdelta serve --engine {cfg.engine}"
                 + (f" -- {' '.join(cfg.vllm_args)}" if cfg.engine == "vllm" else "") + " ...")
             replica = Replica(run_url, port=cfg.port or free_port(), replica_id="demo-0", threads=cfg.threads,
@@ -598,8 +585,8 @@ def format_summary(s: dict[str, Any], report_dir: str, name: str = "demo", exact
     lines = [
         f"reward: {s['reward_first']:.3f} (mean of the first {s['window']} steps) -> {s['reward_last']:.3f} "
         f"(last {s['window']})" + ("" if s["reward_rose"] else "  [did not rise]"),
-        f"published: {s['snapshots']} snapshots ({s['anchors']} anchors), {_fmt_bytes(s['stored_bytes'])} in all vs "
-        f"{_fmt_bytes(s['full_bytes'])} as full checkpoints ({100 * s['stored_ratio']:.1f}%)"
+        f"published: {s['snapshots']} snapshots ({s['anchors']} anchors), {nbytes(s['stored_bytes'])} in all vs "
+        f"{nbytes(s['full_bytes'])} as full checkpoints ({100 * s['stored_ratio']:.1f}%)"
         + (f"; median delta {100 * s['delta_ratio_median']:.1f}% of full" if s["delta_ratio_median"] else ""),
         f"latency (median): publish {s['publish_s_median']:.3f}s, hot-load {s['hotload_s_median']:.3f}s, "
         f"pause {s['pause_ms_median']:.2f}ms; publish() to replica swapped {s['update_s_median']:.3f}s",
@@ -649,50 +636,40 @@ def _exact_lines(s: dict[str, Any]) -> list[str]:
 
 
 def write_report(report: dict[str, Any], report_dir: str, name: str = "demo") -> None:
-    with open(os.path.join(report_dir, name + ".json"), "w") as f:
-        json.dump(report, f, indent=1)
-    plot(report["rows"], os.path.join(report_dir, name + ".png"))
+    harness.write(os.path.join(report_dir, name), data=report, plot=lambda path: plot(report["rows"], path))
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(1, 4, figsize=(20, 4))
-    for a in ax:
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax[0].plot(steps, [r["reward"] for r in rows], marker="o")
-    ax[0].set(title="mean reward per step", xlabel="step", ylabel="reward", ylim=(0, 1))
-    ax[1].bar(steps, [r["full_bytes"] / 1e3 for r in rows], color="lightgray", label="full checkpoint")
-    ax[1].bar(steps, [r["stored_bytes"] / 1e3 for r in rows],
-              color=["tab:orange" if r["kind"] == "anchor" else "tab:blue" for r in rows], label="published")
-    ax[1].set(title="bytes per step (orange: anchor)", xlabel="step", ylabel="KB")
-    ax[1].legend()
-    pub = [r["publish_s"] * 1e3 for r in rows]
-    hot = [r["hotload_s"] * 1e3 for r in rows]
-    ax[2].bar(steps, pub, label="publish")
-    ax[2].bar(steps, hot, bottom=pub, label="hot-load")
-    ax[2].plot(steps, [r["pause_ms"] for r in rows], color="black", marker=".", label="pause (inside hot-load)")
-    ax[2].set(title="weight-update latency", xlabel="step", ylabel="ms")
-    ax[2].legend()
-    ks = {"|k1|": [abs(r["k1"]) for r in rows], "k2": [r["k2"] for r in rows], "k3": [r["k3"] for r in rows]}
-    for (label, ys), style in zip(ks.items(), ("o-", "x--", ".:")):
-        ax[3].plot(steps, ys, style, label=label)  # k2 and k3 nearly coincide: dashed over dotted
-    if any(y > 0 for ys in ks.values() for y in ys):
-        ax[3].set_yscale("log")
-        title = "sampler/trainer k1/k2/k3 (same bits)"
-    else:
-        title = "sampler/trainer k1/k2/k3: exactly 0"
-    ax[3].set(title=title, xlabel="step", ylabel="estimate")
-    ax[3].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with harness.figure(path, 1, 4, figsize=(20, 4)) as (_, ax):
+        for a in ax:
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax[0].plot(steps, [r["reward"] for r in rows], marker="o")
+        ax[0].set(title="mean reward per step", xlabel="step", ylabel="reward", ylim=(0, 1))
+        ax[1].bar(steps, [r["full_bytes"] / 1e3 for r in rows], color="lightgray", label="full checkpoint")
+        ax[1].bar(steps, [r["stored_bytes"] / 1e3 for r in rows],
+                  color=["tab:orange" if r["kind"] == "anchor" else "tab:blue" for r in rows], label="published")
+        ax[1].set(title="bytes per step (orange: anchor)", xlabel="step", ylabel="KB")
+        ax[1].legend()
+        pub = [r["publish_s"] * 1e3 for r in rows]
+        hot = [r["hotload_s"] * 1e3 for r in rows]
+        ax[2].bar(steps, pub, label="publish")
+        ax[2].bar(steps, hot, bottom=pub, label="hot-load")
+        ax[2].plot(steps, [r["pause_ms"] for r in rows], color="black", marker=".", label="pause (inside hot-load)")
+        ax[2].set(title="weight-update latency", xlabel="step", ylabel="ms")
+        ax[2].legend()
+        ks = {"|k1|": [abs(r["k1"]) for r in rows], "k2": [r["k2"] for r in rows], "k3": [r["k3"] for r in rows]}
+        for (label, ys), style in zip(ks.items(), ("o-", "x--", ".:")):
+            ax[3].plot(steps, ys, style, label=label)  # k2 and k3 nearly coincide: dashed over dotted
+        if any(y > 0 for ys in ks.values() for y in ys):
+            ax[3].set_yscale("log")
+            title = "sampler/trainer k1/k2/k3 (same bits)"
+        else:
+            title = "sampler/trainer k1/k2/k3: exactly 0"
+        ax[3].set(title=title, xlabel="step", ylabel="estimate")
+        ax[3].legend()
 
 
 # --- command line ------------------------------------------------------------------------------

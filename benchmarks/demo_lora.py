@@ -53,9 +53,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.demo import (EXACT_NOTE, HEADER, DemoConfig, Replica, Trainer, _fmt_bytes, config_from, format_row,
+from benchmarks.demo import (EXACT_NOTE, HEADER, DemoConfig, Replica, Trainer, config_from, format_row,
                              format_summary, free_port, groups_of, parser, pretrained, run_url_of, sample_kwargs,
                              step_row, summarize, write_report)
+from benchmarks.harness import nbytes
 from benchmarks.rl_task import greedy_accuracy, save_model_dir
 
 log = logging.getLogger("ckptdelta.demo")
@@ -215,13 +216,13 @@ def run_lora_demo(cfg: LoraDemoConfig) -> dict[str, Any]:
         n_lora = sum(p.numel() for p in trainer.params)
         say(f"  loss {pre['loss']:.3f} in {pre['seconds']:.1f}s; greedy accuracy of the bf16 base "
             f"{pre['greedy_accuracy']:.2f}; LoRA rank {cfg.rank} (alpha {cfg.alpha}) on every linear layer: "
-            f"{n_lora / 1e3:.1f}k fp32 parameters ({_fmt_bytes(4 * n_lora)}), the base frozen")
+            f"{n_lora / 1e3:.1f}k fp32 parameters ({nbytes(4 * n_lora)}), the base frozen")
         pub = Publisher(run_url, storage_options=cfg.storage_options, anchor_every=cfg.anchor_every, progress=False)
         reader = SnapshotReader(run_url, storage_options=cfg.storage_options)
         try:
             first = pub.publish(trainer.model, 0)
             say(f"published v{first.version} (the adapter's anchor, a PEFT directory, "
-                f"{_fmt_bytes(first.stored_bytes)}) to {run_url}")
+                f"{nbytes(first.stored_bytes)}) to {run_url}")
             serve = ("--base-model", base_dir, "--lora-slots", str(cfg.lora_slots))
             say(f"starting replica {NAME}-0: ckptdelta serve --engine {cfg.engine} --base-model BASE"
                 + (f" --lora-slots {cfg.lora_slots} -- {' '.join(cfg.vllm_args)}" if cfg.engine == "vllm" else "")
@@ -233,8 +234,8 @@ def run_lora_demo(cfg: LoraDemoConfig) -> dict[str, Any]:
             say(f"replica {NAME}-0 ({cfg.engine}) serving adapter v{replica.status['policy_version']} on "
                 f"{replica.url} (started in {replica.startup_s:.1f}s)\n")
             say(HEADER)
-            say(f"bytes, ratio: the adapter's delta, against the whole fp32 adapter ({_fmt_bytes(first.full_bytes)}); "
-                f"the bf16 base ({_fmt_bytes(base_bytes)}) never moves")
+            say(f"bytes, ratio: the adapter's delta, against the whole fp32 adapter ({nbytes(first.full_bytes)}); "
+                f"the bf16 base ({nbytes(base_bytes)}) never moves")
             say(EXACT_NOTE_LORA[cfg.engine])
             rows = asyncio.run(_loop(cfg, tokenizer, trainer, pub, reader, replica.url, first.version, say))
         finally:

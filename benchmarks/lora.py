@@ -57,11 +57,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import select
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,11 +66,10 @@ from typing import Any
 
 import torch
 
-from benchmarks import links, lora_load, s3disk
+from benchmarks import harness, links, lora_load, s3disk
+from benchmarks.harness import du, duration
 from benchmarks.lora_peers import LABELS, METHODS
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = dict(hidden=1024, layers=16, intermediate=2816, heads=8, kv_heads=4, vocab=32000)
 QUICK = dict(hidden=128, layers=2, intermediate=256, heads=4, kv_heads=2, vocab=512)
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype", "bfloat16", "--max-num-seqs", "16",
@@ -100,67 +96,14 @@ def save_base(out: str, c: dict) -> tuple[str, int]:
 
 # --- a peer process -------------------------------------------------------------------------------------
 
-class Peer:
-    """benchmarks/lora_peers.py ROLE in a lab host (or a plain child without one): one JSON line each way."""
-
-    def __init__(self, role: str, lab: links.Lab | None, host: links.Host | None, url: str, opts: dict,
-                 scratch: str, env: dict[str, str] | None = None):
-        self.role = role
-        self.log_path = os.path.join(scratch, f"{role}.log")
-        argv = [sys.executable, "-m", "benchmarks.lora_peers", role, url, json.dumps(opts),
-                os.path.join(scratch, role)]
-        kw = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env={**os.environ, **(env or {})})
-        with open(self.log_path, "wb") as log:
-            if lab is not None:
-                self.proc = lab.popen(host, argv, stderr=log, **kw)
-            else:
-                self.proc = subprocess.Popen(argv, stderr=log, start_new_session=True, **kw)
-        self.recv(120)
-
-    def recv(self, timeout: float = 1800.0) -> dict[str, Any]:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            raise RuntimeError(f"{self.role}: no answer ({'exited' if self.proc.poll() is not None else 'timeout'})"
-                               f"; log tail:\n{_tail(self.log_path)}")
-        r = json.loads(line)
-        if not r.pop("ok"):
-            raise RuntimeError(f"{self.role}: {r['error']}\n{r['trace']}")
-        return r
-
-    def call(self, op: str, timeout: float = 1800.0, **kw: Any) -> dict[str, Any]:
-        self.proc.stdin.write((json.dumps({"op": op, **kw}) + "\n").encode())
-        self.proc.stdin.flush()
-        return self.recv(timeout)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(b'{"op": "exit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=120)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(30)
-
-
-def _tail(path: str, n: int = 4000) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read()[-n:].decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def du(path: str) -> int:
-    total = 0
-    for d, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(d, f))
-            except OSError:
-                pass
-    return total
+def start_peer(role: str, lab: links.Lab | None, host: links.Host | None, url: str, opts: dict, scratch: str,
+               env: dict[str, str] | None = None) -> harness.Peer:
+    """benchmarks/lora_peers.py ROLE in a lab host (or a plain child without one), once it says it is up."""
+    p = harness.Peer(role, [sys.executable, "-m", "benchmarks.lora_peers", role, url, json.dumps(opts),
+                            os.path.join(scratch, role)], os.path.join(scratch, f"{role}.log"), lab=lab, host=host,
+                     env=env, timeout=1800.0)
+    p.recv(120)
+    return p
 
 
 # --- one step of one method ------------------------------------------------------------------------------
@@ -277,9 +220,7 @@ def rows_of(samples: list[dict]) -> list[dict[str, Any]]:
                   key=lambda k: (k[0], k[1], METHODS.index(k[2])))
     for rank, lr, m in keys:
         ss = [s for s in samples if s["timed"] and (s["rank"], s["lr"], s["method"]) == (rank, lr, m)]
-        row = {"rank": rank, "lr": lr, "method": m, "n": len(ss)}
-        for k in FIELDS:
-            row[k] = statistics.median(s[k] for s in ss)
+        row = {"rank": rank, "lr": lr, "method": m, "n": len(ss), **harness.medians(ss, FIELDS)}
         for k in ("failed", "requests", "mixed_versions"):
             row[k] = sum(s[k] for s in ss)
         row["exact"] = all(s["exact"] for s in ss)
@@ -299,7 +240,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     c = QUICK if a.quick else FULL
     why = links.available()
     meta: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}", "quick": a.quick,
+        "machine": harness.machine(), "quick": a.quick,
         "model": c, "ranks": a.ranks, "lrs": a.lrs, "steps": a.steps, "untimed": a.untimed, "warmup": a.warmup,
         "batch": a.batch, "dtype": a.dtype, "codec": a.codec, "clients": a.clients, "max_tokens": a.max_tokens, "settle_s": a.settle,
         "load_timing": "every streamed chunk", "trainer_threads": a.trainer_threads, "argv": a.argv, "slots": SLOTS, "vllm_args": VLLM_ARGS,
@@ -310,7 +251,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     t_all = time.perf_counter()
     scratch = tempfile.mkdtemp(prefix="ckptdelta-lora-bench-")
     lab = None
-    peers: list[Peer] = []
+    peers: list[harness.Peer] = []
     samples: list[dict] = []
     ranks: list[dict] = []
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -335,8 +276,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             os.makedirs(url)
             ctx["disk"] = url
             meta["bucket"] = "a local directory (unshaped: no network namespaces here)"
-        ctx["trainer"] = Peer("trainer", lab, th, url, opts, scratch, env)
-        ctx["replica"] = Peer("replica", lab, rh, url, opts, scratch, env)
+        ctx["trainer"] = start_peer("trainer", lab, th, url, opts, scratch, env)
+        ctx["replica"] = start_peer("replica", lab, rh, url, opts, scratch, env)
         peers = [ctx["trainer"], ctx["replica"]]
         for rank in a.ranks:
             s, info = run_rank(ctx, a, rank)
@@ -344,11 +285,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             ranks.append(info)
     except BaseException:
         for p in peers:
-            print(f"--- {p.role} log tail ---\n{_tail(p.log_path)}", file=sys.stderr)
+            print(f"--- {p.name} log tail ---\n{harness.tail(p.log_path, 4000)}", file=sys.stderr)
         raise
     finally:
         for p in peers:
-            p.close()
+            p.close(120)
         if lab is not None:
             lab.close()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -372,8 +313,8 @@ def gap_resolves(rank_info: dict[str, Any], b_hold: float) -> str | None:
     if p99 is None:
         return "no two streamed chunks timed inside any idle window"
     if p99 >= b_hold / 5:
-        return (f"ordinary inter-token intervals (p99 {_ms(p99)} while idle) are not under 1/5 of (b)'s "
-                f"engine-loop hold ({_ms(b_hold)} / 5)")
+        return (f"ordinary inter-token intervals (p99 {duration(p99)} while idle) are not under 1/5 of (b)'s "
+                f"engine-loop hold ({duration(b_hold)} / 5)")
     return None
 
 
@@ -399,13 +340,13 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
                 x = a["hold_s"] / b["hold_s"]
                 res.append({"what": f"rank {rank}, lr {lr:g}: pause <= 1/5 of (b)'s load (engine loop held, "
                                     f"timed in the worker)",
-                            "value": f"{x:.2f}x of (b) ({_ms(a['hold_s'])} vs {_ms(b['hold_s'])}; ckptdelta's copy "
-                                     f"and proof ran beside it, {_ms(a.get('copy_s', 0.0))} and "
-                                     f"{_ms(a.get('prove_s', 0.0))})", "met": x <= 1 / 5})
+                            "value": f"{x:.2f}x of (b) ({duration(a['hold_s'])} vs {duration(b['hold_s'])}; "
+                                     f"ckptdelta's copy and proof ran beside it, {duration(a.get('copy_s', 0.0))} and "
+                                     f"{duration(a.get('prove_s', 0.0))})", "met": x <= 1 / 5})
                 x = a["pause_rpc_s"] / b["pause_rpc_s"]
                 res.append({"what": f"rank {rank}, lr {lr:g}: for reference, not the target: the write call's "
                                     f"wall time (what the caller waits)",
-                            "value": f"{x:.2f}x of (b) ({_ms(a['pause_rpc_s'])} vs {_ms(b['pause_rpc_s'])})",
+                            "value": f"{x:.2f}x of (b) ({duration(a['pause_rpc_s'])} vs {duration(b['pause_rpc_s'])})",
                             "met": "info"})
                 what = f"rank {rank}, lr {lr:g}: pause <= 1/5 of (b)'s load (longest token gap around the call)"
                 why = gap_resolves(info.get(rank, {}), b["hold_s"])
@@ -413,8 +354,8 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
                     res.append({"what": what, "value": f"not meaningful here: {why}", "met": None})
                 else:
                     x = a["stall_s"] / b["stall_s"] if b["stall_s"] else float("inf")
-                    res.append({"what": what, "value": f"{x:.2f}x of (b) ({_ms(a['stall_s'])} vs "
-                                f"{_ms(b['stall_s'])})", "met": x <= 1 / 5})
+                    res.append({"what": what, "value": f"{x:.2f}x of (b) ({duration(a['stall_s'])} vs "
+                                f"{duration(b['stall_s'])})", "met": x <= 1 / 5})
     failed = sum(r["failed"] for r in out["rows"])
     mixed = sum(r["mixed_versions"] for r in out["rows"] if r["method"] == "ckptdelta")
     res.append({"what": "0 requests failed or aborted (all methods' timed steps, under the sampling load)",
@@ -426,18 +367,9 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     return res
 
 
-def _ms(x: float) -> str:
-    if x < 0.001:
-        return f"{x * 1e6:.0f} us"
-    return f"{x * 1e3:.1f} ms" if x < 0.01 else f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.2f} s"
-
-
 def command(meta: dict[str, Any]) -> str:
-    if meta.get("argv") is not None:          # as run, less where its files went
-        argv = list(meta["argv"])
-        if "--out-dir" in argv:
-            del argv[argv.index("--out-dir"):argv.index("--out-dir") + 2]
-        return " ".join(["python -m benchmarks.lora", *argv])
+    if meta.get("argv") is not None:          # as run
+        return harness.command("lora", meta["argv"])
     return "python -m benchmarks.lora" + (" --quick" if meta["quick"] else "")
 
 
@@ -470,15 +402,16 @@ def markdown(out: dict[str, Any]) -> str:
         b = by.get((r["rank"], r["lr"], "full"))
         vs = f"{c['bytes'] / r['bytes']:.2f}x fewer" if c and r["method"] != "xor" else ""
         kinds = f" ({', '.join(r['kinds'])})" if r.get("kinds") and r["kinds"] != ["delta"] else ""
-        hold = _ms(r["hold_s"]) + (f" (copy {_ms(r['copy_s'])} and proof {_ms(r['prove_s'])} beside it)"
+        hold = duration(r["hold_s"]) + (f" (copy {duration(r['copy_s'])} and proof {duration(r['prove_s'])} beside it)"
                                    if "copy_s" in r else "")
-        gap = _ms(r["stall_s"])
+        gap = duration(r["stall_s"])
         if b is None or gap_resolves(info.get(r["rank"], {}), b["hold_s"]):
             gap += " (not meaningful)"
         label = LABELS[r["method"]] + (f", codec={codec}" if r["method"] == "ckptdelta" and codec != "auto" else "")
         lines.append(f"| {r['rank']} | {r['lr']:g} | {label}{kinds} | {r['bytes'] / 1e6:.3f} | {vs} | "
-                     f"{_ms(r['trainer_s'])} | {_ms(r['upload_s'])} | **{_ms(r['publish_to_serving_s'])}** | "
-                     f"**{hold}** | {_ms(r['pause_rpc_s'])} | {gap} | {r['failed']} of {r['requests']} | "
+                     f"{duration(r['trainer_s'])} | {duration(r['upload_s'])} | "
+                     f"**{duration(r['publish_to_serving_s'])}** | **{hold}** | {duration(r['pause_rpc_s'])} | {gap} | "
+                     f"{r['failed']} of {r['requests']} | "
                      f"{r['prepare_tok_s']:.1f} ({r['idle_tok_s']:.1f}) |")
     gaps = [(i["rank"], i["idle_gap_median_s"], i["idle_gap_p99_s"]) for i in out["ranks"]]
     lines += ["", "Bytes per step: what the method's prefix of the bucket grew by (ckptdelta: its data objects and "
@@ -507,7 +440,7 @@ def markdown(out: dict[str, Any]) -> str:
               "to one ordinary inter-token interval, so it is reported as meaningful only where ordinary intervals "
               "(p99 while idle) are under 1/5 of (b)'s engine-loop hold. Ordinary intervals between streamed "
               "tokens when idle: " + ("; ".join(
-                  f"rank {k}: median {_ms(m)}, p99 {_ms(p)}" for k, m, p in gaps if m is not None) or
+                  f"rank {k}: median {duration(m)}, p99 {duration(p)}" for k, m, p in gaps if m is not None) or
                   "none measured (no two chunks inside any idle window)") + "." + (
                   "" if meta.get("load_timing") else " This run timed only streamed chunks that carried text, and "
                   "the random base's tokens mostly decode to none, so almost no chunk was timed: its token-gap "
@@ -538,32 +471,24 @@ def markdown(out: dict[str, Any]) -> str:
 
 
 def plot(out: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = out["rows"]
     cells = sorted({(r["rank"], r["lr"]) for r in rows})
     by = {(r["rank"], r["lr"], r["method"]): r for r in rows}
-    fig, ax = plt.subplots(1, 4, figsize=(24, 5))
-    w = 0.8 / len(METHODS)
-    for i, m in enumerate(METHODS):
-        for panel, key, scale in ((0, "bytes", 1e6), (1, "publish_to_serving_s", 1), (2, "hold_s", 1e-3),
-                                  (3, "pause_rpc_s", 1e-3)):
-            xs = [x + (i - len(METHODS) / 2 + 0.5) * w for x, c in enumerate(cells) if (*c, m) in by]
-            ys = [by[(*c, m)][key] / scale for c in cells if (*c, m) in by]
-            ax[panel].bar(xs, ys, w, label=LABELS[m].split(" load_lora")[0])
-    for panel, title, ylab in ((0, "bytes per step", "MB"), (1, "publish() -> serving", "seconds"),
-                               (2, "engine loop held (worker): the pause", "ms"),
-                               (3, "write call's wall time", "ms")):
-        ax[panel].set_xticks(range(len(cells)), [f"rank {r}\nlr {lr:g}" for r, lr in cells])
-        ax[panel].set(title=title, ylabel=ylab)
-        ax[panel].legend(fontsize=7)
-    fig.suptitle(f"LoRA on vLLM, {out['meta']['dtype']} adapters")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with harness.figure(path, 1, 4, figsize=(24, 5)) as (fig, ax):
+        w = 0.8 / len(METHODS)
+        for i, m in enumerate(METHODS):
+            for panel, key, scale in ((0, "bytes", 1e6), (1, "publish_to_serving_s", 1), (2, "hold_s", 1e-3),
+                                      (3, "pause_rpc_s", 1e-3)):
+                xs = [x + (i - len(METHODS) / 2 + 0.5) * w for x, c in enumerate(cells) if (*c, m) in by]
+                ys = [by[(*c, m)][key] / scale for c in cells if (*c, m) in by]
+                ax[panel].bar(xs, ys, w, label=LABELS[m].split(" load_lora")[0])
+        for panel, title, ylab in ((0, "bytes per step", "MB"), (1, "publish() -> serving", "seconds"),
+                                   (2, "engine loop held (worker): the pause", "ms"),
+                                   (3, "write call's wall time", "ms")):
+            ax[panel].set_xticks(range(len(cells)), [f"rank {r}\nlr {lr:g}" for r, lr in cells])
+            ax[panel].set(title=title, ylabel=ylab)
+            ax[panel].legend(fontsize=7)
+        fig.suptitle(f"LoRA on vLLM, {out['meta']['dtype']} adapters")
 
 
 def stem_of(meta: dict[str, Any]) -> str:
@@ -575,20 +500,12 @@ def stem_of(meta: dict[str, Any]) -> str:
 
 
 def write(out: dict[str, Any], out_dir: str) -> None:
-    md = markdown(out)
-    print()
-    print(md)
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, stem_of(out["meta"]))
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump(out, f, indent=1)
-    plot(out, stem + ".png")
+    harness.write(os.path.join(out_dir, stem_of(out["meta"])), markdown(out), out, lambda path: plot(out, path))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.lora", description=__doc__.split("\n\n")[0])
+    p = harness.parser("lora", __doc__, quick="tiny base, rank 16, one step per lr: a smoke test",
+                       from_json="only re-render the markdown and plot of a run")
     p.add_argument("--ranks", default="16,64")
     p.add_argument("--lrs", default="1e-5,1e-4")
     p.add_argument("--steps", type=int, default=3, help="timed steps per learning rate (default 3)")
@@ -608,14 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", choices=("auto", "context", "fast"), default="auto",
                    help="ckptdelta's Publisher(codec=...): auto (default) picks per delta whichever serves sooner; "
                         "context always takes the context coder (the smallest deltas)")
-    p.add_argument("--quick", action="store_true", help="tiny base, rank 16, one step per lr: a smoke test")
-    p.add_argument("--out-dir", default=RESULTS)
-    p.add_argument("--from-json", metavar="PATH", help="only re-render the markdown and plot of a run")
     a = p.parse_args(argv)
     a.argv = [x for x in (sys.argv[1:] if argv is None else argv)]
     if a.from_json:
-        with open(a.from_json) as f:
-            out = json.load(f)
+        out = harness.read_json(a.from_json)
         out["targets"] = targets(out)
         write(out, a.out_dir)
         return 0

@@ -17,9 +17,7 @@ bf16 as ``Publisher(dtype=torch.bfloat16)`` publishes it).
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -28,10 +26,9 @@ import numpy as np
 import torch
 
 import delta
-from benchmarks import baselines
+from benchmarks import baselines, harness
 from delta import record
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 ENCODINGS = record.ENCODING_NAMES
 
 
@@ -154,8 +151,40 @@ def measure(old: dict, new: dict, older: dict | None = None) -> dict:
             "chunks": dict(chunks)}
 
 
+def markdown(rows: list[dict], args: dict, cmd: str) -> str:
+    """The table of ``rows`` measured with ``args`` (the run's flags, as its JSON keeps them) by ``cmd``."""
+    lines = [f"# LoRA steps: ckptdelta's codec beside XOR + zstd-3 (`{cmd}`)", "",
+             f"Llama-style base, hidden {args['hidden']}, {args['layers']} layers, bf16; peft LoRA (fp32) on every "
+             f"linear, published as {args['dtype']}, "
+             f"AdamW (no weight decay) on real gradients, {args['warmup']} warm-up steps, medians of {args['steps']} "
+             "consecutive steps (the first step has no step before it: the last column's median is over the "
+             "others). Ratio = adapter bytes / delta bytes. ckptdelta codes each step against the snapshot before "
+             "its parent too (docs/FORMAT.md encoding 6), as its publisher does where the parent is a delta; "
+             "*without grandparent* is the same codec on one step (the second) with nothing before it (as the "
+             "first delta after an anchor is: encodings 4/5). Encode and decode: seconds per step, one thread.",
+             "",
+             "The two *model* columns are not coders: they are the empirical entropy of each element's step (in "
+             "ulps, docs/FORMAT.md's keys) under a model of step sizes, the bit length of the step coded with "
+             "its exact frequencies per context and the bits below its leading one as they are. *Per class*: "
+             "the context is the parent's exponent (what encodings 4 and 5 model); *+ previous step*: also the "
+             "signed size of the step before, and the step's direction in the symbol (what encoding 6 models). "
+             "They show how far any coder of "
+             "those models could go on these steps, in bytes fewer than XOR + zstd-3.", "",
+             "| rank | lr | adapter | changed | XOR + zstd-3 | ckptdelta | bytes vs XOR + zstd-3 | without "
+             "grandparent | model: per class | model: + previous step | encode / decode | chunk encodings |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['rank']} | {r['lr']:g} | {r['raw_bytes'] / 1e6:.2f} MB | {100 * r['changed']:.1f}% | "
+                     f"{r['ratio_xor']:.3f}x | {r['ratio_ckptdelta']:.3f}x | **{r['vs_xor']:.3f}x fewer** | "
+                     f"{r['vs_xor_no_grandparent']:.3f}x fewer | "
+                     f"{r['model_class_vs_xor']:.3f}x fewer | {r['model_prev_vs_xor']:.3f}x fewer | "
+                     f"{r['encode_s'] * 1e3:.0f} / {r['decode_s'] * 1e3:.0f} ms | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(r['chunks'].items()))} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser("lora_codec", __doc__, out=None)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=20)
@@ -194,40 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"({row['vs_xor']:.3f}x fewer bytes than XOR+zstd-3; {row['vs_xor_no_grandparent']:.3f}x without "
                   f"the grandparent), chunks {row['chunks']}; models at best: "
                   f"{row['model_class_vs_xor']:.3f}x, {row['model_prev_vs_xor']:.3f}x", flush=True)
-    os.makedirs(RESULTS, exist_ok=True)
     stem = "lora_codec" if args.dtype == "fp32" else f"lora_codec_{args.dtype}"
-    with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    cmd = " ".join(["python -m benchmarks.lora_codec", *(argv if argv is not None else sys.argv[1:])])
-    lines = [f"# LoRA steps: ckptdelta's codec beside XOR + zstd-3 (`{cmd}`)", "",
-             f"Llama-style base, hidden {args.hidden}, {args.layers} layers, bf16; peft LoRA (fp32) on every linear, "
-             f"published as {args.dtype}, "
-             f"AdamW (no weight decay) on real gradients, {args.warmup} warm-up steps, medians of {args.steps} "
-             "consecutive steps (the first step has no step before it: the last column's median is over the "
-             "others). Ratio = adapter bytes / delta bytes. ckptdelta codes each step against the snapshot before "
-             "its parent too (docs/FORMAT.md encoding 6), as its publisher does where the parent is a delta; "
-             "*without grandparent* is the same codec on one step (the second) with nothing before it (as the "
-             "first delta after an anchor is: encodings 4/5). Encode and decode: seconds per step, one thread.",
-             "",
-             "The two *model* columns are not coders: they are the empirical entropy of each element's step (in "
-             "ulps, docs/FORMAT.md's keys) under a model of step sizes, the bit length of the step coded with "
-             "its exact frequencies per context and the bits below its leading one as they are. *Per class*: "
-             "the context is the parent's exponent (what encodings 4 and 5 model); *+ previous step*: also the "
-             "signed size of the step before, and the step's direction in the symbol (what encoding 6 models). "
-             "They show how far any coder of "
-             "those models could go on these steps, in bytes fewer than XOR + zstd-3.", "",
-             "| rank | lr | adapter | changed | XOR + zstd-3 | ckptdelta | bytes vs XOR + zstd-3 | without "
-             "grandparent | model: per class | model: + previous step | encode / decode | chunk encodings |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['rank']} | {r['lr']:g} | {r['raw_bytes'] / 1e6:.2f} MB | {100 * r['changed']:.1f}% | "
-                     f"{r['ratio_xor']:.3f}x | {r['ratio_ckptdelta']:.3f}x | **{r['vs_xor']:.3f}x fewer** | "
-                     f"{r['vs_xor_no_grandparent']:.3f}x fewer | "
-                     f"{r['model_class_vs_xor']:.3f}x fewer | {r['model_prev_vs_xor']:.3f}x fewer | "
-                     f"{r['encode_s'] * 1e3:.0f} / {r['decode_s'] * 1e3:.0f} ms | "
-                     f"{', '.join(f'{k} {v}' for k, v in sorted(r['chunks'].items()))} |")
-    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    cmd = harness.command("lora_codec", argv if argv is not None else sys.argv[1:])
+    harness.write(os.path.join(harness.RESULTS, stem), markdown(rows, vars(args), cmd),
+                  {"args": vars(args), "rows": rows}, echo=False)
     return 0
 
 

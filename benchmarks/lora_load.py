@@ -12,41 +12,33 @@ generate while an adapter was written) and :func:`rate` the tokens per second in
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any
 
 import httpx
 
+from benchmarks import harness
+
 PROMPT = "hello world, hello replica"
 
 
-class StreamLoad:
+class StreamLoad(harness.Clients):
     """``clients`` threads streaming completions of ``max_tokens`` tokens (ignore_eos) to the current target."""
 
+    stop_timeout = 120.0
+
     def __init__(self, clients: int, max_tokens: int):
-        self.clients, self.max_tokens = clients, max_tokens
+        super().__init__(clients)
+        self.max_tokens = max_tokens
         self.chunks: list[float] = []                 # arrival time of every streamed chunk of tokens
         self.tokens: list[tuple[float, float]] = []   # (arrival, tokens it carried) once its request ended
         self.requests: list[dict[str, Any]] = []      # one per finished (or failed) request
         self._target: dict[str, Any] | None = None
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"load-{i}")
-                         for i in range(clients)]
 
     def target(self, label: str, url: str, model: str, *, engine_data: bool = False,
                client: httpx.Client | None = None) -> None:
         """New requests go to ``model`` at ``url`` (``client`` when it must be a special one, e.g. a unix socket)."""
         self._target = {"label": label, "url": url, "model": model, "engine_data": engine_data, "client": client}
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
 
     def _loop(self, i: int) -> None:
         clients: dict[str, httpx.Client] = {}

@@ -2,9 +2,9 @@
 
 ``python -m benchmarks.lora_peers ROLE URL OPTIONS_JSON SCRATCH`` (ROLE ``trainer`` or
 ``replica``) reads one JSON command per line on stdin and answers one JSON line on
-stdout, like benchmarks/peers.py. Times are ``time.perf_counter()`` (CLOCK_MONOTONIC
-on Linux: one clock for both processes, so publish() called on the trainer ->
-serving on the replica spans them).
+stdout (benchmarks.harness.serve), like benchmarks/peers.py. Times are
+``time.perf_counter()`` (CLOCK_MONOTONIC on Linux: one clock for both processes, so
+publish() called on the trainer -> serving on the replica spans them).
 
 The three methods, trainer side and replica side, all on the same adapter bits:
 
@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from benchmarks.baselines import from_bits, to_bits
-from benchmarks.peers import serve_ops
+from benchmarks.harness import serve
+from benchmarks.peers import digests
 
 log = logging.getLogger("ckptdelta.bench.lora")
 
@@ -46,10 +46,6 @@ LABELS = {"ckptdelta": "(a) ckptdelta", "full": "(b) full adapter + load_lora_ad
 BASELINE_NAMES = {"full": "bench-full-adapter", "xor": "bench-xor-adapter"}
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-
-
-def digests(sd: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: xxhash.xxh3_64_hexdigest(memoryview(to_bits(v).view(np.uint8))) for k, v in sorted(sd.items())}
 
 
 def _fs(url: str, opts: dict) -> tuple[Any, str]:
@@ -394,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     os.makedirs(scratch, exist_ok=True)
     node = {"trainer": Trainer, "replica": Replica}[role](url, json.loads(opts), scratch)
-    return serve_ops(node, hello={"ok": True, "ready": role})
+    return serve(node, hello={"ok": True, "ready": role})
 
 if __name__ == "__main__":
     raise SystemExit(main())

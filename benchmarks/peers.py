@@ -3,7 +3,7 @@
 ``python -m benchmarks.peers URL OPTIONS_JSON SCRATCH`` is one host of
 benchmarks/at_scale.py (a trainer or a replica, started inside its network
 namespace): it reads one JSON command per line on stdin and answers one JSON
-line on stdout. Times are ``time.monotonic()``, one clock for every process of
+line on stdout (benchmarks.harness.serve). Times are ``time.monotonic()``, one clock for every process of
 the machine, so the caller can take publish() called (trainer) -> swapped
 (replica) across processes.
 
@@ -38,13 +38,14 @@ import json
 import os
 import sys
 import time
-import traceback
 import warnings
 from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
 import xxhash
+
+from benchmarks.harness import serve
 
 T = TypeVar("T")
 
@@ -348,32 +349,7 @@ class Node:
 def main(argv: list[str] | None = None) -> int:
     url, opts, scratch = (argv or sys.argv[1:])[:3]
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    return serve_ops(Node(url, json.loads(opts), scratch))
-
-
-def serve_ops(node: Any, hello: dict | None = None) -> int:
-    """The peer protocol on stdin/stdout: one JSON command per line (``{"op": name, ...}`` calls
-    ``node.op_<name>(...)``), one JSON reply per line, until ``exit``; then ``node.op_drop()``."""
-    out = sys.stdout
-    sys.stdout = sys.stderr   # anything printed by libraries goes to the log, not the protocol
-    if hello is not None:
-        out.write(json.dumps(hello) + "\n")
-        out.flush()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        if op == "exit":
-            break
-        try:
-            reply = {"ok": True, **getattr(node, f"op_{op}")(**cmd)}
-        except Exception as e:  # noqa: BLE001 - the caller reports it
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-    node.op_drop()
-    return 0
+    return serve(Node(url, json.loads(opts), scratch))
 
 
 if __name__ == "__main__":

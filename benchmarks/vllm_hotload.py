@@ -43,15 +43,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
-import platform
 import shutil
 import signal
 import statistics
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,10 +57,9 @@ from typing import Any, Iterator
 import httpx
 import torch
 
-from benchmarks.update_latency import _median_step as median_row
-from benchmarks.update_latency import backend
+from benchmarks import harness
+from benchmarks.harness import median_sample
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 METHODS = ("ckptdelta", "ckptdelta_repack_in_pause", "ckptdelta_full_proof", "full_reload_dir", "xor_zstd")
 LABELS = {"ckptdelta": "ckptdelta (default: re-packed while serving, swapped in; sampled proof, full after)",
           "ckptdelta_repack_in_pause": "ckptdelta (--apply reload: modules re-packed inside the pause)",
@@ -367,15 +363,14 @@ def xor_step(rep: Replica, trainer: Trainer, root: str, opts: dict | None) -> di
 
 # --- 4. tokens/s while a hot-load prepares -----------------------------------------------------
 
-class Sampler:
+class Sampler(harness.Clients):
     """``clients`` threads, each posting completions back to back; every finished request is logged."""
 
     def __init__(self, url: str, clients: int, max_tokens: int):
-        self.url, self.clients, self.max_tokens = url, clients, max_tokens
+        super().__init__(clients)
+        self.url, self.max_tokens = url, max_tokens
         self.done: list[tuple[float, float, int]] = []  # (start, end, completion tokens)
         self.errors = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
 
     def _loop(self, i: int) -> None:
         with httpx.Client(base_url=self.url, timeout=600) as c:
@@ -390,15 +385,6 @@ class Sampler:
                     self.done.append((t0, t1, int(r.json()["usage"]["completion_tokens"])))
                 else:
                     self.errors += 1
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(600)
 
 
 def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -482,16 +468,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     c = QUICK if a.quick else FULL
     kind = "local" if a.quick else a.backend
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-            "quick": a.quick, "backend": kind, "model": c, "lr": a.lr, "repeats": a.repeats,
-            "baseline_repeats": a.baseline_repeats, "vllm_args": VLLM_ARGS,
+    meta = {"machine": harness.machine(), "quick": a.quick, "backend": kind, "model": c, "lr": a.lr,
+            "repeats": a.repeats, "baseline_repeats": a.baseline_repeats, "vllm_args": VLLM_ARGS,
             "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     out: dict[str, Any] = {"meta": meta}
     t_all = time.perf_counter()
     scratch = tempfile.mkdtemp(prefix="ckptdelta-vllm-bench-")
     rep = pub = None
     try:
-        with backend(kind, a.s3_url, a.storage_options) as (root, opts):
+        with harness.backend(kind, a.s3_url, a.storage_options) as (root, opts):
             trainer = Trainer(c, lr=a.lr)
             meta["model_bytes"] = sum(t.numel() * 2 for t in trainer.current.values())
             meta["tensors"] = len(trainer.current)
@@ -521,7 +506,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     s = samples[-1]
                     print(f"{name}: v{s['version']} {s['bytes'] / 1e6:.1f} MB, pause {s['pause_s']:.3f} s, "
                           f"publish->serving {s['publish_to_serving_s']:.2f} s, verified {s['verified']}", flush=True)
-                methods[name] = median_row(samples)
+                methods[name] = median_sample(samples)
             # the sampled hot-loads check the live weights right after resume (the check runs either way)
             rep.engine.applier.verify, rep.engine.applier.shadows = "sampled", True  # the defaults, for tokens/s
             out["tokens"] = throughput(rep, pub, trainer, clients=a.clients, max_tokens=a.max_tokens,
@@ -538,14 +523,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 s = samples[-1]
                 print(f"full reload: pause {s['pause_s']:.3f} s, publish->serving {s['publish_to_serving_s']:.2f} s, "
                       f"verified {s['verified']}", flush=True)
-            methods["full_reload_dir"] = median_row(samples)
+            methods["full_reload_dir"] = median_sample(samples)
             samples = []
             for _ in range(a.baseline_repeats):
                 samples.append(xor_step(rep, trainer, root, opts))
                 s = samples[-1]
                 print(f"xor+zstd3: {s['bytes'] / 1e6:.1f} MB, pause {s['pause_s']:.3f} s, publish->serving "
                       f"{s['publish_to_serving_s']:.2f} s, verified {s['verified']}", flush=True)
-            methods["xor_zstd"] = median_row(samples)
+            methods["xor_zstd"] = median_sample(samples)
             out["methods"] = methods
     finally:
         if pub is not None:
@@ -650,37 +635,27 @@ def markdown(out: dict[str, Any]) -> str:
 
 
 def plot(out: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     m = out["methods"]
-    fig, ax = plt.subplots(1, 2, figsize=(13, 5))
-    labels = [SHORT_LABELS[k] for k in METHODS]
-    for i, (key, title) in enumerate((("pause_s", "pause (generation stopped)"),
-                                      ("publish_to_serving_s", "publish() -> serving the new version"))):
-        vals = [m[k][key] for k in METHODS]
-        bars = ax[i].bar(range(len(METHODS)), vals,
-                         color=["tab:blue", "tab:purple", "tab:cyan", "tab:orange", "tab:gray"])
-        for b, v in zip(bars, vals):
-            ax[i].annotate(f"{v:.2f}s", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
-        ax[i].set_xticks(range(len(METHODS)), labels, fontsize=8)
-        ax[i].set(ylabel="seconds", title=title)
-    meta = out["meta"]
-    fig.suptitle(f"vLLM replica hot-load, {meta['model_bytes'] / 1e9:.2f} GB bf16 Llama, {meta['backend']}; "
-                 f"tokens/s while preparing / idle = {out['tokens']['ratio']:.2f}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with harness.figure(path, 1, 2, figsize=(13, 5)) as (fig, ax):
+        labels = [SHORT_LABELS[k] for k in METHODS]
+        for i, (key, title) in enumerate((("pause_s", "pause (generation stopped)"),
+                                          ("publish_to_serving_s", "publish() -> serving the new version"))):
+            vals = [m[k][key] for k in METHODS]
+            bars = ax[i].bar(range(len(METHODS)), vals,
+                             color=["tab:blue", "tab:purple", "tab:cyan", "tab:orange", "tab:gray"])
+            for b, v in zip(bars, vals):
+                ax[i].annotate(f"{v:.2f}s", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+            ax[i].set_xticks(range(len(METHODS)), labels, fontsize=8)
+            ax[i].set(ylabel="seconds", title=title)
+        meta = out["meta"]
+        fig.suptitle(f"vLLM replica hot-load, {meta['model_bytes'] / 1e9:.2f} GB bf16 Llama, {meta['backend']}; "
+                     f"tokens/s while preparing / idle = {out['tokens']['ratio']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_hotload", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, local directory (a smoke test, < 90 s)")
+    p = harness.parser("vllm_hotload", __doc__, quick="tiny model, local directory (a smoke test, < 90 s)",
+                       s3=True)
     p.add_argument("--backend", choices=["s3", "local"], default="s3")
-    p.add_argument("--s3-url", default=None, help="an s3:// prefix to use instead of a local moto server")
-    p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--repeats", type=int, default=3, help="ckptdelta steps per row (median)")
     p.add_argument("--baseline-repeats", type=int, default=None, help="steps per baseline (default 2; quick 1)")
@@ -690,7 +665,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-window-s", type=float, default=None,
                    help="hot-load until this much prepare time was sampled (default 5; quick 0)")
     p.add_argument("--max-loads", type=int, default=None, help="at most this many hot-loads (default 4; quick 2)")
-    p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     q = a.quick
     a.baseline_repeats = a.baseline_repeats or (1 if q else 2)
@@ -701,16 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out = run(a)
-    md = markdown(out)
-    print()
-    print(md)
-    os.makedirs(a.out_dir, exist_ok=True)
-    stem = os.path.join(a.out_dir, "vllm_hotload" + ("-quick" if q else ""))
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump(out, f, indent=1)
-    plot(out, stem + ".png")
+    harness.write(os.path.join(a.out_dir, "vllm_hotload" + ("-quick" if q else "")), markdown(out), out,
+                  lambda path: plot(out, path))
     return 0 if out["verified"] else 1
 
 
