@@ -2,8 +2,8 @@
 of the codec takes from the registry instead of switching on ids.
 
 A test encoding ("fill": a chunk reset to one value, stored as that value) is registered here and
-must be tried by the chunk coder, checked by the record parser, decoded by every decode path and named
-by the records' statistics, with no other file knowing it; unregistered, its
+must be tried by the chunk coder, checked by the record parser, decoded by every decode path, warmed by
+the warm-up and named by the records' statistics, with no other file knowing it; unregistered, its
 records are refused as an unknown id. The built-in encodings must be exactly FORMAT.md's table.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from delta import chunks, codec, dtypes, record
+from delta import chunks, codec, dtypes, record, warmup
 from delta.encodings import ALWAYS, REGISTRY, Candidate, Encoding, register
 from delta.errors import FormatError
 
@@ -31,6 +31,9 @@ class Fill(Encoding):
     name = "fill"
     tried = ALWAYS
     order = 5
+
+    def __init__(self):
+        self.warmed: list[str] = []
 
     def check_fields(self, planes_a, planes_b, count, n, itemsize, length, dtype_name):
         if not (1 <= count <= n and planes_a == 0 and planes_b == itemsize and length == itemsize):
@@ -53,6 +56,9 @@ class Fill(Encoding):
         positions[:] = found
         values[:] = v
         return positions, values
+
+    def warm_up(self, old, new, grand, dt):
+        self.warmed.append(dt.name)
 
 
 @pytest.fixture
@@ -97,6 +103,10 @@ def test_a_new_encoding_is_one_registered_class_that_every_part_of_the_codec_tak
     forged = record.pack_header(bad) + b"".join(bytes(p) for p in parsed.payloads)
     with pytest.raises(FormatError, match=r"chunk 1: fill chunk fields out of range .*planes=0/1"):
         codec.EncodedTensor.from_bytes(forged)
+
+    warmup._warm_encodings(old, new, seed=0)                    # the install warm-up runs its hook
+    warmup._warm_stage(torch.float16, context=False)           # and a replica's, for what its codec tries
+    assert fill.warmed == ["BF16", "F16", "F16"]
 
     REGISTRY.unregister(fill)
     try:

@@ -1,9 +1,10 @@
 """The chunk encodings of docs/FORMAT.md, one module each, registered by id (:mod:`delta.encodings.base`).
 
 Importing this package registers the built-in encodings. A new encoding is one
-more module here (its id, fields check, encoder and decoder, with its kernels in
-a module of their own) and one import below: the chunk coder (delta/chunks.py)
-and the record parser (delta/record.py) take it from the registry.
+more module here (its id, fields check, encoder, decoder and warm-up, with its
+kernels in a module of their own) and one import below: the chunk coder
+(delta/chunks.py), the record parser (delta/record.py) and the warm-up
+(delta/warmup.py) take it from the registry.
 """
 
 from __future__ import annotations

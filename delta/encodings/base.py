@@ -2,10 +2,11 @@
 
 Why: an encoding is an id in the record's chunk table (docs/FORMAT.md, "Chunk
 encodings") plus everything the code must know about it: which chunk-table fields
-are valid, how the chunk coder tries it, how it decodes. Each encoding keeps all
-of that in one module of this package, which registers an :class:`Encoding` as it
-is imported (as zarr's codecs do), and the chunk coder (delta/chunks.py) and the
-record parser (delta/record.py) iterate the registry instead of switching on ids.
+are valid, how the chunk coder tries it, how it decodes, which kernels a warm-up
+must compile. Each encoding keeps all of that in one module of this package, which
+registers an :class:`Encoding` as it is imported (as zarr's codecs do), and the
+chunk coder (delta/chunks.py), the record parser (delta/record.py) and the warm-up
+(delta/warmup.py) iterate the registry instead of switching on ids.
 
 The interface is glue at the level of one chunk, never of one element: the hot
 loops stay in the numba kernels (kernels.py, ctx_*.py, gctx.py, pctx.py), pure
@@ -138,6 +139,14 @@ class Encoding:
                      where: str) -> np.ndarray:
         """For an encoding that needs no parent: the chunk's ``n`` new bits."""
         raise NotImplementedError(f"{where}: a {self.name} chunk needs its parent")
+
+    def warm_up(self, old: np.ndarray, new: np.ndarray, grand: np.ndarray, dt: "DType") -> None:
+        """Run this encoding's own kernels once on these bits of ``dt``, checked bit-exact, so numba
+        compiles (or loads) them before a real chunk needs them (delta/warmup.py).
+
+        Nothing by default: the warm-up's round trips through the codec reach the kernels of every
+        encoding the chunk coder picks there. An encoding they may not reach (one the coder no longer
+        writes, or one that needs an input they do not give) runs its kernels here."""
 
     def __repr__(self) -> str:
         return f"<encoding {self.id} {self.name}>"
