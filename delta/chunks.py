@@ -19,7 +19,7 @@ import xxhash
 
 from . import kernels
 from .dtypes import DType, nan_rule
-from .encodings import ALWAYS, CONTEXT, GCTX, REGISTRY, Chunk, Encoding, unchanged
+from .encodings import ALWAYS, CONTEXT, GCTX, REGISTRY, SPARSE, Chunk, Encoding, unchanged
 from .errors import ChecksumError, FormatError
 from .record import ChunkEntry
 
@@ -40,6 +40,8 @@ class EncodedChunk(NamedTuple):
 #: The encoding the context coder writes: 5 (gctx), faster at both ends than 4 (ctx), which
 #: still decodes; a test sets this to CTX to run the codec paths over encoding 4.
 CONTEXT_ENCODING = GCTX
+#: The fast path's own encoding, tried on every changed chunk (the others are taken only where they win).
+FAST_ENCODING = SPARSE
 
 _tries: dict[tuple, tuple] = {}
 
@@ -65,6 +67,12 @@ def tries(context: bool, grand: bool = False) -> tuple[Encoding | None, tuple[En
 
         t = _tries[key] = (scanner, tuple(filter(tried, REGISTRY.in_order)))
     return t
+
+
+def codec_encoding(context: bool) -> Encoding:
+    """The encoding that stands for a codec mode in the publisher's cost model (publisher/codec_choice.py):
+    the context coder with ``context``, else the fast path's own."""
+    return REGISTRY.by_id[CONTEXT_ENCODING if context else FAST_ENCODING]
 
 
 def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int = DEFAULT_LEVEL,

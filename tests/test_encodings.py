@@ -20,6 +20,7 @@ import torch
 from delta import chunks, codec, dtypes, record, warmup
 from delta.encodings import ALWAYS, REGISTRY, Candidate, Encoding, register
 from delta.errors import FormatError
+from publisher import codec_choice
 
 FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
 
@@ -136,6 +137,16 @@ def test_the_registered_encodings_are_exactly_format_md_s_table():
         assert e.needs_grandparent == ("grandparent" in parent), name
         assert e.count_is_changes == (name != "raw"), name       # raw's count is the chunk's elements
         assert e.__class__.__module__ == f"delta.encodings.{name}"     # one module each, named as FORMAT.md does
+
+
+def test_the_codec_choice_takes_each_codec_s_costs_from_the_encoding_that_stands_for_it():
+    ctx, fast = chunks.codec_encoding(True), chunks.codec_encoding(False)
+    assert (ctx.id, fast.id) == (chunks.CONTEXT_ENCODING, chunks.FAST_ENCODING) == (record.GCTX, record.SPARSE)
+    assert codec_choice.WORK_PER_CHANGED == {"context": ctx.cost.work_per_changed, "fast": fast.cost.work_per_changed}
+    assert codec_choice.DECODE_WORK == {"context": ctx.cost.decode_work, "fast": fast.cost.decode_work}
+    assert codec_choice.PRIOR_FAST_VS_CONTEXT == {
+        "encode": fast.cost.prior_per_work / ctx.cost.prior_per_work,
+        "bytes": fast.cost.prior_bytes_per_changed / ctx.cost.prior_bytes_per_changed}
 
 
 def test_each_codec_mode_tries_its_encodings_in_order_and_the_context_coder_it_names(monkeypatch):

@@ -3,10 +3,11 @@
 Why: an encoding is an id in the record's chunk table (docs/FORMAT.md, "Chunk
 encodings") plus everything the code must know about it: which chunk-table fields
 are valid, how the chunk coder tries it, how it decodes, which kernels a warm-up
-must compile. Each encoding keeps all of that in one module of this package, which
-registers an :class:`Encoding` as it is imported (as zarr's codecs do), and the
-chunk coder (delta/chunks.py), the record parser (delta/record.py) and the warm-up
-(delta/warmup.py) iterate the registry instead of switching on ids.
+must compile, what it costs the publisher's codec choice. Each encoding keeps all
+of that in one module of this package, which registers an :class:`Encoding` as it
+is imported (as zarr's codecs do), and the chunk coder (delta/chunks.py), the
+record parser (delta/record.py), the warm-up (delta/warmup.py) and the cost model
+(publisher/codec_choice.py) iterate the registry instead of switching on ids.
 
 The interface is glue at the level of one chunk, never of one element: the hot
 loops stay in the numba kernels (kernels.py, ctx_*.py, gctx.py, pctx.py), pure
@@ -16,6 +17,7 @@ functions over numpy arrays, which the encodings call once per chunk.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -37,6 +39,26 @@ class Candidate(NamedTuple):
     planes_b: int
     count: int
     payload: bytes
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What an encoding costs, for the publisher's choice between the codecs (publisher/codec_choice.py).
+
+    The chooser measures each codec's encode and bytes itself, delta by delta; it takes from here
+    the shape of the cost, which it cannot measure on the trainer: how much more a changed element
+    costs than a scanned one, a replica's decode, and the priors used before it measured both codecs.
+    Only the encoding that stands for a codec (``delta.chunks.codec_encoding``) needs one."""
+
+    #: Encode work per changed element, in units of one scanned element (the publisher's unit of work).
+    work_per_changed: float
+    #: A replica's decode (fetched records -> staged changes, digests checked) in units of the same codec's
+    #: encode work: (per element, per changed element).
+    decode_work: tuple[float, float]
+    #: Encode seconds per unit of work and stored bytes per changed element, relative to the context
+    #: coder's as first fitted (encoding 4): the chooser's ratio of the codecs before it has measured one.
+    prior_per_work: float
+    prior_bytes_per_changed: float
 
 
 class Chunk:
@@ -90,6 +112,8 @@ class Encoding:
     #: A context coder (encodings 4, 5): its encoder visits every element, so the chunk coder lets the one
     #: ``delta.chunks.CONTEXT_ENCODING`` names count the changes (:meth:`scan`); the others are never tried.
     scans = False
+    #: The publisher's cost model of the codec this encoding stands for, if any.
+    cost: Cost | None = None
 
     def check_entry(self, planes_a: int, planes_b: int, count: int, n: int, itemsize: int, has_parent: bool,
                     length: int, dtype_name: str) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ctxcoder, kernels
-from .base import CONTEXT, Candidate, LayoutEncoding, register
+from .base import CONTEXT, Candidate, Cost, LayoutEncoding, register
 
 
 def take_scan(chunk, res: "ctxcoder.CtxResult | None") -> bool:
@@ -37,6 +37,10 @@ class Ctx(LayoutEncoding):
     order = 20
     scans = True
     layout = ctxcoder.CTX_LAYOUT
+    #: Fitted as for encoding 5 (delta/encodings/gctx.py) when this was the context coder: ~2.2 ns/element +
+    #: ~150 ns/changed element; decode (1.25, 28.0) of that encode's units.
+    cost = Cost(work_per_changed=70.0, decode_work=(1.25, 28.0), prior_per_work=1.0, prior_bytes_per_changed=1.0)
+
     def scan(self, chunk):
         return take_scan(chunk, ctxcoder.encode_ctx(chunk.old, chunk.new, chunk.dt))
 

@@ -6,7 +6,7 @@ frame (the rest) of the zigzagged steps in ``planes_b`` byte planes. ``count`` i
 number of changed elements. The kernels are in delta/kernels.py.
 
 The chunk coder tries it on every changed chunk, in both codec modes: it is the
-fast path's own encoding (``codec="fast"``).
+fast path's own encoding (``codec="fast"``), so it carries that codec's cost model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from .. import kernels
 from ..errors import FormatError
 from . import frames
-from .base import ALWAYS, Candidate, Encoding, register
+from .base import ALWAYS, Candidate, Cost, Encoding, register
 
 
 def encode_payload(old: np.ndarray, new: np.ndarray, dt, changed: int, level: int,
@@ -39,6 +39,13 @@ class Sparse(Encoding):
     name = "sparse"
     tried = ALWAYS
     order = 10
+    #: ``delta.encode_many`` on the reference workload (benchmarks.workloads "small", 23M bf16 elements,
+    #: 0.13-31% changed, 2 cores) fitted ~1.3 ns/element + ~45 ns/changed element for the fast path; its
+    #: decode over its encode at 1 GB (benchmarks/at_scale.py, 2 cores each side) 0.55-0.70 at lr 1e-6
+    #: (1.0% changed) and 0.49-0.60 at lr 1e-5 (6.8%). Priors: 1.3 / 2.2 ns per element of the context
+    #: coder's first fit, and 1.50-1.63x its bytes per changed element on the reference workloads.
+    cost = Cost(work_per_changed=35.0, decode_work=(0.63, 17.5), prior_per_work=0.6, prior_bytes_per_changed=1.6)
+
     def check_fields(self, planes_a, planes_b, count, n, itemsize, length, dtype_name):
         if not (1 <= count <= n and 1 <= planes_a <= 4 and 1 <= planes_b <= itemsize):
             return f"sparse chunk fields out of range (count={count}, planes={planes_a}/{planes_b})"
