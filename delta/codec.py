@@ -23,8 +23,9 @@ import xxhash
 from . import chunks, dtypes, kernels
 from .errors import (ChecksumError, DeltaError, FormatError, GrandparentMismatchError, GrandparentNeededError,
                      ParentMismatchError, ShapeMismatchError, TruncatedError, UnsupportedDtypeError)
-from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, PCTX, RAW, RecordHeader,
-                     header_size_for, n_chunks_for, pack_header, parse_header)
+from .encodings import REGISTRY
+from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RecordHeader, header_size_for,
+                     n_chunks_for, pack_header, parse_header)
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
 
@@ -118,7 +119,8 @@ class EncodedTensor:
     @property
     def needs_grandparent(self) -> bool:
         """Whether decoding needs the tensor's version before its parent too (a pctx chunk, encoding 6)."""
-        return any(c.encoding == PCTX for c in self.header.chunks)
+        needs = REGISTRY.needs_grandparent
+        return any(c.encoding in needs for c in self.header.chunks)
 
     def encoding_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -420,7 +422,8 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     w = h.dtype.itemsize
     counts = [c.count for c in h.chunks]           # each checked <= its chunk's elements (record.py)
     total = sum(counts)
-    if any(c.encoding == RAW for c in h.chunks) or total * (8 + w) > h.numel * w:
+    unsized = REGISTRY.counts_elements            # raw: its count is not its changes
+    if any(c.encoding in unsized for c in h.chunks) or total * (8 + w) > h.numel * w:
         return _stage_chunkwise(bits, enc, verify, threads, grand)
     # The changes decode straight into the staged arrays, each chunk into its slice: no per-chunk arrays
     # to assemble afterwards (a copy of every change: 15% of a sparse stage at 7% changed).
@@ -572,9 +575,7 @@ def _decode_raw(enc: EncodedTensor, verify: bool, threads: int | None) -> np.nda
     h = enc.header
     for i, c in enumerate(h.chunks):  # vet every chunk before allocating what the header claims
         s, e = h.chunk_range(i)
-        if c.encoding != RAW:
-            raise FormatError(f"{enc.where()} chunk {i}: non-raw chunk in a record without parent")
-        chunks.check_frame(enc.payloads[i], (e - s) * h.dtype.itemsize, f"{enc.where()} chunk {i}")
+        chunks.check_whole(c, enc.payloads[i], e - s, h.dtype, f"{enc.where()} chunk {i}")
     out = np.empty(h.numel, h.dtype.bits_dtype)
 
     def one(i: int):

@@ -37,10 +37,13 @@ from .ctx_encoder import ctx_encode, sparse_estimate
 from .dtypes import DType, nan_rule
 from .errors import FormatError
 from .gctx import GMAX, gctx_decode, gctx_encode
-from .record import CTX_LAYOUT
 
-__all__ = ["MAX_J", "CtxResult", "ctx_decode", "ctx_encode", "decode_ctx", "decode_gctx", "encode_ctx",
+__all__ = ["CTX_LAYOUT", "MAX_J", "CtxResult", "ctx_decode", "ctx_encode", "decode_ctx", "decode_gctx", "encode_ctx",
            "encode_gctx", "gctx_decode", "gctx_encode", "golomb_m", "layout_of", "sparse_estimate"]
+
+#: The dtypes encodings 4 and 5 serve: an element's context is its parent's exponent field, and
+#: (planes_a, planes_b) of their chunk entries = (mantissa bits, exponent bits) (docs/FORMAT.md, encoding 4).
+CTX_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F8_E4M3": (3, 4), "F8_E5M2": (2, 5)}
 
 _ERRORS = {
     1: "payload shorter than its class table",

@@ -12,7 +12,7 @@ an old one, and an undo would no longer undo.
 For a function defined in this project's packages it keeps the directory numba
 would have chosen (``NUMBA_CACHE_DIR``, the ``__pycache__`` beside the file, or
 the user-wide cache) and stamps the entry with a digest of the contents of every
-``delta/*.py`` and of the function's own file, so a change to any of them
+``delta/**/*.py`` and of the function's own file, so a change to any of them
 recompiles (once: ``python -m delta.warmup`` does it at install). Functions of
 other packages are left to numba's own locators, and so is a zip or frozen
 install, where numba stamps the archive itself. ``NUMBA_CACHE_LOCATOR_CLASSES``,
@@ -49,14 +49,28 @@ def _digest_of(path: str) -> str:
 
 @lru_cache(maxsize=None)
 def delta_digest() -> str:
-    """A digest of every source file of the delta package, by name and content (editors' lock files and
-    other names starting with a dot, and anything not a regular file, left out)."""
+    """A digest of every source file of the delta package and its subpackages (delta/encodings/: a kernel
+    may call into whatever an encoding module passes it), by path and content (editors' lock files and
+    other names starting with a dot, ``__pycache__``, and anything not a regular file, left out)."""
     h = hashlib.sha256()
-    for name in sorted(os.listdir(_DELTA)):
-        path = os.path.join(_DELTA, name)
-        if name.endswith(".py") and not name.startswith(".") and os.path.isfile(path):
-            h.update(f"{name}\0{_digest_of(path)}\0".encode())
+    for name in _sources(_DELTA):
+        h.update(f"{name}\0{_digest_of(os.path.join(_DELTA, name))}\0".encode())
     return h.hexdigest()
+
+
+def _sources(root: str, prefix: str = "") -> list[str]:
+    """The ``.py`` files under ``root``, as paths relative to it ("/"-separated), in sorted order."""
+    out = []
+    for name in sorted(os.listdir(os.path.join(root, prefix))):
+        rel = prefix + name
+        path = os.path.join(root, rel)
+        if name.startswith(".") or name == "__pycache__":
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            out += _sources(root, rel + "/")
+        elif name.endswith(".py") and os.path.isfile(path):
+            out.append(rel)
+    return out
 
 
 def _ours(py_file: str) -> bool:

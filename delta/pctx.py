@@ -33,7 +33,10 @@ from numba import njit
 from .ctx_bits import U64, key, unkey
 from .dtypes import DType
 from .errors import FormatError
-from .record import PCTX_LAYOUT
+
+#: The dtypes encoding 6 serves: (planes_a, planes_b) of its chunk entries = (mantissa bits, exponent bits),
+#: the fields its contexts take from the parent (docs/FORMAT.md, encoding 6).
+PCTX_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F32": (23, 8)}
 
 PROB_BITS = 11
 PROB_ONE = 1 << PROB_BITS        # probabilities are of a 0 bit, in units of 2**-11

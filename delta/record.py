@@ -16,25 +16,19 @@ from dataclasses import dataclass
 import xxhash
 
 from . import dtypes
+from .ctxcoder import CTX_LAYOUT  # noqa: F401 - (planes_a, planes_b) per dtype of encodings 4 and 5
+from .encodings import CTX, DENSE_XOR, GCTX, PCTX, RAW, REGISTRY, SPARSE, UNCHANGED  # noqa: F401
 from .errors import ChecksumError, FormatError, TruncatedError
+from .pctx import PCTX_LAYOUT  # noqa: F401 - the same, of encoding 6
 
 MAGIC = b"CKDT"
 FORMAT_VERSION = 1
 
-# chunk encodings (docs/FORMAT.md, "Chunk encodings"); new ones take new ids, old ids never change
-UNCHANGED = 0
-SPARSE = 1
-DENSE_XOR = 2
-RAW = 3
-CTX = 4
-GCTX = 5
-PCTX = 6
-ENCODING_NAMES = {UNCHANGED: "unchanged", SPARSE: "sparse", DENSE_XOR: "dense_xor", RAW: "raw", CTX: "ctx",
-                  GCTX: "gctx", PCTX: "pctx"}
-# ctx: an element's context is its parent's exponent field; (planes_a, planes_b) = (mantissa bits, exponent bits)
-CTX_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F8_E4M3": (3, 4), "F8_E5M2": (2, 5)}
-# pctx: the same fields, for the dtypes it serves (it also needs the grandparent: docs/FORMAT.md, encoding 6)
-PCTX_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F32": (23, 8)}
+# Chunk encodings (docs/FORMAT.md, "Chunk encodings"): one module each in delta/encodings/, registered by id
+# (imported above: the built-in ids UNCHANGED .. PCTX and their layouts, for callers); new ones take new ids,
+# old ids never change.
+#: id -> name of every registered encoding (one dict, kept current by the registry).
+ENCODING_NAMES = REGISTRY.names
 
 FLAG_HAS_PARENT = 1
 
@@ -53,10 +47,10 @@ assert FIXED_SIZE == 48 and CHUNK_ENTRY_SIZE == 24
 
 @dataclass(frozen=True)
 class ChunkEntry:
-    encoding: int
-    planes_a: int    # sparse: byte planes of the gaps; others: 0
-    planes_b: int    # sparse: byte planes of the steps; dense/raw: element width
-    count: int       # sparse/dense: changed elements; raw: elements; unchanged: 0
+    encoding: int    # its id; it decides what the fields below mean (delta/encodings/, docs/FORMAT.md)
+    planes_a: int    # sparse: byte planes of the gaps; ctx, gctx, pctx: mantissa bits; others: 0
+    planes_b: int    # sparse: byte planes of the steps; dense/raw: element width; ctx, gctx, pctx: exponent bits
+    count: int       # changed elements; raw: elements; unchanged: 0
     length: int      # payload bytes
     checksum: int    # xxh3-64 of the payload bytes
 
@@ -236,23 +230,8 @@ def _claimed(buf: bytes | memoryview, what: str) -> str:
 
 def _check_entry(where: str, i: int, enc: int, pa: int, pb: int, count: int, n: int,
                  itemsize: int, has_parent: bool, length: int, dtype_name: str = "") -> None:
-    bad = None
-    if enc not in ENCODING_NAMES:
-        bad = f"unknown encoding id {enc}"
-    elif enc == UNCHANGED and (count or length or pa or pb):
-        bad = "unchanged chunk with a payload or planes"
-    elif enc in (UNCHANGED, SPARSE, DENSE_XOR, CTX, GCTX, PCTX) and not has_parent:
-        bad = f"{ENCODING_NAMES[enc]} chunk in a record without parent"
-    elif enc == SPARSE and not (1 <= count <= n and 1 <= pa <= 4 and 1 <= pb <= itemsize):
-        bad = f"sparse chunk fields out of range (count={count}, planes={pa}/{pb})"
-    elif enc == DENSE_XOR and not (1 <= count <= n and pa == 0 and pb == itemsize):
-        bad = f"dense chunk fields out of range (count={count}, planes={pa}/{pb})"
-    elif enc == RAW and not (count == n and pa == 0 and pb == itemsize):
-        bad = f"raw chunk fields out of range (count={count}, planes={pa}/{pb})"
-    elif enc in (CTX, GCTX) and not (1 <= count <= n and CTX_LAYOUT.get(dtype_name) == (pa, pb)):
-        bad = (f"{ENCODING_NAMES[enc]} chunk fields out of range for {dtype_name or 'this dtype'} "
-               f"(count={count}, planes={pa}/{pb})")
-    elif enc == PCTX and not (1 <= count <= n and PCTX_LAYOUT.get(dtype_name) == (pa, pb)):
-        bad = f"pctx chunk fields out of range for {dtype_name or 'this dtype'} (count={count}, planes={pa}/{pb})"
+    e = REGISTRY.by_id.get(enc)
+    bad = f"unknown encoding id {enc}" if e is None else \
+        e.check_entry(pa, pb, count, n, itemsize, has_parent, length, dtype_name)
     if bad:
         raise FormatError(f"{where} chunk {i}: {bad}")

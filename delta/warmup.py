@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 
 log = logging.getLogger("ckptdelta.warmup")
@@ -82,8 +81,7 @@ def warm_up(progress: Callable[[str, int, int, float | None], None] | None = Non
             want = new.view(torch.uint8)
             if not all(torch.equal(o.view(torch.uint8), want) for o in outs):
                 raise AssertionError(f"warm-up round trip of {dtype} is not bit-exact")
-            _warm_encoding_4(old, new)
-            _warm_pctx(old, new, seed=i)
+            _warm_encodings(old, new, seed=i)
         say(group, i + 1, groups, time.perf_counter() - tg)
     say("hot-swap commit kernels", groups, groups, None)
     tg = time.perf_counter()
@@ -92,40 +90,18 @@ def warm_up(progress: Callable[[str, int, int, float | None], None] | None = Non
     return time.perf_counter() - t0
 
 
-def _warm_pctx(old: torch.Tensor, new: torch.Tensor, seed: int) -> None:
-    """Encoding 6 (a record coded against its grandparent too: LoRA runs), for the dtypes it serves, checked."""
-    from delta import dtypes, pctx
+def _warm_encodings(old: torch.Tensor, new: torch.Tensor, seed: int, encodings: Iterable | None = None) -> None:
+    """Each encoding's own warm-up (``Encoding.warm_up``: the kernels the codec's round trips may not reach,
+    such as encoding 4's, which the codec only reads now, and encoding 6's, which needs a grandparent), on
+    these tensors and a grandparent made for them; every registered encoding unless ``encodings`` says."""
+    from delta import dtypes
+    from delta.encodings import REGISTRY
 
     dt = dtypes.of(old)
-    if pctx.layout_of(dt) is None:
-        return
     grand = _pair(old.dtype, old.numel(), 0.5, seed=seed + 101)[1]
     o, n, g = (dtypes.host_bits(x) for x in (old, new, grand))
-    payload = pctx.encode_pctx(o, n, g, dt)        # the kernels themselves: encode() might pick another encoding
-    if payload is None:
-        return
-    pos, vals = pctx.decode_pctx(payload, o, g, int((o != n).sum()), dt, "warm-up")
-    out = o.copy()
-    out[pos] = vals
-    if not np.array_equal(out, n):
-        raise AssertionError(f"warm-up of encoding 6 for {old.dtype} is not bit-exact")
-
-
-def _warm_encoding_4(old: torch.Tensor, new: torch.Tensor) -> None:
-    """Encoding 4's kernels, which the codec no longer writes but still reads (records written before
-    encoding 5), for the dtypes it serves; checked bit-exact."""
-    from . import ctxcoder, dtypes, kernels
-
-    dt = dtypes.of(new)
-    if ctxcoder.layout_of(dt) is None:
-        return
-    o, n = dtypes.host_bits(old), dtypes.host_bits(new)
-    k = kernels.count_changed(o, n)
-    if not k:
-        return
-    pos, vals = ctxcoder.decode_ctx(ctxcoder.encode_ctx(o, n, dt, k).payload, o, k, dt, "warmup")
-    if not (np.array_equal(pos, np.flatnonzero(o != n)) and np.array_equal(vals, n[pos])):
-        raise AssertionError(f"warm-up of encoding 4 ({dt.name}) is not bit-exact")
+    for enc in REGISTRY if encodings is None else encodings:
+        enc.warm_up(o, n, g, dt)
 
 
 def _commit_case(width: int, n: int, frac: float, copy: bool) -> tuple:
@@ -210,6 +186,7 @@ def _warm_stage(dtype: torch.dtype, context: bool) -> None:
     are encoded here: with numba's cache filled at install that costs ~0.05 s more (a replica installed
     without ``python -m delta.warmup`` compiles the encoder too, in this background thread)."""
     from delta import encode, stage
+    from delta.chunks import tries
 
     for frac in (0.01, 0.5):
         old, new = _pair(dtype, 1 << 12, frac, seed=0)
@@ -217,8 +194,7 @@ def _warm_stage(dtype: torch.dtype, context: bool) -> None:
         stage(live, encode(old, new, name="warmup", context=context).to_bytes()).apply_(live)
         if not torch.equal(live.view(torch.uint8), new.view(torch.uint8)):
             raise AssertionError(f"warm-up of the staging path of {dtype} is not bit-exact")
-        if context:
-            _warm_pctx(old, new, seed=0)
+        _warm_encodings(old, new, seed=0, encodings=tries(context, grand=True)[1])   # those its codec writes
 
 
 #: Set to 0 to turn the background warm-up off (every HotSwapper then loads its kernels on first use).

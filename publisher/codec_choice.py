@@ -1,7 +1,7 @@
 """``Publisher(codec="auto")``, the default: per delta, the context coder or the fast path, whichever
 gets the new weights onto the replicas sooner.
 
-The two delta codecs trade CPU for bytes. The context coder (record encoding 4)
+The two delta codecs trade CPU for bytes. The context coder (record encoding 5)
 writes deltas about 1.6x smaller than the fast path (``codec="fast"``: sparse / XOR
 planes with zstd alone), and encodes 1.4-2.7x slower and decodes 2-3x slower.
 Which one gets a snapshot swapped in sooner depends on the cores (and how busy
@@ -69,6 +69,9 @@ from dataclasses import dataclass
 
 import torch
 
+from delta import chunks
+from delta.encodings import Cost
+
 from . import deltas
 
 log = logging.getLogger("ckptdelta.publisher")
@@ -86,24 +89,26 @@ EXPLORE_EVERY = 10
 MAX_EXPLORE_STRETCH = 4.0
 #: Until a codec has this many samples it is measured again every other delta.
 MIN_SAMPLES = 3
-#: Encode work per changed element, in units of one scanned element. ``delta.encode_many`` on the
-#: reference workload (benchmarks.workloads "small", 23M bf16 elements, 0.13-31% changed, 2 cores) fitted
-#: ~2.2 ns/element + ~150 ns/changed element for the context coder as encoding 4 wrote it, ~1.3 + ~45 for
-#: the fast path. Encoding 5 (gctx) took 0.53x and 0.39x encoding 4's time per changed element and
-#: 1.0-1.4x per element in two runs of the same fit (0.13-6.8% changed, 2 threads): 70 -> 32.
-WORK_PER_CHANGED = {CONTEXT: 32.0, FAST: 35.0}
+
+
+def cost_of(codec: str) -> Cost:
+    """The cost model of the encoding that stands for ``codec`` (``delta.chunks.codec_encoding``: the context
+    coder's, encoding 5, or the fast path's sparse), where it is declared and its fits are described."""
+    return chunks.codec_encoding(codec == CONTEXT).cost
+
+
+#: Encode work per changed element, in units of one scanned element (``Cost.work_per_changed``): the
+#: context coder's fitted ~32, the fast path's ~35.
+WORK_PER_CHANGED = {c: cost_of(c).work_per_changed for c in CODECS}
 #: The fast path's samples over the context coder's, before a pair of deltas has measured it: seconds per
-#: unit of work (1.3 / 2.2 ns above) and bytes per changed element (1.50-1.63x on the reference workloads).
-PRIOR_FAST_VS_CONTEXT = {"encode": 0.6, "bytes": 1.6}
+#: unit of work and bytes per changed element (the encodings' ``Cost.prior_*``: 0.6 and 1.6).
+PRIOR_FAST_VS_CONTEXT = {"encode": cost_of(FAST).prior_per_work / cost_of(CONTEXT).prior_per_work,
+                         "bytes": cost_of(FAST).prior_bytes_per_changed / cost_of(CONTEXT).prior_bytes_per_changed}
 #: A replica's decode (fetched records -> staged changes, digests checked) in units of the same codec's encode
 #: work: (per element, per changed element), so decode seconds = the codec's encode seconds per unit of work x
-#: (a x elements + b x changed). Fitted to benchmarks/at_scale.py at 1 GB, 2 cores on each side (decode over
-#: trainer-side time, 0.89-0.90 for the context coder at lr 1e-6 (1.0% changed) and 0.50-0.59 at lr 1e-5
-#: (6.8%); 0.55-0.70 and 0.49-0.60 for the fast path): the decode grows more slowly with the changes than
-#: the encode does. The context coder's, fitted with encoding 4 as (1.25, 28.0), scaled by what encoding 5's
-#: stage() took against encoding 4's in one fit of the reference workload (0.66x per element, 0.69x per
-#: changed element) over its encode unit (~1.15x encoding 4's).
-DECODE_WORK = {CONTEXT: (0.72, 16.8), FAST: (0.63, 17.5)}
+#: (a x elements + b x changed) (``Cost.decode_work``). Fitted to benchmarks/at_scale.py at 1 GB, 2 cores on
+#: each side: the decode grows more slowly with the changes than the encode does.
+DECODE_WORK = {c: cost_of(c).decode_work for c in CODECS}
 #: A replica's fetch batches (loader/reader.py): the first this many bytes, then twice the last, up to
 #: REPLICA_BATCH_BYTES.
 REPLICA_FIRST_BATCH_BYTES = 4 << 20

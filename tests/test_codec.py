@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from delta import chunks, codec, dtypes, record
+from delta.encodings import frames, sparse
 from delta.errors import ChecksumError, ParentMismatchError, ShapeMismatchError
 from tests import naive
 
@@ -428,7 +429,7 @@ def test_a_step_moving_every_element_by_noise_is_coded_sparse_without_compressin
     b = a + torch.randn(200_000, generator=g) * 1e-5   # sparse 525 KB; dense XOR 540 KB, estimated 531 KB
     before = codec.encode(a, b, name="w", chunk_elems=1 << 20).to_bytes()
     calls = []
-    real = chunks._compressor
+    real = frames.compressor
 
     def counting(level):
         c = real(level)
@@ -439,12 +440,12 @@ def test_a_step_moving_every_element_by_noise_is_coded_sparse_without_compressin
                 return c.compress(data)
         return Counting()
 
-    monkeypatch.setattr(chunks, "_compressor", counting)
+    monkeypatch.setattr(frames, "compressor", counting)
     enc = codec.encode(a, b, name="w", chunk_elems=1 << 20)
     assert enc.encoding_counts() == {"sparse": 1}
     assert len(calls) == 2, calls            # sparse's gaps and steps only: no dense or raw try
     assert enc.to_bytes() == before
-    monkeypatch.setattr(chunks, "SURELY_LARGER", float("inf"))      # every try compressed: the same choice
+    monkeypatch.setattr(frames, "SURELY_LARGER", float("inf"))      # every try compressed: the same choice
     calls.clear()
     assert codec.encode(a, b, name="w", chunk_elems=1 << 20).to_bytes() == before and len(calls) == 4
 
@@ -455,9 +456,9 @@ def test_dense_xor_is_chosen_when_it_is_smaller():
     b.view(torch.int16)[:] ^= 1  # every element flips its lowest bit: the XOR planes are constant
     enc = codec.encode(a, b, name="w", chunk_elems=1 << 20)
     assert enc.encoding_counts() == {"dense_xor": 1}
-    sparse_entry, _ = chunks._encode_sparse(dtypes.host_bits(a), dtypes.host_bits(b),
-                                            dtypes.BY_NAME["BF16"], 100_000, chunks.DEFAULT_LEVEL)
-    assert enc.header.chunks[0].length < sparse_entry.length
+    *_, sparse_payload = sparse.encode_payload(dtypes.host_bits(a), dtypes.host_bits(b),
+                                               dtypes.BY_NAME["BF16"], 100_000, chunks.DEFAULT_LEVEL)
+    assert enc.header.chunks[0].length < len(sparse_payload)
 
 
 def test_raw_is_chosen_for_a_chunk_reset_to_zeros():
@@ -480,8 +481,8 @@ def test_chosen_encoding_is_never_larger_than_sparse(fraction):
     for i, entry in enumerate(enc.header.chunks):
         s, e = enc.header.chunk_range(i)
         k = int(np.count_nonzero(old[s:e] != new[s:e]))
-        sparse_entry, _ = chunks._encode_sparse(old[s:e], new[s:e], dt, k, chunks.DEFAULT_LEVEL)
-        assert entry.length <= sparse_entry.length
+        *_, sparse_payload = sparse.encode_payload(old[s:e], new[s:e], dt, k, chunks.DEFAULT_LEVEL)
+        assert entry.length <= len(sparse_payload)
 
 
 def test_zero_d_and_empty_tensors_round_trip():
@@ -677,7 +678,7 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
     raw = codec.encode(old, torch.zeros_like(old))                  # raw chunks: smaller than XOR planes
     r = raw.header.chunks[0]
     assert r.encoding == record.RAW
-    with pytest.raises(ValueError, match="only sparse, dense, ctx, gctx and pctx chunks"):
+    with pytest.raises(ValueError, match="only sparse, dense_xor, ctx, gctx and pctx chunks"):
         chunks.decode_changes(r, raw.payloads[0], bits, raw.header.dtype, "t",
                               (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))
 

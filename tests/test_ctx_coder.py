@@ -26,6 +26,7 @@ import xxhash
 
 from benchmarks import entropy
 from delta import chunks, codec, ctxcoder, dtypes, errors, kernels, record
+from delta.encodings import sparse as sparse_encoding
 from tests import naive_ctx, naive_gctx
 
 REPO = Path(__file__).resolve().parent.parent
@@ -295,10 +296,10 @@ def test_the_context_coder_is_only_used_where_it_is_smaller_and_only_for_its_dty
         for i, c in enumerate(enc.header.chunks):
             s, e = enc.header.chunk_range(i)
             k = int(np.count_nonzero(old[s:e] != new[s:e]))
-            sparse, _ = chunks._encode_sparse(old[s:e], new[s:e], dt, k, chunks.DEFAULT_LEVEL)
-            assert c.length <= sparse.length
+            *_, sparse = sparse_encoding.encode_payload(old[s:e], new[s:e], dt, k, chunks.DEFAULT_LEVEL)
+            assert c.length <= len(sparse)
             if c.encoding == coder.id:
-                assert c.length < sparse.length and (c.planes_a, c.planes_b) == record.CTX_LAYOUT[name]
+                assert c.length < len(sparse) and (c.planes_a, c.planes_b) == record.CTX_LAYOUT[name]
 
 
 def test_sparse_estimate_is_the_order0_entropy_of_sparse_byte_planes():
@@ -335,7 +336,7 @@ def test_sparse_estimate_is_below_what_sparse_actually_needs(coder):
             if k == 0:
                 continue
             res = coder.encode(old, new, dt, k)
-            sparse, payload = chunks._encode_sparse(old, new, dt, k, chunks.DEFAULT_LEVEL)
+            *_, payload = sparse_encoding.encode_payload(old, new, dt, k, chunks.DEFAULT_LEVEL)
             assert ctxcoder.sparse_estimate(*res.sparse_parts) <= len(payload), (name, p_small)
             if res.beats_sparse:
                 assert len(res.payload) < len(payload)

@@ -78,6 +78,22 @@ def test_a_cached_kernel_is_compiled_again_when_a_kernel_it_calls_changes_in_ano
     assert _run(root, cache)[1:] == (1, 0)
 
 
+def test_a_cached_kernel_is_compiled_again_when_a_module_of_the_encodings_subpackage_changes(tmp_path):
+    """delta/encodings/ holds the glue that passes the kernels their arguments; its files stamp the cache too."""
+    root, cache = _copy_of_delta(tmp_path), str(tmp_path / "numba-cache")
+    assert _run(root, cache)[1:] == (0, 1)
+    assert _run(root, cache)[1:] == (1, 0)
+    with open(os.path.join(root, "delta", "encodings", "sparse.py"), "a") as f:
+        f.write("\n# an upgrade\n")
+    again = _run(root, cache)
+    assert again[1:] == (0, 1), "the probe's cache entry survived a change to delta/encodings/sparse.py"
+    assert again[0] == "05070000"
+    os.makedirs(os.path.join(root, "delta", "encodings", "__pycache__"), exist_ok=True)
+    with open(os.path.join(root, "delta", "encodings", "__pycache__", "stale.py"), "w") as f:
+        f.write("# not a source\n")                            # bytecode folders are not sources
+    assert _run(root, cache)[1:] == (1, 0)
+
+
 def test_the_sources_locator_takes_only_the_project_s_functions_and_keeps_numba_s_directory():
     from delta import kernels
 

@@ -1,0 +1,24 @@
+"""The chunk encodings of docs/FORMAT.md, one module each, registered by id (:mod:`delta.encodings.base`).
+
+Importing this package registers the built-in encodings. A new encoding is one
+more module here (its id, fields check, encoder, decoder, warm-up and cost, with
+its kernels in a module of their own) and one import below: the chunk coder
+(delta/chunks.py), the record parser (delta/record.py), the warm-up and the
+publisher's cost model take it from the registry.
+"""
+
+from __future__ import annotations
+
+from . import ctx, dense_xor, gctx, pctx, raw, sparse, unchanged
+from .base import ALWAYS, CONTEXT, REGISTRY, Candidate, Chunk, Cost, Encoding, LayoutEncoding, register
+
+UNCHANGED = unchanged.ENCODING.id
+SPARSE = sparse.ENCODING.id
+DENSE_XOR = dense_xor.ENCODING.id
+RAW = raw.ENCODING.id
+CTX = ctx.ENCODING.id
+GCTX = gctx.ENCODING.id
+PCTX = pctx.ENCODING.id
+
+__all__ = ["ALWAYS", "CONTEXT", "CTX", "DENSE_XOR", "GCTX", "PCTX", "RAW", "REGISTRY", "SPARSE", "UNCHANGED",
+           "Candidate", "Chunk", "Cost", "Encoding", "LayoutEncoding", "register"]
