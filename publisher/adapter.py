@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,9 @@ class BaseModel:
 
     def record(self, config_xxh3: str) -> AdapterRecord:
         return AdapterRecord(self.name, self.xxh3, config_xxh3)
+
+    def describe(self) -> str:
+        return f"{self.name} (weights xxh3 {self.xxh3})"
 
 
 @dataclass(frozen=True)
@@ -181,9 +185,20 @@ def _show(v: Any) -> str:
     return str(v)
 
 
+def base_key(model: torch.nn.Module) -> tuple:
+    """What :meth:`BaseModel.of` of a peft model depends on, read without a byte of the weights: each base
+    tensor's name, storage address, torch version counter, dtype, shape and strides. Another base, a parameter
+    replaced or reloaded, or an in-place write torch counts (an optimizer step, ``load_state_dict``, ``copy_``
+    under ``no_grad``) gives another key; a write through ``.data`` bypasses the counter and does not."""
+    adapters = getattr(model, "peft_config", {}) or {}
+    return tuple((n, t.data_ptr(), t._version, t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
+                 for n, t in base_tensors(model.get_base_model(), adapters))
+
+
 class RunAdapter:
     """A Publisher's knowledge of its run's adapter: the spec it was given, the base of the peft model it
-    publishes (hashed once, at its first publish), and what the run committed last."""
+    publishes (hashed at its first publish, and again whenever the model's base is not the one hashed:
+    :func:`base_key`), and what the run committed last."""
 
     def __init__(self, spec: AdapterSpec | None) -> None:
         if spec is not None and not isinstance(spec, AdapterSpec):
@@ -191,6 +206,8 @@ class RunAdapter:
         self.spec = spec
         self._spec_config = None if spec is None else read_config(spec.config)
         self._base: BaseModel | None = None if spec is None else spec.base
+        # the peft model _base was hashed from and its base_key(); None while a spec declares the base
+        self._hashed: tuple[weakref.ref, tuple] | None = None
         self.known = False                       # the run has a committed snapshot we could read
         self.last: AdapterRecord | None = None   # the newest snapshot's record (None: a full-model run)
         self.last_config: dict[str, Any] | None = None
@@ -256,11 +273,24 @@ class RunAdapter:
 
         tensors = get_peft_model_state_dict(model, adapter_name=name)
         check_adapter_tensors(list(tensors), f"peft model's adapter {name!r}")
-        if self._base is None:
-            self._base = BaseModel.of(model, name=d.get("base_model_name_or_path") or None)
-            log.info("LoRA run: base %s, weights xxh3 %s", self._base.name, self._base.xxh3)
+        if self.spec is None:
+            self._hash_base(model, d.get("base_model_name_or_path") or None)
         config_json = canonical_config(d)
         return AdapterSnapshot(tensors, config_json, self._base.record(digest_bytes(config_json)), d)
+
+    def _hash_base(self, model: Any, name: str | None) -> None:
+        """Hash the base of ``model`` unless it is the very base hashed last (the same model, its base tensors
+        where they were, written by nothing torch counts): a second peft model on another base, or a base the
+        trainer reloaded or changed, is recorded as the base it is, never as the first one."""
+        key = base_key(model)
+        if self._hashed is not None and self._hashed[0]() is model and self._hashed[1] == key:
+            return
+        base = BaseModel.of(model, name=name)
+        if self._base is not None and base != self._base:
+            log.warning("LoRA run: the peft model's base is now %s (was %s)", base.describe(), self._base.describe())
+        else:
+            log.info("LoRA run: base %s", base.describe())
+        self._base, self._hashed = base, (weakref.ref(model), key)
 
     def anchor_reason(self, snap: AdapterSnapshot | None) -> str | None:
         """Why this adapter must start an anchor (a new base or config), or None."""

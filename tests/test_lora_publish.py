@@ -26,13 +26,13 @@ def lm_dir(tmp_path_factory):
     return make_lm_dir(str(tmp_path_factory.mktemp("lm")))
 
 
-def peft_model(lm_dir: str, *, r: int = 4, alpha: int = 8, seed: int = 0):
+def peft_model(lm_dir: str, *, r: int = 4, alpha: int = 8, seed: int = 0, target_modules="all-linear"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.bfloat16)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, opt
 
@@ -348,3 +348,53 @@ def test_deltas_after_the_first_are_coded_against_their_grandparent_and_every_re
     for sw in (swapper, started.swapper):
         assert not sw.hotload(7).via_anchor and not sw.hotload(8).via_anchor
         assert bits_differ(sw.weights, truth[8]) == []
+
+
+# --- what the reviews of issue 39 tried (docs/GUARANTEES.md, "What the reviews tried, and held") ---------------
+
+
+def test_a_base_swapped_or_changed_under_one_publisher_is_recorded_as_itself_and_replicas_refuse_its_adapters(
+        lm_dir, tmp_path, caplog):
+    """The publisher hashes the peft model's base at its first publish and again whenever the base is not the one
+    it hashed (publisher/adapter.py, base_key): a base weight the trainer trains too (an in-place write torch
+    counts), then a second peft model on another base, are recorded as the bases they are. Each starts an anchor
+    naming both digests, and a replica on the first base refuses them in one line and serves on; an unchanged
+    base is hashed once. (It recorded the first base for every adapter, the changed base's as a plain delta: a
+    replica served them on a base they were not trained on.)"""
+    import logging
+
+    from tests.lm import save_tiny_lm
+
+    other = save_tiny_lm(str(tmp_path / "other-lm"), seed=1)       # same architecture, other weights
+    first = BaseModel.of(lm_dir).xxh3
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    caplog.set_level(logging.INFO, logger="ckptdelta.publisher")
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        results = publish_steps(pub, model, opt, range(2), truth)
+        norm = model.get_base_model().model.norm.weight            # the trainer trains a base weight too
+        norm.requires_grad_(True)
+        opt.add_param_group({"params": [norm], "lr": 0.1})         # (at 1e-4 no bf16 bit of ~1.0 would move)
+        results += publish_steps(pub, model, opt, range(2, 3), truth)
+        changed = BaseModel.of(model).xxh3
+        other_model, other_opt = peft_model(other)
+        results += publish_steps(pub, other_model, other_opt, range(3, 4), truth)
+    assert [r.kind for r in results] == ["anchor", "delta", "anchor", "anchor"]
+    hashes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LoRA run: ")]
+    assert len(hashes) == 3, hashes                                 # v0, v2 and v3: not v1's unchanged base
+    reader = SnapshotReader(url)
+    assert [reader.manifest(v).adapter.base_xxh3 for v in range(4)] == [first, first, changed,
+                                                                       BaseModel.of(other).xxh3]
+    assert first != changed
+    for r, (was, now) in zip(results[2:], [(first, changed), (changed, BaseModel.of(other).xxh3)]):
+        assert r.reason.startswith("the base model changed") and was in r.reason and now in r.reason, r.reason
+
+    replica = reference.build(bucket=url, snapshot=1, base_model=lm_dir)
+    for v, digest in ((2, changed), (3, BaseModel.of(other).xxh3)):
+        with pytest.raises(HotLoadError, match="this replica serves base") as e:
+            replica.swapper.hotload(v)
+        assert "\n" not in str(e.value) and digest in str(e.value) and first in str(e.value)
+        assert replica.version == 1 and bits_differ(replica.swapper.weights, truth[1]) == []
+    on_other = reference.build(bucket=url, snapshot=3, base_model=other)
+    assert bits_differ(on_other.swapper.weights, truth[3]) == []
