@@ -168,6 +168,45 @@ def check_adapter_tensors(names: list[str], what: str) -> None:
                                 "saves it")
 
 
+def check_tensors_fit_config(tensors: Mapping[str, Any], config: Mapping[str, Any], what: str) -> None:
+    """An adapter state dict whose tensors are not the adapter the config describes is refused, naming the
+    tensor: a rank the config gives no module (``r`` and ``rank_pattern``; lora_A and lora_B of one module
+    agreeing), or a module a list of ``target_modules`` does not name (peft's rule: the module's name or its
+    last dotted parts). Published under that config, its anchor's adapter_config.json would lie about its
+    tensors: peft refuses such a directory, and an engine that takes the rank from the tensors and the
+    scaling from the config computes another policy. Tuners that shape their tensors otherwise
+    (``target_parameters``) are not checked."""
+    if config.get("target_parameters"):
+        return
+    r = config.get("r")
+    ranks = {r, *(config.get("rank_pattern") or {}).values()}
+    targets = config.get("target_modules")
+    targets = sorted(map(str, targets)) if isinstance(targets, (list, tuple, set, frozenset)) else None
+    seen: dict[str, tuple[str, int]] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        seg = next((p for p in parts if p in LORA_SEGMENTS), None)
+        shape = tuple(getattr(t, "shape", ()))
+        if seg is None or seg == "lora_magnitude_vector" or len(shape) < 2 or parts[-1] == "bias":
+            continue
+        module = ".".join(parts[:parts.index(seg)])
+        rank = shape[0] if seg in ("lora_A", "lora_embedding_A") else shape[1]
+        if rank not in ranks:
+            pattern = f" (rank_pattern {config.get('rank_pattern')})" if config.get("rank_pattern") else ""
+            raise PublishInputError(f"{what}: tensor {name!r} has rank {rank}, but the adapter config says r "
+                                    f"{r}{pattern}: an adapter of another rank is published with its own config "
+                                    "(a new AdapterSpec, or the peft model itself), which starts an anchor")
+        other = seen.setdefault(module, (name, rank))
+        if other[1] != rank:
+            raise PublishInputError(f"{what}: tensor {name!r} has rank {rank} and {other[0]!r} rank {other[1]}: "
+                                    "not one LoRA module")
+        if targets is not None and not any(module == x or module.endswith("." + x) for x in targets):
+            raise PublishInputError(f"{what}: tensor {name!r} is on module {module!r}, which the adapter config's "
+                                    f"target_modules {targets} do not name: an adapter on other modules is "
+                                    "published with its own config (a new AdapterSpec, or the peft model "
+                                    "itself), which starts an anchor")
+
+
 def describe_config_change(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
     if old is None:
         return "the adapter config changed"
@@ -248,6 +287,7 @@ class RunAdapter:
                 raise PublishInputError(f"{where}: publish() takes an adapter state dict here, not "
                                         f"{type(weights).__name__}")
             check_adapter_tensors(list(weights), f"{where}: the adapter state dict")
+            check_tensors_fit_config(weights, self._spec_config, f"{where}: the adapter state dict")
             config_json = canonical_config(self._spec_config)
             snap = AdapterSnapshot(dict(weights), config_json, self._base.record(digest_bytes(config_json)),
                                    self._spec_config)

@@ -398,3 +398,38 @@ def test_a_base_swapped_or_changed_under_one_publisher_is_recorded_as_itself_and
         assert replica.version == 1 and bits_differ(replica.swapper.weights, truth[1]) == []
     on_other = reference.build(bucket=url, snapshot=3, base_model=other)
     assert bits_differ(on_other.swapper.weights, truth[3]) == []
+
+
+def test_an_adapter_state_dict_its_config_does_not_describe_is_refused_before_anything_is_written(
+        lm_dir, tmp_path, capsys):
+    """Publisher(adapter=AdapterSpec(config, base)) with a state dict of another rank, or on modules the config's
+    target_modules do not name, and an adapter directory whose weights are not its config's: one line naming the
+    tensor, nothing committed. (It committed an anchor whose adapter_config.json lied about its tensors: peft
+    refused to load it with a RuntimeError, an engine taking the rank from the tensors would serve another
+    scaling.)"""
+    from safetensors.torch import save_file
+
+    r4, _ = peft_model(lm_dir)
+    r8, _ = peft_model(lm_dir, r=8)
+    qv, _ = peft_model(lm_dir, target_modules=["q_proj", "v_proj"])
+    url = str(tmp_path / "run")
+    with Publisher(url, adapter=AdapterSpec(r4.peft_config["default"], BaseModel.of(lm_dir))) as pub:
+        pub.publish(adapter_bits(r4), 0)
+        with pytest.raises(PublishInputError) as e:
+            pub.publish(adapter_bits(r8), 1)
+        msg = str(e.value)
+        assert "\n" not in msg and "lora_A.weight' has rank 8" in msg and "says r 4" in msg, msg
+    with Publisher(str(tmp_path / "run-qv"), adapter=AdapterSpec(qv.peft_config["default"],
+                                                                 BaseModel.of(lm_dir))) as pub:
+        with pytest.raises(PublishInputError, match=r"k_proj'?, which the adapter config's target_modules"):
+            pub.publish(adapter_bits(r4), 0)
+    assert SnapshotReader(url).versions() == [0]
+
+    r4.save_pretrained(str(tmp_path / "adapter"))          # its weights replaced by a rank-8 adapter's
+    save_file({k: v.contiguous() for k, v in adapter_bits(r8).items()},
+              str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    capsys.readouterr()
+    assert main(["publish", str(tmp_path / "adapter"), url, "--step", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has rank 8" in err, err
+    assert SnapshotReader(url).versions() == [0]
