@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from delta.adapter import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, AdapterRecord, base_digest, base_tensors,
-                           canonical_config, digest_bytes)
+                           canonical_config, describe_config_change, digest_bytes)
 from delta.errors import CkptDeltaError, PublishInputError
 from delta.manifest import Manifest
 from delta.storage import Store
@@ -38,8 +38,6 @@ LORA_SEGMENTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lo
 #: replica hot-loading each step would read more than XOR deltas would send. An adapter is small, so a fresh
 #: replica replaying four adapters' worth of deltas reads a few of them.
 CHAIN_FRACTION = 4.0
-#: adapter_config.json fields named when a change of config starts an anchor.
-_DESCRIBED = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern")
 
 
 @dataclass(frozen=True)
@@ -205,23 +203,6 @@ def check_tensors_fit_config(tensors: Mapping[str, Any], config: Mapping[str, An
                                     f"target_modules {targets} do not name: an adapter on other modules is "
                                     "published with its own config (a new AdapterSpec, or the peft model "
                                     "itself), which starts an anchor")
-
-
-def describe_config_change(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
-    if old is None:
-        return "the adapter config changed"
-    diffs = [f"{k} {_show(old.get(k))} -> {_show(new.get(k))}" for k in _DESCRIBED
-             if _show(old.get(k)) != _show(new.get(k))]
-    others = sorted(k for k in set(old) | set(new) if k not in _DESCRIBED and old.get(k) != new.get(k))
-    if others:
-        diffs.append("also " + ", ".join(others[:4]))
-    return "the adapter config changed: " + ("; ".join(diffs) if diffs else "(same fields, other values)")
-
-
-def _show(v: Any) -> str:
-    if isinstance(v, (list, set, tuple, frozenset)):
-        return "[" + ",".join(sorted(map(str, v))) + "]"
-    return str(v)
 
 
 def base_key(model: torch.nn.Module) -> tuple:

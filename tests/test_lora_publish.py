@@ -400,6 +400,47 @@ def test_a_base_swapped_or_changed_under_one_publisher_is_recorded_as_itself_and
     assert bits_differ(on_other.swapper.weights, truth[3]) == []
 
 
+def test_target_modules_or_rank_changing_anchor_serve_bit_exact_once_restarted_and_a_replica_refuses_naming_the_change(
+        lm_dir, tmp_path):
+    """An adapter whose target modules, then rank, change between versions: each change is an anchor whose reason
+    names it; a replica holding the adapter before refuses it in one line naming what changed and serves on; one
+    started on a delta after the change serves it bit-exact, rolls back to its anchor, and refuses the other
+    configs both ways."""
+    url = str(tmp_path / "run")
+    truth: dict[int, dict] = {}
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        model, opt = peft_model(lm_dir)                                       # every linear layer, r 4
+        results = publish_steps(pub, model, opt, range(2), truth)
+        model, opt = peft_model(lm_dir, target_modules=["q_proj", "v_proj"])
+        results += publish_steps(pub, model, opt, range(2, 4), truth)
+        model, opt = peft_model(lm_dir, r=8, target_modules=["q_proj", "v_proj"])
+        results += publish_steps(pub, model, opt, range(4, 6), truth)
+    assert [r.kind for r in results] == ["anchor", "delta"] * 3
+    assert "-> [q_proj,v_proj]" in results[2].reason and "r 4 -> 8" in results[4].reason
+
+    def refused(replica, v: int, change: str) -> None:
+        before = replica.version
+        with pytest.raises(HotLoadError, match="another adapter config") as e:
+            replica.swapper.hotload(v)
+        msg = str(e.value)
+        assert "\n" not in msg and change in msg and f"serve --snapshot v{v:08d}" in msg, msg
+        assert replica.version == before and bits_differ(replica.swapper.weights, truth[before]) == []
+
+    replica = reference.build(bucket=url, snapshot=1, base_model=lm_dir)
+    refused(replica, 2, "-> [q_proj,v_proj]")
+    restarted = reference.build(bucket=url, snapshot=3, base_model=lm_dir)     # a delta after the change
+    assert bits_differ(restarted.swapper.weights, truth[3]) == []
+    for v in (2, 3):
+        restarted.swapper.hotload(v)
+        assert bits_differ(restarted.swapper.weights, truth[v]) == [], f"v{v}"
+    refused(restarted, 4, "r 4 -> 8")
+    refused(restarted, 1, "[q_proj,v_proj] -> ")
+    ranked = reference.build(bucket=url, snapshot=5, base_model=lm_dir)
+    assert bits_differ(ranked.swapper.weights, truth[5]) == []
+    ranked.swapper.hotload(4)
+    assert bits_differ(ranked.swapper.weights, truth[4]) == []
+
+
 def test_an_adapter_state_dict_its_config_does_not_describe_is_refused_before_anything_is_written(
         lm_dir, tmp_path, capsys):
     """Publisher(adapter=AdapterSpec(config, base)) with a state dict of another rank, or on modules the config's
