@@ -474,3 +474,53 @@ def test_an_adapter_state_dict_its_config_does_not_describe_is_refused_before_an
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "has rank 8" in err, err
     assert SnapshotReader(url).versions() == [0]
+
+
+def _set_adapter(model, bits: dict[str, torch.Tensor]) -> None:
+    """The peft model's adapter parameters set to ``bits`` (peft's saved names), as a trainer holding them would."""
+    from peft import get_peft_model_state_dict
+
+    params = {p.data_ptr(): p for p in model.parameters()}
+    with torch.no_grad():
+        for name, t in get_peft_model_state_dict(model).items():
+            params[t.data_ptr()].copy_(bits[name])
+
+
+def test_a_peft_replica_started_on_a_delta_rolls_back_and_forth_with_each_versions_bits_and_logprobs(
+        lm_dir, tmp_path):
+    """Over HTTP, a reference replica started on a delta coded against its grandparent is hot-loaded back across
+    an anchor, forward again and back by one: after each, its live adapter is that version's bits, its status and
+    answers report that version (a minimum above it is 408), and its logprobs equal, bit for bit, the trainer's
+    peft model holding that version's bits."""
+    from loader.engine import score_tokens
+    from loader.server import create_app
+
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    with Publisher(url, codec="context", anchor_every=4) as pub:
+        results = publish_steps(pub, model, opt, range(7), truth)
+    assert [r.kind for r in results] == ["anchor", "delta", "delta", "delta", "anchor", "delta", "delta"]
+    assert "pctx" in record_encodings(url, 3)
+    replica = reference.build(bucket=url, snapshot=2, base_model=lm_dir)
+    assert bits_differ(replica.swapper.weights, truth[2]) == []
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "seed": 5, "logprobs": 0,
+            "score_logprobs": True, "return_engine_data": True}
+    with LiveServer(create_app(replica, replica_id="lora-0")) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        for v in [2, 3, 1, 0, 5, 6, 4, 2, 3, 2]:
+            job = http.post("/v1/hotload", json={"snapshot": v}).json()
+            while job["state"] not in ("READY", "FAILED"):
+                job = http.get(f"/v1/hotload/{job['id']}").json()
+            assert job["state"] == "READY", job
+            assert http.get("/v1/status").json()["policy_version"] == v
+            assert bits_differ(replica.swapper.weights, truth[v]) == [], f"v{v}"
+            out = http.post("/v1/completions", json=body).json()
+            assert out["engine_data"]["policy_version"] == v
+            choice, prompt_ids = out["choices"][0], out["prompt_token_ids"]
+            _set_adapter(model, truth[v])
+            with torch.no_grad():
+                trained = score_tokens(model, prompt_ids + choice["token_ids"], len(prompt_ids))
+            assert torch.equal(torch.tensor(choice["logprobs"]["token_logprobs"]), trained), f"v{v}"
+        r = http.post("/v1/completions", json={**body, "min_policy_version": 3})
+        assert r.status_code == 408 and r.json()["error"]["type"] == "policy_version_too_old"
