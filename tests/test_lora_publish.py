@@ -380,18 +380,18 @@ def test_a_base_swapped_or_changed_under_one_publisher_is_recorded_as_itself_and
         changed = BaseModel.of(model).xxh3
         other_model, other_opt = peft_model(other)
         results += publish_steps(pub, other_model, other_opt, range(3, 4), truth)
+    elsewhere = BaseModel.of(other).xxh3
     assert [r.kind for r in results] == ["anchor", "delta", "anchor", "anchor"]
     hashes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LoRA run: ")]
     assert len(hashes) == 3, hashes                                 # v0, v2 and v3: not v1's unchanged base
     reader = SnapshotReader(url)
-    assert [reader.manifest(v).adapter.base_xxh3 for v in range(4)] == [first, first, changed,
-                                                                       BaseModel.of(other).xxh3]
+    assert [reader.manifest(v).adapter.base_xxh3 for v in range(4)] == [first, first, changed, elsewhere]
     assert first != changed
-    for r, (was, now) in zip(results[2:], [(first, changed), (changed, BaseModel.of(other).xxh3)]):
+    for r, (was, now) in zip(results[2:], [(first, changed), (changed, elsewhere)]):
         assert r.reason.startswith("the base model changed") and was in r.reason and now in r.reason, r.reason
 
     replica = reference.build(bucket=url, snapshot=1, base_model=lm_dir)
-    for v, digest in ((2, changed), (3, BaseModel.of(other).xxh3)):
+    for v, digest in ((2, changed), (3, elsewhere)):
         with pytest.raises(HotLoadError, match="this replica serves base") as e:
             replica.swapper.hotload(v)
         assert "\n" not in str(e.value) and digest in str(e.value) and first in str(e.value)
