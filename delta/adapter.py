@@ -38,6 +38,8 @@ _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _WRAPPER_SEGMENTS = ("base_layer", "original_module")
 #: adapter_config.json fields that are sets (peft writes a set as a list in no particular order).
 _SET_FIELDS = ("target_modules", "exclude_modules", "modules_to_save")
+#: adapter_config.json fields named when a change of config starts an anchor, or a replica refuses one.
+_DESCRIBED = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern")
 
 
 @dataclass(frozen=True)
@@ -129,3 +131,22 @@ def canonical_config(config: Mapping[str, Any]) -> bytes:
 
 def digest_bytes(data: bytes) -> str:
     return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def describe_config_change(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
+    """What changed between two adapter configs, for a message: the publisher's anchor reason, a replica's
+    refusal (``the adapter config changed: r 4 -> 8``)."""
+    if old is None:
+        return "the adapter config changed"
+    diffs = [f"{k} {_show(old.get(k))} -> {_show(new.get(k))}" for k in _DESCRIBED
+             if _show(old.get(k)) != _show(new.get(k))]
+    others = sorted(k for k in set(old) | set(new) if k not in _DESCRIBED and old.get(k) != new.get(k))
+    if others:
+        diffs.append("also " + ", ".join(others[:4]))
+    return "the adapter config changed: " + ("; ".join(diffs) if diffs else "(same fields, other values)")
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, (list, set, tuple, frozenset)):
+        return "[" + ",".join(sorted(map(str, v))) + "]"
+    return str(v)

@@ -6,7 +6,7 @@ or the directory the run's record names), hashes its weights as the publisher di
 refuses, in one line naming both, a base whose digest differs. A hot-load is refused
 the same way when its target records another base, or another adapter config (a new
 rank, alpha or target modules came with a new anchor: the live adapter's shapes and
-scaling no longer fit; the replica restarts on it). Everything else is a hot-load
+scaling no longer fit; the replica restarts on it), saying what changed. Everything else is a hot-load
 like any other: :class:`LoraHotSwapper` is the HotSwapper over the adapter's live
 tensors (an engine gives them as a mapping from peft's saved names), so prepare,
 pause, rollback and proof are the full-model ones.
@@ -18,12 +18,13 @@ host copy to the swapper with an applier.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
 
-from delta.adapter import AdapterRecord
-from delta.errors import HotLoadError, NotServableError
+from delta.adapter import ADAPTER_CONFIG_NAME, AdapterRecord, describe_config_change
+from delta.errors import CkptDeltaError, HotLoadError, NotServableError
 from delta.manifest import Manifest, snapshot_name
 
 from .hotswap import HotSwapper, PreparedUpdate
@@ -55,8 +56,10 @@ def check_base(record: AdapterRecord, digest: str, base_dir: str, where: str) ->
                                "(--base-model DIR)")
 
 
-def check_target(live: AdapterRecord, base_xxh3: str, target: Manifest) -> None:
-    """Refuse a hot-load whose target is not an adapter for this base and this adapter config."""
+def check_target(live: AdapterRecord, base_xxh3: str, target: Manifest, *, reader: Any = None,
+                 live_version: int | None = None) -> None:
+    """Refuse a hot-load whose target is not an adapter for this base and this adapter config; given the reader
+    and the live version, the refusal of another config says what changed (both anchors' adapter_config.json)."""
     rec = target.adapter
     if rec is None:
         raise HotLoadError(f"{target.where()} is not a LoRA adapter (it records no base model): a replica serving "
@@ -66,9 +69,33 @@ def check_target(live: AdapterRecord, base_xxh3: str, target: Manifest) -> None:
                            f"base {live.base_model!r} (weights xxh3 {base_xxh3}): restart it on that base "
                            "(--base-model DIR)")
     if rec.config_xxh3 != live.config_xxh3:
+        change = _config_change(reader, live_version, target.version) if reader is not None else None
+        of = "" if live_version is None else f" of {snapshot_name(live_version)}"
         raise HotLoadError(f"{target.where()} has another adapter config (xxh3 {rec.config_xxh3}) than the live "
-                           f"adapter's ({live.config_xxh3}): a new rank, alpha or target modules; restart the "
-                           f"replica on it (ckptdelta serve --snapshot {target.name})")
+                           f"adapter{of} (xxh3 {live.config_xxh3}): {change or 'a new rank, alpha or target modules'}"
+                           "; a replica hot-loads only adapters of the config it started with: restart it on this "
+                           f"one (ckptdelta serve --snapshot {target.name})")
+
+
+def _config_change(reader: Any, old: int | None, new: int) -> str | None:
+    """What changed between two snapshots' adapter configs, as the publisher's anchor reason says it (``r 4 ->
+    8``); None when either cannot be read (the refusal stands, said without it)."""
+    def config(version: int) -> dict[str, Any]:
+        ref = next(r for name, r in reader.extra_files(version) if name == ADAPTER_CONFIG_NAME)
+        d = json.loads(reader.read_object(ref))
+        if not isinstance(d, dict):
+            raise ValueError(f"{ADAPTER_CONFIG_NAME} of {snapshot_name(version)} is not a JSON object")
+        return d
+
+    if old is None:
+        return None
+    try:
+        change = describe_config_change(config(old), config(new))
+    except (CkptDeltaError, StopIteration, ValueError) as e:
+        log.debug("cannot say what changed between the adapter configs of %s and %s: %s", snapshot_name(old),
+                  snapshot_name(new), e)
+        return None
+    return change.removeprefix("the adapter config changed: ")
 
 
 class LoraHotSwapper(HotSwapper):
@@ -87,6 +114,7 @@ class LoraHotSwapper(HotSwapper):
 
     def _prepare(self, target: "str | int", initial: bool) -> PreparedUpdate:
         v = self.reader.resolve(target)        # once: "latest" must not move between the check and the plan
-        check_target(self.record, self.base_xxh3, self.reader.manifest(v))
+        check_target(self.record, self.base_xxh3, self.reader.manifest(v), reader=self.reader,
+                     live_version=self.version)
         log.debug("hot-load to %s: an adapter for the live base and config", snapshot_name(v))
         return super()._prepare(v, initial)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from delta.adapter import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, AdapterRecord, base_digest, base_tensors,
-                           canonical_config, digest_bytes)
+                           canonical_config, describe_config_change, digest_bytes)
 from delta.errors import CkptDeltaError, PublishInputError
 from delta.manifest import Manifest
 from delta.storage import Store
@@ -37,8 +38,6 @@ LORA_SEGMENTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lo
 #: replica hot-loading each step would read more than XOR deltas would send. An adapter is small, so a fresh
 #: replica replaying four adapters' worth of deltas reads a few of them.
 CHAIN_FRACTION = 4.0
-#: adapter_config.json fields named when a change of config starts an anchor.
-_DESCRIBED = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern")
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,9 @@ class BaseModel:
 
     def record(self, config_xxh3: str) -> AdapterRecord:
         return AdapterRecord(self.name, self.xxh3, config_xxh3)
+
+    def describe(self) -> str:
+        return f"{self.name} (weights xxh3 {self.xxh3})"
 
 
 @dataclass(frozen=True)
@@ -164,26 +166,59 @@ def check_adapter_tensors(names: list[str], what: str) -> None:
                                 "saves it")
 
 
-def describe_config_change(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
-    if old is None:
-        return "the adapter config changed"
-    diffs = [f"{k} {_show(old.get(k))} -> {_show(new.get(k))}" for k in _DESCRIBED
-             if _show(old.get(k)) != _show(new.get(k))]
-    others = sorted(k for k in set(old) | set(new) if k not in _DESCRIBED and old.get(k) != new.get(k))
-    if others:
-        diffs.append("also " + ", ".join(others[:4]))
-    return "the adapter config changed: " + ("; ".join(diffs) if diffs else "(same fields, other values)")
+def check_tensors_fit_config(tensors: Mapping[str, Any], config: Mapping[str, Any], what: str) -> None:
+    """An adapter state dict whose tensors are not the adapter the config describes is refused, naming the
+    tensor: a rank the config gives no module (``r`` and ``rank_pattern``; lora_A and lora_B of one module
+    agreeing), or a module a list of ``target_modules`` does not name (peft's rule: the module's name or its
+    last dotted parts). Published under that config, its anchor's adapter_config.json would lie about its
+    tensors: peft refuses such a directory, and an engine that takes the rank from the tensors and the
+    scaling from the config computes another policy. Tuners that shape their tensors otherwise
+    (``target_parameters``) are not checked."""
+    if config.get("target_parameters"):
+        return
+    r = config.get("r")
+    ranks = {r, *(config.get("rank_pattern") or {}).values()}
+    targets = config.get("target_modules")
+    targets = sorted(map(str, targets)) if isinstance(targets, (list, tuple, set, frozenset)) else None
+    seen: dict[str, tuple[str, int]] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        seg = next((p for p in parts if p in LORA_SEGMENTS), None)
+        shape = tuple(getattr(t, "shape", ()))
+        if seg is None or seg == "lora_magnitude_vector" or len(shape) < 2 or parts[-1] == "bias":
+            continue
+        module = ".".join(parts[:parts.index(seg)])
+        rank = shape[0] if seg in ("lora_A", "lora_embedding_A") else shape[1]
+        if rank not in ranks:
+            pattern = f" (rank_pattern {config.get('rank_pattern')})" if config.get("rank_pattern") else ""
+            raise PublishInputError(f"{what}: tensor {name!r} has rank {rank}, but the adapter config says r "
+                                    f"{r}{pattern}: an adapter of another rank is published with its own config "
+                                    "(a new AdapterSpec, or the peft model itself), which starts an anchor")
+        other = seen.setdefault(module, (name, rank))
+        if other[1] != rank:
+            raise PublishInputError(f"{what}: tensor {name!r} has rank {rank} and {other[0]!r} rank {other[1]}: "
+                                    "not one LoRA module")
+        if targets is not None and not any(module == x or module.endswith("." + x) for x in targets):
+            raise PublishInputError(f"{what}: tensor {name!r} is on module {module!r}, which the adapter config's "
+                                    f"target_modules {targets} do not name: an adapter on other modules is "
+                                    "published with its own config (a new AdapterSpec, or the peft model "
+                                    "itself), which starts an anchor")
 
 
-def _show(v: Any) -> str:
-    if isinstance(v, (list, set, tuple, frozenset)):
-        return "[" + ",".join(sorted(map(str, v))) + "]"
-    return str(v)
+def base_key(model: torch.nn.Module) -> tuple:
+    """What :meth:`BaseModel.of` of a peft model depends on, read without a byte of the weights: each base
+    tensor's name, storage address, torch version counter, dtype, shape and strides. Another base, a parameter
+    replaced or reloaded, or an in-place write torch counts (an optimizer step, ``load_state_dict``, ``copy_``
+    under ``no_grad``) gives another key; a write through ``.data`` bypasses the counter and does not."""
+    adapters = getattr(model, "peft_config", {}) or {}
+    return tuple((n, t.data_ptr(), t._version, t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
+                 for n, t in base_tensors(model.get_base_model(), adapters))
 
 
 class RunAdapter:
     """A Publisher's knowledge of its run's adapter: the spec it was given, the base of the peft model it
-    publishes (hashed once, at its first publish), and what the run committed last."""
+    publishes (hashed at its first publish, and again whenever the model's base is not the one hashed:
+    :func:`base_key`), and what the run committed last."""
 
     def __init__(self, spec: AdapterSpec | None) -> None:
         if spec is not None and not isinstance(spec, AdapterSpec):
@@ -191,6 +226,8 @@ class RunAdapter:
         self.spec = spec
         self._spec_config = None if spec is None else read_config(spec.config)
         self._base: BaseModel | None = None if spec is None else spec.base
+        # the peft model _base was hashed from and its base_key(); None while a spec declares the base
+        self._hashed: tuple[weakref.ref, tuple] | None = None
         self.known = False                       # the run has a committed snapshot we could read
         self.last: AdapterRecord | None = None   # the newest snapshot's record (None: a full-model run)
         self.last_config: dict[str, Any] | None = None
@@ -231,6 +268,7 @@ class RunAdapter:
                 raise PublishInputError(f"{where}: publish() takes an adapter state dict here, not "
                                         f"{type(weights).__name__}")
             check_adapter_tensors(list(weights), f"{where}: the adapter state dict")
+            check_tensors_fit_config(weights, self._spec_config, f"{where}: the adapter state dict")
             config_json = canonical_config(self._spec_config)
             snap = AdapterSnapshot(dict(weights), config_json, self._base.record(digest_bytes(config_json)),
                                    self._spec_config)
@@ -256,11 +294,24 @@ class RunAdapter:
 
         tensors = get_peft_model_state_dict(model, adapter_name=name)
         check_adapter_tensors(list(tensors), f"peft model's adapter {name!r}")
-        if self._base is None:
-            self._base = BaseModel.of(model, name=d.get("base_model_name_or_path") or None)
-            log.info("LoRA run: base %s, weights xxh3 %s", self._base.name, self._base.xxh3)
+        if self.spec is None:
+            self._hash_base(model, d.get("base_model_name_or_path") or None)
         config_json = canonical_config(d)
         return AdapterSnapshot(tensors, config_json, self._base.record(digest_bytes(config_json)), d)
+
+    def _hash_base(self, model: Any, name: str | None) -> None:
+        """Hash the base of ``model`` unless it is the very base hashed last (the same model, its base tensors
+        where they were, written by nothing torch counts): a second peft model on another base, or a base the
+        trainer reloaded or changed, is recorded as the base it is, never as the first one."""
+        key = base_key(model)
+        if self._hashed is not None and self._hashed[0]() is model and self._hashed[1] == key:
+            return
+        base = BaseModel.of(model, name=name)
+        if self._base is not None and base != self._base:
+            log.warning("LoRA run: the peft model's base is now %s (was %s)", base.describe(), self._base.describe())
+        else:
+            log.info("LoRA run: base %s", base.describe())
+        self._base, self._hashed = base, (weakref.ref(model), key)
 
     def anchor_reason(self, snap: AdapterSnapshot | None) -> str | None:
         """Why this adapter must start an anchor (a new base or config), or None."""

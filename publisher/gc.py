@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from delta.errors import CkptDeltaError, SnapshotNotFoundError
-from delta.manifest import ANCHOR_DIR, DELTA_DIR, RUN_KEY, Manifest, manifest_key
+from delta.manifest import ANCHOR_DIR, DELTA_DIR, MANIFEST_DIR, RUN_KEY, Manifest, manifest_key
 from delta.storage import Store, is_temp_key
 
 from .runs import committed_versions, read_manifest, read_run_info
@@ -80,8 +80,8 @@ def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: 
 
     to_delete: dict[str, int] = {}
     young: list[str] = []
-    for key in store.list_prefix("", include_temp=True):
-        if key in referenced or not (is_temp_key(key) or key.startswith((ANCHOR_DIR + "/", DELTA_DIR + "/"))):
+    for key in _own_keys(store):
+        if key in referenced:
             continue
         m = _DATA_KEY.match(key)
         if m and int(m.group(1)) in unreadable:
@@ -110,6 +110,19 @@ def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: 
              store.url, " (dry run)" if dry_run else "", len(report.kept_versions), len(doomed),
              len(to_delete), report.deleted_bytes, len(young))
     return report
+
+
+def _own_keys(store: Store) -> list[str]:
+    """The keys of this run's layout that gc may delete: data objects under anchors/ and deltas/ (a version and
+    writer id, then the object), and the temp files of local writes beside them, at the root (HEAD, RUN.json) and
+    in manifests/. A run nested under this one's prefix (``runs/a/sub`` under ``runs/a``) is another run: its
+    keys are never deleted, and on an object store never listed (only anchors/ and deltas/ are)."""
+    if store.backend == "local":       # temp files sit beside their final names, also at the root
+        keys = store.list_prefix("", include_temp=True)
+    else:
+        keys = [k for d in (ANCHOR_DIR, DELTA_DIR) for k in store.list_prefix(f"{d}/", include_temp=True)]
+    return [k for k in keys if _DATA_KEY.match(k)
+            or (is_temp_key(k) and k.rsplit("/", 1)[0] in (k, MANIFEST_DIR))]
 
 
 def _read_all(store: Store, versions: list[int], run_id: str | None) -> tuple[dict[int, Manifest], set[int]]:

@@ -26,13 +26,13 @@ def lm_dir(tmp_path_factory):
     return make_lm_dir(str(tmp_path_factory.mktemp("lm")))
 
 
-def peft_model(lm_dir: str, *, r: int = 4, alpha: int = 8, seed: int = 0):
+def peft_model(lm_dir: str, *, r: int = 4, alpha: int = 8, seed: int = 0, target_modules="all-linear"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.bfloat16)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, opt
 
@@ -348,3 +348,179 @@ def test_deltas_after_the_first_are_coded_against_their_grandparent_and_every_re
     for sw in (swapper, started.swapper):
         assert not sw.hotload(7).via_anchor and not sw.hotload(8).via_anchor
         assert bits_differ(sw.weights, truth[8]) == []
+
+
+# --- what the reviews of issue 39 tried (docs/GUARANTEES.md, "What the reviews tried, and held") ---------------
+
+
+def test_a_base_swapped_or_changed_under_one_publisher_is_recorded_as_itself_and_replicas_refuse_its_adapters(
+        lm_dir, tmp_path, caplog):
+    """The publisher hashes the peft model's base at its first publish and again whenever the base is not the one
+    it hashed (publisher/adapter.py, base_key): a base weight the trainer trains too (an in-place write torch
+    counts), then a second peft model on another base, are recorded as the bases they are. Each starts an anchor
+    naming both digests, and a replica on the first base refuses them in one line and serves on; an unchanged
+    base is hashed once. (It recorded the first base for every adapter, the changed base's as a plain delta: a
+    replica served them on a base they were not trained on.)"""
+    import logging
+
+    from tests.lm import save_tiny_lm
+
+    other = save_tiny_lm(str(tmp_path / "other-lm"), seed=1)       # same architecture, other weights
+    first = BaseModel.of(lm_dir).xxh3
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    caplog.set_level(logging.INFO, logger="ckptdelta.publisher")
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        results = publish_steps(pub, model, opt, range(2), truth)
+        norm = model.get_base_model().model.norm.weight            # the trainer trains a base weight too
+        norm.requires_grad_(True)
+        opt.add_param_group({"params": [norm], "lr": 0.1})         # (at 1e-4 no bf16 bit of ~1.0 would move)
+        results += publish_steps(pub, model, opt, range(2, 3), truth)
+        changed = BaseModel.of(model).xxh3
+        other_model, other_opt = peft_model(other)
+        results += publish_steps(pub, other_model, other_opt, range(3, 4), truth)
+    elsewhere = BaseModel.of(other).xxh3
+    assert [r.kind for r in results] == ["anchor", "delta", "anchor", "anchor"]
+    hashes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LoRA run: ")]
+    assert len(hashes) == 3, hashes                                 # v0, v2 and v3: not v1's unchanged base
+    reader = SnapshotReader(url)
+    assert [reader.manifest(v).adapter.base_xxh3 for v in range(4)] == [first, first, changed, elsewhere]
+    assert first != changed
+    for r, (was, now) in zip(results[2:], [(first, changed), (changed, elsewhere)]):
+        assert r.reason.startswith("the base model changed") and was in r.reason and now in r.reason, r.reason
+
+    replica = reference.build(bucket=url, snapshot=1, base_model=lm_dir)
+    for v, digest in ((2, changed), (3, elsewhere)):
+        with pytest.raises(HotLoadError, match="this replica serves base") as e:
+            replica.swapper.hotload(v)
+        assert "\n" not in str(e.value) and digest in str(e.value) and first in str(e.value)
+        assert replica.version == 1 and bits_differ(replica.swapper.weights, truth[1]) == []
+    on_other = reference.build(bucket=url, snapshot=3, base_model=other)
+    assert bits_differ(on_other.swapper.weights, truth[3]) == []
+
+
+def test_target_modules_or_rank_changing_anchor_serve_bit_exact_once_restarted_and_a_replica_refuses_naming_the_change(
+        lm_dir, tmp_path):
+    """An adapter whose target modules, then rank, change between versions: each change is an anchor whose reason
+    names it; a replica holding the adapter before refuses it in one line naming what changed and serves on; one
+    started on a delta after the change serves it bit-exact, rolls back to its anchor, and refuses the other
+    configs both ways."""
+    url = str(tmp_path / "run")
+    truth: dict[int, dict] = {}
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        model, opt = peft_model(lm_dir)                                       # every linear layer, r 4
+        results = publish_steps(pub, model, opt, range(2), truth)
+        model, opt = peft_model(lm_dir, target_modules=["q_proj", "v_proj"])
+        results += publish_steps(pub, model, opt, range(2, 4), truth)
+        model, opt = peft_model(lm_dir, r=8, target_modules=["q_proj", "v_proj"])
+        results += publish_steps(pub, model, opt, range(4, 6), truth)
+    assert [r.kind for r in results] == ["anchor", "delta"] * 3
+    assert "-> [q_proj,v_proj]" in results[2].reason and "r 4 -> 8" in results[4].reason
+
+    def refused(replica, v: int, change: str) -> None:
+        before = replica.version
+        with pytest.raises(HotLoadError, match="another adapter config") as e:
+            replica.swapper.hotload(v)
+        msg = str(e.value)
+        assert "\n" not in msg and change in msg and f"serve --snapshot v{v:08d}" in msg, msg
+        assert replica.version == before and bits_differ(replica.swapper.weights, truth[before]) == []
+
+    replica = reference.build(bucket=url, snapshot=1, base_model=lm_dir)
+    refused(replica, 2, "-> [q_proj,v_proj]")
+    restarted = reference.build(bucket=url, snapshot=3, base_model=lm_dir)     # a delta after the change
+    assert bits_differ(restarted.swapper.weights, truth[3]) == []
+    for v in (2, 3):
+        restarted.swapper.hotload(v)
+        assert bits_differ(restarted.swapper.weights, truth[v]) == [], f"v{v}"
+    refused(restarted, 4, "r 4 -> 8")
+    refused(restarted, 1, "[q_proj,v_proj] -> ")
+    ranked = reference.build(bucket=url, snapshot=5, base_model=lm_dir)
+    assert bits_differ(ranked.swapper.weights, truth[5]) == []
+    ranked.swapper.hotload(4)
+    assert bits_differ(ranked.swapper.weights, truth[4]) == []
+
+
+def test_an_adapter_state_dict_its_config_does_not_describe_is_refused_before_anything_is_written(
+        lm_dir, tmp_path, capsys):
+    """Publisher(adapter=AdapterSpec(config, base)) with a state dict of another rank, or on modules the config's
+    target_modules do not name, and an adapter directory whose weights are not its config's: one line naming the
+    tensor, nothing committed. (It committed an anchor whose adapter_config.json lied about its tensors: peft
+    refused to load it with a RuntimeError, an engine taking the rank from the tensors would serve another
+    scaling.)"""
+    from safetensors.torch import save_file
+
+    r4, _ = peft_model(lm_dir)
+    r8, _ = peft_model(lm_dir, r=8)
+    qv, _ = peft_model(lm_dir, target_modules=["q_proj", "v_proj"])
+    url = str(tmp_path / "run")
+    with Publisher(url, adapter=AdapterSpec(r4.peft_config["default"], BaseModel.of(lm_dir))) as pub:
+        pub.publish(adapter_bits(r4), 0)
+        with pytest.raises(PublishInputError) as e:
+            pub.publish(adapter_bits(r8), 1)
+        msg = str(e.value)
+        assert "\n" not in msg and "lora_A.weight' has rank 8" in msg and "says r 4" in msg, msg
+    with Publisher(str(tmp_path / "run-qv"), adapter=AdapterSpec(qv.peft_config["default"],
+                                                                 BaseModel.of(lm_dir))) as pub:
+        with pytest.raises(PublishInputError, match=r"k_proj'?, which the adapter config's target_modules"):
+            pub.publish(adapter_bits(r4), 0)
+    assert SnapshotReader(url).versions() == [0]
+
+    r4.save_pretrained(str(tmp_path / "adapter"))          # its weights replaced by a rank-8 adapter's
+    save_file({k: v.contiguous() for k, v in adapter_bits(r8).items()},
+              str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    capsys.readouterr()
+    assert main(["publish", str(tmp_path / "adapter"), url, "--step", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has rank 8" in err, err
+    assert SnapshotReader(url).versions() == [0]
+
+
+def _set_adapter(model, bits: dict[str, torch.Tensor]) -> None:
+    """The peft model's adapter parameters set to ``bits`` (peft's saved names), as a trainer holding them would."""
+    from peft import get_peft_model_state_dict
+
+    params = {p.data_ptr(): p for p in model.parameters()}
+    with torch.no_grad():
+        for name, t in get_peft_model_state_dict(model).items():
+            params[t.data_ptr()].copy_(bits[name])
+
+
+def test_a_peft_replica_started_on_a_delta_rolls_back_and_forth_with_each_versions_bits_and_logprobs(
+        lm_dir, tmp_path):
+    """Over HTTP, a reference replica started on a delta coded against its grandparent is hot-loaded back across
+    an anchor, forward again and back by one: after each, its live adapter is that version's bits, its status and
+    answers report that version (a minimum above it is 408), and its logprobs equal, bit for bit, the trainer's
+    peft model holding that version's bits."""
+    from loader.engine import score_tokens
+    from loader.server import create_app
+
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    with Publisher(url, codec="context", anchor_every=4) as pub:
+        results = publish_steps(pub, model, opt, range(7), truth)
+    assert [r.kind for r in results] == ["anchor", "delta", "delta", "delta", "anchor", "delta", "delta"]
+    assert "pctx" in record_encodings(url, 3)
+    replica = reference.build(bucket=url, snapshot=2, base_model=lm_dir)
+    assert bits_differ(replica.swapper.weights, truth[2]) == []
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "seed": 5, "logprobs": 0,
+            "score_logprobs": True, "return_engine_data": True}
+    with LiveServer(create_app(replica, replica_id="lora-0")) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        for v in [2, 3, 1, 0, 5, 6, 4, 2, 3, 2]:
+            job = http.post("/v1/hotload", json={"snapshot": v}).json()
+            while job["state"] not in ("READY", "FAILED"):
+                job = http.get(f"/v1/hotload/{job['id']}").json()
+            assert job["state"] == "READY", job
+            assert http.get("/v1/status").json()["policy_version"] == v
+            assert bits_differ(replica.swapper.weights, truth[v]) == [], f"v{v}"
+            out = http.post("/v1/completions", json=body).json()
+            assert out["engine_data"]["policy_version"] == v
+            choice, prompt_ids = out["choices"][0], out["prompt_token_ids"]
+            _set_adapter(model, truth[v])
+            with torch.no_grad():
+                trained = score_tokens(model, prompt_ids + choice["token_ids"], len(prompt_ids))
+            assert torch.equal(torch.tensor(choice["logprobs"]["token_logprobs"]), trained), f"v{v}"
+        r = http.post("/v1/completions", json={**body, "min_policy_version": 3})
+        assert r.status_code == 408 and r.json()["error"]["type"] == "policy_version_too_old"

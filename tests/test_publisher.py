@@ -174,6 +174,70 @@ def test_gc_keeps_the_last_anchors_and_their_chains(store_url):
     assert collect(url, keep_anchors=2, storage_options=opts).deleted_objects == ()
 
 
+
+@pytest.mark.parametrize("store_url", ["local", "s3"], indirect=True)
+def test_runs_sharing_a_prefix_or_nested_in_one_another_never_touch_each_others_objects(store_url, monkeypatch):
+    """Runs at .../runs/a, .../runs/ab (a's name is a prefix of it) and .../runs/a/sub (inside a's prefix), each
+    with debris of a killed publish: each run's ls, reads and verify give its own snapshots, and its gc (grace 0)
+    deletes its own old versions and debris, never another run's; on an object store it lists only its own
+    anchors/ and deltas/. (gc of runs/a deleted runs/a/sub's temp files on a local disk, its writes in flight, and
+    on S3 listed the whole prefix, the nested run's objects included.)"""
+    from delta.storage import Store
+    from loader import SnapshotReader
+
+    url, opts = store_url
+    root = url.rsplit("/", 1)[0] + "/runs"
+    names = ["a", "ab", "a/sub"]
+    truth: dict[str, dict[int, dict]] = {}
+    debris: dict[str, set[str]] = {}
+    for i, name in enumerate(names):
+        w = weights(seed=i)
+        truth[name] = {}
+        with Publisher(f"{root}/{name}", storage_options=opts, anchor_every=2) as pub:
+            for step in range(3):                            # v0 anchor, v1 delta, v2 anchor
+                truth[name][pub.publish(w, step).version] = clone(w)
+                perturb(w, seed=10 * i + step)
+        store = Store.from_url(f"{root}/{name}", opts)
+        debris[name] = {"anchors/000000000009-dead/model.safetensors"}   # uploaded, never committed
+        store.put(next(iter(debris[name])), b"debris")
+        if store.backend == "local":       # temp files of writes killed midway: beside a shard, and HEAD's
+            for key in ("anchors/000000000009-dead/.ckptdelta-tmp-1", ".ckptdelta-tmp-2"):
+                with open(f"{store.root}/{key}", "wb") as f:
+                    f.write(b"half")
+                debris[name].add(key)
+    whole = Store.from_url(root, opts)
+
+    def owner(key: str) -> str:
+        return max((n for n in names if key.startswith(n + "/")), key=len)
+
+    listed: list[str] = []
+    real = Store.list_prefix
+
+    def spy(self, prefix="", **kw):
+        keys = real(self, prefix, **kw)
+        listed.extend(f"{self.root}/{k}" for k in keys)
+        return keys
+
+    for name in ["a", "ab", "a/sub"]:
+        before = set(whole.list_prefix("", include_temp=True))
+        listed.clear()
+        monkeypatch.setattr(Store, "list_prefix", spy)
+        report = collect(f"{root}/{name}", keep_anchors=1, storage_options=opts, grace_seconds=0)
+        monkeypatch.setattr(Store, "list_prefix", real)
+        gone = before - set(whole.list_prefix("", include_temp=True))
+        assert {owner(k) for k in gone} == {name}, sorted(gone)
+        assert {f"{name}/{k}" for k in debris[name]} <= gone and report.deleted_versions == (0, 1)
+        if whole.backend != "local":     # (a local gc walks its directory for temp files; it deletes none of theirs)
+            mine = f"{whole.root}/{name}/"
+            assert [k for k in listed if not k.startswith(mine) or owner(k[len(whole.root) + 1:]) != name] == []
+        for other in names:
+            reader = SnapshotReader(f"{root}/{other}", storage_options=opts)
+            kept = [2] if names.index(other) <= names.index(name) else [0, 1, 2]
+            assert reader.versions() == kept, other
+            for v in kept:
+                assert_same(reader.read_tensors(v), truth[other][v])
+            assert reader.verify().version == 2
+
 def test_background_publish_copies_before_returning_and_trainer_may_mutate_at_once(store_url):
     url, opts = store_url
     w = weights()

@@ -4,7 +4,8 @@ Two vLLMs for the module: the replica's (loader/engines/vllm_lora.py), and a fre
 on the same base that loaded every version from its PEFT directory at start, the way
 users serve adapters. The slot the replica wrote must hold, bit for bit, what vLLM's
 own directory load put in the fresh one's slot (scaling folded into B, padding to
---max-lora-rank), and answer the same greedy tokens and logprobs.
+--max-lora-rank), and answer the same greedy tokens and logprobs. The replica starts
+on a delta (v1), as one started mid-run does.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def lora_run(tmp_path_factory):
     for group in opt.param_groups:       # steps large enough that versions answer different greedy tokens: at
         group["lr"] = 1e-2               # 3e-3, v3-v5 shared their first 8 tokens and vLLM's numerics decided the rest
     url = str(root / "run")
-    pub = Publisher(url, anchor_every=3)
+    pub = Publisher(url, anchor_every=3, codec="context")     # v2 and v5 coded against their grandparent too
     kinds = []
     for step in range(VERSIONS):
         train_step(model, opt, seed=step)
@@ -53,8 +54,8 @@ def lora_run(tmp_path_factory):
 def rep(lora_run):
     from loader.engines import build_engine
 
-    engine = build_engine("vllm", bucket=lora_run["url"], snapshot=0, base_model=lora_run["base"], lora_slots=3,
-                          vllm_args=VLLM_ARGS)
+    engine = build_engine("vllm", bucket=lora_run["url"], snapshot=1, base_model=lora_run["base"], lora_slots=3,
+                          vllm_args=VLLM_ARGS)      # started on a delta
     r = VllmReplicaHandle(engine, replica_id="lora-0")
     yield r
     r.close()
@@ -99,6 +100,22 @@ def on_fresh(fresh):
     return lambda body: fresh.http.post("/v1/completions", json=body)
 
 
+def test_a_replica_started_on_a_delta_serves_its_exact_bits_and_hot_loads_the_next_delta_forward(rep, fresh):
+    """Started on v1 (a delta): every slot holds, bit for bit, what vLLM's own load of v1's PEFT directory holds;
+    the next delta, coded against v0 too, is hot-loaded forward (the bits materializing v1 kept, not the anchor
+    route), written, proven and equal to vLLM's own load of v2's directory."""
+    engine = rep.engine
+    assert engine.version == 1 and {s.version for s in engine.slots.slots} == {1}
+    for s in engine.slots.slots:
+        assert slot_digests(engine.applier.control, s.id) == slot_digests(fresh, 2)
+    assert rep.complete(max_tokens=2, return_engine_data=True)["engine_data"]["policy_versions"] == [1]
+    job = rep.hotload(2)
+    assert job["state"] == "READY" and job["report"]["via_anchor"] is False, job
+    last = engine.applier.last
+    assert last["version"] == 2 and last["written"] and last["proven"] == "full"
+    assert slot_digests(engine.applier.control, engine.slots.newest().id) == slot_digests(fresh, 3)
+
+
 def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms_own_directory_load(rep, fresh):
     """Forward across the anchor at v3, back and a jump: each hot-load READY with the replica's own full proof
     of the slot, and the slot bit-identical to the one a fresh vLLM filled from that version's PEFT directory; a version
@@ -119,8 +136,9 @@ def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms
         assert slot_digests(engine.applier.control, serving.id) == slot_digests(fresh, v + 1), f"v{v}"
         out = rep.complete(max_tokens=2, temperature=0.0, return_engine_data=True)
         assert out["engine_data"]["policy_versions"] == [v] and out["model"] == engine.model_name
-    # 3 slots: v4 was still resident (proven where it sat, nothing written); v2, v0 and then v5 were not
-    assert written == [True, True, True, True, True, False, True, True, True]
+    # 3 slots, v1 (the start) and v2 (the test before) resident: proven where they sat, nothing written; then
+    # v3-v5 written, v4 still resident; v2, v0 and then v5 written again
+    assert written == [False, False, True, True, True, False, True, True, True]
     status = rep.http.get("/v1/status").json()["engine"]
     assert [s["version"] for s in status["lora_slots"] if s["serving"]] == [5]
 
@@ -309,7 +327,7 @@ def test_a_rank_change_anchors_and_the_replica_refuses_to_hot_load_it_and_serves
     assert r.kind == "anchor"
     before = rep.engine.version
     job = rep.hotload(r.version)
-    assert job["state"] == "FAILED" and "another adapter config" in job["reason"]
+    assert job["state"] == "FAILED" and "another adapter config" in job["reason"] and "r 8 -> 4" in job["reason"], job
     assert rep.engine.version == before
     assert rep.complete(max_tokens=2, return_engine_data=True)["engine_data"]["policy_versions"] == [before]
     assert get_peft_model_state_dict(model)             # the rank-4 adapter itself was a real one

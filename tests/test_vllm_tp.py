@@ -373,3 +373,66 @@ def test_tp2_stopping_the_replica_removes_the_cpu_all_reduce_shared_memory_its_v
     tp_rep.close()
     assert vllm_shm.live_members(tp_rep.engine.server.proc.pid) == []
     assert not created & vllm_shm.segments()
+
+
+# --- LoRA on two tensor-parallel ranks (slow: a TP-2 vLLM of its own, with LoRA) ---------------------------------
+
+
+@pytest.mark.slow
+def test_tp2_lora_hotloads_forward_across_an_anchor_and_back_are_proven_on_both_ranks_and_equal_vllms_own_load(
+        tp_env, tmp_path_factory):
+    """After the module's replica is stopped: a LoRA run served on --tensor-parallel-size 2, started on a delta.
+    Every hot-load forward, across an anchor, back and by a jump ends READY with the slot proven in both workers,
+    and each rank's slot holds, bit for bit, what vLLM's own in-place load of that version's PEFT directory puts in
+    another slot of the same rank (each rank its own slice: the two ranks' buffers differ)."""
+    from loader.engines import build_engine
+    from loader.reader import SnapshotReader
+    from publisher import Publisher
+    from tests.test_lora_publish import peft_model, train_step
+    from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle
+
+    root = tmp_path_factory.mktemp("vllm-tp2-lora")
+    base = _save_tp_llama(str(root / "base"))
+    model, opt = peft_model(base, r=8, alpha=16)
+    for group in opt.param_groups:
+        group["lr"] = 1e-2
+    url = str(root / "run")
+    with Publisher(url, anchor_every=3, codec="context") as pub:
+        kinds = []
+        for step in range(6):
+            train_step(model, opt, seed=step)
+            kinds.append(pub.publish(model, step).kind)
+    assert kinds == ["anchor", "delta", "delta", "anchor", "delta", "delta"]
+    reader = SnapshotReader(url)
+    dirs = {v: reader.materialize(v, str(root / f"dir-v{v}")) for v in range(6)}
+    engine = build_engine("vllm", bucket=url, snapshot=1, base_model=base, lora_slots=3,
+                          vllm_args=VLLM_ARGS + TP_ARGS)
+    rep = VllmReplicaHandle(engine, replica_id="vllm-tp2-lora")
+    try:
+        control = engine.applier.control
+
+        def directory_load(version: int) -> list[dict[str, str]]:
+            """vLLM's own load of the version's directory into a slot no request holds (retired: the replica
+            rewrites it before it serves), read back on each rank."""
+            spare = next(s for s in engine.slots.slots if s is not engine.slots.newest() and s.refs == 0)
+            engine.slots.retire(spare)
+            control.rpc("ckptdelta_lora_load_dir", {"name": spare.name, "id": spare.id, "path": dirs[version]})
+            return [a["digests"] for a in control.rpc("ckptdelta_lora_digests", {"id": spare.id})]
+
+        def serving() -> list[dict[str, str]]:
+            return [a["digests"] for a in control.rpc("ckptdelta_lora_digests", {"id": engine.slots.newest().id})]
+
+        assert engine.version == 1
+        held = serving()
+        assert len(held) == 2 and held[0] != held[1] and held == directory_load(1)
+        for v in [2, 3, 4, 5, 4, 1, 0, 5]:
+            job = rep.hotload(v, timeout=600)
+            assert job["state"] == "READY", job
+            last = engine.applier.last
+            assert engine.version == v and last["version"] == v and last["proven"] == "full"
+            assert len(last["workers"]) == 2 and all(w["checked"] > 0 for w in last["workers"]), last["workers"]
+            assert serving() == directory_load(v), f"v{v}"
+            out = rep.complete(max_tokens=2, temperature=0.0, return_engine_data=True)
+            assert out["engine_data"]["policy_versions"] == [v]
+    finally:
+        rep.close()
