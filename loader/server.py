@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from delta.errors import DeltaError, HotLoadConflictError, SnapshotNotFoundError, StorageError
+from delta.errors import DeltaError, HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError, StorageError
 
 from . import streaming
 from .engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
@@ -38,8 +38,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 log = logging.getLogger("ckptdelta.server")
 
 MAX_BODY_BYTES = 1 << 20
-STOPPING_MESSAGE = ("the replica is stopping (SIGTERM or Ctrl-C) and this request did not finish within its drain "
-                    "timeout (serve --drain-timeout); send it to another replica")
+STOPPING_MESSAGE = ("the replica is stopping (SIGTERM, SIGINT or SIGHUP) and this request did not finish within its "
+                    "drain timeout (serve --drain-timeout); send it to another replica")
 #: ``/v1/status`` states besides a hot-load's: the engine died or stopped answering; the live weights are not
 #: proven to be any version (a failed swap or proof: the next hot-load pushes and proves every tensor).
 ENGINE_FAILED, UNKNOWN_VERSION = "ENGINE_FAILED", "UNKNOWN_VERSION"
@@ -354,6 +354,8 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
                            "(one path segment of letters, digits, '.', '_', '-')")
         try:
             job, how = manager.submit(ref, queue=req.queue)
+        except HotLoadCancelledError as e:
+            raise APIError(503, "replica_stopping", f"replica {replica_id}: {e}") from None
         except SnapshotNotFoundError as e:
             raise APIError(404, "snapshot_not_found", str(e), snapshot=ref) from None
         except HotLoadConflictError as e:

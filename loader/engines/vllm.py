@@ -63,6 +63,7 @@ import torch
 
 from delta.errors import CkptDeltaError, HotLoadError
 
+from .. import stopping
 from . import vllm_shm
 from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
 from .shared_weights import SharedWeights, write_positions
@@ -434,6 +435,7 @@ class VllmApplier(EngineApplier):
         next hot-load pushes and proves every tensor (:meth:`apply`)."""
         t0 = self._pause.started
         failed: list[str] = []
+        stopping.hold("resume")
         try:
             try:
                 ok = self.control.reset_prefix_cache(running=self.cache_policy == "recompute")
@@ -547,6 +549,7 @@ class VllmApplier(EngineApplier):
                 patch_req = {"path": self.shared.path, "positions": self.shared.positions_path, "spans": spans,
                              "check": self.verify != "off"}
             self._stop()
+            stopping.hold("pause")
             t_stopped = time.perf_counter()
             if shadow is not None:
                 # one round trip: the shadow swapped in, then the in-place patches
@@ -568,6 +571,7 @@ class VllmApplier(EngineApplier):
         shadowed = set(groups) - set(shadow.reload) if shadow is not None else set()
         in_pause = sorted(set(touched) - set(patch) - shadowed)
         verified = 0
+        stopping.hold("proof")
         full = self.verify == "full" or (recovering and self.verify != "off")
         if full:
             verified = self.check(touched)            # raises unless every digest matched
