@@ -15,9 +15,10 @@ plain request is answered 503 ``replica_stopping``, a stream ends with that erro
 stop (loader/hotload_jobs.py, ``HotLoadManager.stop``): one still preparing stops at its next tensor, having
 touched nothing; one past its prepare runs to its end, so the pause it began ends on bits it proved (the new
 version's, or the previous version's put back) and the engine it paused, a user's vLLM included, generates
-again before the engine is closed. Later signals are ignored so that clean-up is not cut short (a second
-Ctrl-C while draining ends the drain at once, as uvicorn does; SIGKILL remains, and the next replica on the
-host sweeps what a killed one left: delta/scratch.py).
+again before the engine is closed. Nor is the replica's start cut where it paused a user's vLLM to push the
+snapshot in (:func:`deferred`): the stop comes once that vLLM is proven and generating. Later signals are
+ignored so that clean-up is not cut short (a second Ctrl-C while draining ends the drain at once, as uvicorn
+does; SIGKILL remains, and the next replica on the host sweeps what a killed one left: delta/scratch.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 _requested = threading.Event()
 _reason: list[str] = []
+_deferring: list[str] = []      # what the main thread is doing that a stop must not cut (deferred())
+_pending: list[int] = []        # a stop signal that came inside deferred(), raised at its end
 
 
 class TerminationRequested(KeyboardInterrupt):
@@ -65,6 +68,10 @@ def reason() -> str:
 def _raise_once(signum: int, frame: Any) -> None:
     request(signum)
     shield()
+    if _deferring:
+        log.warning("%s: stopping once done %s", signal.Signals(signum).name, _deferring[-1])
+        _pending.append(signum)
+        return
     raise TerminationRequested()
 
 
@@ -86,6 +93,25 @@ def signals_stop() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def deferred(what: str) -> Iterator[None]:
+    """Inside (in the main thread, while the replica starts): a stop signal does not cut the block, where it
+    would land anywhere; it is raised when the block ends. For a pause the replica began in an engine it does
+    not own (a user's vLLM, paused to push the snapshot in: loader/engines/vllm.py): cut there, the pause
+    would outlive the replica. ``what`` is logged with the stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferring.append(what)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    if not _deferring and _pending:
+        _pending.clear()
+        raise TerminationRequested()
 
 
 def shield() -> None:
@@ -132,7 +158,8 @@ def uvicorn_server(config: Any, *, on_stop: Callable[[], None]) -> Any:
 #: that phase, wherever the machine's load puts the rest.
 HOLD_ENV = "CKPTDELTA_TEST_HOLD_HOTLOAD"
 #: prepare: fetching and verifying while serving; pause: the engine paused, nothing written yet; proof: the new
-#: bits written, not proven yet; resume: proven, the pause not ended yet.
+#: bits written, not proven yet; resume: proven, the pause not ended yet. And "takeover": not a hot-load's, the
+#: replica's start pushing the snapshot into an attached vLLM it paused (loader/engines/vllm.py).
 PHASES = ("prepare", "pause", "proof", "resume")
 HOLD_TIMEOUT_S = 300.0
 _held: set[str] = set()

@@ -352,6 +352,46 @@ def test_a_replica_stopped_by_sigterm_in_the_pause_resumes_the_users_vllm_on_the
     _stopped_in(run, vllm, proxy, tmp_path, "pause", "SIGTERM")
 
 
+def test_a_replica_stopped_while_its_start_loads_the_snapshot_into_the_paused_users_vllm_resumes_it(
+        rep, run, vllm, proxy, tmp_path):
+    """Attached to a vLLM that computes with other weights, the replica's start pauses it to load the snapshot
+    whole; a stop signal there (SIGHUP: the terminal it was started from closed) used to raise right there and
+    leave it paused. Now the start proves the snapshot, resumes vLLM, then stops: exit 0."""
+    from delta.manifest import snapshot_name
+    from loader.reader import SnapshotReader
+
+    rep.close()
+    start = max(run.truth)
+    other_dir = SnapshotReader(run.url).materialize(_other(run, start), str(tmp_path / "other"))
+    with _vllm(vllm) as c:      # vLLM computes with another version's weights: the replica's start pushes
+        r = c.post("/collective_rpc", json={"method": "ckptdelta_reload_dir",
+                                            "args": [__import__("json").dumps({"path": other_dir})]})
+        assert r.status_code == 200, r.text
+    marker = str(tmp_path / "held-takeover")
+    proc, _url, log_path = _spawn(run, proxy.url, start, tmp_path, env={HOLD_ENV: f"takeover:{marker}"})
+    try:
+        deadline = time.monotonic() + 180
+        while not os.path.exists(marker):
+            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.05)
+        with _vllm(vllm) as c:
+            assert c.get("/is_paused").json()["is_paused"] is True       # held inside the start's pause
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(120) == 0, open(log_path).read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = open(log_path).read()
+    assert "Traceback" not in text and "replica stopped (SIGHUP)" in text, text[-3000:]
+    assert f"serves {snapshot_name(start)} of run" in text, text[-3000:]       # proven, then stopped
+    with _vllm(vllm) as c:
+        assert c.get("/is_paused").json()["is_paused"] is False, "SIGHUP in the start's pause left vLLM paused"
+        r = c.post("/v1/completions", json={"model": "faulted", "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert c.get("/weight_info").json()["weight_version"] == str(start)
+    assert _diff(vllm, run.truth[start], tmp_path) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("phase,sig", [(p, s) for p in PHASES for s in ("SIGTERM", "SIGINT", "SIGHUP")
                                        if (p, s) != ("pause", "SIGTERM")])

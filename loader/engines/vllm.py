@@ -872,6 +872,7 @@ def _take_over(applier: VllmApplier, version: int, run_id: str, *, pushable: boo
             if not paused:
                 control.pause()
                 paused = True
+            stopping.hold("takeover")
             control.rpc("ckptdelta_reload", {"path": applier.shared.path,
                                              "names": reload_groups(names, names, applier.packed)})
             n = applier.check(names)
@@ -953,7 +954,10 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         layout = control.rpc("ckptdelta_layout", {})[0]
         applier = VllmApplier(control, shared, cache_policy=cache_policy, packed=layout.get("packed") or {},
                               verify=verify, patchable=layout.get("patchable") or (), apply_mode=apply_mode)
-        _take_over(applier, version, reader.run_id, pushable=bool(attach))
+        # a stop signal inside would land anywhere, and a pause it began there (pushing into an attached vLLM)
+        # would outlive the replica: it stops once the vLLM is proven and generating again
+        with stopping.deferred(f"proving vLLM at {url}"):
+            _take_over(applier, version, reader.run_id, pushable=bool(attach))
         swapper = HotSwapper(shared.tensors, reader, version=version, applier=applier)
         applier.current_version = lambda: swapper.version
         applier.on_unverified = lambda: setattr(swapper, "version", None)
