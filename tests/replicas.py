@@ -70,7 +70,8 @@ def publish_run(url: str, lm_dir: str, *, n_versions: int = 4) -> PublishedRun:
 
 
 class LiveServer:
-    """An ASGI app served by uvicorn in a thread, on a free port of 127.0.0.1."""
+    """An ASGI app served by uvicorn in a thread, on a free port of 127.0.0.1. ``drain``: the seconds a stop
+    (``server.handle_exit``, what uvicorn does on SIGTERM) lets requests in flight finish before it cuts them."""
 
     def __init__(self, app, *, drain: float = 5.0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
