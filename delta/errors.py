@@ -119,6 +119,11 @@ class HotLoadConflictError(HotLoadError):
     """A different hot-load is already running on this replica."""
 
 
+class HotLoadCancelledError(HotLoadError):
+    """The replica is stopping: a hot-load not begun, or still preparing, was dropped; the live weights and
+    policy version are unchanged."""
+
+
 class HotLoadTimeoutError(HotLoadError, TimeoutError):
     """Replicas did not reach the requested policy version in time."""
 

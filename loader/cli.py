@@ -38,8 +38,9 @@ def add_commands(subparsers: Any) -> None:
                    help="bound of --cache-dir's cached objects, least recently used evicted first (default: a "
                         "quarter of its disk, at most 32; 0: no bound; also $CKPTDELTA_CACHE_MAX_GB)")
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
-                   help="on SIGTERM or Ctrl-C: stop accepting requests, let those in flight finish for up to S "
-                        "seconds, then stop the engine, clean up and exit 0 (default 25)")
+                   help="on SIGTERM, SIGINT (Ctrl-C) or SIGHUP: stop accepting requests, let those in flight "
+                        "finish for up to S seconds, let a hot-load in its pause end it, then stop the engine, "
+                        "clean up and exit 0 (default 25)")
     p.add_argument("--device", default="cpu",
                    help="torch device for the model of the reference engine (cpu, cuda, cuda:1...; default: cpu)")
     p.add_argument("--cache-policy", choices=["recompute", "keep"], default="recompute",
@@ -97,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage = "give --bucket URL (a run to serve and hot-load), --model DIR (fixed weights), or both"
     if usage:
         return usage_error("serve", usage)
-    with stopping.sigterm_stops():     # SIGTERM stops as Ctrl-C does (loader/stopping.py)
+    with stopping.signals_stop():     # SIGTERM, SIGINT, SIGHUP: a graceful stop (loader/stopping.py)
         try:
             snapshot, sock = _check_before_loading(args)
             try:
@@ -105,7 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             finally:
                 sock.close()
         except stopping.TerminationRequested:
-            log.warning("replica stopped (SIGTERM)")
+            log.warning("replica stopped (%s)", stopping.reason())
             return 0
 
 
@@ -126,25 +127,50 @@ def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int",
                           control_timeout=args.control_timeout, on_failure=stopper)
     replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
     api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
+    hotloads = None
     try:
         app = create_app(engine, replica_id=replica_id, api_key=api_key)
+        hotloads = app.state.hotloads
+
+        def on_stop() -> None:     # at the signal, before the drain: a hot-load still preparing is dropped
+            if hotloads is not None:
+                hotloads.request_stop(_stopping_why(replica_id))
+
         log.info("replica %s (%s engine) serving policy version %s on http://%s:%d%s", replica_id, engine.kind,
                  engine.version, args.host, args.port, " (API key required)" if api_key else "")
         drain = stopping.DRAIN_TIMEOUT_S if args.drain_timeout is None else args.drain_timeout
-        stopper.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain))
+        stopper.server = stopping.uvicorn_server(
+            uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain), on_stop=on_stop)
         if stopper.why is None or not stopper.enabled:
             stopper.server.run(sockets=[sock])
     finally:
-        stopping.shield()      # clean-up is not cut short by another SIGTERM
-        engine.close()
+        stopping.shield()      # clean-up is not cut short by another signal
+        try:
+            if hotloads is not None:
+                # a hot-load past its prepare ends its pause (the engine generates again, a user's vLLM too)
+                # before the engine closes; closed under it, the pause would outlive the replica. A dead engine
+                # fails its control calls at once, but one that stopped answering times each of them out
+                failed = stopper.why is not None and not stopping.requested()
+                hotloads.stop(_stopping_why(replica_id, stopper.why), ENGINE_FAILED_WAIT_S if failed else None)
+        finally:
+            engine.close()
     if stopper.why is not None and stopper.enabled:
         log.critical("replica %s stops: its engine failed (%s)", replica_id, stopper.why)
         return ENGINE_FAILED_EXIT
     return 0
 
 
+def _stopping_why(replica_id: str, engine_failure: str | None = None) -> str:
+    """What a hot-load refused or dropped because the replica stops says, naming it and why."""
+    if engine_failure is not None and not stopping.requested():
+        return f"replica {replica_id} is stopping: its engine failed ({engine_failure})"
+    return f"replica {replica_id} is stopping ({stopping.reason()})"
+
+
 #: ``ckptdelta serve``'s exit status when its engine died or stopped answering (``--on-engine-failure exit``).
 ENGINE_FAILED_EXIT = 3
+#: Seconds a replica whose engine failed waits for a running hot-load to end before it closes the engine.
+ENGINE_FAILED_WAIT_S = 10.0
 
 
 class _StopOnEngineFailure:

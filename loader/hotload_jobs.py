@@ -14,6 +14,12 @@ ends; a request queued before it and not started yet is dropped (FAILED,
 ``error_type`` ``HotLoadSuperseded``, naming the hot-load that replaced it).
 The running one is never interrupted: its swap is short, and what it fetched
 is what the next one builds on.
+
+When the replica stops (:meth:`HotLoadManager.stop`; loader/stopping.py), new
+requests are refused, a queued hot-load never starts and one still preparing
+stops at its next tensor (FAILED, ``HotLoadCancelledError``: nothing was
+written); one past its prepare is waited for, so that its pause ends, on the
+new version proven or the previous one put back, before the engine is closed.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from delta.errors import HotLoadConflictError
+from delta.errors import HotLoadCancelledError, HotLoadConflictError
 from delta.manifest import snapshot_name
 
 log = logging.getLogger("ckptdelta.server")
@@ -93,6 +99,9 @@ class HotLoadManager:
         self._queued: HotLoadJob | None = None    # waits for the running one (submit(queue=True))
         self._last: HotLoadJob | None = None
         self._seq = itertools.count(1)
+        self._thread: threading.Thread | None = None   # the running job's
+        self._stopping: str | None = None              # why, once the replica stops
+        self._stopped_in: HotLoadJob | None = None     # the hot-load that was running when the stop came
 
     @property
     def running(self) -> HotLoadJob | None:
@@ -119,9 +128,11 @@ class HotLoadManager:
         (with it, the request waits for that one and replaces any queued before it)."""
         # storage I/O, outside the lock; fresh: a snapshot gc deleted, or a run deleted and published again,
         # is refused here (404) instead of failing later on objects its cached manifests still name
+        self._refuse_if_stopping(ref)
         target = self.reader.resolve(ref, fresh=True)
         requested = str(ref)
         with self._lock:
+            self._refuse_if_stopping(ref)
             run = self._running
             if run is not None:
                 if run.target_version == target and (self._queued is None or not queue):
@@ -168,7 +179,8 @@ class HotLoadManager:
         job = job or self._new_job(requested, target, current)
         job.from_version, job.state = current, PREPARING
         self._running = job
-        threading.Thread(target=self._run, args=(job,), name=f"hotload-{job.id}", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, args=(job,), name=f"hotload-{job.id}", daemon=True)
+        self._thread.start()
         log.info("hot-load %s: %s -> %s started", job.id, _name(job.from_version), snapshot_name(target))
         return job, "started"
 
@@ -190,6 +202,9 @@ class HotLoadManager:
             t0 = time.perf_counter()
             prepared = self.swapper.prepare(job.target_version, initial=self.swapper.version is None)
             job.prepare_s = time.perf_counter() - t0
+            if self._stopping is not None:      # prepared, but the replica stops: nothing is written
+                raise HotLoadCancelledError(f"hot-load to {snapshot_name(job.target_version)} dropped before "
+                                            f"its pause: {self._stopping}")
             job.state = SWAPPING
             report = self.swapper.commit(prepared)
             del prepared
@@ -212,7 +227,9 @@ class HotLoadManager:
                 self._last = job
                 job.state = state
                 nxt, self._queued = self._queued, None
-                if nxt is not None:
+                if nxt is not None and self._stopping is not None:
+                    self._drop(nxt)
+                elif nxt is not None:
                     try:
                         self._start_locked(nxt.requested, nxt.target_version, nxt)
                     except Exception as e:  # noqa: BLE001 - no thread to be had: the queued one fails, said why
@@ -221,6 +238,55 @@ class HotLoadManager:
                         self._running = None
                         self._notify(nxt, FAILED)
                         nxt.state = FAILED
+
+    # --- the replica stops ---------------------------------------------------------------------------
+
+    def request_stop(self, why: str) -> None:
+        """The replica is stopping (``why`` says so to clients): refuse new hot-loads, start no queued one, and
+        make one still preparing stop at its next tensor. Only sets flags: a signal handler calls it."""
+        if self._stopping is None:
+            self._stopping, self._stopped_in = why, self._running
+        cancel = getattr(self.swapper, "cancel_prepare", None)
+        if cancel is not None:
+            cancel.set()
+
+    def stop(self, why: str, timeout: float | None = None) -> HotLoadJob | None:
+        """:meth:`request_stop`, then wait for the running hot-load to end, before the engine is closed: a
+        commit is never cut, so the pause it began ends (its engine generates again) on bits it proved, the new
+        version's or the previous one's put back. ``timeout`` None: as long as it takes, which each step of a
+        commit bounds (its control calls: ``--control-timeout``); a dead engine's replica waits less. Returns
+        the hot-load that was running, if one was."""
+        self.request_stop(why)
+        with self._lock:
+            queued, self._queued = self._queued, None
+            if queued is not None:
+                self._drop(queued)
+            job, thread = self._running or self._stopped_in, self._thread
+        if job is None or thread is None:
+            return None
+        if not job.done:
+            log.warning("%s: waiting for hot-load %s to %s (%s) to end before the engine stops", self._stopping,
+                        job.id, snapshot_name(job.target_version), job.state)
+        thread.join(timeout)
+        if not job.done:
+            log.error("hot-load %s to %s still %s after %.0f s: the engine stops under it", job.id,
+                      snapshot_name(job.target_version), job.state, timeout)
+            return job
+        log.warning("hot-load %s to %s ended %s%s; the engine serves %s", job.id, snapshot_name(job.target_version),
+                    job.state, f" ({job.reason})" if job.reason else "", _name(self.swapper.version))
+        return job
+
+    def _refuse_if_stopping(self, ref: str | int) -> None:
+        if self._stopping is not None:
+            raise HotLoadCancelledError(f"hot-load to {ref!r} refused: {self._stopping}")
+
+    def _drop(self, job: HotLoadJob) -> None:
+        """A queued hot-load that will never start (the replica stops); the caller holds the lock."""
+        job.reason = f"HotLoadCancelledError: dropped before it started: {self._stopping}"
+        job.error_type, job.finished = HotLoadCancelledError.__name__, time.time()
+        self._notify(job, FAILED)
+        job.state = FAILED
+        log.info("hot-load %s to %s dropped: %s", job.id, snapshot_name(job.target_version), self._stopping)
 
     def _notify(self, job: HotLoadJob, state: str) -> None:
         if self.on_done is not None:

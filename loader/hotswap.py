@@ -38,12 +38,12 @@ import torch
 import xxhash
 
 from delta import StagedTensor, dtypes, stage, stage_full, warmup
-from delta.errors import (ChecksumError, GrandparentMismatchError, GrandparentNeededError, HotLoadConflictError,
-                          HotLoadError, ParentMismatchError, ShapeMismatchError)
+from delta.errors import (ChecksumError, GrandparentMismatchError, GrandparentNeededError, HotLoadCancelledError,
+                          HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError)
 from delta.manifest import Manifest, TensorEntry, snapshot_name
 from delta.pieces import box_bits, box_view, flat_range
 
-from . import batch_commit
+from . import batch_commit, stopping
 from .pieces import Piece, Prior, check_assembled, grandparent_of, rebuild, replay
 from .plan import UpdatePlan, make_plan
 from .reader import SnapshotReader
@@ -240,6 +240,9 @@ class HotSwapper:
         #: forward route; without them such a hot-load takes the anchor route. loader/lora.py turns it on.
         self.keep_priors = False
         self._priors: dict[str, Prior] = {}
+        #: Set when the replica stops (loader/hotload_jobs.py): a prepare stops at its next tensor, having
+        #: written nothing, with HotLoadCancelledError; a commit is never cut (its pause must end).
+        self.cancel_prepare = threading.Event()
         self._lock = threading.Lock()
         # this process's first hot-load would otherwise load the staging and commit kernels from numba's
         # cache: done now, in the background (delta/warmup.py; CKPTDELTA_WARMUP=0: not)
@@ -385,6 +388,10 @@ class HotSwapper:
                 if done.value is not None:
                     staged.append(done.value)
                 bar.update(sum(p.nbytes for p in groups[done.index]))
+                stopping.hold("prepare")
+                if self.cancel_prepare.is_set():
+                    raise HotLoadCancelledError(f"hot-load to {snapshot_name(v)} dropped while preparing: the "
+                                                f"replica is stopping; live weights and version unchanged")
             decode_s = stager.wait_s
         batch = _batch(staged, threads)
         staging = sum(s.st.nbytes + (s.choice.nbytes if s.choice is not None else 0) for s in staged)
@@ -420,6 +427,8 @@ class HotSwapper:
         written = 0
         with (self.applier.paused() if self.applier is not None else self.gate.paused()) as pause:
             ta = time.perf_counter()
+            if self.applier is None:
+                stopping.hold("pause")      # an engine applier pauses its engine itself (and holds there)
             try:
                 lives = []
                 for s in p.staged:      # every tensor is where prepare() saw it before anything is written
@@ -454,7 +463,9 @@ class HotSwapper:
                         undo.append((live, lambda live=live, old=old: old.apply_(live, method=method)))
                         s.st.apply_(live, method=method)
                 _synchronize(undo)
-                if self.applier is not None:
+                if self.applier is None:
+                    stopping.hold("proof")
+                else:
                     changed = _changed_positions(p.staged)
                     pushed = list(changed)
                     self.applier.apply(pushed, p.to_version, changed)
@@ -470,6 +481,8 @@ class HotSwapper:
             self.version = p.to_version
             self._priors.update(p.priors)     # each checked against the chain before use (_last_change)
             apply_s = time.perf_counter() - ta
+            if self.applier is None:
+                stopping.hold("resume")
         p.committed = True
         p.staged, p.batch = [], None   # densely staged tensors now hold the old bits: nothing left worth keeping
         report = replace(p.report, apply_s=apply_s, pause_s=pause.seconds,

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from delta.errors import DeltaError, HotLoadConflictError, SnapshotNotFoundError, StorageError
+from delta.errors import DeltaError, HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError, StorageError
 
 from . import streaming
 from .engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
@@ -38,8 +38,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 log = logging.getLogger("ckptdelta.server")
 
 MAX_BODY_BYTES = 1 << 20
-STOPPING_MESSAGE = ("the replica is stopping (SIGTERM or Ctrl-C) and this request did not finish within its drain "
-                    "timeout (serve --drain-timeout); send it to another replica")
+STOPPING_MESSAGE = ("the replica is stopping (SIGTERM, SIGINT or SIGHUP) and this request did not finish within its "
+                    "drain timeout (serve --drain-timeout); send it to another replica")
 #: ``/v1/status`` states besides a hot-load's: the engine died or stopped answering; the live weights are not
 #: proven to be any version (a failed swap or proof: the next hot-load pushes and proves every tensor).
 ENGINE_FAILED, UNKNOWN_VERSION = "ENGINE_FAILED", "UNKNOWN_VERSION"
@@ -86,8 +86,14 @@ def _too_large(limit: int) -> JSONResponse:
     return _error(413, "request_too_large", f"request body exceeds {limit} bytes")
 
 
+def stopping_error() -> dict[str, Any]:
+    """What a request cut by a stop's drain timeout is told: the body of its 503, or a stream's last event."""
+    return {"error": {"type": "replica_stopping", "message": STOPPING_MESSAGE}}
+
+
 class Gatekeeper:
-    """Outer middleware: counts every response, then checks the API key and the body size.
+    """Outer middleware: counts every response, then checks the API key and the body size; answers what a
+    stop's drain cuts.
 
     Pure ASGI (not BaseHTTPMiddleware) so it can cut off a chunked body that
     grows past the limit without buffering it: the read fails with an
@@ -107,11 +113,18 @@ class Gatekeeper:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = {"code": 500, "started": False}  # an exception that escapes is answered 500 further out
+        # an exception that escapes is answered 500 further out; what was sent tells how a cut one ends
+        status = {"code": 500, "started": False, "events": False, "ended": False, "done": False}
 
         async def send_counted(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status["code"], status["started"] = message["status"], True
+                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
+                status["events"] = ctype.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    status["done"] = bytes(message["body"]).endswith(streaming.DONE)
+                status["ended"] = not message.get("more_body", False)
             await send(message)
 
         try:
@@ -139,9 +152,14 @@ class Gatekeeper:
                 await self.app(scope, receive_limited, send_counted)
             except asyncio.CancelledError:
                 # uvicorn cancels what still runs when a stop's drain timeout ends (loader/stopping.py): say so,
-                # not 500 with a traceback in the log; a response already begun (a stream) just ends
+                # not 500 with a traceback in the log. A stream already begun cannot change its status: it ends
+                # as a stream that fails does (loader/streaming.py), with the same error as an event, then
+                # [DONE]; cut off there, a client would see a broken connection (openai: APIConnectionError)
                 if not status["started"]:
                     await _error(503, "replica_stopping", STOPPING_MESSAGE)(scope, receive, send_counted)
+                elif status["events"] and not status["ended"]:
+                    tail = b"" if status["done"] else streaming.event(stopping_error()) + streaming.DONE
+                    await send_counted({"type": "http.response.body", "body": tail, "more_body": False})
         finally:
             self.metrics.requests.labels(endpoint=_endpoint_label(scope.get("path", "")),
                                          status=str(status["code"])).inc()
@@ -336,6 +354,8 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
                            "(one path segment of letters, digits, '.', '_', '-')")
         try:
             job, how = manager.submit(ref, queue=req.queue)
+        except HotLoadCancelledError as e:
+            raise APIError(503, "replica_stopping", f"replica {replica_id}: {e}") from None
         except SnapshotNotFoundError as e:
             raise APIError(404, "snapshot_not_found", str(e), snapshot=ref) from None
         except HotLoadConflictError as e:

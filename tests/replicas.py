@@ -70,15 +70,17 @@ def publish_run(url: str, lm_dir: str, *, n_versions: int = 4) -> PublishedRun:
 
 
 class LiveServer:
-    """An ASGI app served by uvicorn in a thread, on a free port of 127.0.0.1."""
+    """An ASGI app served by uvicorn in a thread, on a free port of 127.0.0.1. ``drain``: the seconds a stop
+    (``server.handle_exit``, what uvicorn does on SIGTERM) lets requests in flight finish before it cuts them."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, *, drain: float = 5.0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, limit_concurrency=256)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain,
+                                limit_concurrency=256)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -8,7 +8,9 @@ docs/GUARANTEES.md ("A replica's version") is checked against vLLM itself, read
 back directly in its worker: the replica's reported version is the exact version
 of the bits vLLM computes with, or unknown (then nothing is labelled with a
 version and nothing is READY); vLLM is not left paused; a request is answered.
-Then the next hot-load (or a restart) ends READY with every live tensor proven.
+Then the next hot-load (or a restart) ends READY with every live tensor proven. And a replica stopped
+gracefully (SIGTERM, SIGINT, SIGHUP) while its hot-load is held in a phase: it ends the pause it began before
+it exits (tests/test_stops.py has the same matrix on the reference engine and on a vLLM the replica owns).
 
 The short matrix runs in ``make test``; every point x action in ``make stress``.
 """
@@ -25,7 +27,9 @@ import time
 import httpx
 import pytest
 
+from loader.stopping import HOLD_ENV, PHASES
 from tests.servers import free_port
+from tests.stops import hotload_until_held, stop_and_check
 from tests.vllm_faults import Fault, FaultProxy
 from tests.vllm_models import save_tiny_llama
 from tests.vllm_replicas import PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff, publish_vllm_run, one_gpu_layout
@@ -232,17 +236,24 @@ def test_after_an_unknown_version_the_next_hotload_pushes_and_proves_even_what_t
     assert rep.engine.applier.last["recovered"] and rep.engine.applier.last["verified"]
 
 
-def _serve(run, proxy_url: str, snapshot, tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
+def _spawn(run, proxy_url: str, snapshot, tmp_path, *args: str, env: dict | None = None
+           ) -> tuple[subprocess.Popen, str, str]:
+    """``ckptdelta serve --attach`` starting: the process, its URL, its log."""
     port = free_port()
-    log = open(tmp_path / f"serve-{port}.log", "ab")
+    log = str(tmp_path / f"serve-{port}.log")
     cmd = [os.path.join(os.path.dirname(sys.executable), "ckptdelta"), "serve", "--engine", "vllm",
            "--bucket", run.url, "--snapshot", str(snapshot), "--port", str(port), "--attach", proxy_url,
            "--control-timeout", str(CONTROL_TIMEOUT), "--request-timeout", "60", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "ab"), env={**os.environ, **(env or {})})
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _serve(run, proxy_url: str, snapshot, tmp_path, *args: str, env: dict | None = None
+           ) -> tuple[subprocess.Popen, str]:
+    proc, url, log = _spawn(run, proxy_url, snapshot, tmp_path, *args, env=env)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        assert proc.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-3000:]
+        assert proc.poll() is None, open(log, errors="replace").read()[-3000:]
         try:
             if httpx.get(url + "/v1/status", timeout=2).status_code == 200:
                 return proc, url
@@ -306,6 +317,88 @@ def test_a_replica_killed_in_the_pause_leaves_vllm_paused_and_a_new_one_proves_a
         rep, run, vllm, proxy, tmp_path):
     rep.close()           # one replica on this vLLM at a time from here on
     _kill_in_the_pause(run, vllm, proxy, tmp_path, "rpc:ckptdelta_swap")
+
+
+def _stopped_in(run, vllm, proxy, tmp_path, phase: str, sig: str) -> None:
+    """``serve --attach`` stopped by ``sig`` while its hot-load is held in ``phase``: it exits 0 having ended the
+    hot-load (tests/stops.py), and the user's vLLM is left generating (not paused, a request answered) on the
+    exact bits of the version it is labelled with: the target from the pause on (the hot-load ran to its end,
+    proven), the start when the stop came while preparing (dropped, nothing pushed)."""
+    start = max(run.truth)            # whatever vLLM holds, the replica's start proves it or pushes this in
+    marker = str(tmp_path / f"held-{phase}")
+    proc, url = _serve(run, proxy.url, start, tmp_path, env={HOLD_ENV: f"{phase}:{marker}"})
+    log_path = str(tmp_path / f"serve-{url.rsplit(':', 1)[1]}.log")
+    target = _other(run, start)
+    try:
+        job = hotload_until_held(url, target, marker, proc, log_path)
+        stop_and_check(proc, sig, job, phase, target, log_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    expected = start if phase == "prepare" else target
+    with _vllm(vllm) as c:                 # straight away: nobody else is left to resume it
+        assert c.get("/is_paused").json()["is_paused"] is False, f"{sig} in the {phase} left vLLM paused"
+        r = c.post("/v1/completions", json={"model": "faulted", "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert c.get("/weight_info").json()["weight_version"] == str(expected)
+    assert _diff(vllm, run.truth[expected], tmp_path) == []
+
+
+def test_a_replica_stopped_by_sigterm_in_the_pause_resumes_the_users_vllm_on_the_proven_target(
+        rep, run, vllm, proxy, tmp_path):
+    """The issue's case: SIGTERM while the hot-load has the user's vLLM paused (no request in flight, so the
+    drain ends at once) used to exit 0 at once and leave it paused, every request to it hanging."""
+    rep.close()
+    _stopped_in(run, vllm, proxy, tmp_path, "pause", "SIGTERM")
+
+
+def test_a_replica_stopped_while_its_start_loads_the_snapshot_into_the_paused_users_vllm_resumes_it(
+        rep, run, vllm, proxy, tmp_path):
+    """Attached to a vLLM that computes with other weights, the replica's start pauses it to load the snapshot
+    whole; a stop signal there (SIGHUP: the terminal it was started from closed) used to raise right there and
+    leave it paused. Now the start proves the snapshot, resumes vLLM, then stops: exit 0."""
+    from delta.manifest import snapshot_name
+    from loader.reader import SnapshotReader
+
+    rep.close()
+    start = max(run.truth)
+    other_dir = SnapshotReader(run.url).materialize(_other(run, start), str(tmp_path / "other"))
+    with _vllm(vllm) as c:      # vLLM computes with another version's weights: the replica's start pushes
+        r = c.post("/collective_rpc", json={"method": "ckptdelta_reload_dir",
+                                            "args": [__import__("json").dumps({"path": other_dir})]})
+        assert r.status_code == 200, r.text
+    marker = str(tmp_path / "held-takeover")
+    proc, _url, log_path = _spawn(run, proxy.url, start, tmp_path, env={HOLD_ENV: f"takeover:{marker}"})
+    try:
+        deadline = time.monotonic() + 180
+        while not os.path.exists(marker):
+            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.05)
+        with _vllm(vllm) as c:
+            assert c.get("/is_paused").json()["is_paused"] is True       # held inside the start's pause
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(120) == 0, open(log_path).read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = open(log_path).read()
+    assert "Traceback" not in text and "replica stopped (SIGHUP)" in text, text[-3000:]
+    assert f"serves {snapshot_name(start)} of run" in text, text[-3000:]       # proven, then stopped
+    with _vllm(vllm) as c:
+        assert c.get("/is_paused").json()["is_paused"] is False, "SIGHUP in the start's pause left vLLM paused"
+        r = c.post("/v1/completions", json={"model": "faulted", "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert c.get("/weight_info").json()["weight_version"] == str(start)
+    assert _diff(vllm, run.truth[start], tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase,sig", [(p, s) for p in PHASES for s in ("SIGTERM", "SIGINT", "SIGHUP")
+                                       if (p, s) != ("pause", "SIGTERM")])
+def test_a_replica_stopped_by_every_signal_in_every_phase_leaves_the_users_vllm_generating_proven_bits(
+        rep, run, vllm, proxy, tmp_path, phase, sig):
+    rep.close()
+    _stopped_in(run, vllm, proxy, tmp_path, phase, sig)
 
 
 @pytest.mark.slow

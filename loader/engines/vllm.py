@@ -63,6 +63,7 @@ import torch
 
 from delta.errors import CkptDeltaError, HotLoadError
 
+from .. import stopping
 from . import vllm_shm
 from ..spans import Span
 from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
@@ -434,6 +435,7 @@ class VllmApplier(EngineApplier):
         next hot-load pushes and proves every tensor (:meth:`apply`)."""
         t0 = self._pause.started
         failed: list[str] = []
+        stopping.hold("resume")
         try:
             try:
                 ok = self.control.reset_prefix_cache(running=self.cache_policy == "recompute")
@@ -545,6 +547,7 @@ class VllmApplier(EngineApplier):
                 patch_req = {"path": self.shared.path, "positions": self.shared.positions_path, "spans": spans,
                              "check": self.verify != "off"}
             self._stop()
+            stopping.hold("pause")
             t_stopped = time.perf_counter()
             if shadow is not None:
                 # one round trip: the shadow swapped in, then the in-place patches
@@ -566,6 +569,7 @@ class VllmApplier(EngineApplier):
         shadowed = set(groups) - set(shadow.reload) if shadow is not None else set()
         in_pause = sorted(set(touched) - set(patch) - shadowed)
         verified = 0
+        stopping.hold("proof")
         full = self.verify == "full" or (recovering and self.verify != "off")
         if full:
             verified = self.check(touched)            # raises unless every digest matched
@@ -870,6 +874,7 @@ def _take_over(applier: VllmApplier, version: int, run_id: str, *, pushable: boo
             if not paused:
                 control.pause()
                 paused = True
+            stopping.hold("takeover")
             control.rpc("ckptdelta_reload", {"path": applier.shared.path,
                                              "names": reload_groups(names, names, applier.packed)})
             n = applier.check(names)
@@ -951,7 +956,10 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         layout = control.rpc("ckptdelta_layout", {})[0]
         applier = VllmApplier(control, shared, cache_policy=cache_policy, packed=layout.get("packed") or {},
                               verify=verify, patchable=layout.get("patchable") or (), apply_mode=apply_mode)
-        _take_over(applier, version, reader.run_id, pushable=bool(attach))
+        # a stop signal inside would land anywhere, and a pause it began there (pushing into an attached vLLM)
+        # would outlive the replica: it stops once the vLLM is proven and generating again
+        with stopping.deferred(f"proving vLLM at {url}"):
+            _take_over(applier, version, reader.run_id, pushable=bool(attach))
         swapper = HotSwapper(shared.tensors, reader, version=version, applier=applier)
         applier.current_version = lambda: swapper.version
         applier.on_unverified = lambda: setattr(swapper, "version", None)
