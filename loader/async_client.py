@@ -8,7 +8,9 @@ request does not fit it. :class:`AsyncRolloutClient` does what
 unreachable replicas are retried with exponential backoff and jitter until
 ``ready_timeout``, its last try made at the deadline; ``affinity_key`` pins a group
 to one replica, the same one the sync client picks for the key; ``hotload`` moves
-the whole fleet to one version. Other errors raise at once, with the replica's own
+the whole fleet to one version, a replica still starting waited for until
+``ready_timeout`` as the sync client and ``ckptdelta hotload --wait`` wait for it
+(loader/fleet.py, StartWait). Other errors raise at once, with the replica's own
 message.
 """
 
@@ -94,10 +96,12 @@ class AsyncRolloutClient:
                       poll_interval: float = 0.1) -> dict[str, dict[str, Any]]:
         """Hot-load ``snapshot`` on every replica, as :meth:`loader.client.RolloutClient.hotload`: every replica on
         its own, at once, each hot-load given ``timeout`` (one that is dead, hung, of another run or answering
-        something else stops no other); "latest" is resolved by the first replica that accepts it and the others asked for
-        that exact version; with ``wait``, until each is READY at it. Unless every one is, raises (once all have
-        ended) SnapshotNotFoundError, RunMismatchError, HotLoadConflictError, HotLoadError (FAILED somewhere),
-        ReplicaError or HotLoadTimeoutError, each carrying ``.states`` (replica -> its answer)."""
+        something else stops no other; one that is starting, refusing connections or answering STARTING, is
+        waited for until ``ready_timeout``, as the sync client does); "latest" is resolved by the first replica
+        that accepts it and the others asked for that exact version; with ``wait``, until each is READY at it.
+        Unless every one is, raises (once all have ended) SnapshotNotFoundError, RunMismatchError,
+        HotLoadConflictError, HotLoadError (FAILED somewhere), ReplicaError or HotLoadTimeoutError, each carrying
+        ``.states`` (replica -> its answer)."""
         plan = fleet.FleetPlan(self.replicas, snapshot)
         cond = asyncio.Condition()
 
@@ -118,10 +122,22 @@ class AsyncRolloutClient:
     async def _hotload_one(self, i: int, plan: fleet.FleetPlan, cond: asyncio.Condition, *, wait: bool,
                            timeout: float, poll_interval: float) -> dict[str, Any]:
         url = self.replicas[i]
-        try:
-            st = fleet.status_answer(url, await self._get(url, "/v1/status"))
-        except ReplicaError as e:
-            return fleet.failed_state(e)
+        up = fleet.StartWait(url, self.ready_timeout)     # the sync client's rule for a replica still starting
+        while True:
+            result: dict[str, Any] | ReplicaError
+            try:
+                result = fleet.status_answer(url, await self._get(url, "/v1/status"))
+            except ReplicaError as e:
+                result = e
+            if isinstance(result, dict) and not up.starting(result):
+                st = result
+                break
+            async with cond:      # no run from this one yet: those after it do not wait for it
+                plan.answered(i, None)
+                cond.notify_all()
+            if not up.again(result):
+                return up.row(result)
+            await asyncio.sleep(up.delay())
         run_id = st["run_id"]
         run = None
         async with cond:
