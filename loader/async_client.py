@@ -28,7 +28,7 @@ import httpx
 from delta.errors import ReplicaError
 
 from . import fleet
-from .client import RolloutClient, SampleTries, sample_request
+from .client import Accept, RolloutClient, SampleTries, sample_request
 
 log = logging.getLogger("ckptdelta.client")
 
@@ -78,6 +78,11 @@ class AsyncRolloutClient:
         seed, logprobs, ...); 408, 502-504 and unreachable replicas are retried until ``ready_timeout``
         (PolicyVersionTimeoutError when no replica reached ``min_policy_version`` by then)."""
         path, body = sample_request(prompt, n, min_policy_version, return_engine_data, sampling)
+        return await self._post_sample(path, body, min_policy_version, affinity_key)
+
+    async def _post_sample(self, path: str, body: dict[str, Any], min_policy_version: int | None,
+                           affinity_key: str | None, accept: "Accept | None" = None) -> Any:
+        """As :meth:`loader.client.RolloutClient._post_sample`, on this event loop."""
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
@@ -86,7 +91,9 @@ class AsyncRolloutClient:
             except httpx.TransportError as e:
                 answer = tries.judge(url, e)
             if answer is not None:
-                return answer
+                result = answer if accept is None else accept(tries, url, answer)
+                if result is not None:
+                    return result
             await asyncio.sleep(tries.delay(attempt))
         raise AssertionError("unreachable")
 

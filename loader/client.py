@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 
@@ -34,6 +34,9 @@ from . import fleet
 log = logging.getLogger("ckptdelta.client")
 
 _RETRY_STATUS = frozenset({502, 503, 504})
+#: What a caller of ``_post_sample`` makes of a 200 answer: (tries, replica URL, answer) -> result, or None to
+#: try again (loader/sampling.py reads tokens and logprobs out of it, and holds it to the policy floor).
+Accept = Callable[["SampleTries", str, dict[str, Any]], Any]
 
 
 class RolloutClient:
@@ -85,6 +88,12 @@ class RolloutClient:
         logprobs, top_logprobs, ...). Retries 408 (policy too old), 502-504 and
         unreachable replicas until ``ready_timeout``; any other error is raised."""
         path, body = sample_request(prompt, n, min_policy_version, return_engine_data, sampling)
+        return self._post_sample(path, body, min_policy_version, affinity_key)
+
+    def _post_sample(self, path: str, body: dict[str, Any], min_policy_version: int | None,
+                     affinity_key: str | None, accept: "Accept | None" = None) -> Any:
+        """``body`` to ``path`` on a replica under :class:`SampleTries`' rule; ``accept(tries, url, answer)``
+        turns a 200 answer into the result, or None (after :meth:`SampleTries.again`) to try again."""
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
@@ -93,7 +102,9 @@ class RolloutClient:
             except httpx.TransportError as e:
                 answer = tries.judge(url, e)
             if answer is not None:
-                return answer
+                result = answer if accept is None else accept(tries, url, answer)
+                if result is not None:
+                    return result
             time.sleep(tries.delay(attempt))
         raise AssertionError("unreachable")
 
@@ -281,6 +292,12 @@ class SampleTries:
                                f"{err.get('message') or r.text[:500]}")
         else:
             self.last = f"{url}: {r.status_code} {err.get('message', '')}"
+        return None
+
+    def again(self, why: str) -> None:
+        """An answer that is not the one wanted yet, for ``why`` (which names the replica): try again, as after
+        a 408. A ``why`` that speaks of a "policy version" ends, at the deadline, as PolicyVersionTimeoutError."""
+        self.last = why
         return None
 
     def delay(self, attempt: int) -> float:
