@@ -121,6 +121,22 @@ def test_a_minimum_policy_version_is_retried_on_408_until_the_hotload_lands_then
             asyncio.run(one())
 
 
+def test_the_openai_client_retries_a_408_by_itself_max_retries_times(start_replica):
+    """What docs/SERVING.md tells users of the openai client beside the 408 rule: it retries a 408 on its own
+    (honouring Retry-After), max_retries times, before the error reaches their code; max_retries=0 sends one."""
+    import openai
+
+    rep = start_replica(1)
+    name = rep.http.get("/v1/models").json()["data"][0]["id"]
+    for retries in (0, 2):
+        before = _count(rep, 408)
+        with openai.OpenAI(base_url=rep.url + "/v1", api_key="unused", max_retries=retries, timeout=60) as c:
+            with pytest.raises(openai.APIStatusError) as info:
+                c.completions.create(model=name, prompt=PROMPT, max_tokens=1, extra_body={"min_policy_version": 9})
+        assert info.value.status_code == 408 and info.value.body["type"] == "policy_version_too_old"
+        assert _count(rep, 408) - before == 1 + retries
+
+
 def test_save_weights_and_get_sampling_client_publishes_hot_loads_every_replica_and_pins_the_client(
         start_replica, lm_dir, tmp_path):
     own = publish_run(str(tmp_path / "bucket" / "run"), lm_dir, n_versions=2)
