@@ -133,7 +133,7 @@ class AsyncRolloutClient:
         while True:
             result: dict[str, Any] | ReplicaError
             try:
-                result = fleet.status_answer(url, await self._get(url, "/v1/status"))
+                result = await self._status(url)
             except ReplicaError as e:
                 result = e
             if isinstance(result, dict) and not up.starting(result):
@@ -196,10 +196,18 @@ class AsyncRolloutClient:
         not a replica's status maps to ``{"state": "UNREACHABLE" or "REJECTED", "error": ...}``."""
         async def one(url: str) -> dict[str, Any]:
             try:
-                return fleet.status_answer(url, await self._get(url, "/v1/status"))
+                return await self._status(url)
             except ReplicaError as e:
                 return fleet.failed_state(e)
         return dict(zip(self.replicas, await asyncio.gather(*(one(u) for u in self.replicas))))
+
+    async def _status(self, url: str) -> dict[str, Any]:
+        """As :meth:`loader.client.RolloutClient._status`."""
+        try:
+            r = await self._http.get(url + "/v1/status")
+        except httpx.TransportError as e:
+            raise fleet.transport_error(url, "GET /v1/status", e) from None
+        return fleet.status_of(url, r)
 
     async def _get(self, url: str, path: str) -> dict[str, Any]:
         try:

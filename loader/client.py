@@ -174,7 +174,7 @@ class RolloutClient:
         while True:
             result: dict[str, Any] | ReplicaError
             try:
-                result = fleet.status_answer(url, self._get(url, "/v1/status"))
+                result = self._status(url)
             except ReplicaError as e:
                 result = e
             if isinstance(result, dict) and not up.starting(result):
@@ -239,12 +239,21 @@ class RolloutClient:
         is not a replica's status maps to ``{"state": "UNREACHABLE" or "REJECTED", "error": ...}``."""
         def one(url: str) -> dict[str, Any]:
             try:
-                return fleet.status_answer(url, self._get(url, "/v1/status"))
+                return self._status(url)
             except ReplicaError as e:
                 return fleet.failed_state(e)
 
         with ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="ckptdelta-fleet") as pool:
             return dict(zip(self.replicas, pool.map(one, self.replicas)))
+
+    def _status(self, url: str) -> dict[str, Any]:
+        """``GET /v1/status`` of one replica, judged (:func:`loader.fleet.status_of`); Unreachable without an
+        answer."""
+        try:
+            r = self._http.get(url + "/v1/status")
+        except httpx.TransportError as e:
+            raise fleet.transport_error(url, "GET /v1/status", e) from None
+        return fleet.status_of(url, r)
 
     def _get(self, url: str, path: str) -> dict[str, Any]:
         try:

@@ -170,6 +170,20 @@ def status_answer(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return _schema(url, "GET /v1/status", body, problem)
 
 
+def status_of(url: str, r: httpx.Response) -> dict[str, Any]:
+    """A replica's answer to ``GET /v1/status`` as its status (:func:`status_answer`): a 200, or the 503 of a
+    replica still starting, whose body is a status saying STARTING (loader/starting.py: 503, so that whatever
+    takes a 200 for "serving" waits); BadAnswer for anything else."""
+    if r.status_code == 503:
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and body.get("state") == STARTING:
+            return status_answer(url, body)
+    return status_answer(url, answer(url, "GET /v1/status", r))
+
+
 def job_answer(url: str, what: str, body: dict[str, Any], job_id: str | None = None) -> dict[str, Any]:
     """``body``, a replica's hot-load job (loader/hotload_jobs.py) once its fields are of their types (and, for a
     poll, it is the job polled)."""

@@ -8,10 +8,12 @@ that will answer in a minute from one that never will. Now, from the end of
 ``serve``'s checks (loader/cli.py) until the app serves, a small HTTP server on a
 thread of its own answers on the replica's own socket:
 
-- ``GET /v1/status``: 200 with ``state: STARTING`` (the replica, the run and the
-  version it is loading; ``policy_version`` null: it serves none yet), in the
-  schema the fleet commands read (loader/fleet.py), so ``status`` shows the row
-  as STARTING, not UNREACHABLE;
+- ``GET /v1/status``: 503 with a status saying ``state: STARTING`` (the replica,
+  the run and the version it is loading; ``policy_version`` null: it serves none
+  yet), in the schema the fleet commands read (loader/fleet.py), so ``status``
+  shows the row as STARTING, not UNREACHABLE. 503, not 200: whatever waits for a
+  replica by polling ``/v1/status`` until 200 (the demo, scripts, a readiness
+  probe) still waits until it serves;
 - ``GET /health``: 503 ``{"ok": false, "state": "STARTING"}`` (a readiness probe
   keeps traffic away, as from a replica whose engine failed);
 - anything else: 503 ``replica_starting`` with ``Retry-After``: the rollout
@@ -103,7 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         path = self.path.split("?", 1)[0]
         if self.command == "GET" and path == "/v1/status":
-            self._send(200, owner.status())
+            self._send(503, owner.status(), {"Retry-After": str(RETRY_AFTER_S)})
         elif self.command == "GET" and path == "/health":
             self._send(503, {"ok": False, "policy_version": None, "state": STARTING})
         else:

@@ -76,7 +76,8 @@ def test_every_client_waits_for_a_replica_that_refuses_then_answers_starting_and
         # the same port, as serve's once its checks are done: STARTING while the engine loads
         gate = StartingServer(starting.server.sock, replica_id="starting", engine="reference").start()
         _until(lambda: gate.answered >= 2, "the starting replica asked again", t.is_alive)
-        assert httpx.get(starting.url + "/v1/status").json()["state"] == "STARTING"
+        answer = httpx.get(starting.url + "/v1/status")       # 503: a poll until 200 still waits for it
+        assert answer.status_code == 503 and answer.json()["state"] == "STARTING"
     finally:
         if gate is not None:
             gate.stop()
@@ -156,7 +157,9 @@ def test_serve_answers_starting_while_its_engine_loads_and_status_tells_it_from_
             cap = capsys.readouterr()
             rows = {ln.split()[0]: ln.split() for ln in cap.out.splitlines()[1:]}
             assert rows[replica][1:4] == ["STARTING", "-", run_id] and rows[dead][1] == "UNREACHABLE"
-            st = httpx.get(replica + "/v1/status").json()
+            answer = httpx.get(replica + "/v1/status")
+            st = answer.json()
+            assert answer.status_code == 503 and answer.headers["retry-after"]
             assert st["state"] == "STARTING" and st["replica_id"] == "held" and st["starting"]["version"] == 0
             sampled = httpx.post(replica + "/v1/completions", json={"prompt": "hello", "max_tokens": 1})
             assert sampled.status_code == 503 and sampled.json()["error"]["type"] == "replica_starting"
