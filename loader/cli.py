@@ -6,12 +6,15 @@ import argparse
 import logging
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdelta.console import guarded, usage_error
 from . import stopping
 from ckptdelta.options import UsageError, add_storage_args, storage_options
 from delta.errors import CkptDeltaError, NotServableError
+
+if TYPE_CHECKING:
+    from .starting import StartingServer
 
 log = logging.getLogger("ckptdelta.server")
 
@@ -120,7 +123,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
 
 
-def _starting_server(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int") -> Any:
+def _starting_server(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int") -> "StartingServer":
     """The port listens from now on: STARTING until the engine serves (the run and version said once known)."""
     from .starting import StartingServer
 
@@ -131,7 +134,7 @@ def _starting_server(args: argparse.Namespace, sock: socket.socket, snapshot: "s
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int", passthrough: list[str],
-           starting: Any) -> int:
+           starting: "StartingServer") -> int:
     import uvicorn
 
     from .engines import build_engine
