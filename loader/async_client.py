@@ -8,7 +8,9 @@ request does not fit it. :class:`AsyncRolloutClient` does what
 unreachable replicas are retried with exponential backoff and jitter until
 ``ready_timeout``, its last try made at the deadline; ``affinity_key`` pins a group
 to one replica, the same one the sync client picks for the key; ``hotload`` moves
-the whole fleet to one version. Other errors raise at once, with the replica's own
+the whole fleet to one version, a replica still starting waited for until
+``ready_timeout`` as the sync client and ``ckptdelta hotload --wait`` wait for it
+(loader/fleet.py, StartWait). Other errors raise at once, with the replica's own
 message.
 """
 
@@ -26,7 +28,7 @@ import httpx
 from delta.errors import ReplicaError
 
 from . import fleet
-from .client import RolloutClient, SampleTries, sample_request
+from .client import Accept, RolloutClient, SampleTries, sample_request
 
 log = logging.getLogger("ckptdelta.client")
 
@@ -76,6 +78,11 @@ class AsyncRolloutClient:
         seed, logprobs, ...); 408, 502-504 and unreachable replicas are retried until ``ready_timeout``
         (PolicyVersionTimeoutError when no replica reached ``min_policy_version`` by then)."""
         path, body = sample_request(prompt, n, min_policy_version, return_engine_data, sampling)
+        return await self._post_sample(path, body, min_policy_version, affinity_key)
+
+    async def _post_sample(self, path: str, body: dict[str, Any], min_policy_version: int | None,
+                           affinity_key: str | None, accept: "Accept | None" = None) -> Any:
+        """As :meth:`loader.client.RolloutClient._post_sample`, on this event loop."""
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
@@ -84,7 +91,9 @@ class AsyncRolloutClient:
             except httpx.TransportError as e:
                 answer = tries.judge(url, e)
             if answer is not None:
-                return answer
+                result = answer if accept is None else accept(tries, url, answer)
+                if result is not None:
+                    return result
             await asyncio.sleep(tries.delay(attempt))
         raise AssertionError("unreachable")
 
@@ -94,10 +103,12 @@ class AsyncRolloutClient:
                       poll_interval: float = 0.1) -> dict[str, dict[str, Any]]:
         """Hot-load ``snapshot`` on every replica, as :meth:`loader.client.RolloutClient.hotload`: every replica on
         its own, at once, each hot-load given ``timeout`` (one that is dead, hung, of another run or answering
-        something else stops no other); "latest" is resolved by the first replica that accepts it and the others asked for
-        that exact version; with ``wait``, until each is READY at it. Unless every one is, raises (once all have
-        ended) SnapshotNotFoundError, RunMismatchError, HotLoadConflictError, HotLoadError (FAILED somewhere),
-        ReplicaError or HotLoadTimeoutError, each carrying ``.states`` (replica -> its answer)."""
+        something else stops no other; one that is starting, refusing connections or answering STARTING, is
+        waited for until ``ready_timeout``, as the sync client does); "latest" is resolved by the first replica
+        that accepts it and the others asked for that exact version; with ``wait``, until each is READY at it.
+        Unless every one is, raises (once all have ended) SnapshotNotFoundError, RunMismatchError,
+        HotLoadConflictError, HotLoadError (FAILED somewhere), ReplicaError or HotLoadTimeoutError, each carrying
+        ``.states`` (replica -> its answer)."""
         plan = fleet.FleetPlan(self.replicas, snapshot)
         cond = asyncio.Condition()
 
@@ -118,10 +129,22 @@ class AsyncRolloutClient:
     async def _hotload_one(self, i: int, plan: fleet.FleetPlan, cond: asyncio.Condition, *, wait: bool,
                            timeout: float, poll_interval: float) -> dict[str, Any]:
         url = self.replicas[i]
-        try:
-            st = fleet.status_answer(url, await self._get(url, "/v1/status"))
-        except ReplicaError as e:
-            return fleet.failed_state(e)
+        up = fleet.StartWait(url, self.ready_timeout)     # the sync client's rule for a replica still starting
+        while True:
+            result: dict[str, Any] | ReplicaError
+            try:
+                result = await self._status(url)
+            except ReplicaError as e:
+                result = e
+            if isinstance(result, dict) and not up.starting(result):
+                st = result
+                break
+            async with cond:      # no run from this one yet: those after it do not wait for it
+                plan.answered(i, None)
+                cond.notify_all()
+            if not up.again(result):
+                return up.row(result)
+            await asyncio.sleep(up.delay())
         run_id = st["run_id"]
         run = None
         async with cond:
@@ -173,10 +196,18 @@ class AsyncRolloutClient:
         not a replica's status maps to ``{"state": "UNREACHABLE" or "REJECTED", "error": ...}``."""
         async def one(url: str) -> dict[str, Any]:
             try:
-                return fleet.status_answer(url, await self._get(url, "/v1/status"))
+                return await self._status(url)
             except ReplicaError as e:
                 return fleet.failed_state(e)
         return dict(zip(self.replicas, await asyncio.gather(*(one(u) for u in self.replicas))))
+
+    async def _status(self, url: str) -> dict[str, Any]:
+        """As :meth:`loader.client.RolloutClient._status`."""
+        try:
+            r = await self._http.get(url + "/v1/status")
+        except httpx.TransportError as e:
+            raise fleet.transport_error(url, "GET /v1/status", e) from None
+        return fleet.status_of(url, r)
 
     async def _get(self, url: str, path: str) -> dict[str, Any]:
         try:

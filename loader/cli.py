@@ -6,12 +6,15 @@ import argparse
 import logging
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdelta.console import guarded, usage_error
 from . import stopping
 from ckptdelta.options import UsageError, add_storage_args, storage_options
 from delta.errors import CkptDeltaError, NotServableError
+
+if TYPE_CHECKING:
+    from .starting import StartingServer
 
 log = logging.getLogger("ckptdelta.server")
 
@@ -101,16 +104,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with stopping.signals_stop():     # SIGTERM, SIGINT, SIGHUP: a graceful stop (loader/stopping.py)
         try:
             snapshot, sock = _check_before_loading(args)
+            # from here until the app serves, the port answers STARTING (loader/starting.py), not refusals
+            starting = _starting_server(args, sock, snapshot)
             try:
-                return _serve(args, sock, snapshot, passthrough)
+                return _serve(args, sock, snapshot, passthrough, starting)
             finally:
+                starting.stop()
                 sock.close()
         except stopping.TerminationRequested:
             log.warning("replica stopped (%s)", stopping.reason())
             return 0
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int", passthrough: list[str]) -> int:
+def _replica_id(args: argparse.Namespace) -> str:
+    return args.replica_id or f"{socket.gethostname()}:{args.port}"
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
+
+
+def _starting_server(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int") -> "StartingServer":
+    """The port listens from now on: STARTING until the engine serves (the run and version said once known)."""
+    from .starting import StartingServer
+
+    server = StartingServer(sock, replica_id=_replica_id(args), engine=args.engine, api_key=_api_key(args),
+                            run_id=getattr(args, "run_id", None),
+                            version=snapshot if isinstance(snapshot, int) else None)
+    return server.start()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int", passthrough: list[str],
+           starting: "StartingServer") -> int:
     import uvicorn
 
     from .engines import build_engine
@@ -125,12 +150,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int",
                           verify=args.verify, apply_mode=args.apply_mode, vllm_args=passthrough,
                           vllm_log=args.vllm_log, request_timeout=args.request_timeout,
                           control_timeout=args.control_timeout, on_failure=stopper)
-    replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
-    api_key = args.api_key or os.environ.get("CKPTDELTA_API_KEY") or None
+    replica_id = _replica_id(args)
+    api_key = _api_key(args)
     hotloads = None
     try:
         app = create_app(engine, replica_id=replica_id, api_key=api_key)
         hotloads = app.state.hotloads
+        starting.stop()     # the socket, still listening, is the app's: what connects from now on waits for it
 
         def on_stop() -> None:     # at the signal, before the drain: a hot-load still preparing is dropped
             if hotloads is not None:
@@ -201,7 +227,8 @@ def _sweep_host(args: argparse.Namespace) -> None:
 def _reserve_port(host: str, port: int) -> socket.socket:
     """Bind the replica's address before the engine starts, and keep it bound. Starting takes minutes (vLLM),
     and a port only checked, then let go, is what the engine's own free-port pick or another process may be
-    handed meanwhile. Bound but not listening, it refuses connections until the server starts serving it."""
+    handed meanwhile. Bound but not listening, it refuses connections until the checks are done; from then on
+    it answers STARTING (loader/starting.py) until the app serves it."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)   # uvicorn's own rule
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse the port
@@ -217,7 +244,7 @@ def _check_before_loading(args: argparse.Namespace) -> "tuple[str | int, socket.
     """What can fail in seconds fails before minutes of download and load (loader/servable.py): the device,
     the port, the model directory or the snapshot's config and tokenizer. Returns the snapshot to serve,
     resolved, so the engine serves the version checked, and the replica's address, bound (``--port 0``: the
-    port picked is put in ``args.port``)."""
+    port picked is put in ``args.port``; the run's id, from a bucket, in ``args.run_id``)."""
     from .reader import SnapshotReader
     from .servable import check_device, check_model_dir, check_snapshot
 
@@ -238,6 +265,7 @@ def _check_before_loading(args: argparse.Namespace) -> "tuple[str | int, socket.
         try:
             version = reader.resolve(args.snapshot)
             check_snapshot(reader, version)
+            args.run_id = reader.run_id
         finally:
             reader.store.close()
         return version, sock

@@ -6,6 +6,12 @@ this client retries, with exponential backoff and jitter, until one has
 hot-loaded v or ``ready_timeout`` passes. ``affinity_key`` pins related
 requests (a GRPO group, one conversation) to one replica so they share its
 prefix cache and its policy version.
+
+``ready_timeout`` is how long any call waits for replicas to be ready, by one rule
+for this client, the asyncio one and ``ckptdelta hotload --wait``: a replica that
+refuses connections or answers STARTING (``serve`` while its engine loads) is
+asked again until then, for a sample as for a hot-load (loader/fleet.py,
+StartWait); one that is hung or answers garbage is not.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 
@@ -28,6 +34,9 @@ from . import fleet
 log = logging.getLogger("ckptdelta.client")
 
 _RETRY_STATUS = frozenset({502, 503, 504})
+#: What a caller of ``_post_sample`` makes of a 200 answer: (tries, replica URL, answer) -> result, or None to
+#: try again (loader/sampling.py reads tokens and logprobs out of it, and holds it to the policy floor).
+Accept = Callable[["SampleTries", str, dict[str, Any]], Any]
 
 
 class RolloutClient:
@@ -79,6 +88,12 @@ class RolloutClient:
         logprobs, top_logprobs, ...). Retries 408 (policy too old), 502-504 and
         unreachable replicas until ``ready_timeout``; any other error is raised."""
         path, body = sample_request(prompt, n, min_policy_version, return_engine_data, sampling)
+        return self._post_sample(path, body, min_policy_version, affinity_key)
+
+    def _post_sample(self, path: str, body: dict[str, Any], min_policy_version: int | None,
+                     affinity_key: str | None, accept: "Accept | None" = None) -> Any:
+        """``body`` to ``path`` on a replica under :class:`SampleTries`' rule; ``accept(tries, url, answer)``
+        turns a 200 answer into the result, or None (after :meth:`SampleTries.again`) to try again."""
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
@@ -87,7 +102,9 @@ class RolloutClient:
             except httpx.TransportError as e:
                 answer = tries.judge(url, e)
             if answer is not None:
-                return answer
+                result = answer if accept is None else accept(tries, url, answer)
+                if result is not None:
+                    return result
             time.sleep(tries.delay(attempt))
         raise AssertionError("unreachable")
 
@@ -98,49 +115,48 @@ class RolloutClient:
         """Hot-load ``snapshot`` on every replica; with ``wait``, until each is READY at that version.
 
         As :meth:`hotload_each` (every replica on its own, at once, each hot-load given ``timeout``; one that is
-        down does not stop the others), without waiting for replicas to come up or queueing behind another
-        hot-load, and then strict: unless every replica is READY (or, without ``wait``, has accepted), raises
-        SnapshotNotFoundError, RunMismatchError (a replica of another run), HotLoadConflictError (a replica runs
-        another hot-load), HotLoadError (FAILED somewhere), ReplicaError (unreachable, or answering something
-        else) or HotLoadTimeoutError, in that order of precedence, once every replica has ended; each carries
-        ``.states`` (replica -> its answer, as :meth:`hotload_each` returns them)."""
-        states = self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval,
-                                     wait_up=False, queue=False)
+        down does not stop the others; one that is starting is waited for until ``ready_timeout``), without
+        queueing behind another hot-load, and then strict: unless every replica is READY (or, without ``wait``,
+        has accepted), raises SnapshotNotFoundError, RunMismatchError (a replica of another run),
+        HotLoadConflictError (a replica runs another hot-load), HotLoadError (FAILED somewhere), ReplicaError
+        (unreachable, or answering something else) or HotLoadTimeoutError (a hot-load past ``timeout``, or a
+        replica still STARTING at ``ready_timeout``), in that order of precedence, once every replica has ended;
+        each carries ``.states`` (replica -> its answer, as :meth:`hotload_each` returns them)."""
+        states = self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval, queue=False)
         fleet.raise_for(states, snapshot, wait=wait)
         return states
 
     def hotload_each(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
-                     poll_interval: float = 0.2, wait_up: bool = False) -> dict[str, dict[str, Any]]:
+                     poll_interval: float = 0.2) -> dict[str, dict[str, Any]]:
         """Hot-load ``snapshot`` on every replica, each on its own: a replica that fails, refuses, cannot be
         reached, hangs or answers something that is not a replica's answer does not stop or delay the others
         (what ``ckptdelta hotload URL... SNAPSHOT`` runs). All are asked at once, and each hot-load has its own
         ``timeout`` from when it was asked for: none spends another's. Never raises for a replica; returns
         replica -> its last answer, whose ``state`` is READY or FAILED (the job's own answer), REJECTED
-        (refused, or an answer that is not a replica's: ``status``, ``error``), UNREACHABLE (``error``), or,
-        without ``wait`` or past ``timeout``, the job's state then (QUEUED, PREPARING, SWAPPING; past
-        ``timeout`` also with ``error``).
+        (refused, or an answer that is not a replica's: ``status``, ``error``), UNREACHABLE (``error``),
+        STARTING (still starting at ``ready_timeout``: ``error``), or, without ``wait`` or past ``timeout``, the
+        job's state then (QUEUED, PREPARING, SWAPPING; past ``timeout`` also with ``error``).
 
         Every replica must serve the run of the first one, in the order given, that answers (one of another run
         is REJECTED, not hot-loaded: its versions are another run's). "latest" is resolved by the first replica
         that accepts the hot-load, the others are asked for that exact version (loader/fleet.py, FleetPlan).
         The newest request wins: a replica busy with a hot-load to another version queues this one behind it
-        (``queue``, loader/hotload_jobs.py). ``wait_up``: a replica that refuses connections may be starting
-        (``serve`` listens once it serves): it is tried again for ``timeout`` from the call, while the others go
-        on. Before its hot-load is asked for, a replica waits at most for those before it in the order given to
-        answer ``/v1/status`` once, and for the one resolving the name: one request each (the client's
-        ``timeout``), whatever they do."""
-        return self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval,
-                                   wait_up=wait_up, queue=True)
+        (``queue``, loader/hotload_jobs.py). A replica that is starting (it refuses connections, or answers
+        STARTING) is asked again until ``ready_timeout`` from the call, while the others go on (one rule for
+        both clients and the CLI: :class:`loader.fleet.StartWait`). Before its hot-load is asked for, a replica
+        waits at most for those before it in the order given to answer ``/v1/status`` once, and for the one
+        resolving the name: one request each (the client's ``timeout``), whatever they do."""
+        return self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval, queue=True)
 
     def _hotload_fleet(self, snapshot: str | int, *, wait: bool, timeout: float, poll_interval: float,
-                       wait_up: bool, queue: bool) -> dict[str, dict[str, Any]]:
+                       queue: bool) -> dict[str, dict[str, Any]]:
         plan = fleet.FleetPlan(self.replicas, snapshot)
         cond = threading.Condition()
 
         def one(i: int) -> dict[str, Any]:
             try:
                 return self._hotload_one(i, plan, cond, wait=wait, timeout=timeout, poll_interval=poll_interval,
-                                         wait_up=wait_up, queue=queue)
+                                         queue=queue)
             finally:     # whatever ended it, the others must not wait for this one's first answer or resolve
                 with cond:
                     plan.answered(i, None)
@@ -152,24 +168,24 @@ class RolloutClient:
             return dict(zip(self.replicas, pool.map(one, range(len(self.replicas)))))
 
     def _hotload_one(self, i: int, plan: fleet.FleetPlan, cond: threading.Condition, *, wait: bool,
-                     timeout: float, poll_interval: float, wait_up: bool, queue: bool) -> dict[str, Any]:
+                     timeout: float, poll_interval: float, queue: bool) -> dict[str, Any]:
         url = self.replicas[i]
-        up_deadline = time.monotonic() + timeout
+        up = fleet.StartWait(url, self.ready_timeout)
         while True:
+            result: dict[str, Any] | ReplicaError
             try:
-                st = fleet.status_answer(url, self._get(url, "/v1/status"))
-                break
+                result = self._status(url)
             except ReplicaError as e:
-                with cond:
-                    plan.answered(i, None)
-                    cond.notify_all()
-                starting = wait_up and isinstance(e, fleet.Unreachable) and e.refused
-                if not starting or time.monotonic() >= up_deadline:
-                    row = fleet.failed_state(e)
-                    if starting:
-                        row["error"] += f"; still refused after {timeout:g}s of waiting for it to start"
-                    return row
-            time.sleep(min(fleet.UP_POLL_S, max(0.0, up_deadline - time.monotonic())))
+                result = e
+            if isinstance(result, dict) and not up.starting(result):
+                st = result
+                break
+            with cond:        # no run from this one yet: those after it do not wait for it
+                plan.answered(i, None)
+                cond.notify_all()
+            if not up.again(result):
+                return up.row(result)
+            time.sleep(up.delay())
         run_id = st["run_id"]
         run = None
         with cond:
@@ -223,12 +239,21 @@ class RolloutClient:
         is not a replica's status maps to ``{"state": "UNREACHABLE" or "REJECTED", "error": ...}``."""
         def one(url: str) -> dict[str, Any]:
             try:
-                return fleet.status_answer(url, self._get(url, "/v1/status"))
+                return self._status(url)
             except ReplicaError as e:
                 return fleet.failed_state(e)
 
         with ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="ckptdelta-fleet") as pool:
             return dict(zip(self.replicas, pool.map(one, self.replicas)))
+
+    def _status(self, url: str) -> dict[str, Any]:
+        """``GET /v1/status`` of one replica, judged (:func:`loader.fleet.status_of`); Unreachable without an
+        answer."""
+        try:
+            r = self._http.get(url + "/v1/status")
+        except httpx.TransportError as e:
+            raise fleet.transport_error(url, "GET /v1/status", e) from None
+        return fleet.status_of(url, r)
 
     def _get(self, url: str, path: str) -> dict[str, Any]:
         try:
@@ -276,6 +301,12 @@ class SampleTries:
                                f"{err.get('message') or r.text[:500]}")
         else:
             self.last = f"{url}: {r.status_code} {err.get('message', '')}"
+        return None
+
+    def again(self, why: str) -> None:
+        """An answer that is not the one wanted yet, for ``why`` (which names the replica): try again, as after
+        a 408. A ``why`` that speaks of a "policy version" ends, at the deadline, as PolicyVersionTimeoutError."""
+        self.last = why
         return None
 
     def delay(self, attempt: int) -> float:

@@ -58,6 +58,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob + k alternatives
     ignore_eos: bool = False
     score_logprobs: bool = False  # report logprobs from one scoring pass per completion (see score_logprobs)
+    top_k: int = -1  # sample among the k most likely tokens; -1 or 0: all
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end a completion as EOS does (kept in its token_ids)
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob (+ k alternatives)
 
 
 @dataclass
@@ -68,7 +71,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"  # "stop" (EOS or a stop string) | "length"
-    stop_reason: str | None = None  # the stop string that ended it, if any
+    stop_reason: str | int | None = None  # the stop string (or stop token id) that ended it, if any
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
@@ -85,6 +88,9 @@ class Generation:
     recomputes: int = 0  # prefix re-runs after a swap ("recompute")
     stale_kv_steps: int = 0  # steps that ran on KV built by older weights ("keep")
     duration_s: float = 0.0
+    #: with ``prompt_logprobs``: per prompt position, None for the first, else [(token id, logprob, rank)]: the
+    #: prompt's own token first, then the top alternatives (see :meth:`Engine._prompt_logprobs`)
+    prompt_logprobs: list[list[tuple[int, float, int]] | None] | None = None
 
     @property
     def policy_version(self) -> int | None:
@@ -301,6 +307,8 @@ class Engine:
         kv_version: Any = _NO_VERSION
         recomputes = stale_steps = 0
         k_top = params.logprobs or 0
+        prompt_lps = self._prompt_logprobs(prompt, params.prompt_logprobs, span) \
+            if params.prompt_logprobs is not None else None
 
         for _ in range(params.max_tokens):
             with self.step() as version:
@@ -316,7 +324,7 @@ class Engine:
                     if version != kv_version:
                         stale_steps += 1
                 logits = self._forward(inp, cache)
-            tokens, logprobs = _sample(logits, params.temperature, params.top_p, gen)
+            tokens, logprobs = _sample(logits, params.temperature, params.top_p, gen, params.top_k)
             top = torch.topk(logprobs, k_top, dim=-1) if k_top else None
             for i in range(n):
                 tok = int(tokens[i]) if not done[i] else self.pad_token_id
@@ -331,6 +339,8 @@ class Engine:
                         [(int(j), float(v)) for v, j in zip(top.values[i], top.indices[i])] if top is not None else [])
                 if tok == self.eos_token_id and not params.ignore_eos:
                     c.finish_reason, done[i] = "stop", True
+                elif tok in params.stop_token_ids:
+                    c.finish_reason, c.stop_reason, done[i] = "stop", tok, True
                 elif params.stop:
                     text = self.decode(c.token_ids)
                     hit = _find_stop(text, params.stop)
@@ -349,7 +359,31 @@ class Engine:
                 c.text = self.decode(c.token_ids)
         return Generation(prompt_token_ids=prompt, completions=comps, policy_versions=versions,
                           snapshot=_snapshot(versions[-1]), cache_policy=self.cache_policy, recomputes=recomputes,
-                          stale_kv_steps=stale_steps, duration_s=time.perf_counter() - t0)
+                          stale_kv_steps=stale_steps, duration_s=time.perf_counter() - t0, prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, prompt: list[int], k: int, span: Span) -> list[list[tuple[int, float, int]] | None]:
+        """Each prompt token's logprob given the tokens before it (None for the first: nothing before it), with
+        its rank and the ``k`` most likely tokens at that position.
+
+        One forward of the whole prompt at batch 1, no cache, in one step: :func:`score_logprobs`, so a trainer
+        scoring the same tokens with it (or :func:`score_tokens`) on the same bits gets these numbers exactly."""
+        out: list[list[tuple[int, float, int]] | None] = [None]
+        if len(prompt) < 2:
+            return out
+        with self.step(), torch.inference_mode():
+            span.ran()
+            lp = score_logprobs(self.model, prompt, 1).cpu()
+        target = torch.tensor(prompt[1:], dtype=torch.long)
+        own = lp.gather(-1, target[:, None]).squeeze(-1)
+        ranks = (lp > own[:, None]).sum(-1) + 1
+        top = torch.topk(lp, k, dim=-1) if k else None
+        for i, tok in enumerate(prompt[1:]):
+            row = [(tok, float(own[i]), int(ranks[i]))]
+            if top is not None:
+                row += [(int(j), float(v), r + 1) for r, (v, j) in enumerate(zip(top.values[i], top.indices[i]))
+                        if int(j) != tok]
+            out.append(row)
+        return out
 
 
     def _rescore(self, prompt: list[int], comps: list[Completion], k_top: int, span: Span) -> None:
@@ -413,16 +447,20 @@ def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     return best
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float,
-            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens for each row and the model's log-probabilities (raw: before temperature and top-p).
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator,
+            top_k: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens for each row and the model's log-probabilities (raw: before temperature, top-k and top-p).
 
     Reported logprobs are the policy's own, log_softmax of the logits, so a trainer
     can compare them with its logprobs of the same tokens whatever the sampling
-    settings; temperature 0 is greedy (the first maximal logit)."""
+    settings; temperature 0 is greedy (the first maximal logit). ``top_k`` > 0 keeps
+    the k largest logits (ties at the k-th kept too), then top-p applies to those."""
     logprobs = torch.log_softmax(logits, dim=-1)
     if temperature == 0:
         return torch.argmax(logits, dim=-1), logprobs
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)

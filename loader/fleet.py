@@ -14,6 +14,7 @@ wait on the plan in their own way (a thread's condition, an event loop's).
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import httpx
@@ -25,6 +26,8 @@ from .hotload_jobs import FAILED, PREPARING, QUEUED, READY, SWAPPING
 
 #: A replica's row when it could not be asked, or refused: no answer at all, or an answer that is not acceptance.
 UNREACHABLE, REJECTED = "UNREACHABLE", "REJECTED"
+#: A replica whose port answers while its engine still loads (``ckptdelta serve``: loader/starting.py).
+STARTING = "STARTING"
 JOB_STATES = (QUEUED, PREPARING, SWAPPING, READY, FAILED)
 #: A hot-load still under way.
 BUSY = (QUEUED, PREPARING, SWAPPING)
@@ -35,10 +38,11 @@ _PEEK = 120
 
 
 class Unreachable(ReplicaError):
-    """No answer at all. ``refused``: nothing listens at the address, which is also what a replica still
-    starting looks like (``serve`` binds its port at once and listens once it serves: loader/cli.py), so a
-    caller waiting for replicas to come up tries it again; a replica that took the connection and then did not
-    answer in time is hung, not starting."""
+    """No answer at all. ``refused``: nothing listens at the address, which is also what a replica in its
+    first seconds looks like (``serve`` listens once its checks are done, and answers STARTING from then on
+    until it serves: loader/cli.py, loader/starting.py), so a caller waiting for replicas to come up tries it
+    again (:class:`StartWait`); a replica that took the connection and then did not answer in time is hung,
+    not starting."""
 
     def __init__(self, message: str, *, refused: bool) -> None:
         super().__init__(message)
@@ -52,6 +56,46 @@ class BadAnswer(ReplicaError):
     def __init__(self, message: str, *, status: int | None = None, error_type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.error_type = status, error_type
+
+
+class StartWait:
+    """The one rule for a replica that is starting, the same in the sync client, the async client and
+    ``ckptdelta hotload``: a replica that refuses connections (nothing listens yet) or answers ``/v1/status``
+    with STARTING is asked again every :data:`UP_POLL_S` seconds until ``ready_timeout`` has passed since the
+    call began (the clients' ``ready_timeout``; the command's ``--timeout`` with ``--wait``, 0 without: asked
+    once), while the other replicas go on. Any other failure (hung, garbage, an HTTP error) is final at once.
+    Sampling follows the same rule by its own retries: a refused connection and STARTING's 503 are retried
+    until ``ready_timeout`` (loader/client.py, SampleTries)."""
+
+    def __init__(self, url: str, ready_timeout: float) -> None:
+        self.url, self.ready_timeout = url, ready_timeout
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + ready_timeout
+
+    @staticmethod
+    def starting(result: "dict[str, Any] | ReplicaError") -> bool:
+        """Whether ``result`` (a replica's status, or why there is none) says the replica is starting."""
+        if isinstance(result, dict):
+            return result.get("state") == STARTING
+        return isinstance(result, Unreachable) and result.refused
+
+    def again(self, result: "dict[str, Any] | ReplicaError") -> bool:
+        """Whether to ask again, after :meth:`delay`: the replica is starting and the ready timeout has not passed."""
+        return self.starting(result) and time.monotonic() < self.deadline
+
+    def delay(self) -> float:
+        return min(UP_POLL_S, max(0.0, self.deadline - time.monotonic()))
+
+    def row(self, result: "dict[str, Any] | ReplicaError") -> dict[str, Any]:
+        """The replica's row once given up on: why it failed, and for one still starting, for how long it was
+        waited for."""
+        waited = "" if self.ready_timeout <= 0 else f" after {self.ready_timeout:g}s of waiting for it to start"
+        if isinstance(result, dict):
+            return {**result, "error": f"replica {self.url} is still {STARTING}{waited or ' (not waited for)'}"}
+        row = failed_state(result)
+        if self.starting(result) and waited:
+            row["error"] += f"; still refused{waited}"
+        return row
 
 
 def transport_error(url: str, what: str, e: httpx.TransportError) -> Unreachable:
@@ -124,6 +168,20 @@ def status_answer(url: str, body: dict[str, Any]) -> dict[str, Any]:
     elif any(not (body.get(k) is None or isinstance(body[k], dict)) for k in ("last_hotload", "engine")):
         problem = "'last_hotload' or 'engine' is not an object"
     return _schema(url, "GET /v1/status", body, problem)
+
+
+def status_of(url: str, r: httpx.Response) -> dict[str, Any]:
+    """A replica's answer to ``GET /v1/status`` as its status (:func:`status_answer`): a 200, or the 503 of a
+    replica still starting, whose body is a status saying STARTING (loader/starting.py: 503, so that whatever
+    takes a 200 for "serving" waits); BadAnswer for anything else."""
+    if r.status_code == 503:
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and body.get("state") == STARTING:
+            return status_answer(url, body)
+    return status_answer(url, answer(url, "GET /v1/status", r))
 
 
 def job_answer(url: str, what: str, body: dict[str, Any], job_id: str | None = None) -> dict[str, Any]:

@@ -68,9 +68,10 @@ def add_commands(subparsers: Any) -> None:
 
     s = subparsers.add_parser(
         "status", help="what one replica or many serve",
-        description="GET /v1/status of every replica, all at once, and print one row per replica: state, "
-                    "version, run, the last hot-load (UNREACHABLE or REJECTED, and why, for one that did not "
-                    "answer with a replica's status). Exit 0 when every replica answered, 1 otherwise.")
+        description="GET /v1/status of every replica, all at once, and print one row per replica: state "
+                    "(STARTING for one whose engine still loads), version, run, the last hot-load (UNREACHABLE "
+                    "or REJECTED, and why, for one that did not answer with a replica's status: UNREACHABLE is "
+                    "no answer at all). Exit 0 when every replica answered, 1 otherwise.")
     s.add_argument("urls", nargs="*", metavar="URL", help="replica URLs")
     s.add_argument("--replicas-file", metavar="FILE", action="append", default=[],
                    help="more replica URLs, one per line ('#' comments and blank lines skipped; repeatable)")
@@ -119,9 +120,11 @@ def cmd_hotload(args: argparse.Namespace) -> int:
     urls = replica_urls(urls, args.replicas_file)
     _check_timeout(args)
     target: str | int = int(snapshot) if snapshot.isdigit() else snapshot
-    # no request outlasts the whole wait: a hung replica is given up on within --timeout, like the others
-    with RolloutClient(urls, api_key=_api_key(args), timeout=min(60.0, args.timeout)) as client:
-        states = client.hotload_each(target, wait=args.wait, timeout=args.timeout, wait_up=args.wait)
+    # no request outlasts the whole wait: a hung replica is given up on within --timeout, like the others; a
+    # starting one is waited for as the clients wait for it (loader/fleet.py, StartWait), with --wait only
+    with RolloutClient(urls, api_key=_api_key(args), timeout=min(60.0, args.timeout),
+                       ready_timeout=args.timeout if args.wait else 0.0) as client:
+        states = client.hotload_each(target, wait=args.wait, timeout=args.timeout)
     ok = ("READY",) if args.wait else ("READY", "QUEUED", "PREPARING", "SWAPPING")
     bad = {u: st for u, st in states.items() if st.get("state") not in ok or "error" in st}
     if args.json:

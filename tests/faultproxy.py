@@ -13,6 +13,10 @@ at the rates it is given, injects instead:
 ``truncate``  a GET's response announces its full Content-Length, sends fewer
               bytes, and closes.
 
+And, when told to (``hold``), requests that match wait before they are forwarded
+until ``release()``: a store that does not answer yet, for as long as a test needs
+(a replica held in the middle of its start).
+
 Faults are drawn from a seeded RNG per request; ``counts`` says what was
 injected. Every loop here is bounded: sockets time out, a stall ends at
 ``stop()``, and ``max_requests`` caps the requests one proxy serves.
@@ -61,6 +65,8 @@ class FaultProxy:
         self.counts: Counter = Counter()      # requests, forwarded, and each fault injected
         self._script: list[list] = []         # [match, fault, after, times left]
         self._stop = threading.Event()
+        self._hold: Callable[[str, str], bool] | None = None
+        self._released = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
@@ -92,6 +98,18 @@ class FaultProxy:
         with self._lock:
             self._script.append([match, fault, after, times])
 
+    def hold(self, match: Callable[[str, str], bool]) -> None:
+        """Requests for which ``match(method, path)`` holds wait, before anything is forwarded, until
+        :meth:`release` (or :meth:`stop`); ``counts["held"]`` counts them."""
+        with self._lock:
+            self._hold = match
+            self._released.clear()
+
+    def release(self) -> None:
+        with self._lock:
+            self._hold = None
+        self._released.set()
+
     @property
     def faults(self) -> int:
         with self._lock:
@@ -107,6 +125,7 @@ class FaultProxy:
 
     def stop(self) -> None:
         self._stop.set()
+        self._released.set()
         self._acceptor.join(timeout=5)
         with self._lock:
             conns = list(self._conns)
@@ -193,6 +212,11 @@ class FaultProxy:
     def _handle(self, conn: socket.socket, method: str, target: str, headers: list[tuple[str, str]],
                 body: bytes) -> bool:
         """Answer one request; False when the connection must close."""
+        with self._lock:
+            hold = self._hold
+        if hold is not None and hold(method, target.split("?", 1)[0]):
+            self._count("held")
+            self._released.wait()
         fault, after = self._draw(method, target)
         if fault == "slowdown":
             self._count("slowdown")

@@ -191,7 +191,7 @@ def start_replica(run):
               api_key: str | None = None, cache_policy: str = "recompute", replica_id: str = "r0",
               listen: bool = True) -> Replica:
         """``listen=False``: the port is bound but refuses connections until ``rep.listen()``, as ``serve``'s
-        does while its engine starts."""
+        does until its checks end (then it answers STARTING until it serves: loader/starting.py)."""
         engine, reader = build_engine(bucket=bucket or run.url, snapshot=snapshot, model_dir=model_dir,
                                       cache_policy=cache_policy)
         app = create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key)

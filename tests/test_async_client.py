@@ -73,7 +73,7 @@ def test_fleet_hotload_async_loads_the_live_replica_beside_dead_hung_and_garbage
     bad_post = (200, "application/json", replica_status(live.status()["run_id"], 0))
 
     async def main(urls: list[str]) -> tuple[dict, dict]:
-        async with AsyncRolloutClient(urls, timeout=2) as client:
+        async with AsyncRolloutClient(urls, timeout=2, ready_timeout=0.5) as client:
             with pytest.raises(ReplicaError) as info:
                 await client.hotload("latest", timeout=60)
             return info.value.states, await client.status()
@@ -87,6 +87,7 @@ def test_fleet_hotload_async_loads_the_live_replica_beside_dead_hung_and_garbage
     assert {u: states[u]["state"] for u in urls[:4]} == {dead: "UNREACHABLE", hung.url: "UNREACHABLE",
                                                           listing.url: "REJECTED", post.url: "REJECTED"}
     assert "did not answer in time" in states[hung.url]["error"]
+    assert "still refused after 0.5s of waiting for it to start" in states[dead]["error"]    # its ready_timeout
     assert "POST /v1/hotload" in states[post.url]["error"] and "not an object" in states[post.url]["error"]
     assert status[live.url]["policy_version"] == run.latest
     assert [status[u]["state"] for u in urls[:3]] == ["UNREACHABLE", "UNREACHABLE", "REJECTED"]

@@ -133,7 +133,7 @@ def test_fleet_hotload_loads_the_live_replica_then_raises_for_the_dead_the_other
         live, theirs = start_replica(0, replica_id="live"), start_replica(0, bucket=other.url, replica_id="theirs")
         dead = dead_url()
         with BadReplica({("GET", "/"): HTML, ("POST", "/"): HTML}) as html, \
-                RolloutClient([dead, live.url, theirs.url, html.url], timeout=10) as client:
+                RolloutClient([dead, live.url, theirs.url, html.url], timeout=10, ready_timeout=0.5) as client:
             with pytest.raises(RunMismatchError) as info:
                 client.hotload(1, timeout=60)
             states = info.value.states
@@ -142,6 +142,7 @@ def test_fleet_hotload_loads_the_live_replica_then_raises_for_the_dead_the_other
             assert states[theirs.url]["state"] == "REJECTED" and "serves run" in states[theirs.url]["error"]
             assert theirs.status()["policy_version"] == 0           # not moved to the other run's v1
             assert states[dead]["state"] == "UNREACHABLE" and "refused the connection" in states[dead]["error"]
+            assert "still refused after 0.5s of waiting for it to start" in states[dead]["error"]  # ready_timeout
             assert states[html.url]["state"] == "REJECTED" and "not JSON" in states[html.url]["error"]
             assert "UNREACHABLE" in str(info.value) and theirs.url in str(info.value)
 

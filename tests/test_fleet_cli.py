@@ -122,7 +122,7 @@ def test_fleet_hotload_loads_the_live_replica_at_once_while_another_still_starts
     (dead, or still starting) held every hot-load back for the whole --timeout, and the live replicas were then
     reported failed ("not READY within the timeout"). Each replica goes on its own now: the live one, listed
     after the starting one, is READY while the other still refuses connections; that one is hot-loaded once up."""
-    starting = start_replica(1, replica_id="starting", listen=False)    # as serve's port, while its engine starts
+    starting = start_replica(1, replica_id="starting", listen=False)    # as serve's port, before its checks end
     live = start_replica(1, replica_id="live")
     out: dict = {}
     cli = threading.Thread(target=lambda: out.setdefault("rc", main(

@@ -100,6 +100,54 @@ def test_serves_the_snapshot_with_vllms_own_options_and_engine_data(rep, llama_r
     assert bad.status_code == 400  # vLLM's own validation, passed through
 
 
+def test_the_loops_shaped_sampling_client_gets_tokens_logprobs_and_prompt_logprobs_from_vllm(rep, llama_run):
+    """Issue 41, item 3, on vLLM: the client asks vLLM for what the reference engine always sends (token ids with
+    return_token_ids, the sampled tokens' logprobs with logprobs=0, prompt_logprobs) and reads it in one shape:
+    one logprob per token, the prompt's own logprob at each position, stop_reason from vLLM's finish_reason."""
+    import asyncio
+    import json
+    import math
+
+    from loader.sampling import ModelInput, SamplingClient, SamplingParams
+
+    with open(os.path.join(llama_run.model_dir, "config.json")) as f:
+        eos = json.load(f)["eos_token_id"]
+    v = rep.engine.version
+    ids = rep.complete(max_tokens=1, return_token_ids=True)["choices"][0]["prompt_token_ids"]
+    prompt = ModelInput.from_ints(ids)
+    with SamplingClient(rep.url, min_policy_version=v, ready_timeout=120) as client:
+        resp = client.sample(prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=5, seed=3),
+                             include_prompt_logprobs=True, topk_prompt_logprobs=2)
+        assert resp.policy_version == v and resp.policy_versions == [v] and len(resp.sequences) == 2
+        for seq in resp.sequences:
+            assert 0 < len(seq.tokens) == len(seq.logprobs) <= 5
+            assert all(math.isfinite(lp) and lp <= 0.0 for lp in seq.logprobs)
+            assert seq.stop_reason == ("stop" if seq.tokens[-1] == eos else "length")
+        assert len(resp.prompt_logprobs) == len(ids) and resp.prompt_logprobs[0] is None
+        assert all(math.isfinite(lp) and lp <= 0.0 for lp in resp.prompt_logprobs[1:])
+        for own, top in zip(resp.prompt_logprobs[1:], resp.topk_prompt_logprobs[1:]):
+            assert len(top) == 2 and top[0][1] >= top[1][1]
+            assert own in (lp for _, lp in top) or own <= top[1][1] + 1e-6
+
+        greedy = client.sample(prompt, sampling_params=SamplingParams(max_tokens=5, temperature=0.0)).sequences[0]
+        top1 = client.sample(prompt, sampling_params=SamplingParams(max_tokens=5, top_k=1, seed=9)).sequences[0]
+        assert top1.tokens == greedy.tokens                  # top_k reaches vLLM: 1 is the argmax
+        stop = greedy.tokens[1]
+        stopped = client.sample(prompt, sampling_params=SamplingParams(max_tokens=5, temperature=0.0,
+                                                                       stop=[stop])).sequences[0]
+        assert stopped.tokens == greedy.tokens[:greedy.tokens.index(stop) + 1] and stopped.stop_reason == "stop"
+        # the sequence scored as a prompt: each sampled token's logprob again, at its own position (vLLM's prefill
+        # rounds differently from its decode: close, not equal)
+        scored = client.compute_logprobs(ModelInput.from_ints(ids + greedy.tokens))
+        assert len(scored) == len(ids) + len(greedy.tokens)
+        assert max(abs(a - b) for a, b in zip(scored[len(ids):], greedy.logprobs)) < 0.1
+
+        async def group() -> list:
+            return await asyncio.gather(*(client.sample_async(prompt, sampling_params=SamplingParams(max_tokens=3))
+                                          for _ in range(3)))
+        assert [r.policy_versions for r in asyncio.run(group())] == [[v]] * 3
+
+
 def test_hotloads_forward_across_an_anchor_and_back_are_bit_exact_in_every_runtime_parameter(rep, llama_run,
                                                                                             tmp_path):
     if 3 not in llama_run.truth:

@@ -47,6 +47,8 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (loader.engine.score_logprobs)
+    top_k: StrictInt = Field(-1, ge=-1)  # as vLLM: -1 or 0 is off
+    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP)  # as vLLM's
 
     @field_validator("stop")
     @classmethod
@@ -61,6 +63,14 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] = Field(..., min_length=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # as vLLM's: each prompt token's logprob and k alternatives, on every choice (not with stream)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _no_prompt_logprobs_streamed(self) -> "CompletionRequest":
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream=true")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -116,6 +126,21 @@ def _completion_logprobs(engine: Engine, c: Any) -> dict[str, Any]:
         "token_ids": c.token_ids, "top_token_ids": top_ids,
         "top_token_logprobs": [[lp for _, lp in alts] for alts in c.top_logprobs],
     }
+
+
+def _prompt_logprobs(engine: Engine, gen: Generation) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's shape: per prompt position, None for the first, else token id (a string key) ->
+    ``{logprob, rank, decoded_token}``, the prompt's own token first."""
+    if gen.prompt_logprobs is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for row in gen.prompt_logprobs:
+        if row is None:
+            out.append(None)
+            continue
+        texts = engine.token_strings([t for t, _, _ in row])
+        out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": s} for (t, lp, r), s in zip(row, texts)})
+    return out
 
 
 def _chat_logprobs(engine: Engine, c: Any) -> dict[str, Any]:
@@ -183,7 +208,9 @@ class ReferenceReplica(ReplicaEngine):
             logprobs, max_tokens = req.logprobs, req.max_tokens
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, n=req.n,
                                 seed=req.seed, stop=tuple(req.stop or ()), logprobs=logprobs, ignore_eos=req.ignore_eos,
-                                score_logprobs=req.score_logprobs)
+                                score_logprobs=req.score_logprobs, top_k=req.top_k,
+                                stop_token_ids=tuple(req.stop_token_ids),
+                                prompt_logprobs=getattr(req, "prompt_logprobs", None))
         try:
             eng.check_prompt(prompt_ids, max_tokens)
         except ValueError as e:
@@ -206,9 +233,11 @@ class ReferenceReplica(ReplicaEngine):
 
     def _completions(self, req: CompletionRequest, gen: Generation) -> EngineResult:
         eng = self.engine
+        prompt_lps = _prompt_logprobs(eng, gen)
         choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    "logprobs": _completion_logprobs(eng, c) if req.logprobs is not None else None}
+                    "logprobs": _completion_logprobs(eng, c) if req.logprobs is not None else None,
+                    **({"prompt_logprobs": prompt_lps} if prompt_lps is not None else {})}
                    for c in gen.completions]
         return self._result("cmpl", gen, choices)
 
