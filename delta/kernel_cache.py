@@ -60,20 +60,27 @@ PACKAGES = ("delta", "publisher", "loader", "benchmarks")
 ENV = "CKPTDELTA_KERNEL_CACHE"
 
 
+@lru_cache(maxsize=None)
+def _host_cpu() -> tuple[str, str]:
+    """The host's CPU name and features, as llvmlite reports them (~1 ms: asked once, not once per kernel)."""
+    import llvmlite.binding as ll
+
+    return ll.get_host_cpu_name(), ll.get_host_cpu_features().flatten()
+
+
 def environment() -> dict[str, str]:
     """What numba's machine code depends on besides the sources: a cache entry of another of any of these is
     thrown away by numba (and its index rewritten). The CPU is the one numba compiles for: ``NUMBA_CPU_NAME``
     and ``NUMBA_CPU_FEATURES`` when set (``generic`` for a cache shared by several kinds of host), else the
     host's, as llvmlite reports it."""
     import llvmlite
-    import llvmlite.binding as ll
     import numba
     from numba.core import config
 
     if config.CPU_NAME:
         cpu, features = config.CPU_NAME, config.CPU_FEATURES or ""
     else:
-        cpu, features = ll.get_host_cpu_name(), ll.get_host_cpu_features().flatten()
+        cpu, features = _host_cpu()
     return {"python": "%d.%d" % sys.version_info[:2] + getattr(sys, "abiflags", ""),
             "numba": numba.__version__, "llvmlite": llvmlite.__version__, "cpu": cpu, "features": features}
 
