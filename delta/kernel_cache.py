@@ -116,7 +116,9 @@ def kernel_dir() -> str:
 
 
 def _marker() -> str:
-    return os.path.join(kernel_dir(), f"warm-{environment_key()}-{delta_digest()[:16]}")
+    """Per environment, sources and checkout (numba files each source folder's kernels apart, by its path)."""
+    where = hashlib.sha256(_DELTA.encode()).hexdigest()[:12]
+    return os.path.join(kernel_dir(), f"warm-{environment_key()}-{where}-{delta_digest()[:16]}")
 
 
 def is_warm() -> bool:
