@@ -216,3 +216,15 @@ def test_a_kernel_cache_root_that_cannot_be_written_falls_back_to_numba_s_own_ch
     assert all(loc.get_cache_path() == theirs.get_cache_path() for loc in locs)
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "a-file" in warnings[0].getMessage() and kernel_cache.ENV in warnings[0].getMessage()
+
+
+def test_every_command_shows_the_announcement_of_a_first_compile_without_v(monkeypatch):
+    import logging
+
+    from ckptdelta.console import set_up_logging
+
+    logger = logging.getLogger("ckptdelta.kernel_cache")
+    monkeypatch.setattr(logger, "level", logger.level)          # restored after the test
+    for command in ("publish", "hotload", "materialize", "serve"):
+        set_up_logging(0, command)
+        assert logger.isEnabledFor(logging.INFO), command
