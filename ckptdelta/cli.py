@@ -21,9 +21,10 @@ deltas through object storage (a local directory, s3://, gs://, any fsspec URL).
 trainer side:   publish, ls, gc
 replica side:   serve, hotload, status, materialize, verify
 inspection:     inspect
+set-up:         warmup (compile the kernels ahead: RUN ckptdelta warmup in an image)
 """
 
-COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "status", "materialize", "verify", "inspect")
+COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "status", "materialize", "verify", "inspect", "warmup")
 
 EPILOG = """\
 examples:
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loader import cli_read as loader_read_cli
     from publisher import cli as publisher_cli
 
-    from . import inspect_cmd
+    from . import inspect_cmd, warmup_cmd
 
     parser = CommandParser(
         prog="ckptdelta", description=DESCRIPTION, epilog=EPILOG,
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     loader_serve_cli.add_commands(sub)
     loader_read_cli.add_commands(sub)
     inspect_cmd.add_commands(sub)
+    warmup_cmd.add_commands(sub)
     for p in sub.choices.values():  # -v after the command too (SUPPRESS: it adds to the count before it)
         p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                        help="more logging and the traceback of an error (-vv: debug)")

@@ -89,6 +89,9 @@ INFO_COMMANDS = ("serve",)
 #: Under a command of INFO_COMMANDS without -v: details the command's own lines already sum up (the swapper's
 #: per-step lines; the replica logs one line per hot-load).
 DETAIL_LOGGERS = ("ckptdelta.loader.hotswap",)
+#: Loggers at INFO under every command: the line that says a first publish or hot-load is about to compile the
+#: codec's kernels (20-90 s, once per environment) instead of sitting silent.
+ALWAYS_INFO_LOGGERS = ("ckptdelta.kernel_cache",)
 
 
 def set_up_logging(verbose: int, command: str | None = None) -> None:
@@ -105,3 +108,6 @@ def set_up_logging(verbose: int, command: str | None = None) -> None:
     if verbose == 0 and command in INFO_COMMANDS:
         for name in DETAIL_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+    if level > logging.INFO:
+        for name in ALWAYS_INFO_LOGGERS:
+            logging.getLogger(name).setLevel(logging.INFO)

@@ -1,10 +1,14 @@
-"""Compile the codec's numba kernels ahead of use: ``python -m delta.warmup`` (make runs it at install).
+"""Compile the codec's numba kernels ahead of use: ``ckptdelta warmup`` (or ``python -m delta.warmup``; make
+runs it at install, and a trainer's or replica's image should: ``RUN ckptdelta warmup``).
 
 The kernels are compiled with ``cache=True``, so a fresh checkout compiles them
 on first use: the first publish and the first hot-load then take seconds
 instead of milliseconds, and a benchmark would report compile time as publish
 time. Running every encoding and staging path once, on small tensors of each
-dtype, fills numba's on-disk cache; later processes load the machine code.
+dtype, fills numba's on-disk cache (this environment's folder of it:
+delta/kernel_cache.py); later processes load the machine code. A completed
+warm-up marks the environment warm, which keeps a process from announcing its
+first compile.
 
 Loading that machine code still costs every new process time on first use: each
 kernel's cache entry is read and linked (~0.3 s for the staging path of one
@@ -50,7 +54,10 @@ def warm_up(progress: Callable[[str, int, int, float | None], None] | None = Non
     (the seconds it took): a fresh install compiles for minutes on a busy machine."""
     from delta import apply_, apply_many, encode, encode_many, stage, stage_full
 
+    from . import kernel_cache
+
     say = progress or (lambda *_: None)
+    kernel_cache.quiet()    # this is the compile the announcement would point to
     groups = len(DTYPES) + 1
     t0 = time.perf_counter()
     for i, dtype in enumerate(DTYPES):
@@ -87,6 +94,7 @@ def warm_up(progress: Callable[[str, int, int, float | None], None] | None = Non
     tg = time.perf_counter()
     _warm_commit()
     say("hot-swap commit kernels", groups, groups, time.perf_counter() - tg)
+    kernel_cache.mark_warm()
     return time.perf_counter() - t0
 
 
@@ -349,18 +357,22 @@ def _stop_at_exit() -> None:
         t.join(30.0)
 
 
-def main() -> int:
-    print("compiling the codec's kernels once (numba caches them; a minute or more the first time on two cores, "
-          "longer on a busy machine):", file=sys.stderr, flush=True)
+def main(progress: bool = True) -> int:
+    """Compile every kernel, saying where they are cached; ``progress``: a line per group as it goes (the
+    compile takes a minute or more the first time: not a silent one)."""
+    from . import kernel_cache
 
-    def progress(group: str, i: int, n: int, seconds: float | None) -> None:
+    def say(group: str, i: int, n: int, seconds: float | None) -> None:
         if seconds is None:
             print(f"  [{i}/{n}] {group} ...", end="", file=sys.stderr, flush=True)
         else:
             print(f" {seconds:.1f} s", file=sys.stderr, flush=True)
 
-    s = warm_up(progress)
-    print(f"codec kernels ready ({s:.1f} s)", file=sys.stderr)
+    if progress:
+        print("compiling the codec's kernels once for this environment (numba caches them; a minute or more the "
+              "first time on two cores, longer on a busy machine):", file=sys.stderr, flush=True)
+    s = warm_up(say if progress else None)
+    print(f"codec kernels ready ({s:.1f} s; cached in {kernel_cache.kernel_dir()})", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``python -m delta.warmup`` (run by make at install) compiles every codec path on the real code, bit-exact."""
+"""``ckptdelta warmup`` (run by make at install) compiles every codec path on the real code, bit-exact."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ import sys
 import torch
 
 
-def test_the_warm_up_runs_every_dtype_and_codec_path_bit_exact_in_a_fresh_process():
-    r = subprocess.run([sys.executable, "-m", "delta.warmup"], capture_output=True, text=True, timeout=600)
+def test_ckptdelta_warmup_runs_every_dtype_and_codec_path_bit_exact_and_marks_the_environment_warm():
+    from delta import kernel_cache
+
+    r = subprocess.run([sys.executable, "-m", "ckptdelta.cli", "warmup"], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "codec kernels ready" in r.stderr
+    assert "codec kernels ready" in r.stderr and kernel_cache.kernel_dir() in r.stderr
+    assert "[1/" not in r.stderr, "per-group progress is for a terminal (--progress)"
+    assert kernel_cache.is_warm()       # this process's environment and sources: no announcement of a compile
 
 
 _WARMUP_ON = {**os.environ, "CKPTDELTA_WARMUP": "1"}     # the suite turns it off (tests/conftest.py)
