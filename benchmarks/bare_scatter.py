@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from delta import kernels
-from delta.omp import fetch_add, int64s_at, voidptr_at
+from ckptdelta.delta import kernels
+from ckptdelta.delta.omp import fetch_add, int64s_at, voidptr_at
 
 _HEAD = 3    # arrivals, the table's own address, number of rows
 _COLS = 7    # part, element width, live bits, their length, positions, values, changes

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-import delta
-from delta import dtypes
+from ckptdelta import delta
+from ckptdelta.delta import dtypes
 from benchmarks import baselines, entropy, harness, stages, workloads
 
 

@@ -80,8 +80,8 @@ def shape_reads(reader, rate_bit: float, latency_s: float) -> None:
 def run_link(snaps: list[dict[str, torch.Tensor]], rate_bit: float, latency_s: float, root: str) -> dict:
     """Every snapshot published by each variant over one shaped link and hot-loaded by its replica; a row per
     variant and delta."""
-    from loader import HotSwapper, SnapshotReader
-    from publisher import Publisher
+    from ckptdelta.loader import HotSwapper, SnapshotReader
+    from ckptdelta.publisher import Publisher
 
     pubs, switches, swappers = {}, [], {}
     for v in VARIANTS:
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rates or not lrs or any(r <= 0 for r in rates) or a.steps < 1:
         p.error("--rates and --lrs need positive numbers, --steps at least 1")
     from benchmarks.workloads import snapshots
-    from publisher.codec_choice import warm_up
+    from ckptdelta.publisher.codec_choice import warm_up
 
     logging.getLogger("ckptdelta").setLevel(logging.WARNING)
     if a.torch_threads > 0:

@@ -2,13 +2,13 @@
 
 For each element width (1, 2, 4, 8 bytes) and share of changed elements (random
 positions), one tensor of ``--mb`` MB in host memory is committed by
-:class:`loader.batch_commit.CommitBatch` both ways, forced: **scatter** (each changed
+:class:`ckptdelta.loader.batch_commit.CommitBatch` both ways, forced: **scatter** (each changed
 element written after its old bits are compared with prepare's) and **copy** (a staged
 copy of the new tensor written block by block, each block's live bytes hashed and
 compared with prepare's hash first), on every core, beside a plain ``torch`` copy of the
 tensor (the same bytes, no check). Each time is the median of ``--repeats`` commits;
 every commit is checked bit-exact. The crossover per width is what
-``loader.batch_commit.COPY_ABOVE`` should hold for this machine.
+``ckptdelta.loader.batch_commit.COPY_ABOVE`` should hold for this machine.
 
     python -m benchmarks.commit_choice               # 256 MB per tensor, ~2 minutes on two cores
     python -m benchmarks.commit_choice --mb 64 --repeats 3
@@ -39,8 +39,8 @@ def _positions(rng: np.random.Generator, n: int, density: float) -> np.ndarray:
 
 
 def measure(width: int, density: float, mb: int, repeats: int, rng: np.random.Generator) -> dict:
-    from delta import kernels
-    from loader import batch_commit
+    from ckptdelta.delta import kernels
+    from ckptdelta.loader import batch_commit
 
     dt = np.dtype(f"<u{width}")
     n = mb * (1 << 20) // width
@@ -94,12 +94,12 @@ def crossover(rows: list[dict], width: int) -> float | None:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    from loader import batch_commit
+    from ckptdelta.loader import batch_commit
 
     lines = ["# Hot-swap commit: scatter the changed elements or copy the whole tensor", "",
              f"{meta['machine']}; one tensor of {meta['mb']} MB per row, random changed positions, "
              f"{meta['threads']} commit threads; ms, median of {meta['repeats']}. `scatter` and `copy` are the two ways "
-             "`loader.batch_commit` writes a tensor in the pause (both check the old bits: at each changed element, "
+             "`ckptdelta.loader.batch_commit` writes a tensor in the pause (both check the old bits: at each changed element, "
              "or by 64 KiB block hashes); `torch copy` is a plain copy of the same bytes, no check.", "",
              "| width (bytes) | changed | cache lines touched | scatter | copy | torch copy | scatter / torch copy | "
              "copy / torch copy | cheaper |",
@@ -110,7 +110,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"{1e3 * r['scatter_s']:.1f} | {1e3 * r['copy_s']:.1f} | {1e3 * tc:.1f} | "
                      f"{r['scatter_s'] / tc:.2f}x | {r['copy_s'] / tc:.2f}x | "
                      f"{'copy' if r['copy_s'] < r['scatter_s'] else 'scatter'} |")
-    lines += ["", "Crossover (copy cheaper from this share on) vs `loader.batch_commit.COPY_ABOVE`:", ""]
+    lines += ["", "Crossover (copy cheaper from this share on) vs `ckptdelta.loader.batch_commit.COPY_ABOVE`:", ""]
     for w in WIDTHS:
         c = crossover(rows, w)
         lines.append(f"- {w} byte(s): measured {'none up to ' + str(100 * DENSITIES[-1]) + '%' if c is None else f'{100 * c:.1f}%'}"

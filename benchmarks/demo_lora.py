@@ -14,7 +14,7 @@ summary, plot):
    the adapter is published as the run's anchor, a PEFT directory whose manifest
    records the base (its name and the digest of its weights);
 2. each step samples GRPO groups with the asyncio client
-   (:class:`loader.async_client.AsyncRolloutClient`: one ``sample_async`` per
+   (:class:`ckptdelta.loader.async_client.AsyncRolloutClient`: one ``sample_async`` per
    prompt, ``n`` = the group size, fanned out with ``asyncio.gather``) at
    ``min_policy_version`` = the version published last, scores the rewards,
    normalises advantages within each group and takes one PPO step on the adapter
@@ -101,11 +101,11 @@ class LoraTrainer(Trainer):
 
 
 def lora_model(base_dir: str, cfg: LoraDemoConfig) -> Any:
-    """The trainer's peft model on the base loaded as the replica loads it (:func:`loader.engine.load_model`:
+    """The trainer's peft model on the base loaded as the replica loads it (:func:`ckptdelta.loader.engine.load_model`:
     a base of other bits, e.g. a bf16 rotary buffer, would score tokens differently and hash differently)."""
     from peft import LoraConfig, get_peft_model
 
-    from loader.engine import load_model
+    from ckptdelta.loader.engine import load_model
 
     base, _ = load_model(base_dir)
     torch.manual_seed(cfg.seed)
@@ -117,7 +117,7 @@ def adapter_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """xxh3 of each tensor's bits, as a manifest records them."""
     import xxhash
 
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     return {n: f"{xxhash.xxh3_64_intdigest(dtypes.host_bits(t.cpu().contiguous())):016x}" for n, t in tensors.items()}
 
@@ -173,7 +173,7 @@ async def _one_step(cfg: LoraDemoConfig, tokenizer: Any, trainer: LoraTrainer, p
 
 async def _loop(cfg: LoraDemoConfig, tokenizer: Any, trainer: LoraTrainer, pub: Any, reader: Any, url: str,
                 version: int, say: Any) -> list[dict[str, Any]]:
-    from loader.async_client import AsyncRolloutClient
+    from ckptdelta.loader.async_client import AsyncRolloutClient
 
     rows: list[dict[str, Any]] = []
     rng = random.Random(cfg.seed + 1)
@@ -188,8 +188,8 @@ async def _loop(cfg: LoraDemoConfig, tokenizer: Any, trainer: LoraTrainer, pub: 
 
 def run_lora_demo(cfg: LoraDemoConfig) -> dict[str, Any]:
     """Run the whole loop; returns (and writes under ``cfg.report_dir``) the rows and the summary."""
-    from loader.reader import SnapshotReader
-    from publisher import Publisher
+    from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.publisher import Publisher
 
     t_start = time.perf_counter()
     say = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))

@@ -9,7 +9,7 @@
 # and the next step run all the same (the exit status is nonzero at the end if any failed):
 #
 #   env        the machine: GPU, driver, Python and the versions of the packages the checks import
-#   warmup     python -m delta.warmup: compile the codec's numba kernels once (numba caches them; without it
+#   warmup     python -m ckptdelta.delta.warmup: compile the codec's numba kernels once (numba caches them; without it
 #              the first publish or hot-load of every process below compiles), beside
 #   workload   the benchmarks' bf16 workload (benchmarks/workloads.py: a small transformer's AdamW steps,
 #              generated on the CPU and cached under benchmarks/.cache)
@@ -95,7 +95,7 @@ if torch.cuda.is_available():
 EOF"
 
 # numba's compile (one thread) and the workload's generation (CPU torch) side by side
-step warmup 200 "$PY" -m delta.warmup &
+step warmup 200 "$PY" -m ckptdelta.delta.warmup &
 warm=$!
 step workload 200 "$PY" -c "
 import time; t = time.perf_counter()

@@ -430,7 +430,7 @@ def markdown(out: dict[str, Any]) -> str:
               "vLLM's steps (in brackets); (b)/(c): vLLM's "
               "own in-place directory load, the LRU manager's `add_adapter(LoRARequest(..., load_inplace=True))` "
               "that the engine core runs for `load_lora_adapter`, run once more on the same directory right after "
-              "the HTTP call by `ckptdelta_lora_load_dir` (loader/engines/vllm_worker.py) and timed there. This is "
+              "the HTTP call by `ckptdelta_lora_load_dir` (loader/engines/vllm/worker/extension.py) and timed there. This is "
               "the column the issue's pause target compares. **Call wall time**: what the caller waits for the "
               "write (ckptdelta: the worker's wait for the lock, then the swap; (b)/(c): the HTTP "
               "`/v1/load_lora_adapter` call with "

@@ -25,9 +25,9 @@ import time
 import numpy as np
 import torch
 
-import delta
+from ckptdelta import delta
 from benchmarks import baselines, harness
-from delta import record
+from ckptdelta.delta import record
 
 ENCODINGS = record.ENCODING_NAMES
 

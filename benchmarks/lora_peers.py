@@ -73,7 +73,7 @@ class Trainer:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        from publisher import AdapterSpec, BaseModel, Publisher
+        from ckptdelta.publisher import AdapterSpec, BaseModel, Publisher
 
         self.op_close()
         torch.set_num_threads(threads)     # the trainer leaves the replica's vLLM its cores (--trainer-threads)
@@ -205,9 +205,9 @@ class Replica:
                  max_tokens: int, vllm_log: str) -> dict:
         """vLLM on the base serving the run's first version (the anchor) in ckptdelta's slots and, by name, the
         baselines' adapters of the same step (their first load, not in place)."""
-        from loader.engines import build_engine
-        from loader.engines.vllm import http_client
-        from loader.server import create_app
+        from ckptdelta.loader.engines import build_engine
+        from ckptdelta.loader.engines.vllm.replica import http_client
+        from ckptdelta.loader.server import create_app
         from tests.replicas import LiveServer
 
         from benchmarks.lora_load import StreamLoad

@@ -25,7 +25,7 @@ tensor or per snapshot as the peers do):
   the pause scatters the values.
 - ``ckptdelta_auto`` / ``ckptdelta`` / ``ckptdelta_noctx``: ``Publisher(...).publish``
   with ``codec="auto"`` (the default), ``"context"`` or ``"fast"``, and
-  ``loader.HotSwapper.hotload``.
+  ``ckptdelta.loader.HotSwapper.hotload``.
 
 Snapshots travel between processes as flat files (:func:`save_flat`), mapped
 read-only (:func:`open_flat`): the trainer's weights are page cache, not heap,
@@ -65,9 +65,9 @@ TRIES = 4
 
 
 def retrying(what: str, fn: Callable[[], T]) -> T:
-    """``fn()``, retried like delta.storage.Store retries (a transient error, backoff): the baselines'
+    """``fn()``, retried like ckptdelta.delta.storage.Store retries (a transient error, backoff): the baselines'
     plain s3fs calls get the retries a user's client would have. Each retry is logged on stderr."""
-    from delta.storage import RetryPolicy, is_transient
+    from ckptdelta.delta.storage import RetryPolicy, is_transient
 
     policy = RetryPolicy(attempts=TRIES)
     for attempt in range(1, TRIES + 1):
@@ -181,8 +181,8 @@ class Node:
         (a trainer or a replica pays them once per process)."""
         import tempfile
 
-        from loader import HotSwapper, SnapshotReader
-        from publisher import Publisher
+        from ckptdelta.loader import HotSwapper, SnapshotReader
+        from ckptdelta.publisher import Publisher
 
         t = time.monotonic()
         g = torch.Generator().manual_seed(0)
@@ -203,7 +203,7 @@ class Node:
         return {"seconds": time.monotonic() - t}
 
     def op_attach(self, run: str, version: int, cache_dir: str | None) -> dict:
-        from loader import DiskCache, HotSwapper, SnapshotReader
+        from ckptdelta.loader import DiskCache, HotSwapper, SnapshotReader
 
         sw = self.swappers.get(run)
         if sw is not None and sw.version == version:   # keep its manifests; only the host cache changes
@@ -214,7 +214,7 @@ class Node:
         return {}
 
     def op_anchor(self, run: str, base: str, codec: str) -> dict:
-        from publisher import Publisher
+        from ckptdelta.publisher import Publisher
 
         pub = Publisher(f"{self.url}/{run}", storage_options=self.opts, progress=False, anchor_every=1000,
                         anchor_chain_fraction=100.0, codec=codec)

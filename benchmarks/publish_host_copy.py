@@ -45,7 +45,7 @@ from benchmarks import harness
 
 def _flip(base: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
     """A copy of ``base`` with ~``fraction`` of each tensor's elements moved by one ulp at random positions."""
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -63,7 +63,7 @@ def _gb(w: dict[str, torch.Tensor]) -> float:
 
 
 def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     n = sum(t.numel() for t in a.values())
     c = sum(int((dtypes.torch_bits_view(a[k].view(-1)) != dtypes.torch_bits_view(b[k].view(-1))).sum()) for k in a)
@@ -88,8 +88,8 @@ def _time(fn) -> float:
 
 def measure(steps: list[dict[str, torch.Tensor]], repeats: int, device: str) -> dict:
     """Per-GB seconds of each way to take the host copy, alternating between the given step snapshots."""
-    from publisher.device_diff import DeviceDiff
-    from publisher.snapshot import copy_to_host, spares
+    from ckptdelta.publisher.device_diff import DeviceDiff
+    from ckptdelta.publisher.snapshot import copy_to_host, spares
 
     src = [{k: t.to(device) for k, t in s.items()} for s in steps]
     gb = _gb(steps[0])
@@ -143,7 +143,7 @@ def measure(steps: list[dict[str, torch.Tensor]], repeats: int, device: str) -> 
 
 def publish_copy_s(steps: list[dict[str, torch.Tensor]], repeats: int, device: str, device_diff: bool) -> float:
     """Median ``PublishResult.copy_s`` per GB through a real Publisher on a local directory."""
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
 
     src = [{k: t.to(device) for k, t in s.items()} for s in steps]
     copies = []

@@ -15,7 +15,7 @@ Every rank process is pinned to a core of its own (``sched_setaffinity``), so 1 
 have 2, as each rank of a real job brings its own cores. Per step and rank: **trainer-side** = the ranks' wall
 time from ``publish()`` called to committed (for the baseline, plus the gather before it), **bytes gathered** =
 what the rank received from other ranks (the publishers' pickled metadata and tensor bytes, counted by
-``publisher.distributed.Comm``; the baseline's all-gather of the parameters), **bytes written** = the delta
+``ckptdelta.publisher.distributed.Comm``; the baseline's all-gather of the parameters), **bytes written** = the delta
 objects the rank uploaded. The first publish is an anchor: its gathered bytes and the writer's memory (the RSS
 above the rank's level before it, sampled every 2 ms, against the bound: its own shards' host copy plus one
 gathered tensor) are reported apart.
@@ -111,7 +111,7 @@ def _rank(method: str, world: int, rank: int, init: str, url: str, gb: float, st
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from benchmarks.workloads import scaled_pair
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
 
     mesh = init_device_mesh("cpu", (world,))
     old, new = scaled_pair(int(gb * 1e9))
@@ -162,7 +162,7 @@ def _rank(method: str, world: int, rank: int, init: str, url: str, gb: float, st
                 "rss_extra": mem.extra, "largest_gather": stats.get("largest_gather", 0)})
         written = {}
         if rank == 0:
-            from loader.reader import SnapshotReader
+            from ckptdelta.loader.reader import SnapshotReader
             reader = SnapshotReader(url)
             for row in rows:
                 m = reader.manifest(row["step"])
@@ -277,8 +277,8 @@ def replica(url: str, versions: list[int]) -> dict:
     """A replica's hot-load of each timed delta (HotSwapper over host tensors, one core): prepare (fetch,
     decode, verify, stage) and the pause. Pieced deltas are applied box by box to a copy of each changed
     tensor, which is then proven whole and staged: what that costs beside a plain delta's records."""
-    from loader.hotswap import HotSwapper
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.hotswap import HotSwapper
+    from ckptdelta.loader.reader import SnapshotReader
 
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {0})
@@ -303,9 +303,9 @@ def replica(url: str, versions: list[int]) -> dict:
 def metadata_cost(n_tensors: int, world: int, repeats: int = 1) -> dict:
     """Rank 0's CPU for one publish's metadata, no I/O: the union of every rank's boxes, the merge of their
     written entries into pieced entries, and the manifest to JSON and parsed back (what _commit does)."""
-    from delta.manifest import Manifest, ObjectRef, TensorEntry
-    from publisher.sharded import LocalBox, plan_union
-    from publisher.writer import Written, merge
+    from ckptdelta.delta.manifest import Manifest, ObjectRef, TensorEntry
+    from ckptdelta.publisher.sharded import LocalBox, plan_union
+    from ckptdelta.publisher.writer import Written, merge
 
     shapes = [((8192 + (i % 7) * 1024, 8192)) for i in range(n_tensors)]
     schemas, written = [], []

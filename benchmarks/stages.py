@@ -1,6 +1,6 @@
 """Where the context coder's time goes: nanoseconds per element of each stage, beside the floor.
 
-For one workload, every chunk the codec would cut (``delta.codec.DEFAULT_CHUNK_ELEMS``)
+For one workload, every chunk the codec would cut (``ckptdelta.delta.codec.DEFAULT_CHUNK_ELEMS``)
 is run through the context coder's kernels one stage at a time, and each stage is
 timed over the whole model. The floor is this machine's memory bandwidth measured on
 the same tensors in the same run: a copy pass (read one snapshot, write one) and an
@@ -25,7 +25,7 @@ Stages (docs/FORMAT.md, encoding 5, which the context coder writes):
   bits of each change), **apply** (keep the old bits for undo, scatter), **hash
   result** (it proves the bits; the parent is hashed only to name a failure).
 
-``glue`` is what the end-to-end call (``delta.encode_many`` / ``apply_many``, one
+``glue`` is what the end-to-end call (``ckptdelta.delta.encode_many`` / ``apply_many``, one
 thread) costs beyond the stages: Python, allocation, the zstd tries of the chunks
 where ctx is not sure to win.
 """
@@ -39,12 +39,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
-from delta import dtypes, kernels
-from delta.codec import DEFAULT_CHUNK_ELEMS
-from delta.ctx_decoder import _decode_steps
-from delta.ctx_encoder import _sparse_parts, _step_models, sparse_estimate
-from delta.ctxcoder import layout_of, scan_scratch
-from delta.gctx import _assemble, _group_positions, _parse_table, _position_models, _scan, stream_words
+from ckptdelta.delta import dtypes, kernels
+from ckptdelta.delta.codec import DEFAULT_CHUNK_ELEMS
+from ckptdelta.delta.ctx_decoder import _decode_steps
+from ckptdelta.delta.ctx_encoder import _sparse_parts, _step_models, sparse_estimate
+from ckptdelta.delta.ctxcoder import layout_of, scan_scratch
+from ckptdelta.delta.gctx import _assemble, _group_positions, _parse_table, _position_models, _scan, stream_words
 
 ENCODE_STAGES = ("scan", "statistics", "coding", "hash")
 DECODE_STAGES = ("scan", "coding", "apply", "hash result")

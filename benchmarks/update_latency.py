@@ -6,7 +6,7 @@ AdamW steps at lr 1e-6, tiled), through a real S3 API (moto on 127.0.0.1, or
 ``--s3-url`` with ``--storage-options``) and through a local directory:
 
 - **ckptdelta**: the previous step is the run's anchor (published, not timed);
-  then ``Publisher.publish(new)`` and a :class:`loader.HotSwapper` over a live
+  then ``Publisher.publish(new)`` and a :class:`ckptdelta.loader.HotSwapper` over a live
   state dict in this process hot-loads it. Broken into host copy, encode,
   upload, commit (PublishResult) and fetch, decode, pause (HotLoadReport).
 - **a sparse step** at the same model size with ~10x fewer changed elements
@@ -74,7 +74,7 @@ log = logging.getLogger("ckptdelta.bench")
 # --- one size on one backend --------------------------------------------------------------------
 
 def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     return a.keys() == b.keys() and all(
         torch.equal(dtypes.torch_bits_view(a[k].reshape(-1).cpu()), dtypes.torch_bits_view(b[k].reshape(-1).cpu()))
@@ -99,7 +99,7 @@ def _sync(live: dict[str, torch.Tensor]) -> None:
 
 
 def _changed_elements(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     return sum(int((dtypes.torch_bits_view(old[k].reshape(-1)) != dtypes.torch_bits_view(new[k].reshape(-1))).sum())
                for k in old)
@@ -107,7 +107,7 @@ def _changed_elements(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
 
 def _sparse_step(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> int:
     """Move ~``fraction`` of the elements of every tensor by one ulp, in place; returns the count."""
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     g = torch.Generator().manual_seed(seed)
     n = 0
@@ -122,7 +122,7 @@ def _sparse_step(weights: dict[str, torch.Tensor], fraction: float, seed: int) -
 
 def _diff_positions(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Per tensor, the flat positions where ``new`` differs from ``live`` (numpy int64, sorted)."""
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     return {k: (dtypes.host_bits(live[k]) != dtypes.host_bits(new[k])).nonzero()[0] for k in live}
 
@@ -135,7 +135,7 @@ def _lines_share(live: dict[str, torch.Tensor], changed: dict[str, Any]) -> floa
     of them into the cache and write it back, where a copy streams every line: a scatter's pause over a
     copy tends to this share as its own overheads go (1% of bf16 elements spread at random hold 27% of the
     lines: 1 - 0.99 ** 32)."""
-    from delta import kernels
+    from ckptdelta.delta import kernels
 
     touched = total = 0
     for k, pos in changed.items():
@@ -161,7 +161,7 @@ def _bare_scatter(live: dict[str, torch.Tensor], changed: dict[str, Any], thread
 
     import numpy as np
 
-    from delta import dtypes, kernels, omp
+    from ckptdelta.delta import dtypes, kernels, omp
 
     parts: list[list[tuple[Any, Any, Any]]] = [[] for _ in range(threads)]
     for k, pos in changed.items():
@@ -321,8 +321,8 @@ def warm_up(root: str, opts: dict | None, device: str = "cpu") -> None:
     """One small publish/hot-load cycle first, so that numba's compile-or-load, thread pools and first-use
     imports are not charged to the first size measured (a trainer pays them once per process); with the live
     weights on ``device``, as measured (a GPU's context and the kernels the hot-load runs there load then)."""
-    from loader import HotSwapper, SnapshotReader
-    from publisher import Publisher
+    from ckptdelta.loader import HotSwapper, SnapshotReader
+    from ckptdelta.publisher import Publisher
 
     g = torch.Generator().manual_seed(0)
     w = {f"w{i}": torch.randn(256, 1024, generator=g).to(torch.bfloat16) for i in range(4)}
@@ -342,8 +342,8 @@ def measure(size_gb: float, kind: str, root: str, opts: dict | None, *, quick: b
     (the same changed elements each time; one extra copy of the weights is held for the way back). The
     replica's live weights are on ``device``; on the CPU they are the trainer's first snapshot itself."""
     from benchmarks.workloads import scaled_pair
-    from loader import HotSwapper, SnapshotReader
-    from publisher import Publisher
+    from ckptdelta.loader import HotSwapper, SnapshotReader
+    from ckptdelta.publisher import Publisher
 
     t = time.perf_counter()
     old, new = scaled_pair(int(size_gb * 1e9), lr=1e-6, size="tiny" if quick else "small")
@@ -479,7 +479,7 @@ def markdown(results: list[dict], meta: dict) -> str:
             "fastest copy of the step. Steps of random one-ulp changes, each hot-loaded forward, back and forward "
             "(medians), plus the lr 1e-6 step above. The commit scatters each "
             "changed tensor or copies it whole from a staged copy, whichever its share of changed elements makes "
-            "cheaper (`loader.batch_commit.COPY_ABOVE`), and swaps a tensor staged densely (past ~20% changed in "
+            "cheaper (`ckptdelta.loader.batch_commit.COPY_ABOVE`), and swaps a tensor staged densely (past ~20% changed in "
             "bf16) with its staged bits. **Bare scatter**, the floor under a scatter on this "
             "machine: right after each commit, the same changed elements written over themselves by a plain numba "
             "scatter on as many threads as the commit used (torch's OpenMP team where the commit ran on it), once, "
@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch device of the replica's live weights (cpu, cuda, cuda:1...; default cpu)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from loader.servable import check_device
+    from ckptdelta.loader.servable import check_device
 
     check_device(a.device)
     on_host = _on_host(a.device)

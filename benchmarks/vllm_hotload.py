@@ -10,7 +10,7 @@ the master, so ~1% of the elements change per step, scattered over every tensor,
 as in :func:`benchmarks.workloads.scaled_pair`'s real AdamW steps.
 
 1. **ckptdelta**: ``Publisher.publish()`` of the next step -> ``POST /v1/hotload``
-   on the replica app (``loader.server.create_app`` over ``build_engine("vllm")``)
+   on the replica app (``ckptdelta.loader.server.create_app`` over ``build_engine("vllm")``)
    -> job READY. Twice: with the engine's default ``verify="sampled"`` (inside the
    pause plain tensors whole and 16 random input columns of each re-packed matrix,
    then every changed tensor read back right after resume) and with
@@ -193,8 +193,8 @@ class Replica:
 
 
 def start_replica(url: str, opts: dict | None, cache_dir: str, vllm_log: str) -> Replica:
-    from loader.engines import build_engine
-    from loader.server import create_app
+    from ckptdelta.loader.engines import build_engine
+    from ckptdelta.loader.server import create_app
     from tests.replicas import LiveServer
 
     engine = build_engine("vllm", bucket=url, snapshot="latest", storage_options=opts, cache_dir=cache_dir,
@@ -244,7 +244,7 @@ def vllm_pause(rep: Replica, label: str) -> Iterator[dict[str, float]]:
 def check_against(rep: Replica, truth: dict[str, torch.Tensor]) -> bool:
     """The worker's read-back digests of every tensor against the trainer's tensors (kernel view where the
     worker read through a GEMM)."""
-    from loader.engines.vllm import expected_digests
+    from ckptdelta.loader.engines.vllm.replica import expected_digests
 
     names = list(truth)
     shim = type("T", (), {"tensors": truth})()
@@ -463,7 +463,7 @@ def throughput(rep: Replica, pub: Any, trainer: Trainer, *, clients: int, max_to
 # --- the run -----------------------------------------------------------------------------------
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
     from tests.lm import hf_extra_files
 
     c = QUICK if a.quick else FULL

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import xxhash
 
-from . import dtypes
-from .errors import ManifestError
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.errors import ManifestError
 
 #: The file names of a PEFT adapter directory, as peft's save_pretrained writes them (and vLLM's
 #: load_lora_adapter reads them): an anchor of a LoRA run is such a directory.

@@ -1,6 +1,6 @@
 """Encode or apply many tensors in one call, their chunks spread over the codec's threads.
 
-:func:`~delta.codec.encode` and :func:`~delta.codec.apply_` parallelise over the
+:func:`~ckptdelta.delta.codec.encode` and :func:`~ckptdelta.delta.codec.apply_` parallelise over the
 chunks of one tensor, and a model is mostly tensors of one to sixteen chunks
 (small models: one), so tensor by tensor a second core rarely has work. Here each
 chunk of each tensor, and each tensor's digests, is a task (a one-chunk tensor is
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import xxhash
 
-from . import chunks, codec, dtypes
-from .codec import DEFAULT_CHUNK_ELEMS, EncodedTensor, StagedTensor
-from .errors import ChecksumError, DeltaError, ParentMismatchError
+from ckptdelta.delta import chunks, codec, dtypes
+from ckptdelta.delta.codec import DEFAULT_CHUNK_ELEMS, EncodedTensor, StagedTensor
+from ckptdelta.delta.errors import ChecksumError, DeltaError, ParentMismatchError
 
 #: Chunk tasks in flight per thread, by default: enough that the pool keeps busy while the caller
 #: handles a result, few enough that lookahead memory stays a handful of chunks.
@@ -216,7 +216,7 @@ def _encode_whole(job: codec._EncodeJob) -> tuple[int, int, list]:
 def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: int = chunks.DEFAULT_LEVEL,
                 context: bool = True, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
                 window: int | None = None) -> Iterator[EncodedTensor]:
-    """:func:`~delta.codec.encode` for every ``(name, old, new)`` (or ``(name, old, new, parent_digest)``,
+    """:func:`~ckptdelta.delta.codec.encode` for every ``(name, old, new)`` (or ``(name, old, new, parent_digest)``,
     or ``(name, old, new, parent_digest, grandparent)``; either may be None) of ``items``, lazily and in
     order, each record byte-identical to encode()'s.
 
@@ -398,7 +398,7 @@ def _old_bits(live: "torch.Tensor | np.ndarray", st: StagedTensor) -> StagedTens
 
 def apply_many(items: Iterable[tuple], *, threads: int | None = None, verify: bool = True,
                method: str = "auto", window: int | None = None) -> None:
-    """:func:`~delta.codec.apply_` for every ``(live, enc)`` or ``(live, enc, grandparent)`` of ``items``
+    """:func:`~ckptdelta.delta.codec.apply_` for every ``(live, enc)`` or ``(live, enc, grandparent)`` of ``items``
     (``enc``: an EncodedTensor or a record's bytes), all or nothing.
 
     Each tensor is checked as apply_() checks it (result digest; parent digest on failure). If

@@ -17,11 +17,11 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from . import kernels
-from .dtypes import DType, nan_rule
-from .encodings import ALWAYS, CONTEXT, GCTX, REGISTRY, SPARSE, Chunk, Encoding, unchanged
-from .errors import ChecksumError, FormatError
-from .record import ChunkEntry
+from ckptdelta.delta import kernels
+from ckptdelta.delta.dtypes import DType, nan_rule
+from ckptdelta.delta.encodings import ALWAYS, CONTEXT, GCTX, REGISTRY, SPARSE, Chunk, Encoding, unchanged
+from ckptdelta.delta.errors import ChecksumError, FormatError
+from ckptdelta.delta.record import ChunkEntry
 
 DEFAULT_LEVEL = 3
 

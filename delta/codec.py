@@ -20,12 +20,13 @@ import numpy as np
 import torch
 import xxhash
 
-from . import chunks, dtypes, kernels
-from .errors import (ChecksumError, DeltaError, FormatError, GrandparentMismatchError, GrandparentNeededError,
-                     ParentMismatchError, ShapeMismatchError, TruncatedError, UnsupportedDtypeError)
-from .encodings import REGISTRY
-from .record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RecordHeader, header_size_for,
-                     n_chunks_for, pack_header, parse_header)
+from ckptdelta.delta import chunks, dtypes, kernels
+from ckptdelta.delta.errors import (ChecksumError, DeltaError, FormatError, GrandparentMismatchError,
+                                    GrandparentNeededError, ParentMismatchError, ShapeMismatchError, TruncatedError,
+                                    UnsupportedDtypeError)
+from ckptdelta.delta.encodings import REGISTRY
+from ckptdelta.delta.record import (ENCODING_NAMES, MAX_CHUNK_ELEMS, MAX_CHUNKS, MAX_NUMEL, RecordHeader,
+                                    header_size_for, n_chunks_for, pack_header, parse_header)
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
 
@@ -163,7 +164,7 @@ def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: 
     ``grandparent``: the tensor before ``old`` (same dtype and shape), whose step to ``old``
     predicts the next one (encoding 6: where nearly every element moves, as in a LoRA step,
     ~12% fewer bytes than encoding 5); a reader then needs it too.
-    Many tensors: :func:`delta.encode_many` spreads them over the cores as well."""
+    Many tensors: :func:`ckptdelta.delta.encode_many` spreads them over the cores as well."""
     job = _EncodeJob.prepare(old, new, name=name, chunk_elems=chunk_elems, level=level,
                              parent_digest=parent_digest, context=context, grandparent=grandparent)
     results = _map(job.chunk, list(range(job.n_chunks)), threads)
@@ -173,7 +174,7 @@ def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: 
 @dataclass
 class _EncodeJob:
     """One tensor's encode cut into independent tasks (each chunk, each digest), so that
-    :func:`encode` and :func:`delta.encode_many` schedule the same work and give the same bytes."""
+    :func:`encode` and :func:`ckptdelta.delta.encode_many` schedule the same work and give the same bytes."""
 
     name: str
     dt: dtypes.DType
@@ -597,7 +598,7 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
     checked copy first: the old bits of every changed element are kept, the result
     is hashed in place, and a mismatch puts the old bits back before raising. That
     reads the tensor twice (parent digest, result digest) and copies only the old
-    bits of what changes. ``grandparent``: see :func:`stage`. Many tensors: :func:`delta.apply_many`."""
+    bits of what changes. ``grandparent``: see :func:`stage`. Many tensors: :func:`ckptdelta.delta.apply_many`."""
     enc = _as_encoded(enc)
     h = enc.header
     bits = _writable_bits(live, h, method)
@@ -651,7 +652,7 @@ def _write_chunk(bits: np.ndarray, h: RecordHeader, i: int, pos: np.ndarray, val
     The undo keeps the old bits of the changed elements at uint32 chunk-local
     positions (chunks hold at most 2**24 elements), or a copy of the chunk where that
     is smaller: never more than the chunk's own bytes, so a caller can hold the undo
-    of many tensors (delta.apply_many rolls a whole batch back with it)."""
+    of many tensors (ckptdelta.delta.apply_many rolls a whole batch back with it)."""
     k = pos.shape[0]
     if not k:
         return

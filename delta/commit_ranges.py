@@ -1,4 +1,4 @@
-"""The pause's batch kernel: task ranges of :func:`delta.kernels.commit_task`, claimed by whichever thread is free.
+"""The pause's batch kernel: task ranges of :func:`ckptdelta.delta.kernels.commit_task`, claimed by whichever thread is free.
 
 One entry serves both ways of running the batch (loader/batch_commit.py): torch's
 OpenMP team calls :func:`team_entry` (a cfunc, one ``void *`` argument), or each
@@ -12,7 +12,7 @@ arrivals, n_groups`` (the second to seventh are addresses);
 - ``ranges`` ``(n_ranges, 3)``: ``group, t0, t1``, tasks ``[t0, t1)`` of a group;
 - ``results`` ``(n_ranges, 4)``: per range ``thread, done, kind, where`` (thread -1:
   never claimed; otherwise tasks ``[t0, t0 + done)`` are written, and ``kind``,
-  ``where`` are those of :func:`delta.kernels.commit_task` for the task that was
+  ``where`` are those of :func:`ckptdelta.delta.kernels.commit_task` for the task that was
   not, or 2 when it stopped because another range was refused);
 - ``claims``, ``arrivals``: int64 counters, zero at the start (the next range to
   claim; the threads that came);
@@ -20,7 +20,7 @@ arrivals, n_groups`` (the second to seventh are addresses);
 - ``groups`` ``(n_groups, GROUP_COLS)``: per element width ``width, block_elems,
   items, n_items, hashes, n_hashes, tasks, n_tasks`` (``items``, ``hashes`` and
   ``tasks`` are addresses: the group's item table, its uint64 block hashes, its
-  ``(n_tasks, 7)`` tasks as :func:`delta.kernels.commit_task` reads them);
+  ``(n_tasks, 7)`` tasks as :func:`ckptdelta.delta.kernels.commit_task` reads them);
 - ``items`` ``(n_items, ITEM_COLS)``: per tensor ``live, n, whole, positions,
   expected, values, m``: its live bits (``n`` elements of ``width`` bytes), its
   staged whole new bits (0 when scattered) and its ``m`` staged changes (int64
@@ -33,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from . import kernels
-from .omp import fetch_add, int64s_at, voidptr_at
+from ckptdelta.delta import kernels
+from ckptdelta.delta.omp import fetch_add, int64s_at, voidptr_at
 
 CTL_LEN = 8
 GROUP_COLS = 8
@@ -125,7 +125,7 @@ def undo_ranges(ctl, group, t0, t1):
 def team_entry() -> int:
     """The address of the cfunc an OpenMP team runs, given the ``ctl`` table's address (delta/commit_team.py:
     loaded from numba's cache, or compiled, on first use, not on import)."""
-    from .commit_team import entry
+    from ckptdelta.delta.commit_team import entry
 
     return entry.address
 

@@ -16,8 +16,8 @@ from typing import BinaryIO
 
 import xxhash
 
-from . import untrusted_json
-from .errors import ChecksumError, FormatError, TruncatedError
+from ckptdelta.delta import untrusted_json
+from ckptdelta.delta.errors import ChecksumError, FormatError, TruncatedError
 
 OBJECT_MAGIC = b"CKDOBJ01"
 END_MAGIC = b"CKDEND01"

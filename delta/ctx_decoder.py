@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 from numba.core import config
 
-from .ctx_bits import ALL, GOLOMB, HEADER_MIN, MAX_J, NONE, U64, class_params, key, unkey
+from ckptdelta.delta.ctx_bits import ALL, GOLOMB, HEADER_MIN, MAX_J, NONE, U64, class_params, key, unkey
 
 if config.DISABLE_JIT:  # the kernels run as plain Python (coverage runs): no LLVM intrinsic
     def leading_zeros(x):

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .ctx_bits import ALL, GOLOMB, HEADER_MIN, MAX_J, NONE, U64, ceil_log2, class_params, key, m_of
+from ckptdelta.delta.ctx_bits import ALL, GOLOMB, HEADER_MIN, MAX_J, NONE, U64, ceil_log2, class_params, key, m_of
 
 
 @njit(cache=True, nogil=True, inline="always")

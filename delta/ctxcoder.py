@@ -31,12 +31,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .ctx_bits import MAX_J
-from .ctx_decoder import ctx_decode
-from .ctx_encoder import ctx_encode, sparse_estimate
-from .dtypes import DType, nan_rule
-from .errors import FormatError
-from .gctx import GMAX, gctx_decode, gctx_encode
+from ckptdelta.delta.ctx_bits import MAX_J
+from ckptdelta.delta.ctx_decoder import ctx_decode
+from ckptdelta.delta.ctx_encoder import ctx_encode, sparse_estimate
+from ckptdelta.delta.dtypes import DType, nan_rule
+from ckptdelta.delta.errors import FormatError
+from ckptdelta.delta.gctx import GMAX, gctx_decode, gctx_encode
 
 __all__ = ["CTX_LAYOUT", "MAX_J", "CtxResult", "ctx_decode", "ctx_encode", "decode_ctx", "decode_gctx", "encode_ctx",
            "encode_gctx", "gctx_decode", "gctx_encode", "golomb_m", "layout_of", "sparse_estimate"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import UnsupportedDtypeError
+from ckptdelta.delta.errors import UnsupportedDtypeError
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,12 @@ import numpy as np
 from numba import njit
 from numba.core import config
 
-from .ctx_bits import ALL, GOLOMB, MAX_J, NONE, U64, ceil_log2, class_params, m_of
-from .ctx_decoder import _BIG, _PAD_WORDS, _decode_steps, _get_golomb, _parse_param, _peek, _stream_end_ok
-from .masks import neq_mask64, range_mask64
-from .ctx_encoder import (_bound, _bytes_of, _j_for_p, _param_byte, _put_golomb, _sparse_parts, _step_models,
-                          change_steps, step_stream)
+from ckptdelta.delta.ctx_bits import ALL, GOLOMB, MAX_J, NONE, U64, ceil_log2, class_params, m_of
+from ckptdelta.delta.ctx_decoder import (_BIG, _PAD_WORDS, _decode_steps, _get_golomb, _parse_param, _peek,
+                                         _stream_end_ok)
+from ckptdelta.delta.masks import neq_mask64, range_mask64
+from ckptdelta.delta.ctx_encoder import (_bound, _bytes_of, _j_for_p, _param_byte, _put_golomb, _sparse_parts,
+                                         _step_models, change_steps, step_stream)
 
 GMAX = 4            # most groups a payload may have
 SAMPLE_EVERY = 16   # the encoder sizes classes from every 16th word of 64 elements

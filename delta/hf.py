@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
-from .errors import PublishInputError
+from ckptdelta.delta.errors import PublishInputError
 
 CONFIG_FILE = "config.json"
 #: Any one of these is a tokenizer transformers can load (fast, sentencepiece, BPE/WordPiece vocabularies).
@@ -52,7 +52,7 @@ EMBEDDING_SUFFIX = "embed_tokens.weight"
 def config_dtype(tensor_dtypes: Iterable[str]) -> str | None:
     """The dtype a config gives weights of these safetensors dtype names (``"BF16"`` -> ``"bfloat16"``): the
     one floating-point dtype among them, or None where there is none or several."""
-    from . import dtypes    # torch: imported only where a config is checked
+    from ckptdelta.delta import dtypes    # torch: imported only where a config is checked
 
     floats = {n for n in tensor_dtypes if dtypes.by_name(n).torch_dtype.is_floating_point}
     if len(floats) != 1:

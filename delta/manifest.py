@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, Iterable, Literal
 
-from . import dtypes, untrusted_json
-from .adapter import AdapterRecord
-from .errors import ManifestError, RunMismatchError
-from .pieces import MAX_PIECES, PieceEntry, cells, grid_cuts, pieces_digest
-from .record import max_record_size
+from ckptdelta.delta import dtypes, untrusted_json
+from ckptdelta.delta.adapter import AdapterRecord
+from ckptdelta.delta.errors import ManifestError, RunMismatchError
+from ckptdelta.delta.pieces import MAX_PIECES, PieceEntry, cells, grid_cuts, pieces_digest
+from ckptdelta.delta.record import max_record_size
 
 SCHEMA_VERSION = 1
 #: The schema of a manifest that holds a pieced tensor (docs/FORMAT.md, "Pieces"); readers of version 1 refuse

@@ -30,9 +30,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .ctx_bits import U64, key, unkey
-from .dtypes import DType
-from .errors import FormatError
+from ckptdelta.delta.ctx_bits import U64, key, unkey
+from ckptdelta.delta.dtypes import DType
+from ckptdelta.delta.errors import FormatError
 
 #: The dtypes encoding 6 serves: (planes_a, planes_b) of its chunk entries = (mantissa bits, exponent bits),
 #: the fields its contexts take from the parent (docs/FORMAT.md, encoding 6).

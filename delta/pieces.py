@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import xxhash
 
-from . import dtypes
+from ckptdelta.delta import dtypes
 
 #: The most pieces one tensor may have (a 2-D mesh of 256 x 256 ranks).
 MAX_PIECES = 1 << 16

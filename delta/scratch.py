@@ -37,7 +37,7 @@ log = logging.getLogger("ckptdelta.scratch")
 #: kind -> (suffix of the locked item, is a directory)
 KINDS: dict[str, tuple[str, bool]] = {
     "weights": (".bin", False),     # the host copy in shared memory (loader/engines/shared_weights.py)
-    "vllm": ("", True),             # the scratch model copy vLLM loads (loader/engines/vllm.py build())
+    "vllm": ("", True),             # the scratch model copy vLLM loads (loader/engines/vllm/replica.py build())
     "vllm-sock": ("", True),        # the directory of vLLM's Unix socket (VllmServer)
     "vllm-log": (".log", False),    # vLLM's log (VllmServer), kept after a crash
     "serve": ("", True),            # the reference engine's scratch copy while it loads (loader/engine.py)

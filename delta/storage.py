@@ -25,14 +25,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from delta.errors import (
-    CkptDeltaError,
-    InvalidKeyError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    StorageError,
-    StorageURLError,
-)
+from ckptdelta.delta.errors import (CkptDeltaError, InvalidKeyError, ObjectExistsError, ObjectNotFoundError,
+                                    StorageError, StorageURLError)
 
 log = logging.getLogger("ckptdelta.storage")
 T = TypeVar("T")
@@ -340,7 +334,7 @@ class Store:
 
     def _run(self, op: str, key: str, fn: Callable[..., T], *, nbytes: int = 0) -> T:
         """Run one backend call with retries within the policy's time bound, translating errors to
-        delta.errors. ``fn(**kw)`` passes ``kw`` (a ``timeout`` on cancellable backends) to the fsspec call."""
+        ckptdelta.delta.errors. ``fn(**kw)`` passes ``kw`` (a ``timeout`` on cancellable backends) to the fsspec call."""
         policy = self.retry
         t0 = time.monotonic()
         bound = None if policy.timeout is None else policy.timeout + nbytes / _MIN_RATE

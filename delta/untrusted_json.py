@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CkptDeltaError, FormatError
+from ckptdelta.delta.errors import CkptDeltaError, FormatError
 
 #: Deepest nesting a reader parses. The format's documents nest at most 5 levels (a manifest: the document,
 #: ``tensors``, an entry, its ``pieces``, their ``cuts``); the margin leaves room for the user's metadata and

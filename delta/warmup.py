@@ -1,4 +1,4 @@
-"""Compile the codec's numba kernels ahead of use: ``ckptdelta warmup`` (or ``python -m delta.warmup``; make
+"""Compile the codec's numba kernels ahead of use: ``ckptdelta warmup`` (or ``python -m ckptdelta.delta.warmup``; make
 runs it at install, and a trainer's or replica's image should: ``RUN ckptdelta warmup``).
 
 The kernels are compiled with ``cache=True``, so a fresh checkout compiles them
@@ -52,9 +52,9 @@ def warm_up(progress: Callable[[str, int, int, float | None], None] | None = Non
 
     ``progress(group, i, n, seconds)`` is called as each of the ``n`` groups starts (``seconds`` None) and ends
     (the seconds it took): a fresh install compiles for minutes on a busy machine."""
-    from delta import apply_, apply_many, encode, encode_many, stage, stage_full
+    from ckptdelta.delta import apply_, apply_many, encode, encode_many, stage, stage_full
 
-    from . import kernel_cache
+    from ckptdelta.delta import kernel_cache
 
     say = progress or (lambda *_: None)
     kernel_cache.quiet()    # this is the compile the announcement would point to
@@ -102,8 +102,8 @@ def _warm_encodings(old: torch.Tensor, new: torch.Tensor, seed: int, encodings: 
     """Each encoding's own warm-up (``Encoding.warm_up``: the kernels the codec's round trips may not reach,
     such as encoding 4's, which the codec only reads now, and encoding 6's, which needs a grandparent), on
     these tensors and a grandparent made for them; every registered encoding unless ``encodings`` says."""
-    from delta import dtypes
-    from delta.encodings import REGISTRY
+    from ckptdelta.delta import dtypes
+    from ckptdelta.delta.encodings import REGISTRY
 
     dt = dtypes.of(old)
     grand = _pair(old.dtype, old.numel(), 0.5, seed=seed + 101)[1]
@@ -118,7 +118,7 @@ def _commit_case(width: int, n: int, frac: float, copy: bool) -> tuple:
     swapped with a staged copy (``wholes[2]``) over a third."""
     import numpy as np
 
-    from . import commit_ranges, kernels
+    from ckptdelta.delta import commit_ranges, kernels
 
     dt = np.dtype(f"<u{width}")
     rng = np.random.default_rng(width)
@@ -149,7 +149,7 @@ def _warm_commit() -> None:
     (at install; a replica's runtime warm-up needs only :func:`_warm_commit_path`)."""
     import numpy as np
 
-    from . import commit_ranges, kernels, omp
+    from ckptdelta.delta import commit_ranges, kernels, omp
 
     team = omp.team()
     for width in (1, 2, 4, 8):
@@ -177,7 +177,7 @@ def _warm_commit_path(width: int) -> None:
     commit and undo kernels from numba's cache (and the OpenMP team's entry); checked bit-exact."""
     import numpy as np
 
-    from . import commit_ranges
+    from ckptdelta.delta import commit_ranges
 
     old, new, _pos, (live,), _wholes, tables = _commit_case(width, 64, 0.1, copy=False)
     tables.reset()
@@ -192,9 +192,9 @@ def _warm_commit_path(width: int) -> None:
 def _warm_stage(dtype: torch.dtype, context: bool) -> None:
     """The replica's staging path of one dtype and codec (sparse and dense chunks), checked. The records
     are encoded here: with numba's cache filled at install that costs ~0.05 s more (a replica installed
-    without ``python -m delta.warmup`` compiles the encoder too, in this background thread)."""
-    from delta import encode, stage
-    from delta.chunks import tries
+    without ``python -m ckptdelta.delta.warmup`` compiles the encoder too, in this background thread)."""
+    from ckptdelta.delta import encode, stage
+    from ckptdelta.delta.chunks import tries
 
     for frac in (0.01, 0.5):
         old, new = _pair(dtype, 1 << 12, frac, seed=0)
@@ -219,7 +219,7 @@ _thread: threading.Thread | None = None
 
 
 def _jobs_for(dtypes: Iterable[torch.dtype]) -> list[tuple]:
-    from delta.dtypes import BY_TORCH
+    from ckptdelta.delta.dtypes import BY_TORCH
 
     dtypes = [d for d in dtypes if d in BY_TORCH]
     # the commit paths first: the pause waits for them (ensure_commit_paths)
@@ -360,7 +360,7 @@ def _stop_at_exit() -> None:
 def main(progress: bool = True) -> int:
     """Compile every kernel, saying where they are cached; ``progress``: a line per group as it goes (the
     compile takes a minute or more the first time: not a silent one)."""
-    from . import kernel_cache
+    from ckptdelta.delta import kernel_cache
 
     def say(group: str, i: int, n: int, seconds: float | None) -> None:
         if seconds is None:

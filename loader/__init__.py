@@ -5,9 +5,12 @@ verifies and materializes snapshots; :class:`HotSwapper` moves a serving model
 between versions with one short pause behind a :class:`ServingGate`.
 """
 
-from .cache import DiskCache
-from .hotswap import HotLoadReport, HotSwapper, Pause, PreparedUpdate, ServingGate
-from .reader import SnapshotReader, VerifyReport
+if __name__ != "ckptdelta.loader":   # a checkout's root on sys.path would give every module a second copy
+    raise ImportError(f"this package is ckptdelta.loader; import it under that name, not as {__name__!r}")
+
+from ckptdelta.loader.cache import DiskCache
+from ckptdelta.loader.hotswap import HotLoadReport, HotSwapper, Pause, PreparedUpdate, ServingGate
+from ckptdelta.loader.reader import SnapshotReader, VerifyReport
 
 __all__ = ["DiskCache", "HotLoadReport", "HotSwapper", "Pause", "PreparedUpdate", "ServingGate", "SnapshotReader",
            "VerifyReport"]

@@ -3,7 +3,7 @@
 An RL loop in the Loops / Tinker style samples a whole group at once (one task per
 completion, ``asyncio.gather`` over them), so a client that blocks a thread per
 request does not fit it. :class:`AsyncRolloutClient` does what
-:class:`loader.client.RolloutClient` does, on one event loop and one pooled
+:class:`ckptdelta.loader.client.RolloutClient` does, on one event loop and one pooled
 ``httpx.AsyncClient``: 408 (``min_policy_version`` not reached yet), 502-504 and
 unreachable replicas are retried with exponential backoff and jitter until
 ``ready_timeout``, its last try made at the deadline; ``affinity_key`` pins a group
@@ -25,10 +25,10 @@ from typing import Any, Sequence
 
 import httpx
 
-from delta.errors import ReplicaError
+from ckptdelta.delta.errors import ReplicaError
 
-from . import fleet
-from .client import Accept, RolloutClient, SampleTries, sample_request
+from ckptdelta.loader import fleet
+from ckptdelta.loader.client import Accept, RolloutClient, SampleTries, sample_request
 
 log = logging.getLogger("ckptdelta.client")
 
@@ -74,7 +74,7 @@ class AsyncRolloutClient:
                            min_policy_version: int | None = None, affinity_key: str | None = None,
                            return_engine_data: bool = True, **sampling: Any) -> dict[str, Any]:
         """One completion request (a list of ``{"role", "content"}`` messages goes to the chat endpoint), as
-        :meth:`loader.client.RolloutClient.sample`: ``sampling`` passes through (max_tokens, temperature,
+        :meth:`ckptdelta.loader.client.RolloutClient.sample`: ``sampling`` passes through (max_tokens, temperature,
         seed, logprobs, ...); 408, 502-504 and unreachable replicas are retried until ``ready_timeout``
         (PolicyVersionTimeoutError when no replica reached ``min_policy_version`` by then)."""
         path, body = sample_request(prompt, n, min_policy_version, return_engine_data, sampling)
@@ -82,7 +82,7 @@ class AsyncRolloutClient:
 
     async def _post_sample(self, path: str, body: dict[str, Any], min_policy_version: int | None,
                            affinity_key: str | None, accept: "Accept | None" = None) -> Any:
-        """As :meth:`loader.client.RolloutClient._post_sample`, on this event loop."""
+        """As :meth:`ckptdelta.loader.client.RolloutClient._post_sample`, on this event loop."""
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
@@ -101,7 +101,7 @@ class AsyncRolloutClient:
 
     async def hotload(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
                       poll_interval: float = 0.1) -> dict[str, dict[str, Any]]:
-        """Hot-load ``snapshot`` on every replica, as :meth:`loader.client.RolloutClient.hotload`: every replica on
+        """Hot-load ``snapshot`` on every replica, as :meth:`ckptdelta.loader.client.RolloutClient.hotload`: every replica on
         its own, at once, each hot-load given ``timeout`` (one that is dead, hung, of another run or answering
         something else stops no other; one that is starting, refusing connections or answering STARTING, is
         waited for until ``ready_timeout``, as the sync client does); "latest" is resolved by the first replica
@@ -202,7 +202,7 @@ class AsyncRolloutClient:
         return dict(zip(self.replicas, await asyncio.gather(*(one(u) for u in self.replicas))))
 
     async def _status(self, url: str) -> dict[str, Any]:
-        """As :meth:`loader.client.RolloutClient._status`."""
+        """As :meth:`ckptdelta.loader.client.RolloutClient._status`."""
         try:
             r = await self._http.get(url + "/v1/status")
         except httpx.TransportError as e:

@@ -1,7 +1,7 @@
 """The pause's writes into contiguous host memory, batched: a few kernel calls per element width and thread.
 
 Every changed tensor that lives in contiguous CPU memory is written by
-:func:`delta.kernels.commit_task`. A sparsely staged one (its changed positions
+:func:`ckptdelta.delta.kernels.commit_task`. A sparsely staged one (its changed positions
 and their new bits) is written in one of two ways chosen per tensor while
 preparing (:func:`choose`):
 
@@ -26,9 +26,9 @@ several) are cut by their estimated cost into ranges, about :data:`RANGES_PER_TH
 per thread, which the threads claim one at a time as they finish the last (a fixed
 half each left one thread idle for 5-20 ms of a 40 ms pause at 1 GB: the estimate
 is rough and the two cores of a shared machine are not equally fast). The threads
-are torch's own OpenMP team where torch runs on one (:mod:`delta.omp`: right after
+are torch's own OpenMP team where torch runs on one (:mod:`ckptdelta.delta.omp`: right after
 torch work its threads are awake, where ours would have to be woken), else a pool
-of ours; either runs the same kernel (:mod:`delta.commit_ranges`). A refusal
+of ours; either runs the same kernel (:mod:`ckptdelta.delta.commit_ranges`). A refusal
 in any thread stops the others at their next task, and everything written is put
 back before the commit raises, so a refused or failed batch leaves every tensor as
 it was and the prepared update whole (it can be committed again).
@@ -42,8 +42,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
-from delta import commit_ranges, kernels, omp
-from delta.errors import HotLoadError
+from ckptdelta.delta import commit_ranges, kernels, omp
+from ckptdelta.delta.errors import HotLoadError
 
 MODES = ("auto", "scatter", "copy")
 BLOCK_BYTES = kernels.HASH_BLOCK_BYTES
@@ -180,7 +180,7 @@ class _Group:
         self.costs = np.array(costs, np.float64)
 
     def tables(self) -> tuple[int, list, np.ndarray, np.ndarray]:
-        """This group as :class:`delta.commit_ranges.Tables` takes it."""
+        """This group as :class:`ckptdelta.delta.commit_ranges.Tables` takes it."""
         return (self.block, [(it.bits, it.choice.whole, it.positions, it.expected, it.values) for it in self.items],
                 self.hashes, self.tasks)
 

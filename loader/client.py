@@ -27,9 +27,9 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from delta.errors import PolicyVersionTimeoutError, ReplicaError
+from ckptdelta.delta.errors import PolicyVersionTimeoutError, ReplicaError
 
-from . import fleet
+from ckptdelta.loader import fleet
 
 log = logging.getLogger("ckptdelta.client")
 
@@ -143,7 +143,7 @@ class RolloutClient:
         The newest request wins: a replica busy with a hot-load to another version queues this one behind it
         (``queue``, loader/hotload_jobs.py). A replica that is starting (it refuses connections, or answers
         STARTING) is asked again until ``ready_timeout`` from the call, while the others go on (one rule for
-        both clients and the CLI: :class:`loader.fleet.StartWait`). Before its hot-load is asked for, a replica
+        both clients and the CLI: :class:`ckptdelta.loader.fleet.StartWait`). Before its hot-load is asked for, a replica
         waits at most for those before it in the order given to answer ``/v1/status`` once, and for the one
         resolving the name: one request each (the client's ``timeout``), whatever they do."""
         return self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval, queue=True)
@@ -247,7 +247,7 @@ class RolloutClient:
             return dict(zip(self.replicas, pool.map(one, self.replicas)))
 
     def _status(self, url: str) -> dict[str, Any]:
-        """``GET /v1/status`` of one replica, judged (:func:`loader.fleet.status_of`); Unreachable without an
+        """``GET /v1/status`` of one replica, judged (:func:`ckptdelta.loader.fleet.status_of`); Unreachable without an
         answer."""
         try:
             r = self._http.get(url + "/v1/status")

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 
-from .spans import Span, VersionLog
+from ckptdelta.loader.spans import Span, VersionLog
 
 log = logging.getLogger("ckptdelta.engine")
 
@@ -160,7 +160,7 @@ def _new_cache(model: torch.nn.Module) -> Any:
 
 
 class Engine:
-    """A causal LM behind a serving gate; :class:`loader.hotswap.HotSwapper` changes its weights.
+    """A causal LM behind a serving gate; :class:`ckptdelta.loader.hotswap.HotSwapper` changes its weights.
 
     ``swapper`` is the HotSwapper that owns ``model``'s weights (its gate is the one
     steps run under, its ``version`` the policy version reported); without one the
@@ -174,7 +174,7 @@ class Engine:
             if swapper is not None:
                 gate = swapper.gate
             else:
-                from loader.hotswap import ServingGate
+                from ckptdelta.loader.hotswap import ServingGate
                 gate = ServingGate()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -284,7 +284,7 @@ class Engine:
         """Sample ``params.n`` continuations of one prompt, batched row-wise, one step at a time.
 
         ``on_token(completion, version, finished)`` is called after each token a completion gets (a stream
-        sends it on; loader/engines/reference_stream.py); whatever it raises ends the generation."""
+        sends it on; loader/engines/reference/stream.py); whatever it raises ends the generation."""
         t0 = time.perf_counter()
         prompt = list(prompt_ids)
         self.check_prompt(prompt, params.max_tokens)
@@ -406,7 +406,7 @@ _NO_VERSION = object()
 
 
 def _snapshot(version: int | None) -> str | None:
-    from delta.manifest import snapshot_name
+    from ckptdelta.delta.manifest import snapshot_name
 
     return None if version is None else snapshot_name(version)
 
@@ -499,10 +499,10 @@ def build_engine(*, bucket: str | None = None, snapshot: str | int = "latest", m
 
     What serving needs is checked first (loader/servable.py): the device, and
     config.json and a tokenizer in the directory or the snapshot's anchor."""
-    from loader.hotswap import HotSwapper
-    from loader.reader import SnapshotReader
-    from delta.scratch import make as make_scratch
-    from loader.servable import check_device, check_model_dir, check_snapshot
+    from ckptdelta.loader.hotswap import HotSwapper
+    from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.delta.scratch import make as make_scratch
+    from ckptdelta.loader.servable import check_device, check_model_dir, check_snapshot
 
     if bucket is None and model_dir is None:
         raise ValueError("serve needs --bucket URL, --model DIR, or both")

@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 
-from delta.errors import (HotLoadConflictError, HotLoadError, HotLoadTimeoutError, ReplicaError, RunMismatchError,
-                          SnapshotNotFoundError)
+from ckptdelta.delta.errors import (HotLoadConflictError, HotLoadError, HotLoadTimeoutError, ReplicaError,
+                                    RunMismatchError, SnapshotNotFoundError)
 
-from .hotload_jobs import FAILED, PREPARING, QUEUED, READY, SWAPPING
+from ckptdelta.loader.hotload_jobs import FAILED, PREPARING, QUEUED, READY, SWAPPING
 
 #: A replica's row when it could not be asked, or refused: no answer at all, or an answer that is not acceptance.
 UNREACHABLE, REJECTED = "UNREACHABLE", "REJECTED"
@@ -40,7 +40,7 @@ _PEEK = 120
 class Unreachable(ReplicaError):
     """No answer at all. ``refused``: nothing listens at the address, which is also what a replica in its
     first seconds looks like (``serve`` listens once its checks are done, and answers STARTING from then on
-    until it serves: loader/cli.py, loader/starting.py), so a caller waiting for replicas to come up tries it
+    until it serves: ckptdelta/cli/serve.py, loader/starting.py), so a caller waiting for replicas to come up tries it
     again (:class:`StartWait`); a replica that took the connection and then did not answer in time is hung,
     not starting."""
 

@@ -33,8 +33,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from delta.errors import HotLoadCancelledError, HotLoadConflictError
-from delta.manifest import snapshot_name
+from ckptdelta.delta.errors import HotLoadCancelledError, HotLoadConflictError
+from ckptdelta.delta.manifest import snapshot_name
 
 log = logging.getLogger("ckptdelta.server")
 

@@ -37,17 +37,18 @@ import numpy as np
 import torch
 import xxhash
 
-from delta import StagedTensor, dtypes, stage, stage_full, warmup
-from delta.errors import (ChecksumError, GrandparentMismatchError, GrandparentNeededError, HotLoadCancelledError,
-                          HotLoadConflictError, HotLoadError, ParentMismatchError, ShapeMismatchError)
-from delta.manifest import Manifest, TensorEntry, snapshot_name
-from delta.pieces import box_bits, box_view, flat_range
+from ckptdelta.delta import StagedTensor, dtypes, stage, stage_full, warmup
+from ckptdelta.delta.errors import (ChecksumError, GrandparentMismatchError, GrandparentNeededError,
+                                    HotLoadCancelledError, HotLoadConflictError, HotLoadError, ParentMismatchError,
+                                    ShapeMismatchError)
+from ckptdelta.delta.manifest import Manifest, TensorEntry, snapshot_name
+from ckptdelta.delta.pieces import box_bits, box_view, flat_range
 
-from . import batch_commit, stopping
-from .pieces import Piece, Prior, check_assembled, grandparent_of, rebuild, replay
-from .plan import UpdatePlan, make_plan
-from .reader import SnapshotReader
-from .spans import VersionLog
+from ckptdelta.loader import batch_commit, stopping
+from ckptdelta.loader.pieces import Piece, Prior, check_assembled, grandparent_of, rebuild, replay
+from ckptdelta.loader.plan import UpdatePlan, make_plan
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.loader.spans import VersionLog
 
 log = logging.getLogger("ckptdelta.loader.hotswap")
 
@@ -232,7 +233,7 @@ class HotSwapper:
         self.progress = progress  # a tqdm bar while preparing: None = on a terminal, for >= 64 MiB to fetch
         self.stage_threads = stage_threads  # tensors staged at once while preparing (default: every core)
         self.commit_mode = commit_mode
-        # An engine that keeps weights of its own (loader.engines.base.EngineApplier): ``weights`` are then
+        # An engine that keeps weights of its own (ckptdelta.loader.engines.base.EngineApplier): ``weights`` are then
         # its host copy, the applier's pause replaces the gate and it pushes each commit into the engine.
         self.applier = applier
         #: Keep each tensor's bits before its last change (a copy of what a hot-load changes), so that the next
@@ -967,7 +968,7 @@ def _scatter_if_unchanged(live: torch.Tensor, s: _Staged) -> None:
     """A sparse change written into contiguous host memory, each old bit compared with the one prepare()
     saved as it is overwritten; a difference leaves the tensor as it was (the kernel puts back what it wrote)
     and refuses, as :func:`_unchanged_since_prepare` does."""
-    from delta import kernels
+    from ckptdelta.delta import kernels
 
     bits = dtypes.host_bits(live)
     j = kernels.scatter_if_unchanged(bits, s.st.positions, s.undo.values, s.st.values)

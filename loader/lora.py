@@ -11,7 +11,7 @@ like any other: :class:`LoraHotSwapper` is the HotSwapper over the adapter's liv
 tensors (an engine gives them as a mapping from peft's saved names), so prepare,
 pause, rollback and proof are the full-model ones.
 
-An engine adds the loading (loader/engines/reference_lora.py: peft on the reference
+An engine adds the loading (loader/engines/reference/lora.py: peft on the reference
 decode loop); a vLLM engine would keep this module's checks and give its LoRA slot's
 host copy to the swapper with an applier.
 """
@@ -23,11 +23,11 @@ import logging
 import os
 from typing import Any
 
-from delta.adapter import ADAPTER_CONFIG_NAME, AdapterRecord, describe_config_change
-from delta.errors import CkptDeltaError, HotLoadError, NotServableError
-from delta.manifest import Manifest, snapshot_name
+from ckptdelta.delta.adapter import ADAPTER_CONFIG_NAME, AdapterRecord, describe_config_change
+from ckptdelta.delta.errors import CkptDeltaError, HotLoadError, NotServableError
+from ckptdelta.delta.manifest import Manifest, snapshot_name
 
-from .hotswap import HotSwapper, PreparedUpdate
+from ckptdelta.loader.hotswap import HotSwapper, PreparedUpdate
 
 log = logging.getLogger("ckptdelta.loader.lora")
 

@@ -19,14 +19,14 @@ import secrets
 import sys
 from typing import TYPE_CHECKING
 
-from delta import dtypes
-from delta.adapter import ADAPTER_WEIGHTS_NAME
-from delta.errors import ManifestError
-from delta.manifest import Manifest, snapshot_name
-from delta.storage import fsync_dir
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.adapter import ADAPTER_WEIGHTS_NAME
+from ckptdelta.delta.errors import ManifestError
+from ckptdelta.delta.manifest import Manifest, snapshot_name
+from ckptdelta.delta.storage import fsync_dir
 
 if TYPE_CHECKING:
-    from .reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
 log = logging.getLogger("ckptdelta.loader")
 

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import xxhash
 
-from delta import EncodedTensor, apply_, decode, digest_hex, dtypes
-from delta.errors import (ChecksumError, FormatError, GrandparentNeededError, ParentMismatchError,
-                          ShapeMismatchError, TruncatedError)
-from delta.manifest import Manifest, ObjectRef, TensorEntry
-from delta.pieces import PieceEntry, box_view, flat_range, tensor_digest
-from delta.record import max_record_size
+from ckptdelta.delta import EncodedTensor, apply_, decode, digest_hex, dtypes
+from ckptdelta.delta.errors import (ChecksumError, FormatError, GrandparentNeededError, ParentMismatchError,
+                                    ShapeMismatchError, TruncatedError)
+from ckptdelta.delta.manifest import Manifest, ObjectRef, TensorEntry
+from ckptdelta.delta.pieces import PieceEntry, box_view, flat_range, tensor_digest
+from ckptdelta.delta.record import max_record_size
 
 #: Neighbouring ranges of one object closer than this are fetched as one request.
 COALESCE_GAP = 64 << 10

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from delta.errors import SnapshotNotFoundError
-from delta.manifest import Manifest, TensorEntry
+from ckptdelta.delta.errors import SnapshotNotFoundError
+from ckptdelta.delta.manifest import Manifest, TensorEntry
 
-from .pieces import Piece, stored_pieces
+from ckptdelta.loader.pieces import Piece, stored_pieces
 
 
 def rebuild_pieces(chain: Sequence[Manifest], name: str) -> list[Piece]:

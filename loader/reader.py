@@ -24,17 +24,17 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import xxhash
 
-from delta import EncodedTensor
-from delta.errors import (ChecksumError, DeltaError, ManifestError, ObjectNotFoundError, RunMismatchError,
-                          SnapshotNotFoundError)
-from delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head, Manifest,
-                            ObjectRef, RunInfo, extra_file_name, manifest_key, snapshot_name,
-                            version_of_manifest_key)
-from delta.storage import Store
+from ckptdelta.delta import EncodedTensor
+from ckptdelta.delta.errors import (ChecksumError, DeltaError, ManifestError, ObjectNotFoundError, RunMismatchError,
+                                    SnapshotNotFoundError)
+from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head,
+                                      Manifest, ObjectRef, RunInfo, extra_file_name, manifest_key, snapshot_name,
+                                      version_of_manifest_key)
+from ckptdelta.delta.storage import Store
 
-from .cache import DiskCache
-from .pieces import Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
-from .plan import rebuild_pieces
+from ckptdelta.loader.cache import DiskCache
+from ckptdelta.loader.pieces import Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
+from ckptdelta.loader.plan import rebuild_pieces
 
 log = logging.getLogger("ckptdelta.loader")
 
@@ -239,7 +239,7 @@ class SnapshotReader:
     def iter_tensors(self, ref: "str | int", names: Names = None, *, batch_bytes: int = BATCH_BYTES,
                      priors: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) in the order asked (sorted for None/predicates), a batch in memory at a time.
-        ``priors``: filled with each tensor's :class:`loader.pieces.Prior` (where it last changed, and a copy of
+        ``priors``: filled with each tensor's :class:`ckptdelta.loader.pieces.Prior` (where it last changed, and a copy of
         its bits before that), what a LoRA replica keeps for records coded against their grandparent."""
         chain = self.chain(ref)
         selected = select_names(chain[-1], names)
@@ -290,7 +290,7 @@ class SnapshotReader:
                     priors: dict | None = None) -> str:
         """Write a HF-style safetensors checkpoint of the snapshot to ``out_dir`` (atomically); ``priors`` as in
         :meth:`iter_tensors`."""
-        from .materialize import write_checkpoint
+        from ckptdelta.loader.materialize import write_checkpoint
         return write_checkpoint(self, self.resolve(ref), out_dir, progress=progress, priors=priors)
 
     def verify(self, ref: "str | int | None" = None, *, progress: bool | None = None) -> VerifyReport:
@@ -299,10 +299,10 @@ class SnapshotReader:
 
         Reads the store directly, never the cache. Raises the first failure
         (:class:`ChecksumError` and friends) naming the object, tensor and snapshot."""
-        from .verify import verify
+        from ckptdelta.loader.verify import verify
         return verify(self, ref, progress=progress)
 
-    # --- fetching (also used by loader.hotswap) -----------------------------------
+    # --- fetching (also used by ckptdelta.loader.hotswap) -----------------------------------
 
     def fetch(self, pieces: Sequence[Piece], *, use_cache: bool = True,
               counter: dict | None = None) -> list["bytes | EncodedTensor"]:
@@ -480,7 +480,7 @@ class SnapshotReader:
         return m
 
 
-# --- helpers shared with loader.hotswap and loader.materialize ----------------------------
+# --- helpers shared with ckptdelta.loader.hotswap and ckptdelta.loader.materialize ----------------------------
 
 @contextlib.contextmanager
 def prefetching(ex: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:

@@ -7,11 +7,11 @@ ids in (:class:`ModelInput`), :class:`SamplingParams`, and a response whose
 a loop runs against ckptdelta replicas with its imports and its client construction
 changed, instead of an adapter over raw OpenAI answers that each user writes again.
 
-:class:`SamplingClient` is :class:`loader.client.RolloutClient` (sync) and
-:class:`loader.async_client.AsyncRolloutClient` (asyncio) underneath, with their
+:class:`SamplingClient` is :class:`ckptdelta.loader.client.RolloutClient` (sync) and
+:class:`ckptdelta.loader.async_client.AsyncRolloutClient` (asyncio) underneath, with their
 rules: replicas in turn or pinned by ``affinity_key``; a replica below
 ``min_policy_version`` answers 408 and is tried again, with backoff, until
-``ready_timeout``, then :class:`delta.errors.PolicyVersionTimeoutError`; a replica
+``ready_timeout``, then :class:`ckptdelta.delta.errors.PolicyVersionTimeoutError`; a replica
 that is starting is waited for as long. What a replica answers is checked before it
 is trusted: token ids and one logprob per token must be there (every engine sends
 them: the reference engine always, vLLM asked with ``return_token_ids`` and
@@ -34,10 +34,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Sequence
 
-from delta.errors import ReplicaError
+from ckptdelta.delta.errors import ReplicaError
 
-from .async_client import AsyncRolloutClient
-from .client import RolloutClient, SampleTries
+from ckptdelta.loader.async_client import AsyncRolloutClient
+from ckptdelta.loader.client import RolloutClient, SampleTries
 
 _PATH = "/v1/completions"
 StopReason = Literal["length", "stop"]
@@ -225,7 +225,7 @@ class SamplingClient:
 
     ``sample()`` blocks; ``sample_async()`` is for asyncio (``asyncio.gather`` over a group), on a pooled
     connection per event loop (``max_connections`` requests in flight at once; more wait for a connection).
-    Other options go to :class:`loader.client.RolloutClient`: ``api_key``, ``timeout`` (one request),
+    Other options go to :class:`ckptdelta.loader.client.RolloutClient`: ``api_key``, ``timeout`` (one request),
     ``backoff_base``, ``backoff_max``."""
 
     def __init__(self, replicas: str | Sequence[str], *, min_policy_version: int | None = None,
@@ -276,7 +276,7 @@ class SamplingClient:
                          affinity_key: str | None = None) -> list[float | None]:
         """Each token's logprob given those before it (None for the first), from one replica at the floor: on
         the reference engine, one forward of the whole sequence, so a trainer's
-        :func:`loader.engine.score_tokens` on the same bits gives these numbers exactly."""
+        :func:`ckptdelta.loader.engine.score_tokens` on the same bits gives these numbers exactly."""
         resp = self.sample(prompt, 1, SamplingParams(max_tokens=1, temperature=0.0), include_prompt_logprobs=True,
                            affinity_key=affinity_key)
         return list(resp.prompt_logprobs or [])
@@ -330,10 +330,10 @@ def save_weights_and_get_sampling_client(publisher: Any, weights: Any, step: int
     """Publish ``weights`` (a model, a peft model's adapter, or a state dict: what ``Publisher.publish`` takes) as
     trainer step ``step``, hot-load every replica to that version, and return a :class:`SamplingClient` over them
     pinned to it (``min_policy_version``). Loops' and Tinker's method of the same name, for a trainer that owns
-    its :class:`publisher.Publisher`.
+    its :class:`ckptdelta.publisher.Publisher`.
 
     The publish is waited for (committed before any replica is asked); the hot-load is
-    :meth:`loader.client.RolloutClient.hotload`: every replica on its own and at once, each given
+    :meth:`ckptdelta.loader.client.RolloutClient.hotload`: every replica on its own and at once, each given
     ``hotload_timeout``, a replica still starting waited for until ``ready_timeout``; unless every one is READY
     at the version it raises the project's error for what went wrong (HotLoadError, ReplicaError, ...), with
     ``.states`` (replica -> its row). ``client_options`` go to :class:`SamplingClient` (``ready_timeout``,

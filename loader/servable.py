@@ -5,7 +5,7 @@ Without these checks a snapshot published without a tokenizer, a mistyped
 transformers or torch, after the snapshot was materialized, with a message that
 names neither the snapshot nor the fix. Each check raises NotServableError with
 one line saying what is missing and how to add it. ``ckptdelta serve`` runs them
-for both engines (loader/cli.py); :func:`loader.engine.build_engine` runs them too.
+for both engines (ckptdelta/cli/serve.py); :func:`ckptdelta.loader.engine.build_engine` runs them too.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from delta.errors import NotServableError
-from delta.hf import serving_gaps
-from delta.manifest import snapshot_name
+from ckptdelta.delta.errors import NotServableError
+from ckptdelta.delta.hf import serving_gaps
+from ckptdelta.delta.manifest import snapshot_name
 
 if TYPE_CHECKING:
-    from .reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
 _WEIGHTS = (".safetensors", ".bin")
 

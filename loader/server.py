@@ -1,13 +1,13 @@
 """The replica's HTTP API: OpenAI-compatible sampling plus hot-loads, over any replica engine.
 
 ``create_app(engine, reader=..., replica_id=...)`` builds the FastAPI app; the
-``ckptdelta serve`` command (loader/cli.py) builds an engine (the reference decode
+``ckptdelta serve`` command (ckptdelta/cli/serve.py) builds an engine (the reference decode
 loop, or vLLM: loader/engines/) and runs the app under uvicorn. Endpoints,
 engine_data, the cache policy on swap, auth and metrics are described in
 docs/SERVING.md. What is the replica's (auth, body limits, ``min_policy_version``,
 ``engine_data``, hot-load jobs, metrics) lives here, once; what is the engine's
 (validating and answering a sampling body, applying a swap) lives behind
-:class:`loader.engines.base.ReplicaEngine`.
+:class:`ckptdelta.loader.engines.base.ReplicaEngine`.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from delta.errors import DeltaError, HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError, StorageError
+from ckptdelta.delta.errors import (DeltaError, HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError,
+                                    StorageError)
 
-from . import streaming
-from .engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
-from .engines.reference import parse, validation_message
-from .hotload_jobs import HotLoadJob, HotLoadManager
-from .metrics import CONTENT_TYPE, ServerMetrics
+from ckptdelta.loader import streaming
+from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
+from ckptdelta.loader.engines.reference.replica import parse, validation_message
+from ckptdelta.loader.hotload_jobs import HotLoadJob, HotLoadManager
+from ckptdelta.loader.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("ckptdelta.server")
 
@@ -183,7 +184,7 @@ def _engine_data(res: EngineResult, replica_id: str, run_id: str | None) -> dict
 
 
 def _name(version: int | None) -> str:
-    from delta.manifest import snapshot_name
+    from ckptdelta.delta.manifest import snapshot_name
 
     return "unknown version" if version is None else snapshot_name(version)
 
@@ -217,7 +218,7 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
     The engine's ``swapper`` hot-loads from ``reader``; without them the replica
     serves fixed weights and answers hot-load requests with 409 ``hotload_unavailable``."""
     if not isinstance(engine, ReplicaEngine):
-        from .engines.reference import ReferenceReplica
+        from ckptdelta.loader.engines.reference.replica import ReferenceReplica
 
         engine = ReferenceReplica(engine, max_concurrent_requests=max_concurrent_requests)
     swapper = engine.swapper

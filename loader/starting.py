@@ -5,7 +5,7 @@ snapshot. Until it serves, its port used to be bound but not listening: every
 connection was refused, which is also what a dead replica, a wrong port or a
 host that is down looks like, so ``ckptdelta status`` could not tell a replica
 that will answer in a minute from one that never will. Now, from the end of
-``serve``'s checks (loader/cli.py) until the app serves, a small HTTP server on a
+``serve``'s checks (ckptdelta/cli/serve.py) until the app serves, a small HTTP server on a
 thread of its own answers on the replica's own socket:
 
 - ``GET /v1/status``: 503 with a status saying ``state: STARTING`` (the replica,

@@ -99,7 +99,7 @@ def signals_stop() -> Iterator[None]:
 def deferred(what: str) -> Iterator[None]:
     """Inside (in the main thread, while the replica starts): a stop signal does not cut the block, where it
     would land anywhere; it is raised when the block ends. For a pause the replica began in an engine it does
-    not own (a user's vLLM, paused to push the snapshot in: loader/engines/vllm.py): cut there, the pause
+    not own (a user's vLLM, paused to push the snapshot in: loader/engines/vllm/replica.py): cut there, the pause
     would outlive the replica. ``what`` is logged with the stop."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -159,7 +159,7 @@ def uvicorn_server(config: Any, *, on_stop: Callable[[], None]) -> Any:
 HOLD_ENV = "CKPTDELTA_TEST_HOLD_HOTLOAD"
 #: prepare: fetching and verifying while serving; pause: the engine paused, nothing written yet; proof: the new
 #: bits written, not proven yet; resume: proven, the pause not ended yet. And "takeover": not a hot-load's, the
-#: replica's start pushing the snapshot into an attached vLLM it paused (loader/engines/vllm.py).
+#: replica's start pushing the snapshot into an attached vLLM it paused (loader/engines/vllm/replica.py).
 PHASES = ("prepare", "pause", "proof", "resume")
 HOLD_TIMEOUT_S = 300.0
 _held: set[str] = set()

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from .engines.base import EngineResult, EngineStream
+from ckptdelta.loader.engines.base import EngineResult, EngineStream
 
 log = logging.getLogger("ckptdelta.server")
 

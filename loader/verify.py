@@ -29,18 +29,18 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import xxhash
 
-from delta import untrusted_json
-from delta.pieces import tensor_digest
-from delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
-from delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
+from ckptdelta.delta import untrusted_json
+from ckptdelta.delta.pieces import tensor_digest
+from ckptdelta.delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
+from ckptdelta.delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
 
-from .pieces import Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
-from .reader import prefetching
+from ckptdelta.loader.pieces import Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
+from ckptdelta.loader.reader import prefetching
 
 if TYPE_CHECKING:
     import torch
 
-    from .reader import SnapshotReader, VerifyReport
+    from ckptdelta.loader.reader import SnapshotReader, VerifyReport
 
 #: Objects are read in requests of this size (verify never holds a whole shard in memory).
 READ_BYTES = 64 << 20
@@ -54,7 +54,7 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
            progress: bool | None = None) -> "VerifyReport":
     from tqdm import tqdm
 
-    from .reader import VerifyReport, _xxh
+    from ckptdelta.loader.reader import VerifyReport, _xxh
 
     t0 = time.perf_counter()
     before = reader.stats["bytes_fetched"]

@@ -2,15 +2,18 @@
 
 Anchors are Hugging Face style sharded safetensors, deltas are records of the
 codec in :mod:`delta`, and a create-only manifest per snapshot is the commit
-(docs/PUBLISHING.md). :func:`publisher.gc.collect` applies retention.
+(docs/PUBLISHING.md). :func:`ckptdelta.publisher.gc.collect` applies retention.
 """
 
-from delta.errors import CollectiveError, ConcurrentPublisherError, PublishError, PublishInputError
+if __name__ != "ckptdelta.publisher":   # a checkout's root on sys.path would give every module a second copy
+    raise ImportError(f"this package is ckptdelta.publisher; import it under that name, not as {__name__!r}")
 
-from .adapter import AdapterSpec, BaseModel
-from .gc import GcReport, collect
-from .publisher import Publisher
-from .result import PublishResult
+from ckptdelta.delta.errors import CollectiveError, ConcurrentPublisherError, PublishError, PublishInputError
+
+from ckptdelta.publisher.adapter import AdapterSpec, BaseModel
+from ckptdelta.publisher.gc import GcReport, collect
+from ckptdelta.publisher.publisher import Publisher
+from ckptdelta.publisher.result import PublishResult
 
 __all__ = ["AdapterSpec", "BaseModel", "CollectiveError", "ConcurrentPublisherError", "GcReport", "PublishError",
            "PublishInputError", "PublishResult", "Publisher", "collect"]

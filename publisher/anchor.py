@@ -25,10 +25,10 @@ from typing import BinaryIO
 import torch
 import xxhash
 
-from delta import dtypes
-from delta.codec import digest_hex
-from delta.errors import PublishInputError
-from delta.manifest import MAX_EXTRA_FILE_BYTES, MAX_EXTRA_FILES, clash_text, extra_names_clash, is_safe_key
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.codec import digest_hex
+from ckptdelta.delta.errors import PublishInputError
+from ckptdelta.delta.manifest import MAX_EXTRA_FILE_BYTES, MAX_EXTRA_FILES, clash_text, extra_names_clash, is_safe_key
 
 log = logging.getLogger("ckptdelta.publisher")
 

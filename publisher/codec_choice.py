@@ -69,10 +69,10 @@ from dataclasses import dataclass
 
 import torch
 
-from delta import chunks
-from delta.encodings import Cost
+from ckptdelta.delta import chunks
+from ckptdelta.delta.encodings import Cost
 
-from . import deltas
+from ckptdelta.publisher import deltas
 
 log = logging.getLogger("ckptdelta.publisher")
 
@@ -92,7 +92,7 @@ MIN_SAMPLES = 3
 
 
 def cost_of(codec: str) -> Cost:
-    """The cost model of the encoding that stands for ``codec`` (``delta.chunks.codec_encoding``: the context
+    """The cost model of the encoding that stands for ``codec`` (``ckptdelta.delta.chunks.codec_encoding``: the context
     coder's, encoding 5, or the fast path's sparse), where it is declared and its fits are described."""
     return chunks.codec_encoding(codec == CONTEXT).cost
 
@@ -309,8 +309,8 @@ def warm_up(dtypes: "set[torch.dtype] | None" = None) -> None:
     (~0.7 s for the context coder's first tensor, 10-50 ms more per dtype and codec). ``Publisher(codec=
     "auto")`` runs it before its first delta of each dtype, outside the delta's timing (a run of anchors only,
     or a fixed codec, never pays for it)."""
-    from delta.batch import encode_many
-    from delta.warmup import DTYPES
+    from ckptdelta.delta.batch import encode_many
+    from ckptdelta.delta.warmup import DTYPES
 
     try:
         g = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """Deltas: every tensor encoded against the previous published snapshot, into objects per rank.
 
-Tensors are encoded by :func:`delta.encode_many`: small tensors encode side by side
+Tensors are encoded by :func:`ckptdelta.delta.encode_many`: small tensors encode side by side
 on every core, a little ahead of the record being written, and records still come
 out in the snapshot's order. Records are streamed into local part files (hashed as
 they are written). When a part passes its size (``first_part_bytes`` for the first,
@@ -23,11 +23,11 @@ from typing import BinaryIO
 import torch
 import xxhash
 
-from delta import codec
-from delta.batch import encode_many
-from delta.container import ObjectWriter
-from delta.manifest import TensorEntry
-from delta.record import UNCHANGED
+from ckptdelta.delta import codec
+from ckptdelta.delta.batch import encode_many
+from ckptdelta.delta.container import ObjectWriter
+from ckptdelta.delta.manifest import TensorEntry
+from ckptdelta.delta.record import UNCHANGED
 
 #: Name of rank ``r``'s delta object ``part`` inside the snapshot's delta prefix.
 def rank_object_name(rank: int, part: int = 0) -> str:

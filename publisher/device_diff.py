@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from delta import dtypes, kernels
+from ckptdelta.delta import dtypes, kernels
 
-from .snapshot import copy_to_host
+from ckptdelta.publisher.snapshot import copy_to_host
 
 
 _INT32_MAX = (1 << 31) - 1

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from delta import errors
-from delta.errors import CollectiveError
+from ckptdelta.delta import errors
+from ckptdelta.delta.errors import CollectiveError
 
 log = logging.getLogger("ckptdelta.publisher")
 

@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from delta.errors import CkptDeltaError, SnapshotNotFoundError
-from delta.manifest import ANCHOR_DIR, DELTA_DIR, MANIFEST_DIR, RUN_KEY, Manifest, manifest_key
-from delta.storage import Store, is_temp_key
+from ckptdelta.delta.errors import CkptDeltaError, SnapshotNotFoundError
+from ckptdelta.delta.manifest import ANCHOR_DIR, DELTA_DIR, MANIFEST_DIR, RUN_KEY, Manifest, manifest_key
+from ckptdelta.delta.storage import Store, is_temp_key
 
-from .runs import committed_versions, read_manifest, read_run_info
+from ckptdelta.publisher.runs import committed_versions, read_manifest, read_run_info
 
 log = logging.getLogger("ckptdelta.publisher.gc")
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from delta import dtypes
+from ckptdelta.delta import dtypes
 
 
 @njit(cache=True, nogil=True)

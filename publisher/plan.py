@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from delta.manifest import Kind, Manifest
+from ckptdelta.delta.manifest import Kind, Manifest
 
-from .snapshot import Schema
+from ckptdelta.publisher.snapshot import Schema
 
 #: A delta chain longer than this forces an anchor (a reader replays at most this many deltas).
 MAX_CHAIN = 128

@@ -25,30 +25,30 @@ from typing import Any
 import torch
 import xxhash
 
-from delta import dtypes
-from delta.codec import digest_hex
-from delta.errors import (CkptDeltaError, CollectiveError, ConcurrentPublisherError, PublishError, PublishInputError,
-                          RunMismatchError)
-from delta.hf import CONFIG_FILE, config_differences, reconcile_config, serving_gaps
-from delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
-from delta.storage import Store
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.codec import digest_hex
+from ckptdelta.delta.errors import (CkptDeltaError, CollectiveError, ConcurrentPublisherError, PublishError,
+                                    PublishInputError, RunMismatchError)
+from ckptdelta.delta.hf import CONFIG_FILE, config_differences, reconcile_config, serving_gaps
+from ckptdelta.delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
+from ckptdelta.delta.storage import Store
 
-from . import adapter as adapter_mod
-from . import anchor as anchor_fmt
-from .codec_choice import CODECS, CONTEXT, FAST, CodecChooser, check_bandwidth, warm_up
-from .distributed import describe, make_comm
-from .nan import nan_tensor_names
-from .plan import ChainState, Plan, decide
-from .rebuild import read_chain, rebuild, rebuild_boxes
-from .result import PublishResult
-from . import sharded, tempdirs
-from .runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id, read_manifest,
-                   read_run_info)
-from .device_diff import DeviceDiff
-from .snapshot import (Cast, Partition, Schema, Weights, check_publish_dtype, copy_to_host, gather_sources, schema_of,
-                       spares)
-from .tied import tied_aliases
-from .writer import Written, merge, write_anchor, write_delta_object
+from ckptdelta.publisher import adapter as adapter_mod
+from ckptdelta.publisher import anchor as anchor_fmt
+from ckptdelta.publisher.codec_choice import CODECS, CONTEXT, FAST, CodecChooser, check_bandwidth, warm_up
+from ckptdelta.publisher.distributed import describe, make_comm
+from ckptdelta.publisher.nan import nan_tensor_names
+from ckptdelta.publisher.plan import ChainState, Plan, decide
+from ckptdelta.publisher.rebuild import read_chain, rebuild, rebuild_boxes
+from ckptdelta.publisher.result import PublishResult
+from ckptdelta.publisher import sharded, tempdirs
+from ckptdelta.publisher.runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id,
+                                      read_manifest, read_run_info)
+from ckptdelta.publisher.device_diff import DeviceDiff
+from ckptdelta.publisher.snapshot import (Cast, Partition, Schema, Weights, check_publish_dtype, copy_to_host,
+                                          gather_sources, schema_of, spares)
+from ckptdelta.publisher.tied import tied_aliases
+from ckptdelta.publisher.writer import Written, merge, write_anchor, write_delta_object
 
 log = logging.getLogger("ckptdelta.publisher")
 
@@ -699,7 +699,7 @@ class Publisher:
 
     def _files_for(self, schema: Schema) -> dict[str, bytes]:
         """The extra files an anchor of ``schema`` carries: its config.json made to describe those tensors
-        (delta.hf.reconcile_config: a wrong dtype fixed, a wrong tying refused), each fix logged once."""
+        (ckptdelta.delta.hf.reconcile_config: a wrong dtype fixed, a wrong tying refused), each fix logged once."""
         config = self._extra.get(CONFIG_FILE)
         if config is None:
             return self._extra

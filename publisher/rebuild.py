@@ -16,16 +16,16 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from delta import codec, dtypes
-from delta.batch import apply_many
-from delta.codec import EncodedTensor
-from delta.errors import ChecksumError, ManifestError, PublishError, SnapshotNotFoundError
-from delta.manifest import Manifest, TensorEntry
-from delta.pieces import Box, PieceEntry, box_view, describe_box, flat_range, tensor_digest
-from delta.record import MAX_NAME_BYTES, header_size_for, max_record_size
-from delta.storage import Store
+from ckptdelta.delta import codec, dtypes
+from ckptdelta.delta.batch import apply_many
+from ckptdelta.delta.codec import EncodedTensor
+from ckptdelta.delta.errors import ChecksumError, ManifestError, PublishError, SnapshotNotFoundError
+from ckptdelta.delta.manifest import Manifest, TensorEntry
+from ckptdelta.delta.pieces import Box, PieceEntry, box_view, describe_box, flat_range, tensor_digest
+from ckptdelta.delta.record import MAX_NAME_BYTES, header_size_for, max_record_size
+from ckptdelta.delta.storage import Store
 
-from .runs import read_manifest, read_manifests
+from ckptdelta.publisher.runs import read_manifest, read_manifests
 
 log = logging.getLogger("ckptdelta.publisher")
 

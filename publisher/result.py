@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from delta.manifest import Kind
+from ckptdelta.delta.manifest import Kind
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-from delta.codec import digest_hex
-from delta.errors import (CkptDeltaError, ConcurrentPublisherError, ManifestError, ObjectExistsError,
-                          ObjectNotFoundError, RunMismatchError, StorageError)
-from delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head, Manifest,
-                            RunInfo, manifest_key, now_iso, version_of_manifest_key)
-from delta.storage import Store
+from ckptdelta.delta.codec import digest_hex
+from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, ManifestError, ObjectExistsError,
+                                    ObjectNotFoundError, RunMismatchError, StorageError)
+from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head,
+                                      Manifest, RunInfo, manifest_key, now_iso, version_of_manifest_key)
+from ckptdelta.delta.storage import Store
 
 log = logging.getLogger("ckptdelta.publisher")
 

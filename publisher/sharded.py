@@ -40,19 +40,19 @@ import numpy as np
 import torch
 import xxhash
 
-from delta import dtypes
-from delta.codec import digest_hex
-from delta.errors import PublishInputError
-from delta.manifest import Manifest, ObjectRef, TensorEntry, anchor_prefix
-from delta.pieces import Box, flat_range, grid_problem
-from delta.storage import Store
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.codec import digest_hex
+from ckptdelta.delta.errors import PublishInputError
+from ckptdelta.delta.manifest import Manifest, ObjectRef, TensorEntry, anchor_prefix
+from ckptdelta.delta.pieces import Box, flat_range, grid_problem
+from ckptdelta.delta.storage import Store
 
-from . import anchor as anchor_fmt
-from .distributed import Comm
-from .nan import nan_tensor_names
-from .snapshot import Schema
-from .tempdirs import locked_tempdir
-from .writer import Uploader, Written, progress_bar
+from ckptdelta.publisher import anchor as anchor_fmt
+from ckptdelta.publisher.distributed import Comm
+from ckptdelta.publisher.nan import nan_tensor_names
+from ckptdelta.publisher.snapshot import Schema
+from ckptdelta.publisher.tempdirs import locked_tempdir
+from ckptdelta.publisher.writer import Uploader, Written, progress_bar
 
 log = logging.getLogger("ckptdelta.publisher")
 
@@ -283,7 +283,7 @@ class _Fault:
     exchange: it still receives every piece sent to it (and drops it) and sends every piece it owes (zeros
     where its own bits cannot be had), skips the local steps that would build on what failed, and raises the
     failure once the exchange is over; the commit round then fails the publish on every rank. A failure of
-    the exchange itself (:class:`~delta.errors.CollectiveError`, raised by the comm's calls, which
+    the exchange itself (:class:`~ckptdelta.delta.errors.CollectiveError`, raised by the comm's calls, which
     stay outside these blocks) is not caught."""
 
     def __init__(self) -> None:

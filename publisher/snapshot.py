@@ -21,11 +21,11 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from delta import dtypes
-from delta.errors import PublishInputError, UnsupportedDtypeError
-from delta.manifest import tensor_name_problem
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.errors import PublishInputError, UnsupportedDtypeError
+from ckptdelta.delta.manifest import tensor_name_problem
 
-from .tied import tied_aliases
+from ckptdelta.publisher.tied import tied_aliases
 
 log = logging.getLogger("ckptdelta.publisher")
 

@@ -3,7 +3,7 @@
 Each is owned by a lock for as long as its publish runs (delta/scratch.py, as a
 replica's scratch items are), so a publisher killed mid-publish (SIGKILL, the OOM
 killer, a preempted node) does not leave gigabytes of shard files in the trainer's
-temp dir for good: the next :class:`publisher.Publisher` on the host removes the
+temp dir for good: the next :class:`ckptdelta.publisher.Publisher` on the host removes the
 directories no live process holds locked.
 """
 
@@ -15,7 +15,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 
-from delta import scratch
+from ckptdelta.delta import scratch
 
 log = logging.getLogger("ckptdelta.publisher")
 

@@ -24,16 +24,16 @@ from typing import Any
 import torch
 import xxhash
 
-from delta import dtypes
-from delta.codec import digest_hex
-from delta.manifest import ObjectRef, TensorEntry, anchor_prefix, delta_prefix
-from delta.pieces import PieceEntry, pieces_digest
-from delta.storage import Store
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.codec import digest_hex
+from ckptdelta.delta.manifest import ObjectRef, TensorEntry, anchor_prefix, delta_prefix
+from ckptdelta.delta.pieces import PieceEntry, pieces_digest
+from ckptdelta.delta.storage import Store
 
-from . import anchor as anchor_fmt
-from . import deltas as deltas_mod
-from .deltas import rank_object_name, write_delta
-from .tempdirs import locked_tempdir
+from ckptdelta.publisher import anchor as anchor_fmt
+from ckptdelta.publisher import deltas as deltas_mod
+from ckptdelta.publisher.deltas import rank_object_name, write_delta
+from ckptdelta.publisher.tempdirs import locked_tempdir
 
 log = logging.getLogger("ckptdelta.publisher")
 
@@ -186,7 +186,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
                        parent_digests: Mapping[str, int] | None = None,
                        grandparents: Mapping[str, torch.Tensor] | None = None) -> Written:
     """This rank's delta objects (none when nothing changed); each finished part uploads while the
-    next tensors are encoded. ``parent_digests`` and ``grandparents`` as in :func:`publisher.deltas.write_delta`."""
+    next tensors are encoded. ``parent_digests`` and ``grandparents`` as in :func:`ckptdelta.publisher.deltas.write_delta`."""
     total = sum(t.numel() * t.element_size() for t in snapshot.values())
     bar = progress_bar(progress, total, f"delta v{version}")
     out = Written()

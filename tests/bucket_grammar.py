@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import xxhash
 from hypothesis import strategies as st
 
-from delta import container, dtypes, record
-from delta.manifest import HEAD_KEY, RUN_KEY, manifest_key
+from ckptdelta.delta import container, dtypes, record
+from ckptdelta.delta.manifest import HEAD_KEY, RUN_KEY, manifest_key
 
 # --- JSON with raw fragments and repeated keys --------------------------------------------------------------
 
@@ -300,7 +300,7 @@ def manifest_cases(draw, pristine: Bucket, target: int,
 
 def _local_path_ok(b: Bucket, key: str) -> bool:
     """Whether ``key`` can be a file of the local bucket beside the others (no file/directory clash there)."""
-    from delta.manifest import is_safe_key
+    from ckptdelta.delta.manifest import is_safe_key
     if not is_safe_key(key):
         return False
     parts = key.split("/")

@@ -3,7 +3,7 @@
 The loader must be testable without publisher/: this helper lays out a run the
 way docs/FORMAT.md says a publisher does (RUN.json, anchors as HF-style sharded
 safetensors with extra files, deltas as delta objects, one manifest per version,
-a head pointer), using only delta.encode, delta.container, delta.manifest and
+a head pointer), using only ckptdelta.delta.encode, ckptdelta.delta.container, ckptdelta.delta.manifest and
 safetensors. Each run comes with its ground truth (every version's tensors) so
 tests compare reconstructions bit for bit.
 """
@@ -19,11 +19,11 @@ import safetensors.torch
 import torch
 import xxhash
 
-from delta import digest_hex, encode
-from delta.container import ObjectWriter
-from delta.manifest import (HEAD_KEY, RUN_KEY, Head, Manifest, ObjectRef, RunInfo, TensorEntry, anchor_prefix,
-                            delta_prefix, manifest_key, now_iso)
-from delta.storage import Store
+from ckptdelta.delta import digest_hex, encode
+from ckptdelta.delta.container import ObjectWriter
+from ckptdelta.delta.manifest import (HEAD_KEY, RUN_KEY, Head, Manifest, ObjectRef, RunInfo, TensorEntry, anchor_prefix,
+                                      delta_prefix, manifest_key, now_iso)
+from ckptdelta.delta.storage import Store
 
 CONFIG_JSON = json.dumps({"model_type": "toy", "hidden_size": 32}).encode()
 
@@ -106,7 +106,7 @@ def _xxh(data: bytes) -> str:
 
 
 def _tensor_xxh(t: torch.Tensor) -> str:
-    from delta import digest
+    from ckptdelta.delta import digest
     return digest_hex(digest(t))
 
 
@@ -221,7 +221,7 @@ def _write_delta(store, run_id, writer_id, v, anchor, old, new, objects_per_delt
 
 
 def _dtype_name(t: torch.Tensor) -> str:
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
     return dtypes.of(t).name
 
 

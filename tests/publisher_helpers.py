@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from delta import dtypes
-from delta.storage import Store
-from publisher.rebuild import read_chain, rebuild
-from publisher.runs import committed_versions, read_manifest
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.storage import Store
+from ckptdelta.publisher.rebuild import read_chain, rebuild
+from ckptdelta.publisher.runs import committed_versions, read_manifest
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:

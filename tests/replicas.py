@@ -57,7 +57,7 @@ def make_lm_dir(root: str) -> str:
 
 def publish_run(url: str, lm_dir: str, *, n_versions: int = 4) -> PublishedRun:
     """Anchor the tiny LM as version 0 and publish ``n_versions - 1`` deltas after it."""
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(lm_dir, "model.safetensors"))
@@ -184,8 +184,8 @@ def start_replica(run):
     """Factory: a live replica of ``run`` (or another bucket) at a snapshot; stopped after the test."""
     started: list[Replica] = []
 
-    from loader.engine import build_engine
-    from loader.server import create_app
+    from ckptdelta.loader.engine import build_engine
+    from ckptdelta.loader.server import create_app
 
     def start(snapshot="latest", *, bucket: str | None = None, model_dir: str | None = None,
               api_key: str | None = None, cache_policy: str = "recompute", replica_id: str = "r0",

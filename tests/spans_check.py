@@ -88,11 +88,11 @@ def _log_of(replica: Any) -> Any:
 
 def install(mp: Any) -> None:
     """Watch every replica through ``mp`` (a pytest MonkeyPatch held for the session)."""
-    from loader.engine import Engine
-    from loader.engines.base import EngineStream
-    from loader.engines.reference import ReferenceReplica
-    from loader.engines.vllm import VllmReplica
-    from loader.spans import VersionLog
+    from ckptdelta.loader.engine import Engine
+    from ckptdelta.loader.engines.base import EngineStream
+    from ckptdelta.loader.engines.reference.replica import ReferenceReplica
+    from ckptdelta.loader.engines.vllm.replica import VllmReplica
+    from ckptdelta.loader.spans import VersionLog
 
     real_serve = VersionLog.serve
 
@@ -122,7 +122,7 @@ def install(mp: Any) -> None:
 
 
 def _wrap(mp: Any, cls: type, stream_type: type) -> None:
-    from loader.engines.vllm_lora import VllmLoraReplica
+    from ckptdelta.loader.engines.vllm.lora import VllmLoraReplica
 
     real_complete, real_stream = cls.complete, cls.stream
 

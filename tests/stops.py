@@ -1,4 +1,4 @@
-"""Stopping a ``ckptdelta serve`` process while its hot-load is held in a named phase (loader.stopping.HOLD_ENV):
+"""Stopping a ``ckptdelta serve`` process while its hot-load is held in a named phase (ckptdelta.loader.stopping.HOLD_ENV):
 tests/test_stops.py and tests/test_vllm_faults.py."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def hotload_until_held(url: str, target: int, marker: str, proc: subprocess.Pope
 def stop_and_check(proc: subprocess.Popen, sig: str, job_id: str, phase: str, target: int, log_path: str) -> str:
     """Send ``sig``; the replica exits 0, without a traceback, having waited for the hot-load: dropped while
     preparing, else run to its end (READY) before the engine was closed. Returns the replica's log."""
-    from delta.manifest import snapshot_name
+    from ckptdelta.delta.manifest import snapshot_name
 
     proc.send_signal(getattr(signal, sig))
     rc = proc.wait(300)

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from delta.errors import PolicyVersionTimeoutError, ReplicaError, SnapshotNotFoundError
-from loader.async_client import AsyncRolloutClient
-from loader.client import RolloutClient
+from ckptdelta.delta.errors import PolicyVersionTimeoutError, ReplicaError, SnapshotNotFoundError
+from ckptdelta.loader.async_client import AsyncRolloutClient
+from ckptdelta.loader.client import RolloutClient
 from tests.bad_replicas import HANG, JSON_LIST, BadReplica, dead_url, replica_status
 from tests.replicas import PROMPT, lm_dir, run, start_replica, state_bits_equal  # noqa: F401
 

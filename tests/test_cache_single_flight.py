@@ -1,4 +1,4 @@
-"""loader.cache: replicas of one host that miss the same entry at once fetch it once (single flight)."""
+"""ckptdelta.loader.cache: replicas of one host that miss the same entry at once fetch it once (single flight)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import multiprocessing as mp
 import os
 import time
 
-from loader.cache import DiskCache
+from ckptdelta.loader.cache import DiskCache
 
 KEY = ("0123456789abcdef", 1000, 10, 110)
 DATA = bytes(range(100))
@@ -78,7 +78,7 @@ def test_the_same_process_never_waits_on_its_own_claim_and_wait_s_0_turns_claims
 
 
 def _fetch_version(url: str, cache: str, barrier, out) -> None:
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
     r = SnapshotReader(url, cache_dir=cache)
     r.chain(3)
@@ -89,7 +89,7 @@ def _fetch_version(url: str, cache: str, barrier, out) -> None:
 
 
 def test_readers_in_two_processes_fetch_a_version_once_between_them(tmp_path):
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
     from tests.bucketgen import make_run
 
     run = make_run(str(tmp_path / "run"), n_versions=4, anchors=set())
@@ -111,7 +111,7 @@ def test_readers_in_two_processes_fetch_a_version_once_between_them(tmp_path):
 
 
 def _read_version(url: str, cache: str, version: int, out) -> None:
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
     r = SnapshotReader(url, cache_dir=cache)
     r.cache.wait_s = 600                     # a held claim would keep this replica waiting for 10 minutes
@@ -124,8 +124,8 @@ def test_a_fetch_that_fails_gives_back_its_claims_so_no_replica_of_the_host_wait
     the same entries fetches them at once, instead of waiting ``wait_s`` (60 s) for a put that never comes."""
     import pytest
 
-    from delta.errors import DeltaError
-    from loader.reader import SnapshotReader
+    from ckptdelta.delta.errors import DeltaError
+    from ckptdelta.loader.reader import SnapshotReader
     from tests.bucketgen import make_run
 
     run = make_run(str(tmp_path / "run"), n_versions=2, anchors={0})

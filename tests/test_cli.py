@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-import delta
+from ckptdelta import delta
 from ckptdelta.cli import main
-from delta.container import ObjectWriter
+from ckptdelta.delta.container import ObjectWriter
 
 COMMANDS = ("publish", "ls", "gc", "serve", "hotload", "status", "materialize", "verify", "inspect")
 
@@ -84,7 +84,7 @@ def test_a_serve_without_what_it_needs_is_a_one_line_usage_error_with_exit_statu
 
 
 def test_ls_and_gc_on_a_path_that_is_not_a_run_say_so_and_exit_1(tmp_path, capsys):
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
 
     url = str(tmp_path / "bucket" / "run")
     with Publisher(url, progress=False) as pub:
@@ -99,7 +99,7 @@ def test_ls_and_gc_on_a_path_that_is_not_a_run_say_so_and_exit_1(tmp_path, capsy
 
 def test_every_command_that_reaches_a_bucket_takes_the_same_storage_flags(tmp_path, capsys):
     from ckptdelta.cli import build_parser
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
 
     url = str(tmp_path / "run")
     with Publisher(url, progress=False) as pub:
@@ -111,7 +111,7 @@ def test_every_command_that_reaches_a_bucket_takes_the_same_storage_flags(tmp_pa
     assert main(["gc", url, "--dry-run", *flags]) == 0
     capsys.readouterr()
     args = build_parser().parse_args(["serve", "--bucket", url, "--storage-option", "client_kwargs.region=x"])
-    from ckptdelta.options import storage_options
+    from ckptdelta.cli.options import storage_options
     assert storage_options(args) == {"client_kwargs": {"region": "x"}}
     assert main(["verify", url, "--storage-option", "novalue"]) == 2   # a usage error
     assert "K=V" in capsys.readouterr().err

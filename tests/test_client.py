@@ -15,10 +15,10 @@ import time
 import httpx
 import pytest
 
-from delta.errors import (HotLoadConflictError, HotLoadError, PolicyVersionTimeoutError, ReplicaError,
-                          RunMismatchError, SnapshotNotFoundError)
-from loader import cli
-from loader.client import RolloutClient
+from ckptdelta.delta.errors import (HotLoadConflictError, HotLoadError, PolicyVersionTimeoutError, ReplicaError,
+                                    RunMismatchError, SnapshotNotFoundError)
+from ckptdelta.cli import serve as cli
+from ckptdelta.loader.client import RolloutClient
 from tests.bad_replicas import HTML, BadReplica, dead_url
 from tests.replicas import PROMPT, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
 
@@ -188,7 +188,7 @@ def test_hotload_command_prints_state_and_exit_status(start_replica, capsys, lm_
 def test_serve_command_runs_a_replica_from_a_bucket_on_the_port_it_picked(run, tmp_path):
     env = {**os.environ, "CKPTDELTA_API_KEY": "env-key"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-m", "ckptdelta.cli", "serve", "--bucket", run.url, "--snapshot", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "ckptdelta", "serve", "--bucket", run.url, "--snapshot", "1",
                              "--port", "0", "--replica-id", "cli-replica", "--cache-dir", str(tmp_path / "cache")],
                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines: list[str] = []

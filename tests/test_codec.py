@@ -20,9 +20,9 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delta import chunks, codec, dtypes, record
-from delta.encodings import frames, sparse
-from delta.errors import ChecksumError, ParentMismatchError, ShapeMismatchError
+from ckptdelta.delta import chunks, codec, dtypes, record
+from ckptdelta.delta.encodings import frames, sparse
+from ckptdelta.delta.errors import ChecksumError, ParentMismatchError, ShapeMismatchError
 from tests import naive
 
 ALL_DTYPES = sorted(dtypes.BY_NAME)

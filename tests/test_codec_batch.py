@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-import delta
-from delta import chunks, codec, dtypes
-from delta.errors import (ChecksumError, DeltaError, ParentMismatchError, ShapeMismatchError,
-                          UnsupportedDtypeError)
+from ckptdelta import delta
+from ckptdelta.delta import chunks, codec, dtypes
+from ckptdelta.delta.errors import (ChecksumError, DeltaError, ParentMismatchError, ShapeMismatchError,
+                                    UnsupportedDtypeError)
 
 # bf16 patterns a codec that is not bit-exact breaks: +-0.0, NaNs with payloads (quiet, signalling,
 # negative), +-inf, subnormals, the largest finite
@@ -314,7 +314,7 @@ def test_apply_many_is_all_or_nothing_when_the_third_of_five_fails(failure, thre
 def test_a_tensor_that_cannot_be_restored_does_not_stop_the_others_and_is_named(monkeypatch):
     """When putting one tensor back fails too, every other tensor is still restored, the original
     error propagates, and a note names the tensor whose bits are now unknown."""
-    from delta import batch
+    from ckptdelta.delta import batch
 
     olds, news, recs = encoded_pairs(31, n=5)
     lives = [o.clone() for o in olds]
@@ -573,7 +573,7 @@ def test_apply_many_reads_the_next_tensor_as_soon_as_one_is_judged(monkeypatch):
     """The window stays full: once tensor i is judged, tensor i + window is read (and its work queued)
     before tensor i + 1 is judged. Judging the whole window before reading more left the other
     thread idle at the end of every window (two threads gained 1.27x, not 1.5x, on a 46 MB step)."""
-    from delta import batch
+    from ckptdelta.delta import batch
 
     events = []
     real = batch._Applying.verdict

@@ -20,8 +20,8 @@ import pytest
 import torch
 import xxhash
 
-from delta import codec, container, dtypes, errors, record
-from delta.manifest import Manifest
+from ckptdelta.delta import codec, container, dtypes, errors, record
+from ckptdelta.delta.manifest import Manifest
 from tests.attacks import make_attacks
 
 ATTACKS = Path(__file__).parent / "attacks"

@@ -29,14 +29,14 @@ from typing import Callable
 import pytest
 import torch
 
-from delta import digest
-from delta.errors import CkptDeltaError
-from delta.manifest import HEAD_KEY, RUN_KEY, Manifest, manifest_key
-from loader.engine import build_engine
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from loader.server import create_app
-from publisher import Publisher
+from ckptdelta.delta import digest
+from ckptdelta.delta.errors import CkptDeltaError
+from ckptdelta.delta.manifest import HEAD_KEY, RUN_KEY, Manifest, manifest_key
+from ckptdelta.loader.engine import build_engine
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.loader.server import create_app
+from ckptdelta.publisher import Publisher
 from tests.crashers.publish_loop import CONFIG, SHARD_BYTES, weights_for
 from tests.lm import rl_step
 from tests.replicas import LiveServer, Replica, lm_dir, publish_run, state_bits_equal  # noqa: F401

@@ -32,12 +32,12 @@ import pytest
 import torch
 import xxhash
 
-from delta.errors import ObjectNotFoundError
-from delta.manifest import HEAD_KEY, RUN_KEY, Head, manifest_key
-from delta.storage import Store
-from loader.reader import SnapshotReader
-from publisher import Publisher, collect
-from publisher.runs import committed_versions, read_manifest
+from ckptdelta.delta.errors import ObjectNotFoundError
+from ckptdelta.delta.manifest import HEAD_KEY, RUN_KEY, Head, manifest_key
+from ckptdelta.delta.storage import Store
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher, collect
+from ckptdelta.publisher.runs import committed_versions, read_manifest
 from tests.crashers.publish_loop import ANCHOR_EVERY, weights_for
 from tests.crashers.zygote import Zygote
 
@@ -436,13 +436,13 @@ def test_a_publisher_killed_mid_publish_leaves_temp_dirs_the_next_publisher_remo
     import sys
     import tempfile
 
-    from publisher import tempdirs
+    from ckptdelta.publisher import tempdirs
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.getcwd())
     child = ("import os, sys\n"
-             "from publisher.tempdirs import locked_tempdir\n"
+             "from ckptdelta.publisher.tempdirs import locked_tempdir\n"
              "with locked_tempdir(sys.argv[1]) as d:\n"
              "    open(os.path.join(d, 'shard'), 'wb').write(b'x' * 4096)\n"
              "    print(d, flush=True)\n"

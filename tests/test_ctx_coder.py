@@ -25,8 +25,8 @@ import torch
 import xxhash
 
 from benchmarks import entropy
-from delta import chunks, codec, ctxcoder, dtypes, errors, kernels, record
-from delta.encodings import sparse as sparse_encoding
+from ckptdelta.delta import chunks, codec, ctxcoder, dtypes, errors, kernels, record
+from ckptdelta.delta.encodings import sparse as sparse_encoding
 from tests import naive_ctx, naive_gctx
 
 REPO = Path(__file__).resolve().parent.parent
@@ -484,7 +484,7 @@ import sys
 import numpy as np
 from numba.core import config
 assert config.BOUNDSCHECK
-from delta import ctxcoder, dtypes, errors
+from ckptdelta.delta import ctxcoder, dtypes, errors
 decode = getattr(ctxcoder, "decode_" + sys.argv[2])
 cases = np.load(sys.argv[1], allow_pickle=True)[0]
 for name, (old, k, payloads) in cases.items():
@@ -522,7 +522,7 @@ import sys
 import numpy as np
 from numba.core import config
 assert config.DISABLE_JIT
-from delta import ctxcoder, dtypes
+from ckptdelta.delta import ctxcoder, dtypes
 encode, decode = getattr(ctxcoder, "encode_" + sys.argv[2]), getattr(ctxcoder, "decode_" + sys.argv[2])
 for name, (old, new, payload) in np.load(sys.argv[1], allow_pickle=True)[0].items():
     dt = dtypes.BY_NAME[name]

@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from delta import apply_many, digest, dtypes, encode
-from delta.errors import DeltaError, HotLoadError, NotServableError
-from delta.storage import Store
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher
-from publisher import publisher as publisher_mod
-from publisher.runs import read_manifest
-from publisher.snapshot import copy_to_host
+from ckptdelta.delta import apply_many, digest, dtypes, encode
+from ckptdelta.delta.errors import DeltaError, HotLoadError, NotServableError
+from ckptdelta.delta.storage import Store
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher import publisher as publisher_mod
+from ckptdelta.publisher.runs import read_manifest
+from ckptdelta.publisher.snapshot import copy_to_host
 from tests.publisher_helpers import snapshot
 
 DEVICE = os.environ.get("CKPTDELTA_TEST_DEVICE", "cuda")
@@ -369,7 +369,7 @@ def test_a_corrupt_object_is_refused_and_the_device_weights_keep_their_version(t
 def test_a_commit_failing_half_way_puts_back_every_device_tensor_it_wrote(tmp_path, monkeypatch):
     """The last sparse write fails (a device error), after every densely changed tensor was swapped and the other
     sparse ones scattered: each is put back, read from the host copies the commit kept."""
-    import delta.codec as codec
+    import ckptdelta.delta.codec as codec
 
     url = str(tmp_path / "run")
     truth = _published_run(url)
@@ -437,7 +437,7 @@ def test_apply_many_on_device_tensors_is_all_or_nothing():
 # --- the reference engine with --device -----------------------------------------------------------
 
 def test_check_device_takes_this_device_and_refuses_a_cuda_device_that_is_not_there():
-    from loader.servable import check_device
+    from ckptdelta.loader.servable import check_device
 
     check_device(DEVICE)
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -449,7 +449,7 @@ def test_the_reference_engine_serves_from_the_device_and_hot_loads_there_bit_exa
     pytest.importorskip("tokenizers")
     from safetensors.torch import load_file
 
-    from loader.engine import Engine, SamplingParams, build_engine, load_model
+    from ckptdelta.loader.engine import Engine, SamplingParams, build_engine, load_model
     from tests.lm import hf_extra_files, rl_step, save_tiny_lm
 
     lm_dir = save_tiny_lm(str(tmp_path / "lm"))

@@ -24,10 +24,10 @@ from benchmarks.demo import Sample
 from benchmarks.demo_lora import (LoraDemoConfig, LoraTrainer, lora_model, lora_proof, published_as_trained,
                                   run_lora_demo)
 from benchmarks.rl_task import EOS, AdditionTask, build_model, build_tokenizer, encode, save_model_dir
-from loader.engine import SamplingParams, score_tokens
-from loader.engines import reference_lora
-from loader.reader import SnapshotReader
-from publisher import BaseModel, Publisher
+from ckptdelta.loader.engine import SamplingParams, score_tokens
+from ckptdelta.loader.engines.reference import lora as reference_lora
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import BaseModel, Publisher
 
 FAST = dict(steps=3, prompts_per_step=6, group_size=4, pretrain_steps=60, quiet=True, engine="reference")
 

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from delta.errors import PublishInputError
-from publisher import Publisher
-from publisher.runs import read_manifest
+from ckptdelta.delta.errors import PublishInputError
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher.runs import read_manifest
 from tests.publisher_helpers import assert_same, open_store, perturb, snapshot, versions, weights
 
 WORLD = 2

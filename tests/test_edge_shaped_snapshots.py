@@ -25,13 +25,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from delta.errors import ChecksumError, ManifestError
-from delta.manifest import Manifest, manifest_key
-from delta.storage import Store
-from loader import cli_read, verify
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher
+from ckptdelta.delta.errors import ChecksumError, ManifestError
+from ckptdelta.delta.manifest import Manifest, manifest_key
+from ckptdelta.delta.storage import Store
+from ckptdelta.loader import verify
+from ckptdelta.cli import read as cli_read
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
 from tests.bucketgen import bits_equal
 
 Weights = dict[str, torch.Tensor]

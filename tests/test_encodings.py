@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from delta import chunks, codec, dtypes, record, warmup
-from delta.encodings import ALWAYS, REGISTRY, Candidate, Encoding, register
-from delta.errors import FormatError
-from publisher import codec_choice
+from ckptdelta.delta import chunks, codec, dtypes, record, warmup
+from ckptdelta.delta.encodings import ALWAYS, REGISTRY, Candidate, Encoding, register
+from ckptdelta.delta.errors import FormatError
+from ckptdelta.publisher import codec_choice
 
 FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
 
@@ -136,7 +136,7 @@ def test_the_registered_encodings_are_exactly_format_md_s_table():
         assert e.needs_parent == parent.startswith("yes"), name
         assert e.needs_grandparent == ("grandparent" in parent), name
         assert e.count_is_changes == (name != "raw"), name       # raw's count is the chunk's elements
-        assert e.__class__.__module__ == f"delta.encodings.{name}"     # one module each, named as FORMAT.md does
+        assert e.__class__.__module__ == f"ckptdelta.delta.encodings.{name}"     # one module each, named as FORMAT.md does
 
 
 def test_the_codec_choice_takes_each_codec_s_costs_from_the_encoding_that_stands_for_it():

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from loader.engines.shared_weights import (ALIGN, SharedWeights, open_positions, open_tensors, remove_orphans,
-                                          write_positions)
-from loader.engines.vllm import reload_groups
+from ckptdelta.loader.engines.shared_weights import (ALIGN, SharedWeights, open_positions, open_tensors, remove_orphans,
+                                                     write_positions)
+from ckptdelta.loader.engines.vllm.replica import reload_groups
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -108,7 +108,7 @@ def test_changed_positions_travel_to_a_worker_through_one_file(tmp_path):
 
 
 def test_a_sampled_kernel_view_matches_what_the_kernel_shows_and_nothing_else():
-    from loader.engines.vllm_worker import _kernel_views, _same_bits
+    from ckptdelta.loader.engines.vllm.worker.extension import _kernel_views, _same_bits
 
     host = torch.randn(4, 8).to(torch.bfloat16)
     host[1, 0] = -0.0

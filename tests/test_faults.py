@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from delta import digest
-from delta.errors import CkptDeltaError, ConcurrentPublisherError
-from delta.manifest import manifest_key
-from delta.storage import RetryPolicy, Store
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher
+from ckptdelta.delta import digest
+from ckptdelta.delta.errors import CkptDeltaError, ConcurrentPublisherError
+from ckptdelta.delta.manifest import manifest_key
+from ckptdelta.delta.storage import RetryPolicy, Store
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
 from tests.crashers.publish_loop import CONFIG, SHARD_BYTES, weights_for
 from tests.faultproxy import FaultProxy, s3_options_through
 

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from ckptdelta.cli import COMMANDS, main
-from delta.errors import NotServableError, StorageError
-from delta.storage import RetryPolicy, Store
-from loader.reader import SnapshotReader
-from loader.servable import check_snapshot
-from publisher import Publisher
+from ckptdelta.delta.errors import NotServableError, StorageError
+from ckptdelta.delta.storage import RetryPolicy, Store
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.loader.servable import check_snapshot
+from ckptdelta.publisher import Publisher
 from tests.publisher_helpers import weights
 from tests.servers import free_port
 from tests.test_publisher_cli import model_dir
@@ -65,7 +65,7 @@ def runs(tmp_path_factory):
 # --- item 1: the library path publishes what serving needs; serve checks before it loads -----------------
 
 def test_extra_files_can_be_a_model_directory_the_same_files_the_cli_bundles(tmp_path):
-    from publisher.cli import load_source
+    from ckptdelta.cli.publish import load_source
 
     w = weights()
     src = model_dir(tmp_path / "m", w)

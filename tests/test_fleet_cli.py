@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from ckptdelta.cli import main
-from delta.errors import PolicyVersionTimeoutError
-from loader.client import RolloutClient
+from ckptdelta.delta.errors import PolicyVersionTimeoutError
+from ckptdelta.loader.client import RolloutClient
 from tests.bad_replicas import (ERROR_500, HANG, HTML, JSON_LIST, OTHER_SCHEMA, BadReplica, dead_url,
                                 replica_status)
 from tests.replicas import PROMPT, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401

@@ -43,12 +43,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delta import digest, digest_hex, dtypes, untrusted_json
-from delta.errors import CkptDeltaError, ManifestError, PublishInputError
-from delta.manifest import HEAD_KEY, RUN_KEY, Manifest, RunInfo, manifest_key
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher
+from ckptdelta.delta import digest, digest_hex, dtypes, untrusted_json
+from ckptdelta.delta.errors import CkptDeltaError, ManifestError, PublishInputError
+from ckptdelta.delta.manifest import HEAD_KEY, RUN_KEY, Manifest, RunInfo, manifest_key
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
 from tests import bucket_grammar as g
 from tests.test_fuzz_entry_points import _cli, _names_object, _read_checkpoint, _weights
 
@@ -312,9 +312,9 @@ def test_json_nested_past_the_bound_is_refused_whatever_the_recursion_limit():
     """json.loads recurses once per level: under a raised recursion limit a deep document overflows the C stack
     (the interpreter dies with SIGSEGV). The depth is measured before the parse, so every reader refuses it."""
     code = ("import sys, struct, xxhash; sys.setrecursionlimit(10**6)\n"
-            "from delta.errors import CkptDeltaError\n"
-            "from delta.manifest import Manifest, Head\n"
-            "from delta.container import OBJECT_MAGIC, TRAILER, END_MAGIC, read_index\n"
+            "from ckptdelta.delta.errors import CkptDeltaError\n"
+            "from ckptdelta.delta.manifest import Manifest, Head\n"
+            "from ckptdelta.delta.container import OBJECT_MAGIC, TRAILER, END_MAGIC, read_index\n"
             "deep = lambda n: b'[' * n + b']' * n\n"
             "footer = deep(300000)\n"
             "obj = OBJECT_MAGIC + footer + TRAILER.pack(len(footer), xxhash.xxh3_64_intdigest(footer), END_MAGIC)\n"
@@ -452,9 +452,9 @@ def test_a_materialize_refused_after_writing_shards_leaves_no_file_behind(run, t
 
 _ABANDON = """
 import gc, sys, threading
-from loader.reader import SnapshotReader
-from loader.plan import rebuild_pieces
-from loader.verify import _chunks
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.loader.plan import rebuild_pieces
+from ckptdelta.loader.verify import _chunks
 reader = SnapshotReader(sys.argv[1])
 chain = reader.chain(2)
 groups = [rebuild_pieces(chain, n) for n in sorted(chain[-1].tensors)]

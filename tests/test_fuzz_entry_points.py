@@ -39,13 +39,13 @@ import safetensors.torch
 import torch
 
 from ckptdelta.cli import main as cli_main
-from delta import digest
-from delta.errors import CkptDeltaError
-from delta.manifest import HEAD_KEY, RUN_KEY, manifest_key
-from delta.record import peek_header_size
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher
+from ckptdelta.delta import digest
+from ckptdelta.delta.errors import CkptDeltaError
+from ckptdelta.delta.manifest import HEAD_KEY, RUN_KEY, manifest_key
+from ckptdelta.delta.record import peek_header_size
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
 
 SEED = int(os.environ.get("CKPTDELTA_FUZZ_SEED", "14"))
 CASES_PER_REGION = int(os.environ.get("CKPTDELTA_FUZZ_CASES", "6"))

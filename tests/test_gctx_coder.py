@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from delta import ctxcoder, dtypes, errors, gctx, kernels
+from ckptdelta.delta import ctxcoder, dtypes, errors, gctx, kernels
 from tests import naive_ctx, naive_gctx
 from tests import test_ctx_coder as both
 from tests.test_ctx_coder import CTX_DTYPES, optimizer_step, weights
@@ -88,8 +88,8 @@ def test_masks_agree_with_numpy_on_every_offset_and_width():
     """The vector masks (delta/masks.py) at word offsets a slice or a chunk puts anywhere."""
     from numba import njit
 
-    from delta.masks import neq_mask64 as neq
-    from delta.masks import range_mask64 as rng_mask
+    from ckptdelta.delta.masks import neq_mask64 as neq
+    from ckptdelta.delta.masks import range_mask64 as rng_mask
     range_mask64, neq_mask64 = njit(lambda x, b, e, lo, wd: rng_mask(x, b, e, lo, wd)), njit(lambda x, y, b: neq(x, y, b))
     rng = np.random.default_rng(5)
     for bits_dtype in (np.uint8, np.uint16):

@@ -67,7 +67,7 @@ def train_and_publish(kind: str, root: str, *, steps: int = 3, dtype: torch.dtyp
     saved as a user would, in that dtype."""
     from safetensors.torch import load_file
 
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
 
     tokenizer = build_tokenizer()
     model = build_tied_llama(len(tokenizer)) if kind == "llama" else \
@@ -109,7 +109,7 @@ def _config(path: str) -> dict:
 def test_a_module_from_fp32_masters_publishes_what_save_pretrained_writes_of_its_bf16_weights(policy, tmp_path):
     from safetensors.torch import load_file
 
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
     reader = SnapshotReader(policy.url)
     assert [reader.manifest(v).kind for v in sorted(policy.saved)] == ["anchor", "delta", "delta"]
@@ -129,7 +129,7 @@ def test_a_module_from_fp32_masters_publishes_what_save_pretrained_writes_of_its
 
 
 def _greedy(engine, prompts: list[str]) -> list[tuple[list[int], list[float], list]]:
-    from loader.engine import SamplingParams
+    from ckptdelta.loader.engine import SamplingParams
 
     out = []
     for p in prompts:
@@ -140,7 +140,7 @@ def _greedy(engine, prompts: list[str]) -> list[tuple[list[int], list[float], li
 
 
 def test_the_reference_engine_hot_loads_the_tied_bf16_policy_bit_exact_and_samples_as_save_pretrained(policy):
-    from loader.engine import Engine, build_engine, load_model
+    from ckptdelta.loader.engine import Engine, build_engine, load_model
 
     engine, _ = build_engine(bucket=policy.url, snapshot=0)
     model = engine.model
@@ -182,8 +182,8 @@ def test_vllm_attached_to_save_pretrained_hot_loads_the_tied_bf16_qwen2_and_answ
 
 
 def _serves_and_hot_loads_as_save_pretrained(policy, tmp_path) -> None:
-    from loader.engines import build_engine
-    from loader.engines.vllm import VllmServer, http_client
+    from ckptdelta.loader.engines import build_engine
+    from ckptdelta.loader.engines.vllm.replica import VllmServer, http_client
     from tests.servers import free_port
 
     theirs = None
@@ -223,8 +223,8 @@ def test_vllm_serves_an_fp32_run_in_fp32_and_hot_loads_it_bit_exact(tmp_path):
     """publish() without dtype: fp32 snapshots. vLLM's own default would downcast them to bf16 (and the
     replica's start check would fail); the replica passes --dtype float32, and every weight reads back as
     the published fp32 bits."""
-    from loader.engines import build_engine
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.engines import build_engine
+    from ckptdelta.loader.reader import SnapshotReader
 
     policy = train_and_publish("llama", str(tmp_path / "policy"), steps=2, dtype=None)
     assert {e.dtype for e in SnapshotReader(policy.url).manifest(0).tensors.values()} == {"F32"}

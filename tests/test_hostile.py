@@ -29,15 +29,15 @@ import pytest
 import torch
 import xxhash
 
-from delta import dtypes
-from delta.container import END_MAGIC, OBJECT_MAGIC, TRAILER, footer_length, read_index
-from delta.errors import (CkptDeltaError, ConcurrentPublisherError, FormatError, HotLoadError, PublishInputError,
-                          RunMismatchError, ShapeMismatchError)
-from delta.manifest import manifest_key
-from delta.record import RAW, ChunkEntry, RecordHeader, header_size_for, pack_header
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.container import END_MAGIC, OBJECT_MAGIC, TRAILER, footer_length, read_index
+from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, FormatError, HotLoadError,
+                                    PublishInputError, RunMismatchError, ShapeMismatchError)
+from ckptdelta.delta.manifest import manifest_key
+from ckptdelta.delta.record import RAW, ChunkEntry, RecordHeader, header_size_for, pack_header
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
 from tests.publisher_helpers import assert_same, clone, perturb, weights
 from tests.replicas import lm_dir, run, start_replica, state_bits_equal  # noqa: F401
 
@@ -445,7 +445,7 @@ def test_footers_and_records_claiming_huge_sizes_are_refused_before_allocation()
         read_index(bad, len(bad))
     assert footer_length(obj[-TRAILER.size:]) == len(footer)
 
-    from delta import EncodedTensor
+    from ckptdelta.delta import EncodedTensor
     name = "w"
     chunks = tuple(ChunkEntry(RAW, 0, 2, 1 << 24, 1 << 40, 0) for _ in range(64))
     h = RecordHeader(name, dtypes.by_name("BF16"), (64 << 24,), 64 << 24, 1 << 24, 0, 0, False, chunks,
@@ -461,7 +461,7 @@ def test_footers_and_records_claiming_huge_sizes_are_refused_before_allocation()
 def test_a_local_range_read_never_allocates_the_length_a_manifest_claims(tmp_path):
     """Regression: the local backend read a range with read(end - start), which allocates the whole
     length first: a hostile manifest's 2 TiB entry became a MemoryError (or an 8 GiB buffer)."""
-    from delta.storage import Store
+    from ckptdelta.delta.storage import Store
     store = Store.from_url(str(tmp_path))
     store.put("obj", b"x" * 1000)
     for n in (1 << 33, 1 << 41):
@@ -494,7 +494,7 @@ def _claiming_run(tmp_path, claim: int) -> tuple[str, dict]:
 def test_a_record_claiming_more_than_its_tensor_can_take_is_refused_before_it_is_downloaded(tmp_path):
     """Regression: a 16-element float32 tensor's delta record claiming 256 MiB was downloaded whole (256 MiB
     allocated) before its header was refused. The manifest's length is now bounded by the tensor's size
-    (delta.record.max_record_size), on every path that reads it."""
+    (ckptdelta.delta.record.max_record_size), on every path that reads it."""
     url, truth = _claiming_run(tmp_path, 256 << 20)
     live = {"w": truth[1]["w"].clone()}
     swapper = HotSwapper(live, SnapshotReader(url), version=1)
@@ -516,7 +516,7 @@ def test_a_reader_refuses_an_oversized_record_before_fetching_it_even_from_a_man
     through the parser (built in code), with the same bound."""
     import dataclasses
 
-    from loader.pieces import Piece
+    from ckptdelta.loader.pieces import Piece
     url, _ = _claiming_run(tmp_path, 256 << 20)
     reader = SnapshotReader(url)
     m = reader.manifest(1)
@@ -532,9 +532,9 @@ def test_a_reader_refuses_an_oversized_record_before_fetching_it_even_from_a_man
 
 def test_an_extra_file_claiming_more_than_a_reader_takes_is_refused_before_it_is_read(tmp_path):
     """Extra files (config, tokenizer) are read whole: their size is bounded by the format, at publish and read."""
-    from delta.manifest import MAX_EXTRA_FILE_BYTES
-    from loader.reader import SnapshotReader
-    from publisher import Publisher
+    from ckptdelta.delta.manifest import MAX_EXTRA_FILE_BYTES
+    from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.publisher import Publisher
 
     big = tmp_path / "huge.bin"
     with open(big, "wb") as f:   # sparse: costs no disk

@@ -1,4 +1,4 @@
-"""loader.hotswap: moving live weights between versions with one pause, or not at all."""
+"""ckptdelta.loader.hotswap: moving live weights between versions with one pause, or not at all."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from collections.abc import MutableMapping
 import pytest
 import torch
 
-from delta import digest
-from delta.errors import (DeltaError, HotLoadConflictError, HotLoadError, ParentMismatchError,
-                          ShapeMismatchError)
-from loader.hotswap import HotSwapper, ServingGate
-from loader.reader import SnapshotReader
+from ckptdelta.delta import digest
+from ckptdelta.delta.errors import (DeltaError, HotLoadConflictError, HotLoadError, ParentMismatchError,
+                                    ShapeMismatchError)
+from ckptdelta.loader.hotswap import HotSwapper, ServingGate
+from ckptdelta.loader.reader import SnapshotReader
 from tests.bucketgen import bits_equal, make_run, write_run
 
 
@@ -147,7 +147,7 @@ def test_staging_on_several_threads_gives_the_same_update(run, threads):
 
 def test_tensors_really_stage_at_the_same_time(run, monkeypatch):
     """Two stagings must be inside _stage_one at once: one by one, the barrier would time out."""
-    import loader.hotswap as hs
+    import ckptdelta.loader.hotswap as hs
 
     barrier = threading.Barrier(2, timeout=60)
     calls = []
@@ -167,7 +167,7 @@ def test_tensors_really_stage_at_the_same_time(run, monkeypatch):
 
 
 def test_a_failing_tensor_among_parallel_stagings_leaves_no_staging_running(run, monkeypatch):
-    import loader.hotswap as hs
+    import ckptdelta.loader.hotswap as hs
 
     real = hs._stage_one
     started = []
@@ -524,7 +524,7 @@ def test_real_model_after_swaps_matches_a_fresh_load_of_the_materialized_snapsho
 
 
 def test_swaps_across_a_run_written_by_the_real_publisher(tmp_path):
-    from publisher.publisher import Publisher
+    from ckptdelta.publisher.publisher import Publisher
 
     from tests.bucketgen import trajectory
 
@@ -664,8 +664,8 @@ def test_a_dense_change_to_a_tensor_written_after_prepare_is_refused_and_the_wri
 
 import numpy as np  # noqa: E402
 
-from delta import dtypes as _dtypes  # noqa: E402
-from loader import batch_commit, hotswap  # noqa: E402
+from ckptdelta.delta import dtypes as _dtypes  # noqa: E402
+from ckptdelta.loader import batch_commit, hotswap  # noqa: E402
 
 ALL_DTYPES = [d.torch_dtype for d in _dtypes.BY_NAME.values()]
 
@@ -759,7 +759,7 @@ def test_auto_copies_the_tensors_changed_past_the_threshold_and_scatters_the_oth
 
 @pytest.fixture(params=["team", "threads"])
 def runner(request, monkeypatch):
-    """Who writes a batch of two threads: torch's OpenMP team (delta.omp) or the commit's own threads."""
+    """Who writes a batch of two threads: torch's OpenMP team (ckptdelta.delta.omp) or the commit's own threads."""
     if request.param == "threads":
         monkeypatch.setattr(batch_commit.omp, "team", lambda: None)
     elif batch_commit.omp.team() is None:

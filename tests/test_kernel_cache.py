@@ -17,8 +17,8 @@ import textwrap
 
 import numpy as np
 
-import delta
-from delta import kernel_cache
+from ckptdelta import delta
+from ckptdelta.delta import kernel_cache
 
 PROBE = textwrap.dedent('''
     """A cached kernel that compiles in one of kernels.py's."""
@@ -36,7 +36,7 @@ PROBE = textwrap.dedent('''
 
 RUN = textwrap.dedent('''
     import numpy as np
-    from delta import _probe
+    from ckptdelta.delta import _probe
     live = np.zeros(8, np.uint16)
     _probe.probe(live, np.array([1, 3], np.int64), np.array([5, 7], np.uint16))
     s = _probe.probe.stats
@@ -46,10 +46,12 @@ RUN = textwrap.dedent('''
 
 def _copy_of_delta(tmp_path) -> str:
     root = tmp_path / "project"
-    shutil.copytree(os.path.dirname(delta.__file__), root / "delta",
+    (root / "ckptdelta").mkdir(parents=True)
+    (root / "ckptdelta" / "__init__.py").write_text("")
+    shutil.copytree(os.path.dirname(delta.__file__), root / "ckptdelta" / "delta",
                     ignore=shutil.ignore_patterns("__pycache__", ".*"))
-    (root / "delta" / "_probe.py").write_text(PROBE)
-    os.symlink("user@host.1234:1700000000", root / "delta" / ".#kernels.py")   # an editor's lock file, dangling
+    (root / "ckptdelta" / "delta" / "_probe.py").write_text(PROBE)
+    os.symlink("user@host.1234:1700000000", root / "ckptdelta" / "delta" / ".#kernels.py")   # an editor's lock file, dangling
     return str(root)
 
 
@@ -89,14 +91,14 @@ def test_a_cached_kernel_is_compiled_again_when_a_kernel_it_calls_changes_in_ano
     first = _run(root, cache)
     assert first[1:] == (0, 1)                                  # compiled, and cached
     assert _run(root, cache)[1:] == (1, 0)                      # loaded from the cache
-    kernels_py = os.path.join(root, "delta", "kernels.py")
+    kernels_py = os.path.join(root, "ckptdelta", "delta", "kernels.py")
     with open(kernels_py, "a") as f:                            # the callee's file changes, the probe's does not
         f.write("\n# an upgrade\n")
     again = _run(root, cache)
     assert again[1:] == (0, 1), "the probe's cache entry survived a change to kernels.py"
     assert again[0] == first[0] == "05070000"
     assert _run(root, cache)[1:] == (1, 0)
-    os.unlink(os.path.join(root, "delta", ".#kernels.py"))     # the digest never read it: still fresh
+    os.unlink(os.path.join(root, "ckptdelta", "delta", ".#kernels.py"))     # the digest never read it: still fresh
     assert _run(root, cache)[1:] == (1, 0)
 
 
@@ -105,19 +107,19 @@ def test_a_cached_kernel_is_compiled_again_when_a_module_of_the_encodings_subpac
     root, cache = _copy_of_delta(tmp_path), str(tmp_path / "numba-cache")
     assert _run(root, cache)[1:] == (0, 1)
     assert _run(root, cache)[1:] == (1, 0)
-    with open(os.path.join(root, "delta", "encodings", "sparse.py"), "a") as f:
+    with open(os.path.join(root, "ckptdelta", "delta", "encodings", "sparse.py"), "a") as f:
         f.write("\n# an upgrade\n")
     again = _run(root, cache)
     assert again[1:] == (0, 1), "the probe's cache entry survived a change to delta/encodings/sparse.py"
     assert again[0] == "05070000"
-    os.makedirs(os.path.join(root, "delta", "encodings", "__pycache__"), exist_ok=True)
-    with open(os.path.join(root, "delta", "encodings", "__pycache__", "stale.py"), "w") as f:
+    os.makedirs(os.path.join(root, "ckptdelta", "delta", "encodings", "__pycache__"), exist_ok=True)
+    with open(os.path.join(root, "ckptdelta", "delta", "encodings", "__pycache__", "stale.py"), "w") as f:
         f.write("# not a source\n")                            # bytecode folders are not sources
     assert _run(root, cache)[1:] == (1, 0)
 
 
 def test_the_sources_locator_takes_only_the_project_s_functions_and_keeps_numba_s_directory():
-    from delta import kernels
+    from ckptdelta.delta import kernels
 
     f = kernels.scatter.py_func
     ours = kernel_cache.SourcesLocator.from_function(f, kernels.__file__)
@@ -131,8 +133,8 @@ def test_the_sources_locator_takes_only_the_project_s_functions_and_keeps_numba_
                                                      kernel_cache._BASE.get_suitable_cache_subpath(kernels.__file__))
     assert ours.get_disambiguator() == theirs.get_disambiguator()
     assert kernel_cache.SourcesLocator.from_function(lambda: None, np.__file__) is None   # numpy's: not ours
-    from loader.engines import vllm_worker
-    from publisher import nan
+    from ckptdelta.loader.engines.vllm.worker import extension as vllm_worker
+    from ckptdelta.publisher import nan
 
     for mod in (nan, vllm_worker):                              # another package, and a subfolder
         assert kernel_cache._ours(mod.__file__), mod
@@ -200,7 +202,7 @@ def test_the_first_compile_in_an_environment_never_warmed_up_is_announced_once(t
 
 def test_a_kernel_cache_root_that_cannot_be_written_falls_back_to_numba_s_own_choice_with_one_warning(
         tmp_path, monkeypatch, caplog):
-    from delta import kernels
+    from ckptdelta.delta import kernels
 
     from numba.core import config
 
@@ -221,7 +223,7 @@ def test_a_kernel_cache_root_that_cannot_be_written_falls_back_to_numba_s_own_ch
 def test_every_command_shows_the_announcement_of_a_first_compile_without_v(monkeypatch):
     import logging
 
-    from ckptdelta.console import set_up_logging
+    from ckptdelta.cli.console import set_up_logging
 
     logger = logging.getLogger("ckptdelta.kernel_cache")
     monkeypatch.setattr(logger, "level", logger.level)          # restored after the test

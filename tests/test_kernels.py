@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from delta import commit_ranges, kernels
+from ckptdelta.delta import commit_ranges, kernels
 from tests import naive
 
 SEED = int(os.environ.get("CKPTDELTA_TEST_SEED") or secrets.randbits(32))
@@ -133,7 +133,7 @@ def test_change_kernels_match_reference(case):
 
 @pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "BF16", "F16", "F32", "F64"])
 def test_nan_at_gaps_sees_a_nan_among_the_changed_elements_only(dtype):
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     dt = dtypes.by_name(dtype)
     mask, threshold = dtypes.nan_rule(dt)
@@ -298,7 +298,7 @@ def test_python_path_round_trips_with_jit_disabled():
 import numpy as np
 from numba.core import config
 assert config.DISABLE_JIT
-from delta import codec, kernels, record
+from ckptdelta.delta import codec, kernels, record
 from tests import naive
 assert not hasattr(kernels.count_changed, "py_func"), "numba still compiling"
 rng = np.random.default_rng(5)
@@ -450,7 +450,7 @@ def _commit_case(rng, width, n_tensors=4, n=9000, block=1024):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_commit_kernel_matches_reference_writes_each_mode_and_refuses_foreign_writes(width):
-    """The pause's batch kernel (delta.commit_ranges over kernels.commit_task), one range of every task, one
+    """The pause's batch kernel (ckptdelta.delta.commit_ranges over kernels.commit_task), one range of every task, one
     thread, against the reference; its undo puts back exactly what it wrote."""
     rng = rng_for(width, 96)
     olds, news, (pos, exp, val, hashes, tasks), block = _commit_case(rng, width)

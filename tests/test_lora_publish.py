@@ -1,6 +1,6 @@
 """LoRA runs end to end: a real peft adapter on the tiny Llama, trained with AdamW on real gradients, published
 to a real bucket (a local directory, and S3 through moto), served by the reference engine through peft and
-hot-loaded in place (publisher/adapter.py, loader/lora.py, loader/engines/reference_lora.py)."""
+hot-loaded in place (publisher/adapter.py, loader/lora.py, loader/engines/reference/lora.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ckptdelta.cli import main
-from delta.errors import HotLoadError, NotServableError, PublishInputError
-from loader import SnapshotReader
-from loader.engines import reference
-from loader.lora import LoraHotSwapper
-from publisher import AdapterSpec, BaseModel, Publisher
+from ckptdelta.delta.errors import HotLoadError, NotServableError, PublishInputError
+from ckptdelta.loader import SnapshotReader
+from ckptdelta.loader.engines.reference import replica as reference
+from ckptdelta.loader.lora import LoraHotSwapper
+from ckptdelta.publisher import AdapterSpec, BaseModel, Publisher
 from tests.replicas import LiveServer, make_lm_dir
 
 PROMPT = "hello world, hello replica"
@@ -205,8 +205,8 @@ def test_bad_input_gets_one_clear_line(lm_dir, tmp_path, capsys):
 
 
 def test_serving_a_lora_run_reports_versions_answers_408_and_its_logprobs_equal_the_trainers(lm_dir, tmp_path):
-    from loader.engine import score_tokens
-    from loader.server import create_app
+    from ckptdelta.loader.engine import score_tokens
+    from ckptdelta.loader.server import create_app
 
     model, opt = peft_model(lm_dir)
     truth: dict[int, dict] = {}
@@ -280,7 +280,7 @@ def test_an_adapter_published_in_bf16_is_served_in_bf16_not_in_the_fp32_peft_wou
 
 def record_encodings(url: str, version: int) -> dict[str, int]:
     """Chunk encodings of every record a snapshot stored, counted (its checksums verified)."""
-    from delta.codec import EncodedTensor
+    from ckptdelta.delta.codec import EncodedTensor
 
     reader = SnapshotReader(url)
     m = reader.manifest(version)
@@ -492,8 +492,8 @@ def test_a_peft_replica_started_on_a_delta_rolls_back_and_forth_with_each_versio
     an anchor, forward again and back by one: after each, its live adapter is that version's bits, its status and
     answers report that version (a minimum above it is 408), and its logprobs equal, bit for bit, the trainer's
     peft model holding that version's bits."""
-    from loader.engine import score_tokens
-    from loader.server import create_app
+    from ckptdelta.loader.engine import score_tokens
+    from ckptdelta.loader.server import create_app
 
     model, opt = peft_model(lm_dir)
     truth: dict[int, dict] = {}

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from delta import manifest as m
-from delta.errors import ManifestError, RunMismatchError
+from ckptdelta.delta import manifest as m
+from ckptdelta.delta.errors import ManifestError, RunMismatchError
 from tests.attacks.make_attacks import valid_manifest
 
 

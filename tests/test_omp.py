@@ -1,4 +1,4 @@
-"""torch's OpenMP team as delta.omp finds it, and where it must not be used."""
+"""torch's OpenMP team as ckptdelta.delta.omp finds it, and where it must not be used."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from delta import omp
+from ckptdelta.delta import omp
 
 needs_openmp = pytest.mark.skipif("parallel backend: OpenMP" not in torch.__config__.parallel_info(),
                                   reason="this torch build runs on no OpenMP runtime")
@@ -42,8 +42,8 @@ def test_a_library_not_loaded_already_is_never_loaded_as_a_team():
 _CHILD = r"""
 import os, sys
 import numpy as np, torch
-from delta import omp
-from loader import batch_commit
+from ckptdelta.delta import omp
+from ckptdelta.loader import batch_commit
 
 torch.ones(1 << 22).add_(1)            # torch's team has run in the parent
 assert omp.team() is not None

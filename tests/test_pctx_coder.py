@@ -14,8 +14,8 @@ import pytest
 import torch
 import xxhash
 
-from delta import codec, errors, record
-from delta.pctx import pctx_decode, pctx_encode
+from ckptdelta.delta import codec, errors, record
+from ckptdelta.delta.pctx import pctx_decode, pctx_encode
 from tests.golden.make_golden import _from_keys as from_keys, _keys_of as keys
 
 LAYOUT = {"BF16": (16, 7, 8, np.uint16), "F16": (16, 10, 5, np.uint16), "F32": (32, 23, 8, np.uint32)}

@@ -19,18 +19,18 @@ import pytest
 import torch
 import xxhash
 
-from delta import dtypes, encode
-from delta.container import ObjectWriter
-from delta.errors import ChecksumError, ManifestError, ParentMismatchError, PublishError, PublishInputError
-from delta.manifest import Manifest, ObjectRef, TensorEntry, delta_prefix, manifest_key
-from delta.pieces import PieceEntry, grid_problem, pieces_digest, tensor_digest
-from delta.storage import Store
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher
-from publisher.rebuild import read_chain, rebuild, rebuild_boxes
-from publisher.runs import commit, read_manifest
-from publisher.sharded import LocalBox, plan_union
+from ckptdelta.delta import dtypes, encode
+from ckptdelta.delta.container import ObjectWriter
+from ckptdelta.delta.errors import ChecksumError, ManifestError, ParentMismatchError, PublishError, PublishInputError
+from ckptdelta.delta.manifest import Manifest, ObjectRef, TensorEntry, delta_prefix, manifest_key
+from ckptdelta.delta.pieces import PieceEntry, grid_problem, pieces_digest, tensor_digest
+from ckptdelta.delta.storage import Store
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher.rebuild import read_chain, rebuild, rebuild_boxes
+from ckptdelta.publisher.runs import commit, read_manifest
+from ckptdelta.publisher.sharded import LocalBox, plan_union
 
 GRID_2X2 = [((0, 0), (3, 4)), ((0, 4), (3, 5)), ((3, 0), (2, 4)), ((3, 4), (2, 5))]   # a 5 x 9 tensor
 ROWS = [((0, 0), (4, 6)), ((4, 0), (3, 6))]                                            # a 7 x 6 tensor
@@ -324,7 +324,7 @@ def test_a_box_unchanged_must_carry_its_parents_digest_where_the_parent_has_the_
     m1, m2 = reader.manifest(1), reader.manifest(2)
     from dataclasses import replace
 
-    from loader.reader import _check_link
+    from ckptdelta.loader.reader import _check_link
     e = m2.tensors["grid"]
     bad = [replace(p, xxh3="0" * 16) if p.object is None else p for p in e.pieces]
     tampered = replace(m2, tensors={**m2.tensors, "grid": replace(e, pieces=tuple(bad), xxh3=pieces_digest(bad))})

@@ -9,10 +9,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from delta.errors import ConcurrentPublisherError, StorageError
-from delta.manifest import HEAD_KEY, RUN_KEY, Head, RunInfo
-from publisher import Publisher, collect
-from publisher.runs import read_manifest
+from ckptdelta.delta.errors import ConcurrentPublisherError, StorageError
+from ckptdelta.delta.manifest import HEAD_KEY, RUN_KEY, Head, RunInfo
+from ckptdelta.publisher import Publisher, collect
+from ckptdelta.publisher.runs import read_manifest
 from tests.publisher_helpers import assert_same, clone, open_store, perturb, snapshot, versions, weights
 
 CONFIG = b'{"model_type": "llama", "hidden_size": 32}'
@@ -182,8 +182,8 @@ def test_runs_sharing_a_prefix_or_nested_in_one_another_never_touch_each_others_
     deletes its own old versions and debris, never another run's; on an object store it lists only its own
     anchors/ and deltas/. (gc of runs/a deleted runs/a/sub's temp files on a local disk, its writes in flight, and
     on S3 listed the whole prefix, the nested run's objects included.)"""
-    from delta.storage import Store
-    from loader import SnapshotReader
+    from ckptdelta.delta.storage import Store
+    from ckptdelta.loader import SnapshotReader
 
     url, opts = store_url
     root = url.rsplit("/", 1)[0] + "/runs"
@@ -286,7 +286,7 @@ def test_a_retried_publish_writes_keys_of_its_own_so_a_late_write_of_the_failed_
     PUT of that attempt landing late (a stalled request the server completes after the client gave up)
     replaced an object of the committed snapshot: reads and verify of it failed, and the publisher's next
     deltas (against its in-memory parent) were unreadable until the next anchor."""
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
     url = str(tmp_path / "run")
     w = weights()
     with Publisher(url, shard_bytes=6000, progress=False) as pub:
@@ -327,8 +327,8 @@ def test_a_damaged_newest_manifest_is_skipped_by_readers_and_a_reopened_publishe
         tmp_path, caplog, capsys):
     """Regression: an unreadable newest manifest made ``Publisher(url)`` raise ManifestError (the run stayed
     stuck until someone deleted it by hand) and ``latest`` fail for every replica."""
-    from delta.manifest import manifest_key
-    from loader.reader import SnapshotReader
+    from ckptdelta.delta.manifest import manifest_key
+    from ckptdelta.loader.reader import SnapshotReader
     url = str(tmp_path / "run")
     w = weights()
     with Publisher(url, progress=False) as pub:
@@ -368,7 +368,7 @@ def test_a_damaged_newest_manifest_is_skipped_by_readers_and_a_reopened_publishe
 def test_the_host_copy_keeps_every_bit_on_both_copy_paths(numel):
     """Small CPU tensors are copied by one memcpy, large ones by torch's threads; views by torch: all of them bit
     for bit (NaN payloads, -0.0), into reused buffers as into fresh ones."""
-    from publisher.snapshot import copy_to_host
+    from ckptdelta.publisher.snapshot import copy_to_host
 
     g = torch.Generator().manual_seed(numel)
     bits = torch.randint(-2**15, 2**15, (numel,), dtype=torch.int16, generator=g)

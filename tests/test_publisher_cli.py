@@ -11,7 +11,8 @@ import textwrap
 
 import safetensors.torch
 
-from publisher import cli, collect
+from ckptdelta.publisher import collect
+from ckptdelta.cli import publish as cli
 from tests.publisher_helpers import assert_same, clone, open_store, perturb, snapshot, versions, weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,7 +123,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, sys.argv[2])
     from tests.publisher_helpers import weights, perturb
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
     w = weights()
     pub = Publisher(sys.argv[1], shard_bytes=6000)
     pub.publish(w, 0)

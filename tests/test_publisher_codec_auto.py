@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import publisher.codec_choice as codec_choice
-import publisher.deltas as deltas
-from delta.codec import EncodedTensor
-from delta.storage import Store
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher
-from publisher.codec_choice import CONTEXT, FAST, CodecChooser
+import ckptdelta.publisher.codec_choice as codec_choice
+import ckptdelta.publisher.deltas as deltas
+from ckptdelta.delta.codec import EncodedTensor
+from ckptdelta.delta.storage import Store
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher.codec_choice import CONTEXT, FAST, CodecChooser
 from tests.publisher_helpers import assert_same, clone, perturb, same_bits
 
 KB, MB, GB = 1e3, 1e6, 1e9

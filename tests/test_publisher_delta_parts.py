@@ -10,11 +10,11 @@ import pytest
 import torch
 import xxhash
 
-import publisher.deltas as deltas
-from delta.storage import Store
-from loader import SnapshotReader
-from publisher import Publisher
-from publisher.writer import write_delta_object
+import ckptdelta.publisher.deltas as deltas
+from ckptdelta.delta.storage import Store
+from ckptdelta.loader import SnapshotReader
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher.writer import write_delta_object
 
 
 def _weights(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
@@ -83,7 +83,7 @@ def test_a_delta_spread_over_many_parts_reads_back_bit_exactly(tmp_path, monkeyp
 
 
 def test_context_coding_off_writes_only_zstd_encodings_and_reads_back(tmp_path):
-    from delta.codec import EncodedTensor
+    from ckptdelta.delta.codec import EncodedTensor
 
     url = str(tmp_path / "run")
     w0 = {"w": (torch.randn(256, 256) * 0.02).to(torch.bfloat16)}
@@ -101,8 +101,8 @@ def test_context_coding_off_writes_only_zstd_encodings_and_reads_back(tmp_path):
 
 def test_write_delta_writes_encode_records_in_snapshot_order_across_parts(tmp_path):
     """Tensors encode in parallel, yet each record is encode()'s bytes and parts fill in the snapshot's order."""
-    from delta import codec
-    from delta.container import read_index
+    from ckptdelta.delta import codec
+    from ckptdelta.delta.container import read_index
 
     old = _weights(0, n=12)
     new = _step(old, 1)
@@ -180,8 +180,8 @@ def test_a_wrong_parent_digest_handed_to_the_encoder_never_gives_a_replica_wrong
     """A record whose header names the wrong parent digest (a caller's bug) still holds steps from the
     parent it was encoded against: applied to that parent it gives the new bits exactly (the result's
     digest proves them), applied to any other tensor it is refused as a wrong parent, nothing written."""
-    from delta import codec
-    from delta.errors import ParentMismatchError
+    from ckptdelta.delta import codec
+    from ckptdelta.delta.errors import ParentMismatchError
 
     old = _weights(0, n=2)
     new = _step(old, 1)

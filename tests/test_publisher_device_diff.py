@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from delta import dtypes
-from delta.storage import Store
-from publisher import Publisher
-from publisher import publisher as publisher_mod
-from publisher.runs import read_manifest
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.storage import Store
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher import publisher as publisher_mod
+from ckptdelta.publisher.runs import read_manifest
 from tests.publisher_helpers import assert_same, clone, perturb, snapshot
 
 ALL_DTYPES = [d.torch_dtype for d in dtypes.BY_NAME.values()]

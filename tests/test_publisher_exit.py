@@ -24,9 +24,9 @@ import sys
 
 import pytest
 
-from delta.storage import Store
-from loader.reader import SnapshotReader
-from publisher.runs import committed_versions
+from ckptdelta.delta.storage import Store
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher.runs import committed_versions
 from tests.publisher_helpers import assert_same, perturb, weights
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,7 +45,7 @@ exiting = threading.Event()
 threading._register_atexit(exiting.set)
 
 import torch
-from publisher import Publisher
+from ckptdelta.publisher import Publisher
 from tests.publisher_helpers import perturb, weights
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")

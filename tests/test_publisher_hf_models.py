@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from delta.errors import NotServableError, PublishInputError
-from publisher import Publisher
+from ckptdelta.delta.errors import NotServableError, PublishInputError
+from ckptdelta.publisher import Publisher
 from tests.publisher_helpers import snapshot, versions
 from tests.vllm_replicas import bits
 
@@ -26,7 +26,7 @@ def tied_llama(*, tied: bool = True, vocab: int = 48, seed: int = 0) -> torch.nn
 
 
 def anchor_config(store, version: int) -> dict:
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
     reader = SnapshotReader(store.url)
     extra = dict(reader.extra_files(version))
@@ -146,8 +146,8 @@ def test_a_state_dict_of_a_tied_model_under_its_config_is_refused_saying_to_publ
 # --- a change of dtype, and replicas ----------------------------------------------------------------------
 
 def test_a_replica_on_fp32_weights_refuses_the_bf16_anchor_as_the_warning_says(tmp_path, caplog):
-    from delta.errors import ShapeMismatchError
-    from loader.engine import build_engine
+    from ckptdelta.delta.errors import ShapeMismatchError
+    from ckptdelta.loader.engine import build_engine
     from tests.lm import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -172,8 +172,8 @@ def test_a_replica_on_fp32_weights_refuses_the_bf16_anchor_as_the_warning_says(t
 
 
 def test_a_vllm_replica_refuses_a_dtype_that_would_cast_the_run_before_vllm_starts(tmp_path):
-    from loader.engines import build_engine
-    from loader.engines.vllm_dtype import dtype_args
+    from ckptdelta.loader.engines import build_engine
+    from ckptdelta.loader.engines.vllm.dtype import dtype_args
     from tests.lm import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -185,7 +185,7 @@ def test_a_vllm_replica_refuses_a_dtype_that_would_cast_the_run_before_vllm_star
     for given in (["--dtype", "bfloat16"], ["--dtype=auto"], ["--dtype", "half"]):
         with pytest.raises(NotServableError, match="its weights are float32.*Leave --dtype out"):
             build_engine("vllm", bucket=url, snapshot=0, cache_dir=str(tmp_path / "cache"), vllm_args=given)
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
     manifest = SnapshotReader(m.url).manifest(0)
     assert dtype_args(["--enforce-eager"], manifest) == ["--enforce-eager", "--dtype", "float32"]

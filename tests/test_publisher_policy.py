@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from delta.errors import ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError, StorageError
-from delta.manifest import RUN_KEY
-from publisher import Publisher
-from publisher.plan import MAX_CHAIN, ChainState, decide
-from publisher.runs import read_manifest
+from ckptdelta.delta.errors import (ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError,
+                                    StorageError)
+from ckptdelta.delta.manifest import RUN_KEY
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher.plan import MAX_CHAIN, ChainState, decide
+from ckptdelta.publisher.runs import read_manifest
 from tests.publisher_helpers import assert_same, clone, perturb, snapshot, versions, weights
 
 
@@ -163,7 +164,7 @@ def test_nan_weights_are_published_bit_exactly_with_one_warning_per_tensor(url, 
 
 def test_a_delta_finds_new_nans_among_the_changed_elements_without_scanning_tensors_it_checked(url, caplog,
                                                                                                monkeypatch):
-    import publisher.nan as nan_mod
+    import ckptdelta.publisher.nan as nan_mod
 
     scanned: list[str] = []
     real = nan_mod.has_nan
@@ -322,8 +323,8 @@ def test_extra_files_may_not_shadow_the_anchor_weights(url, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64,
                                    torch.float8_e4m3fn, torch.float8_e5m2])
 def test_nan_scan_agrees_with_torch_isnan_on_every_bit_pattern_class(dtype):
-    from delta import dtypes
-    from publisher.nan import has_nan
+    from ckptdelta.delta import dtypes
+    from ckptdelta.publisher.nan import has_nan
 
     width = torch.finfo(dtype).bits
     rng = np.random.default_rng(width)

@@ -1,4 +1,4 @@
-"""loader.reader: resolving, reading, caching, materializing and verifying snapshots."""
+"""ckptdelta.loader.reader: resolving, reading, caching, materializing and verifying snapshots."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from delta.errors import (ChecksumError, DeltaError, ManifestError, RunMismatchError, SnapshotNotFoundError)
-from delta.manifest import HEAD_KEY, manifest_key
-from delta.storage import Store
-from loader import cli_read
-from loader.cache import DiskCache
-from loader.materialize import write_checkpoint
-from loader.reader import SnapshotReader
+from ckptdelta.delta.errors import (ChecksumError, DeltaError, ManifestError, RunMismatchError, SnapshotNotFoundError)
+from ckptdelta.delta.manifest import HEAD_KEY, manifest_key
+from ckptdelta.delta.storage import Store
+from ckptdelta.cli import read as cli_read
+from ckptdelta.loader.cache import DiskCache
+from ckptdelta.loader.materialize import write_checkpoint
+from ckptdelta.loader.reader import SnapshotReader
 from tests.bucketgen import CONFIG_JSON, bits_equal, make_run, reference_weights, trajectory, write_run
 
 
@@ -96,8 +96,8 @@ def test_range_reads_fetch_only_the_requested_tensors(tmp_path):
 def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes(shared_run, monkeypatch):
     """Decoding waits only for the first batch (about FIRST_BATCH_BYTES); each later batch may hold twice as
     much as the last, up to batch_bytes, and a batch always holds whole tensors."""
-    import loader.reader as reader_mod
-    from loader.plan import rebuild_pieces
+    import ckptdelta.loader.reader as reader_mod
+    from ckptdelta.loader.plan import rebuild_pieces
 
     r = SnapshotReader(shared_run.url)
     chain = r.chain(3)
@@ -425,7 +425,7 @@ def test_trajectory_really_changes_and_keeps_tensors():
 
 
 def test_runs_written_by_the_real_publisher_read_back(tmp_path):
-    from publisher.publisher import Publisher
+    from ckptdelta.publisher.publisher import Publisher
 
     versions = trajectory(5, seed=4)
     with Publisher(str(tmp_path / "run"), anchor_every=3, shard_bytes=6000,

@@ -14,8 +14,8 @@ import pytest
 import xxhash
 import zstandard
 
-from delta import codec, dtypes, record
-from delta.errors import FormatError, TruncatedError
+from ckptdelta.delta import codec, dtypes, record
+from ckptdelta.delta.errors import FormatError, TruncatedError
 from tests import naive, naive_ctx, naive_gctx
 from tests.attacks import make_attacks
 

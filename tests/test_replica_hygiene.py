@@ -23,8 +23,8 @@ import httpx
 import psutil
 import pytest
 
-from delta import scratch
-from loader.cache import MAX_GB_ENV, DiskCache, default_max_bytes
+from ckptdelta.delta import scratch
+from ckptdelta.loader.cache import MAX_GB_ENV, DiskCache, default_max_bytes
 from tests.replicas import PROMPT, lm_dir, publish_run, run  # noqa: F401
 from tests.vllm_replicas import ONE_GPU_LAYOUT_ENV, VLLM_ARGS, publish_vllm_run
 
@@ -65,7 +65,7 @@ def _theirs(directory: str, pid: int) -> list[str]:
 
 OWNER = """
 import os, sys
-from delta import scratch
+from ckptdelta.delta import scratch
 d, dead = sys.argv[1], sys.argv[2]
 items = [scratch.make("weights", d), scratch.make("vllm", d)]
 open(items[0].path + ".json", "w").write("{}")
@@ -166,8 +166,8 @@ def vllm_run(tmp_path_factory):
 
 
 def _host_copy_bytes(url: str, version: int) -> int:
-    from loader.engines.shared_weights import ALIGN
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.engines.shared_weights import ALIGN
+    from ckptdelta.loader.reader import SnapshotReader
 
     m = SnapshotReader(url).manifest(version)
     return sum(-(-max(e.nbytes, 1) // ALIGN) * ALIGN for e in m.tensors.values())
@@ -224,7 +224,7 @@ def test_the_disk_cache_is_bounded_by_default_and_evicts_the_least_recently_used
 def test_serve_cache_max_gb_bounds_the_cache_and_its_start_prunes_it(tmp_path, monkeypatch):
     import argparse
 
-    from loader import cli
+    from ckptdelta.cli import serve as cli
 
     monkeypatch.delenv(MAX_GB_ENV, raising=False)
     cache = str(tmp_path / "cache")
@@ -244,7 +244,7 @@ def test_serve_cache_max_gb_bounds_the_cache_and_its_start_prunes_it(tmp_path, m
 def _serve(args: list[str], tmp: str, log_path: str) -> tuple[subprocess.Popen, int]:
     """``ckptdelta serve ARGS --port 0``; returns the process and the port its log line names."""
     env = {**os.environ, "TMPDIR": tmp, **ONE_GPU_LAYOUT_ENV}
-    proc = subprocess.Popen([sys.executable, "-m", "ckptdelta.cli", "-v", "serve", *args, "--port", "0"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "ckptdelta", "-v", "serve", *args, "--port", "0"], cwd=ROOT,
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
     return proc, _serving_port(proc, log_path)
 
@@ -367,7 +367,7 @@ def test_a_vllm_replica_stopped_by_sigterm_starting_or_serving_leaves_nothing_an
 
     def start(name: str) -> tuple[subprocess.Popen, str]:
         path = str(tmp_path / name)
-        cmd = [sys.executable, "-m", "ckptdelta.cli", "-v", "serve", "--engine", "vllm", "--bucket", vllm_run.url,
+        cmd = [sys.executable, "-m", "ckptdelta", "-v", "serve", "--engine", "vllm", "--bucket", vllm_run.url,
                "--snapshot", "0", "--cache-dir", cache, "--port", "0", "--drain-timeout", "60", "--", *VLLM_ARGS]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(path, "wb")))
         return procs[-1], path
@@ -421,7 +421,7 @@ def test_a_vllm_replica_stopped_by_sigterm_starting_or_serving_leaves_nothing_an
         finally:
             os.rmdir(blocker)
         assert "v00000001 built beside the live weights" in open(log_path, errors="replace").read()
-        from loader.engines.vllm import VllmControl
+        from ckptdelta.loader.engines.vllm.replica import VllmControl
 
         control = VllmControl(httpx.get(url + "/v1/status", timeout=30).json()["engine"]["url"])
         try:

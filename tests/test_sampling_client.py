@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from delta.errors import CkptDeltaError, PolicyVersionTimeoutError, ReplicaError
-from loader.engine import score_tokens
-from loader.sampling import ModelInput, SamplingClient, SamplingParams, save_weights_and_get_sampling_client
+from ckptdelta.delta.errors import CkptDeltaError, PolicyVersionTimeoutError, ReplicaError
+from ckptdelta.loader.engine import score_tokens
+from ckptdelta.loader.sampling import ModelInput, SamplingClient, SamplingParams, save_weights_and_get_sampling_client
 from tests.replicas import PROMPT, LiveServer, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
 from tests.lm import rl_step
 
@@ -158,12 +158,12 @@ def test_save_weights_and_get_sampling_client_publishes_hot_loads_every_replica_
 
 def test_import_ckptdelta_is_cheap_and_its_sampling_client_never_imports_the_server():
     code = ("import sys, ckptdelta\n"
-            "assert 'torch' not in sys.modules and 'loader' not in sys.modules, 'import ckptdelta loaded more'\n"
+            "assert 'torch' not in sys.modules and 'ckptdelta.loader' not in sys.modules, 'import ckptdelta loaded more'\n"
             "from ckptdelta import ModelInput, SamplingClient, SamplingParams, save_weights_and_get_sampling_client\n"
             "from ckptdelta import AsyncRolloutClient, Publisher, RolloutClient, SnapshotReader\n"
-            "import loader.sampling, loader.client, publisher\n"
-            "assert SamplingClient is loader.sampling.SamplingClient and Publisher is publisher.Publisher\n"
-            "print(sorted(m for m in ('fastapi', 'uvicorn', 'loader.server', 'vllm', 'transformers') "
+            "import ckptdelta.loader.sampling, ckptdelta.loader.client, ckptdelta.publisher\n"
+            "assert SamplingClient is ckptdelta.loader.sampling.SamplingClient and Publisher is ckptdelta.publisher.Publisher\n"
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'ckptdelta.loader.server', 'vllm', 'transformers') "
             "if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -228,8 +228,8 @@ def test_the_loops_rl_loop_runs_on_ckptdelta_replicas_with_only_its_imports_and_
         lm_dir, tmp_path):
     # --- changed: the imports ...
     from ckptdelta import ModelInput, Publisher, SamplingParams, save_weights_and_get_sampling_client
-    from loader.engines import reference
-    from loader.server import create_app
+    from ckptdelta.loader.engines.reference import replica as reference
+    from ckptdelta.loader.server import create_app
 
     model, optimizer = _peft_model(lm_dir)
     policy = model.get_base_model()                   # the peft-injected model the replica runs too

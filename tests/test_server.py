@@ -10,8 +10,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from loader.engine import Engine, SamplingParams, build_engine, load_model
-from loader.reader import SnapshotReader
+from ckptdelta.loader.engine import Engine, SamplingParams, build_engine, load_model
+from ckptdelta.loader.reader import SnapshotReader
 from tests.replicas import PROMPT, Replica, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
 
 
@@ -313,7 +313,7 @@ def test_a_snapshot_gc_deleted_or_of_a_deleted_run_is_404_not_a_failed_hotload(s
     ShapeMismatchError taken from the deleted run's manifests. Both are 404 snapshot_not_found now."""
     import shutil
 
-    from publisher import Publisher, collect
+    from ckptdelta.publisher import Publisher, collect
     from tests.lm import hf_extra_files, rl_step
 
     url = str(tmp_path / "bucket" / "run")

@@ -27,10 +27,10 @@ import traceback
 import pytest
 import torch
 
-from loader.reader import SnapshotReader
-from publisher import Publisher
-from publisher.runs import committed_versions
-from delta.storage import Store
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher.runs import committed_versions
+from ckptdelta.delta.storage import Store
 from tests.publisher_helpers import assert_same, perturb
 
 pytestmark = pytest.mark.timeout(600)

@@ -26,14 +26,14 @@ import pytest
 import torch
 import xxhash
 
-from delta import dtypes
-from delta.errors import PublishError
-from delta.manifest import manifest_key
-from delta.storage import Store
-from loader.hotswap import HotSwapper
-from loader.reader import SnapshotReader
-from publisher import Publisher, collect
-from publisher.runs import committed_versions
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.errors import PublishError
+from ckptdelta.delta.manifest import manifest_key
+from ckptdelta.delta.storage import Store
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.publisher import Publisher, collect
+from ckptdelta.publisher.runs import committed_versions
 from tests.test_records import format_md_decode
 
 WORLD = 2

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from loader.engine import build_engine
-from loader.server import create_app
+from ckptdelta.loader.engine import build_engine
+from ckptdelta.loader.server import create_app
 from tests.replicas import PROMPT, LiveServer, Replica, lm_dir, publish_run, state_bits_equal  # noqa: F401
 
 CLIENTS = 3

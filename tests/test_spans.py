@@ -17,9 +17,9 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import pytest
 
-from loader.engine import SamplingParams, build_engine
-from loader.hotswap import ServingGate
-from loader.spans import VersionLog
+from ckptdelta.loader.engine import SamplingParams, build_engine
+from ckptdelta.loader.hotswap import ServingGate
+from ckptdelta.loader.spans import VersionLog
 from tests.replicas import PROMPT, lm_dir, run, start_replica, state_bits_equal  # noqa: F401
 
 

@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from ckptdelta.cli import main
-from delta.errors import HotLoadTimeoutError
-from loader.async_client import AsyncRolloutClient
-from loader.client import RolloutClient
-from loader.starting import StartingServer
+from ckptdelta.delta.errors import HotLoadTimeoutError
+from ckptdelta.loader.async_client import AsyncRolloutClient
+from ckptdelta.loader.client import RolloutClient
+from ckptdelta.loader.starting import StartingServer
 from tests.bad_replicas import dead_url
 from tests.faultproxy import FaultProxy
 from tests.lm import hf_extra_files, rl_step
@@ -129,7 +129,7 @@ def test_serve_answers_starting_while_its_engine_loads_and_status_tells_it_from_
     connections). A real ``serve`` held while it fetches its snapshot's weights answers STARTING (its run, the
     version it loads), refuses sampling with 503 until it serves, and the CLI waits for it with --wait only;
     once stopped it is UNREACHABLE."""
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
     from safetensors.torch import load_file
 
     url, options = s3_root
@@ -145,7 +145,7 @@ def test_serve_answers_starting_while_its_engine_loads_and_status_tells_it_from_
         port = free_port()
         replica = f"http://127.0.0.1:{port}"
         log_path = tmp_path / "serve.log"
-        proc = subprocess.Popen([sys.executable, "-m", "ckptdelta.cli", "serve", "--bucket", url, "--snapshot", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "ckptdelta", "serve", "--bucket", url, "--snapshot", "0",
                                  "--storage-options", json.dumps(through), "--storage-timeout", "600",
                                  "--port", str(port), "--replica-id", "held"],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))

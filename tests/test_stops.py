@@ -1,7 +1,7 @@
 """A replica stopped by any signal a supervisor sends, in any phase of a hot-load, ends the pause it began.
 
 Real ``ckptdelta serve`` processes and real signals (SIGTERM, SIGINT, SIGHUP). A test-only hold
-(``loader.stopping.HOLD_ENV``) keeps the replica's hot-load in a named phase (prepare, pause, proof, resume)
+(``ckptdelta.loader.stopping.HOLD_ENV``) keeps the replica's hot-load in a named phase (prepare, pause, proof, resume)
 until the signal has come, so each signal lands in the phase its test names, whatever the machine's load.
 After each stop: exit status 0, no traceback, the hot-load ended before the engine was closed (dropped while
 preparing; run to its end, its pause over, from the pause on), nothing of the replica left on the host (and,
@@ -27,7 +27,7 @@ import openai
 import psutil
 import pytest
 
-from loader.stopping import HOLD_ENV, PHASES
+from ckptdelta.loader.stopping import HOLD_ENV, PHASES
 from tests.replicas import PROMPT, LiveServer, lm_dir, run  # noqa: F401
 from tests.stops import hotload_until_held, stop_and_check
 from tests.test_replica_hygiene import ROOT, _leftovers, _serving_port, short_tmp  # noqa: F401
@@ -46,7 +46,7 @@ def serve_held(args: list[str], phase: str, tmp: str, log_path: str, env: dict |
     its URL and the file the hold creates when the hot-load gets there."""
     marker = os.path.join(os.path.dirname(log_path), f"held-{phase}-{time.monotonic_ns()}")
     env = {**os.environ, "TMPDIR": tmp, HOLD_ENV: f"{phase}:{marker}", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "ckptdelta.cli", "-v", "serve", "--port", "0", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "ckptdelta", "-v", "serve", "--port", "0", *args], cwd=ROOT,
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
     return proc, f"http://127.0.0.1:{_serving_port(proc, log_path)}", marker
 
@@ -136,8 +136,8 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_the_replica_stopping_error_
     """Two streams still running at a stop's drain timeout: one held between its first and second token, one
     before its first (its 200 and headers sent). Each ends with the error a plain request gets in its 503 as an
     event, then ``[DONE]``; the official client raises it as an APIError, not a connection error."""
-    from loader.engine import build_engine
-    from loader.server import create_app, stopping_error
+    from ckptdelta.loader.engine import build_engine
+    from ckptdelta.loader.server import create_app, stopping_error
 
     engine, reader = build_engine(bucket=run.url, snapshot=run.latest)
     server = LiveServer(create_app(engine, reader=reader, replica_id="r-stop"), drain=1.0).__enter__()

@@ -1,4 +1,4 @@
-"""Contract tests for delta.storage.Store, run against every backend.
+"""Contract tests for ckptdelta.delta.storage.Store, run against every backend.
 
 local and memory run in-process; s3 and gcs talk to real emulators (moto,
 fake-gcs-server) started by tests/conftest.py, so conditional writes, multipart
@@ -13,13 +13,8 @@ import threading
 
 import pytest
 
-from delta.errors import (
-    InvalidKeyError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    StorageError,
-)
-from delta.storage import RetryPolicy, Store, is_transient
+from ckptdelta.delta.errors import InvalidKeyError, ObjectExistsError, ObjectNotFoundError, StorageError
+from ckptdelta.delta.storage import RetryPolicy, Store, is_transient
 
 FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.005)
 

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from loader.engine import build_engine
-from loader.server import create_app
+from ckptdelta.loader.engine import build_engine
+from ckptdelta.loader.server import create_app
 from tests.replicas import PROMPT, LiveServer, lm_dir, publish_run  # noqa: F401
 
 
@@ -53,7 +53,7 @@ def _hotload(url: str, version: int) -> None:
 
 
 def _streamed(chunks: list) -> tuple[dict[int, str], dict[int, list[int]], dict[int, str], list]:
-    """Per choice: the text (completions ``text`` or chat ``delta.content``), token ids and finish reason; and
+    """Per choice: the text (completions ``text`` or chat ``ckptdelta.delta.content``), token ids and finish reason; and
     the chunks without choices (usage, engine_data)."""
     text: dict[int, str] = {}
     ids: dict[int, list[int]] = {}

@@ -63,8 +63,8 @@ def test_lines_share_counts_the_cache_lines_that_hold_a_change():
 def test_hot_load_and_publish_show_progress_bars_when_asked_and_stay_quiet_otherwise(tmp_path, capfd):
     import torch
 
-    from loader import HotSwapper, SnapshotReader
-    from publisher import Publisher
+    from ckptdelta.loader import HotSwapper, SnapshotReader
+    from ckptdelta.publisher import Publisher
 
     w = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64).to(torch.bfloat16)}
     live = {"w": w["w"].clone()}

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from loader.stopping import HOLD_ENV, PHASES
+from ckptdelta.loader.stopping import HOLD_ENV, PHASES
 from tests.servers import free_port
 from tests.stops import hotload_until_held, stop_and_check
 from tests.vllm_faults import Fault, FaultProxy
@@ -58,8 +58,8 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm(run, tmp_path_factory):
     """vLLM started the way a user starts it for ``--attach`` (TCP, the worker extension, dev mode), on v0."""
-    from loader.engines.vllm import VllmServer
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.engines.vllm.replica import VllmServer
+    from ckptdelta.loader.reader import SnapshotReader
 
     model_dir = SnapshotReader(run.url).materialize(0, str(tmp_path_factory.mktemp("v0") / "model"))
     server = VllmServer(model_dir, served_name="faulted", args=VLLM_ARGS, port=free_port())
@@ -79,7 +79,7 @@ def proxy(vllm):
 
 @pytest.fixture(scope="module")
 def rep(run, vllm, proxy):
-    from loader.engines import build_engine
+    from ckptdelta.loader.engines import build_engine
 
     r = VllmReplicaHandle(build_engine("vllm", bucket=run.url, snapshot=0, attach=proxy.url,
                                        control_timeout=CONTROL_TIMEOUT, request_timeout=60.0))
@@ -108,7 +108,7 @@ def _live(vllm, tmp_path) -> tuple[dict, set]:
 
 
 def _diff(vllm, truth, tmp_path) -> list[str]:
-    from loader.engines.vllm_readback import kernel_view
+    from ckptdelta.loader.engines.vllm.worker.readback import kernel_view
 
     live, kernel = _live(vllm, tmp_path)
     view = lambda d: {n: kernel_view(t) if n in kernel else t for n, t in d.items()}  # noqa: E731
@@ -211,7 +211,7 @@ def test_after_an_unknown_version_the_next_hotload_pushes_and_proves_even_what_t
     """The proof after resuming fails, and so does its repair: unknown. Meanwhile vLLM computes with other bits
     (reloaded from another version's directory straight into vLLM). The host copy holds the target, so a
     hot-load of the target changes nothing in it: it must still push and prove every tensor."""
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
     start = rep.engine.version
     target = _other(run, start)
@@ -288,7 +288,7 @@ def _kill_in_the_pause(run, vllm, proxy, tmp_path, point: str, *args: str) -> No
     try:
         # the new replica's start swept what the killed one left (its host copy in shared memory, its scratch
         # model copy): nothing of that pid remains
-        from loader.engines.shared_weights import default_dir
+        from ckptdelta.loader.engines.shared_weights import default_dir
 
         left = [f for d in (default_dir(), tempfile.gettempdir()) for f in os.listdir(d)
                 if f.startswith("ckptdelta-") and f"-{dead}-" in f and not f.startswith("ckptdelta-vllm-log-")]
@@ -357,8 +357,8 @@ def test_a_replica_stopped_while_its_start_loads_the_snapshot_into_the_paused_us
     """Attached to a vLLM that computes with other weights, the replica's start pauses it to load the snapshot
     whole; a stop signal there (SIGHUP: the terminal it was started from closed) used to raise right there and
     leave it paused. Now the start proves the snapshot, resumes vLLM, then stops: exit 0."""
-    from delta.manifest import snapshot_name
-    from loader.reader import SnapshotReader
+    from ckptdelta.delta.manifest import snapshot_name
+    from ckptdelta.loader.reader import SnapshotReader
 
     rep.close()
     start = max(run.truth)
@@ -431,7 +431,7 @@ def test_a_soak_with_faults_in_five_percent_of_hotloads_fails_no_request_and_nev
     import random
     import threading
 
-    from loader.engines import build_engine
+    from ckptdelta.loader.engines import build_engine
 
     from tests.test_soak import BODY, CLIENTS
 
@@ -511,7 +511,7 @@ def test_a_soak_with_faults_in_five_percent_of_hotloads_fails_no_request_and_nev
 
 def test_a_dead_vllm_fails_health_status_and_hotloads_and_serve_exits_non_zero(rep, run, vllm, proxy, tmp_path):
     """Last in the module: it kills the module's vLLM."""
-    from loader.engines import build_engine
+    from ckptdelta.loader.engines import build_engine
 
     rep.close()
     proc, url = _serve(run, proxy.url, "latest", tmp_path)

@@ -1,6 +1,6 @@
 """A LoRA run served by a real vLLM (its CPU build): adapters hot-loaded into vLLM's LoRA slots in place.
 
-Two vLLMs for the module: the replica's (loader/engines/vllm_lora.py), and a fresh one
+Two vLLMs for the module: the replica's (loader/engines/vllm/lora.py), and a fresh one
 on the same base that loaded every version from its PEFT directory at start, the way
 users serve adapters. The slot the replica wrote must hold, bit for bit, what vLLM's
 own directory load put in the fresh one's slot (scaling folded into B, padding to
@@ -14,9 +14,9 @@ import threading
 
 import pytest
 
-from delta.errors import HotLoadError, NotServableError
-from loader import SnapshotReader
-from publisher import Publisher
+from ckptdelta.delta.errors import HotLoadError, NotServableError
+from ckptdelta.loader import SnapshotReader
+from ckptdelta.publisher import Publisher
 from tests.test_lora_publish import peft_model, train_step
 from tests.vllm_models import save_tiny_llama
 from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, one_gpu_layout  # noqa: F401 (a fixture)
@@ -52,7 +52,7 @@ def lora_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rep(lora_run):
-    from loader.engines import build_engine
+    from ckptdelta.loader.engines import build_engine
 
     engine = build_engine("vllm", bucket=lora_run["url"], snapshot=1, base_model=lora_run["base"], lora_slots=3,
                           vllm_args=VLLM_ARGS)      # started on a delta
@@ -65,7 +65,7 @@ def rep(lora_run):
 def fresh(lora_run):
     """A fresh vLLM on the base that loaded every version from its PEFT directory at start, the way users
     serve adapters (``--lora-modules v0=DIR ...``): adapter id v+1 holds version v."""
-    from loader.engines.vllm import VllmControl, VllmServer
+    from ckptdelta.loader.engines.vllm.replica import VllmControl, VllmServer
 
     server = VllmServer(lora_run["base"], served_name="base", args=[
         *VLLM_ARGS, "--enable-lora", "--max-loras", str(VERSIONS), "--max-cpu-loras", str(VERSIONS),
@@ -147,7 +147,7 @@ def test_a_preparation_whose_host_copy_fails_its_digests_writes_nothing_and_the_
     """The worker's preparation (run in its thread while vLLM generates) verifies the host copy first: with a
     digest that does not match, it fails naming the tensor, the write that follows refuses, and the slot keeps
     the bits it held."""
-    from loader.engines.vllm import VllmError
+    from ckptdelta.loader.engines.vllm.replica import VllmError
 
     a = rep.engine.applier
     serving = rep.engine.slots.newest()
@@ -293,7 +293,7 @@ def test_an_adapter_vllm_has_no_layer_for_is_refused_in_one_line(rep, lora_run, 
 
     from safetensors.torch import load_file, save_file
 
-    from loader.engines.vllm_lora import Slot, SlotTable, register_slots
+    from ckptdelta.loader.engines.vllm.lora import Slot, SlotTable, register_slots
 
     bad = str(tmp_path / "bad")
     shutil.copytree(lora_run["dirs"][0], bad)
@@ -308,7 +308,7 @@ def test_an_adapter_vllm_has_no_layer_for_is_refused_in_one_line(rep, lora_run, 
 
 
 def test_an_adapter_for_another_base_is_refused_naming_both_before_vllm_starts(lora_run, tmp_path):
-    from loader.engines import build_engine
+    from ckptdelta.loader.engines import build_engine
 
     other = save_tiny_llama(str(tmp_path / "other"), seed=7)
     with pytest.raises(NotServableError) as e:

@@ -60,7 +60,7 @@ def _special_values(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def _kernel_diff(rep: VllmReplicaHandle, truth: dict[str, torch.Tensor], tmp_dir: str) -> list[str]:
     """bit_diff, with tensors the worker read through a GEMM kernel compared as that kernel sees them."""
-    from loader.engines.vllm_readback import kernel_view
+    from ckptdelta.loader.engines.vllm.worker.readback import kernel_view
 
     live = rep.live_weights(tmp_dir, strict=False)
     view = {n: kernel_view(t) if n in rep.kernel_read else t for n, t in truth.items()}
@@ -68,7 +68,7 @@ def _kernel_diff(rep: VllmReplicaHandle, truth: dict[str, torch.Tensor], tmp_dir
 
 
 def _weight_version(rep: VllmReplicaHandle) -> str:
-    from loader.engines.vllm import http_client
+    from ckptdelta.loader.engines.vllm.replica import http_client
 
     with http_client(rep.engine.url, timeout=30) as c:
         return c.get("/weight_info").json()["weight_version"]
@@ -108,7 +108,7 @@ def test_the_loops_shaped_sampling_client_gets_tokens_logprobs_and_prompt_logpro
     import json
     import math
 
-    from loader.sampling import ModelInput, SamplingClient, SamplingParams
+    from ckptdelta.loader.sampling import ModelInput, SamplingClient, SamplingParams
 
     with open(os.path.join(llama_run.model_dir, "config.json")) as f:
         eos = json.load(f)["eos_token_id"]
@@ -182,15 +182,15 @@ def test_hotloads_forward_across_an_anchor_and_back_are_bit_exact_in_every_runti
     # the worker maps no shared file but the host copy, the only one of this replica in shared memory
     mem = rep.engine.applier.control.rpc("ckptdelta_memory", {})[0]
     assert mem["stray_modules"] == 0 and mem["shadow"] is None and mem["mapped_files"] <= 1, mem
-    from loader.engines.shared_weights import default_dir
+    from ckptdelta.loader.engines.shared_weights import default_dir
     mine = [f for f in os.listdir(default_dir()) if f.startswith("ckptdelta-") and f"-{os.getpid()}-" in f]
     assert mine and all(f.startswith(f"ckptdelta-weights-{os.getpid()}-") for f in mine), mine
 
 
 @pytest.mark.slow     # its own vLLM start (~30-60 s); make test proves every live weight bit for bit instead
 def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapshot(rep, llama_run, tmp_path):
-    from loader.engines.vllm import VllmServer, http_client
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.engines.vllm.replica import VllmServer, http_client
+    from ckptdelta.loader.reader import SnapshotReader
 
     assert rep.hotload(1)["state"] == "READY"
     assert rep.hotload(2)["state"] == "READY"
@@ -214,9 +214,9 @@ def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapsh
 
 def test_a_vllm_started_by_the_user_attaches_and_is_checked_before_it_serves(llama_run, tmp_path):
     """``serve --engine vllm --attach URL``: vLLM started the user's way with the two documented settings."""
-    from loader.engines import build_engine
-    from loader.engines.vllm import VllmServer
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.engines import build_engine
+    from ckptdelta.loader.engines.vllm.replica import VllmServer
+    from ckptdelta.loader.reader import SnapshotReader
 
     model_dir = SnapshotReader(llama_run.url).materialize(1, str(tmp_path / "v1"))
     # worker extension + dev mode, on TCP as a user would start it (the replica's own vLLM is on a Unix socket)
@@ -254,7 +254,7 @@ def test_serve_engine_vllm_from_the_command_line_and_a_replica_killed_mid_hotloa
     import sys
     import time
 
-    from loader.engines.vllm import http_client
+    from ckptdelta.loader.engines.vllm.replica import http_client
 
     def start(snapshot: str) -> tuple[subprocess.Popen, str]:
         with socket.socket() as s:
@@ -352,7 +352,7 @@ def test_requests_in_flight_through_a_hotload_all_finish_and_report_the_span(rep
 
 def test_min_policy_version_answers_408_with_retry_after_and_the_client_waits_for_the_hotload(rep, llama_run):
     from ckptdelta.cli import main
-    from loader.client import RolloutClient
+    from ckptdelta.loader.client import RolloutClient
 
     assert rep.hotload(0)["state"] == "READY"
     r = rep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "min_policy_version": 2})
@@ -370,7 +370,7 @@ def test_min_policy_version_answers_408_with_retry_after_and_the_client_waits_fo
 
 
 def test_a_failed_hotload_leaves_vllm_serving_its_previous_version_bit_exact(rep, llama_run, tmp_path, monkeypatch):
-    from loader.engines import vllm as vllm_engine
+    from ckptdelta.loader.engines.vllm import replica as vllm_engine
 
     assert rep.hotload(2)["state"] == "READY"
     before = rep.complete(max_tokens=6, temperature=0)["choices"][0]["text"]
@@ -430,7 +430,7 @@ def test_a_failed_hotload_leaves_vllm_serving_its_previous_version_bit_exact(rep
 
 
 def test_auth_holds_on_every_endpoint_of_a_vllm_replica(rep):
-    from loader.server import create_app
+    from ckptdelta.loader.server import create_app
     from tests.replicas import LiveServer
 
     with LiveServer(create_app(rep.engine, replica_id="vllm-auth", api_key="s3cret")) as srv:

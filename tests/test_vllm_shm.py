@@ -1,5 +1,5 @@
 """vLLM's CPU all-reduce shared memory (``/dev/shm/vllm_dist_*``) goes when the VllmServer that started it stops
-(loader/engines/vllm_shm.py), and nothing else does: not what was there before, not another vLLM's, not what a
+(loader/engines/vllm/shm.py), and nothing else does: not what was there before, not another vLLM's, not what a
 live process maps or holds open. No vLLM needed: a stand-in directory for ``/dev/shm``, and a fake vLLM server
 whose "worker" creates and maps its segments the way vLLM's CPU workers do (tests/test_vllm_tp.py checks a real
 TP-2 vLLM's)."""
@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from loader.engines import vllm_shm
+from ckptdelta.loader.engines.vllm import shm as vllm_shm
 
 # Holds the first path open and maps the second (its descriptor closed, as vLLM's workers do), then waits.
 HOLDER = """
@@ -121,7 +121,7 @@ def _fake_vllm(root) -> str:
 @pytest.mark.skipif(not os.path.isdir(vllm_shm.SHM_DIR), reason="no /dev/shm")
 @pytest.mark.parametrize("crash", [False, True], ids=["stopped", "crashed"])
 def test_stop_ends_vllms_workers_and_removes_the_segments_its_vllm_created_and_only_those(tmp_path, crash):
-    from loader.engines.vllm import VllmServer
+    from ckptdelta.loader.engines.vllm.replica import VllmServer
 
     ours, theirs = (uuid.uuid4().hex for _ in range(2))
     env = {"PYTHONPATH": _fake_vllm(tmp_path), "FAKE_IDENT": ours, "FAKE_WORKER": FAKE_WORKER,

@@ -48,7 +48,7 @@ def _rss(pid: int) -> int:
 
 def _stray_shared_files() -> list[str]:
     """This replica's files in shared memory other than its host copy (and the host copy's index)."""
-    from loader.engines.shared_weights import default_dir
+    from ckptdelta.loader.engines.shared_weights import default_dir
 
     return [f for f in os.listdir(default_dir()) if f.startswith("ckptdelta-") and f"-{os.getpid()}-" in f
             and not f.startswith(f"ckptdelta-weights-{os.getpid()}-")]

@@ -3,8 +3,8 @@
 Two real ranks (a gloo group set up by vLLM's own ``init_distributed_environment``)
 build vLLM's layers, load whole checkpoint tensors through vLLM's own weight loaders
 and CPU re-packing, and run the worker's read-back; the replica's side
-(:func:`loader.engines.vllm.expected_digests` with the workers' slices,
-:func:`loader.engines.vllm_tp.uncovered`) proves each slice and that the slices
+(:func:`ckptdelta.loader.engines.vllm.replica.expected_digests` with the workers' slices,
+:func:`ckptdelta.loader.engines.vllm.tp.uncovered`) proves each slice and that the slices
 cover every tensor.
 
 Then a real replica over vLLM's CPU build started with ``--tensor-parallel-size 2``
@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 
-from loader.engines import vllm_shm
+from ckptdelta.loader.engines.vllm import shm as vllm_shm
 from tests.servers import free_port
 from tests.vllm_tp_ranks import VOCAB, checkpoint, run_rank
 
@@ -37,7 +37,7 @@ CORRUPT = "model.layers.0.self_attn.o_proj.weight"   # row-parallel: rank 1 hold
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' answers (rank 1 with one bit flipped in its own part of CORRUPT), and the host copy."""
-    from loader.engines.shared_weights import SharedWeights
+    from ckptdelta.loader.engines.shared_weights import SharedWeights
 
     out = tmp_path_factory.mktemp("tp-ranks")
     host = SharedWeights.create(checkpoint())
@@ -62,8 +62,8 @@ def ranks(tmp_path_factory):
 def _proof(host, answers, names):
     """What VllmApplier.check concludes from the workers' answers: (uncovered names, per worker the names whose
     digest differs from the host copy's same slice)."""
-    from loader.engines.vllm import expected_digests
-    from loader.engines.vllm_tp import uncovered
+    from ckptdelta.loader.engines.vllm.replica import expected_digests
+    from ckptdelta.loader.engines.vllm.tp import uncovered
 
     parts = [a.get("slices") or {} for a in answers]
     gaps = uncovered({n: tuple(host.tensors[n].shape) for n in names}, parts)
@@ -116,7 +116,7 @@ def test_a_wrong_bit_in_one_ranks_slice_is_caught_on_that_rank_only(ranks):
     # flags another tensor
     assert set(answers[1]["compare_sampled"]["mismatch"]) <= {CORRUPT} and answers[0]["compare_sampled"]["mismatch"] == []
     # the whole-tensor digest would not tell which rank; the slice's does, and the replica hashes the same slice
-    from loader.engines.vllm import expected_digests
+    from ckptdelta.loader.engines.vllm.replica import expected_digests
 
     whole = expected_digests(host, [CORRUPT])[CORRUPT]
     assert whole not in (answers[0]["digests"][CORRUPT], answers[1]["digests"][CORRUPT])
@@ -129,7 +129,7 @@ def test_an_in_place_patch_writes_each_rank_only_its_own_vocabulary_rows(ranks):
 
 
 def test_slices_that_leave_part_of_a_tensor_unproven_are_refused():
-    from loader.engines.vllm_tp import Slice, sliced, uncovered
+    from ckptdelta.loader.engines.vllm.tp import Slice, sliced, uncovered
 
     shapes = {"w": (6, 4)}
     assert uncovered(shapes, [{"w": [0, 0, 3]}, {"w": [0, 3, 3]}]) == []
@@ -153,7 +153,7 @@ TP_ARGS = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"
 
 @pytest.fixture(scope="module")
 def tp_env():
-    """VllmServer binds each rank's threads to its share of the cores (loader.engines.vllm.cpu_thread_binding):
+    """VllmServer binds each rank's threads to its share of the cores (ckptdelta.loader.engines.vllm.replica.cpu_thread_binding):
     vLLM's own default binds one rank per NUMA node and refuses 2 ranks on this one-node host."""
     from tests.vllm_replicas import use_one_gpu_layout
 
@@ -192,7 +192,7 @@ def tp_run(tmp_path_factory, tp_env):
 
 @pytest.fixture(scope="module")
 def tp_rep(tp_run, tmp_path_factory, tp_env):
-    from loader.engines import build_engine
+    from ckptdelta.loader.engines import build_engine
     from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle
 
     before = vllm_shm.segments()
@@ -241,7 +241,7 @@ def live_weights(engine, tmp_dir: str, shapes: dict[str, torch.Size]) -> tuple[d
 
 
 def _live_diff(rep, truth: dict[str, torch.Tensor], tmp_dir: str) -> list[str]:
-    from loader.engines.vllm_readback import kernel_view
+    from ckptdelta.loader.engines.vllm.worker.readback import kernel_view
     from tests.vllm_replicas import bit_diff
 
     live, kernel = live_weights(rep.engine, tmp_dir, {n: t.shape for n, t in truth.items()})
@@ -287,7 +287,7 @@ def test_tp2_hotloads_forward_across_an_anchor_and_back_are_proven_and_bit_exact
 
 
 def test_tp2_a_wrong_bit_in_one_ranks_slice_is_caught_and_a_reload_repairs_it(tp_rep, tp_run, tmp_path):
-    from delta.errors import HotLoadError
+    from ckptdelta.delta.errors import HotLoadError
 
     applier = tp_rep.engine.applier
     name = "model.layers.1.self_attn.o_proj.weight"        # row-parallel: rank 1 holds input columns 64..127
@@ -310,7 +310,7 @@ def test_tp2_a_wrong_bit_in_one_ranks_slice_is_caught_and_a_reload_repairs_it(tp
 
 def test_tp2_a_hotload_failed_on_one_worker_pushes_the_previous_version_back_on_every_rank(tp_rep, tp_run, tmp_path,
                                                                                          monkeypatch):
-    from loader.engines import vllm as vllm_engine
+    from ckptdelta.loader.engines.vllm import replica as vllm_engine
 
     assert tp_rep.hotload(2, timeout=600)["state"] == "READY"
     before = tp_rep.complete(max_tokens=6, temperature=0)["choices"][0]["text"]
@@ -339,8 +339,8 @@ def test_tp2_a_hotload_failed_on_one_worker_pushes_the_previous_version_back_on_
 @pytest.mark.slow
 def test_tp2_greedy_tokens_and_logprobs_equal_a_fresh_tp2_vllm_on_the_same_snapshot(tp_rep, tp_run, tmp_path):
     """Last in the module: it stops the replica's vLLM before starting the fresh one (memory)."""
-    from loader.engines.vllm import VllmServer, http_client
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.engines.vllm.replica import VllmServer, http_client
+    from ckptdelta.loader.reader import SnapshotReader
     from tests.vllm_replicas import PROMPT, VLLM_ARGS
 
     assert tp_rep.hotload(1, timeout=600)["state"] == "READY"
@@ -367,7 +367,7 @@ def test_tp2_greedy_tokens_and_logprobs_equal_a_fresh_tp2_vllm_on_the_same_snaps
 def test_tp2_stopping_the_replica_removes_the_cpu_all_reduce_shared_memory_its_vllm_created(tp_rep):
     """Last in the module (the slow test before it may have stopped the replica already). vLLM's CPU workers
     create a 4 MB segment each in /dev/shm for their all-reduce and never unlink it: every TP-2 start left a
-    pair there for good until VllmServer.stop removed them (loader/engines/vllm_shm.py)."""
+    pair there for good until VllmServer.stop removed them (loader/engines/vllm/shm.py)."""
     created = tp_rep.vllm_shm
     assert sorted(n.rsplit("-", 1)[1] for n in created) == ["cpushm_0", "cpushm_1"], created
     tp_rep.close()
@@ -385,9 +385,9 @@ def test_tp2_lora_hotloads_forward_across_an_anchor_and_back_are_proven_on_both_
     Every hot-load forward, across an anchor, back and by a jump ends READY with the slot proven in both workers,
     and each rank's slot holds, bit for bit, what vLLM's own in-place load of that version's PEFT directory puts in
     another slot of the same rank (each rank its own slice: the two ranks' buffers differ)."""
-    from loader.engines import build_engine
-    from loader.reader import SnapshotReader
-    from publisher import Publisher
+    from ckptdelta.loader.engines import build_engine
+    from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.publisher import Publisher
     from tests.test_lora_publish import peft_model, train_step
     from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle
 

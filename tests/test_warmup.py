@@ -10,9 +10,9 @@ import torch
 
 
 def test_ckptdelta_warmup_runs_every_dtype_and_codec_path_bit_exact_and_marks_the_environment_warm():
-    from delta import kernel_cache
+    from ckptdelta.delta import kernel_cache
 
-    r = subprocess.run([sys.executable, "-m", "ckptdelta.cli", "warmup"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "ckptdelta", "warmup"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "codec kernels ready" in r.stderr and kernel_cache.kernel_dir() in r.stderr
@@ -24,9 +24,9 @@ _WARMUP_ON = {**os.environ, "CKPTDELTA_WARMUP": "1"}     # the suite turns it of
 
 _REPLICA = r"""
 import sys, torch
-from delta import warmup
-from loader import HotSwapper, SnapshotReader
-from publisher import Publisher
+from ckptdelta.delta import warmup
+from ckptdelta.loader import HotSwapper, SnapshotReader
+from ckptdelta.publisher import Publisher
 
 run, mode = sys.argv[1], sys.argv[2]
 old = {"w": torch.randn(4096).to(torch.bfloat16), "norm": torch.randn(64)}
@@ -46,12 +46,12 @@ print("running after construction:", warmup._thread is not None and warmup._thre
 if mode == "hot-load at once":
     prepared = swapper.prepare(1)     # the stage paths left are dropped, the commit's warmed before the pause
     print("warm before the pause:", sorted(map(str, warmup.wait_warm(0))))
-    from delta import commit_ranges
+    from ckptdelta.delta import commit_ranges
     before = len(commit_ranges.commit_ranges.overloads) + len(commit_ranges.undo_ranges.overloads)
-    team_loaded = "delta.commit_team" in sys.modules
+    team_loaded = "ckptdelta.delta.commit_team" in sys.modules
     swapper.commit(prepared)
     after = len(commit_ranges.commit_ranges.overloads) + len(commit_ranges.undo_ranges.overloads)
-    print("commit kernels loaded in the pause:", after - before + ("delta.commit_team" in sys.modules) - team_loaded)
+    print("commit kernels loaded in the pause:", after - before + ("ckptdelta.delta.commit_team" in sys.modules) - team_loaded)
 else:
     warmup.wait_warm(300)
     swapper.commit(swapper.prepare(1))
@@ -96,9 +96,9 @@ def test_a_warm_up_that_fails_is_logged_and_not_reported_as_warm(tmp_path):
 
 _FORK = r"""
 import os, sys, time, torch
-from delta import encode, stage, warmup
-from loader import HotSwapper, SnapshotReader
-from publisher import Publisher
+from ckptdelta.delta import encode, stage, warmup
+from ckptdelta.loader import HotSwapper, SnapshotReader
+from ckptdelta.publisher import Publisher
 
 run = sys.argv[1]
 with Publisher(run, progress=False) as pub:
@@ -135,7 +135,7 @@ def test_a_process_forked_while_the_warm_up_runs_can_compile_kernels_of_its_own(
 
 
 def test_the_warm_up_stays_off_when_the_environment_says_so(monkeypatch):
-    from delta import warmup
+    from ckptdelta.delta import warmup
 
     monkeypatch.setenv("CKPTDELTA_WARMUP", "0")
     assert warmup.warm_in_background([torch.bfloat16]) is None

@@ -81,7 +81,7 @@ class VllmRun:
 
 
 def publish_vllm_run(url: str, model_dir: str, *, deltas: int = 2) -> VllmRun:
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
     from safetensors.torch import load_file
 
     weights = {}
@@ -99,7 +99,7 @@ class VllmReplicaHandle:
     """The engine (in this process), the replica app on a live socket, and an HTTP client for it."""
 
     def __init__(self, engine, *, replica_id: str = "vllm-0", api_key: str | None = None):
-        from loader.server import create_app
+        from ckptdelta.loader.server import create_app
 
         self.engine = engine
         self.server = LiveServer(create_app(engine, replica_id=replica_id, api_key=api_key)).__enter__()
@@ -156,7 +156,7 @@ class VllmReplicaHandle:
 def start_vllm_replica(run: VllmRun, snapshot="latest", *, cache_dir: str | None = None,
                        cache_policy: str = "recompute", replica_id: str = "vllm-0",
                        api_key: str | None = None) -> VllmReplicaHandle:
-    from loader.engines import build_engine
+    from ckptdelta.loader.engines import build_engine
 
     engine = build_engine("vllm", bucket=run.url, snapshot=snapshot, cache_dir=cache_dir, cache_policy=cache_policy,
                           vllm_args=VLLM_ARGS)

@@ -128,11 +128,11 @@ def _run_rank(rank: int, port: int, host_path: str, out_dir: str, corrupt: str |
                                  local_rank=rank, backend="gloo")
     initialize_model_parallel(tensor_model_parallel_size=2)
 
-    from loader.engines.shared_weights import open_tensors
-    from loader.engines.vllm_patch import patch, targets
-    from loader.engines.vllm_readback import checkpoint_tensors
-    from loader.engines.vllm_tp import Slice
-    from loader.engines.vllm_worker import _compare, _digests
+    from ckptdelta.loader.engines.shared_weights import open_tensors
+    from ckptdelta.loader.engines.vllm.worker.patch import patch, targets
+    from ckptdelta.loader.engines.vllm.worker.readback import checkpoint_tensors
+    from ckptdelta.loader.engines.vllm.tp import Slice
+    from ckptdelta.loader.engines.vllm.worker.extension import _compare, _digests
 
     host = {k: v.clone() for k, v in open_tensors(host_path, None).items()}
     tensors = dict(host)

@@ -1,4 +1,4 @@
-"""The chunk encodings of docs/FORMAT.md, one module each, registered by id (:mod:`delta.encodings.base`).
+"""The chunk encodings of docs/FORMAT.md, one module each, registered by id (:mod:`ckptdelta.delta.encodings.base`).
 
 Importing this package registers the built-in encodings. A new encoding is one
 more module here (its id, fields check, encoder, decoder, warm-up and cost, with
@@ -9,8 +9,9 @@ publisher's cost model take it from the registry.
 
 from __future__ import annotations
 
-from . import ctx, dense_xor, gctx, pctx, raw, sparse, unchanged
-from .base import ALWAYS, CONTEXT, REGISTRY, Candidate, Chunk, Cost, Encoding, LayoutEncoding, register
+from ckptdelta.delta.encodings import ctx, dense_xor, gctx, pctx, raw, sparse, unchanged
+from ckptdelta.delta.encodings.base import (ALWAYS, CONTEXT, REGISTRY, Candidate, Chunk, Cost, Encoding, LayoutEncoding,
+                                            register)
 
 UNCHANGED = unchanged.ENCODING.id
 SPARSE = sparse.ENCODING.id

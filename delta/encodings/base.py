@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..dtypes import DType
-    from ..record import ChunkEntry
+    from ckptdelta.delta.dtypes import DType
+    from ckptdelta.delta.record import ChunkEntry
 
 #: When the chunk coder tries an encoding: in both codec modes, or only with the context coder
 #: (``encode(context=True)``); None: never (a decoder only, or the chunk coder takes it itself).
@@ -48,7 +48,7 @@ class Cost:
     The chooser measures each codec's encode and bytes itself, delta by delta; it takes from here
     the shape of the cost, which it cannot measure on the trainer: how much more a changed element
     costs than a scanned one, a replica's decode, and the priors used before it measured both codecs.
-    Only the encoding that stands for a codec (``delta.chunks.codec_encoding``) needs one."""
+    Only the encoding that stands for a codec (``ckptdelta.delta.chunks.codec_encoding``) needs one."""
 
     #: Encode work per changed element, in units of one scanned element (the publisher's unit of work).
     work_per_changed: float
@@ -110,7 +110,7 @@ class Encoding:
     #: Its place among the tries (ascending): of two payloads of one size, the earlier encoding's is kept.
     order = 100
     #: A context coder (encodings 4, 5): its encoder visits every element, so the chunk coder lets the one
-    #: ``delta.chunks.CONTEXT_ENCODING`` names count the changes (:meth:`scan`); the others are never tried.
+    #: ``ckptdelta.delta.chunks.CONTEXT_ENCODING`` names count the changes (:meth:`scan`); the others are never tried.
     scans = False
     #: The publisher's cost model of the codec this encoding stands for, if any.
     cost: Cost | None = None
@@ -150,7 +150,7 @@ class Encoding:
         """Chunk-local positions (int64) and new bits of a chunk encoded against ``old`` (the chunk's
         parent bits), into ``out`` when given (only where :attr:`decodes_into`). ``payload`` has been
         checked against the entry's length and checksum, the entry's fields by :meth:`check_entry`;
-        anything else wrong in the payload is a :class:`~delta.errors.FormatError` naming ``where``."""
+        anything else wrong in the payload is a :class:`~ckptdelta.delta.errors.FormatError` naming ``where``."""
         raise NotImplementedError(f"{where}: encoding {self.name} does not decode")
 
     def check_whole(self, entry: "ChunkEntry", payload: bytes | memoryview, n: int, dt: "DType",
@@ -191,12 +191,12 @@ class LayoutEncoding(Encoding):
 
 
 class Registry:
-    """The encodings by id. Modules register theirs when imported (``delta.encodings`` imports the
+    """The encodings by id. Modules register theirs when imported (``ckptdelta.delta.encodings`` imports the
     built-in ones); the sets below are recomputed on every change, so callers read them as attributes."""
 
     def __init__(self) -> None:
         self.by_id: dict[int, Encoding] = {}
-        #: id -> name, the same dict object throughout (``delta.record.ENCODING_NAMES``).
+        #: id -> name, the same dict object throughout (``ckptdelta.delta.record.ENCODING_NAMES``).
         self.names: dict[int, str] = {}
         self.in_order: tuple[Encoding, ...] = ()
         self.needs_grandparent: frozenset[int] = frozenset()

@@ -2,19 +2,19 @@
 
 Payload: a class table, then a position and a step bit stream (docs/FORMAT.md,
 "Encoding 4: ctx"); ``planes_a``/``planes_b`` are the dtype's mantissa and exponent
-bits (:data:`delta.ctxcoder.CTX_LAYOUT`), ``count`` the changed elements. The glue
+bits (:data:`ckptdelta.delta.ctxcoder.CTX_LAYOUT`), ``count`` the changed elements. The glue
 is delta/ctxcoder.py, the kernels delta/ctx_encoder.py and delta/ctx_decoder.py.
 
 The codec wrote it before encoding 5 existed and still reads it; it writes it again
-only where ``delta.chunks.CONTEXT_ENCODING`` names it (tests of encoding 4).
+only where ``ckptdelta.delta.chunks.CONTEXT_ENCODING`` names it (tests of encoding 4).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .. import ctxcoder, kernels
-from .base import CONTEXT, Candidate, Cost, LayoutEncoding, register
+from ckptdelta.delta import ctxcoder, kernels
+from ckptdelta.delta.encodings.base import CONTEXT, Candidate, Cost, LayoutEncoding, register
 
 
 def take_scan(chunk, res: "ctxcoder.CtxResult | None") -> bool:

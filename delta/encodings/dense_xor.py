@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
-from ..errors import FormatError
-from . import frames
-from .base import ALWAYS, Candidate, Encoding, register
+from ckptdelta.delta import kernels
+from ckptdelta.delta.errors import FormatError
+from ckptdelta.delta.encodings import frames
+from ckptdelta.delta.encodings.base import ALWAYS, Candidate, Encoding, register
 
 # Above this fraction of changed elements the dense XOR form is tried as well and the smaller kept,
 # unless the best so far already compresses the chunk DENSE_SKIP_RATIO-fold: on the reference

@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import zstandard
 
-from .. import kernels
-from ..errors import FormatError
+from ckptdelta.delta import kernels
+from ckptdelta.delta.errors import FormatError
 
 _local = threading.local()
 

@@ -4,7 +4,7 @@ Payload: a group table, a class table, the groups' position streams, then the st
 stream (docs/FORMAT.md, "Encoding 5: gctx"); fields as encoding 4's. The glue is
 delta/ctxcoder.py (``encode_gctx``, ``decode_gctx``), the kernels delta/gctx.py.
 
-It is what ``encode(context=True)`` writes (``delta.chunks.CONTEXT_ENCODING``): its
+It is what ``encode(context=True)`` writes (``ckptdelta.delta.chunks.CONTEXT_ENCODING``): its
 scan of every element counts the changes and finds sparse's arrays on the way, so
 the chunk coder tries sparse after it without a pass of its own, and skips
 compressing sparse's planes where this payload is surely smaller. It carries the
@@ -13,9 +13,9 @@ context codec's cost model.
 
 from __future__ import annotations
 
-from .. import ctxcoder
-from .base import CONTEXT, Candidate, Cost, LayoutEncoding, register
-from .ctx import take_scan
+from ckptdelta.delta import ctxcoder
+from ckptdelta.delta.encodings.base import CONTEXT, Candidate, Cost, LayoutEncoding, register
+from ckptdelta.delta.encodings.ctx import take_scan
 
 
 class Gctx(LayoutEncoding):
@@ -25,7 +25,7 @@ class Gctx(LayoutEncoding):
     order = 20
     scans = True
     layout = ctxcoder.CTX_LAYOUT
-    #: ``delta.encode_many`` on the reference workload (benchmarks.workloads "small", 2 threads, 0.13-6.8%
+    #: ``ckptdelta.delta.encode_many`` on the reference workload (benchmarks.workloads "small", 2 threads, 0.13-6.8%
     #: changed): 0.53x and 0.39x encoding 4's time per changed element and 1.0-1.4x per element in two runs,
     #: so 70 -> 32 units per changed element. Decode: encoding 4's (1.25, 28.0), fitted to benchmarks/at_scale.py
     #: at 1 GB, 2 cores each side (decode over trainer-side time 0.89-0.90 at lr 1e-6 (1.0% changed), 0.50-0.59

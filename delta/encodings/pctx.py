@@ -2,7 +2,7 @@
 
 Payload: u32 R, a range-coded stream of R bytes, then a raw bit stream (docs/FORMAT.md,
 "Encoding 6: pctx"); ``planes_a``/``planes_b`` the dtype's mantissa and exponent bits
-(:data:`delta.pctx.PCTX_LAYOUT`), ``count`` the changed elements. A reader needs the
+(:data:`ckptdelta.delta.pctx.PCTX_LAYOUT`), ``count`` the changed elements. A reader needs the
 tensor's grandparent too. The kernels and their glue are delta/pctx.py.
 
 The chunk coder tries it with the context coder where its caller gave the
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import pctx as coder
-from ..errors import GrandparentNeededError
-from .base import CONTEXT, Candidate, LayoutEncoding, register
+from ckptdelta.delta import pctx as coder
+from ckptdelta.delta.errors import GrandparentNeededError
+from ckptdelta.delta.encodings.base import CONTEXT, Candidate, LayoutEncoding, register
 
 
 class Pctx(LayoutEncoding):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
-from . import frames
-from .base import ALWAYS, Candidate, Encoding, register
-from .dense_xor import DENSE_TRY_FRACTION
+from ckptdelta.delta import kernels
+from ckptdelta.delta.encodings import frames
+from ckptdelta.delta.encodings.base import ALWAYS, Candidate, Encoding, register
+from ckptdelta.delta.encodings.dense_xor import DENSE_TRY_FRACTION
 
 
 class Raw(Encoding):

@@ -15,10 +15,10 @@ import struct
 
 import numpy as np
 
-from .. import kernels
-from ..errors import FormatError
-from . import frames
-from .base import ALWAYS, Candidate, Cost, Encoding, register
+from ckptdelta.delta import kernels
+from ckptdelta.delta.errors import FormatError
+from ckptdelta.delta.encodings import frames
+from ckptdelta.delta.encodings.base import ALWAYS, Candidate, Cost, Encoding, register
 
 
 def encode_payload(old: np.ndarray, new: np.ndarray, dt, changed: int, level: int,
@@ -39,7 +39,7 @@ class Sparse(Encoding):
     name = "sparse"
     tried = ALWAYS
     order = 10
-    #: ``delta.encode_many`` on the reference workload (benchmarks.workloads "small", 23M bf16 elements,
+    #: ``ckptdelta.delta.encode_many`` on the reference workload (benchmarks.workloads "small", 23M bf16 elements,
     #: 0.13-31% changed, 2 cores) fitted ~1.3 ns/element + ~45 ns/changed element for the fast path; its
     #: decode over its encode at 1 GB (benchmarks/at_scale.py, 2 cores each side) 0.55-0.70 at lr 1e-6
     #: (1.0% changed) and 0.49-0.60 at lr 1e-5 (6.8%). Priors: 1.3 / 2.2 ns per element of the context

@@ -1,7 +1,7 @@
 """Encoding 0, unchanged: the chunk equals the parent's (docs/FORMAT.md, "Chunk encodings").
 
 No payload and no fields. The chunk coder writes it itself wherever a chunk has
-no change (``delta.chunks.encode_chunk``): no other encoding is tried then.
+no change (``ckptdelta.delta.chunks.encode_chunk``): no other encoding is tried then.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from .base import Encoding, register
+from ckptdelta.delta.encodings.base import Encoding, register
 
 
 class Unchanged(Encoding):

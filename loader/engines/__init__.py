@@ -1,4 +1,4 @@
-"""Replica engines, by name: each is one module with a ``build(**options)`` returning a ReplicaEngine.
+"""Replica engines, by name: each is a package whose ``build(**options)`` returns a ReplicaEngine.
 
 The registry imports an engine only when asked for, so the reference replica
 never imports vLLM (and vLLM's workers import only what they call).
@@ -9,11 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine
+from ckptdelta.loader.engines.base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine
 
 ENGINES: dict[str, str] = {
-    "reference": "loader.engines.reference",
-    "vllm": "loader.engines.vllm",
+    "reference": "ckptdelta.loader.engines.reference",
+    "vllm": "ckptdelta.loader.engines.vllm",
 }
 
 

@@ -12,7 +12,7 @@ A hot-load calls, in this order (loader/hotload_jobs.py)::
     report = engine.swapper.commit(prepared)    # the pause: generation held, the update applied
                                                 # and checked, the version set, generation resumed
 
-``swapper`` is a :class:`loader.hotswap.HotSwapper`. For the reference engine it
+``swapper`` is a :class:`ckptdelta.loader.hotswap.HotSwapper`. For the reference engine it
 patches the torch model the decode loop runs. An engine that keeps its weights
 in a layout of its own (vLLM) gives the swapper a host copy in checkpoint
 coordinates and an :class:`EngineApplier`: the swapper patches the copy inside
@@ -89,7 +89,7 @@ class EngineApplier(abc.ABC):
 
     @abc.abstractmethod
     def paused(self) -> Any:
-        """A context manager around one commit; yields a :class:`loader.hotswap.Pause` it fills in.
+        """A context manager around one commit; yields a :class:`ckptdelta.loader.hotswap.Pause` it fills in.
 
         The engine generates nothing between the first ``apply`` and the end of the block. Since it
         computes with its own tensors, not the host copy, it may serve on while the swapper writes the host
@@ -110,7 +110,7 @@ class ReplicaEngine(abc.ABC):
     kind: str = "?"
     model_name: str = "ckptdelta"
     cache_policy: str = "recompute"
-    swapper: Any = None  # a loader.hotswap.HotSwapper, or None for fixed weights
+    swapper: Any = None  # a ckptdelta.loader.hotswap.HotSwapper, or None for fixed weights
 
     @property
     def version(self) -> int | None:

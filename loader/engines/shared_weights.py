@@ -4,7 +4,7 @@ An engine that keeps its weights in its own layout (vLLM re-packs CPU linears,
 fuses q/k/v and gate/up, pads vocabularies) cannot be the decoder's parent: a
 delta is defined on the checkpoint's tensors. So the replica keeps those tensors
 itself, once per host, in a file on ``/dev/shm``: the replica process maps it
-read-write and :class:`loader.hotswap.HotSwapper` patches it in place (undo and
+read-write and :class:`ckptdelta.loader.hotswap.HotSwapper` patches it in place (undo and
 all); every engine worker of the host maps the same pages read-only-by-convention
 and hands the changed tensors to the engine's own loader. Nothing is copied per
 worker, and the file is exactly the model's checkpoint bytes plus alignment.
@@ -31,8 +31,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from delta.errors import CkptDeltaError
-from delta.scratch import SHM_DIR_ENV, shm_dir
+from ckptdelta.delta.errors import CkptDeltaError
+from ckptdelta.delta.scratch import SHM_DIR_ENV, shm_dir
 
 ALIGN = 64
 #: Where the host copy goes instead of /dev/shm (a tmpfs or a directory of its own; every engine worker of the
@@ -96,7 +96,7 @@ class SharedWeights:
     path: str
     index: dict[str, dict]
     tensors: dict[str, torch.Tensor]
-    owner: Any = field(default=None, repr=False)   # delta.scratch.Owned: the file, locked while we live
+    owner: Any = field(default=None, repr=False)   # ckptdelta.delta.scratch.Owned: the file, locked while we live
 
     @property
     def index_path(self) -> str:
@@ -116,7 +116,7 @@ class SharedWeights:
             index[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                            "offset": offset, "nbytes": nbytes}
             offset += -(-max(nbytes, 1) // ALIGN) * ALIGN
-        from delta import scratch
+        from ckptdelta.delta import scratch
 
         directory = directory or default_dir()
         remove_orphans(directory)
@@ -184,7 +184,7 @@ def open_positions(path: str) -> torch.Tensor:
 def remove_orphans(directory: str) -> list[str]:
     """Remove the host copies (and their index and positions files) of replicas that died without closing
     theirs: those no process holds locked (delta/scratch.py), whatever their pid says."""
-    from delta import scratch
+    from ckptdelta.delta import scratch
 
     return scratch.sweep(directory, ("weights",))
 

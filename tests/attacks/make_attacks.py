@@ -20,7 +20,7 @@ from pathlib import Path
 import xxhash
 import zstandard
 
-from delta import container, record
+from ckptdelta.delta import container, record
 
 HERE = Path(__file__).resolve().parent
 F32, U8 = 9, 2

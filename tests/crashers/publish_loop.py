@@ -128,8 +128,8 @@ def _install_kill_hook(store: Any, op: int, when: str, seed: int) -> None:
 
 def run(cmd: dict[str, Any]) -> int:
     """Open the run (continuing after its last committed version), publish ``n_publish`` versions."""
-    from publisher import Publisher
-    from publisher.runs import committed_versions
+    from ckptdelta.publisher import Publisher
+    from ckptdelta.publisher.runs import committed_versions
 
     seed = int(cmd["seed"])
     pub = Publisher(cmd["url"], storage_options=cmd.get("storage_options") or {},

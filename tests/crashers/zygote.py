@@ -39,7 +39,7 @@ def _warm_up() -> None:
     anchors and deltas, and the decoding a restarted publisher does to rebuild its parent."""
     import tempfile
 
-    from publisher import Publisher
+    from ckptdelta.publisher import Publisher
     from tests.crashers.publish_loop import weights_for
 
     with tempfile.TemporaryDirectory(prefix="ckptdelta-zygote-") as d:

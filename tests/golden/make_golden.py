@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from delta import codec, dtypes, record
+from ckptdelta.delta import codec, dtypes, record
 
 HERE = Path(__file__).resolve().parent
 

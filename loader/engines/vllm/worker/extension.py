@@ -1,4 +1,4 @@
-"""What ckptdelta adds to each vLLM worker (``--worker-extension-cls loader.engines.vllm_worker.CkptDeltaWorker``).
+"""What ckptdelta adds to each vLLM worker (``--worker-extension-cls ckptdelta.loader.engines.vllm.worker.extension.CkptDeltaWorker``).
 
 The replica process holds the one host copy of the current weights, in checkpoint
 coordinates, in a shared-memory file (loader/engines/shared_weights.py). During a
@@ -10,7 +10,7 @@ layers are re-packed), and read the live weights back in checkpoint coordinates
 to prove they are the published bits. One exception: the routed experts of a
 CPU MoE layer never go through ``reload_weights`` (vLLM 0.32 skips the CPU
 prepack on a reload and copies unpacked weights into the packed storage);
-loader/engines/vllm_moe.py writes them with the layer's own loader, padding and
+loader/engines/vllm/worker/moe.py writes them with the layer's own loader, padding and
 prepack op instead. Arguments travel as one JSON string:
 vLLM's HTTP RPC passes strings only.
 
@@ -55,8 +55,8 @@ class CkptDeltaWorker:
         """What the replica needs to group tensors into whole vLLM modules (fused q/k/v, gate/up, experts).
         Called once when the replica attaches: from then on vLLM's steps take turns with background jobs."""
         model = self._ckptdelta_model()
-        from loader.engines.vllm_patch import targets
-        from loader.engines.vllm_shadow import install_step_lock
+        from ckptdelta.loader.engines.vllm.worker.patch import targets
+        from ckptdelta.loader.engines.vllm.worker.shadow import install_step_lock
 
         install_step_lock(self.model_runner)  # type: ignore[attr-defined]
 
@@ -69,8 +69,8 @@ class CkptDeltaWorker:
         return self._ckptdelta_patch(req)
 
     def _ckptdelta_patch(self, req: dict) -> dict[str, Any]:
-        from loader.engines.shared_weights import open_positions, open_tensors
-        from loader.engines.vllm_patch import patch
+        from ckptdelta.loader.engines.shared_weights import open_positions, open_tensors
+        from ckptdelta.loader.engines.vllm.worker.patch import patch
 
         t0 = time.perf_counter()
         spans = [tuple(x) for x in req["spans"]]
@@ -84,8 +84,8 @@ class CkptDeltaWorker:
     @_answer
     def ckptdelta_reload(self, req: dict) -> dict[str, Any]:
         """Reload the named tensors from the shared weights file through vLLM's own loader."""
-        from loader.engines.shared_weights import open_tensors
-        from loader.engines.vllm_moe import reload_cpu_experts, split_expert_tensors
+        from ckptdelta.loader.engines.shared_weights import open_tensors
+        from ckptdelta.loader.engines.vllm.worker.moe import reload_cpu_experts, split_expert_tensors
 
         t0 = time.perf_counter()
         tensors = open_tensors(req["path"], req.get("names"))
@@ -129,12 +129,12 @@ class CkptDeltaWorker:
     @_answer
     def ckptdelta_stage(self, req: dict) -> dict[str, Any]:
         """Start building the next version of the named tensors' modules beside the live ones
-        (loader/engines/vllm_shadow.py), from the host copy (which holds it already), in a thread of this
+        (loader/engines/vllm/worker/shadow.py), from the host copy (which holds it already), in a thread of this
         worker: the RPC returns at once and the engine keeps generating. Poll with ``ckptdelta_staged``; its
         ``deferred`` names the tensors left to a reload inside the pause (CPU MoE experts)."""
-        from loader.engines.shared_weights import open_tensors
-        from loader.engines.vllm_moe import split_expert_tensors
-        from loader.engines.vllm_shadow import ShadowBuild, ShadowError, build_shadow
+        from ckptdelta.loader.engines.shared_weights import open_tensors
+        from ckptdelta.loader.engines.vllm.worker.moe import split_expert_tensors
+        from ckptdelta.loader.engines.vllm.worker.shadow import ShadowBuild, ShadowError, build_shadow
 
         old = getattr(self, "_ckptdelta_shadow", None)
         if old is not None and old.state == "running":
@@ -171,7 +171,7 @@ class CkptDeltaWorker:
     def ckptdelta_digests_start(self, req: dict) -> dict[str, Any]:
         """:meth:`ckptdelta_digests` in a background thread (the proof after resuming, while vLLM serves):
         its kernel calls take turns with vLLM's steps. Poll with ``ckptdelta_job``."""
-        from loader.engines.vllm_shadow import BackgroundJob
+        from ckptdelta.loader.engines.vllm.worker.shadow import BackgroundJob
 
         jobs = self.__dict__.setdefault("_ckptdelta_jobs", {})
         for token in [t for t, j in jobs.items() if j.state != "running"]:
@@ -200,7 +200,7 @@ class CkptDeltaWorker:
     def ckptdelta_swap(self, req: dict) -> dict[str, Any]:
         """Inside the pause: the live modules take the ready shadow's tensors and packed kernels; then
         ``patch``, when given, as :meth:`ckptdelta_patch` (one RPC for the whole pause)."""
-        from loader.engines.vllm_shadow import swap_in
+        from ckptdelta.loader.engines.vllm.worker.shadow import swap_in
 
         shadow = getattr(self, "_ckptdelta_shadow", None)
         if shadow is None or shadow.token != str(req.get("token")) or shadow.state != "ready":
@@ -226,7 +226,7 @@ class CkptDeltaWorker:
     def ckptdelta_memory(self, req: dict) -> dict[str, Any]:
         """What this worker holds beyond the model: its RSS, vLLM reload records of modules that are not the
         live model's (shadows not released), shared files still mapped through the cache."""
-        from loader.engines.shared_weights import _opened
+        from ckptdelta.loader.engines.shared_weights import _opened
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         live = {id(m) for m in self._ckptdelta_model().modules()}
@@ -247,9 +247,9 @@ class CkptDeltaWorker:
 
     @_answer
     def ckptdelta_lora_slots(self, req: dict) -> dict[str, Any]:
-        """The LoRA adapters this worker holds and their slot indices (loader/engines/vllm_lora_slots.py);
+        """The LoRA adapters this worker holds and their slot indices (loader/engines/vllm/worker/lora_slots.py);
         ``pin``: ids to pin in vLLM's LoRA caches first."""
-        from loader.engines import vllm_lora_slots as slots
+        from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
 
         if req.get("pin"):
             slots.pin(self, [int(i) for i in req["pin"]])
@@ -265,8 +265,8 @@ class CkptDeltaWorker:
         steps and proves it (``vllm_lora_slots.write_locked``), then leaves its answer, or ``{"state": "failed",
         "why": ...}``, in that file (its tensor-parallel rank put in): the replica reads it there, without
         another RPC waiting for vLLM's step in progress."""
-        from loader.engines import vllm_lora_slots as slots
-        from loader.engines.vllm_shadow import BackgroundJob
+        from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
+        from ckptdelta.loader.engines.vllm.worker.shadow import BackgroundJob
 
         lora_id, path, digests, config = int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"])
         answer = req.get("answer")
@@ -307,7 +307,7 @@ class CkptDeltaWorker:
         of a ready ``ckptdelta_lora_stage``, only the copy into the slot and the comparison run here; without
         one (or if that preparation is gone or still running) everything runs inside this call. The replica
         writes through ``ckptdelta_lora_stage`` with ``answer`` instead; this call is the in-loop path."""
-        from loader.engines import vllm_lora_slots as slots
+        from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
 
         job = getattr(self, "_ckptdelta_lora_job", None)
         prepared = None
@@ -323,14 +323,14 @@ class CkptDeltaWorker:
     @_answer
     def ckptdelta_lora_prove(self, req: dict) -> dict[str, Any]:
         """Prove registered adapter ``id`` holds the adapter in the host copy at ``path``, without writing."""
-        from loader.engines import vllm_lora_slots as slots
+        from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
 
         return slots.prove(self, int(req["id"]), req["path"], dict(req["digests"]), dict(req["config"]))
 
     @_answer
     def ckptdelta_lora_digests(self, req: dict) -> dict[str, Any]:
         """xxh3 of each LoRA buffer at adapter ``id``'s slot: what two vLLMs hold, compared (tests)."""
-        from loader.engines import vllm_lora_slots as slots
+        from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
 
         return {"digests": slots.slot_digests(self, int(req["id"]))}
 
@@ -342,7 +342,7 @@ class CkptDeltaWorker:
         holds vLLM's engine loop with ckptdelta's slot write (whose times the workers report)."""
         from vllm.lora.request import LoRARequest
 
-        from loader.engines.vllm_shadow import KERNEL_LOCK
+        from ckptdelta.loader.engines.vllm.worker.shadow import KERNEL_LOCK
 
         t0 = time.perf_counter()
         with KERNEL_LOCK:        # as the runner's own add_lora (vllm_lora_slots.install_lora_lock)
@@ -361,7 +361,7 @@ class CkptDeltaWorker:
         tensor-parallel rank (a path without it is refused there) and says which slice of each tensor that is."""
         from safetensors.torch import save_file
 
-        from loader.engines.vllm_readback import checkpoint_tensors
+        from ckptdelta.loader.engines.vllm.worker.readback import checkpoint_tensors
 
         rank, size = _tp_rank()
         path = str(req["path"])
@@ -399,11 +399,11 @@ def _release(shadow: Any, displaced: list[Any]) -> None:
 
 
 def _digests(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
-    from loader.engines.vllm_readback import checkpoint_tensors, digests, kernel_view
+    from ckptdelta.loader.engines.vllm.worker.readback import checkpoint_tensors, digests, kernel_view
 
     # Tensors read through a GEMM kernel are compared as the kernel sees them (vllm_readback.kernel_view).
     # Under tensor parallelism each digest is of the slice this rank holds, and ``slices`` says which: the
-    # replica hashes the same slice of the host copy (loader/engines/vllm_tp.py).
+    # replica hashes the same slice of the host copy (loader/engines/vllm/tp.py).
     kernel: set[str] = set()
     slices: dict[str, Any] = {}
     tensors = checkpoint_tensors(model, names, strict=False, kernel_read=kernel, slices=slices)
@@ -416,8 +416,8 @@ def _digests(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
 def _compare(model: torch.nn.Module, path: str, names: list[str] | None, columns: int | None) -> dict[str, Any]:
     """Read ``names`` back from ``model`` (the live model or a shadow of it) and compare their bits with the
     shared file at ``path``; ``columns``: that many random input columns per kernel-read matrix."""
-    from loader.engines.shared_weights import open_tensors
-    from loader.engines.vllm_readback import checkpoint_tensors
+    from ckptdelta.loader.engines.shared_weights import open_tensors
+    from ckptdelta.loader.engines.vllm.worker.readback import checkpoint_tensors
 
     kernel: set[str] = set()
     cols: dict[str, torch.Tensor] = {}
@@ -448,7 +448,7 @@ def _kernel_views(host: torch.Tensor, live: torch.Tensor, cols: torch.Tensor | N
     """``kernel_view`` of the host tensor (its sampled columns) and of the live read-back, at the cost of the
     sample: a row is poisoned by a NaN/Inf in any column, so only rows the live side shows poisoned but the
     sample of the host does not are looked at whole."""
-    from loader.engines.vllm_readback import kernel_view
+    from ckptdelta.loader.engines.vllm.worker.readback import kernel_view
 
     if cols is None or host.dim() != 2:
         return kernel_view(host), kernel_view(live)

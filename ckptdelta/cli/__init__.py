@@ -2,7 +2,7 @@
 
 publisher/ and loader/ each register their own subcommands, so this module only
 assembles the parser and sets up logging; every command reports through
-ckptdelta/console.py: a usage error is one line and exit status 2, a failure one
+ckptdelta/cli/console.py: a usage error is one line and exit status 2, a failure one
 line and exit status 1, a traceback only with -v (it is for bugs, not for a wrong URL).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__
-from .console import CommandParser, guarded, set_up_logging, usage_error
+from ckptdelta import __version__
+from ckptdelta.cli.console import CommandParser, guarded, set_up_logging, usage_error
 
 DESCRIPTION = """\
 Ship bit-exact policy weights from an RL trainer to its sampling replicas as small
@@ -44,11 +44,12 @@ Errors are one line (exit 2: a usage error, 1: a failure); -v adds the traceback
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from loader import cli as loader_serve_cli
-    from loader import cli_read as loader_read_cli
-    from publisher import cli as publisher_cli
+    from ckptdelta.cli import serve as loader_serve_cli
+    from ckptdelta.cli import read as loader_read_cli
+    from ckptdelta.cli import publish as publisher_cli
 
-    from . import inspect_cmd, warmup_cmd
+    from ckptdelta.cli import inspect as inspect_cmd
+    from ckptdelta.cli import warmup as warmup_cmd
 
     parser = CommandParser(
         prog="ckptdelta", description=DESCRIPTION, epilog=EPILOG,

@@ -1,4 +1,4 @@
-"""``ckptdelta serve``: run a replica (``hotload`` and ``status``, for one replica or many: loader/fleet_cli.py)."""
+"""``ckptdelta serve``: run a replica (``hotload`` and ``status``, for one replica or many: ckptdelta/cli/fleet.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from ckptdelta.console import guarded, usage_error
-from . import stopping
-from ckptdelta.options import UsageError, add_storage_args, storage_options
-from delta.errors import CkptDeltaError, NotServableError
+from ckptdelta.cli.console import guarded, usage_error
+from ckptdelta.loader import stopping
+from ckptdelta.cli.options import UsageError, add_storage_args, storage_options
+from ckptdelta.delta.errors import CkptDeltaError, NotServableError
 
 if TYPE_CHECKING:
-    from .starting import StartingServer
+    from ckptdelta.loader.starting import StartingServer
 
 log = logging.getLogger("ckptdelta.server")
 
@@ -57,7 +57,7 @@ def add_commands(subparsers: Any) -> None:
     v.add_argument("--attach", metavar="URL", default=None,
                    help="use a vLLM server already running at URL (http://HOST:PORT, or unix:PATH for one "
                         "started with --uds PATH; started with --worker-extension-cls "
-                        "loader.engines.vllm_worker.CkptDeltaWorker and VLLM_SERVER_DEV_MODE=1 on the snapshot's "
+                        "ckptdelta.loader.engines.vllm.worker.extension.CkptDeltaWorker and VLLM_SERVER_DEV_MODE=1 on the snapshot's "
                         "weights) instead of starting one")
     v.add_argument("--verify", choices=["sampled", "full", "off"], default="sampled",
                    help="prove the live weights after every swap: sampled (default: in the pause, plain tensors "
@@ -85,7 +85,7 @@ def add_commands(subparsers: Any) -> None:
                         "new replica (default), or stay up answering /health 503")
     p.set_defaults(func=guarded(cmd_serve, "serve"))
 
-    from . import fleet_cli
+    from ckptdelta.cli import fleet as fleet_cli
 
     fleet_cli.add_commands(subparsers)    # hotload and status, for one replica or many
 
@@ -126,7 +126,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def _starting_server(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int") -> "StartingServer":
     """The port listens from now on: STARTING until the engine serves (the run and version said once known)."""
-    from .starting import StartingServer
+    from ckptdelta.loader.starting import StartingServer
 
     server = StartingServer(sock, replica_id=_replica_id(args), engine=args.engine, api_key=_api_key(args),
                             run_id=getattr(args, "run_id", None),
@@ -138,8 +138,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int",
            starting: "StartingServer") -> int:
     import uvicorn
 
-    from .engines import build_engine
-    from .server import create_app
+    from ckptdelta.loader.engines import build_engine
+    from ckptdelta.loader.server import create_app
 
     stopper = _StopOnEngineFailure(getattr(args, "on_engine_failure", "exit") == "exit")
     _sweep_host(args)
@@ -214,8 +214,8 @@ class _StopOnEngineFailure:
 
 def _sweep_host(args: argparse.Namespace) -> None:
     """What dead replicas of this host left (delta/scratch.py), and the disk cache down to its bound."""
-    from .cache import MAX_GB_ENV, DiskCache
-    from delta.scratch import sweep_host
+    from ckptdelta.loader.cache import MAX_GB_ENV, DiskCache
+    from ckptdelta.delta.scratch import sweep_host
 
     if args.cache_max_gb is not None:
         os.environ[MAX_GB_ENV] = str(args.cache_max_gb)   # every DiskCache of this process (its readers')
@@ -245,8 +245,8 @@ def _check_before_loading(args: argparse.Namespace) -> "tuple[str | int, socket.
     the port, the model directory or the snapshot's config and tokenizer. Returns the snapshot to serve,
     resolved, so the engine serves the version checked, and the replica's address, bound (``--port 0``: the
     port picked is put in ``args.port``; the run's id, from a bucket, in ``args.run_id``)."""
-    from .reader import SnapshotReader
-    from .servable import check_device, check_model_dir, check_snapshot
+    from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.loader.servable import check_device, check_model_dir, check_snapshot
 
     if args.engine == "reference":
         try:

@@ -49,7 +49,7 @@ q/k/v by head group with GQA's kv heads replicated across ranks where there
 are fewer than ranks, input columns of a row-parallel linear, the rank's
 vocabulary rows of an embedding or LM head without its padding), and says
 which slice (``checkpoint_tensors(..., slices=)``; the rules are in
-loader/engines/vllm_tp.py). Linear layer kinds whose sharding is not known
+loader/engines/vllm/tp.py). Linear layer kinds whose sharding is not known
 there raise when read at tensor-parallel size > 1.
 
 Not covered (raises :class:`ReadbackError` naming the parameter): pipeline or
@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from .vllm_tp import Slice, linear_slices, vocab_slice
+from ckptdelta.loader.engines.vllm.tp import Slice, linear_slices, vocab_slice
 
 __all__ = ["ReadbackError", "Slice", "checkpoint_tensors", "digests", "kernel_view"]
 
@@ -504,7 +504,7 @@ def checkpoint_tensors(model: torch.nn.Module, names: Iterable[str] | None = Non
 
     Under tensor parallelism a tensor this rank holds part of comes back as that
     part, and ``slices``, when given, receives which (a :class:`Slice` of the
-    checkpoint tensor, loader/engines/vllm_tp.py); a name not there is whole."""
+    checkpoint tensor, loader/engines/vllm/tp.py); a name not there is whole."""
     token = _SAMPLE_COLUMNS.set(sample_columns)
     try:
         return _checkpoint_tensors(model, names, strict, kernel_read, columns, slices)
@@ -572,7 +572,7 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """xxh3-64 (16 hex digits) of each tensor's bytes in C order, little-endian.
 
     The same string as a manifest's per-tensor ``xxh3`` field
-    (``delta.codec.digest_hex(delta.codec.digest(t))``)."""
+    (``ckptdelta.delta.codec.digest_hex(ckptdelta.delta.codec.digest(t))``)."""
     import xxhash
 
     out = {}

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from delta.errors import NotServableError
-from delta.hf import config_dtype
-from delta.manifest import Manifest, snapshot_name
+from ckptdelta.delta.errors import NotServableError
+from ckptdelta.delta.hf import config_dtype
+from ckptdelta.delta.manifest import Manifest, snapshot_name
 
 #: vLLM's --dtype spellings (vllm.config.model._STR_DTYPE_TO_TORCH_DTYPE) and the dtype each names.
 VLLM_DTYPES = {"half": "float16", "float16": "float16", "float": "float32", "float32": "float32",

@@ -16,12 +16,12 @@ import json
 import os
 from typing import Any
 
-from delta import container, record
-from delta.codec import EncodedTensor
-from delta.errors import ObjectNotFoundError, StorageError
+from ckptdelta.delta import container, record
+from ckptdelta.delta.codec import EncodedTensor
+from ckptdelta.delta.errors import ObjectNotFoundError, StorageError
 
-from .console import guarded
-from .options import add_storage_args, storage_options
+from ckptdelta.cli.console import guarded
+from ckptdelta.cli.options import add_storage_args, storage_options
 
 
 def add_commands(sub: "argparse._SubParsersAction") -> None:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_snapshot(args: argparse.Namespace) -> int:
-    from loader.reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
     reader = SnapshotReader(args.path, storage_options=storage_options(args))
     try:

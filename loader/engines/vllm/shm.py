@@ -1,4 +1,4 @@
-"""vLLM's CPU all-reduce shared memory, removed when the :class:`~loader.engines.vllm.VllmServer` that started it
+"""vLLM's CPU all-reduce shared memory, removed when the :class:`~ckptdelta.loader.engines.vllm.replica.VllmServer` that started it
 stops.
 
 vLLM's CPU build gives tensor-parallel ranks a shared-memory all-reduce: each worker creates

@@ -24,7 +24,7 @@ kernel holds stays valid. Experts not sent keep their values: the scratch
 starts from the live weights unpacked (verified by re-packing) unless every
 expert tensor of the layer is sent.
 
-Covered: tensor / expert parallel size 1 (as :mod:`loader.engines.vllm_readback`),
+Covered: tensor / expert parallel size 1 (as :mod:`ckptdelta.loader.engines.vllm.worker.readback`),
 unquantized experts on the CPU grouped-GEMM backend. zentorch (which keeps the
 checkpoint layout) and every non-CPU backend keep going through ``reload_weights``.
 """
@@ -128,7 +128,7 @@ def _checkpoint_layout(path: str, layer: torch.nn.Module, fe, fresh: bool) -> di
 
     ``fresh``: every weight element is about to be written, so the weights start as
     zeros instead of being unpacked from the live ones. Biases are never packed."""
-    from loader.engines.vllm_readback import _moe_unpack
+    from ckptdelta.loader.engines.vllm.worker.readback import _moe_unpack
 
     inter = int(fe.moe_config.intermediate_size_per_partition)
     padded = int(fe._padded_intermediate_size(fe.moe_config))

@@ -16,18 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from delta.errors import CkptDeltaError, PublishInputError, SnapshotNotFoundError
-from delta.manifest import RUN_KEY
-from delta.storage import Store
+from ckptdelta.delta.errors import CkptDeltaError, PublishInputError, SnapshotNotFoundError
+from ckptdelta.delta.manifest import RUN_KEY
+from ckptdelta.delta.storage import Store
 
-from ckptdelta.console import guarded
-from ckptdelta.options import UsageError, add_storage_args, storage_options
+from ckptdelta.cli.console import guarded
+from ckptdelta.cli.options import UsageError, add_storage_args, storage_options
 
-from . import adapter as adapter_mod
-from . import anchor as anchor_fmt
-from .gc import collect
-from .publisher import Publisher
-from .runs import committed_versions, read_manifest, read_run_info
+from ckptdelta.publisher import adapter as adapter_mod
+from ckptdelta.publisher import anchor as anchor_fmt
+from ckptdelta.publisher.gc import collect
+from ckptdelta.publisher.publisher import Publisher
+from ckptdelta.publisher.runs import committed_versions, read_manifest, read_run_info
 
 log = logging.getLogger("ckptdelta.publisher")
 

@@ -2,7 +2,7 @@
 
 ``add_commands(subparsers)`` registers them on the umbrella CLI's argparse
 subparsers; each sets ``func`` to a callable taking the parsed args and returning
-the exit code. Errors are one line on stderr (ckptdelta/console.py): exit 2 for a
+the exit code. Errors are one line on stderr (ckptdelta/cli/console.py): exit 2 for a
 usage error, 1 for a failure.
 """
 
@@ -12,8 +12,8 @@ import argparse
 import logging
 import sys
 
-from ckptdelta.console import CommandParser, guarded, warn
-from ckptdelta.options import add_storage_args, storage_options
+from ckptdelta.cli.console import CommandParser, guarded, warn
+from ckptdelta.cli.options import add_storage_args, storage_options
 
 log = logging.getLogger("ckptdelta.loader")
 
@@ -47,7 +47,7 @@ def _progress(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_materialize(args: argparse.Namespace) -> int:
-    from .reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
     reader = SnapshotReader(args.url, storage_options=storage_options(args),
                             cache_dir=getattr(args, "cache_dir", None))
     v = reader.resolve(args.snapshot)
@@ -57,7 +57,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
     reader = SnapshotReader(args.url, storage_options=storage_options(args))
     report = reader.verify(args.snapshot, progress=args.progress)
     chain = report.chain
@@ -70,7 +70,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loader.cli_read materialize|verify ...`` (the same commands as the umbrella CLI)."""
+    """``python -m ckptdelta.cli.read materialize|verify ...`` (the same commands as the umbrella CLI)."""
     parser = CommandParser(prog="ckptdelta")
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -10,12 +10,12 @@ place, never re-read from a directory.
 
 - **A hot-load** is prepared while vLLM serves, as for full runs: the adapter's
   host copy (shared memory, checkpoint names) is patched by the
-  :class:`loader.lora.LoraHotSwapper`. Then one ``/collective_rpc`` (which
+  :class:`ckptdelta.loader.lora.LoraHotSwapper`. Then one ``/collective_rpc`` (which
   returns at once) has a thread in every worker prepare the new version through
   vLLM's own load transform, copy it into a slot no request runs on (rows no
   step reads), swap vLLM's registry entry for the slot between two steps
   (holding the lock vLLM's steps hold), prove it, and answer in a file beside
-  the host copy (loader/engines/vllm_lora_slots.py). That swap is the only time
+  the host copy (loader/engines/vllm/worker/lora_slots.py). That swap is the only time
   vLLM's steps wait, the *pause*; nothing is aborted or frozen, and vLLM is
   never paused. Only once the slot is proven do new requests go to it.
 - **Every request runs on exactly one version.** At admission a request is
@@ -46,14 +46,14 @@ from typing import Any, Iterator, Sequence
 
 import httpx
 
-from delta.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, base_digest
-from delta.errors import HotLoadError, NotServableError
+from ckptdelta.delta.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, base_digest
+from ckptdelta.delta.errors import HotLoadError, NotServableError
 
-from ..spans import pinned
-from .base import EngineApplier, ReplicaAPIError
-from .shared_weights import SharedWeights
-from .vllm import (CONTROL_TIMEOUT_S, REQUEST_TIMEOUT_S, Admission, VllmControl, VllmError, VllmReplica,
-                   VllmServer, _snapshot)
+from ckptdelta.loader.spans import pinned
+from ckptdelta.loader.engines.base import EngineApplier, ReplicaAPIError
+from ckptdelta.loader.engines.shared_weights import SharedWeights
+from ckptdelta.loader.engines.vllm.replica import (CONTROL_TIMEOUT_S, REQUEST_TIMEOUT_S, Admission, VllmControl,
+                                                   VllmError, VllmReplica, VllmServer, _snapshot)
 
 log = logging.getLogger("ckptdelta.engine.vllm")
 
@@ -153,7 +153,7 @@ class LoraSlotApplier(EngineApplier):
                  config: dict[str, Any], slot_timeout: float):
         self.control, self.shared, self.slots, self.reader = control, shared, slots, reader
         self.config, self.slot_timeout = config, slot_timeout
-        self.epoch, self.swapping = 0, False       # what loader/engines/vllm_watch.py reads
+        self.epoch, self.swapping = 0, False       # what loader/engines/vllm/watch.py reads
         self.last: dict[str, Any] = {}
         self._pause: Any = None
 
@@ -161,7 +161,7 @@ class LoraSlotApplier(EngineApplier):
     def paused(self) -> Iterator[Any]:
         """No pause of vLLM at all: the slot write is one RPC vLLM runs between two steps (see the module
         docstring); the Pause yielded says how long that RPC held vLLM's engine loop."""
-        from loader.hotswap import Pause
+        from ckptdelta.loader.hotswap import Pause
 
         self._pause = Pause()
         self.swapping = True
@@ -339,7 +339,7 @@ def adapter_rank(config: dict[str, Any]) -> int:
 
 def hash_base(base_dir: str) -> str:
     """base_digest() of the base as transformers loads it (the publisher hashed it so); the model is freed."""
-    from ..engine import load_model
+    from ckptdelta.loader.engine import load_model
 
     base, _ = load_model(base_dir, device="cpu")
     try:
@@ -354,13 +354,13 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
           lora_slots: int = DEFAULT_SLOTS, vllm_api_key: str | None = None, vllm_log: str | None = None,
           request_timeout: float = REQUEST_TIMEOUT_S, control_timeout: float = CONTROL_TIMEOUT_S,
           on_failure: Any = None, **_: Any) -> VllmLoraReplica:
-    """``ckptdelta serve --engine vllm`` on a LoRA run (loader/engines/vllm.py's ``build`` sends it here)."""
+    """``ckptdelta serve --engine vllm`` on a LoRA run (loader/engines/vllm/replica.py's ``build`` sends it here)."""
     from safetensors.torch import load_file
 
-    from loader.lora import LoraHotSwapper, base_dir_for, check_base
-    from loader.reader import SnapshotReader
-    from delta.scratch import make as make_scratch
-    from loader.servable import check_model_dir
+    from ckptdelta.loader.lora import LoraHotSwapper, base_dir_for, check_base
+    from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.delta.scratch import make as make_scratch
+    from ckptdelta.loader.servable import check_model_dir
 
     if attach:
         raise NotServableError("--attach serves full-model runs; a LoRA replica starts its own vLLM on the base "
@@ -405,7 +405,7 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
                  _snapshot(version), lora_slots, base_dir, rank, time.perf_counter() - t0)
         swapper = LoraHotSwapper(shared.tensors, reader, version=version, applier=applier, record=m.adapter,
                                  base_xxh3=digest, priors=priors)
-        from .vllm_watch import EngineWatch
+        from ckptdelta.loader.engines.vllm.watch import EngineWatch
 
         watch = EngineWatch(server.url, applier=applier, proc=server.proc, api_key=vllm_api_key,
                             on_failure=on_failure).start()

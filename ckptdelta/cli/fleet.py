@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Any
 
-from ckptdelta.console import CommandParser, guarded, one_line
-from ckptdelta.options import UsageError
+from ckptdelta.cli.console import CommandParser, guarded, one_line
+from ckptdelta.cli.options import UsageError
 
 #: Exit status when a replica failed, refused or could not be reached.
 SOME_FAILED = 1
@@ -112,7 +112,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_hotload(args: argparse.Namespace) -> int:
-    from .client import RolloutClient
+    from ckptdelta.loader.client import RolloutClient
 
     *urls, snapshot = args.args
     if snapshot.startswith(("http://", "https://")):
@@ -140,7 +140,7 @@ def cmd_hotload(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .client import RolloutClient
+    from ckptdelta.loader.client import RolloutClient
 
     urls = replica_urls(args.urls, args.replicas_file)
     _check_timeout(args)
@@ -161,7 +161,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 # --- tables ------------------------------------------------------------------------------------------------
 
 def _name(v: Any) -> str:
-    from delta.manifest import snapshot_name
+    from ckptdelta.delta.manifest import snapshot_name
 
     return snapshot_name(v) if isinstance(v, int) else "-" if v is None else str(v)
 

@@ -28,7 +28,7 @@ embeddings): the pause no longer re-packs anything.
 Runs in the engine worker; :class:`ShadowBuild` does the work in a thread so the
 RPC that starts it returns at once and the engine loop keeps generating. Not
 covered (the caller falls back to a reload inside the pause): routed experts of
-CPU MoE layers (loader/engines/vllm_moe.py), modules the announced paths do
+CPU MoE layers (loader/engines/vllm/worker/moe.py), modules the announced paths do
 not resolve to, and models whose ``load_weights`` does not report what it
 loaded.
 """
@@ -345,7 +345,7 @@ class BackgroundJob:
         self._thread.start()
 
     def _run(self, fn: Callable[[], dict[str, Any]]) -> None:
-        from loader.engines.vllm_readback import KERNEL_GUARD
+        from ckptdelta.loader.engines.vllm.worker.readback import KERNEL_GUARD
 
         KERNEL_GUARD.set(lambda: KERNEL_LOCK)
         try:

@@ -3,7 +3,7 @@
 ``ckptdelta serve --engine vllm`` materializes the snapshot, starts vLLM's
 OpenAI-compatible server on it (a child process on a Unix socket in a directory
 only this user can enter, in dev mode,
-with :class:`loader.engines.vllm_worker.CkptDeltaWorker` mixed into its workers)
+with :class:`ckptdelta.loader.engines.vllm.worker.extension.CkptDeltaWorker` mixed into its workers)
 and serves the replica API in front of it: sampling bodies go to vLLM as they
 are (vLLM's own options — logprobs, prompt_logprobs, n, seed, token ids — work as
 vLLM users know them), the replica adds auth, ``min_policy_version`` and
@@ -14,8 +14,8 @@ docs/SERVING.md says which vLLM flags it needs).
 The host copy. Deltas are defined on checkpoint tensors; vLLM keeps its own
 layout (fused q/k/v and gate/up, re-packed CPU linears, padded vocabularies). So
 the replica keeps the current weights once per host in checkpoint coordinates in
-shared memory (:class:`loader.engines.shared_weights.SharedWeights`), and a
-:class:`loader.hotswap.HotSwapper` prepares every update against it while vLLM
+shared memory (:class:`ckptdelta.loader.engines.shared_weights.SharedWeights`), and a
+:class:`ckptdelta.loader.hotswap.HotSwapper` prepares every update against it while vLLM
 serves (fetch, decode, verify: nothing of it runs inside vLLM's engine loop).
 
 The swap (:class:`VllmApplier`, inside the HotSwapper's commit):
@@ -25,7 +25,7 @@ The swap (:class:`VllmApplier`, inside the HotSwapper's commit):
 2. still serving: every worker builds the changed modules (whole fused groups)
    beside the live ones from the host copy, in a thread of its own, through
    vLLM's own layerwise reload (its name mapping, fusing, TP slicing and CPU
-   re-packing), and checks them by samples (loader/engines/vllm_shadow.py);
+   re-packing), and checks them by samples (loader/engines/vllm/worker/shadow.py);
 3. ``POST /pause?mode=keep``: nothing is aborted, requests in flight freeze;
 4. every worker swaps the shadow in (packed kernels moved over, plain tensors
    copied) or, without one, reloads the changed modules from the host copy
@@ -61,18 +61,18 @@ from typing import Any, Iterator, Sequence
 import httpx
 import torch
 
-from delta.errors import CkptDeltaError, HotLoadError
+from ckptdelta.delta.errors import CkptDeltaError, HotLoadError
 
-from .. import stopping
-from . import vllm_shm
-from ..spans import Span
-from .base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
-from .shared_weights import SharedWeights, write_positions
-from .vllm_tp import sliced, uncovered
+from ckptdelta.loader import stopping
+from ckptdelta.loader.engines.vllm import shm as vllm_shm
+from ckptdelta.loader.spans import Span
+from ckptdelta.loader.engines.base import EngineApplier, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
+from ckptdelta.loader.engines.shared_weights import SharedWeights, write_positions
+from ckptdelta.loader.engines.vllm.tp import sliced, uncovered
 
 log = logging.getLogger("ckptdelta.engine.vllm")
 
-WORKER_EXTENSION = "loader.engines.vllm_worker.CkptDeltaWorker"
+WORKER_EXTENSION = "ckptdelta.loader.engines.vllm.worker.extension.CkptDeltaWorker"
 #: Environment vLLM's dev endpoints and its CPU build need (set only where the user has not).
 VLLM_ENV_DEFAULTS = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
                      "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -138,7 +138,7 @@ class VllmServer:
         ranks = _tensor_parallel_size(args)
         if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in environ and not torch.cuda.is_available():
             environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(ranks)
-        from delta.scratch import make as make_scratch
+        from ckptdelta.delta.scratch import make as make_scratch
 
         self._dir = make_scratch("vllm-sock")    # mode 0700, locked while we live (delta/scratch.py)
         self._tmp: str | None = None
@@ -214,7 +214,7 @@ class VllmServer:
         unless the user named it or it may tell why something failed: ``keep_log``, by default when vLLM had
         exited before it was asked to (a dead replica's logs are kept too: delta/scratch.py keeps the last
         few). Then whatever of the group still runs (vLLM's workers) is ended too, and the shared memory of vLLM's
-        CPU all-reduce removed (loader/engines/vllm_shm.py). Idempotent."""
+        CPU all-reduce removed (loader/engines/vllm/shm.py). Idempotent."""
         crashed = self.proc.poll() is not None
         self._shm_idents |= vllm_shm.idents(self._tmp)    # before SIGTERM: a clean exit may remove the file
         if not crashed:
@@ -366,7 +366,7 @@ def reload_groups(names: Sequence[str], all_names: Sequence[str], packed: dict[s
 
 @dataclass
 class _Shadow:
-    """The next version's modules, built in every worker while serving (loader/engines/vllm_shadow.py)."""
+    """The next version's modules, built in every worker while serving (loader/engines/vllm/worker/shadow.py)."""
 
     token: str
     reload: tuple[str, ...] = ()   # of its tensors, those the pause still reloads (CPU MoE experts)
@@ -386,7 +386,7 @@ class VllmApplier(EngineApplier):
         self.patchable = set(patchable) if apply_mode == "auto" else set()
         # modules re-packed beside the live ones while serving (before the pause), swapped in during it
         self.shadows = apply_mode == "auto"
-        self.epoch = 0                       # pauses begun (loader/engines/vllm_watch.py reads it)
+        self.epoch = 0                       # pauses begun (loader/engines/vllm/watch.py reads it)
         self.swapping = False
         self.last: dict[str, Any] = {}
         self.current_version: Any = lambda: None  # the swapper's version (set by build); labels vLLM after a swap
@@ -400,7 +400,7 @@ class VllmApplier(EngineApplier):
         """The swapper's commit. vLLM computes with its own tensors, not the host copy, so it serves on while
         the swapper writes the host copy; :meth:`apply` stops it (keep mode) just before it touches a worker,
         and leaving this resumes it: the pause is the engine-side work alone."""
-        from loader.hotswap import Pause
+        from ckptdelta.loader.hotswap import Pause
 
         self._pause, self._unreached, self._applied = Pause(), False, False
         self._to_confirm: list[str] = []
@@ -522,7 +522,7 @@ class VllmApplier(EngineApplier):
 
     def apply(self, names: Sequence[str], version: int | None, positions: dict[str, Any] | None = None) -> None:
         """Push ``names`` into every worker from the host copy, then prove them: the changed elements of
-        tensors with an in-place target (loader/engines/vllm_patch.py); the rest as whole modules, built and
+        tensors with an in-place target (loader/engines/vllm/worker/patch.py); the rest as whole modules, built and
         re-packed beside the live ones while vLLM still serves, then swapped in; else reloaded in the pause."""
         positions = positions or {}
         # The version is unknown (a failed swap or proof left vLLM's bits unproven): what vLLM holds may differ
@@ -660,14 +660,14 @@ class VllmApplier(EngineApplier):
                 raise VllmError(f"vLLM at {self.control.url}: reading the live weights back failed: {failed[0]}")
         else:
             answers = self.control.rpc("ckptdelta_digests", {"names": names})
-        # tensor parallelism: each worker hashed the slices it holds (loader/engines/vllm_tp.py); together
+        # tensor parallelism: each worker hashed the slices it holds (loader/engines/vllm/tp.py); together
         # they must cover every element, and each is compared with the same slice of the host copy
         parts = [answer.get("slices") or {} for answer in answers]
         gaps = uncovered({n: tuple(self.shared.tensors[n].shape) for n in names}, parts)
         if gaps:
             raise HotLoadError(f"vLLM's {len(answers)} workers read back slices that do not cover {len(gaps)} "
                                f"tensors whole ({', '.join(gaps[:4])}{', ...' if len(gaps) > 4 else ''}): "
-                               "their tensor-parallel layout is not one loader/engines/vllm_tp.py knows")
+                               "their tensor-parallel layout is not one loader/engines/vllm/tp.py knows")
         for w, answer in enumerate(answers):
             got = answer.get("digests") or {}
             expected = expected_digests(self.shared, names, set(answer.get("kernel_view") or ()), parts[w])
@@ -681,9 +681,9 @@ class VllmApplier(EngineApplier):
 def expected_digests(shared: SharedWeights, names: Sequence[str], kernel: set[str] = frozenset(),
                      slices: dict[str, Any] | None = None) -> dict[str, str]:
     """xxh3 of each host-copy tensor as the worker's read-back reports it: its bits, or for a tensor the worker
-    read through a GEMM kernel, its :func:`loader.engines.vllm_readback.kernel_view`; under tensor parallelism,
-    of the slice the worker holds (``slices``: name -> [dim, start, length], loader/engines/vllm_tp.py)."""
-    from loader.engines.vllm_readback import digests, kernel_view
+    read through a GEMM kernel, its :func:`ckptdelta.loader.engines.vllm.worker.readback.kernel_view`; under tensor parallelism,
+    of the slice the worker holds (``slices``: name -> [dim, start, length], loader/engines/vllm/tp.py)."""
+    from ckptdelta.loader.engines.vllm.worker.readback import digests, kernel_view
 
     held = sliced(shared.tensors, names, slices)
     return digests({n: kernel_view(held[n]) if n in kernel else held[n] for n in names})
@@ -724,7 +724,7 @@ class VllmReplica(ReplicaEngine):
         self.url, self.model_name, self.swapper, self.applier, self.shared = url, served_name, swapper, applier, shared
         self.cache_policy, self.server, self.model_dir, self._owned_dir = cache_policy, server, model_dir, owned_dir
         self.request_timeout = request_timeout
-        self.watch = watch                                 # loader.engines.vllm_watch.EngineWatch, or None
+        self.watch = watch                                 # ckptdelta.loader.engines.vllm.watch.EngineWatch, or None
         self._clients: dict[int, httpx.AsyncClient] = {}  # one per event loop (an app may be served twice)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -770,8 +770,8 @@ class VllmReplica(ReplicaEngine):
         return body
 
     async def stream(self, kind: RequestKind, body: dict[str, Any]) -> Any:
-        """vLLM's own event stream, forwarded (loader/engines/vllm_stream.py)."""
-        from .vllm_stream import stream
+        """vLLM's own event stream, forwarded (loader/engines/vllm/stream.py)."""
+        from ckptdelta.loader.engines.vllm.stream import stream
 
         return await stream(self, kind, body)
 
@@ -826,11 +826,11 @@ class VllmReplica(ReplicaEngine):
             self.server.stop()
         self.shared.close()
         if self._owned_dir is not None:
-            self._owned_dir.release()      # the scratch model copy (delta.scratch.Owned)
+            self._owned_dir.release()      # the scratch model copy (ckptdelta.delta.scratch.Owned)
 
 
 def _snapshot(version: int | None) -> str | None:
-    from delta.manifest import snapshot_name
+    from ckptdelta.delta.manifest import snapshot_name
 
     return None if version is None else snapshot_name(version)
 
@@ -915,9 +915,9 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
     snapshot's, or, where it is not (vLLM started on other weights, or left half
     swapped and paused by a replica killed in its pause), the snapshot is pushed
     in whole and proven. ``on_failure(why)`` is called once if vLLM dies or stops
-    answering while serving (loader/engines/vllm_watch.py)."""
-    from loader.hotswap import HotSwapper
-    from loader.reader import SnapshotReader
+    answering while serving (loader/engines/vllm/watch.py)."""
+    from ckptdelta.loader.hotswap import HotSwapper
+    from ckptdelta.loader.reader import SnapshotReader
 
     if bucket is None:
         raise ValueError("serve --engine vllm needs --bucket URL (the run whose snapshots it hot-loads)")
@@ -926,7 +926,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
     reader = SnapshotReader(bucket, storage_options=storage_options, cache_dir=cache_dir)
     version = reader.resolve(snapshot)
     if reader.manifest(version).adapter is not None:       # a LoRA run: the adapter into vLLM's LoRA slots
-        from . import vllm_lora
+        from ckptdelta.loader.engines.vllm import lora as vllm_lora
 
         return vllm_lora.build(bucket=bucket, snapshot=version, storage_options=storage_options, cache_dir=cache_dir,
                                cache_policy=cache_policy, model_name=model_name, attach=attach, vllm_args=vllm_args,
@@ -935,7 +935,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
     name = model_name or reader.run_id
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-    from delta.scratch import make as make_scratch
+    from ckptdelta.delta.scratch import make as make_scratch
 
     scratch = make_scratch("vllm", cache_dir)    # locked while we live; a dead replica's is swept by the next
     server = shared = control = None
@@ -946,7 +946,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
             url = attach.rstrip("/")
             name = _served_name(url, vllm_api_key)  # requests must name what vLLM serves
         else:
-            from .vllm_dtype import dtype_args   # the snapshot's dtype, unless one given would cast it
+            from ckptdelta.loader.engines.vllm.dtype import dtype_args  # the snapshot's dtype, unless one given would cast it
 
             server = VllmServer(model_dir, served_name=name, args=dtype_args(vllm_args, reader.manifest(version)),
                                 log_path=vllm_log)
@@ -963,7 +963,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         swapper = HotSwapper(shared.tensors, reader, version=version, applier=applier)
         applier.current_version = lambda: swapper.version
         applier.on_unverified = lambda: setattr(swapper, "version", None)
-        from .vllm_watch import EngineWatch
+        from ckptdelta.loader.engines.vllm.watch import EngineWatch
 
         watch = EngineWatch(url, applier=applier, proc=server.proc if server is not None else None,
                             api_key=vllm_api_key, on_failure=on_failure).start()

@@ -18,8 +18,8 @@ from anyio import CapacityLimiter, to_thread
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
                       model_validator)
 
-from ..engine import MAX_TOP_LOGPROBS, Engine, Generation, SamplingParams
-from .base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
+from ckptdelta.loader.engine import MAX_TOP_LOGPROBS, Engine, Generation, SamplingParams
+from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
 
 MAX_N = 64
 MAX_STOP = 16
@@ -46,7 +46,7 @@ class _Sampling(BaseModel):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (loader.engine.score_logprobs)
+    score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (ckptdelta.loader.engine.score_logprobs)
     top_k: StrictInt = Field(-1, ge=-1)  # as vLLM: -1 or 0 is off
     stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP)  # as vLLM's
 
@@ -165,7 +165,7 @@ def _usage(gen: Generation) -> dict[str, int]:
 # --- the engine -----------------------------------------------------------------------------------
 
 class ReferenceReplica(ReplicaEngine):
-    """:class:`loader.engine.Engine` (decode loop + HotSwapper over its torch model) as a replica engine."""
+    """:class:`ckptdelta.loader.engine.Engine` (decode loop + HotSwapper over its torch model) as a replica engine."""
 
     kind = "reference"
 
@@ -190,7 +190,7 @@ class ReferenceReplica(ReplicaEngine):
         return await to_thread.run_sync(self._complete, kind, body, limiter=self.threads)
 
     async def stream(self, kind: RequestKind, body: dict[str, Any]) -> EngineStream:
-        from .reference_stream import stream
+        from ckptdelta.loader.engines.reference.stream import stream
 
         return await stream(self, kind, body)
 
@@ -256,17 +256,17 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", model_di
           **_: Any) -> ReferenceReplica:
     """``ckptdelta serve --engine reference``: weights from a bucket's snapshot, or from an HF directory;
     a LoRA run's adapter on its base model (``base_model``: the base's directory) through peft."""
-    from ..engine import build_engine
+    from ckptdelta.loader.engine import build_engine
 
     if bucket is not None and model_dir is None:
-        from . import reference_lora
+        from ckptdelta.loader.engines.reference import lora as reference_lora
 
         if reference_lora.is_lora_run(bucket, snapshot, storage_options):
             return reference_lora.build(bucket=bucket, snapshot=snapshot, base_model=base_model,
                                         storage_options=storage_options, cache_dir=cache_dir, device=device,
                                         cache_policy=cache_policy, model_name=model_name)
     if base_model is not None:
-        from delta.errors import NotServableError
+        from ckptdelta.delta.errors import NotServableError
 
         raise NotServableError(f"--base-model is for LoRA runs; {bucket or model_dir} holds full models")
     engine, _reader = build_engine(bucket=bucket, snapshot=snapshot, model_dir=model_dir,

@@ -19,9 +19,9 @@ import sys
 import traceback
 from typing import Any, Callable, NoReturn
 
-from delta.errors import CkptDeltaError
+from ckptdelta.delta.errors import CkptDeltaError
 
-from .options import UsageError, storage_timeout
+from ckptdelta.cli.options import UsageError, storage_timeout
 
 #: Loggers of the storage client libraries: their retries log tracebacks of their own, shown only with -vv.
 NOISY_LOGGERS = ("gcsfs", "s3fs", "aiobotocore", "botocore", "fsspec", "urllib3", "google", "google_auth_httplib2")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .console import guarded
+from ckptdelta.cli.console import guarded
 
 
 def add_commands(sub: "argparse._SubParsersAction") -> None:
@@ -26,7 +26,7 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from delta import warmup
+    from ckptdelta.delta import warmup
 
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     return warmup.main(progress=progress)

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from anyio import to_thread
 
-from ..streaming import event
-from .base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
+from ckptdelta.loader.streaming import event
+from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
 
 if TYPE_CHECKING:
-    from ..engine import Completion, Generation
-    from .reference import ReferenceReplica, _Sampling
+    from ckptdelta.loader.engine import Completion, Generation
+    from ckptdelta.loader.engines.reference.replica import ReferenceReplica, _Sampling
 
 
 class _ClientGone(Exception):

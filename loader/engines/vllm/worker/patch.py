@@ -22,13 +22,13 @@ meta device, not empty):
 Under tensor parallelism a target is the part of the checkpoint tensor the rank
 holds when that part is one run of elements: the rank's vocabulary rows of an
 embedding (its padding rows are not written), the rank's rows of a
-column-parallel linear or of each fused member (loader/engines/vllm_tp.py says
+column-parallel linear or of each fused member (loader/engines/vllm/tp.py says
 which). A changed element outside the run belongs to another rank and is not
 written here. Row-parallel linears (input columns: not one run) are reloaded.
 
 The patch reads the written positions back at once; the replica's proof after
 resuming reads the patched tensors back whole like any other
-(loader/engines/vllm_readback.py), so a target chosen wrongly is caught and
+(loader/engines/vllm/worker/readback.py), so a target chosen wrongly is caught and
 pushed back by a reload.
 """
 
@@ -74,8 +74,8 @@ def targets(model: torch.nn.Module) -> dict[str, Target]:
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    from loader.engines.vllm_readback import _fused_members, _tied
-    from loader.engines.vllm_tp import linear_slices, vocab_slice
+    from ckptdelta.loader.engines.vllm.worker.readback import _fused_members, _tied
+    from ckptdelta.loader.engines.vllm.tp import linear_slices, vocab_slice
 
     cpu = _on_cpu()
     tied = _tied(model)

@@ -1,10 +1,10 @@
 """vLLM's LoRA slots seen from inside a worker: how a new adapter version is written into one, and proven.
 
-A replica serving a LoRA run (loader/engines/vllm_lora.py) registers K adapters
+A replica serving a LoRA run (loader/engines/vllm/lora.py) registers K adapters
 with vLLM once, at start, and from then on rewrites them in place: each is a
 *slot* that holds one version at a time. A hot-load writes the next version into
 a slot no request runs on. This module is the worker's half, started through
-``/collective_rpc`` (loader/engines/vllm_worker.py) and run in a thread of the
+``/collective_rpc`` (loader/engines/vllm/worker/extension.py) and run in a thread of the
 worker. No request runs on the slot until it is proven, so no request ever sees
 a half-written slot.
 
@@ -38,7 +38,7 @@ a half-written slot.
   xxh3 (the reference's hashed while preparing), as every other proof of
   ckptdelta: hashing is ~6x faster than comparing the bytes.
 
-Nothing here raises through the RPC: loader/engines/vllm_worker.py turns an
+Nothing here raises through the RPC: loader/engines/vllm/worker/extension.py turns an
 exception into ``{"error": ...}``.
 """
 
@@ -89,22 +89,22 @@ _LORA_METHODS = ("add_lora", "remove_lora", "pin_lora")
 
 def install_lora_lock(model_runner: Any) -> None:
     """Make the runner's own LoRA registry calls (``/v1/load_lora_adapter``, unloads, pins) hold the kernel
-    lock, as its steps do (loader/engines/vllm_shadow.py): a slot write from a worker thread
+    lock, as its steps do (loader/engines/vllm/worker/shadow.py): a slot write from a worker thread
     (:func:`write_locked`) then never meets another change of the LoRA manager. Idempotent."""
-    from loader.engines.vllm_shadow import hold_kernel_lock
+    from ckptdelta.loader.engines.vllm.worker.shadow import hold_kernel_lock
 
     hold_kernel_lock(model_runner, _LORA_METHODS, "_ckptdelta_lora_lock")
 
 
 def _host_digest(t: torch.Tensor) -> str:
-    from delta import dtypes
+    from ckptdelta.delta import dtypes
 
     return f"{xxhash.xxh3_64_intdigest(dtypes.host_bits(t.detach().contiguous())):016x}"
 
 
 def verified_tensors(path: str, digests: dict[str, str]) -> dict[str, torch.Tensor]:
     """Clones of the named host-copy tensors, each checked against its digest (the manifest's)."""
-    from loader.engines.shared_weights import open_tensors
+    from ckptdelta.loader.engines.shared_weights import open_tensors
 
     shared = open_tensors(path, list(digests))
     bad = [n for n, t in shared.items() if _host_digest(t) != digests[n]]
@@ -222,7 +222,7 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     under the lock instead. The proof runs after, beside vLLM's steps. ``write_t`` is when the lock was taken
     (``time.perf_counter``, the host's monotonic clock), ``lock_wait_s`` how long it waited for the step in
     progress, ``held_s`` how long vLLM's steps waited, ``write_s`` the copy."""
-    from loader.engines.vllm_shadow import KERNEL_LOCK
+    from ckptdelta.loader.engines.vllm.worker.shadow import KERNEL_LOCK
 
     wm, mgr = managers(worker)
     index = _active_index(mgr, lora_id)

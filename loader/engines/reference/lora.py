@@ -8,7 +8,7 @@ loaded with ``PeftModel.from_pretrained``, and the adapter's parameters are then
 to exactly the stored bits, in the stored dtype (peft may create them in another
 dtype: its autocast makes a bf16 adapter fp32, which would not be the policy the
 trainer published). A hot-load writes the adapter's tensors in place through
-:class:`loader.lora.LoraHotSwapper`; the decode loop (loader/engine.py) runs the
+:class:`ckptdelta.loader.lora.LoraHotSwapper`; the decode loop (loader/engine.py) runs the
 peft-injected model, so the replica computes with the trainer's modules and
 numerics: its logprobs equal the trainer's, bit for bit, on the same bits.
 """
@@ -22,20 +22,20 @@ from typing import Any
 import torch
 import xxhash
 
-from delta import dtypes
-from delta.adapter import ADAPTER_WEIGHTS_NAME, base_digest
-from delta.errors import NotServableError
-from delta.manifest import Manifest
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.adapter import ADAPTER_WEIGHTS_NAME, base_digest
+from ckptdelta.delta.errors import NotServableError
+from ckptdelta.delta.manifest import Manifest
 
-from ..lora import LoraHotSwapper, base_dir_for, check_base
-from .reference import ReferenceReplica
+from ckptdelta.loader.lora import LoraHotSwapper, base_dir_for, check_base
+from ckptdelta.loader.engines.reference.replica import ReferenceReplica
 
 log = logging.getLogger("ckptdelta.engine")
 
 
 def is_lora_run(bucket: str, snapshot: "str | int", storage_options: dict[str, Any] | None = None) -> bool:
     """Whether ``snapshot`` of the run at ``bucket`` is a LoRA adapter (its manifest records a base)."""
-    from ..reader import SnapshotReader
+    from ckptdelta.loader.reader import SnapshotReader
 
     reader = SnapshotReader(bucket, storage_options=storage_options)
     try:
@@ -81,10 +81,10 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", base_model: str | No
           storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, device: str = "cpu",
           cache_policy: str = "recompute", model_name: str | None = None, **_: Any) -> ReferenceReplica:
     """``ckptdelta serve --engine reference --bucket URL [--base-model DIR]`` on a LoRA run."""
-    from ..engine import Engine, load_model
-    from ..reader import SnapshotReader
-    from delta.scratch import make as make_scratch
-    from ..servable import check_device, check_model_dir
+    from ckptdelta.loader.engine import Engine, load_model
+    from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.delta.scratch import make as make_scratch
+    from ckptdelta.loader.servable import check_device, check_model_dir
 
     check_device(device)
     reader = SnapshotReader(bucket, storage_options=storage_options, cache_dir=cache_dir)

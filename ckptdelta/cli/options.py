@@ -4,7 +4,7 @@ One definition, so ``publish``, ``ls``, ``gc``, ``serve``, ``materialize`` and
 ``verify`` take the same flags (docs/PUBLISHING.md): ``--storage-options JSON``
 and repeatable ``--storage-option K=V`` (dotted keys nest, values parse as JSON
 when they can), merged in that order; and ``--storage-timeout SECONDS``, the most
-one storage operation may take, its retries included (delta.storage.RetryPolicy).
+one storage operation may take, its retries included (ckptdelta.delta.storage.RetryPolicy).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from delta.errors import CkptDeltaError
-from delta.storage import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+from ckptdelta.delta.errors import CkptDeltaError
+from ckptdelta.delta.storage import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 
 class UsageError(CkptDeltaError, ValueError):
@@ -36,7 +36,7 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
 @contextmanager
 def storage_timeout(args: argparse.Namespace) -> Iterator[None]:
     """While a command runs, every Store it opens uses ``--storage-timeout`` (through $CKPTDELTA_STORAGE_TIMEOUT,
-    which is what delta.storage reads: engines open their own stores)."""
+    which is what ckptdelta.delta.storage reads: engines open their own stores)."""
     value = getattr(args, "storage_timeout", None)
     if value is None:
         yield

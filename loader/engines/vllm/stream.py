@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import anyio
 import httpx
 
-from ..streaming import event
-from .base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
+from ckptdelta.loader.streaming import event
+from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
 
 if TYPE_CHECKING:
-    from .vllm import VllmReplica
+    from ckptdelta.loader.engines.vllm.replica import VllmReplica
 
 
 async def stream(replica: "VllmReplica", kind: RequestKind, body: dict[str, Any]) -> EngineStream | EngineResult:
@@ -119,6 +119,6 @@ async def _stream(replica: "VllmReplica", kind: RequestKind, admitted: Any, t0: 
 
 
 def _snapshot(version: int) -> str:
-    from delta.manifest import snapshot_name
+    from ckptdelta.delta.manifest import snapshot_name
 
     return snapshot_name(version)
