@@ -486,8 +486,8 @@ def live_vs_trainer(replica_url: str, policy: torch.nn.Module) -> dict[str, Any]
     through a GEMM kernel (a kernel cannot show -0.0 or a flushed subnormal)."""
     import httpx
 
-    from ckptdelta.loader.engines.vllm.replica import VllmControl
-    from ckptdelta.loader.engines.vllm.worker.readback import digests, kernel_view
+    from ckptdelta.loader.engines.vllm.control import VllmControl
+    from ckptdelta.loader.engines.vllm.proof import digests, kernel_view
 
     truth = {n: t.detach() for n, t in policy.state_dict().items()}
     control = VllmControl(httpx.get(replica_url + "/v1/status", timeout=30).json()["engine"]["url"])

@@ -206,7 +206,7 @@ class Replica:
         """vLLM on the base serving the run's first version (the anchor) in ckptdelta's slots and, by name, the
         baselines' adapters of the same step (their first load, not in place)."""
         from ckptdelta.loader.engines import build_engine
-        from ckptdelta.loader.engines.vllm.replica import http_client
+        from ckptdelta.loader.engines.vllm.control import http_client
         from ckptdelta.loader.server import create_app
         from tests.replicas import LiveServer
 

@@ -244,7 +244,7 @@ def vllm_pause(rep: Replica, label: str) -> Iterator[dict[str, float]]:
 def check_against(rep: Replica, truth: dict[str, torch.Tensor]) -> bool:
     """The worker's read-back digests of every tensor against the trainer's tensors (kernel view where the
     worker read through a GEMM)."""
-    from ckptdelta.loader.engines.vllm.replica import expected_digests
+    from ckptdelta.loader.engines.vllm.applier import expected_digests
 
     names = list(truth)
     shim = type("T", (), {"tensors": truth})()

@@ -9,7 +9,8 @@ if __name__ != "ckptdelta.loader":   # a checkout's root on sys.path would give 
     raise ImportError(f"this package is ckptdelta.loader; import it under that name, not as {__name__!r}")
 
 from ckptdelta.loader.cache import DiskCache
-from ckptdelta.loader.hotswap import HotLoadReport, HotSwapper, Pause, PreparedUpdate, ServingGate
+from ckptdelta.loader.hotswap import HotLoadReport, HotSwapper, PreparedUpdate
+from ckptdelta.loader.gate import Pause, ServingGate
 from ckptdelta.loader.reader import SnapshotReader, VerifyReport
 
 __all__ = ["DiskCache", "HotLoadReport", "HotSwapper", "Pause", "PreparedUpdate", "ServingGate", "SnapshotReader",

@@ -174,7 +174,7 @@ class Engine:
             if swapper is not None:
                 gate = swapper.gate
             else:
-                from ckptdelta.loader.hotswap import ServingGate
+                from ckptdelta.loader.gate import ServingGate
                 gate = ServingGate()
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -12,7 +12,7 @@ import torch
 
 from ckptdelta.loader.engines.shared_weights import (ALIGN, SharedWeights, open_positions, open_tensors, remove_orphans,
                                                      write_positions)
-from ckptdelta.loader.engines.vllm.replica import reload_groups
+from ckptdelta.loader.engines.vllm.applier import reload_groups
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -183,7 +183,8 @@ def test_vllm_attached_to_save_pretrained_hot_loads_the_tied_bf16_qwen2_and_answ
 
 def _serves_and_hot_loads_as_save_pretrained(policy, tmp_path) -> None:
     from ckptdelta.loader.engines import build_engine
-    from ckptdelta.loader.engines.vllm.replica import VllmServer, http_client
+    from ckptdelta.loader.engines.vllm.server import VllmServer
+    from ckptdelta.loader.engines.vllm.control import http_client
     from tests.servers import free_port
 
     theirs = None

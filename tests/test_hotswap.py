@@ -13,7 +13,8 @@ import torch
 from ckptdelta.delta import digest
 from ckptdelta.delta.errors import (DeltaError, HotLoadConflictError, HotLoadError, ParentMismatchError,
                                     ShapeMismatchError)
-from ckptdelta.loader.hotswap import HotSwapper, ServingGate
+from ckptdelta.loader.hotswap import HotSwapper
+from ckptdelta.loader.gate import ServingGate
 from ckptdelta.loader.reader import SnapshotReader
 from tests.bucketgen import bits_equal, make_run, write_run
 
@@ -146,12 +147,12 @@ def test_staging_on_several_threads_gives_the_same_update(run, threads):
 
 
 def test_tensors_really_stage_at_the_same_time(run, monkeypatch):
-    """Two stagings must be inside _stage_one at once: one by one, the barrier would time out."""
+    """Two stagings must be inside stage_one at once: one by one, the barrier would time out."""
     import ckptdelta.loader.hotswap as hs
 
     barrier = threading.Barrier(2, timeout=60)
     calls = []
-    real = hs._stage_one
+    real = hs.stage_one
 
     def meeting(*a, **kw):
         calls.append(threading.current_thread().name)
@@ -159,7 +160,7 @@ def test_tensors_really_stage_at_the_same_time(run, monkeypatch):
             barrier.wait()
         return real(*a, **kw)
 
-    monkeypatch.setattr(hs, "_stage_one", meeting)
+    monkeypatch.setattr(hs, "stage_one", meeting)
     live, sw = swapper_at(run, 1, stage_threads=2)
     sw.hotload(2)
     assert_at(live, run, 2)
@@ -169,7 +170,7 @@ def test_tensors_really_stage_at_the_same_time(run, monkeypatch):
 def test_a_failing_tensor_among_parallel_stagings_leaves_no_staging_running(run, monkeypatch):
     import ckptdelta.loader.hotswap as hs
 
-    real = hs._stage_one
+    real = hs.stage_one
     started = []
 
     def slow_or_failing(name, *a, **kw):
@@ -179,7 +180,7 @@ def test_a_failing_tensor_among_parallel_stagings_leaves_no_staging_running(run,
         time.sleep(0.05)
         return real(name, *a, **kw)
 
-    monkeypatch.setattr(hs, "_stage_one", slow_or_failing)
+    monkeypatch.setattr(hs, "stage_one", slow_or_failing)
     live, sw = swapper_at(run, 1, stage_threads=4)
     with pytest.raises(ParentMismatchError, match="lm_head.weight"):
         sw.hotload(2)

@@ -421,7 +421,7 @@ def test_a_vllm_replica_stopped_by_sigterm_starting_or_serving_leaves_nothing_an
         finally:
             os.rmdir(blocker)
         assert "v00000001 built beside the live weights" in open(log_path, errors="replace").read()
-        from ckptdelta.loader.engines.vllm.replica import VllmControl
+        from ckptdelta.loader.engines.vllm.control import VllmControl
 
         control = VllmControl(httpx.get(url + "/v1/status", timeout=30).json()["engine"]["url"])
         try:

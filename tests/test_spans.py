@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from ckptdelta.loader.engine import SamplingParams, build_engine
-from ckptdelta.loader.hotswap import ServingGate
+from ckptdelta.loader.gate import ServingGate
 from ckptdelta.loader.spans import VersionLog
 from tests.replicas import PROMPT, lm_dir, run, start_replica, state_bits_equal  # noqa: F401
 

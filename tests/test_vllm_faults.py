@@ -58,7 +58,7 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm(run, tmp_path_factory):
     """vLLM started the way a user starts it for ``--attach`` (TCP, the worker extension, dev mode), on v0."""
-    from ckptdelta.loader.engines.vllm.replica import VllmServer
+    from ckptdelta.loader.engines.vllm.server import VllmServer
     from ckptdelta.loader.reader import SnapshotReader
 
     model_dir = SnapshotReader(run.url).materialize(0, str(tmp_path_factory.mktemp("v0") / "model"))
@@ -108,7 +108,7 @@ def _live(vllm, tmp_path) -> tuple[dict, set]:
 
 
 def _diff(vllm, truth, tmp_path) -> list[str]:
-    from ckptdelta.loader.engines.vllm.worker.readback import kernel_view
+    from ckptdelta.loader.engines.vllm.proof import kernel_view
 
     live, kernel = _live(vllm, tmp_path)
     view = lambda d: {n: kernel_view(t) if n in kernel else t for n, t in d.items()}  # noqa: E731

@@ -65,7 +65,8 @@ def rep(lora_run):
 def fresh(lora_run):
     """A fresh vLLM on the base that loaded every version from its PEFT directory at start, the way users
     serve adapters (``--lora-modules v0=DIR ...``): adapter id v+1 holds version v."""
-    from ckptdelta.loader.engines.vllm.replica import VllmControl, VllmServer
+    from ckptdelta.loader.engines.vllm.control import VllmControl
+    from ckptdelta.loader.engines.vllm.server import VllmServer
 
     server = VllmServer(lora_run["base"], served_name="base", args=[
         *VLLM_ARGS, "--enable-lora", "--max-loras", str(VERSIONS), "--max-cpu-loras", str(VERSIONS),
@@ -147,7 +148,7 @@ def test_a_preparation_whose_host_copy_fails_its_digests_writes_nothing_and_the_
     """The worker's preparation (run in its thread while vLLM generates) verifies the host copy first: with a
     digest that does not match, it fails naming the tensor, the write that follows refuses, and the slot keeps
     the bits it held."""
-    from ckptdelta.loader.engines.vllm.replica import VllmError
+    from ckptdelta.loader.engines.vllm.control import VllmError
 
     a = rep.engine.applier
     serving = rep.engine.slots.newest()

@@ -60,7 +60,7 @@ def _special_values(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def _kernel_diff(rep: VllmReplicaHandle, truth: dict[str, torch.Tensor], tmp_dir: str) -> list[str]:
     """bit_diff, with tensors the worker read through a GEMM kernel compared as that kernel sees them."""
-    from ckptdelta.loader.engines.vllm.worker.readback import kernel_view
+    from ckptdelta.loader.engines.vllm.proof import kernel_view
 
     live = rep.live_weights(tmp_dir, strict=False)
     view = {n: kernel_view(t) if n in rep.kernel_read else t for n, t in truth.items()}
@@ -68,7 +68,7 @@ def _kernel_diff(rep: VllmReplicaHandle, truth: dict[str, torch.Tensor], tmp_dir
 
 
 def _weight_version(rep: VllmReplicaHandle) -> str:
-    from ckptdelta.loader.engines.vllm.replica import http_client
+    from ckptdelta.loader.engines.vllm.control import http_client
 
     with http_client(rep.engine.url, timeout=30) as c:
         return c.get("/weight_info").json()["weight_version"]
@@ -189,7 +189,8 @@ def test_hotloads_forward_across_an_anchor_and_back_are_bit_exact_in_every_runti
 
 @pytest.mark.slow     # its own vLLM start (~30-60 s); make test proves every live weight bit for bit instead
 def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapshot(rep, llama_run, tmp_path):
-    from ckptdelta.loader.engines.vllm.replica import VllmServer, http_client
+    from ckptdelta.loader.engines.vllm.server import VllmServer
+    from ckptdelta.loader.engines.vllm.control import http_client
     from ckptdelta.loader.reader import SnapshotReader
 
     assert rep.hotload(1)["state"] == "READY"
@@ -215,7 +216,7 @@ def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapsh
 def test_a_vllm_started_by_the_user_attaches_and_is_checked_before_it_serves(llama_run, tmp_path):
     """``serve --engine vllm --attach URL``: vLLM started the user's way with the two documented settings."""
     from ckptdelta.loader.engines import build_engine
-    from ckptdelta.loader.engines.vllm.replica import VllmServer
+    from ckptdelta.loader.engines.vllm.server import VllmServer
     from ckptdelta.loader.reader import SnapshotReader
 
     model_dir = SnapshotReader(llama_run.url).materialize(1, str(tmp_path / "v1"))
@@ -254,7 +255,7 @@ def test_serve_engine_vllm_from_the_command_line_and_a_replica_killed_mid_hotloa
     import sys
     import time
 
-    from ckptdelta.loader.engines.vllm.replica import http_client
+    from ckptdelta.loader.engines.vllm.control import http_client
 
     def start(snapshot: str) -> tuple[subprocess.Popen, str]:
         with socket.socket() as s:
@@ -370,7 +371,7 @@ def test_min_policy_version_answers_408_with_retry_after_and_the_client_waits_fo
 
 
 def test_a_failed_hotload_leaves_vllm_serving_its_previous_version_bit_exact(rep, llama_run, tmp_path, monkeypatch):
-    from ckptdelta.loader.engines.vllm import replica as vllm_engine
+    from ckptdelta.loader.engines.vllm import applier as vllm_engine
 
     assert rep.hotload(2)["state"] == "READY"
     before = rep.complete(max_tokens=6, temperature=0)["choices"][0]["text"]

@@ -121,7 +121,7 @@ def _fake_vllm(root) -> str:
 @pytest.mark.skipif(not os.path.isdir(vllm_shm.SHM_DIR), reason="no /dev/shm")
 @pytest.mark.parametrize("crash", [False, True], ids=["stopped", "crashed"])
 def test_stop_ends_vllms_workers_and_removes_the_segments_its_vllm_created_and_only_those(tmp_path, crash):
-    from ckptdelta.loader.engines.vllm.replica import VllmServer
+    from ckptdelta.loader.engines.vllm.server import VllmServer
 
     ours, theirs = (uuid.uuid4().hex for _ in range(2))
     env = {"PYTHONPATH": _fake_vllm(tmp_path), "FAKE_IDENT": ours, "FAKE_WORKER": FAKE_WORKER,

@@ -62,7 +62,7 @@ def ranks(tmp_path_factory):
 def _proof(host, answers, names):
     """What VllmApplier.check concludes from the workers' answers: (uncovered names, per worker the names whose
     digest differs from the host copy's same slice)."""
-    from ckptdelta.loader.engines.vllm.replica import expected_digests
+    from ckptdelta.loader.engines.vllm.applier import expected_digests
     from ckptdelta.loader.engines.vllm.tp import uncovered
 
     parts = [a.get("slices") or {} for a in answers]
@@ -116,7 +116,7 @@ def test_a_wrong_bit_in_one_ranks_slice_is_caught_on_that_rank_only(ranks):
     # flags another tensor
     assert set(answers[1]["compare_sampled"]["mismatch"]) <= {CORRUPT} and answers[0]["compare_sampled"]["mismatch"] == []
     # the whole-tensor digest would not tell which rank; the slice's does, and the replica hashes the same slice
-    from ckptdelta.loader.engines.vllm.replica import expected_digests
+    from ckptdelta.loader.engines.vllm.applier import expected_digests
 
     whole = expected_digests(host, [CORRUPT])[CORRUPT]
     assert whole not in (answers[0]["digests"][CORRUPT], answers[1]["digests"][CORRUPT])
@@ -241,7 +241,7 @@ def live_weights(engine, tmp_dir: str, shapes: dict[str, torch.Size]) -> tuple[d
 
 
 def _live_diff(rep, truth: dict[str, torch.Tensor], tmp_dir: str) -> list[str]:
-    from ckptdelta.loader.engines.vllm.worker.readback import kernel_view
+    from ckptdelta.loader.engines.vllm.proof import kernel_view
     from tests.vllm_replicas import bit_diff
 
     live, kernel = live_weights(rep.engine, tmp_dir, {n: t.shape for n, t in truth.items()})
@@ -310,7 +310,7 @@ def test_tp2_a_wrong_bit_in_one_ranks_slice_is_caught_and_a_reload_repairs_it(tp
 
 def test_tp2_a_hotload_failed_on_one_worker_pushes_the_previous_version_back_on_every_rank(tp_rep, tp_run, tmp_path,
                                                                                          monkeypatch):
-    from ckptdelta.loader.engines.vllm import replica as vllm_engine
+    from ckptdelta.loader.engines.vllm import applier as vllm_engine
 
     assert tp_rep.hotload(2, timeout=600)["state"] == "READY"
     before = tp_rep.complete(max_tokens=6, temperature=0)["choices"][0]["text"]
@@ -339,7 +339,8 @@ def test_tp2_a_hotload_failed_on_one_worker_pushes_the_previous_version_back_on_
 @pytest.mark.slow
 def test_tp2_greedy_tokens_and_logprobs_equal_a_fresh_tp2_vllm_on_the_same_snapshot(tp_rep, tp_run, tmp_path):
     """Last in the module: it stops the replica's vLLM before starting the fresh one (memory)."""
-    from ckptdelta.loader.engines.vllm.replica import VllmServer, http_client
+    from ckptdelta.loader.engines.vllm.server import VllmServer
+    from ckptdelta.loader.engines.vllm.control import http_client
     from ckptdelta.loader.reader import SnapshotReader
     from tests.vllm_replicas import PROMPT, VLLM_ARGS
 

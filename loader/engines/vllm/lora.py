@@ -52,8 +52,10 @@ from ckptdelta.delta.errors import HotLoadError, NotServableError
 from ckptdelta.loader.spans import pinned
 from ckptdelta.loader.engines.base import EngineApplier, ReplicaAPIError
 from ckptdelta.loader.engines.shared_weights import SharedWeights
-from ckptdelta.loader.engines.vllm.replica import (CONTROL_TIMEOUT_S, REQUEST_TIMEOUT_S, Admission, VllmControl,
-                                                   VllmError, VllmReplica, VllmServer, _snapshot)
+from ckptdelta.loader.engines.vllm.control import CONTROL_TIMEOUT_S, VllmControl, VllmError
+from ckptdelta.loader.engines.vllm.replica import REQUEST_TIMEOUT_S, Admission, VllmReplica
+from ckptdelta.loader.engines.vllm.server import VllmServer
+from ckptdelta.loader.engines.vllm.applier import snapshot_label
 
 log = logging.getLogger("ckptdelta.engine.vllm")
 
@@ -119,7 +121,7 @@ class SlotTable:
                     return s
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    held = ", ".join(f"{s.name} ({_snapshot(s.version)}, {s.refs} requests)" for s in self.slots)
+                    held = ", ".join(f"{s.name} ({snapshot_label(s.version)}, {s.refs} requests)" for s in self.slots)
                     raise HotLoadError(f"every LoRA slot still runs requests ({held}) after {timeout:g} s: none "
                                        "can take the next version; give the replica more slots (--lora-slots)")
                 self._cond.wait(left)
@@ -161,7 +163,7 @@ class LoraSlotApplier(EngineApplier):
     def paused(self) -> Iterator[Any]:
         """No pause of vLLM at all: the slot write is one RPC vLLM runs between two steps (see the module
         docstring); the Pause yielded says how long that RPC held vLLM's engine loop."""
-        from ckptdelta.loader.hotswap import Pause
+        from ckptdelta.loader.gate import Pause
 
         self._pause = Pause()
         self.swapping = True
@@ -193,9 +195,9 @@ class LoraSlotApplier(EngineApplier):
         except VllmError as e:
             if resident:
                 self.slots.retire(slot)
-            raise HotLoadError(f"{'proving' if resident else 'writing'} {_snapshot(version)} in LoRA slot "
+            raise HotLoadError(f"{'proving' if resident else 'writing'} {snapshot_label(version)} in LoRA slot "
                                f"{slot.name}: {e}; the slot is out of service, the replica serves "
-                               f"{_snapshot(newest.version if newest else None)}") from None
+                               f"{snapshot_label(newest.version if newest else None)}") from None
         self.slots.ready(slot, version)
         self.epoch += 1
         self.last = {"slot": slot.name, "version": version, "pause_s": self._pause.seconds,
@@ -205,7 +207,7 @@ class LoraSlotApplier(EngineApplier):
                      # what the replica's job log says proved it (loader/server.py): the slot's buffers read back
                      "verify": "full", "verified": True, "verified_tensors": sum(a.get("checked", 0) for a in answers)}
         log.info("LoRA slot %s holds %s (%s), proven in %d workers (%d buffers each); vLLM's loop held %.1f ms",
-                 slot.name, _snapshot(version), "resident" if resident else "written", len(answers),
+                 slot.name, snapshot_label(version), "resident" if resident else "written", len(answers),
                  answers[0].get("checked", 0), 1e3 * self._pause.seconds)
 
     def _write(self, slot: Slot, version: int, req: dict[str, Any]) -> tuple[float, float, list[dict[str, Any]]]:
@@ -241,7 +243,7 @@ class LoraSlotApplier(EngineApplier):
         while not all(os.path.exists(p) for p in paths):
             now = time.monotonic()
             if now > deadline:
-                raise VllmError(f"writing {_snapshot(version)} took more than {CONTROL_TIMEOUT_S:.0f}s")
+                raise VllmError(f"writing {snapshot_label(version)} took more than {CONTROL_TIMEOUT_S:.0f}s")
             if now > health:
                 health = now + 1.0
                 try:
@@ -250,7 +252,7 @@ class LoraSlotApplier(EngineApplier):
                     alive = False
                 if not alive:
                     raise VllmError(f"vLLM at {self.control.url} stopped answering /health while writing "
-                                    f"{_snapshot(version)}")
+                                    f"{snapshot_label(version)}")
             time.sleep(0.002)
         out = []
         for w, p in enumerate(paths):
@@ -402,7 +404,7 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
                                                  "config": config})
             slots.ready(s, version)              # slot 0 last: the newest, new requests go there
         log.info("vLLM serves LoRA run %s, %s, in %d slots on base %s (rank %d; proven in %.2fs)", reader.run_id,
-                 _snapshot(version), lora_slots, base_dir, rank, time.perf_counter() - t0)
+                 snapshot_label(version), lora_slots, base_dir, rank, time.perf_counter() - t0)
         swapper = LoraHotSwapper(shared.tensors, reader, version=version, applier=applier, record=m.adapter,
                                  base_xxh3=digest, priors=priors)
         from ckptdelta.loader.engines.vllm.watch import EngineWatch

@@ -106,7 +106,7 @@ async def _stream(replica: "VllmReplica", kind: RequestKind, admitted: Any, t0: 
             admitted.release()
             versions = admitted.versions()
             result.policy_versions = versions
-            result.snapshot = None if versions[-1] is None else _snapshot(versions[-1])
+            result.snapshot = None if versions[-1] is None else snapshot_label(versions[-1])
             result.recomputes = (len(versions) - 1) if replica.cache_policy == "recompute" else 0
             result.duration_s = time.perf_counter() - t0
             result.completion_tokens = tokens
@@ -118,7 +118,7 @@ async def _stream(replica: "VllmReplica", kind: RequestKind, admitted: Any, t0: 
     return EngineStream(gen, result)
 
 
-def _snapshot(version: int) -> str:
+def snapshot_label(version: int) -> str:
     from ckptdelta.delta.manifest import snapshot_name
 
     return snapshot_name(version)

@@ -40,7 +40,7 @@ class EngineWatch:
     def __init__(self, url: str, *, applier: Any, proc: Any = None, api_key: str | None = None,
                  interval: float = INTERVAL_S, misses: int = MISSES,
                  on_failure: Callable[[str], None] | None = None):
-        from ckptdelta.loader.engines.vllm.replica import http_client
+        from ckptdelta.loader.engines.vllm.control import http_client
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url, self.applier, self.proc, self.interval, self.misses = url, applier, proc, interval, misses

@@ -399,9 +399,10 @@ def _release(shadow: Any, displaced: list[Any]) -> None:
 
 
 def _digests(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
-    from ckptdelta.loader.engines.vllm.worker.readback import checkpoint_tensors, digests, kernel_view
+    from ckptdelta.loader.engines.vllm.worker.readback import checkpoint_tensors
+    from ckptdelta.loader.engines.vllm.proof import digests, kernel_view
 
-    # Tensors read through a GEMM kernel are compared as the kernel sees them (vllm_readback.kernel_view).
+    # Tensors read through a GEMM kernel are compared as the kernel sees them (proof.kernel_view).
     # Under tensor parallelism each digest is of the slice this rank holds, and ``slices`` says which: the
     # replica hashes the same slice of the host copy (loader/engines/vllm/tp.py).
     kernel: set[str] = set()
@@ -448,7 +449,7 @@ def _kernel_views(host: torch.Tensor, live: torch.Tensor, cols: torch.Tensor | N
     """``kernel_view`` of the host tensor (its sampled columns) and of the live read-back, at the cost of the
     sample: a row is poisoned by a NaN/Inf in any column, so only rows the live side shows poisoned but the
     sample of the host does not are looked at whole."""
-    from ckptdelta.loader.engines.vllm.worker.readback import kernel_view
+    from ckptdelta.loader.engines.vllm.proof import kernel_view
 
     if cols is None or host.dim() != 2:
         return kernel_view(host), kernel_view(live)

@@ -69,7 +69,6 @@ import contextlib
 import contextvars
 import math
 import os
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -77,7 +76,7 @@ import torch
 
 from ckptdelta.loader.engines.vllm.tp import Slice, linear_slices, vocab_slice
 
-__all__ = ["ReadbackError", "Slice", "checkpoint_tensors", "digests", "kernel_view"]
+__all__ = ["ReadbackError", "Slice", "checkpoint_tensors"]
 
 #: Identity rows pushed through a linear kernel per call (bounds the temporary output).
 _IDENTITY_CHUNK = 1024
@@ -547,38 +546,3 @@ def _check_slice(name: str, t: torch.Tensor, part: Slice) -> None:
     if part.dim < t.dim() and t.shape[part.dim] != part.length and not (part.dim == 1 and _SAMPLE_COLUMNS.get()):
         raise ReadbackError(name, f"this rank holds {list(t.shape)}, not {part.length} along dim {part.dim} "
                                   f"(its slice {part.to_json()})")
-
-
-def kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """What a GEMM kernel can show of a weight matrix: the bits, except what no identity product tells apart.
-
-    -0.0 and subnormals become +0.0 (a product with them is a zero the kernel
-    cannot sign, and bf16 dot-product units flush subnormals), and a row holding a
-    NaN or an Inf becomes all NaN (its zeros times the NaN poison the row).
-    Applied to both the live read-back and the expected tensor, equality then
-    means the kernel computes with the published values."""
-    if not t.is_floating_point() or t.dim() != 2:
-        return t
-    x = t.detach().to("cpu").clone()
-    tiny = torch.finfo(x.dtype).tiny
-    x[x.abs() < tiny] = 0.0          # -0.0 and subnormals become +0.0 (NaN compares False: left alone)
-    rows = (~torch.isfinite(x)).any(dim=1)
-    if bool(rows.any()):
-        x[rows] = float("nan")
-    return x
-
-
-def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """xxh3-64 (16 hex digits) of each tensor's bytes in C order, little-endian.
-
-    The same string as a manifest's per-tensor ``xxh3`` field
-    (``ckptdelta.delta.codec.digest_hex(ckptdelta.delta.codec.digest(t))``)."""
-    import xxhash
-
-    out = {}
-    for n, t in tensors.items():
-        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        if sys.byteorder != "little" and t.element_size() > 1:
-            flat = flat.reshape(-1, t.element_size())[:, ::-1].copy()
-        out[n] = xxhash.xxh3_64_hexdigest(flat)
-    return out
