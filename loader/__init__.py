@@ -11,7 +11,8 @@ if __name__ != "ckptdelta.loader":   # a checkout's root on sys.path would give 
 from ckptdelta.loader.cache import DiskCache
 from ckptdelta.loader.hotswap import HotLoadReport, HotSwapper, PreparedUpdate
 from ckptdelta.loader.gate import Pause, ServingGate
-from ckptdelta.loader.reader import SnapshotReader, VerifyReport
+from ckptdelta.loader.reader import SnapshotReader
+from ckptdelta.loader.verify import VerifyReport
 
 __all__ = ["DiskCache", "HotLoadReport", "HotSwapper", "Pause", "PreparedUpdate", "ServingGate", "SnapshotReader",
            "VerifyReport"]

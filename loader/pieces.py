@@ -120,8 +120,8 @@ def check_piece(p: Piece, data: bytes) -> "bytes | EncodedTensor":
     if len(data) != stored.length:
         raise TruncatedError(f"{p.where()}: got {len(data)} bytes, expected {stored.length}")
     if not p.is_record:
-        if _xxh(data) != e.xxh3:
-            raise ChecksumError(f"{p.where()}: tensor bytes hash to {_xxh(data)}, the manifest says {e.xxh3}")
+        if xxh_hex(data) != e.xxh3:
+            raise ChecksumError(f"{p.where()}: tensor bytes hash to {xxh_hex(data)}, the manifest says {e.xxh3}")
         return data
     enc = EncodedTensor.from_bytes(data, what=p.where())
     h = enc.header
@@ -263,5 +263,6 @@ def coalesce(items: list[tuple[Piece, int]]) -> list[tuple[str, int, int, list[t
     return out
 
 
-def _xxh(data: bytes) -> str:
+def xxh_hex(data: bytes) -> str:
+    """The manifest's spelling of an xxh3-64: 16 lowercase hex digits."""
     return f"{xxhash.xxh3_64_intdigest(data):016x}"

@@ -18,11 +18,9 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterator, Sequence, TYPE_CHECKING
 
 import torch
-import xxhash
 
 from ckptdelta.delta import EncodedTensor
 from ckptdelta.delta.errors import (ChecksumError, DeltaError, ManifestError, ObjectNotFoundError, RunMismatchError,
@@ -33,8 +31,12 @@ from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MA
 from ckptdelta.delta.storage import Store
 
 from ckptdelta.loader.cache import DiskCache
-from ckptdelta.loader.pieces import Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
+from ckptdelta.loader.pieces import xxh_hex, Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
 from ckptdelta.loader.plan import rebuild_pieces
+from ckptdelta.loader.prefetch import prefetching
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.verify import VerifyReport
 
 log = logging.getLogger("ckptdelta.loader")
 
@@ -52,20 +54,6 @@ _NAME = re.compile(r"v([0-9]{8,18})", re.ASCII)
 _DECIMAL = re.compile(r"[0-9]{1,18}", re.ASCII)
 
 Names = "None | Iterable[str] | Callable[[str], bool]"
-
-
-@dataclass
-class VerifyReport:
-    """What :meth:`SnapshotReader.verify` checked."""
-
-    version: int
-    snapshot: str
-    chain: list[int]
-    objects_checked: int
-    tensors_checked: int
-    bytes_read: int
-    seconds: float
-    damaged: tuple[str, ...] = ()   # unreadable manifests newer than the version checked (verify of latest)
 
 
 class SnapshotReader:
@@ -264,7 +252,7 @@ class SnapshotReader:
         cache = self.cache if use_cache else None
         if cache is not None:
             data = cache.get(obj.xxh3, obj.size, 0, obj.size)
-            if data is not None and _xxh(data) == obj.xxh3:
+            if data is not None and xxh_hex(data) == obj.xxh3:
                 self._count(cache_hits=1)
                 return data
         try:
@@ -273,9 +261,9 @@ class SnapshotReader:
             if size != obj.size:
                 raise ChecksumError(f"object {obj.key}: {size} bytes in the store, its manifest says {obj.size}")
             data = self._get(obj.key, max_size=obj.size)
-            if len(data) != obj.size or _xxh(data) != obj.xxh3:
+            if len(data) != obj.size or xxh_hex(data) != obj.xxh3:
                 raise ChecksumError(f"object {obj.key}: content does not match its manifest "
-                                    f"({len(data)} bytes hashing to {_xxh(data)}, expected {obj.size} / {obj.xxh3})")
+                                    f"({len(data)} bytes hashing to {xxh_hex(data)}, expected {obj.size} / {obj.xxh3})")
         except BaseException:
             if cache is not None:       # the miss's claim: the other replicas of the host stop waiting for it
                 cache.release(obj.xxh3, obj.size, 0, obj.size)
@@ -293,7 +281,7 @@ class SnapshotReader:
         from ckptdelta.loader.materialize import write_checkpoint
         return write_checkpoint(self, self.resolve(ref), out_dir, progress=progress, priors=priors)
 
-    def verify(self, ref: "str | int | None" = None, *, progress: bool | None = None) -> VerifyReport:
+    def verify(self, ref: "str | int | None" = None, *, progress: bool | None = None) -> "VerifyReport":
         """Check every object and every tensor of every version on the chain (default: latest), reading each
         object once (loader/verify.py); a progress bar with ``progress`` (default: when stderr is a terminal).
 
@@ -482,23 +470,6 @@ class SnapshotReader:
 
 # --- helpers shared with ckptdelta.loader.hotswap and ckptdelta.loader.materialize ----------------------------
 
-@contextlib.contextmanager
-def prefetching(ex: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
-    """``ex`` shut down when the block ends, waiting for its thread unless the block is a generator being
-    closed: the garbage collector closes an abandoned generator wherever it runs, also inside threading's
-    own bookkeeping while that holds a lock which joining a thread takes again (CPython's
-    ``_shutdown_locks_lock``), and the join then waits forever (seen: a reader hung after a refused record).
-    A fetch still in flight then finishes on its own, its result dropped."""
-    wait = True
-    try:
-        yield ex
-    except GeneratorExit:
-        wait = False
-        raise
-    finally:
-        ex.shutdown(wait=wait, cancel_futures=True)
-
-
 def select_names(m: Manifest, names: Names) -> list[str]:
     if names is None:
         return sorted(m.tensors)
@@ -553,7 +524,3 @@ def _check_pieces_link(child: Manifest, parent: Manifest, name: str) -> None:
         if p.object is None and p.xxh3 != pp.xxh3:
             raise ManifestError(f"{child.where()}: piece {k} ({p.describe()}) of tensor {name!r} is marked "
                                 f"unchanged but its digest differs from its parent {parent.where()}'s")
-
-
-def _xxh(data: bytes) -> str:
-    return f"{xxhash.xxh3_64_intdigest(data):016x}"

@@ -31,8 +31,9 @@ from ckptdelta.delta.errors import (DeltaError, HotLoadCancelledError, HotLoadCo
                                     StorageError)
 
 from ckptdelta.loader import streaming
-from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
-from ckptdelta.loader.engines.reference.replica import parse, validation_message
+from ckptdelta.loader.engines import replica_engine
+from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
+from ckptdelta.loader.engines.requests import parse, validation_message
 from ckptdelta.loader.hotload_jobs import HotLoadJob, HotLoadManager
 from ckptdelta.loader.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -217,10 +218,7 @@ def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str
 
     The engine's ``swapper`` hot-loads from ``reader``; without them the replica
     serves fixed weights and answers hot-load requests with 409 ``hotload_unavailable``."""
-    if not isinstance(engine, ReplicaEngine):
-        from ckptdelta.loader.engines.reference.replica import ReferenceReplica
-
-        engine = ReferenceReplica(engine, max_concurrent_requests=max_concurrent_requests)
+    engine = replica_engine(engine, max_concurrent_requests=max_concurrent_requests)
     swapper = engine.swapper
     if reader is None and swapper is not None:
         reader = getattr(swapper, "reader", None)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import xxhash
@@ -34,15 +35,29 @@ from ckptdelta.delta.pieces import tensor_digest
 from ckptdelta.delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
 from ckptdelta.delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
 
-from ckptdelta.loader.pieces import Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
-from ckptdelta.loader.reader import prefetching
+from ckptdelta.loader.pieces import xxh_hex, Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
+from ckptdelta.loader.prefetch import prefetching
 
 if TYPE_CHECKING:
     import torch
 
-    from ckptdelta.loader.reader import SnapshotReader, VerifyReport
+    from ckptdelta.loader.reader import SnapshotReader
 
 #: Objects are read in requests of this size (verify never holds a whole shard in memory).
+@dataclass
+class VerifyReport:
+    """What :meth:`SnapshotReader.verify` checked."""
+
+    version: int
+    snapshot: str
+    chain: list[int]
+    objects_checked: int
+    tensors_checked: int
+    bytes_read: int
+    seconds: float
+    damaged: tuple[str, ...] = ()   # unreadable manifests newer than the version checked (verify of latest)
+
+
 READ_BYTES = 64 << 20
 #: Delta objects kept in memory for the rebuild up to this total; the rest goes to a temporary directory.
 SPOOL_MEMORY_BYTES = 64 << 20
@@ -54,7 +69,6 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
            progress: bool | None = None) -> "VerifyReport":
     from tqdm import tqdm
 
-    from ckptdelta.loader.reader import VerifyReport, _xxh
 
     t0 = time.perf_counter()
     before = reader.stats["bytes_fetched"]
@@ -66,8 +80,8 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
     for m in chain:
         key = manifest_key(m.version)
         raw = reader._get(key, max_size=MAX_MANIFEST_BYTES)
-        if head is not None and head.version == m.version and _xxh(raw) != head.manifest_xxh3:
-            raise ChecksumError(f"manifest {reader.store.key_url(key)}: hashes to {_xxh(raw)}, "
+        if head is not None and head.version == m.version and xxh_hex(raw) != head.manifest_xxh3:
+            raise ChecksumError(f"manifest {reader.store.key_url(key)}: hashes to {xxh_hex(raw)}, "
                                 f"the head pointer says {head.manifest_xxh3}")
         if Manifest.from_json(raw, what=f"manifest {reader.store.key_url(key)}", run_id=reader.run_id) != m:
             raise ChecksumError(f"manifest {reader.store.key_url(key)} changed since this reader first read it")

@@ -13,7 +13,7 @@ import torch
 from ckptdelta.cli import main
 from ckptdelta.delta.errors import HotLoadError, NotServableError, PublishInputError
 from ckptdelta.loader import SnapshotReader
-from ckptdelta.loader.engines.reference import replica as reference
+from ckptdelta.loader.engines import reference
 from ckptdelta.loader.lora import LoraHotSwapper
 from ckptdelta.publisher import AdapterSpec, BaseModel, Publisher
 from tests.replicas import LiveServer, make_lm_dir

@@ -228,7 +228,7 @@ def test_the_loops_rl_loop_runs_on_ckptdelta_replicas_with_only_its_imports_and_
         lm_dir, tmp_path):
     # --- changed: the imports ...
     from ckptdelta import ModelInput, Publisher, SamplingParams, save_weights_and_get_sampling_client
-    from ckptdelta.loader.engines.reference import replica as reference
+    from ckptdelta.loader.engines import reference
     from ckptdelta.loader.server import create_app
 
     model, optimizer = _peft_model(lm_dir)

@@ -17,6 +17,16 @@ ENGINES: dict[str, str] = {
 }
 
 
+def replica_engine(engine: Any, **options: Any) -> ReplicaEngine:
+    """``engine`` as a ReplicaEngine: itself, or a bare decode loop (loader/engine.py's ``Engine``, as tests and
+    embedders hand one over) behind the reference engine's replica, built with ``options``."""
+    if isinstance(engine, ReplicaEngine):
+        return engine
+    from ckptdelta.loader.engines.reference.replica import ReferenceReplica
+
+    return ReferenceReplica(engine, **options)
+
+
 def build_engine(kind: str, **options: Any) -> ReplicaEngine:
     """Build the engine ``kind`` ("reference", "vllm") from serve's options."""
     try:
@@ -26,4 +36,4 @@ def build_engine(kind: str, **options: Any) -> ReplicaEngine:
     return importlib.import_module(module).build(**options)
 
 
-__all__ = ["ENGINES", "EngineApplier", "EngineResult", "ReplicaAPIError", "ReplicaEngine", "build_engine"]
+__all__ = ["ENGINES", "EngineApplier", "EngineResult", "ReplicaAPIError", "ReplicaEngine", "build_engine", "replica_engine"]

@@ -12,101 +12,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from anyio import CapacityLimiter, to_thread
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
-                      model_validator)
 
-from ckptdelta.loader.engine import MAX_TOP_LOGPROBS, Engine, Generation, SamplingParams
+from ckptdelta.loader.engine import Engine, Generation, SamplingParams
 from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
-
-MAX_N = 64
-MAX_STOP = 16
-
-
-# --- request schemas -----------------------------------------------------------------
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    include_usage: StrictBool = False
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
-
-    model: str | None = None
-    max_tokens: StrictInt = Field(16, ge=1, le=1 << 16)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
-    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
-    stop: StrictStr | list[StrictStr] | None = None
-    ignore_eos: StrictBool = False
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (ckptdelta.loader.engine.score_logprobs)
-    top_k: StrictInt = Field(-1, ge=-1)  # as vLLM: -1 or 0 is off
-    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP)  # as vLLM's
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP or any(not s or len(s) > 256 for s in stops):
-            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings of up to 256 characters")
-        return stops
-
-
-
-class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictInt] = Field(..., min_length=1)
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # as vLLM's: each prompt token's logprob and k alternatives, on every choice (not with stream)
-    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _no_prompt_logprobs_streamed(self) -> "CompletionRequest":
-        if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs is not available with stream=true")
-        return self
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr = Field(..., max_length=1 << 20)
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=1 << 16)
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
-        return self
-
-
-def validation_message(exc: Any) -> str:
-    """One line naming each bad field (pydantic's and FastAPI's validation errors alike)."""
-    parts = []
-    for e in exc.errors()[:8]:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{loc}: {e.get('msg')}")
-    return "; ".join(parts) or "invalid request"
-
-
-def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise ReplicaAPIError(400, "invalid_request_error", validation_message(e)) from None
+from ckptdelta.loader.engines.requests import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 
 
 # --- response shaping -------------------------------------------------------------------------
@@ -194,7 +106,7 @@ class ReferenceReplica(ReplicaEngine):
 
         return await stream(self, kind, body)
 
-    def prepare(self, kind: RequestKind, body: dict[str, Any]) -> tuple[_Sampling, list[int], SamplingParams]:
+    def prepare(self, kind: RequestKind, body: dict[str, Any]) -> tuple[SamplingFields, list[int], SamplingParams]:
         """The validated request, its prompt's token ids and its sampling parameters (400 for a bad body)."""
         eng = self.engine
         if kind == "chat":
@@ -254,17 +166,9 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", model_di
           storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, device: str = "cpu",
           cache_policy: str = "recompute", model_name: str | None = None, base_model: str | None = None,
           **_: Any) -> ReferenceReplica:
-    """``ckptdelta serve --engine reference``: weights from a bucket's snapshot, or from an HF directory;
-    a LoRA run's adapter on its base model (``base_model``: the base's directory) through peft."""
+    """``ckptdelta serve --engine reference`` on full weights: a bucket's snapshot, or an HF directory."""
     from ckptdelta.loader.engine import build_engine
 
-    if bucket is not None and model_dir is None:
-        from ckptdelta.loader.engines.reference import lora as reference_lora
-
-        if reference_lora.is_lora_run(bucket, snapshot, storage_options):
-            return reference_lora.build(bucket=bucket, snapshot=snapshot, base_model=base_model,
-                                        storage_options=storage_options, cache_dir=cache_dir, device=device,
-                                        cache_policy=cache_policy, model_name=model_name)
     if base_model is not None:
         from ckptdelta.delta.errors import NotServableError
 

@@ -30,7 +30,8 @@ from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPI
 
 if TYPE_CHECKING:
     from ckptdelta.loader.engine import Completion, Generation
-    from ckptdelta.loader.engines.reference.replica import ReferenceReplica, _Sampling
+    from ckptdelta.loader.engines.reference.replica import ReferenceReplica
+    from ckptdelta.loader.engines.requests import SamplingFields
 
 
 class _ClientGone(Exception):
@@ -50,7 +51,7 @@ class _Choice:
 class _Chunks:
     """Builds one request's chunks (in the decode loop's thread; nothing here is shared across threads)."""
 
-    def __init__(self, replica: "ReferenceReplica", kind: RequestKind, req: "_Sampling", prompt_ids: list[int]):
+    def __init__(self, replica: "ReferenceReplica", kind: RequestKind, req: "SamplingFields", prompt_ids: list[int]):
         self.eng = replica.engine
         self.chat = kind == "chat"
         self.req = req

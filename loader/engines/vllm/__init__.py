@@ -18,8 +18,26 @@ from __future__ import annotations
 from typing import Any
 
 
-def build(**options: Any) -> Any:
-    """``ckptdelta serve --engine vllm``: see :func:`ckptdelta.loader.engines.vllm.replica.build`."""
-    from ckptdelta.loader.engines.vllm.replica import build as build_replica
+def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_options: dict[str, Any] | None = None,
+          cache_dir: str | None = None, **options: Any) -> Any:
+    """``ckptdelta serve --engine vllm``: a LoRA run's adapter goes into vLLM's LoRA slots
+    (:func:`ckptdelta.loader.engines.vllm.lora.build`), a full model's weights into vLLM's modules
+    (:func:`ckptdelta.loader.engines.vllm.replica.build`); the snapshot's manifest says which."""
+    if bucket is None:
+        raise ValueError("serve --engine vllm needs --bucket URL (the run whose snapshots it hot-loads)")
+    from ckptdelta.loader.reader import SnapshotReader
 
-    return build_replica(**options)
+    reader = SnapshotReader(bucket, storage_options=storage_options, cache_dir=cache_dir)
+    try:
+        version = reader.resolve(snapshot)
+        lora = reader.manifest(version).adapter is not None
+    finally:
+        reader.store.close()
+    where = {"bucket": bucket, "snapshot": version, "storage_options": storage_options, "cache_dir": cache_dir}
+    if lora:
+        from ckptdelta.loader.engines.vllm.lora import build as build_lora
+
+        return build_lora(**where, **options)
+    from ckptdelta.loader.engines.vllm.replica import build as build_full
+
+    return build_full(**where, **options)

@@ -356,7 +356,7 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
           lora_slots: int = DEFAULT_SLOTS, vllm_api_key: str | None = None, vllm_log: str | None = None,
           request_timeout: float = REQUEST_TIMEOUT_S, control_timeout: float = CONTROL_TIMEOUT_S,
           on_failure: Any = None, **_: Any) -> VllmLoraReplica:
-    """``ckptdelta serve --engine vllm`` on a LoRA run (loader/engines/vllm/replica.py's ``build`` sends it here)."""
+    """``ckptdelta serve --engine vllm`` on a LoRA run (the package's ``build`` sends it here)."""
     from safetensors.torch import load_file
 
     from ckptdelta.loader.lora import LoraHotSwapper, base_dir_for, check_base

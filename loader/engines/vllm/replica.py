@@ -284,7 +284,7 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
           attach: str | None = None, vllm_args: Sequence[str] = (), verify: str = "sampled", apply_mode: str = "auto",
           vllm_api_key: str | None = None, vllm_log: str | None = None, request_timeout: float = REQUEST_TIMEOUT_S,
           control_timeout: float = CONTROL_TIMEOUT_S, on_failure: Any = None, **_: Any) -> VllmReplica:
-    """``ckptdelta serve --engine vllm``: vLLM on a snapshot of the run, hot-loaded by ckptdelta.
+    """``ckptdelta serve --engine vllm`` on a full-model run: vLLM on a snapshot, hot-loaded by ckptdelta.
 
     With ``attach``, vLLM already runs there (started with the worker extension and
     dev mode); before the replica serves, every live tensor is proven to be the
@@ -301,13 +301,6 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", storage_
         raise ValueError(f"cache_policy {cache_policy!r}: expected 'recompute' or 'keep'")
     reader = SnapshotReader(bucket, storage_options=storage_options, cache_dir=cache_dir)
     version = reader.resolve(snapshot)
-    if reader.manifest(version).adapter is not None:       # a LoRA run: the adapter into vLLM's LoRA slots
-        from ckptdelta.loader.engines.vllm import lora as vllm_lora
-
-        return vllm_lora.build(bucket=bucket, snapshot=version, storage_options=storage_options, cache_dir=cache_dir,
-                               cache_policy=cache_policy, model_name=model_name, attach=attach, vllm_args=vllm_args,
-                               vllm_api_key=vllm_api_key, vllm_log=vllm_log, request_timeout=request_timeout,
-                               control_timeout=control_timeout, on_failure=on_failure, **_)
     name = model_name or reader.run_id
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
