@@ -57,6 +57,24 @@ def test_inspect_describes_each_tensor_of_a_delta_object(tmp_path, capsys):
     assert by_name["b"]["has_parent"] is False
 
 
+def test_a_reader_that_stops_reading_ends_the_command_quietly_with_status_0(tmp_path):
+    """``ckptdelta ... | head``: the pipe closes under the command; no "Broken pipe", no traceback, exit 0."""
+    buf = io.BytesIO()
+    w = ObjectWriter(buf)
+    for i in range(4000):      # ~0.5 MB of --json: far past a pipe's buffer
+        w.add(f"layers.{i}.weight", delta.encode(None, torch.arange(4, dtype=torch.int64), name=f"t{i}").to_bytes())
+    w.finish()
+    path = tmp_path / "rank-00000.ckd"
+    path.write_bytes(buf.getvalue())
+    proc = subprocess.Popen([sys.executable, "-m", "ckptdelta", "inspect", str(path), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(100)       # it has started writing; now the reader goes away
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
 def test_a_corrupt_object_is_a_one_line_error_with_exit_status_1(tmp_path, capsys):
     path = _object(tmp_path)
     data = bytearray(path.read_bytes())

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from ckptdelta import __version__
-from ckptdelta.cli.console import CommandParser, guarded, set_up_logging, usage_error
+from ckptdelta.cli.console import CommandParser, guarded, quiet_stdout, set_up_logging, usage_error
 
 DESCRIPTION = """\
 Ship bit-exact policy weights from an RL trainer to its sampling replicas as small
@@ -88,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     set_up_logging(args.verbose, command)
     if not getattr(args, "func", None):
         return usage_error("", f"give a command: {', '.join(COMMANDS)}")
-    return guarded(args.func, command)(args)   # each command is guarded already; this catches what is not
+    status = guarded(args.func, command)(args)   # each command is guarded already; this catches what is not
+    try:
+        sys.stdout.flush()       # here, not at exit: a reader gone by now ends the command quietly too
+    except BrokenPipeError:
+        return quiet_stdout()
+    return status
 
 
 if __name__ == "__main__":

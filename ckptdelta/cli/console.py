@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 import traceback
 from typing import Any, Callable, NoReturn
@@ -66,6 +67,8 @@ def guarded(fn: Callable[[argparse.Namespace], Any], name: str) -> Callable[[arg
             return usage_error(name, str(e))
         except KeyboardInterrupt:
             return 130
+        except BrokenPipeError:     # whoever read our output stopped (`| head`): not an error of ours
+            return quiet_stdout()
         except Exception as e:  # noqa: BLE001 - the point: no traceback unless asked for
             if verbose:
                 traceback.print_exc()
@@ -79,6 +82,15 @@ def guarded(fn: Callable[[argparse.Namespace], Any], name: str) -> Callable[[arg
             return 1
 
     return run
+
+
+def quiet_stdout() -> int:
+    """Point standard output at /dev/null, so that the interpreter's own flush at exit does not fail a second
+    time on a pipe whose reader is gone; a command cut short that way exits 0, as ``head`` asked."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0
 
 
 #: Loggers that say something at INFO for every HTTP request (httpx: each call a replica forwards to vLLM).
