@@ -10,7 +10,7 @@ import torch
 import xxhash
 
 from ckptdelta.delta import StagedTensor, dtypes
-from ckptdelta.delta.errors import (HotLoadError, ShapeMismatchError)
+from ckptdelta.delta.errors import HotLoadError, ShapeMismatchError
 
 from ckptdelta.loader.staging import Staged, old_bits
 

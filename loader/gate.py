@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 
-from ckptdelta.delta.errors import (HotLoadError)
+from ckptdelta.delta.errors import HotLoadError
 
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ckptdelta.delta.errors import (ChecksumError, DeltaError, ManifestError, RunMismatchError, SnapshotNotFoundError)
+from ckptdelta.delta.errors import ChecksumError, DeltaError, ManifestError, RunMismatchError, SnapshotNotFoundError
 from ckptdelta.delta.manifest import HEAD_KEY, manifest_key
 from ckptdelta.delta.storage import Store
 from ckptdelta.cli import read as cli_read
