@@ -195,7 +195,7 @@ def test_the_first_compile_in_an_environment_never_warmed_up_is_announced_once(t
     assert counts[1:] == (1, 0) and "compiling the codec" not in err
     # a completed warm-up marks the environment: a compile it left (here the probe, not one of its kernels)
     # is not announced as "the first" again
-    (counts, err) = _run_logged(root, None, "from delta import kernel_cache; kernel_cache.mark_warm()\n",
+    (counts, err) = _run_logged(root, None, "from ckptdelta.delta import kernel_cache; kernel_cache.mark_warm()\n",
                                 **{kernel_cache.ENV: str(tmp_path / "other")})
     assert counts[1:] == (0, 1) and "compiling the codec" not in err, err
 
