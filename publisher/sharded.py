@@ -290,12 +290,13 @@ def plan_union(gathered: list[Holdings] | list[tuple[Schema | None, Boxes | None
     pieces: dict[str, Pieced] = {}
     t = _box_table(ranks)
     if t is not None:
-        dtypes_, first_rank = t.dtype[t.start[:-1]].tolist(), t.rank[t.start[:-1]].tolist()
-        ndims, count = t.ndim[t.start[:-1]].tolist(), np.diff(t.start).tolist()
-        disagree = np.logical_or.reduceat(t.disagree, t.start[:-1]).tolist()
-        gshapes = t.global_shape[t.start[:-1]].tolist()
-        whole = (t.shape[t.start[:-1]] == t.global_shape[t.start[:-1]]).all(axis=1).tolist()
-        lowest = np.minimum.reduceat(t.rank, t.start[:-1]).tolist()
+        head = t.start[:-1]                 # each tensor's first row
+        dtypes_, first_rank = t.dtype[head].tolist(), t.rank[head].tolist()
+        ndims, count = t.ndim[head].tolist(), np.diff(t.start).tolist()
+        disagree = np.logical_or.reduceat(t.disagree, head).tolist()
+        gshapes = np.stack([g[head] for g in t.global_shape], axis=1).tolist()
+        whole = np.logical_and.reduce([s[head] == g[head] for s, g in zip(t.shape, t.global_shape)]).tolist()
+        lowest = np.minimum.reduceat(t.rank, head).tolist()
         ranks_of = t.rank.tolist()
         for k, n in enumerate(t.names):
             if n in owner:
@@ -303,8 +304,8 @@ def plan_union(gathered: list[Holdings] | list[tuple[Schema | None, Boxes | None
                                         f"{owner[n]}: publish it from one kind of state dict")
             a, b = int(t.start[k]), int(t.start[k + 1])
             if disagree[k]:
-                kinds = sorted({(t.dtype_names[int(d)], tuple(g[:int(m)].tolist()))
-                                for d, g, m in zip(t.dtype[a:b], t.global_shape[a:b], t.ndim[a:b])})
+                kinds = sorted({(t.dtype_names[int(d)], tuple(g[:int(m)]))
+                                for d, g, m in zip(t.dtype[a:b], t.global_shape[:, a:b].T.tolist(), t.ndim[a:b])})
                 raise PublishInputError(f"ranks disagree on DTensor {n!r}: " + ", ".join(
                     f"{d}{list(s)}" for d, s in kinds))
             dtype, gshape = t.dtype_names[dtypes_[k]], tuple(gshapes[k][:ndims[k]])
@@ -316,7 +317,7 @@ def plan_union(gathered: list[Holdings] | list[tuple[Schema | None, Boxes | None
             if cuts is None:        # why, in the words of the format's rule (the boxes in the order it lists them)
                 nd = ndims[k]
                 rows = sorted((tuple(o[:nd]), tuple(s[:nd]), r) for o, s, r in
-                              zip(t.offsets[a:b].tolist(), t.shape[a:b].tolist(), ranks_of[a:b]))
+                              zip(t.offsets[:, a:b].T.tolist(), t.shape[:, a:b].T.tolist(), ranks_of[a:b]))
                 problem = grid_problem(gshape, [(o, s) for o, s, _r in rows])
                 raise PublishInputError(f"DTensor {n!r}: the ranks' pieces cannot be published: {problem}")
             pieces[n] = Pieced(dtype, gshape, cuts, tuple(ranks_of[a:b]))
@@ -340,9 +341,9 @@ def plan_union(gathered: list[Holdings] | list[tuple[Schema | None, Boxes | None
 class _Boxes:
     """Every rank's DTensor boxes as one table of rows, sorted by tensor (in the order the ranks first name
     them) then offsets: tensor k's boxes are rows ``start[k]:start[k + 1]``, its name ``names[k]``, and
-    ``grids[k]`` the cuts of the grid they make, or None where they make none (:func:`_grids`). Arrays of
-    (rows, width) are 0 past a row's ``ndim``. ``disagree``: the row's dtype or tensor shape is not its
-    tensor's first row's."""
+    ``grids[k]`` the cuts of the grid they make, or None where they make none (:func:`_grids`). The tensor
+    shape, offsets and box shape are (width, rows) arrays, a row per dimension (0 past a box's ``ndim``).
+    ``disagree``: the row's dtype or tensor shape is not its tensor's first row's."""
 
     names: list[str]
     dtype_names: list[str]
@@ -376,26 +377,26 @@ def _box_table(ranks: list[Holdings]) -> _Boxes | None:
     if not index:
         return None
     width = max(h.offsets.shape[1] for h in ranks)
-    rows = sum(len(h.names) for h in ranks)
+    tensor = np.concatenate(ids)
 
-    def column(field: str) -> np.ndarray:
-        out = np.zeros((rows, width), np.int64)
+    def column(field: str) -> np.ndarray:      # (width, rows): a row per dimension
+        out = np.zeros((width, len(tensor)), np.int64)
         at = 0
         for h in ranks:
             a = getattr(h, field)
-            out[at:at + len(a), :a.shape[1]] = a
+            out[:a.shape[1], at:at + len(a)] = a.T
             at += len(a)
         return out
 
-    tensor = np.concatenate(ids)
     offsets = column("offsets")
-    order = np.lexsort([offsets[:, d] for d in reversed(range(width))] + [tensor])
+    order = np.lexsort([*offsets[::-1], tensor])
     tensor = tensor[order]
     start = np.searchsorted(tensor, np.arange(len(index) + 1))
     first = np.repeat(start[:-1], np.diff(start))
     dtype, ndim = np.concatenate(codes)[order], np.concatenate([h.ndim for h in ranks])[order]
-    gshape, offsets, shape = column("global_shape")[order], offsets[order], column("shape")[order]
-    disagree = (dtype != dtype[first]) | (ndim != ndim[first]) | (gshape != gshape[first]).any(axis=1)
+    gshape, offsets, shape = (np.take(c, order, axis=1) for c in (column("global_shape"), offsets, column("shape")))
+    disagree = np.logical_or.reduce([dtype != dtype[first], ndim != ndim[first],
+                                     *(g != g[first] for g in gshape)])
     rank = np.repeat(np.arange(len(ranks)), [len(h.names) for h in ranks])[order]
     return _Boxes(list(index), list(dtype_code), rank, dtype, ndim, gshape, offsets, shape, start, disagree,
                   _grids(tensor, start, ndim, gshape, offsets, shape, disagree))
@@ -412,19 +413,22 @@ def _grids(tensor: np.ndarray, start: np.ndarray, ndim: np.ndarray, gshape: np.n
     the cell of coordinates (j // stride_d) % n_d (stride_d the product of n_e for e > d); the boxes are the
     grid's cells in C order exactly when there are prod(n_d) rows, each has its cell's offsets and ends, and
     each axis's cells chain from 0 to the tensor's size."""
-    n_tensors, width = len(start) - 1, offsets.shape[1]
+    n_tensors, width = len(start) - 1, len(offsets)
+    head = start[:-1]
     count = np.diff(start)
-    row_ndim = ndim[:, None] > np.arange(width)                     # dimensions past a tensor's ndim: size 1
-    ends = np.where(row_ndim, offsets + shape, 1)
-    size = np.where(row_ndim, gshape, 1)
-    ok = (ndim[start[:-1]] >= 1) & (count >= 2) & (count <= MAX_PIECES)
-    bad = (np.where(row_ndim, shape, 1) < 1).any(axis=1) | (offsets < 0).any(axis=1) | (ends > size).any(axis=1)
-    ok &= ~np.logical_or.reduceat(bad | disagree, start[:-1])
+    # a dimension past a tensor's ndim counts as one of size 1, in one piece
+    real = [ndim > d for d in range(width)]
+    ends = [np.where(real[d], offsets[d] + shape[d], 1) for d in range(width)]
+    size = [np.where(real[d], gshape[d], 1) for d in range(width)]
+    bad = np.logical_or.reduce([disagree, *((real[d] & (shape[d] < 1)) | (offsets[d] < 0) | (ends[d] > size[d])
+                                            for d in range(width))])
+    ok = (ndim[head] >= 1) & (count >= 2) & (count <= MAX_PIECES) & ~np.logical_or.reduceat(bad, head)
     j = np.arange(len(tensor)) - start[tensor]                       # each row's index in its tensor
-    zero = offsets == 0
+    zero = [o == 0 for o in offsets]
     axes, cells = [], np.ones(n_tensors, np.int64)
     for d in range(width):
-        axis = np.flatnonzero(np.delete(zero, d, axis=1).all(axis=1))
+        on_axis = np.logical_and.reduce([zero[e] for e in range(width) if e != d] or [np.ones(len(tensor), bool)])
+        axis = np.flatnonzero(on_axis)
         n = np.bincount(tensor[axis], minlength=n_tensors)
         axes.append((axis, n))
         cells *= n
@@ -438,28 +442,25 @@ def _grids(tensor: np.ndarray, start: np.ndarray, ndim: np.ndarray, gshape: np.n
         at = first[tensor] + (j // stride[tensor]) % n1[tensor]
         valid = at < len(axis)
         cell = axis[np.where(valid, at, 0)] if len(axis) else np.zeros(len(at), np.int64)
-        wrong = ~valid | (offsets[:, d] != offsets[cell, d]) | (ends[:, d] != ends[cell, d])
-        ok &= ~np.logical_or.reduceat(wrong, start[:-1])
+        wrong = ~valid | (offsets[d] != offsets[d][cell]) | (ends[d] != ends[d][cell])
+        ok &= ~np.logical_or.reduceat(wrong, head)
         # the axis's cells chain: each ends where the next starts, the first at 0, the last at the size
         t_axis = tensor[axis]
-        o, e = offsets[axis, d], ends[axis, d]
-        head = np.ones(len(axis), bool)
-        head[1:] = t_axis[1:] != t_axis[:-1]
-        tail = np.ones(len(axis), bool)
-        tail[:-1] = t_axis[1:] != t_axis[:-1]
-        broken = (head & (o != 0)) | (tail & (e != size[axis, d]))
-        broken[1:] |= ~head[1:] & (o[1:] != e[:-1])
+        o, e = offsets[d][axis], ends[d][axis]
+        new = np.ones(len(axis), bool)
+        new[1:] = t_axis[1:] != t_axis[:-1]
+        last = np.ones(len(axis), bool)
+        last[:-1] = new[1:]
+        broken = (new & (o != 0)) | (last & (e != size[d][axis]))
+        broken[1:] |= ~new[1:] & (o[1:] != e[:-1])
         ok &= np.bincount(t_axis[broken], minlength=n_tensors) == 0
         stride *= n1
         cuts_of.append((o.tolist(), first.tolist(), n.tolist()))
     cuts_of.reverse()
-    sizes = gshape[start[:-1]].tolist()
-    nds = ndim[start[:-1]].tolist()
-    out: list[tuple[tuple[int, ...], ...] | None] = []
-    for k, good in enumerate(ok.tolist()):
-        out.append(tuple(tuple(o[f[k]:f[k] + n[k]]) + (sizes[k][d],) for d, (o, f, n) in enumerate(cuts_of[:nds[k]]))
-                   if good else None)
-    return out
+    sizes = np.stack([g[head] for g in gshape], axis=1).tolist()
+    nds = ndim[head].tolist()
+    return [tuple(tuple(o[f[k]:f[k] + n[k]]) + (sizes[k][d],) for d, (o, f, n) in enumerate(cuts_of[:nds[k]]))
+            if good else None for k, good in enumerate(ok.tolist())]
 
 
 # --- what a rank wrote: its pieces as rank 0 merges them --------------------------------------------------
