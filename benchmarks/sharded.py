@@ -462,7 +462,14 @@ def metadata_run(scales: tuple[tuple[int, int], ...] = SCALES, rounds: int = MET
                     runs[which][scale].append(m)
                     log(f"metadata round {n + 1}/{rounds}: {which} {scale[0]} tensors x {scale[1]} ranks: plan + "
                         f"commit {m['plan_s'] + m['commit_s']:.2f} s (run {time.perf_counter() - t0:.0f} s)")
-    out: dict = {"rounds": rounds, "baseline": baseline, "baseline_rev": rev, "scales": []}
+    import subprocess
+
+    head = subprocess.run(["git", "-C", harness.REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or None
+    dirty = bool(subprocess.run(["git", "-C", harness.REPO, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True).stdout.strip())
+    out: dict = {"rounds": rounds, "baseline": baseline, "baseline_rev": rev, "current_rev": head,
+                 "current_dirty": dirty, "scales": []}
     for scale in scales:
         row = {}
         for which, by in runs.items():
@@ -519,8 +526,9 @@ def metadata_report(meta: dict, argv: list[str], elapsed: float) -> str:
     lines = ["# Rank 0's metadata per publish at scale (`" + harness.command("sharded", argv) + "`)", "",
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other work. "
              f"Synthetic layouts (every tensor `Shard(0)` on every rank, every piece written), no I/O; each figure "
-             f"the median of {meta['rounds']} rounds, each a fresh interpreter"
-             + (f", this tree and the baseline {base} (git archive of `{meta['baseline']}`) alternating" if base
+             f"the median of {meta['rounds']} rounds, each a fresh interpreter, this tree at "
+             f"{meta.get('current_rev') or '?'}{' with changes not committed' if meta.get('current_dirty') else ''}"
+             + (f" and the baseline {base} (git archive of `{meta['baseline']}`) alternating" if base
                 else "") + f". Run took {elapsed:.0f} s.", "", *metadata_table(meta), "",
              "Plan: every rank's boxes checked and planned (`plan_union`). Commit: the ranks' entries merged into "
              "pieced entries, the manifest to JSON and parsed back (what rank 0 does before writing it). Plan + "
