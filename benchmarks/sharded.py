@@ -446,7 +446,8 @@ def metadata_run(scales: tuple[tuple[int, int], ...] = SCALES, rounds: int = MET
                  baseline: str | None = None, log=print) -> dict:
     """Rank 0's metadata per publish at each scale, ``rounds`` times, each a fresh interpreter: this tree's
     code and, with ``baseline`` (a git revision), that revision's beside it, in alternating order (baseline
-    first in odd rounds), so the machine's drift falls on both alike. Medians per scale and tree."""
+    first in odd rounds), so the machine's drift falls on both alike. Medians per scale and tree; the commit
+    measured, and whether the code measured (delta/, publisher/, benchmarks/) differs from it."""
     with tempfile.TemporaryDirectory(prefix="ckptdelta-metadata-") as d:
         trees = {"current": harness.REPO}
         rev = None
@@ -466,8 +467,8 @@ def metadata_run(scales: tuple[tuple[int, int], ...] = SCALES, rounds: int = MET
 
     head = subprocess.run(["git", "-C", harness.REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip() or None
-    dirty = bool(subprocess.run(["git", "-C", harness.REPO, "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True).stdout.strip())
+    dirty = bool(subprocess.run(["git", "-C", harness.REPO, "status", "--porcelain", "--untracked-files=no", "--",
+                                 "delta", "publisher", "benchmarks/*.py"], capture_output=True, text=True).stdout.strip())
     out: dict = {"rounds": rounds, "baseline": baseline, "baseline_rev": rev, "current_rev": head,
                  "current_dirty": dirty, "scales": []}
     for scale in scales:
