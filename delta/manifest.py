@@ -256,7 +256,7 @@ def _column(values: Sequence[Any]) -> Sequence[Any]:
 
 
 @dataclass(frozen=True)
-class _Cells:
+class GridCells:
     """The cells of several grids of one ndim as rows of arrays: grid ``which[g]``'s cells are rows
     ``start[g]:start[g + 1]`` (in C order), and row i is row ``rows[i]`` of a column holding every grid's
     cells, the grids in the order given."""
@@ -268,7 +268,7 @@ class _Cells:
     shape: np.ndarray
 
 
-def grid_cells(grids: Sequence[Sequence[Sequence[int]]]) -> tuple[np.ndarray, list[_Cells]]:
+def grid_cells(grids: Sequence[Sequence[Sequence[int]]]) -> tuple[np.ndarray, list[GridCells]]:
     """Every cell of every grid (per grid, per dimension its cuts) at once, grouped by ndim: the offsets and
     shape of each, what :func:`delta.pieces.cells` lists for one grid, made with a few array operations for
     all of them (no tuple per cell). Also returns where each grid's cells start in the whole column."""
@@ -294,12 +294,12 @@ def grid_cells(grids: Sequence[Sequence[Sequence[int]]]) -> tuple[np.ndarray, li
             offsets[:, d] = edges[at]
             shape[:, d] = edges[at + 1] - edges[at]
             stride *= n[:, d]
-        out.append(_Cells(which, start, first[which][grid] + k, offsets, shape))
+        out.append(GridCells(which, start, first[which][grid] + k, offsets, shape))
     return first, out
 
 
 def pieces_digests(grids: Sequence[Sequence[Sequence[int]]], xxh3: np.ndarray,
-                   cells: tuple[np.ndarray, list[_Cells]] | None = None) -> list[str]:
+                   cells: tuple[np.ndarray, list[GridCells]] | None = None) -> list[str]:
     """The digests of pieced tensors whose pieces are the cells of ``grids`` with these xxh3s (uint64, every
     grid's cells in order, one after the other): :func:`delta.pieces.pieces_digest`'s bytes (docs/FORMAT.md,
     "Pieces") made as one array per ndim, each tensor's hashed from its rows. ``cells``: what

@@ -44,7 +44,7 @@ import xxhash
 from delta import dtypes
 from delta.codec import digest_hex
 from delta.errors import PublishInputError
-from delta.manifest import Manifest, ObjectRef, TensorEntry, anchor_prefix
+from delta.manifest import GridCells, Manifest, ObjectRef, TensorEntry, anchor_prefix
 from delta.pieces import MAX_PIECES, cells, flat_range, grid_problem
 from delta.storage import Store
 
@@ -259,6 +259,12 @@ class Layout:
 
     pieces: dict[str, Pieced] = field(default_factory=dict)
     shards: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    #: rank 0's own: every piece's box, as :func:`delta.manifest.grid_cells` gives them, from the boxes it
+    #: planned, for the merge's digests (not sent to the other ranks)
+    cells: Any = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "cells"}
 
     def grids(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """name -> its grid (:attr:`TensorEntry.grid`): what must stay the same for a delta to follow a delta."""
@@ -334,7 +340,29 @@ def plan_union(gathered: list[Holdings] | list[tuple[Schema | None, Boxes | None
         b, writer = heapq.heappop(fewest)
         heapq.heappush(fewest, (b + sum(nbytes[n] for n in names), writer))
         shards.append((writer, tuple(names)))
-    return union, Layout(pieces, tuple(shards))
+    return union, Layout(pieces, tuple(shards), _cells_of(t, pieces) if pieces else None)
+
+
+def _cells_of(t: "_Boxes", pieces: dict[str, Pieced]) -> tuple[np.ndarray, list[GridCells]]:
+    """The boxes of the tensors in pieces, in the order of ``pieces``, as :func:`delta.manifest.grid_cells`
+    gives them: the table's rows of each such tensor are its grid's cells in C order."""
+    where = {n: k for k, n in enumerate(t.names)}
+    groups: dict[int, list[int]] = {}
+    for i, (n, p) in enumerate(pieces.items()):
+        groups.setdefault(len(p.shape), []).append(i)
+    ks = np.array([where[n] for n in pieces], np.int64)
+    count = t.start[ks + 1] - t.start[ks]
+    first = np.concatenate(([0], np.cumsum(count)))
+    out = []
+    for ndim, which in groups.items():
+        w = np.array(which, np.int64)
+        c = count[w]
+        start = np.concatenate(([0], np.cumsum(c)))
+        k = np.arange(int(start[-1])) - np.repeat(start[:-1], c)
+        table = np.repeat(t.start[ks[w]], c) + k
+        out.append(GridCells(which, start, np.repeat(first[w], c) + k, np.ascontiguousarray(t.offsets[:ndim, table].T),
+                             np.ascontiguousarray(t.shape[:ndim, table].T)))
+    return first, out
 
 
 @dataclass

@@ -274,7 +274,7 @@ def merge(parts: list[Written], layout: Any = None) -> tuple[list[ObjectRef], di
         extra.extend(p.extra_files)
     pieced = layout.pieces if layout is not None else {}
     if any(p.pieces is not None for p in parts):
-        entries.update(_pieced_entries(parts, bases, pieced))
+        entries.update(_pieced_entries(parts, bases, pieced, getattr(layout, "cells", None)))
     missing = [n for n in pieced if n not in entries]
     if missing:
         raise PublishError(f"tensor {missing[0]!r} (held in pieces) has no entry from the ranks"
@@ -282,10 +282,13 @@ def merge(parts: list[Written], layout: Any = None) -> tuple[list[ObjectRef], di
     return objects, entries, weight_map, extra
 
 
-def _pieced_entries(parts: list[Written], bases: list[int], pieced: Mapping[str, Any]) -> dict[str, TensorEntry]:
+def _pieced_entries(parts: list[Written], bases: list[int], pieced: Mapping[str, Any],
+                    cells: Any = None) -> dict[str, TensorEntry]:
     """Each tensor in pieces as one entry of a delta, from every rank's :class:`PieceRecords`: the values of
     all pieces put in the format's order (tensor by tensor, each tensor's cells in C order) in one array per
-    field, then each tensor's columns cut from them. Python work per tensor and per rank, none per piece."""
+    field, then each tensor's columns cut from them. Python work per tensor and per rank, none per piece.
+    ``cells``: the pieces' boxes from the plan (``Layout.cells``), when rank 0 has them (else made from the
+    grids); a wrong one would give digests the parse-back refuses."""
     names = list(pieced)
     ranks = np.fromiter(itertools.chain.from_iterable(p.ranks for p in pieced.values()), np.int64)
     start = np.cumsum([0] + [len(p.ranks) for p in pieced.values()])
@@ -312,7 +315,7 @@ def _pieced_entries(parts: list[Written], bases: list[int], pieced: Mapping[str,
     offset[by_rank] = np.concatenate([r.offset for r in recs])
     length[by_rank] = np.concatenate([r.length for r in recs])
     hexes, offset, length = hex_digests(xxh3), offset.tolist(), length.tolist()     # hexes: 16 digits a piece
-    digests = pieces_digests([p.cuts for p in pieced.values()], xxh3)
+    digests = pieces_digests([p.cuts for p in pieced.values()], xxh3, cells)
     out = {}
     for (n, p), a, b, digest in zip(pieced.items(), start[:-1].tolist(), start[1:].tolist(), digests):
         cols = PieceColumns(p.cuts, hexes[16 * a:16 * b], objs[a:b], offset[a:b], length[a:b])
