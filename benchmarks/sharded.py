@@ -467,8 +467,9 @@ def metadata_run(scales: tuple[tuple[int, int], ...] = SCALES, rounds: int = MET
 
     head = subprocess.run(["git", "-C", harness.REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip() or None
+    code = ["delta", "publisher", "benchmarks/*.py"]
     dirty = bool(subprocess.run(["git", "-C", harness.REPO, "status", "--porcelain", "--untracked-files=no", "--",
-                                 "delta", "publisher", "benchmarks/*.py"], capture_output=True, text=True).stdout.strip())
+                                 *code], capture_output=True, text=True).stdout.strip())
     out: dict = {"rounds": rounds, "baseline": baseline, "baseline_rev": rev, "current_rev": head,
                  "current_dirty": dirty, "scales": []}
     for scale in scales:
@@ -510,7 +511,8 @@ def metadata_table(meta: Any) -> list[str]:
             f"{c['metadata_s'] / prev['current']['metadata_s']:.1f}x ({s['pieces'] / prev['pieces']:.1f}x)"
         line = (f"| {s['tensors']} | {s['ranks']} | {s['pieces']:,} | {c['plan_s']:.3f} | {c['commit_s']:.3f} | "
                 f"**{c['metadata_s']:.3f}** | {c['cpu_s']:.3f} | {grow} | {c['wire_s']:.3f} | "
-                f"{mb(c['manifest_bytes'], 2)} MB | {mb(c['rank0_received_bytes'], 2)} MB | {mb(c['plan_bytes'], 2)} MB |")
+                f"{mb(c['manifest_bytes'], 2)} MB | {mb(c['rank0_received_bytes'], 2)} MB | "
+                f"{mb(c['plan_bytes'], 2)} MB |")
         if base:
             b = s["baseline"]
             bgrow = "" if prev is None else f"{b['metadata_s'] / prev['baseline']['metadata_s']:.1f}x"
