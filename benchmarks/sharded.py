@@ -35,16 +35,23 @@ rounds of 3 timed deltas, pools 9 deltas per configuration and gives 3 ratios; m
 is each job's own start and first anchor (~15-25 s), so fewer deltas per round would not make it much shorter
 (``--rounds 2``: ~3.5 minutes, 2 ratios).
 
-It also times rank 0's share of a publish at the projection's scales (no I/O; ``--no-metadata`` skips it):
-planning the pieces of every rank (``plan_union``), merging the ranks' entries and the manifest's JSON round
-trip, for synthetic layouts of 70B (723 tensors on 64 ranks) and 1T (1,830 tensors on 256 ranks).
+It also times rank 0's share of a publish at the projection's scales (no I/O; ``--no-metadata`` skips it,
+``--metadata-only`` runs only it): planning the pieces of every rank (``plan_union``), merging the ranks'
+entries and the manifest's JSON round trip ("plan + commit"), and apart, unpickling what the ranks send and
+pickling the plan ("wire"), for synthetic layouts of 70B (723 tensors on 64 ranks) and 1T (1,830 tensors on
+256 ranks). Each of ``--metadata-rounds`` rounds measures every scale in a fresh interpreter; with
+``--metadata-baseline REV`` a git revision's code (``git archive``) is measured beside this tree's in every
+round, the order alternating, and the table gives both medians, their ratio and each one's growth from one
+scale to the next against the pieces'. Wall time (what the benchmark always timed) and rank 0's CPU time are
+both given: on a machine other work shares, the wall time is the CPU time plus waiting for a core.
 
     python -m benchmarks.sharded                   # 1 GB, 3 rounds x 3 timed deltas: ~5 minutes on two cores
     python -m benchmarks.sharded --gb 0.05 --steps 2 --rounds 2 --quick --out DIR     # a smoke run
     python -m benchmarks.sharded --render benchmarks/results/sharded.json    # the table and plot again
+    python -m benchmarks.sharded --metadata-only --metadata-baseline 322ae57   # rank 0's metadata, ~5 minutes
 
-Writes benchmarks/results/sharded.{md,json,png} (or under ``--out``). A JSON from before rounds (no ``rounds``
-per result) renders as one round.
+Writes benchmarks/results/sharded.{md,json,png} (``--metadata-only``: sharded_metadata.{md,json,png}; or under
+``--out``). A JSON from before rounds (no ``rounds`` per result) renders as one round.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import mb
@@ -300,44 +308,259 @@ def replica(url: str, versions: list[int]) -> dict:
 
 # --- rank 0's metadata at the projection's scales --------------------------------------------------------
 
-def metadata_cost(n_tensors: int, world: int, repeats: int = 1) -> dict:
-    """Rank 0's CPU for one publish's metadata, no I/O: the union of every rank's boxes, the merge of their
-    written entries into pieced entries, and the manifest to JSON and parsed back (what _commit does)."""
-    from ckptdelta.delta.manifest import Manifest, ObjectRef, TensorEntry
-    from ckptdelta.publisher.sharded import LocalBox, plan_union
-    from ckptdelta.publisher.writer import Written, merge
+#: (tensors, ranks) of the synthetic layouts: 70B-like, 1T-like; with --quick, two small ones
+SCALES = ((723, 64), (1830, 256))
+QUICK_SCALES = ((72, 8), (180, 16))
+METADATA_ROUNDS = 3
 
-    shapes = [((8192 + (i % 7) * 1024, 8192)) for i in range(n_tensors)]
-    schemas, written = [], []
+# What a fresh interpreter runs in a tree (this one, or a baseline's exported by git archive): its own
+# metadata_cost, so each tree measures its own code with its own simulation of what ranks send.
+# Its clock also notes the process's CPU time at each reading, so a tree whose metadata_cost gives no CPU time
+# (from before it did) gives the CPU time between its first and last reading: its plan + commit.
+_RUNNER = """
+import json, sys, time
+marks = []
+class Clock:
+    def __getattr__(self, name):
+        return getattr(time, name)
+    @staticmethod
+    def perf_counter():
+        marks.append(time.process_time())
+        return time.perf_counter()
+import benchmarks.sharded as b
+b.time = Clock()
+out = b.metadata_cost(int(sys.argv[1]), int(sys.argv[2]))
+out.setdefault("cpu_s", marks[-1] - marks[0])
+print(json.dumps(out))
+"""
+
+
+def synthetic_rank(n_tensors: int, world: int, r: int, rows: int | None = None) -> tuple[dict, dict, Any]:
+    """Rank ``r``'s share of a delta of ``n_tensors`` bf16 tensors (8192-14336 rows of 8192, or ``rows`` of 64),
+    each ``Shard(0)`` on ``world`` ranks, every piece written: its schema, its boxes and its entries
+    (:class:`ckptdelta.publisher.writer.Written`, one delta object), as the rank has them before the commit round."""
+    from ckptdelta.delta.manifest import ObjectRef, TensorEntry
+    from ckptdelta.publisher.sharded import LocalBox
+    from ckptdelta.publisher.writer import Written
+
+    sch, boxes, w = {}, {}, Written()
+    w.objects.append(ObjectRef(f"deltas/000000000001-w-1/rank-{r:05d}.ckd", 1 << 30, "0" * 16))
+    for i in range(n_tensors):
+        n_rows, cols = (8192 + (i % 7) * 1024, 8192) if rows is None else (rows, 64)
+        name = f"model.layers.{i // 9}.mlp.proj_{i % 9}.weight"
+        size = -(-n_rows // world)
+        start = min(r * size, n_rows)
+        n = min(size, n_rows - start)
+        sch[name] = ("BF16", (n, cols))
+        boxes[name] = LocalBox((n_rows, cols), (start, 0))
+        w.entries[name] = TensorEntry("BF16", (n, cols), f"{(r * 7919 + i):016x}", 0, 8 + i * 100, 100)
+    return sch, boxes, w
+
+
+def metadata_cost(n_tensors: int, world: int, repeats: int = 1) -> dict:
+    """Rank 0's share of one publish's metadata at a synthetic layout (no I/O): ``n_tensors`` tensors, each
+    ``Shard(0)`` on ``world`` ranks and every piece written. Each rank's payloads of the two rounds are made
+    and pickled as the rank sends them (untimed: the ranks' own work, in parallel); then on rank 0, timed
+    (medians over ``repeats``): **plan** (``plan_union``: every rank's boxes checked and planned), **commit**
+    (the merge of the ranks' entries into pieced entries, the manifest to JSON and parsed back: what _commit
+    does before writing) and **wire** (unpickling the other ranks' payloads of both rounds, pickling the plan
+    it broadcasts). ``plan_s + commit_s`` is what this function timed before ranks sent columns."""
+    import gc
+    import pickle
+
+    from ckptdelta.delta.manifest import Manifest
+    from ckptdelta.publisher.plan import Plan
+    from ckptdelta.publisher.sharded import holdings, plan_union, with_boxes
+    from ckptdelta.publisher.writer import merge
+
+    proto = pickle.HIGHEST_PROTOCOL
+
+    def rank(r: int) -> tuple:
+        return synthetic_rank(n_tensors, world, r)
+
+    first = [holdings(*rank(r)[:2]) for r in range(world)]
+    round1 = [pickle.dumps(h, proto) for h in first]
+    _union, layout = plan_union(first, 5 << 30)       # the plan each rank follows (timed below, on rank 0)
+    del first
+    round2 = []
     for r in range(world):
-        sch, boxes, w = {}, {}, Written()
-        w.objects.append(ObjectRef(f"deltas/000000000001-w-1/rank-{r:05d}.ckd", 1 << 30, "0" * 16))
-        for i, (rows, cols) in enumerate(shapes):
-            size = -(-rows // world)
-            start = min(r * size, rows)
-            n = min(size, rows - start)
-            name = f"model.layers.{i // 9}.mlp.proj_{i % 9}.weight"
-            sch[name] = ("BF16", (n, cols))
-            boxes[name] = LocalBox((rows, cols), (start, 0))
-            w.entries[name] = TensorEntry("BF16", (n, cols), f"{(r * 7919 + i):016x}", 0, 8 + i * 100, 100)
-            w.boxes[name] = ((rows, cols), (start, 0))
-        schemas.append((sch, boxes))
-        written.append(w)
-    t0 = time.perf_counter()
+        _sch, boxes, w = rank(r)
+        round2.append(pickle.dumps(with_boxes(w, boxes, layout).for_commit(), proto))
+    own1, own2 = pickle.loads(round1[0]), pickle.loads(round2[0])      # rank 0's own: never pickled
+    samples = []
     for _ in range(repeats):
-        plan_union(schemas, 5 << 30)
-    t1 = time.perf_counter()
-    for _ in range(repeats):
-        objects, entries, _wm, _x = merge(written)
+        gc.collect()
+        t, c = [time.perf_counter()], [time.process_time()]
+
+        def mark() -> None:
+            t.append(time.perf_counter())
+            c.append(time.process_time())
+
+        got = [own1] + [pickle.loads(b) for b in round1[1:]]
+        mark()
+        _union, layout = plan_union(got, 5 << 30)
+        mark()
+        plan_bytes = pickle.dumps(Plan(1, "delta", 0, 0, "delta", layout=layout), proto)
+        parts = [own2] + [pickle.loads(b) for b in round2[1:]]
+        mark()
+        objects, entries, _wm, _x = merge(parts, layout)
         m = Manifest("r", 1, "delta", 0, 0, "now", 1, "w", tuple(objects), entries)
         data = m.to_json()
         Manifest.from_json(data)
-    t2 = time.perf_counter()
-    import pickle
-    per_rank = len(pickle.dumps(schemas[1])) + len(pickle.dumps(written[1]))
-    return {"tensors": n_tensors, "ranks": world, "pieces": n_tensors * world, "plan_s": (t1 - t0) / repeats,
-            "commit_s": (t2 - t1) / repeats, "manifest_bytes": len(data), "rank_metadata_bytes": per_rank,
-            "rank0_received_bytes": per_rank * (world - 1)}
+        mark()
+        samples.append({"plan_s": t[2] - t[1], "commit_s": t[4] - t[3], "wire_s": (t[1] - t[0]) + (t[3] - t[2]),
+                        "cpu_s": (c[2] - c[1]) + (c[4] - c[3]), "wire_cpu_s": (c[1] - c[0]) + (c[3] - c[2])})
+        del got, parts, objects, entries, m
+    out = {k: statistics.median(x[k] for x in samples) for k in samples[0]}
+    return {"tensors": n_tensors, "ranks": world, "pieces": n_tensors * world, **out,
+            "manifest_bytes": len(data), "rank_metadata_bytes": len(round1[1]) + len(round2[1]),
+            "rank0_received_bytes": sum(map(len, round1[1:])) + sum(map(len, round2[1:])),
+            "plan_bytes": len(plan_bytes)}
+
+
+def export_tree(rev: str, into: str) -> str:
+    """The repository's files at ``rev`` (git archive), extracted under ``into``; returns the short hash."""
+    import io
+    import subprocess
+    import tarfile
+
+    short = subprocess.run(["git", "-C", harness.REPO, "rev-parse", "--short", rev], check=True,
+                           capture_output=True, text=True).stdout.strip()
+    tar = subprocess.run(["git", "-C", harness.REPO, "archive", "--format=tar", rev], check=True,
+                         capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(into, filter="data")
+    return short
+
+
+def _measure_in(tree: str, n_tensors: int, world: int) -> dict:
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": tree}
+    out = subprocess.run([sys.executable, "-c", _RUNNER, str(n_tensors), str(world)], cwd=tree, env=env,
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def metadata_run(scales: tuple[tuple[int, int], ...] = SCALES, rounds: int = METADATA_ROUNDS,
+                 baseline: str | None = None, log=print) -> dict:
+    """Rank 0's metadata per publish at each scale, ``rounds`` times, each a fresh interpreter: this tree's
+    code and, with ``baseline`` (a git revision), that revision's beside it, in alternating order (baseline
+    first in odd rounds), so the machine's drift falls on both alike. Medians per scale and tree; the commit
+    measured, and whether the code measured (delta/, publisher/, benchmarks/) differs from it."""
+    with tempfile.TemporaryDirectory(prefix="ckptdelta-metadata-") as d:
+        trees = {"current": harness.REPO}
+        rev = None
+        if baseline is not None:
+            rev = export_tree(baseline, d)
+            trees = {"baseline": d, **trees}
+        runs: dict[str, dict[tuple[int, int], list[dict]]] = {k: {s: [] for s in scales} for k in trees}
+        for n in range(rounds):
+            for scale in scales:
+                for which in (list(trees) if n % 2 == 0 else list(trees)[::-1]):
+                    t0 = time.perf_counter()
+                    m = _measure_in(trees[which], *scale)
+                    runs[which][scale].append(m)
+                    log(f"metadata round {n + 1}/{rounds}: {which} {scale[0]} tensors x {scale[1]} ranks: plan + "
+                        f"commit {m['plan_s'] + m['commit_s']:.2f} s (run {time.perf_counter() - t0:.0f} s)")
+    import subprocess
+
+    head = subprocess.run(["git", "-C", harness.REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or None
+    code = ["delta", "publisher", "benchmarks/*.py"]
+    dirty = bool(subprocess.run(["git", "-C", harness.REPO, "status", "--porcelain", "--untracked-files=no", "--",
+                                 *code], capture_output=True, text=True).stdout.strip())
+    out: dict = {"rounds": rounds, "baseline": baseline, "baseline_rev": rev, "current_rev": head,
+                 "current_dirty": dirty, "scales": []}
+    for scale in scales:
+        row = {}
+        for which, by in runs.items():
+            ms_ = by[scale]
+            med = {k: statistics.median(m[k] for m in ms_ if k in m)
+                   for k in ("plan_s", "commit_s", "wire_s", "cpu_s", "wire_cpu_s") if any(k in m for m in ms_)}
+            med["metadata_s"] = statistics.median(m["plan_s"] + m["commit_s"] for m in ms_)
+            row[which] = {**ms_[0], **med, "samples": [m["plan_s"] + m["commit_s"] for m in ms_]}
+        out["scales"].append({"tensors": scale[0], "ranks": scale[1], "pieces": scale[0] * scale[1], **row})
+    return out
+
+
+def metadata_table(meta: Any) -> list[str]:
+    """The metadata section's table; ``meta`` a :func:`metadata_run` result, or a list of one-shot
+    :func:`metadata_cost` results (a run from before rounds of it)."""
+    if isinstance(meta, list):
+        lines = ["| tensors | ranks | pieces | plan (s) | merge + manifest JSON round trip (s) | manifest | metadata "
+                 "per rank | received by rank 0 |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for m in meta:
+            lines.append(f"| {m['tensors']} | {m['ranks']} | {m['pieces']:,} | {m['plan_s']:.2f} | "
+                         f"{m['commit_s']:.2f} | {mb(m['manifest_bytes'], 2)} MB | {mb(m['rank_metadata_bytes'], 2)} MB"
+                         f" | {mb(m['rank0_received_bytes'], 2)} MB |")
+        return lines
+    base = meta.get("baseline_rev")
+    head = ("| tensors | ranks | pieces | plan (s) | merge + manifest JSON round trip (s) | **plan + commit** (s) | "
+            "its CPU (s) | growth vs the scale above (pieces) | wire (s) | manifest | received by rank 0 | "
+            "plan broadcast |")
+    rule = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if base:
+        head += f" baseline {base}: plan + commit (s) | its CPU (s) | its growth | current / baseline |"
+        rule += "---:|---:|---:|---:|"
+    lines = [head, rule]
+    prev = None
+    for s in meta["scales"]:
+        c = s["current"]
+        grow = "" if prev is None else \
+            f"{c['metadata_s'] / prev['current']['metadata_s']:.1f}x ({s['pieces'] / prev['pieces']:.1f}x)"
+        line = (f"| {s['tensors']} | {s['ranks']} | {s['pieces']:,} | {c['plan_s']:.3f} | {c['commit_s']:.3f} | "
+                f"**{c['metadata_s']:.3f}** | {c['cpu_s']:.3f} | {grow} | {c['wire_s']:.3f} | "
+                f"{mb(c['manifest_bytes'], 2)} MB | {mb(c['rank0_received_bytes'], 2)} MB | "
+                f"{mb(c['plan_bytes'], 2)} MB |")
+        if base:
+            b = s["baseline"]
+            bgrow = "" if prev is None else f"{b['metadata_s'] / prev['baseline']['metadata_s']:.1f}x"
+            line += f" {b['metadata_s']:.2f} | {b['cpu_s']:.2f} | {bgrow} | {c['metadata_s'] / b['metadata_s']:.3f}x |"
+        lines.append(line)
+        prev = s
+    return lines
+
+
+def metadata_report(meta: dict, argv: list[str], elapsed: float) -> str:
+    base = meta.get("baseline_rev")
+    last = meta["scales"][-1]
+    cur = last["current"]["metadata_s"]
+    lines = ["# Rank 0's metadata per publish at scale (`" + harness.command("sharded", argv) + "`)", "",
+             f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other work. "
+             f"Synthetic layouts (every tensor `Shard(0)` on every rank, every piece written), no I/O; each figure "
+             f"the median of {meta['rounds']} rounds, each a fresh interpreter, this tree at "
+             f"{meta.get('current_rev') or '?'}{' with changes not committed' if meta.get('current_dirty') else ''}"
+             + (f" and the baseline {base} (git archive of `{meta['baseline']}`) alternating" if base
+                else "") + f". Run took {elapsed:.0f} s.", "", *metadata_table(meta), "",
+             "Plan: every rank's boxes checked and planned (`plan_union`). Commit: the ranks' entries merged into "
+             "pieced entries, the manifest to JSON and parsed back (what rank 0 does before writing it). Plan + "
+             "commit is what this benchmark timed before (and still times in the baseline's own code), wall "
+             "time; its CPU: rank 0's process CPU time over the same span (on a machine other work shares, wall "
+             "= CPU + waiting for a core). Wire: rank 0 unpickling what the other ranks send in both rounds and "
+             "pickling the plan it broadcasts (wall).",
+             "", f"- At {last['ranks']} ranks ({last['pieces']:,} pieces): plan + commit {cur:.3f} s wall, "
+             f"{last['current']['cpu_s']:.3f} s CPU (target <= 1 s: {'met' if cur <= 1 else 'NOT met'} in wall "
+             f"time, {'met' if last['current']['cpu_s'] <= 1 else 'NOT met'} in CPU time), "
+             f"{cur + last['current']['wire_s']:.3f} s wall with the wire"
+             + (f"; the baseline {last['baseline']['metadata_s']:.2f} s wall, {last['baseline']['cpu_s']:.2f} s CPU"
+                if base else "") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def metadata_plot(meta: dict, path: str) -> None:
+    with harness.figure(path, 1, 1, figsize=(6, 4)) as (_, ax):
+        pieces = [s["pieces"] for s in meta["scales"]]
+        for which, style in (("baseline", "o--"), ("current", "o-")):
+            if which in meta["scales"][0]:
+                label = f"baseline {meta['baseline_rev']}" if which == "baseline" else "this tree"
+                ax.plot(pieces, [s[which]["metadata_s"] for s in meta["scales"]], style, label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("pieces (tensors x ranks)")
+        ax.set_ylabel("rank 0's plan + commit per publish (s)")
+        ax.legend(fontsize=8)
 
 
 # --- report --------------------------------------------------------------------------------------------------
@@ -390,7 +613,7 @@ def round_table(res: list[dict], order: list[list[str]]) -> list[str]:
     return lines
 
 
-def report(res: list[dict], meta: list[dict], args, elapsed: float, order: list[list[str]] | None = None) -> str:
+def report(res: list[dict], meta: Any, args, elapsed: float, order: list[list[str]] | None = None) -> str:
     one = next(r for r in res if r["ranks"] == 1 and r["method"] == "dtensor")
     two = next(r for r in res if r["ranks"] == 2 and r["method"] == "dtensor")
     base = next((r for r in res if r["method"] == "gather"), None)
@@ -459,13 +682,7 @@ def report(res: list[dict], meta: list[dict], args, elapsed: float, order: list[
               "extra RSS is what the process's resident size rose by during the anchor (2 ms samples; file pages "
               "are not counted)."]
     if meta:
-        lines += ["", "## Rank 0's metadata per publish at scale (measured here, no I/O)", "",
-                  "| tensors | ranks | pieces | plan (s) | merge + manifest JSON round trip (s) | manifest | metadata "
-                  "per rank | received by rank 0 |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for m in meta:
-            lines.append(f"| {m['tensors']} | {m['ranks']} | {m['pieces']:,} | {m['plan_s']:.2f} | "
-                         f"{m['commit_s']:.2f} | {mb(m['manifest_bytes'], 2)} MB | {mb(m['rank_metadata_bytes'], 2)} MB"
-                         f" | {mb(m['rank0_received_bytes'], 2)} MB |")
+        lines += ["", "## Rank 0's metadata per publish at scale (measured here, no I/O)", "", *metadata_table(meta)]
     return "\n".join(lines) + "\n"
 
 
@@ -499,11 +716,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="fast", choices=("fast", "context"))
     p.add_argument("--no-baseline", action="store_true", help="skip gather-then-publish")
     p.add_argument("--no-metadata", action="store_true")
+    p.add_argument("--metadata-only", action="store_true",
+                   help="only rank 0's metadata at scale (no gloo jobs): writes sharded_metadata.{md,json,png}")
+    p.add_argument("--metadata-rounds", type=int, default=None,
+                   help=f"rounds of the metadata measurement, each a fresh interpreter (default {METADATA_ROUNDS}; "
+                        "2 with --quick)")
+    p.add_argument("--metadata-baseline", metavar="REV", default=None,
+                   help="also measure the metadata in this git revision's code (git archive), beside, alternating")
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    if args.metadata_rounds is None:
+        args.metadata_rounds = 2 if args.quick else METADATA_ROUNDS
+    scales = QUICK_SCALES if args.quick else SCALES
+    log = (lambda m: print(m, file=sys.stderr, flush=True))  # noqa: E731
     if args.rounds is None:
         args.rounds = 2 if args.quick else ROUNDS
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be at least 1")
+    if args.metadata_only:
+        if "--out" in argv:         # where the files went says nothing about what was measured
+            i = argv.index("--out")
+            argv = argv[:i] + argv[i + 2:]
+        t0 = time.perf_counter()
+        meta = metadata_run(scales, args.metadata_rounds, args.metadata_baseline, log=log)
+        elapsed = time.perf_counter() - t0
+        harness.write(os.path.join(args.out, "sharded_metadata"), metadata_report(meta, argv, elapsed),
+                      {"argv": argv, "metadata": meta, "elapsed_s": elapsed}, lambda path: metadata_plot(meta, path))
+        return 0
     stem = os.path.join(args.out, "sharded")
     if args.render:
         saved = harness.read_json(args.render)
@@ -514,11 +753,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     configs = [("dtensor", 1), ("dtensor", 2)] + ([] if args.no_baseline else [("gather", 2)])
-    res, order = run(configs, args.gb, args.steps, args.codec, args.rounds,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
-    meta = [] if args.no_metadata else \
-        [metadata_cost(72, 8), metadata_cost(180, 16)] if args.quick else \
-        [metadata_cost(723, 64), metadata_cost(1830, 256)]
+    res, order = run(configs, args.gb, args.steps, args.codec, args.rounds, log=log)
+    meta = None if args.no_metadata else metadata_run(scales, args.metadata_rounds, args.metadata_baseline, log=log)
     elapsed = time.perf_counter() - t0
     harness.write(stem, report(res, meta, args, elapsed, order),
                   {"args": vars(args), "results": res, "order": order, "metadata": meta, "elapsed_s": elapsed},

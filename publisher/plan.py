@@ -7,6 +7,7 @@ re-read the chain from the bucket) reaches the same answer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,7 +31,7 @@ class ChainState:
     chain_bytes: int = 0                  # stored bytes of the deltas since that anchor
     schema: Schema = field(default_factory=dict)
     last_kind: str | None = None
-    layout: dict = field(default_factory=dict)   # the last snapshot's tensors held in pieces: name -> boxes
+    layout: dict = field(default_factory=dict)   # the last snapshot's tensors held in pieces: name -> grid
 
     @property
     def chain_length(self) -> int:
@@ -53,7 +54,7 @@ class ChainState:
         schema = {n: (e.dtype, tuple(e.shape)) for n, e in m.tensors.items()}
         if m.kind == "anchor":
             return ChainState(m.version, m.step, m.version, sum(o.size for o in m.objects), 0, schema, m.kind)
-        layout = {n: tuple(p.box for p in e.pieces) for n, e in m.tensors.items() if e.pieces}
+        layout = {n: e.grid for n, e in m.tensors.items() if e.pieces}
         return replace(self, last_version=m.version, last_step=m.step, chain_bytes=self.chain_bytes + m.stored_bytes,
                        schema=schema, last_kind=m.kind, layout=layout)
 
@@ -73,7 +74,8 @@ class Plan:
 def decide(state: ChainState, schema: Schema, *, anchor_every: int, chain_fraction: float,
            force_anchor: bool = False, max_chain: int = MAX_CHAIN, layout: dict | None = None) -> Plan:
     """The next snapshot's version and kind, with the reason (logged, and in PublishResult). ``layout``: the
-    boxes of the tensors published in pieces (name -> boxes); a delta may follow a delta only in the same."""
+    grids of the tensors published in pieces (name -> :attr:`TensorEntry.grid`: their boxes are its cells); a
+    delta may follow a delta only in the same."""
     version = 0 if state.last_version is None else state.last_version + 1
     reason = _anchor_reason(state, schema, anchor_every, chain_fraction, force_anchor, max_chain)
     if reason is None and state.last_kind == "delta" and (layout or {}) != state.layout:
@@ -112,10 +114,14 @@ def _layout_change(old: dict, new: dict) -> str:
     """Which tensors a publish holds in other pieces than the last delta (another world size or mesh)."""
     names = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
     first = names[0]
-    how = f"{len(old.get(first, ()))} -> {len(new.get(first, ()))} pieces" if first in old and first in new else \
+    how = f"{_cells(old[first])} -> {_cells(new[first])} pieces" if first in old and first in new else \
         ("now in pieces" if first in new else "now whole")
     more = f" (+{len(names) - 1} more)" if len(names) > 1 else ""
     return f"{first!r} {how}{more}; the ranks' parents are the old pieces (another world size or mesh?)"
+
+
+def _cells(grid: tuple[tuple[int, ...], ...]) -> int:
+    return math.prod(len(c) - 1 for c in grid)
 
 
 def describe_schema_change(old: Schema, new: Schema, limit: int = 3) -> str:

@@ -577,8 +577,8 @@ class Publisher:
             err: BaseException | None = job.error
             state = None
             try:
-                state = (skip, job.schema, job.step, job.force_anchor, job.boxes, self._parent_version,
-                         self._holds_parent(job))
+                state = (skip, sharded.holdings(job.schema, job.boxes), job.step, job.force_anchor,
+                         self._parent_version, self._holds_parent(job))
             except Exception as e:  # noqa: BLE001 - reported to every rank by this round
                 err = err or e
             decided = comm.settle(err, state, lambda gathered: self._plan_round(gathered, job.adapter),
@@ -637,7 +637,8 @@ class Publisher:
                                        "(Publisher(exit_timeout=...)); nothing is committed")
                 job.committing = err is None
             # Round 2: every rank's written objects and entries (or its error) to rank 0, which commits them
-            outcome = comm.settle(err, written, lambda parts: self._commit(plan, job, parts), context)
+            outcome = comm.settle(err, written.for_commit() if written is not None else None,
+                                  lambda parts: self._commit(plan, job, parts), context)
         except _Skipped:
             raise
         except BaseException as e:
@@ -662,14 +663,14 @@ class Publisher:
         """Rank 0: None when a rank skips this publish, else the plan and whether every rank holds its parent."""
         if any(g[0] for g in gathered):
             return None
-        plan = self._plan([g[1:5] for g in gathered], adapter)
-        held = plan.kind == "delta" and all(g[5] == plan.parent_version and g[6] for g in gathered)
+        plan = self._plan([g[1:4] for g in gathered], adapter)
+        held = plan.kind == "delta" and all(g[4] == plan.parent_version and g[5] for g in gathered)
         return plan, held
 
-    def _plan(self, gathered: list[tuple[Schema, int, bool, "sharded.Boxes"]],
+    def _plan(self, gathered: list[tuple["sharded.Holdings", int, bool]],
               adapter: "adapter_mod.AdapterSnapshot | None" = None) -> Plan:
         # plain tensors held by one rank each; a DTensor's boxes tiling it (publisher/sharded.py)
-        union, layout = sharded.plan_union([(g[0], g[3]) for g in gathered], self.shard_bytes)
+        union, layout = sharded.plan_union([g[0] for g in gathered], self.shard_bytes)
         if not union:
             raise PublishInputError("nothing to publish: no rank holds a tensor")
         steps = sorted({g[1] for g in gathered})
@@ -683,7 +684,7 @@ class Publisher:
         if fraction is None:
             fraction = adapter_mod.CHAIN_FRACTION if adapter is not None else 0.5
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=fraction,
-                      force_anchor=any(g[2] for g in gathered), layout=layout.boxes())
+                      force_anchor=any(g[2] for g in gathered), layout=layout.grids())
         plan = replace(plan, layout=layout)
         why = self._adapter.anchor_reason(adapter)    # a LoRA run's new base or adapter config
         if why is not None and (plan.kind == "delta" or plan.schema_change):   # the cause, not its symptom
@@ -831,7 +832,7 @@ class Publisher:
     def _commit(self, plan: Plan, job: _Job, parts: list[Written]) -> dict[str, Any]:
         t0 = time.perf_counter()
         store = self._store
-        objects, entries, weight_map, extra = merge(parts)
+        objects, entries, weight_map, extra = merge(parts, plan.layout)
         extra_bytes = sum(o.size for o in extra)
         stored = sum(o.size for o in objects) + extra_bytes
         full = sum(e.nbytes for e in entries.values())

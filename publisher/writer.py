@@ -11,6 +11,7 @@ manifest commits it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -21,13 +22,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
 from ckptdelta.delta import dtypes
 from ckptdelta.delta.codec import digest_hex
-from ckptdelta.delta.manifest import ObjectRef, TensorEntry, anchor_prefix, delta_prefix
-from ckptdelta.delta.pieces import PieceEntry, pieces_digest
+from ckptdelta.delta.errors import PublishError
+from ckptdelta.delta.manifest import (ObjectRef, PieceColumns, TensorEntry, anchor_prefix, delta_prefix, hex_digests,
+                                      pieces_digests)
 from ckptdelta.delta.storage import Store
 
 from ckptdelta.publisher import anchor as anchor_fmt
@@ -36,6 +39,20 @@ from ckptdelta.publisher.deltas import rank_object_name, write_delta
 from ckptdelta.publisher.tempdirs import locked_tempdir
 
 log = logging.getLogger("ckptdelta.publisher")
+
+
+@dataclass(eq=False)
+class PieceRecords:
+    """A rank's pieces of a delta as rank 0 merges them: a row per piece, in the order the plan lists the
+    pieced tensors (``tensor``: the tensor's index in ``Layout.pieces``), where rank 0 knows each piece's box
+    from the plan. ``object`` indexes the rank's own objects, -1: the piece is unchanged. Columns, not a
+    :class:`TensorEntry` each, so rank 0 takes in 256 ranks' pieces of 1,830 tensors as arrays."""
+
+    tensor: np.ndarray      # int64
+    xxh3: np.ndarray        # uint64
+    object: np.ndarray      # int64
+    offset: np.ndarray      # int64
+    length: np.ndarray      # int64
 
 
 @dataclass
@@ -57,6 +74,14 @@ class Written:
     # (tensor shape, offsets); an anchor's writer of such a tensor lists it whole in ``assembled``
     boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     assembled: dict[str, TensorEntry] = field(default_factory=dict)
+    pieces: PieceRecords | None = None      # a delta's: its entries of pieces, as rank 0 merges them
+
+    def for_commit(self) -> "Written":
+        """This share as it goes to rank 0 for the commit: without its entries of pieces (merge() takes a
+        delta's from ``pieces``, an anchor's tensors in pieces whole from their writer's ``assembled``)."""
+        if not self.boxes:
+            return self
+        return replace(self, entries={n: e for n, e in self.entries.items() if n not in self.boxes}, boxes={})
 
 
 def progress_bar(enabled: bool | None, total: int, desc: str) -> Any:
@@ -224,31 +249,78 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
     return out
 
 
-def merge(parts: list[Written]) -> tuple[list[ObjectRef], dict[str, TensorEntry], dict[str, str], list[ObjectRef]]:
+def merge(parts: list[Written], layout: Any = None) -> tuple[list[ObjectRef], dict[str, TensorEntry], dict[str, str],
+                                                            list[ObjectRef]]:
     """All ranks' shares as one snapshot: objects concatenated in rank order, entries re-indexed; a tensor
-    held in pieces becomes one entry listing them (a delta's), or its writer's whole entry (an anchor's)."""
+    held in pieces (``layout``: the plan's, publisher/sharded.py) becomes one entry listing them (a delta's,
+    from each rank's :class:`PieceRecords`), or its writer's whole entry (an anchor's)."""
+    if layout is None and any(p.boxes for p in parts):
+        raise ValueError("merge(): entries of pieces are merged by the plan's layout (merge(parts, plan.layout))")
     objects: list[ObjectRef] = []
     entries: dict[str, TensorEntry] = {}
     weight_map: dict[str, str] = {}
     extra: list[ObjectRef] = []
-    pieces: dict[str, tuple[TensorEntry, tuple[int, ...], list[PieceEntry]]] = {}
+    bases = []
     for p in parts:
         base = len(objects)
+        bases.append(base)
         objects.extend(p.objects)
         for n, e in p.entries.items():
-            e = e if e.object is None else replace(e, object=e.object + base)
-            if n in p.boxes:
-                shape, offsets = p.boxes[n]
-                pieces.setdefault(n, (e, tuple(shape), []))[2].append(
-                    PieceEntry(tuple(offsets), tuple(e.shape), e.xxh3, e.object, e.offset, e.length))
-            else:
-                entries[n] = e
+            if n not in p.boxes:        # a piece of a tensor in pieces: merged below
+                entries[n] = e if e.object is None else replace(e, object=e.object + base)
         for n, e in p.assembled.items():
             entries[n] = replace(e, object=e.object + base)
         weight_map.update(p.weight_map)
         extra.extend(p.extra_files)
-    for n, (e, shape, ps) in pieces.items():
-        if n not in entries:
-            ps.sort(key=lambda x: x.offsets)
-            entries[n] = TensorEntry(e.dtype, shape, pieces_digest(ps), None, 0, 0, tuple(ps))
+    pieced = layout.pieces if layout is not None else {}
+    if any(p.pieces is not None for p in parts):
+        entries.update(_pieced_entries(parts, bases, pieced, getattr(layout, "cells", None)))
+    missing = [n for n in pieced if n not in entries]
+    if missing:
+        raise PublishError(f"tensor {missing[0]!r} (held in pieces) has no entry from the ranks"
+                           + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
     return objects, entries, weight_map, extra
+
+
+def _pieced_entries(parts: list[Written], bases: list[int], pieced: Mapping[str, Any],
+                    cells: Any = None) -> dict[str, TensorEntry]:
+    """Each tensor in pieces as one entry of a delta, from every rank's :class:`PieceRecords`: the values of
+    all pieces put in the format's order (tensor by tensor, each tensor's cells in C order) in one array per
+    field, then each tensor's columns cut from them. Python work per tensor and per rank, none per piece.
+    ``cells``: the pieces' boxes from the plan (``Layout.cells``), when rank 0 has them (else made from the
+    grids); a wrong one would give digests the parse-back refuses."""
+    names = list(pieced)
+    ranks = np.fromiter(itertools.chain.from_iterable(p.ranks for p in pieced.values()), np.int64)
+    start = np.cumsum([0] + [len(p.ranks) for p in pieced.values()])
+    tensor = np.repeat(np.arange(len(names)), np.diff(start))
+    by_rank = np.argsort(ranks, kind="stable")      # each rank's cells, tensor by tensor: the order it sends
+    count = np.bincount(ranks, minlength=len(parts))
+    recs = [p.pieces if p.pieces is not None else _NO_PIECES for p in parts]
+    sent = np.concatenate([r.tensor for r in recs])
+    if len(sent) != len(by_rank) or not np.array_equal(sent, tensor[by_rank]):
+        for r, (rec, a, b) in enumerate(zip(recs, np.cumsum(count) - count, np.cumsum(count))):
+            if not np.array_equal(rec.tensor, tensor[by_rank[a:b]]):
+                raise PublishError(f"rank {r} sent entries of {len(rec.tensor)} pieces where the plan gives it "
+                                   f"{b - a} pieces of tensors held in pieces")
+    xxh3 = np.empty(len(ranks), np.uint64)
+    xxh3[by_rank] = np.concatenate([r.xxh3 for r in recs])
+    obj = np.concatenate([r.object for r in recs])
+    obj = np.where(obj < 0, -1, obj + np.repeat(np.array(bases, np.int64), count))
+    where = np.empty(len(ranks), np.int64)
+    where[by_rank] = obj
+    objs = where.astype(object)
+    objs[where < 0] = None
+    objs = objs.tolist()
+    offset, length = np.empty(len(ranks), np.int64), np.empty(len(ranks), np.int64)
+    offset[by_rank] = np.concatenate([r.offset for r in recs])
+    length[by_rank] = np.concatenate([r.length for r in recs])
+    hexes, offset, length = hex_digests(xxh3), offset.tolist(), length.tolist()     # hexes: 16 digits a piece
+    digests = pieces_digests([p.cuts for p in pieced.values()], xxh3, cells)
+    out = {}
+    for (n, p), a, b, digest in zip(pieced.items(), start[:-1].tolist(), start[1:].tolist(), digests):
+        cols = PieceColumns(p.cuts, hexes[16 * a:16 * b], objs[a:b], offset[a:b], length[a:b])
+        out[n] = TensorEntry(p.dtype, tuple(p.shape), digest, None, 0, 0, cols)
+    return out
+
+
+_NO_PIECES = PieceRecords(*(np.empty(0, t) for t in (np.int64, np.uint64, np.int64, np.int64, np.int64)))
