@@ -31,10 +31,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdelta.delta.errors import HotLoadCancelledError, HotLoadConflictError
 from ckptdelta.delta.manifest import snapshot_name
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.hotswap import HotSwapper
+    from ckptdelta.loader.reader import SnapshotReader
 
 log = logging.getLogger("ckptdelta.server")
 
@@ -89,7 +93,7 @@ class HotLoadManager:
     ``on_done(job, state)`` is called when a job ends (READY or FAILED, or a no-op),
     before the job shows that state to anyone polling it (metrics stay consistent)."""
 
-    def __init__(self, swapper: Any, reader: Any, *, on_done: Any = None):
+    def __init__(self, swapper: "HotSwapper", reader: "SnapshotReader", *, on_done: Any = None):
         self.swapper = swapper
         self.reader = reader
         self.on_done = on_done

@@ -29,7 +29,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, MutableMapping  # noqa: F401 - the Weights alias names it
 
 import torch
 
@@ -46,6 +46,9 @@ from ckptdelta.loader.spans import VersionLog
 from ckptdelta.loader.dense_swap import DenseSwap, _scatter_if_unchanged, _synchronize, _unchanged_since_prepare
 from ckptdelta.loader.gate import ServingGate
 from ckptdelta.loader.staging import Staged, Stager, host_copy, last_change, old_bits, stage_one
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.engines.base import EngineApplier
 
 log = logging.getLogger("ckptdelta.loader.hotswap")
 
@@ -117,7 +120,8 @@ class HotSwapper:
     def __init__(self, weights: Weights, reader: SnapshotReader, *, version: int | None = None,
                  gate: ServingGate | None = None, name_map: Callable[[str], str] | None = None,
                  apply_method: str = "auto", progress: bool | None = None,
-                 stage_threads: int | None = None, applier: Any = None, commit_mode: str = "auto") -> None:
+                 stage_threads: int | None = None, applier: "EngineApplier | None" = None,
+                 commit_mode: str = "auto") -> None:
         if commit_mode not in batch_commit.MODES:
             raise ValueError(f"commit_mode must be one of {batch_commit.MODES}, not {commit_mode!r}")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdelta.delta.adapter import ADAPTER_CONFIG_NAME, AdapterRecord, describe_config_change
 from ckptdelta.delta.errors import CkptDeltaError, HotLoadError, NotServableError
@@ -29,10 +29,13 @@ from ckptdelta.delta.manifest import Manifest, snapshot_name
 
 from ckptdelta.loader.hotswap import HotSwapper, PreparedUpdate
 
+if TYPE_CHECKING:
+    from ckptdelta.loader.reader import SnapshotReader
+
 log = logging.getLogger("ckptdelta.loader.lora")
 
 
-def adapter_record(reader: Any, version: int) -> AdapterRecord | None:
+def adapter_record(reader: "SnapshotReader", version: int) -> AdapterRecord | None:
     """The snapshot's adapter record: None for a full-model run."""
     return reader.manifest(version).adapter
 
@@ -56,7 +59,7 @@ def check_base(record: AdapterRecord, digest: str, base_dir: str, where: str) ->
                                "(--base-model DIR)")
 
 
-def check_target(live: AdapterRecord, base_xxh3: str, target: Manifest, *, reader: Any = None,
+def check_target(live: AdapterRecord, base_xxh3: str, target: Manifest, *, reader: "SnapshotReader | None" = None,
                  live_version: int | None = None) -> None:
     """Refuse a hot-load whose target is not an adapter for this base and this adapter config; given the reader
     and the live version, the refusal of another config says what changed (both anchors' adapter_config.json)."""
@@ -77,7 +80,7 @@ def check_target(live: AdapterRecord, base_xxh3: str, target: Manifest, *, reade
                            f"one (ckptdelta serve --snapshot {target.name})")
 
 
-def _config_change(reader: Any, old: int | None, new: int) -> str | None:
+def _config_change(reader: "SnapshotReader", old: int | None, new: int) -> str | None:
     """What changed between two snapshots' adapter configs, as the publisher's anchor reason says it (``r 4 ->
     8``); None when either cannot be read (the refusal stands, said without it)."""
     def config(version: int) -> dict[str, Any]:
@@ -103,7 +106,7 @@ class LoraHotSwapper(HotSwapper):
     base and adapter config (:func:`check_target`). ``record`` is the live adapter's; ``base_xxh3`` the digest
     of the base the replica loaded."""
 
-    def __init__(self, weights: Any, reader: Any, *, record: AdapterRecord, base_xxh3: str,
+    def __init__(self, weights: Any, reader: "SnapshotReader", *, record: AdapterRecord, base_xxh3: str,
                  priors: dict | None = None, **kwargs: Any) -> None:
         super().__init__(weights, reader, **kwargs)
         self.record, self.base_xxh3 = record, base_xxh3

@@ -18,7 +18,7 @@ import json
 import logging
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI, HTTPException, Request
@@ -36,6 +36,9 @@ from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPI
 from ckptdelta.loader.engines.requests import parse, validation_message
 from ckptdelta.loader.hotload_jobs import HotLoadJob, HotLoadManager
 from ckptdelta.loader.metrics import CONTENT_TYPE, ServerMetrics
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.reader import SnapshotReader
 
 log = logging.getLogger("ckptdelta.server")
 
@@ -212,7 +215,7 @@ def _verified(engine: Any) -> str:
 
 # --- the app -------------------------------------------------------------------------------------
 
-def create_app(engine: Any, *, reader: Any = None, replica_id: str, api_key: str | None = None,
+def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_id: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_concurrent_requests: int = 64) -> FastAPI:
     """The replica's HTTP app over ``engine`` (a :class:`ReplicaEngine`, or the reference decode loop).
 

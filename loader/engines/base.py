@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Sequence
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.hotswap import HotSwapper
 
 RequestKind = Literal["completions", "chat"]
 
@@ -110,7 +113,7 @@ class ReplicaEngine(abc.ABC):
     kind: str = "?"
     model_name: str = "ckptdelta"
     cache_policy: str = "recompute"
-    swapper: Any = None  # a ckptdelta.loader.hotswap.HotSwapper, or None for fixed weights
+    swapper: "HotSwapper | None" = None  # None: fixed weights
 
     @property
     def version(self) -> int | None:

@@ -42,7 +42,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import httpx
 
@@ -56,6 +56,9 @@ from ckptdelta.loader.engines.vllm.control import CONTROL_TIMEOUT_S, VllmControl
 from ckptdelta.loader.engines.vllm.replica import REQUEST_TIMEOUT_S, Admission, VllmReplica
 from ckptdelta.loader.engines.vllm.server import VllmServer
 from ckptdelta.loader.engines.vllm.applier import snapshot_label
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.reader import SnapshotReader
 
 log = logging.getLogger("ckptdelta.engine.vllm")
 
@@ -151,7 +154,7 @@ class SlotTable:
 class LoraSlotApplier(EngineApplier):
     """Writes the host copy's adapter into a free slot of vLLM and proves it; the HotSwapper's applier."""
 
-    def __init__(self, control: VllmControl, shared: SharedWeights, slots: SlotTable, *, reader: Any,
+    def __init__(self, control: VllmControl, shared: SharedWeights, slots: SlotTable, *, reader: "SnapshotReader",
                  config: dict[str, Any], slot_timeout: float):
         self.control, self.shared, self.slots, self.reader = control, shared, slots, reader
         self.config, self.slot_timeout = config, slot_timeout

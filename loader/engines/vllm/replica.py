@@ -49,7 +49,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import httpx
 import torch
@@ -63,6 +63,9 @@ from ckptdelta.loader.engines.shared_weights import SharedWeights
 from ckptdelta.loader.engines.vllm.applier import VllmApplier, snapshot_label, reload_groups
 from ckptdelta.loader.engines.vllm.control import CONTROL_TIMEOUT_S, VllmControl, VllmError, http_client
 from ckptdelta.loader.engines.vllm.server import VllmServer
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.hotswap import HotSwapper
 
 log = logging.getLogger("ckptdelta.engine.vllm")
 #: Seconds a forwarded sampling request may wait for vLLM's answer (``--request-timeout``): a vLLM that stops
@@ -99,7 +102,7 @@ class VllmReplica(ReplicaEngine):
 
     kind = "vllm"
 
-    def __init__(self, *, url: str, served_name: str, swapper: Any, applier: VllmApplier, shared: SharedWeights,
+    def __init__(self, *, url: str, served_name: str, swapper: "HotSwapper", applier: VllmApplier, shared: SharedWeights,
                  cache_policy: str, server: VllmServer | None = None, model_dir: str | None = None,
                  owned_dir: Any = None, request_timeout: float = REQUEST_TIMEOUT_S,
                  watch: Any = None):

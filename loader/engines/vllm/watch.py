@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.engines.vllm.applier import VllmApplier
 
 log = logging.getLogger("ckptdelta.engine.vllm")
 
@@ -37,7 +40,7 @@ class EngineWatch:
     """A daemon thread probing one vLLM server; ``applier`` tells whether a swap is running (it pauses
     vLLM itself then) and resumes it (``applier._resume_engine``)."""
 
-    def __init__(self, url: str, *, applier: Any, proc: Any = None, api_key: str | None = None,
+    def __init__(self, url: str, *, applier: "VllmApplier", proc: Any = None, api_key: str | None = None,
                  interval: float = INTERVAL_S, misses: int = MISSES,
                  on_failure: Callable[[str], None] | None = None):
         from ckptdelta.loader.engines.vllm.control import http_client
