@@ -89,7 +89,7 @@ def _time(fn) -> float:
 def measure(steps: list[dict[str, torch.Tensor]], repeats: int, device: str) -> dict:
     """Per-GB seconds of each way to take the host copy, alternating between the given step snapshots."""
     from ckptdelta.publisher.device_diff import DeviceDiff
-    from ckptdelta.publisher.snapshot import copy_to_host, spares
+    from ckptdelta.publisher.host_copy import copy_to_host, spares
 
     src = [{k: t.to(device) for k, t in s.items()} for s in steps]
     gb = _gb(steps[0])

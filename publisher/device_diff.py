@@ -31,7 +31,7 @@ import torch
 
 from ckptdelta.delta import dtypes, kernels
 
-from ckptdelta.publisher.snapshot import copy_to_host
+from ckptdelta.publisher.host_copy import copy_to_host
 
 
 _INT32_MAX = (1 << 31) - 1

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptdelta.delta.manifest import Kind, Manifest
 
-from ckptdelta.publisher.snapshot import Schema
+from ckptdelta.publisher.host_copy import Schema
 
 #: A delta chain longer than this forces an anchor (a reader replays at most this many deltas).
 MAX_CHAIN = 128

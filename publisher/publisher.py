@@ -18,67 +18,43 @@ import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 import xxhash
 
-from ckptdelta.delta import dtypes
 from ckptdelta.delta.codec import digest_hex
-from ckptdelta.delta.errors import (CkptDeltaError, CollectiveError, ConcurrentPublisherError, PublishError,
-                                    PublishInputError, RunMismatchError)
-from ckptdelta.delta.hf import CONFIG_FILE, config_differences, reconcile_config, serving_gaps
+from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError,
+                                    RunMismatchError)
 from ckptdelta.delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
 from ckptdelta.delta.storage import Store
 
 from ckptdelta.publisher import adapter as adapter_mod
 from ckptdelta.publisher import anchor as anchor_fmt
+from ckptdelta.publisher import rounds, sharded, tempdirs
+from ckptdelta.publisher.anchor_files import AnchorFiles
 from ckptdelta.publisher.codec_choice import CODECS, CONTEXT, FAST, CodecChooser, check_bandwidth, warm_up
-from ckptdelta.publisher.distributed import describe, make_comm
+from ckptdelta.publisher.distributed import make_comm
+from ckptdelta.publisher.job import PublishJob, Skipped
 from ckptdelta.publisher.nan import nan_tensor_names
+from ckptdelta.publisher.parents import Parents
 from ckptdelta.publisher.plan import ChainState, Plan, decide
-from ckptdelta.publisher.rebuild import read_chain, rebuild, rebuild_boxes
+from ckptdelta.publisher.prefault import Prefault
+from ckptdelta.publisher.rebuild import read_chain
 from ckptdelta.publisher.result import PublishResult
-from ckptdelta.publisher import sharded, tempdirs
 from ckptdelta.publisher.runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id,
                                       read_manifest, read_run_info)
 from ckptdelta.publisher.device_diff import DeviceDiff
-from ckptdelta.publisher.snapshot import (Cast, Partition, Schema, Weights, check_publish_dtype, copy_to_host,
+from ckptdelta.publisher.host_copy import (Cast, Partition, Weights, check_publish_dtype, copy_to_host,
                                           gather_sources, schema_of, spares)
-from ckptdelta.publisher.tied import tied_aliases
 from ckptdelta.publisher.writer import Written, merge, write_anchor, write_delta_object
 
 log = logging.getLogger("ckptdelta.publisher")
 
 #: ``Publisher(exit_timeout=...)``'s default: how long the interpreter's exit waits for publishes still in flight.
 EXIT_TIMEOUT_S = 600.0
-
-
-@dataclass
-class _Job:
-    snapshot: dict[str, torch.Tensor] | None
-    schema: Schema | None
-    step: int
-    metadata: dict[str, str]
-    force_anchor: bool
-    error: BaseException | None      # an input error, carried so every rank fails this publish together
-    failures_seen: int
-    t_start: float
-    wait: bool
-    copy_s: float = 0.0
-    adapter: "adapter_mod.AdapterSnapshot | None" = None   # a LoRA run's publish (publisher/adapter.py)
-    boxes: "sharded.Boxes" = field(default_factory=dict)   # this rank's boxes of the DTensors it publishes
-    version: int | None = None       # the version planned for it (round 1)
-    committing: bool = False         # past the last point where giving up at exit stops its commit
-
-    def describe(self) -> str:
-        return f"step {self.step}" + (f" (version {self.version})" if self.version is not None else "")
-
-
-class _Skipped(PublishError):
-    """An earlier publish failed; publishes queued behind it are not attempted."""
 
 
 class Publisher:
@@ -196,9 +172,7 @@ class Publisher:
         self._chooser = CodecChooser(check_bandwidth(upload_bandwidth)) if self.codec == "auto" else None
         self._last_codec = ""          # the codec of this rank's previous delta (logged when auto switches)
         self._partition = partition
-        self._extra = anchor_fmt.read_extra_files(extra_files)
-        self._config_where = "extra_files' config.json"   # where the anchors' config.json comes from
-        self._config_said: set[tuple] = set()              # config fixes and warnings already logged
+        self._files = AnchorFiles(extra_files, dtype=self.dtype)
         self._anchor_files: dict[str, bytes] = {}          # rank 0: the extra files of the anchor being planned
         tempdirs.sweep()         # what publishers killed mid-publish on this host left in the temp dir
         self._store = Store.from_url(url, storage_options)
@@ -208,27 +182,20 @@ class Publisher:
             # the previous one finished on this rank, so every rank sees the same failures.
             log.warning("max_in_flight=%d is reduced to 1 for a sharded publisher", max_in_flight)
             max_in_flight = 1
+        self._files.rank = self._comm.rank
         # rank 0's view of the run (others follow its decisions)
         self._chain = ChainState()
         self._anchor_extra: tuple[ObjectRef, ...] = ()
         self._run_info_exists = False
         self._adapter = adapter_mod.RunAdapter(adapter)
         self.run_id, self.writer_id, last_step = self._comm.decide(lambda: self._open_run(run_id))
-        # this rank's parent: the exact host bits of its tensors in version _parent_version
-        self._parent: dict[str, torch.Tensor] = {}
-        self._parent_version: int | None = None
-        self._parent_digests: dict[str, int] = {}   # xxh3 of this rank's tensors as it committed them last
-        self._parent_boxes: sharded.Boxes = {}         # where this rank's parents of DTensors lie in them
-        # a LoRA run's grandparent: the snapshot version _grand_of (the parent) was encoded against, whose step to
-        # the parent predicts the next one (docs/FORMAT.md encoding 6); empty when not held
-        self._grand: dict[str, torch.Tensor] = {}
-        self._grand_of: int | None = None
+        self._parents = Parents()       # what this rank's next delta is encoded against (publisher/parents.py)
         self._box_cache: sharded.BoxCache = {}         # where this rank's boxes of DTensors lie, by layout
         self._lock = threading.Lock()
         self._committed_step: int | None = last_step
         self._last_step: int | None = last_step
-        self._spare: dict[str, torch.Tensor] = {}
-        self._prefault: tuple[threading.Thread, threading.Event] | None = None   # filling the first spares
+        self._spare: dict[str, torch.Tensor] = {}     # buffers for the next host copy
+        self._prefault = Prefault(self._lock)          # filling the first spares while the trainer steps
         self._diff = DeviceDiff() if device_diff else None   # the device copy of the last published bits
         self._nan_warned: set[str] = set()
         # Tensors whose bits at version _nan_clean_version were checked free of NaNs: in a delta on that
@@ -236,7 +203,6 @@ class Publisher:
         self._nan_clean: set[str] = set()
         self._nan_clean_version: int | None = None
         self._nan_next: set[str] = set()
-        self._files_checked = False   # the model's own config added and serving gaps warned about (first publish)
         self._n_failures = 0
         self._attempts = 0          # publish attempts planned by this session (rank 0): each one's data prefix
         self._pending_error: BaseException | None = None
@@ -244,7 +210,7 @@ class Publisher:
         self._closed = False
         self._abandoned = False     # given up on at interpreter exit: nothing commits any more
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._jobs: dict[Future, _Job] = {}      # publishes in flight
+        self._jobs: dict[Future, PublishJob] = {}      # publishes in flight
         # wait=False publishes that failed (or were skipped behind a failure) while no call of the caller's
         # raised it yet: logged at exit, or when a with-block is left on an error, so no loss goes unsaid
         self._unreported: list[tuple[str, str]] = []    # (the publish, its error), no job: it holds a snapshot
@@ -326,8 +292,8 @@ class Publisher:
                     raise PublishInputError("a LoRA adapter is published by one process (world size 1): gather "
                                             "it on one rank")
                 step, metadata, sources, boxes = self._check_inputs(weights, step, metadata)
-                if not self._files_checked and snap is None:
-                    self._check_files(weights)
+                if not self._files.checked and snap is None:
+                    self._files.check(weights, self.run_id, self.url)
                 t0 = time.perf_counter()
                 self._join_prefault()
                 with self._lock:
@@ -335,7 +301,7 @@ class Publisher:
                 if self._diff is None:
                     snapshot = copy_to_host(sources, spare)
                 else:   # one slot: the last publish has finished, so the parent and its version are settled
-                    snapshot = self._diff.capture(sources, self._parent, self._parent_version, spare)
+                    snapshot = self._diff.capture(sources, self._parents.tensors, self._parents.version, spare)
                 copy_s = time.perf_counter() - t0
             except Exception as e:
                 if self._comm.world == 1:
@@ -344,9 +310,10 @@ class Publisher:
             with self._lock:
                 self._last_step = step if err is None else self._last_step
                 failures = self._n_failures
-            job = _Job(snapshot, None if snapshot is None else schema_of(snapshot), step,
-                       metadata if err is None else {}, anchor, err, failures, t_start, wait, copy_s, snap,
-                       boxes if err is None else {})
+            job = PublishJob(snapshot=snapshot, schema=None if snapshot is None else schema_of(snapshot), step=step,
+                             metadata=metadata if err is None else {}, force_anchor=anchor, error=err,
+                             failures_seen=failures, t_start=t_start, wait=wait, copy_s=copy_s, adapter=snap,
+                             boxes=boxes if err is None else {})
             fut = self._worker.submit(self._run_job, job)
         except BaseException:
             self._slots.release()
@@ -373,35 +340,6 @@ class Publisher:
             raise PublishInputError(f"step {step} is lower than the run's last step {last} "
                                     f"(run {self.run_id} at {self.url}); steps may not go backwards")
         return step, metadata, (sources if self.dtype is None else Cast(sources, self.dtype)), boxes
-
-    def _check_files(self, weights: Weights) -> None:
-        """First publish: a transformers model's own config (in the dtype published) replaces extra_files'
-        (the model is what is published), its generation config is added where extra_files has none, its
-        tied aliases are named; warn (once) when anchors would lack what serving needs."""
-        self._files_checked = True
-        is_model = isinstance(weights, torch.nn.Module)
-        rank0 = self._comm.rank == 0
-        if is_model:
-            own = anchor_fmt.model_files(weights, self.dtype)
-            if own:
-                given = self._extra.get(CONFIG_FILE)
-                differ = config_differences(given, own[CONFIG_FILE]) if given is not None else []
-                if differ and rank0:
-                    log.warning("run %s: extra_files' config.json differs from the config of the %s published "
-                                "(%s); anchors carry the model's own", self.run_id, type(weights).__name__,
-                                ", ".join(differ))
-                # one assignment: an anchor being written keeps its dict
-                self._extra = {**own, **self._extra, CONFIG_FILE: own[CONFIG_FILE]}
-                self._config_where = f"the config of the {type(weights).__name__} published"
-            aliases = tied_aliases(weights, weights.state_dict())
-            if aliases and rank0:
-                log.info("run %s: tied weights are published once, as save_pretrained writes them: %s",
-                         self.run_id, ", ".join(f"{a} (= {s})" for a, s in sorted(aliases.items())))
-        gaps = serving_gaps(self._extra)
-        if gaps and (is_model or self._extra) and self._comm.rank == 0:
-            log.warning("run %s at %s: anchors will carry no %s, so `ckptdelta serve` refuses them; pass "
-                        "extra_files=MODEL_DIR (the directory the model and its tokenizer were saved to)",
-                        self.run_id, self.url, " and no ".join(gaps))
 
     def wait_until_finished(self) -> None:
         """Block until every publish in flight is committed or failed; raise the first background failure."""
@@ -491,41 +429,11 @@ class Publisher:
     # --- bookkeeping -----------------------------------------------------------------------
 
     def _start_prefault(self, like: Mapping[str, torch.Tensor]) -> None:
-        """Fill buffers for the next host copy in the background. Until a second publish hands its
-        superseded parent back, the next copy would land in fresh memory, and first-touching it (the
-        kernel maps and zeroes every page) costs 0.2-0.4 s per GB, more than the copy itself: the first
-        delta after the publisher starts would pay it inside publish(). Here it is paid while the trainer
-        steps (one thread, no torch threads). A publish that comes first stops the fill and takes the
-        buffers filled so far. They would be allocated at the next publish anyway."""
-        shapes = [(n, t.dtype, tuple(t.shape), t.is_pinned()) for n, t in like.items()]
-        stop = threading.Event()
-        target = self._spare        # called under self._lock; filled only while it is still the spare set
-
-        def fill() -> None:
-            try:
-                for n, dtype, shape, pin in shapes:
-                    if stop.is_set():
-                        return
-                    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
-                    dtypes.host_bits(t).fill(0)
-                    with self._lock:
-                        if stop.is_set() or self._spare is not target:
-                            return
-                        target[n] = t
-            except Exception as e:  # noqa: BLE001 - an optimisation only: the next copy allocates instead
-                log.debug("filling spare host buffers failed (%s); the next publish allocates them", e)
-
-        thread = threading.Thread(target=fill, name="ckptdelta-prefault", daemon=True)
-        thread.start()
-        self._prefault = (thread, stop)
+        """Fill buffers for the next host copy while the trainer steps (publisher/prefault.py); under the lock."""
+        self._prefault.start(like, self._spare, lambda target: self._spare is target)
 
     def _join_prefault(self) -> None:
-        """Stop a fill still running (what it filled stays in the spare buffers) and wait for it."""
-        with self._lock:
-            p, self._prefault = self._prefault, None
-        if p is not None:
-            p[1].set()
-            p[0].join()
+        self._prefault.join()
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -546,13 +454,13 @@ class Publisher:
         with self._lock:
             self._jobs.pop(fut, None)
 
-    def _run_job(self, job: _Job) -> PublishResult:
+    def _run_job(self, job: PublishJob) -> PublishResult:
         try:
             return self._execute(job)
         except BaseException as e:
             with self._lock:
                 self._last_step = self._committed_step
-                if not job.wait and self._pending_error is None and not isinstance(e, _Skipped):
+                if not job.wait and self._pending_error is None and not isinstance(e, Skipped):
                     self._pending_error = e
                 if not job.wait:
                     self._unreported.append((job.describe(), f"{type(e).__name__}: {e}"))
@@ -562,84 +470,13 @@ class Publisher:
 
     # --- one publish, in the worker thread ------------------------------------------------------
 
-    def _execute(self, job: _Job) -> PublishResult:
-        """One publish on this rank. Sharded, every rank runs the same collective rounds in the same order
-        whatever fails on it: a local failure (its input, its parent, its writes, its temp dir, its uploads) is
-        carried to the next round every rank joins (the commit round, or a status round before the anchor's
-        piece exchange), which fails the publish on every rank together, so none waits on a collective for a
-        rank that left the publish; only the collective itself failing (a rank gone, or the group's
-        ``collective_timeout``) ends it at once."""
-        comm = self._comm
+    def _execute(self, job: PublishJob) -> PublishResult:
+        """One publish on this rank, as the rounds every rank runs in the same order (publisher/rounds.py)."""
         skip = job.failures_seen != self._n_failures
         try:
-            # Round 1: every rank's error or skip, its schemas and DTensor boxes (only rank 0 needs them: it
-            # plans, the others follow) and whether it holds the parent in memory; the plan comes back.
-            err: BaseException | None = job.error
-            state = None
-            try:
-                state = (skip, sharded.holdings(job.schema, job.boxes), job.step, job.force_anchor,
-                         self._parent_version, self._holds_parent(job))
-            except Exception as e:  # noqa: BLE001 - reported to every rank by this round
-                err = err or e
-            decided = comm.settle(err, state, lambda gathered: self._plan_round(gathered, job.adapter),
-                                  f"step {job.step} of run {self.run_id}")
-            if decided is None:
-                raise _Skipped(f"step {job.step} was not published: an earlier publish of run {self.run_id} failed")
-            plan, parents_held = decided
-            job.version = plan.version
-            context = f"{job.describe()} of run {self.run_id}"
-            pieced = plan.layout.pieces if plan.layout is not None else {}
-            parent, err = None, None
-            if plan.kind == "delta" and parents_held:
-                # every rank said it holds its parent: nothing to read, nothing that can differ between ranks
-                try:
-                    parent = self._ensure_parent(plan, job)
-                except Exception as e:  # noqa: BLE001 - reported to every rank by the commit round
-                    err = e
-            elif plan.kind == "delta":
-                try:
-                    parent = self._ensure_parent(plan, job)
-                except Exception as e:  # noqa: BLE001 - any rank without its parent makes everyone anchor
-                    err = e
-                failed = [f for f in comm.all_gather(None if err is None else describe(err)) if f]
-                err = None
-                if failed:
-                    log.warning("cannot rebuild the parent %d of version %d (%s); writing an anchor instead",
-                                plan.parent_version, plan.version, failed[0][1])
-                    plan = replace(plan, kind="anchor", anchor_version=plan.version,
-                                   reason=f"the parent snapshot could not be rebuilt: {failed[0][1]}")
-            shards: list[list[str]] = []
-            first = total = 0
-            if plan.kind == "anchor":
-                count = 0
-                try:
-                    assert job.snapshot is not None
-                    shards = anchor_fmt.plan_shards([(n, t.numel() * t.element_size())
-                                                     for n, t in job.snapshot.items() if n not in pieced],
-                                                    self.shard_bytes)
-                    # then the shards of tensors in pieces this rank writes (sharded.write_piece_shards)
-                    count = len(shards) + (len(plan.layout.shards_of(comm.rank)) if pieced else 0)
-                except Exception as e:  # noqa: BLE001 - a status round: every rank fails here together
-                    err = e
-                counts = comm.exchange(err, count, context)
-                first, total = sum(counts[:comm.rank]), sum(counts)
-            written = None
-            if err is None:
-                try:
-                    written = self._write(plan, job, parent, shards, first, total)
-                except CollectiveError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - reported to every rank by the commit round
-                    err = e
-            with self._lock:     # the last point where giving up at exit (_finish) stops the commit
-                if err is None and self._abandoned:
-                    err = PublishError(f"{job.describe()} of run {self.run_id}: given up on at interpreter exit "
-                                       "(Publisher(exit_timeout=...)); nothing is committed")
-                job.committing = err is None
-            # Round 2: every rank's written objects and entries (or its error) to rank 0, which commits them
-            outcome = comm.settle(err, written.for_commit() if written is not None else None,
-                                  lambda parts: self._commit(plan, job, parts), context)
-        except _Skipped:
+            plan, written, outcome = rounds.run(self._comm, _Steps(self), job, self._parents, skip=skip,
+                                                shard_bytes=self.shard_bytes, run_id=self.run_id)
+        except Skipped:
             raise
         except BaseException as e:
             self._n_failures += 1
@@ -648,32 +485,22 @@ class Publisher:
             raise
         return self._committed(plan, job, written, outcome)
 
-    def _holds_parent(self, job: _Job) -> bool:
-        """Whether this rank's parent in memory (version ``_parent_version``) has every tensor of the job, in the
-        same dtype, shape and box: then a delta on that version needs no read and no agreement about it."""
-        if job.snapshot is None or self._parent_version is None:
-            return False
-        for n, t in job.snapshot.items():
-            p = self._parent.get(n)
-            if p is None or p.dtype != t.dtype or p.shape != t.shape or self._parent_boxes.get(n) != job.boxes.get(n):
-                return False
-        return True
-
-    def _plan_round(self, gathered: list[tuple], adapter: "adapter_mod.AdapterSnapshot | None") -> tuple[Plan, bool] | None:
+    def _plan_round(self, gathered: list[rounds.LocalState],
+                    adapter: "adapter_mod.AdapterSnapshot | None") -> tuple[Plan, bool] | None:
         """Rank 0: None when a rank skips this publish, else the plan and whether every rank holds its parent."""
-        if any(g[0] for g in gathered):
+        if any(g.skip for g in gathered):
             return None
-        plan = self._plan([g[1:4] for g in gathered], adapter)
-        held = plan.kind == "delta" and all(g[4] == plan.parent_version and g[5] for g in gathered)
+        plan = self._plan(gathered, adapter)
+        held = plan.kind == "delta" and all(g.parent_version == plan.parent_version and g.holds_parent
+                                            for g in gathered)
         return plan, held
 
-    def _plan(self, gathered: list[tuple["sharded.Holdings", int, bool]],
-              adapter: "adapter_mod.AdapterSnapshot | None" = None) -> Plan:
+    def _plan(self, gathered: list[rounds.LocalState], adapter: "adapter_mod.AdapterSnapshot | None" = None) -> Plan:
         # plain tensors held by one rank each; a DTensor's boxes tiling it (publisher/sharded.py)
-        union, layout = sharded.plan_union([g[0] for g in gathered], self.shard_bytes)
+        union, layout = sharded.plan_union([g.holdings for g in gathered], self.shard_bytes)
         if not union:
             raise PublishInputError("nothing to publish: no rank holds a tensor")
-        steps = sorted({g[1] for g in gathered})
+        steps = sorted({g.step for g in gathered})
         if len(steps) > 1:
             raise PublishInputError(f"ranks disagree on the step being published: {steps}")
         step = steps[0]
@@ -684,13 +511,14 @@ class Publisher:
         if fraction is None:
             fraction = adapter_mod.CHAIN_FRACTION if adapter is not None else 0.5
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=fraction,
-                      force_anchor=any(g[2] for g in gathered), layout=layout.grids())
+                      force_anchor=any(g.force_anchor for g in gathered), layout=layout.grids())
         plan = replace(plan, layout=layout)
         why = self._adapter.anchor_reason(adapter)    # a LoRA run's new base or adapter config
         if why is not None and (plan.kind == "delta" or plan.schema_change):   # the cause, not its symptom
             plan = replace(plan, kind="anchor", anchor_version=plan.version, reason=why)
         # for an anchor (also one a failed parent rebuild makes); a LoRA anchor is a PEFT adapter directory
-        self._anchor_files = self._files_for(union) if adapter is None else {**self._extra, **adapter.extra_files}
+        self._anchor_files = (self._files.for_schema(union, self.run_id) if adapter is None
+                              else {**self._files.files, **adapter.extra_files})
         check_not_committed(self._store, plan.version, self.run_id)
         # Every attempt writes under keys of its own: a retry of a failed publish gets the same version, and a
         # PUT of the failed attempt that lands late (a stalled request completed by the server) must never
@@ -698,58 +526,15 @@ class Publisher:
         self._attempts += 1
         return replace(plan, data_id=f"{self.writer_id}-{self._attempts}")
 
-    def _files_for(self, schema: Schema) -> dict[str, bytes]:
-        """The extra files an anchor of ``schema`` carries: its config.json made to describe those tensors
-        (ckptdelta.delta.hf.reconcile_config: a wrong dtype fixed, a wrong tying refused), each fix logged once."""
-        config = self._extra.get(CONFIG_FILE)
-        if config is None:
-            return self._extra
-        floats = sorted({d for d, _ in schema.values() if dtypes.by_name(d).torch_dtype.is_floating_point})
-        if len(floats) > 1 and ("mixed", *floats) not in self._config_said and self._comm.rank == 0:
-            self._config_said.add(("mixed", *floats))
-            log.warning("run %s: the tensors published hold several floating-point dtypes (%s); replicas load a "
-                        "model's weights in the one dtype of its config.json, so they cannot serve these bits "
-                        "exactly: publish one (Publisher(dtype=torch.bfloat16))", self.run_id, ", ".join(floats))
-        fixed, fixes = reconcile_config(config, {n: d for n, (d, _) in schema.items()},
-                                        where=f"run {self.run_id}: {self._config_where}")
-        if not fixes:
-            return self._extra
-        if ("fix", *fixes) not in self._config_said:
-            self._config_said.add(("fix", *fixes))
-            own = self._config_where.startswith("the config of")
-            log.log(logging.INFO if own else logging.WARNING,
-                    "run %s: %s does not describe the tensors published; anchors carry it with %s",
-                    self.run_id, self._config_where, ", ".join(fixes))
-        return {**self._extra, CONFIG_FILE: fixed}
+    def _may_commit(self, job: PublishJob, err: BaseException | None) -> BaseException | None:
+        with self._lock:     # the last point where giving up at exit (_finish) stops the commit
+            if err is None and self._abandoned:
+                err = PublishError(f"{job.describe()} of run {self.run_id}: given up on at interpreter exit "
+                                   "(Publisher(exit_timeout=...)); nothing is committed")
+            job.committing = err is None
+        return err
 
-    def _ensure_parent(self, plan: Plan, job: _Job) -> dict[str, torch.Tensor]:
-        assert job.snapshot is not None and plan.parent_version is not None
-        if self._parent_version != plan.parent_version:
-            self._parent, self._parent_version, self._parent_digests = {}, plan.parent_version, {}
-            self._parent_boxes = {}
-            self._grand, self._grand_of = {}, None
-        for n, box in job.boxes.items():    # a parent of another box of a DTensor is no parent
-            if n in self._parent and self._parent_boxes.get(n) != box:
-                del self._parent[n]
-                self._parent_digests.pop(n, None)
-        missing = [n for n in job.snapshot if n not in self._parent]
-        if missing:
-            chain = read_chain(self._store, plan.parent_version, self.run_id)
-            pieced = plan.layout.pieces if plan.layout is not None else {}
-            whole = [n for n in missing if n not in pieced]
-            if whole:
-                self._parent.update(rebuild(self._store, chain, whole))
-            boxes = {n: (job.boxes[n].offsets, tuple(job.snapshot[n].shape)) for n in missing if n in pieced}
-            if boxes:       # this rank's boxes only: the anchor's rows of them, then their records
-                self._parent.update(rebuild_boxes(self._store, chain, boxes))
-            self._parent_boxes.update({n: job.boxes[n] for n in missing if n in job.boxes})
-        for n, t in job.snapshot.items():
-            p = self._parent.get(n)
-            if p is None or p.dtype != t.dtype or p.shape != t.shape:
-                raise PublishError(f"tensor {n!r} is not in version {plan.parent_version} as {t.dtype}{list(t.shape)}")
-        return self._parent
-
-    def _write(self, plan: Plan, job: _Job, parent: dict[str, torch.Tensor] | None, shards: list[list[str]],
+    def _write(self, plan: Plan, job: PublishJob, parent: dict[str, torch.Tensor] | None, shards: list[list[str]],
                first: int, total: int) -> Written:
         assert job.snapshot is not None
         if plan.kind == "anchor":
@@ -780,7 +565,7 @@ class Publisher:
         self._warn_of_nans(plan, job, written)
         return written
 
-    def _warn_of_nans(self, plan: Plan, job: _Job, written: Written) -> None:
+    def _warn_of_nans(self, plan: Plan, job: PublishJob, written: Written) -> None:
         """Warn once per tensor name of NaNs among the published bits; remember which tensors are clean."""
         with_bytes = {n for n, e in written.entries.items() if e.object is not None}
         known = self._nan_clean if plan.kind == "delta" and plan.parent_version == self._nan_clean_version else set()
@@ -796,7 +581,7 @@ class Publisher:
                         n, plan.version, job.step)
         self._nan_next = (known | with_bytes) - self._nan_warned
 
-    def _write_delta(self, plan: Plan, job: _Job, parent: dict[str, torch.Tensor]) -> Written:
+    def _write_delta(self, plan: Plan, job: PublishJob, parent: dict[str, torch.Tensor]) -> Written:
         """This rank's delta objects, in the codec ``self.codec`` names or, with "auto", its chooser picks."""
         assert job.snapshot is not None
         elements = sum(t.numel() for t in job.snapshot.values())
@@ -814,10 +599,10 @@ class Publisher:
                 log.info("run %s: v%d switches to the %s codec (%s)", self.run_id, plan.version, codec, reason)
             else:
                 log.debug("run %s: v%d codec %s (%s)", self.run_id, plan.version, codec, reason)
-        grand = self._grand if self._grand_of == plan.parent_version else None
+        grand = self._parents.grandparents_for(plan.parent_version)
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
-                                     progress=self.progress, parent_digests=self._parent_digests,
+                                     progress=self.progress, parent_digests=self._parents.digests,
                                      grandparents=grand)
         sharded.with_boxes(written, job.boxes, plan.layout)      # pieces of a DTensor: merged into one entry
         written.codec, written.codec_reason = codec, reason
@@ -829,7 +614,7 @@ class Publisher:
                 self._last_codec = codec
         return written
 
-    def _commit(self, plan: Plan, job: _Job, parts: list[Written]) -> dict[str, Any]:
+    def _commit(self, plan: Plan, job: PublishJob, parts: list[Written]) -> dict[str, Any]:
         t0 = time.perf_counter()
         store = self._store
         objects, entries, weight_map, extra = merge(parts, plan.layout)
@@ -864,20 +649,16 @@ class Publisher:
         return {"stored": stored, "full": full, "n_changed": n_changed, "n_tensors": len(entries),
                 "commit_s": time.perf_counter() - t0, "extra": extra_bytes}
 
-    def _committed(self, plan: Plan, job: _Job, written: Written | None, outcome: dict[str, Any]) -> PublishResult:
+    def _committed(self, plan: Plan, job: PublishJob, written: Written | None, outcome: dict[str, Any]) -> PublishResult:
         assert job.snapshot is not None and written is not None
-        old, self._parent, self._parent_version = self._parent, job.snapshot, plan.version
-        self._parent_digests = {n: int(e.xxh3, 16) for n, e in written.entries.items() if n in job.snapshot}
-        self._parent_boxes = dict(job.boxes)
+        # a LoRA delta's parent becomes the next delta's grandparent (small: an adapter); the superseded buffers
+        # are the spares of the next copy
+        recycled = self._parents.committed(
+            job.snapshot, plan.version,
+            {n: int(e.xxh3, 16) for n, e in written.entries.items() if n in job.snapshot}, job.boxes,
+            keep_grandparent=plan.kind == "delta" and job.adapter is not None and self._diff is None)
         self._nan_clean, self._nan_clean_version = self._nan_next, plan.version
         self._adapter.committed(job.adapter)
-        recycled = old
-        if plan.kind == "delta" and job.adapter is not None and self._diff is None:
-            # the parent's bits become the next delta's grandparent (small: an adapter); the superseded
-            # grandparent's buffers take the parent's place as the spares of the next copy
-            recycled, self._grand, self._grand_of = self._grand, old, plan.version
-        else:
-            self._grand, self._grand_of = {}, None
         with self._lock:
             self._committed_step = job.step
             self._spare = spares(recycled)
@@ -885,7 +666,7 @@ class Publisher:
                 self._start_prefault(job.snapshot)
         if self._diff is not None:
             self._diff.committed(plan.version)
-        del old
+        del recycled
         r = PublishResult(
             version=plan.version, name=snapshot_name(plan.version), kind=plan.kind, parent_version=plan.parent_version,
             anchor_version=plan.anchor_version, step=job.step, stored_bytes=outcome["stored"],
@@ -905,6 +686,30 @@ class Publisher:
                         "them until restarted on it: ckptdelta serve --snapshot %s (docs/PUBLISHING.md, "
                         "'Changing tensors')", self.run_id, r.name, before, r.schema_change, before, r.name)
         return r
+
+
+class _Steps:
+    """A Publisher's local steps between the rounds of a publish, as publisher/rounds.py calls them."""
+
+    def __init__(self, pub: Publisher) -> None:
+        self._pub = pub
+
+    def plan(self, gathered: list[rounds.LocalState], job: PublishJob) -> tuple[Plan, bool] | None:
+        return self._pub._plan_round(gathered, job.adapter)
+
+    def parent(self, plan: Plan, job: PublishJob) -> dict[str, torch.Tensor]:
+        assert job.snapshot is not None
+        return self._pub._parents.ensure(self._pub._store, self._pub.run_id, plan, job.snapshot, job.boxes)
+
+    def write(self, plan: Plan, job: PublishJob, parent: dict[str, torch.Tensor] | None, shards: list[list[str]],
+              first: int, total: int) -> Written:
+        return self._pub._write(plan, job, parent, shards, first, total)
+
+    def may_commit(self, job: PublishJob, err: BaseException | None) -> BaseException | None:
+        return self._pub._may_commit(job, err)
+
+    def commit(self, plan: Plan, job: PublishJob, parts: list[Written]) -> dict[str, Any]:
+        return self._pub._commit(plan, job, parts)
 
 
 def _resolve_codec(codec: Any, context_coding: Any, upload_bandwidth: Any) -> str:

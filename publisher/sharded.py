@@ -51,7 +51,7 @@ from ckptdelta.delta.storage import Store
 from ckptdelta.publisher import anchor as anchor_fmt
 from ckptdelta.publisher.distributed import Comm
 from ckptdelta.publisher.nan import nan_tensor_names
-from ckptdelta.publisher.snapshot import Schema
+from ckptdelta.publisher.host_copy import Schema
 from ckptdelta.publisher.tempdirs import locked_tempdir
 from ckptdelta.publisher.writer import PieceRecords, Uploader, Written, progress_bar
 

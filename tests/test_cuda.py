@@ -29,7 +29,7 @@ from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.publisher import Publisher
 from ckptdelta.publisher import publisher as publisher_mod
 from ckptdelta.publisher.runs import read_manifest
-from ckptdelta.publisher.snapshot import copy_to_host
+from ckptdelta.publisher.host_copy import copy_to_host
 from tests.publisher_helpers import snapshot
 
 DEVICE = os.environ.get("CKPTDELTA_TEST_DEVICE", "cuda")

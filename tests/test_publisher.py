@@ -368,7 +368,7 @@ def test_a_damaged_newest_manifest_is_skipped_by_readers_and_a_reopened_publishe
 def test_the_host_copy_keeps_every_bit_on_both_copy_paths(numel):
     """Small CPU tensors are copied by one memcpy, large ones by torch's threads; views by torch: all of them bit
     for bit (NaN payloads, -0.0), into reused buffers as into fresh ones."""
-    from ckptdelta.publisher.snapshot import copy_to_host
+    from ckptdelta.publisher.host_copy import copy_to_host
 
     g = torch.Generator().manual_seed(numel)
     bits = torch.randint(-2**15, 2**15, (numel,), dtype=torch.int16, generator=g)

@@ -79,7 +79,7 @@ def test_the_host_copy_reuses_two_sets_of_buffers_across_steps(tmp_path):
         ptrs = []
         for step in range(5):
             pub.publish(w, step)
-            ptrs.append({n: t.data_ptr() for n, t in pub._parent.items()})
+            ptrs.append({n: t.data_ptr() for n, t in pub._parents.tensors.items()})
             _step(w, step, 0.05)
     assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[4] == ptrs[0]   # no fresh buffer after step 1
     assert not set(ptrs[0].values()) & set(ptrs[1].values())
@@ -95,18 +95,18 @@ def test_the_second_copy_lands_in_buffers_filled_in_the_background_after_the_fir
     w = {k: v for k, v in _odd_weights(0).items() if isinstance(v, torch.Tensor)}
     with Publisher(str(tmp_path / "run")) as pub:
         pub.publish(w, 0)
-        first = {n: t.data_ptr() for n, t in pub._parent.items()}
-        pub._prefault[0].join()           # the trainer's step: time enough for the fill to finish
+        first = {n: t.data_ptr() for n, t in pub._parents.tensors.items()}
+        pub._prefault.thread.join()           # the trainer's step: time enough for the fill to finish
         background = {n: t.data_ptr() for n, t in pub._spare.items()}
         assert filled == [1] and background.keys() == first.keys()
         assert not set(background.values()) & set(first.values())
         _step(w, 0, 0.05)
         assert pub.publish(w, 1).kind == "delta"
-        assert {n: t.data_ptr() for n, t in pub._parent.items()} == background
+        assert {n: t.data_ptr() for n, t in pub._parents.tensors.items()} == background
         _step(w, 1, 0.05)
         pub.publish(w, 2)                 # from here on the superseded parent comes back: nothing to fill
         assert filled == [1]
-        assert {n: t.data_ptr() for n, t in pub._parent.items()} == first
+        assert {n: t.data_ptr() for n, t in pub._parents.tensors.items()} == first
         assert_same(snapshot(pub.store, 2), w)
 
 

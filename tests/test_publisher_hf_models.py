@@ -54,7 +54,7 @@ def test_dtype_publishes_floating_tensors_cast_and_integer_ones_as_they_are(tmp_
                 want = src.to(torch.bfloat16) if src.is_floating_point() else src
                 assert same_bits(torch.as_tensor(got[n]), want), (step, n)
             # only the published bits reached the host: the copy the publisher keeps is bf16, not fp32
-            assert {t.dtype for n, t in pub._parent.items() if n in ("w", "nan", "np")} == {torch.bfloat16}
+            assert {t.dtype for n, t in pub._parents.tensors.items() if n in ("w", "nan", "np")} == {torch.bfloat16}
             w["w"] = w["w"] + 0.01 * torch.randn(40, 24, generator=g)      # an fp32 master step
     assert all(isinstance(v, torch.Tensor) for v in w.values() if not isinstance(v, np.ndarray))
 
