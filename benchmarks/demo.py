@@ -12,11 +12,11 @@ built-in torch engine). Then each step:
    these are vLLM's own ``logprobs`` of the sampled tokens from its completions
    API (``logprobs=0``: raw log-softmax of its logits, before temperature, so the
    same quantity the trainer computes); on the reference engine the replica
-   rescores them with :func:`ckptdelta.loader.engine.score_logprobs`;
+   rescores them with :func:`ckptdelta.loader.hf_model.score_logprobs`;
 2. rewards, advantages normalised within each group (zero when a group's
    rewards are all equal), a PPO clipped importance-sampling loss with the
    replica's logprobs as the behaviour policy; the trainer scores the same tokens
-   with :func:`ckptdelta.loader.engine.score_tokens` on its bf16 weights (the published
+   with :func:`ckptdelta.loader.hf_model.score_tokens` on its bf16 weights (the published
    bits). Sampler/trainer divergence k1/k2/k3 is exactly 0 on the reference
    engine; on vLLM it is not (its kernels are not the trainer's), and it must not
    grow over the run, since the weights are the same bits at every step;
@@ -208,7 +208,7 @@ class Trainer:
     """fp32 master weights under AdamW; a bf16 policy (the published bits) that runs every forward.
 
     ``policy`` must be built exactly as the replica builds its model (the demo
-    loads it with :func:`ckptdelta.loader.engine.load_model` from the directory the anchor
+    loads it with :func:`ckptdelta.loader.hf_model.load_model` from the directory the anchor
     carries): bits that are not published count too, e.g. the rotary ``inv_freq``
     buffer is float32 after ``from_pretrained`` but bf16 after ``model.to(bf16)``,
     which alone moves logprobs by up to ~0.2 nats on this model.
@@ -236,7 +236,7 @@ class Trainer:
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One PPO step over ``samples``; returns divergence and loss statistics."""
-        from ckptdelta.loader.engine import score_tokens
+        from ckptdelta.loader.hf_model import score_tokens
 
         scorer = self.master if self.score_with == "master" else self.policy
         n_tokens = sum(len(s.token_ids) for s in samples if s.advantage != 0.0)
@@ -362,7 +362,7 @@ def pretrained(cfg: DemoConfig, say: Any) -> tuple[Any, torch.nn.Module, dict[st
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole loop; returns (and writes under ``cfg.report_dir``) the rows and the summary."""
     from ckptdelta.loader.client import RolloutClient
-    from ckptdelta.loader.engine import load_model
+    from ckptdelta.loader.hf_model import load_model
     from ckptdelta.publisher import Publisher
 
     t_start = time.perf_counter()

@@ -101,11 +101,11 @@ class LoraTrainer(Trainer):
 
 
 def lora_model(base_dir: str, cfg: LoraDemoConfig) -> Any:
-    """The trainer's peft model on the base loaded as the replica loads it (:func:`ckptdelta.loader.engine.load_model`:
+    """The trainer's peft model on the base loaded as the replica loads it (:func:`ckptdelta.loader.hf_model.load_model`:
     a base of other bits, e.g. a bf16 rotary buffer, would score tokens differently and hash differently)."""
     from peft import LoraConfig, get_peft_model
 
-    from ckptdelta.loader.engine import load_model
+    from ckptdelta.loader.hf_model import load_model
 
     base, _ = load_model(base_dir)
     torch.manual_seed(cfg.seed)

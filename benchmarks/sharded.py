@@ -369,7 +369,7 @@ def metadata_cost(n_tensors: int, world: int, repeats: int = 1) -> dict:
     import pickle
 
     from ckptdelta.delta.manifest import Manifest
-    from ckptdelta.publisher.plan import Plan
+    from ckptdelta.publisher.chain import Plan
     from ckptdelta.publisher.sharded import holdings, plan_union, with_boxes
     from ckptdelta.publisher.writer import merge
 

@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from ckptdelta.delta import dtypes, untrusted_json
-from ckptdelta.delta.adapter import AdapterRecord
+from ckptdelta.delta.lora_record import AdapterRecord
 from ckptdelta.delta.errors import ManifestError, RunMismatchError
 from ckptdelta.delta.pieces import MAX_PIECES, PIECES_MAGIC, PieceEntry, cells, grid_cuts, pieces_digest
 from ckptdelta.delta.record import max_record_size
@@ -389,7 +389,7 @@ class Manifest:
     metadata: dict[str, str] = field(default_factory=dict)
     full_bytes: int = 0
     stored_bytes: int = 0
-    adapter: AdapterRecord | None = None   # a LoRA run's base and adapter config (delta/adapter.py); None otherwise
+    adapter: AdapterRecord | None = None   # a LoRA run's base and adapter config (delta/lora_record.py); None otherwise
 
     @property
     def name(self) -> str:

@@ -40,7 +40,7 @@ KINDS: dict[str, tuple[str, bool]] = {
     "vllm": ("", True),             # the scratch model copy vLLM loads (loader/engines/vllm/replica.py build())
     "vllm-sock": ("", True),        # the directory of vLLM's Unix socket (VllmServer)
     "vllm-log": (".log", False),    # vLLM's log (VllmServer), kept after a crash
-    "serve": ("", True),            # the reference engine's scratch copy while it loads (loader/engine.py)
+    "serve": ("", True),            # the reference engine's scratch copy while it loads (loader/engines/reference/model.py)
     "anchor": ("", True),           # a publisher's anchor shards on their way up (publisher/tempdirs.py)
     "delta": ("", True),            # a publisher's delta parts on their way up (publisher/tempdirs.py)
 }

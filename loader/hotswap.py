@@ -39,8 +39,8 @@ from ckptdelta.delta.errors import (GrandparentMismatchError, GrandparentNeededE
 from ckptdelta.delta.manifest import Manifest, snapshot_name
 
 from ckptdelta.loader import batch_commit, stopping
-from ckptdelta.loader.pieces import Piece, Prior, check_assembled
-from ckptdelta.loader.plan import UpdatePlan, make_plan
+from ckptdelta.loader.fetch_units import Piece, Prior, check_assembled
+from ckptdelta.loader.update_path import UpdatePlan, make_plan
 from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.loader.spans import VersionLog
 from ckptdelta.loader.dense_swap import DenseSwap, _scatter_if_unchanged, _synchronize, _unchanged_since_prepare

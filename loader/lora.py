@@ -1,6 +1,6 @@
 """LoRA runs on the replica side, whatever the engine: which base to load, and what a replica refuses.
 
-A LoRA run's snapshots are adapters (delta/adapter.py): a replica serves one on the
+A LoRA run's snapshots are adapters (delta/lora_record.py): a replica serves one on the
 exact base it was trained on, so before it serves it loads the base (``--base-model DIR``,
 or the directory the run's record names), hashes its weights as the publisher did and
 refuses, in one line naming both, a base whose digest differs. A hot-load is refused
@@ -23,7 +23,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from ckptdelta.delta.adapter import ADAPTER_CONFIG_NAME, AdapterRecord, describe_config_change
+from ckptdelta.delta.lora_record import ADAPTER_CONFIG_NAME, AdapterRecord, describe_config_change
 from ckptdelta.delta.errors import CkptDeltaError, HotLoadError, NotServableError
 from ckptdelta.delta.manifest import Manifest, snapshot_name
 

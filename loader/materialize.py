@@ -20,7 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ckptdelta.delta import dtypes
-from ckptdelta.delta.adapter import ADAPTER_WEIGHTS_NAME
+from ckptdelta.delta.lora_record import ADAPTER_WEIGHTS_NAME
 from ckptdelta.delta.errors import ManifestError
 from ckptdelta.delta.manifest import Manifest, snapshot_name
 from ckptdelta.delta.storage import fsync_dir

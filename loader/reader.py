@@ -1,6 +1,6 @@
 """Read any committed snapshot of a run, bit-exact, fetching only the bytes it needs.
 
-A snapshot is its anchor plus the records of every delta since (loader/plan.py
+A snapshot is its anchor plus the records of every delta since (loader/update_path.py
 says which). The reader resolves names to versions, validates manifests and the
 chain that links them, and fetches tensor data with byte-range reads batched per
 request (a tensor-parallel rank that asks for its own tensors downloads only
@@ -31,8 +31,8 @@ from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MA
 from ckptdelta.delta.storage import Store
 
 from ckptdelta.loader.cache import DiskCache
-from ckptdelta.loader.pieces import xxh_hex, Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
-from ckptdelta.loader.plan import rebuild_pieces
+from ckptdelta.loader.fetch_units import xxh_hex, Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
+from ckptdelta.loader.update_path import rebuild_pieces
 from ckptdelta.loader.prefetch import prefetching
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ class SnapshotReader:
     def iter_tensors(self, ref: "str | int", names: Names = None, *, batch_bytes: int = BATCH_BYTES,
                      priors: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) in the order asked (sorted for None/predicates), a batch in memory at a time.
-        ``priors``: filled with each tensor's :class:`ckptdelta.loader.pieces.Prior` (where it last changed, and a copy of
+        ``priors``: filled with each tensor's :class:`ckptdelta.loader.fetch_units.Prior` (where it last changed, and a copy of
         its bits before that), what a LoRA replica keeps for records coded against their grandparent."""
         chain = self.chain(ref)
         selected = select_names(chain[-1], names)

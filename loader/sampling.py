@@ -276,7 +276,7 @@ class SamplingClient:
                          affinity_key: str | None = None) -> list[float | None]:
         """Each token's logprob given those before it (None for the first), from one replica at the floor: on
         the reference engine, one forward of the whole sequence, so a trainer's
-        :func:`ckptdelta.loader.engine.score_tokens` on the same bits gives these numbers exactly."""
+        :func:`ckptdelta.loader.hf_model.score_tokens` on the same bits gives these numbers exactly."""
         resp = self.sample(prompt, 1, SamplingParams(max_tokens=1, temperature=0.0), include_prompt_logprobs=True,
                            affinity_key=affinity_key)
         return list(resp.prompt_logprobs or [])

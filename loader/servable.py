@@ -5,7 +5,7 @@ Without these checks a snapshot published without a tokenizer, a mistyped
 transformers or torch, after the snapshot was materialized, with a message that
 names neither the snapshot nor the fix. Each check raises NotServableError with
 one line saying what is missing and how to add it. ``ckptdelta serve`` runs them
-for both engines (ckptdelta/cli/serve.py); :func:`ckptdelta.loader.engine.build_engine` runs them too.
+for both engines (ckptdelta/cli/serve.py); :func:`ckptdelta.loader.engines.reference.model.load_engine` runs them too.
 """
 
 from __future__ import annotations

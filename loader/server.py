@@ -32,7 +32,7 @@ from ckptdelta.delta.errors import (DeltaError, HotLoadCancelledError, HotLoadCo
 
 from ckptdelta.loader import streaming
 from ckptdelta.loader.engines import replica_engine
-from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
+from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
 from ckptdelta.loader.engines.requests import parse, validation_message
 from ckptdelta.loader.hotload_jobs import HotLoadJob, HotLoadManager
 from ckptdelta.loader.metrics import CONTENT_TYPE, ServerMetrics
@@ -201,7 +201,7 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _verified(engine: Any) -> str:
+def _verified(engine: ReplicaEngine) -> str:
     """What proved the new weights: the engine's own read-back (vLLM), or the manifest's digests."""
     last = (engine.status() or {}).get("last_swap") or {}
     if "verify" not in last:

@@ -22,8 +22,8 @@ from ckptdelta.delta.manifest import Manifest, TensorEntry
 from ckptdelta.delta.pieces import box_bits, box_view, flat_range
 
 from ckptdelta.loader import batch_commit
-from ckptdelta.loader.pieces import Piece, Prior, check_assembled, grandparent_of, rebuild, replay
-from ckptdelta.loader.plan import UpdatePlan
+from ckptdelta.loader.fetch_units import Piece, Prior, check_assembled, grandparent_of, rebuild, replay
+from ckptdelta.loader.update_path import UpdatePlan
 
 
 @dataclass

@@ -35,7 +35,7 @@ from ckptdelta.delta.pieces import tensor_digest
 from ckptdelta.delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
 from ckptdelta.delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
 
-from ckptdelta.loader.pieces import xxh_hex, Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
+from ckptdelta.loader.fetch_units import xxh_hex, Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
 from ckptdelta.loader.prefetch import prefetching
 
 if TYPE_CHECKING:

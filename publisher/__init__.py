@@ -10,7 +10,7 @@ if __name__ != "ckptdelta.publisher":   # a checkout's root on sys.path would gi
 
 from ckptdelta.delta.errors import CollectiveError, ConcurrentPublisherError, PublishError, PublishInputError
 
-from ckptdelta.publisher.adapter import AdapterSpec, BaseModel
+from ckptdelta.publisher.lora import AdapterSpec, BaseModel
 from ckptdelta.publisher.gc import GcReport, collect
 from ckptdelta.publisher.publisher import Publisher
 from ckptdelta.publisher.result import PublishResult

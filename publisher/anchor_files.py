@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from ckptdelta.delta import dtypes
-from ckptdelta.delta.hf import CONFIG_FILE, config_differences, reconcile_config, serving_gaps
+from ckptdelta.delta.hf import CONFIG_FILE, DTYPE_FIELDS, config_differences, reconcile_config, serving_gaps
 
 from ckptdelta.publisher import anchor as anchor_fmt
 from ckptdelta.publisher.host_copy import Schema, Weights
@@ -46,6 +46,14 @@ class AnchorFiles:
             if own:
                 given = self.files.get(CONFIG_FILE)
                 differ = config_differences(given, own[CONFIG_FILE]) if given is not None else []
+                if self._dtype is not None:
+                    # fp32 masters published in Publisher(dtype=...): the model directory was saved from them, so
+                    # its config names their dtype; the anchors' naming the published one is the point, not news
+                    cast = [d for d in differ if d.split(":", 1)[0] in DTYPE_FIELDS]
+                    differ = [d for d in differ if d not in cast]
+                    if cast and self.rank == 0:
+                        log.info("run %s: anchors' config.json names the dtype published (%s), where extra_files' "
+                                 "names the trainer's", run_id, ", ".join(cast))
                 if differ and self.rank == 0:
                     log.warning("run %s: extra_files' config.json differs from the config of the %s published "
                                 "(%s); anchors carry the model's own", run_id, type(weights).__name__,

@@ -8,7 +8,7 @@ import torch
 
 from ckptdelta.delta.errors import PublishError
 
-from ckptdelta.publisher import adapter as adapter_mod
+from ckptdelta.publisher import lora
 from ckptdelta.publisher import sharded
 from ckptdelta.publisher.host_copy import Schema
 
@@ -29,7 +29,7 @@ class PublishJob:
     t_start: float
     wait: bool
     copy_s: float = 0.0
-    adapter: "adapter_mod.AdapterSnapshot | None" = None   # a LoRA run's publish (publisher/adapter.py)
+    adapter: "lora.AdapterSnapshot | None" = None   # a LoRA run's publish (publisher/lora.py)
     boxes: sharded.Boxes = field(default_factory=dict)     # this rank's boxes of the DTensors it publishes
     version: int | None = None       # the version planned for it (round 1)
     committing: bool = False         # past the last point where giving up at exit stops its commit

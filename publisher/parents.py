@@ -16,7 +16,7 @@ from ckptdelta.delta.errors import PublishError
 from ckptdelta.delta.storage import Store
 
 from ckptdelta.publisher import sharded
-from ckptdelta.publisher.plan import Plan
+from ckptdelta.publisher.chain import Plan
 from ckptdelta.publisher.rebuild import read_chain, rebuild, rebuild_boxes
 
 

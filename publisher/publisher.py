@@ -31,7 +31,7 @@ from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, Pu
 from ckptdelta.delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
 from ckptdelta.delta.storage import Store
 
-from ckptdelta.publisher import adapter as adapter_mod
+from ckptdelta.publisher import lora
 from ckptdelta.publisher import anchor as anchor_fmt
 from ckptdelta.publisher import rounds, sharded, tempdirs
 from ckptdelta.publisher.anchor_files import AnchorFiles
@@ -40,7 +40,7 @@ from ckptdelta.publisher.distributed import make_comm
 from ckptdelta.publisher.job import PublishJob, Skipped
 from ckptdelta.publisher.nan import nan_tensor_names
 from ckptdelta.publisher.parents import Parents
-from ckptdelta.publisher.plan import ChainState, Plan, decide
+from ckptdelta.publisher.chain import ChainState, Plan, decide
 from ckptdelta.publisher.prefault import Prefault
 from ckptdelta.publisher.rebuild import read_chain
 from ckptdelta.publisher.result import PublishResult
@@ -135,7 +135,7 @@ class Publisher:
     LoRA runs: ``publish(peft_model, step)`` publishes the model's adapter (its tensors under peft's saved
     names; anchors are PEFT adapter directories, and every manifest records the base model and the adapter
     config); ``adapter=AdapterSpec(config, base)`` lets publish() take adapter state dicts instead
-    (publisher/adapter.py, docs/PUBLISHING.md "LoRA runs").
+    (publisher/lora.py, docs/PUBLISHING.md "LoRA runs").
     """
 
     def __init__(self, url: str, *, anchor_every: int = 20, anchor_chain_fraction: float | None = None,
@@ -145,7 +145,7 @@ class Publisher:
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
                  progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
                  codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None,
-                 adapter: "adapter_mod.AdapterSpec | None" = None, collective_timeout: float | None = None,
+                 adapter: "lora.AdapterSpec | None" = None, collective_timeout: float | None = None,
                  exit_timeout: float = EXIT_TIMEOUT_S):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
@@ -165,7 +165,7 @@ class Publisher:
         self.url = url
         self.dtype = check_publish_dtype(dtype)
         self.anchor_every = anchor_every
-        # None: 0.5, or for a LoRA run's adapters adapter_mod.CHAIN_FRACTION (their deltas are dense)
+        # None: 0.5, or for a LoRA run's adapters lora.CHAIN_FRACTION (their deltas are dense)
         self.anchor_chain_fraction = None if anchor_chain_fraction is None else float(anchor_chain_fraction)
         self.shard_bytes, self.level, self.progress = shard_bytes, level, progress
         self.codec = _resolve_codec(codec, context_coding, upload_bandwidth)
@@ -187,7 +187,7 @@ class Publisher:
         self._chain = ChainState()
         self._anchor_extra: tuple[ObjectRef, ...] = ()
         self._run_info_exists = False
-        self._adapter = adapter_mod.RunAdapter(adapter)
+        self._adapter = lora.RunAdapter(adapter)
         self.run_id, self.writer_id, last_step = self._comm.decide(lambda: self._open_run(run_id))
         self._parents = Parents()       # what this rank's next delta is encoded against (publisher/parents.py)
         self._box_cache: sharded.BoxCache = {}         # where this rank's boxes of DTensors lie, by layout
@@ -486,7 +486,7 @@ class Publisher:
         return self._committed(plan, job, written, outcome)
 
     def _plan_round(self, gathered: list[rounds.LocalState],
-                    adapter: "adapter_mod.AdapterSnapshot | None") -> tuple[Plan, bool] | None:
+                    adapter: "lora.AdapterSnapshot | None") -> tuple[Plan, bool] | None:
         """Rank 0: None when a rank skips this publish, else the plan and whether every rank holds its parent."""
         if any(g.skip for g in gathered):
             return None
@@ -495,7 +495,7 @@ class Publisher:
                                             for g in gathered)
         return plan, held
 
-    def _plan(self, gathered: list[rounds.LocalState], adapter: "adapter_mod.AdapterSnapshot | None" = None) -> Plan:
+    def _plan(self, gathered: list[rounds.LocalState], adapter: "lora.AdapterSnapshot | None" = None) -> Plan:
         # plain tensors held by one rank each; a DTensor's boxes tiling it (publisher/sharded.py)
         union, layout = sharded.plan_union([g.holdings for g in gathered], self.shard_bytes)
         if not union:
@@ -509,7 +509,7 @@ class Publisher:
                                     f"(version {self._chain.last_version} of run {self.run_id})")
         fraction = self.anchor_chain_fraction
         if fraction is None:
-            fraction = adapter_mod.CHAIN_FRACTION if adapter is not None else 0.5
+            fraction = lora.CHAIN_FRACTION if adapter is not None else 0.5
         plan = decide(self._chain, union, anchor_every=self.anchor_every, chain_fraction=fraction,
                       force_anchor=any(g.force_anchor for g in gathered), layout=layout.grids())
         plan = replace(plan, layout=layout)
@@ -547,7 +547,7 @@ class Publisher:
                                        total_shards=total,
                                        extra_files=self._anchor_files if self._comm.rank == 0 else {},
                                        progress=self.progress,
-                                       file_name=None if job.adapter is None else adapter_mod.ADAPTER_WEIGHTS_NAME)
+                                       file_name=None if job.adapter is None else lora.ADAPTER_WEIGHTS_NAME)
             except Exception as e:  # noqa: BLE001 - the pieces' status round reports it to every rank
                 if not pieced:
                     raise

@@ -30,7 +30,7 @@ from ckptdelta.publisher import sharded
 from ckptdelta.publisher.distributed import Comm, describe
 from ckptdelta.publisher.job import PublishJob, Skipped
 from ckptdelta.publisher.parents import Parents
-from ckptdelta.publisher.plan import Plan
+from ckptdelta.publisher.chain import Plan
 from ckptdelta.publisher.writer import Written
 
 log = logging.getLogger("ckptdelta.publisher")

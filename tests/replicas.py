@@ -184,7 +184,7 @@ def start_replica(run):
     """Factory: a live replica of ``run`` (or another bucket) at a snapshot; stopped after the test."""
     started: list[Replica] = []
 
-    from ckptdelta.loader.engine import build_engine
+    from ckptdelta.loader.engines.reference.model import load_engine
     from ckptdelta.loader.server import create_app
 
     def start(snapshot="latest", *, bucket: str | None = None, model_dir: str | None = None,
@@ -192,7 +192,7 @@ def start_replica(run):
               listen: bool = True) -> Replica:
         """``listen=False``: the port is bound but refuses connections until ``rep.listen()``, as ``serve``'s
         does until its checks end (then it answers STARTING until it serves: loader/starting.py)."""
-        engine, reader = build_engine(bucket=bucket or run.url, snapshot=snapshot, model_dir=model_dir,
+        engine, reader = load_engine(bucket=bucket or run.url, snapshot=snapshot, model_dir=model_dir,
                                       cache_policy=cache_policy)
         app = create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key)
         server = LiveServer(app)

@@ -88,7 +88,7 @@ def _log_of(replica: Any) -> Any:
 
 def install(mp: Any) -> None:
     """Watch every replica through ``mp`` (a pytest MonkeyPatch held for the session)."""
-    from ckptdelta.loader.engine import Engine
+    from ckptdelta.loader.engines.reference.model import Engine
     from ckptdelta.loader.engines.base import EngineStream
     from ckptdelta.loader.engines.reference.replica import ReferenceReplica
     from ckptdelta.loader.engines.vllm.replica import VllmReplica

@@ -32,7 +32,7 @@ import torch
 from ckptdelta.delta import digest
 from ckptdelta.delta.errors import CkptDeltaError
 from ckptdelta.delta.manifest import HEAD_KEY, RUN_KEY, Manifest, manifest_key
-from ckptdelta.loader.engine import build_engine
+from ckptdelta.loader.engines.reference.model import load_engine
 from ckptdelta.loader.hotswap import HotSwapper
 from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.loader.server import create_app
@@ -320,7 +320,7 @@ def test_hotswapper_refuses_a_corrupt_update_and_keeps_the_old_bits(lm_run, case
 
 @pytest.fixture(scope="module")
 def replica(lm_run):
-    engine, reader = build_engine(bucket=lm_run.url, snapshot=1)
+    engine, reader = load_engine(bucket=lm_run.url, snapshot=1)
     app = create_app(engine, reader=reader, replica_id="corrupt-0")
     rep = Replica(LiveServer(app).__enter__(), engine, reader, None)
     yield rep

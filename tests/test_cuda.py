@@ -449,7 +449,8 @@ def test_the_reference_engine_serves_from_the_device_and_hot_loads_there_bit_exa
     pytest.importorskip("tokenizers")
     from safetensors.torch import load_file
 
-    from ckptdelta.loader.engine import Engine, SamplingParams, build_engine, load_model
+    from ckptdelta.loader.engines.reference.model import Engine, SamplingParams, load_engine
+    from ckptdelta.loader.hf_model import load_model
     from tests.lm import hf_extra_files, rl_step, save_tiny_lm
 
     lm_dir = save_tiny_lm(str(tmp_path / "lm"))
@@ -460,7 +461,7 @@ def test_the_reference_engine_serves_from_the_device_and_hot_loads_there_bit_exa
             if step:
                 truth.append(rl_step(truth[-1], seed=900 + step))
             pub.publish(truth[-1], step)
-    engine, reader = build_engine(bucket=url, snapshot=1, device=DEVICE, cache_dir=str(tmp_path / "cache"))
+    engine, reader = load_engine(bucket=url, snapshot=1, device=DEVICE, cache_dir=str(tmp_path / "cache"))
     params = dict(engine.model.named_parameters())
     assert engine.version == 1 and all(p.device.type == torch.device(DEVICE).type for p in params.values())
     prompt = engine.encode("hello replica")

@@ -21,7 +21,8 @@ import torch
 
 from benchmarks.demo import DemoConfig, divergence, group_advantages, run_demo
 from benchmarks.rl_task import EOS, AdditionTask, build_model, build_tokenizer, encode, pretrain
-from ckptdelta.loader.engine import Engine, SamplingParams, load_model, score_tokens
+from ckptdelta.loader.engines.reference.model import Engine, SamplingParams
+from ckptdelta.loader.hf_model import load_model, score_tokens
 from ckptdelta.loader.reader import SnapshotReader
 
 FAST = dict(steps=3, prompts_per_step=6, group_size=4, pretrain_steps=60, quiet=True, engine="reference")

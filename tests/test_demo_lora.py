@@ -24,7 +24,8 @@ from benchmarks.demo import Sample
 from benchmarks.demo_lora import (LoraDemoConfig, LoraTrainer, lora_model, lora_proof, published_as_trained,
                                   run_lora_demo)
 from benchmarks.rl_task import EOS, AdditionTask, build_model, build_tokenizer, encode, save_model_dir
-from ckptdelta.loader.engine import SamplingParams, score_tokens
+from ckptdelta.loader.engines.reference.model import SamplingParams
+from ckptdelta.loader.hf_model import score_tokens
 from ckptdelta.loader.engines.reference import lora as reference_lora
 from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.publisher import BaseModel, Publisher

@@ -453,7 +453,7 @@ def test_a_materialize_refused_after_writing_shards_leaves_no_file_behind(run, t
 _ABANDON = """
 import gc, sys, threading
 from ckptdelta.loader.reader import SnapshotReader
-from ckptdelta.loader.plan import rebuild_pieces
+from ckptdelta.loader.update_path import rebuild_pieces
 from ckptdelta.loader.verify import _chunks
 reader = SnapshotReader(sys.argv[1])
 chain = reader.chain(2)

@@ -129,7 +129,7 @@ def test_a_module_from_fp32_masters_publishes_what_save_pretrained_writes_of_its
 
 
 def _greedy(engine, prompts: list[str]) -> list[tuple[list[int], list[float], list]]:
-    from ckptdelta.loader.engine import SamplingParams
+    from ckptdelta.loader.engines.reference.model import SamplingParams
 
     out = []
     for p in prompts:
@@ -140,9 +140,10 @@ def _greedy(engine, prompts: list[str]) -> list[tuple[list[int], list[float], li
 
 
 def test_the_reference_engine_hot_loads_the_tied_bf16_policy_bit_exact_and_samples_as_save_pretrained(policy):
-    from ckptdelta.loader.engine import Engine, build_engine, load_model
+    from ckptdelta.loader.engines.reference.model import Engine, load_engine
+    from ckptdelta.loader.hf_model import load_model
 
-    engine, _ = build_engine(bucket=policy.url, snapshot=0)
+    engine, _ = load_engine(bucket=policy.url, snapshot=0)
     model = engine.model
     for v in (1, 2, 0, 2):
         assert engine.swapper.hotload(v).to_version == v

@@ -516,7 +516,7 @@ def test_a_reader_refuses_an_oversized_record_before_fetching_it_even_from_a_man
     through the parser (built in code), with the same bound."""
     import dataclasses
 
-    from ckptdelta.loader.pieces import Piece
+    from ckptdelta.loader.fetch_units import Piece
     url, _ = _claiming_run(tmp_path, 256 << 20)
     reader = SnapshotReader(url)
     m = reader.manifest(1)

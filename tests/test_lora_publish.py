@@ -1,6 +1,6 @@
 """LoRA runs end to end: a real peft adapter on the tiny Llama, trained with AdamW on real gradients, published
 to a real bucket (a local directory, and S3 through moto), served by the reference engine through peft and
-hot-loaded in place (publisher/adapter.py, loader/lora.py, loader/engines/reference/lora.py)."""
+hot-loaded in place (publisher/lora.py, loader/lora.py, loader/engines/reference/lora.py)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def test_bad_input_gets_one_clear_line(lm_dir, tmp_path, capsys):
 
 
 def test_serving_a_lora_run_reports_versions_answers_408_and_its_logprobs_equal_the_trainers(lm_dir, tmp_path):
-    from ckptdelta.loader.engine import score_tokens
+    from ckptdelta.loader.hf_model import score_tokens
     from ckptdelta.loader.server import create_app
 
     model, opt = peft_model(lm_dir)
@@ -356,7 +356,7 @@ def test_deltas_after_the_first_are_coded_against_their_grandparent_and_every_re
 def test_a_base_swapped_or_changed_under_one_publisher_is_recorded_as_itself_and_replicas_refuse_its_adapters(
         lm_dir, tmp_path, caplog):
     """The publisher hashes the peft model's base at its first publish and again whenever the base is not the one
-    it hashed (publisher/adapter.py, base_key): a base weight the trainer trains too (an in-place write torch
+    it hashed (publisher/lora.py, base_key): a base weight the trainer trains too (an in-place write torch
     counts), then a second peft model on another base, are recorded as the bases they are. Each starts an anchor
     naming both digests, and a replica on the first base refuses them in one line and serves on; an unchanged
     base is hashed once. (It recorded the first base for every adapter, the changed base's as a plain delta: a
@@ -492,7 +492,7 @@ def test_a_peft_replica_started_on_a_delta_rolls_back_and_forth_with_each_versio
     an anchor, forward again and back by one: after each, its live adapter is that version's bits, its status and
     answers report that version (a minimum above it is 408), and its logprobs equal, bit for bit, the trainer's
     peft model holding that version's bits."""
-    from ckptdelta.loader.engine import score_tokens
+    from ckptdelta.loader.hf_model import score_tokens
     from ckptdelta.loader.server import create_app
 
     model, opt = peft_model(lm_dir)

@@ -99,11 +99,29 @@ def test_a_modules_own_config_replaces_a_stale_one_from_extra_files_with_a_warni
             pub.publish(model, 0)
             pub.publish(model, 1, anchor=True)
     (warning,) = [r.getMessage() for r in caplog.records]
-    assert "tie_word_embeddings: false -> true" in warning and 'dtype: "float32" -> "bfloat16"' in warning
+    assert "tie_word_embeddings: false -> true" in warning and "dtype" not in warning   # the cast asked for
     for v in (0, 1):
         config = anchor_config(pub.store, v)
         assert config["tie_word_embeddings"] is True and config["dtype"] == "bfloat16"
         assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_fp32_masters_published_in_bf16_with_the_directory_they_were_saved_to_warn_of_nothing(tmp_path, caplog):
+    """The documented path (README, PUBLISHING.md): the trainer's fp32 model saved to its directory, published
+    with Publisher(dtype=torch.bfloat16, extra_files=that directory). The config's dtype differs by the cast
+    asked for: the anchors carry bfloat16, and nothing warns."""
+    model = tied_llama()
+    saved = tmp_path / "model_dir"
+    model.save_pretrained(saved)
+    (saved / "tokenizer.json").write_text("{}")
+    (saved / "tokenizer_config.json").write_text("{}")
+    with caplog.at_level(logging.INFO, logger="ckptdelta.publisher"):
+        with Publisher(str(tmp_path / "run"), dtype=torch.bfloat16, extra_files=str(saved)) as pub:
+            pub.publish(model, 0)
+            pub.publish(model, 1)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert any("names the dtype published" in r.getMessage() for r in caplog.records)
+    assert anchor_config(pub.store, 0)["dtype"] == "bfloat16"
 
 
 def test_a_config_whose_dtype_is_not_the_tensors_is_fixed_with_one_warning(tmp_path, caplog):
@@ -147,7 +165,7 @@ def test_a_state_dict_of_a_tied_model_under_its_config_is_refused_saying_to_publ
 
 def test_a_replica_on_fp32_weights_refuses_the_bf16_anchor_as_the_warning_says(tmp_path, caplog):
     from ckptdelta.delta.errors import ShapeMismatchError
-    from ckptdelta.loader.engine import build_engine
+    from ckptdelta.loader.engines.reference.model import load_engine
     from tests.lm import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -157,7 +175,7 @@ def test_a_replica_on_fp32_weights_refuses_the_bf16_anchor_as_the_warning_says(t
     with Publisher(url, extra_files=str(tmp_path / "tok")) as pub:
         pub.publish(model, 0)                                       # fp32: the config says so
         assert anchor_config(pub.store, 0)["dtype"] == "float32"
-    old, _ = build_engine(bucket=url, snapshot=0)
+    old, _ = load_engine(bucket=url, snapshot=0)
     assert old.model.dtype == torch.float32                         # the replica serves the published fp32 bits
     with caplog.at_level(logging.WARNING, logger="ckptdelta.publisher"):
         with Publisher(url, extra_files=str(tmp_path / "tok"), dtype=torch.bfloat16) as pub:   # now in bf16
@@ -167,7 +185,7 @@ def test_a_replica_on_fp32_weights_refuses_the_bf16_anchor_as_the_warning_says(t
     assert "whose live tensors are v00000000's refuses it" in msg and "--snapshot v00000001" in msg
     with pytest.raises(ShapeMismatchError, match="F32"):
         old.swapper.hotload(1)
-    new, _ = build_engine(bucket=url, snapshot=1)                  # restarted on it, as the warning says
+    new, _ = load_engine(bucket=url, snapshot=1)                  # restarted on it, as the warning says
     assert new.model.dtype == torch.bfloat16 and new.version == 1
 
 

@@ -14,7 +14,7 @@ from ckptdelta.delta.errors import (ConcurrentPublisherError, PublishError, Publ
                                     StorageError)
 from ckptdelta.delta.manifest import RUN_KEY
 from ckptdelta.publisher import Publisher
-from ckptdelta.publisher.plan import MAX_CHAIN, ChainState, decide
+from ckptdelta.publisher.chain import MAX_CHAIN, ChainState, decide
 from ckptdelta.publisher.runs import read_manifest
 from tests.publisher_helpers import assert_same, clone, perturb, snapshot, versions, weights
 

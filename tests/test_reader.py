@@ -97,7 +97,7 @@ def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes
     """Decoding waits only for the first batch (about FIRST_BATCH_BYTES); each later batch may hold twice as
     much as the last, up to batch_bytes, and a batch always holds whole tensors."""
     import ckptdelta.loader.reader as reader_mod
-    from ckptdelta.loader.plan import rebuild_pieces
+    from ckptdelta.loader.update_path import rebuild_pieces
 
     r = SnapshotReader(shared_run.url)
     chain = r.chain(3)

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ckptdelta.delta.errors import CkptDeltaError, PolicyVersionTimeoutError, ReplicaError
-from ckptdelta.loader.engine import score_tokens
+from ckptdelta.loader.hf_model import score_tokens
 from ckptdelta.loader.sampling import ModelInput, SamplingClient, SamplingParams, save_weights_and_get_sampling_client
 from tests.replicas import PROMPT, LiveServer, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
 from tests.lm import rl_step

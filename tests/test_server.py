@@ -10,7 +10,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptdelta.loader.engine import Engine, SamplingParams, build_engine, load_model
+from ckptdelta.loader.engines.reference.model import Engine, SamplingParams, load_engine
+from ckptdelta.loader.hf_model import load_model
 from ckptdelta.loader.reader import SnapshotReader
 from tests.replicas import PROMPT, Replica, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
 
@@ -404,7 +405,7 @@ def test_a_request_in_flight_crosses_a_hotload_and_reports_the_span(start_replic
 
 
 def test_recompute_policy_reruns_the_prefix_with_the_new_weights(run, tmp_path):
-    engine, _ = build_engine(bucket=run.url, snapshot=1, cache_policy="recompute")
+    engine, _ = load_engine(bucket=run.url, snapshot=1, cache_policy="recompute")
     prompt = engine.encode(PROMPT)
     gen = _generate_across_a_swap(engine, 3, prompt,
                                   SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True))
@@ -417,7 +418,7 @@ def test_recompute_policy_reruns_the_prefix_with_the_new_weights(run, tmp_path):
 
 
 def test_keep_policy_continues_on_stale_kv_and_says_so(run):
-    engine, _ = build_engine(bucket=run.url, snapshot=1, cache_policy="keep")
+    engine, _ = load_engine(bucket=run.url, snapshot=1, cache_policy="keep")
     gen = _generate_across_a_swap(engine, 2, engine.encode(PROMPT),
                                   SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert gen.policy_versions == [1, 2] and gen.recomputes == 0 and gen.stale_kv_steps == 3

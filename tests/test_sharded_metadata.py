@@ -21,7 +21,7 @@ from benchmarks.sharded import synthetic_rank
 from ckptdelta.delta.errors import ManifestError, PublishInputError
 from ckptdelta.delta.manifest import Manifest, ObjectRef, PieceColumns, TensorEntry, pieces_digests
 from ckptdelta.delta.pieces import PieceEntry, cells, grid_cuts, grid_problem, pieces_digest
-from ckptdelta.publisher.plan import ChainState, decide
+from ckptdelta.publisher.chain import ChainState, decide
 from ckptdelta.publisher.sharded import LocalBox, holdings, plan_union, with_boxes
 from ckptdelta.publisher.writer import Written, merge
 

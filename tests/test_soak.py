@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from ckptdelta.loader.engine import build_engine
+from ckptdelta.loader.engines.reference.model import load_engine
 from ckptdelta.loader.server import create_app
 from tests.replicas import PROMPT, LiveServer, Replica, lm_dir, publish_run, state_bits_equal  # noqa: F401
 
@@ -141,7 +141,7 @@ class Clients:
 def soak(tmp_path, lm_dir_path: str, *, hotloads: int, baseline_requests: int) -> SoakFigures:  # noqa: F811
     fig = SoakFigures()
     run = publish_run(str(tmp_path / "bucket" / "run"), lm_dir_path, n_versions=1)
-    engine, reader = build_engine(bucket=run.url, snapshot=0)
+    engine, reader = load_engine(bucket=run.url, snapshot=0)
     app = create_app(engine, reader=reader, replica_id="soak-0")
     rep = Replica(LiveServer(app).__enter__(), engine, reader, None)
     t0 = time.monotonic()

@@ -17,7 +17,7 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import pytest
 
-from ckptdelta.loader.engine import SamplingParams, build_engine
+from ckptdelta.loader.engines.reference.model import SamplingParams, load_engine
 from ckptdelta.loader.gate import ServingGate
 from ckptdelta.loader.spans import VersionLog
 from tests.replicas import PROMPT, lm_dir, run, start_replica, state_bits_equal  # noqa: F401
@@ -119,7 +119,7 @@ def test_every_request_reports_the_versions_served_from_its_admission_to_its_las
     new ones, after), completion (the last step) at every point a step can run: the span is exactly the versions
     whose bits were in from the admission to the last step, the old one included when admitted in a pause. Every
     window of two and of one swap is among them."""
-    engine, _ = build_engine(bucket=run.url, snapshot=start)
+    engine, _ = load_engine(bucket=run.url, snapshot=start)
     gate = _phase_gate(engine)
     wrong = []
     for q in range(len(targets) + 1):

@@ -136,10 +136,10 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_the_replica_stopping_error_
     """Two streams still running at a stop's drain timeout: one held between its first and second token, one
     before its first (its 200 and headers sent). Each ends with the error a plain request gets in its 503 as an
     event, then ``[DONE]``; the official client raises it as an APIError, not a connection error."""
-    from ckptdelta.loader.engine import build_engine
+    from ckptdelta.loader.engines.reference.model import load_engine
     from ckptdelta.loader.server import create_app, stopping_error
 
-    engine, reader = build_engine(bucket=run.url, snapshot=run.latest)
+    engine, reader = load_engine(bucket=run.url, snapshot=run.latest)
     server = LiveServer(create_app(engine, reader=reader, replica_id="r-stop"), drain=1.0).__enter__()
     raw: list[str] = []
     outcome: dict = {}

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from ckptdelta.loader.engine import build_engine
+from ckptdelta.loader.engines.reference.model import load_engine
 from ckptdelta.loader.server import create_app
 from tests.replicas import PROMPT, LiveServer, lm_dir, publish_run  # noqa: F401
 
@@ -31,7 +31,7 @@ def run3(tmp_path_factory, lm_dir):  # noqa: F811
 @pytest.fixture(scope="module")
 def replica(run3):
     """One replica for the module, at v1 (tests that hot-load it put it back)."""
-    engine, reader = build_engine(bucket=run3.url, snapshot=1)
+    engine, reader = load_engine(bucket=run3.url, snapshot=1)
     with LiveServer(create_app(engine, reader=reader, replica_id="r-stream")) as server:
         server.engine = engine
         yield server

@@ -23,7 +23,7 @@ from ckptdelta.delta.storage import Store
 from ckptdelta.cli.console import guarded
 from ckptdelta.cli.options import UsageError, add_storage_args, storage_options
 
-from ckptdelta.publisher import adapter as adapter_mod
+from ckptdelta.publisher import lora
 from ckptdelta.publisher import anchor as anchor_fmt
 from ckptdelta.publisher.gc import collect
 from ckptdelta.publisher.publisher import Publisher
@@ -139,19 +139,19 @@ def load_adapter_source(src: str, url: str, base_model: str | None,
     """(tensors, extra files, AdapterSpec) of a PEFT adapter directory."""
     from safetensors.torch import load_file
 
-    weights = os.path.join(src, adapter_mod.ADAPTER_WEIGHTS_NAME)
+    weights = os.path.join(src, lora.ADAPTER_WEIGHTS_NAME)
     if not os.path.isfile(weights):
         other = " (only adapter_model.bin: save it with safe_serialization=True)" \
             if os.path.isfile(os.path.join(src, "adapter_model.bin")) else ""
-        raise PublishInputError(f"{src}: holds {adapter_mod.ADAPTER_CONFIG_NAME} but no "
-                                f"{adapter_mod.ADAPTER_WEIGHTS_NAME}{other}: not a PEFT adapter directory")
-    config = adapter_mod.read_config(src)
+        raise PublishInputError(f"{src}: holds {lora.ADAPTER_CONFIG_NAME} but no "
+                                f"{lora.ADAPTER_WEIGHTS_NAME}{other}: not a PEFT adapter directory")
+    config = lora.read_config(src)
     if base_model is not None:
-        base = adapter_mod.BaseModel.of(base_model, name=config.get("base_model_name_or_path") or None)
+        base = lora.BaseModel.of(base_model, name=config.get("base_model_name_or_path") or None)
     else:
         base = _recorded_base(url, options, config) or _configured_base(src, config)
-    extra = {k: v for k, v in anchor_fmt.model_dir_files(src).items() if k != adapter_mod.ADAPTER_CONFIG_NAME}
-    return load_file(weights), extra, adapter_mod.AdapterSpec(config, base)
+    extra = {k: v for k, v in anchor_fmt.model_dir_files(src).items() if k != lora.ADAPTER_CONFIG_NAME}
+    return load_file(weights), extra, lora.AdapterSpec(config, base)
 
 
 def _recorded_base(url: str, options: dict[str, Any] | None, config: dict[str, Any]) -> Any:
@@ -165,13 +165,13 @@ def _recorded_base(url: str, options: dict[str, Any] | None, config: dict[str, A
     if rec is None or (named and named != rec.base_model):
         return None
     log.info("%s: the adapter's base is the one the run records, %s", url, rec.describe_base())
-    return adapter_mod.BaseModel(rec.base_model, rec.base_xxh3)
+    return lora.BaseModel(rec.base_model, rec.base_xxh3)
 
 
 def _configured_base(src: str, config: dict[str, Any]) -> Any:
     named = config.get("base_model_name_or_path")
     if named and os.path.isfile(os.path.join(named, "config.json")):
-        return adapter_mod.BaseModel.of(named)
+        return lora.BaseModel.of(named)
     raise PublishInputError(f"{src}: a LoRA run records its base model's weights, and the adapter names "
                             f"{named!r}, which is not a model directory here: give --base-model DIR")
 
@@ -179,11 +179,11 @@ def _configured_base(src: str, config: dict[str, Any]) -> Any:
 def cmd_publish(args: argparse.Namespace) -> int:
     metadata = dict(_split_kv(m, "--metadata") for m in args.metadata)
     spec = None
-    if os.path.isfile(os.path.join(args.src, adapter_mod.ADAPTER_CONFIG_NAME)):
+    if os.path.isfile(os.path.join(args.src, lora.ADAPTER_CONFIG_NAME)):
         tensors, extra, spec = load_adapter_source(args.src, args.url, args.base_model, storage_options(args))
     elif args.base_model is not None:
         raise PublishInputError(f"--base-model is for PEFT adapter directories; {args.src} holds no "
-                                f"{adapter_mod.ADAPTER_CONFIG_NAME}")
+                                f"{lora.ADAPTER_CONFIG_NAME}")
     else:
         tensors, extra = load_source(args.src)
     with Publisher(args.url, storage_options=storage_options(args), extra_files=extra,

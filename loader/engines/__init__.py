@@ -18,7 +18,7 @@ ENGINES: dict[str, str] = {
 
 
 def replica_engine(engine: Any, **options: Any) -> ReplicaEngine:
-    """``engine`` as a ReplicaEngine: itself, or a bare decode loop (loader/engine.py's ``Engine``, as tests and
+    """``engine`` as a ReplicaEngine: itself, or a bare decode loop (loader/engines/reference/model.py's ``Engine``, as tests and
     embedders hand one over) behind the reference engine's replica, built with ``options``."""
     if isinstance(engine, ReplicaEngine):
         return engine

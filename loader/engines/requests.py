@@ -9,11 +9,11 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
                       model_validator)
 
-from ckptdelta.loader.engine import MAX_TOP_LOGPROBS
 from ckptdelta.loader.engines.base import ReplicaAPIError
 
 MAX_N = 64
 MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
 
 
 # --- request schemas -----------------------------------------------------------------
@@ -37,7 +37,7 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (ckptdelta.loader.engine.score_logprobs)
+    score_logprobs: StrictBool = False  # logprobs from one full-sequence scoring pass (ckptdelta.loader.hf_model.score_logprobs)
     top_k: StrictInt = Field(-1, ge=-1)  # as vLLM: -1 or 0 is off
     stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP)  # as vLLM's
 

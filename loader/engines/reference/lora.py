@@ -1,14 +1,14 @@
 """The reference engine on a LoRA run: the base model with the run's adapter, through peft.
 
 ``ckptdelta serve --engine reference --bucket URL`` on a run of adapters
-(delta/adapter.py) lands here: the base is loaded from ``--base-model DIR`` (or the
+(delta/lora_record.py) lands here: the base is loaded from ``--base-model DIR`` (or the
 directory the run records) and its weights hashed and checked against the run's
 record (loader/lora.py), the snapshot is materialized as a PEFT adapter directory and
 loaded with ``PeftModel.from_pretrained``, and the adapter's parameters are then set
 to exactly the stored bits, in the stored dtype (peft may create them in another
 dtype: its autocast makes a bf16 adapter fp32, which would not be the policy the
 trainer published). A hot-load writes the adapter's tensors in place through
-:class:`ckptdelta.loader.lora.LoraHotSwapper`; the decode loop (loader/engine.py) runs the
+:class:`ckptdelta.loader.lora.LoraHotSwapper`; the decode loop (loader/engines/reference/model.py) runs the
 peft-injected model, so the replica computes with the trainer's modules and
 numerics: its logprobs equal the trainer's, bit for bit, on the same bits.
 """
@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from ckptdelta.delta import dtypes
-from ckptdelta.delta.adapter import ADAPTER_WEIGHTS_NAME, base_digest
+from ckptdelta.delta.lora_record import ADAPTER_WEIGHTS_NAME, base_digest
 from ckptdelta.delta.errors import NotServableError
 from ckptdelta.delta.manifest import Manifest
 
@@ -81,7 +81,8 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", base_model: str | No
           storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, device: str = "cpu",
           cache_policy: str = "recompute", model_name: str | None = None, **_: Any) -> ReferenceReplica:
     """``ckptdelta serve --engine reference --bucket URL [--base-model DIR]`` on a LoRA run."""
-    from ckptdelta.loader.engine import Engine, load_model
+    from ckptdelta.loader.engines.reference.model import Engine
+    from ckptdelta.loader.hf_model import load_model
     from ckptdelta.loader.reader import SnapshotReader
     from ckptdelta.delta.scratch import make as make_scratch
     from ckptdelta.loader.servable import check_device, check_model_dir

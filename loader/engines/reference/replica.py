@@ -1,4 +1,4 @@
-"""The reference engine: the project's own decode loop (loader/engine.py) behind the replica interface.
+"""The reference engine: the project's own decode loop (loader/engines/reference/model.py) behind the replica interface.
 
 It serves tests and CPU-only demos with exactly the trainer's numerics (transformers
 forward, the same bf16 weights), so sampler/trainer divergence is zero. Requests
@@ -16,7 +16,7 @@ from typing import Any
 
 from anyio import CapacityLimiter, to_thread
 
-from ckptdelta.loader.engine import Engine, Generation, SamplingParams
+from ckptdelta.loader.engines.reference.model import Engine, Generation, SamplingParams
 from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
 from ckptdelta.loader.engines.requests import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 
@@ -77,7 +77,7 @@ def _usage(gen: Generation) -> dict[str, int]:
 # --- the engine -----------------------------------------------------------------------------------
 
 class ReferenceReplica(ReplicaEngine):
-    """:class:`ckptdelta.loader.engine.Engine` (decode loop + HotSwapper over its torch model) as a replica engine."""
+    """:class:`ckptdelta.loader.engines.reference.model.Engine` (decode loop + HotSwapper over its torch model) as a replica engine."""
 
     kind = "reference"
 
@@ -167,13 +167,13 @@ def build(*, bucket: str | None = None, snapshot: str | int = "latest", model_di
           cache_policy: str = "recompute", model_name: str | None = None, base_model: str | None = None,
           **_: Any) -> ReferenceReplica:
     """``ckptdelta serve --engine reference`` on full weights: a bucket's snapshot, or an HF directory."""
-    from ckptdelta.loader.engine import build_engine
+    from ckptdelta.loader.engines.reference.model import load_engine
 
     if base_model is not None:
         from ckptdelta.delta.errors import NotServableError
 
         raise NotServableError(f"--base-model is for LoRA runs; {bucket or model_dir} holds full models")
-    engine, _reader = build_engine(bucket=bucket, snapshot=snapshot, model_dir=model_dir,
+    engine, _reader = load_engine(bucket=bucket, snapshot=snapshot, model_dir=model_dir,
                                    storage_options=storage_options, cache_dir=cache_dir, device=device,
                                    cache_policy=cache_policy, model_name=model_name)
     return ReferenceReplica(engine)

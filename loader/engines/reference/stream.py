@@ -1,7 +1,7 @@
 """Streaming for the reference engine: each token of its decode loop sent as an OpenAI chunk when it is sampled.
 
 The decode loop runs in a worker thread, as for a plain request; its ``on_token``
-hook (loader/engine.py) builds each chunk in that thread, which owns the
+hook (loader/engines/reference/model.py) builds each chunk in that thread, which owns the
 completions, and hands it to the event loop. Chunks are OpenAI's
 (``text_completion`` with ``text``; ``chat.completion.chunk`` with ``delta``),
 each choice's also carry ``token_ids`` (the tokens sampled since the last chunk;
@@ -29,7 +29,7 @@ from ckptdelta.loader.streaming import event
 from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
 
 if TYPE_CHECKING:
-    from ckptdelta.loader.engine import Completion, Generation
+    from ckptdelta.loader.engines.reference.model import Completion, Generation
     from ckptdelta.loader.engines.reference.replica import ReferenceReplica
     from ckptdelta.loader.engines.requests import SamplingFields
 

@@ -1,6 +1,6 @@
 """vLLM serving a LoRA run: the adapter hot-loaded into vLLM's LoRA slots in place, each request on one version.
 
-``ckptdelta serve --engine vllm --bucket URL`` on a run of adapters (delta/adapter.py)
+``ckptdelta serve --engine vllm --bucket URL`` on a run of adapters (delta/lora_record.py)
 lands here. vLLM starts on the base model (``--base-model DIR``, or the directory the
 run records; its weights are hashed and checked against the run's record first,
 loader/lora.py) with LoRA enabled and K adapter *slots* (``--lora-slots K``):
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import httpx
 
-from ckptdelta.delta.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, base_digest
+from ckptdelta.delta.lora_record import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, base_digest
 from ckptdelta.delta.errors import HotLoadError, NotServableError
 
 from ckptdelta.loader.spans import pinned
@@ -344,7 +344,7 @@ def adapter_rank(config: dict[str, Any]) -> int:
 
 def hash_base(base_dir: str) -> str:
     """base_digest() of the base as transformers loads it (the publisher hashed it so); the model is freed."""
-    from ckptdelta.loader.engine import load_model
+    from ckptdelta.loader.hf_model import load_model
 
     base, _ = load_model(base_dir, device="cpu")
     try:

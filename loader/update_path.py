@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 from ckptdelta.delta.errors import SnapshotNotFoundError
 from ckptdelta.delta.manifest import Manifest, TensorEntry
 
-from ckptdelta.loader.pieces import Piece, stored_pieces
+from ckptdelta.loader.fetch_units import Piece, stored_pieces
 
 
 def rebuild_pieces(chain: Sequence[Manifest], name: str) -> list[Piece]:

@@ -5,8 +5,8 @@
 the names peft saves them with (``...q_proj.lora_A.weight``), and its anchors are
 PEFT adapter directories: ``adapter_model.safetensors`` beside ``adapter_config.json``,
 which load as-is in peft and in vLLM's ``load_lora_adapter``. Every manifest records
-the base the adapter belongs to (a name and :func:`ckptdelta.delta.adapter.base_digest` of its
-weights) and the digest of the adapter config (delta/adapter.py). A new base or a new
+the base the adapter belongs to (a name and :func:`ckptdelta.delta.lora_record.base_digest` of its
+weights) and the digest of the adapter config (delta/lora_record.py). A new base or a new
 config (rank, alpha, target modules, anything in adapter_config.json) starts an anchor,
 and a run holds either full models or adapters, never both.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ckptdelta.delta.adapter import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, AdapterRecord, base_digest,
+from ckptdelta.delta.lora_record import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, AdapterRecord, base_digest,
                                      base_tensors, canonical_config, describe_config_change, digest_bytes)
 from ckptdelta.delta.errors import CkptDeltaError, PublishInputError
 from ckptdelta.delta.manifest import Manifest

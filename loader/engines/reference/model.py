@@ -32,17 +32,22 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
 import torch
 
+from ckptdelta.loader.engines.requests import MAX_TOP_LOGPROBS
+from ckptdelta.loader.hf_model import load_model, score_logprobs
 from ckptdelta.loader.spans import Span, VersionLog
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.gate import ServingGate
+    from ckptdelta.loader.hotswap import HotSwapper
 
 log = logging.getLogger("ckptdelta.engine")
 
 CachePolicy = Literal["recompute", "keep"]
 CACHE_POLICIES: tuple[str, ...] = ("recompute", "keep")
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,8 @@ class Engine:
     steps run under, its ``version`` the policy version reported); without one the
     engine serves fixed weights with version None."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, swapper: Any = None, gate: Any = None,
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, swapper: "HotSwapper | None" = None,
+                 gate: "ServingGate | None" = None,
                  cache_policy: str = "recompute", model_name: str = "ckptdelta", max_model_len: int | None = None):
         if cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy {cache_policy!r}: expected one of {CACHE_POLICIES}")
@@ -411,32 +417,6 @@ def _snapshot(version: int | None) -> str | None:
     return None if version is None else snapshot_name(version)
 
 
-def score_logprobs(model: torch.nn.Module, token_ids: Sequence[int], prompt_len: int) -> torch.Tensor:
-    """Float32 log-probabilities, ``[len(token_ids) - prompt_len, vocab]``, of every position after the prompt.
-
-    One forward of the whole sequence at batch 1, no KV cache, in the model's own
-    dtype, then ``log_softmax`` in float32. Decoding token by token with a cache
-    rounds differently from a trainer's full-sequence forward even on identical
-    weights; a trainer that calls this (or :func:`score_tokens`) on the published
-    bits gets exactly the replica's numbers, so sampler/trainer divergence measures
-    the weights and nothing else. Autograd works through it (inference mode is the
-    caller's choice and does not change the arithmetic)."""
-    ids = list(token_ids)
-    if not 1 <= prompt_len < len(ids):
-        raise ValueError(f"prompt_len {prompt_len} must be in [1, {len(ids)}) for a sequence of {len(ids)} tokens")
-    device = next(model.parameters()).device
-    inp = torch.tensor([ids], dtype=torch.long, device=device)
-    logits = model(input_ids=inp, use_cache=False).logits[0, prompt_len - 1:-1]
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def score_tokens(model: torch.nn.Module, token_ids: Sequence[int], prompt_len: int) -> torch.Tensor:
-    """Float32 logprob of each token after the prompt under ``model``: :func:`score_logprobs`, gathered."""
-    lp = score_logprobs(model, token_ids, prompt_len)
-    target = torch.tensor(list(token_ids)[prompt_len:], dtype=torch.long, device=lp.device)
-    return lp.gather(-1, target[:, None]).squeeze(-1)
-
-
 def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     """The earliest stop string in ``text`` as (position, string)."""
     best = None
@@ -473,19 +453,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
     return tokens, logprobs
 
 
-def load_model(model_dir: str, *, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
-    """Model and tokenizer from an HF directory, in the dtype the weights are stored in."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **{dtype_kw: "auto"})
-    model = model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return model, tokenizer
-
-
-def build_engine(*, bucket: str | None = None, snapshot: str | int = "latest", model_dir: str | None = None,
+def load_engine(*, bucket: str | None = None, snapshot: str | int = "latest", model_dir: str | None = None,
                  storage_options: dict[str, Any] | None = None, cache_dir: str | None = None, device: str = "cpu",
                  cache_policy: str = "recompute", model_name: str | None = None) -> tuple[Engine, Any]:
     """A replica's engine and reader: weights from a bucket's snapshot, or from an HF directory.
