@@ -31,6 +31,7 @@ def _publisher(url: str, lm_dir: str) -> Publisher:
     return Publisher(url, extra_files=tokenizer_files, progress=False)
 
 
+@pytest.mark.filterwarnings("ignore:TRL currently supports vLLM versions")     # vLLM's CPU lock is newer; unused
 def test_grpo_trains_on_rollouts_sampled_from_a_replica_at_each_version_the_callback_just_published(
         lm_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -72,6 +73,12 @@ def test_grpo_trains_on_rollouts_sampled_from_a_replica_at_each_version_the_call
         assert [(h.step, h.version, h.policy_versions, h.completions) for h in rollout.history] == [
             (0, 1, (1,), 8), (1, 2, (2,), 8), (2, 3, (3,), 8)]
         assert [(step, set(vs), len(vs)) for step, vs in seen] == [(0, {1}, 8), (1, {2}, 8), (2, {3}, 8)]
+
+        # prompts become the token ids TRL's own generation makes of them (text, and chat through the template)
+        from ckptdelta.integrations.trl import prompt_ids
+        chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+        for prompts in (PROMPTS, chats):
+            assert prompt_ids(prompts, trainer) == [list(ids) for ids in trainer._tokenize_prompts(prompts)[0]]
 
         # the replica serves the published bits: hot-loaded to the last version, its live weights are the
         # trainer's, and each has the digest the snapshot's manifest gives it; the snapshot's chain verifies
