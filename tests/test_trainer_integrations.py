@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptdelta.delta.errors import PublishError, StorageError
+from ckptdelta.delta.errors import PublishError, RunMismatchError, StorageError
 from ckptdelta.delta.pieces import tensor_digest
 from ckptdelta.loader import SnapshotReader
 from ckptdelta.publisher import Publisher
@@ -94,6 +94,14 @@ def test_grpo_trains_on_rollouts_sampled_from_a_replica_at_each_version_the_call
             {n: e.xxh3 for n, e in manifest.tensors.items()}
         reader.verify(4)
         assert state_bits_equal(replica.engine.model, reader.read_tensors(0)) != []      # it did train
+
+        # a replica serving another run than the trainer's cannot serve its versions: refused, not hot-loaded
+        other = PublishCallback(_publisher(str(tmp_path / "other"), lm_dir))
+        other.on_train_begin(args, trainer.state, trainer.control, model=trainer.model)
+        with pytest.raises(RunMismatchError, match=f"replica {server.url} serves run {publisher.run_id}"):
+            FleetRollout(other, server.url)(PROMPTS, trainer)
+        other.publisher.close()
+        assert replica.version == 4
 
 
 def _hf_trainer(model: torch.nn.Module, out: str, callback, max_steps: int):

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ckptdelta.delta.errors import RunMismatchError
 from ckptdelta.loader.client import RolloutClient
 from ckptdelta.loader.sampling import ModelInput, SampleResponse, SamplingClient, SamplingParams
 
@@ -60,7 +61,8 @@ class FleetRollout:
 
     The hot-load is :meth:`ckptdelta.loader.client.RolloutClient.hotload` (every replica READY at the version, or
     the project's error for what went wrong: HotLoadError, SnapshotNotFoundError, ReplicaError, ...), each given
-    ``hotload_timeout``; sampling waits up to ``ready_timeout`` for a replica at the version, then raises
+    ``hotload_timeout``, after a look at every replica's status: one serving another run than the publisher's is
+    a RunMismatchError; sampling waits up to ``ready_timeout`` for a replica at the version, then raises
     PolicyVersionTimeoutError. At world size > 1 only the main process hot-loads; the others sample with the same
     floor, which holds their requests (retried on 408) until the hot-load lands, for up to ``ready_timeout``."""
 
@@ -83,6 +85,7 @@ class FleetRollout:
         main = getattr(trainer, "is_world_process_zero", lambda: True)()
         if main and version != self._loaded:
             with RolloutClient(self.replicas, **self._client_options) as fleet:
+                self._check_run(fleet)
                 fleet.hotload(version, wait=True, timeout=self.hotload_timeout)
             self._loaded = version
         params = sampling_params(trainer.args)
@@ -105,6 +108,18 @@ class FleetRollout:
         log.info("rollout at step %d: %d completions at policy version %s (asked for %d)", step,
                  record.completions, ", ".join(map(str, record.policy_versions)), version)
         return out
+
+    def _check_run(self, fleet: RolloutClient) -> None:
+        """Replicas hot-load versions by number from their own bucket: one serving another run would load that
+        run's version and answer as if it were ours. A replica that answers with another run is refused here (one
+        not up yet is left to the hot-load, which waits for it)."""
+        run = getattr(self.callback.publisher, "run_id", None)
+        other = {url: row.get("run_id") for url, row in fleet.status().items()
+                 if run is not None and row.get("run_id") not in (None, run)}
+        if other:
+            raise RunMismatchError(f"the trainer publishes run {run} at {self.callback.publisher.url}, but "
+                                   + ", ".join(f"replica {u} serves run {r}" for u, r in sorted(other.items()))
+                                   + ": start the replicas on the trainer's bucket (ckptdelta serve --bucket URL)")
 
     async def _sample(self, version: int, groups: list[tuple[tuple[int, ...], int]],
                       params: SamplingParams) -> list[SampleResponse]:
