@@ -9,6 +9,7 @@ sampling client alone, never the replica server (a trainer needs neither FastAPI
 
     from ckptdelta import ModelInput, SamplingClient, SamplingParams, save_weights_and_get_sampling_client
     from ckptdelta import Publisher, RolloutClient, AsyncRolloutClient, SnapshotReader
+    from ckptdelta import PublishCallback, FleetRollout   # GRPOTrainer(callbacks=[...], rollout_func=...)
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ _EXPORTS: dict[str, str] = {
     "SampleResponse": "ckptdelta.loader.sampling",
     "SampledSequence": "ckptdelta.loader.sampling",
     "save_weights_and_get_sampling_client": "ckptdelta.loader.sampling",
+    # trainer integrations (pip install ckptdelta[trl]): the HF Trainer / TRL callback, TRL's rollout_func
+    "PublishCallback": "ckptdelta.integrations.hf",
+    "FleetRollout": "ckptdelta.integrations.trl",
     # replica side and clients
     "SnapshotReader": "ckptdelta.loader",
     "VerifyReport": "ckptdelta.loader",
@@ -72,6 +76,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:   # for type checkers and IDEs; at run time the names above load on first use
     from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, DeltaError, HotLoadError,
                                         PublishError, PublishInputError, SnapshotNotFoundError, StorageError)
+    from ckptdelta.integrations.hf import PublishCallback
+    from ckptdelta.integrations.trl import FleetRollout
     from ckptdelta.loader import DiskCache, HotSwapper, SnapshotReader, VerifyReport
     from ckptdelta.loader.async_client import AsyncRolloutClient
     from ckptdelta.loader.client import RolloutClient

@@ -64,6 +64,7 @@ def test_the_wheel_installs_one_top_level_name_and_no_benchmarks_or_tests(tmp_pa
         listed = z.read(top_level[0]).decode().split() if top_level else ["ckptdelta"]
     assert top == {"ckptdelta"} and listed == ["ckptdelta"], (top, listed)
     for must in ("ckptdelta/delta/codec.py", "ckptdelta/publisher/publisher.py", "ckptdelta/loader/reader.py",
-                 "ckptdelta/loader/engines/vllm/worker/extension.py", "ckptdelta/cli/__init__.py"):
+                 "ckptdelta/loader/engines/vllm/worker/extension.py", "ckptdelta/cli/__init__.py",
+                 "ckptdelta/integrations/hf.py", "ckptdelta/integrations/trl.py"):
         assert must in names, must
     assert not [n for n in names if n.startswith(("ckptdelta/benchmarks", "ckptdelta/tests"))]

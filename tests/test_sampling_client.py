@@ -156,14 +156,15 @@ def test_save_weights_and_get_sampling_client_publishes_hot_loads_every_replica_
         own.close()
 
 
-def test_import_ckptdelta_is_cheap_and_its_sampling_client_never_imports_the_server():
+def test_import_ckptdelta_is_cheap_and_its_sampling_client_and_rollout_function_never_import_the_server():
     code = ("import sys, ckptdelta\n"
             "assert 'torch' not in sys.modules and 'ckptdelta.loader' not in sys.modules, 'import ckptdelta loaded more'\n"
             "from ckptdelta import ModelInput, SamplingClient, SamplingParams, save_weights_and_get_sampling_client\n"
             "from ckptdelta import AsyncRolloutClient, Publisher, RolloutClient, SnapshotReader\n"
+            "from ckptdelta import FleetRollout\n"
             "import ckptdelta.loader.sampling, ckptdelta.loader.client, ckptdelta.publisher\n"
             "assert SamplingClient is ckptdelta.loader.sampling.SamplingClient and Publisher is ckptdelta.publisher.Publisher\n"
-            "print(sorted(m for m in ('fastapi', 'uvicorn', 'ckptdelta.loader.server', 'vllm', 'transformers') "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'ckptdelta.loader.server', 'vllm', 'transformers', 'trl') "
             "if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

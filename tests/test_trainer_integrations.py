@@ -1,0 +1,162 @@
+"""The trainer integrations (ckptdelta/integrations/) inside the real libraries' own loops: TRL's GRPOTrainer on
+the tiny LM on the CPU with PublishCallback and FleetRollout against a real reference-engine replica over HTTP,
+serving from a local-directory bucket; the HF Trainer with a publish that fails in the background."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckptdelta.delta.errors import PublishError, RunMismatchError, StorageError
+from ckptdelta.delta.pieces import tensor_digest
+from ckptdelta.loader import SnapshotReader
+from ckptdelta.publisher import Publisher
+from ckptdelta.publisher.runs import committed_versions
+from tests.lm import hf_extra_files
+from tests.replicas import LiveServer, lm_dir, state_bits_equal  # noqa: F401
+
+PROMPTS = ["hello world", "The quick brown fox", "1 2 3 4", "A policy is published"]
+
+
+def _policy(lm_dir: str) -> torch.nn.Module:
+    """The tiny LM in fp32, trained as it is published (the anchors carry its own config)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
+
+
+def _publisher(url: str, lm_dir: str) -> Publisher:
+    tokenizer_files = {k: v for k, v in hf_extra_files(lm_dir).items() if k != "config.json"}
+    return Publisher(url, extra_files=tokenizer_files, progress=False)
+
+
+@pytest.mark.filterwarnings("ignore:TRL currently supports vLLM versions")     # vLLM's CPU lock is newer; unused
+def test_grpo_trains_on_rollouts_sampled_from_a_replica_at_each_version_the_callback_just_published(
+        lm_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ckptdelta import FleetRollout, PublishCallback
+    from ckptdelta.loader.engines import reference
+    from ckptdelta.loader.server import create_app
+
+    model, tokenizer = _policy(lm_dir), AutoTokenizer.from_pretrained(lm_dir)
+    url = str(tmp_path / "run")
+    publisher = _publisher(url, lm_dir)
+    publisher.publish(model, 0)                 # the anchor the replica starts on (`ckptdelta serve` needs one)
+    replica = reference.build(bucket=url, snapshot=0)
+    seen: list[tuple[int, list[int]]] = []      # (the trainer's step, each completion's policy_version)
+
+    def reward(completions, completion_ids, policy_version, trainer_state, **kwargs):
+        seen.append((trainer_state.global_step, list(policy_version)))
+        return [float(len(set(ids))) for ids in completion_ids]      # varied, so the policy moves
+
+    with LiveServer(create_app(replica, replica_id="grpo-0")) as server:
+        callback = PublishCallback(publisher)                          # every step, asynchronous
+        rollout = FleetRollout(callback, server.url, ready_timeout=60, hotload_timeout=60)
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=8, learning_rate=5e-3, report_to="none",
+                          save_strategy="no", use_cpu=True, bf16=False, seed=0, logging_steps=1,
+                          disable_tqdm=True, dataloader_num_workers=0)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[callback],
+                              rollout_func=rollout)
+        trainer.train()
+
+        # one publish at train begin, one per optimizer step; the publisher is closed at train end
+        published = [r.version for r in callback.results]
+        assert published == [1, 2, 3, 4] and [r.step for r in callback.results] == [0, 1, 2, 3]
+        # every rollout asked for the version published just before it, and every completion ran on it
+        assert [(h.step, h.version, h.policy_versions, h.completions) for h in rollout.history] == [
+            (0, 1, (1,), 8), (1, 2, (2,), 8), (2, 3, (3,), 8)]
+        assert [(step, set(vs), len(vs)) for step, vs in seen] == [(0, {1}, 8), (1, {2}, 8), (2, {3}, 8)]
+
+        # prompts become the token ids TRL's own generation makes of them (text, and chat through the template)
+        from ckptdelta.integrations.trl import prompt_ids
+        chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+        for prompts in (PROMPTS, chats):
+            assert prompt_ids(prompts, trainer) == [list(ids) for ids in trainer._tokenize_prompts(prompts)[0]]
+
+        # the replica serves the published bits: hot-loaded to the last version, its live weights are the
+        # trainer's, and each has the digest the snapshot's manifest gives it; the snapshot's chain verifies
+        from ckptdelta.loader.client import RolloutClient
+        with RolloutClient([server.url]) as fleet:
+            fleet.hotload(4, wait=True, timeout=60)
+        trained = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        assert state_bits_equal(replica.engine.model, trained) == []
+        live = replica.engine.model.state_dict()
+        reader = SnapshotReader(url)
+        manifest = reader.manifest(4)
+        assert {n: tensor_digest(e.pieces, live[n].detach()) for n, e in manifest.tensors.items()} == \
+            {n: e.xxh3 for n, e in manifest.tensors.items()}
+        reader.verify(4)
+        assert state_bits_equal(replica.engine.model, reader.read_tensors(0)) != []      # it did train
+
+        # a replica serving another run than the trainer's cannot serve its versions: refused, not hot-loaded
+        other = PublishCallback(_publisher(str(tmp_path / "other"), lm_dir))
+        other.on_train_begin(args, trainer.state, trainer.control, model=trainer.model)
+        with pytest.raises(RunMismatchError, match=f"replica {server.url} serves run {publisher.run_id}"):
+            FleetRollout(other, server.url)(PROMPTS, trainer)
+        other.publisher.close()
+        assert replica.version == 4
+
+
+def _hf_trainer(model: torch.nn.Module, out: str, callback, max_steps: int):
+    from transformers import Trainer, TrainingArguments
+
+    ids = list(range(3, 19))
+    data = [{"input_ids": ids, "labels": ids}] * 8
+    args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=2, learning_rate=1e-2,
+                             report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             dataloader_num_workers=0, logging_strategy="no")
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+
+
+@pytest.mark.parametrize("max_steps, raised_at", [(3, 2), (1, 1)], ids=["at-the-next-step", "at-train-end"])
+def test_a_publish_that_fails_in_the_background_raises_into_the_training_loop_naming_its_step_and_version(
+        lm_dir, tmp_path, max_steps, raised_at):
+    from ckptdelta import PublishCallback
+
+    url = str(tmp_path / "run")
+    publisher = _publisher(url, lm_dir)
+    real = publisher.store.put_file
+
+    def outage(key, path):              # deltas cannot be written (the train-begin anchor can)
+        if key.startswith("deltas/"):
+            raise StorageError(f"simulated outage writing {key}")
+        return real(key, path)
+
+    publisher.store.put_file = outage
+    trainer = _hf_trainer(_policy(lm_dir), str(tmp_path / "out"), PublishCallback(publisher), max_steps)
+    with pytest.raises(PublishError, match=r"step 1 \(version 1\) of run .* was not published: StorageError: "
+                                           r"simulated outage") as info:
+        trainer.train()
+    assert isinstance(info.value.__cause__, StorageError)
+    assert trainer.state.global_step == raised_at          # the step after the failed one ended, or training did
+    assert committed_versions(publisher.store) == [0]
+    publisher.close()      # the failure was reported once, by the callback: the publisher does not raise it again
+
+
+
+def test_a_peft_models_adapter_is_what_the_callback_publishes_as_a_lora_run(lm_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from ckptdelta import PublishCallback
+
+    url = str(tmp_path / "run")
+    callback = PublishCallback(Publisher(url, progress=False), every=2)
+    model = get_peft_model(_policy(lm_dir), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainer = _hf_trainer(model, str(tmp_path / "out"), callback, 3)
+    trainer.train()
+    # train begin, step 2, and train end (step 3, the final weights: not a multiple of every=2)
+    assert [(r.version, r.step) for r in callback.results] == [(0, 0), (1, 2), (2, 3)]
+    reader = SnapshotReader(url)
+    assert reader.manifest(2).adapter is not None
+    adapter = get_peft_model_state_dict(model)        # the trained adapter, bit for bit
+    assert set(reader.manifest(2).tensors) == set(adapter)
+    published = reader.read_tensors(2)
+    assert all(torch.equal(published[k].view(torch.uint8), v.detach().contiguous().view(torch.uint8))
+               for k, v in adapter.items())
