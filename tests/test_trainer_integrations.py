@@ -56,7 +56,7 @@ def test_grpo_trains_on_rollouts_sampled_from_a_replica_at_each_version_the_call
 
     with LiveServer(create_app(replica, replica_id="grpo-0")) as server:
         callback = PublishCallback(publisher)                          # every step, asynchronous
-        rollout = FleetRollout(callback, server.url, ready_timeout=60, hotload_timeout=60)
+        rollout = FleetRollout(callback, server.url, ready_timeout=600, hotload_timeout=600)
         args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8,
                           num_generations=4, max_completion_length=8, learning_rate=5e-3, report_to="none",
                           save_strategy="no", use_cpu=True, bf16=False, seed=0, logging_steps=1,
@@ -84,7 +84,7 @@ def test_grpo_trains_on_rollouts_sampled_from_a_replica_at_each_version_the_call
         # trainer's, and each has the digest the snapshot's manifest gives it; the snapshot's chain verifies
         from ckptdelta.loader.client import RolloutClient
         with RolloutClient([server.url]) as fleet:
-            fleet.hotload(4, wait=True, timeout=60)
+            fleet.hotload(4, wait=True, timeout=600)
         trained = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
         assert state_bits_equal(replica.engine.model, trained) == []
         live = replica.engine.model.state_dict()
