@@ -15,13 +15,14 @@ vLLM replica's process does into its host copy:
   the slice's *changed elements* in place and hashing them (loader/engines/vllm/worker/patch.py's path for
   the tensors it can patch). Each worker is its own process pinned to its own core, all at once, the host
   copy a file in shared memory they map (one untimed pass first: a worker's mapping stays warm between
-  hot-loads). Rates are CPU seconds (the thread's, the process's for the replica), beside wall times: on a
-  shared machine the waits for a core inflate the wall clock, not the CPU clock.
+  hot-loads). vLLM's own CPU re-packing of linears (oneDNN) is not in (a): on a GPU its place is taken by
+  the host-to-device copy of the same bytes, which the projection adds at PCIe rates.
 
-The run also writes the projection for an 8-GPU node (``projection``; constants below) from its own rates. vLLM's own CPU re-packing of linears (oneDNN) is not in (a): on a
-  GPU its place is taken by the host-to-device copy of the same bytes, which the projection adds at PCIe
-  rates. A real TP-2 vLLM hot-load is not run here (tests/test_vllm_tp.py proves it; its vLLM start on
-  2 shared cores is minutes).
+Rates are CPU seconds (the thread's, the process's for the replica), beside wall times: on a shared machine
+the waits for a core inflate the wall clock, not the CPU clock. A real TP-2 vLLM hot-load is not timed here
+(tests/test_vllm_tp.py runs and proves one): inside vLLM's CPU build a worker's share is mostly that
+re-packing, which a GPU does not do. The run also writes the projection for an 8-GPU node
+(:func:`projection`; its constants below) from its own rates.
 
     python -m benchmarks.node_rates             # 1 GB, 3 deltas per codec
     python -m benchmarks.node_rates --gb 0.25 --steps 2
