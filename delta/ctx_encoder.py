@@ -349,27 +349,39 @@ def _step_models(kcls, ccls, ca):
     magnitudes (for the payload's size bound)."""
     C = kcls.shape[0]
     count = ccls.shape[0]
-    hist = np.zeros((C, _H + 1), np.int32)      # ca (magnitude - 1) per class; _H: ca >= _H
+    # Only the classes that hold a change have a histogram row: a class without one keeps zero counts and
+    # the NONE model (_flag_model(0, 0), zeros), and a chunk of a few changes in a small tensor then pays for
+    # the handful of classes it touches, not for all 2**ebits (256 x 64 counters for bf16, ~15 us a chunk).
+    row = np.full(C, -1, np.int64)
+    act = np.empty(C, np.int64)
+    nact = 0
+    for c in range(C):
+        if kcls[c]:
+            row[c] = nact
+            act[nact] = c
+            nact += 1
+    hist = np.zeros((nact, _H + 1), np.int32)   # ca (magnitude - 1) per class; _H: ca >= _H
     for t in range(count):
-        hist[ccls[t], min(np.int64(ca[t]), _H)] += 1
+        hist[row[ccls[t]], min(np.int64(ca[t]), _H)] += 1
     nzc = np.zeros(C, np.int64)
     vsum = np.zeros(C, np.int64)                # sum of ca - 1 over the big steps
-    for c in range(C):
-        for a in range(1, _H):
-            nzc[c] += hist[c, a]
-            vsum[c] += hist[c, a] * (a - 1)
-        nzc[c] += hist[c, _H]
     tail = False
-    for c in range(C):
-        tail |= hist[c, _H] > 0
+    for r in range(nact):
+        c = act[r]
+        for a in range(1, _H):
+            nzc[c] += hist[r, a]
+            vsum[c] += hist[r, a] * (a - 1)
+        nzc[c] += hist[r, _H]
+        tail |= hist[r, _H] > 0
     if tail:
         for t in range(count):
             if ca[t] >= _H:
                 vsum[ccls[t]] += ca[t] - 1
-    zmode = np.zeros(C, np.int64)
+    zmode = np.zeros(C, np.int64)               # NONE
     zpol = np.zeros(C, np.int64)
     zj = np.zeros(C, np.int64)
-    for c in range(C):
+    for r in range(nact):
+        c = act[r]
         zmode[c], zpol[c], zj[c] = _flag_model(kcls[c], nzc[c])
     nxt = kcls.copy()
     seen = kcls.copy()
@@ -387,7 +399,8 @@ def _step_models(kcls, ccls, ca):
     cb = np.zeros((C, NV), np.int64)
     cr = np.ones((C, NV), np.float64)
     vcost = np.zeros((C, NV), np.int64)
-    for c in range(C):
+    for r in range(nact):
+        c = act[r]
         if nzc[c] == 0:
             continue
         vj0[c] = max(0, min(MAX_J - NV + 1, _j_for_p(1.0 / (vsum[c] / nzc[c] + 1.0)) - NV // 2))
@@ -397,8 +410,8 @@ def _step_models(kcls, ccls, ca):
             cb[c, k] = ceil_log2(m)
             cr[c, k] = 1.0 / m
             for a in range(1, _H):
-                if hist[c, a]:
-                    vcost[c, k] += hist[c, a] * _golomb_bits(a - 1, m, cb[c, k], (1 << cb[c, k]) - m, cr[c, k])
+                if hist[r, a]:
+                    vcost[c, k] += hist[r, a] * _golomb_bits(a - 1, m, cb[c, k], (1 << cb[c, k]) - m, cr[c, k])
     if tail:
         for t in range(count):
             if ca[t] >= _H:
