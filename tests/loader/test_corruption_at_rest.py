@@ -35,11 +35,10 @@ from ckptdelta.delta.manifest import HEAD_KEY, RUN_KEY, Manifest, manifest_key
 from ckptdelta.loader.engine import build_engine
 from ckptdelta.loader.hotswap import HotSwapper
 from ckptdelta.loader.reader import SnapshotReader
-from ckptdelta.loader.server import create_app
 from ckptdelta.publisher import Publisher
 from tests.crashers.publish_loop import CONFIG, SHARD_BYTES, weights_for
 from tests.lm import rl_step
-from tests.replicas import LiveServer, Replica, lm_dir, publish_run, state_bits_equal  # noqa: F401
+from tests.replicas import Replica, lm_dir, publish_run, state_bits_equal  # noqa: F401
 
 SEED = 11
 FLIPS = int(os.environ.get("CKPTDELTA_FLIPS", "8"))       # per object in the fast matrix
@@ -321,11 +320,9 @@ def test_hotswapper_refuses_a_corrupt_update_and_keeps_the_old_bits(lm_run, case
 @pytest.fixture(scope="module")
 def replica(lm_run):
     engine, reader = build_engine(bucket=lm_run.url, snapshot=1)
-    app = create_app(engine, reader=reader, replica_id="corrupt-0")
-    rep = Replica(LiveServer(app).__enter__(), engine, reader, None)
+    rep = Replica(engine, reader=reader, replica_id="corrupt-0")
     yield rep
-    rep.http.close()
-    rep.server.__exit__()
+    rep.close()
 
 
 @pytest.mark.parametrize("case", CASES)

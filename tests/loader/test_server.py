@@ -167,7 +167,11 @@ def test_malformed_and_oversized_bodies(start_replica):
 
 # --- hot-loads -----------------------------------------------------------------------------------------
 
-def test_hotload_forward_matches_fresh_model_bit_for_bit_and_rolls_back(start_replica, run, tmp_path):
+def test_a_hotload_job_reports_its_timings_and_the_replica_answers_as_a_fresh_load_of_the_snapshot(start_replica, run,
+                                                                                                 tmp_path):
+    """Forward, back and across an anchor, bit for bit, and a failed apply rolled back: the engine contract
+    (tests/loader/engines/reference/test_conformance.py). Here: what the job and status report of a hot-load,
+    and greedy answers equal to a model loaded from scratch."""
     rep = start_replica(0)
     assert rep.status()["policy_version"] == 0
     accepted = rep.post("/v1/hotload", {"snapshot": "latest"})
@@ -185,12 +189,6 @@ def test_hotload_forward_matches_fresh_model_bit_for_bit_and_rolls_back(start_re
     status = rep.status()
     assert status["policy_version"] == 3 and status["snapshot"] == "v00000003" and status["state"] == "READY"
     assert status["last_hotload"]["id"] == job["id"] and status["run_id"] == rep.reader.run_id
-
-    back = rep.hotload("v00000001")  # rollback
-    assert back["state"] == "READY" and back["report"]["to_version"] == 1
-    assert state_bits_equal(rep.engine.model, run.truth[1]) == []
-    assert greedy(rep) == greedy(fresh_engine(run, 1, tmp_path))
-    assert rep.complete(max_tokens=1, return_engine_data=True)["engine_data"]["policy_version"] == 1
 
 
 def test_hotloads_under_concurrent_requests_fail_none_and_versions_never_go_back(start_replica, run):

@@ -10,13 +10,16 @@ on a delta (v1), as one started mid-run does.
 
 from __future__ import annotations
 
+import os
 import threading
+import types
 
 import pytest
 
 from ckptdelta.delta.errors import HotLoadError, NotServableError
 from ckptdelta.loader import SnapshotReader
 from ckptdelta.publisher import Publisher
+from tests.loader.engines.conformance import EngineContract
 from tests.publisher.test_lora_publish import peft_model, train_step
 from tests.vllm_models import save_tiny_llama
 from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, one_gpu_layout  # noqa: F401 (a fixture)
@@ -268,24 +271,6 @@ def test_requests_in_flight_across_hot_loads_each_report_one_version_and_finish_
         assert len(versions) == 1 and tokens == want[versions[0]], versions
 
 
-def test_a_stream_runs_on_one_slot_names_the_run_and_frees_its_slot_and_a_too_new_minimum_is_408(rep):
-    import json
-
-    chunks = []
-    with rep.http.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4, "stream": True,
-                                                          "return_engine_data": True}) as r:
-        assert r.status_code == 200
-        chunks = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert chunks[-1] == "[DONE]"
-    ed = json.loads(chunks[-2])["engine_data"]
-    assert ed["policy_versions"] == [rep.engine.version]
-    models = {json.loads(c).get("model") for c in chunks[:-2]}
-    assert models == {rep.engine.model_name}                  # the run's name, never the slot's
-    assert all(s["in_flight"] == 0 for s in rep.engine.status()["lora_slots"])
-    r = rep.post("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2, "min_policy_version": 99})
-    assert r.status_code == 408 and r.json()["error"]["type"] == "policy_version_too_old"
-
-
 def test_an_adapter_vllm_has_no_layer_for_is_refused_in_one_line(rep, lora_run, tmp_path):
     """A PEFT directory with a tensor on a module the model lacks: vLLM refuses it when the replica registers
     its slots, and the replica says so in one line naming the snapshot (the replica's own vLLM, through the
@@ -334,3 +319,49 @@ def test_a_rank_change_anchors_and_the_replica_refuses_to_hot_load_it_and_serves
     assert get_peft_model_state_dict(model)             # the rank-4 adapter itself was a real one
     with pytest.raises(HotLoadError):
         rep.engine.swapper.hotload(r.version)
+
+
+class TestVllmLoraEngine(EngineContract):
+    """The engine contract (tests/loader/engines/conformance.py) on vLLM serving a LoRA run from its slots, on the
+    module's replica: defined last, so that it runs after the module's other tests, and its last case stops it.
+    A version's live bits are its slot's, compared with what vLLM's own load of its PEFT directory put in the
+    fresh vLLM's."""
+
+    kind = "vllm"
+
+    @pytest.fixture
+    def replica(self, rep):
+        return rep
+
+    @pytest.fixture
+    def published(self, lora_run, fresh):
+        return types.SimpleNamespace(run=lora_run, fresh=fresh)
+
+    def hotload_path(self, published):
+        return [0, 1, 2, 4, 1], {0, 3}                      # v0-v5: anchors v0 and v3 (VERSIONS)
+
+    def live_diff(self, replica, published, version, tmp_path):
+        engine = replica.engine
+        slot = engine.slots.holding(version)
+        if slot is None:
+            return [f"no proven slot holds v{version}"]
+        live, fresh = slot_digests(engine.applier.control, slot.id), slot_digests(published.fresh, version + 1)
+        return sorted(n for n in live.keys() | fresh.keys() if live.get(n) != fresh.get(n))
+
+    def fail_next_apply(self, replica, monkeypatch):
+        """The workers find the host copy wrong (one digest): written nowhere, the claimed slot out of service."""
+        a = replica.engine.applier
+        real = a.digests
+        name = sorted(real(0))[0]
+        monkeypatch.setattr(a, "digests", lambda v: {**real(v), name: "0" * 16})
+
+    def failed_apply_target(self, replica, published):
+        return next(v for v in range(VERSIONS) if replica.engine.slots.holding(v) is None)
+
+    def after_stream(self, replica):
+        """A stream runs on one slot, which it frees."""
+        assert all(s["in_flight"] == 0 for s in replica.engine.status()["lora_slots"])
+
+    def assert_released(self, replica):
+        assert replica.engine.server.proc.poll() is not None            # vLLM's process group is gone
+        assert not os.path.exists(replica.engine.shared.path)           # and the shared host copy
