@@ -127,7 +127,7 @@ def state_bits_equal(model: torch.nn.Module, truth: dict[str, torch.Tensor]) -> 
 
 # --- fixtures (import them into a test module to use them) ----------------------------------------
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lm_dir(tmp_path_factory):
     return make_lm_dir(str(tmp_path_factory.mktemp("lm")))
 

@@ -86,7 +86,11 @@ def _index_files(path) -> list[str]:
                   if f.endswith(".nbi"))
 
 
-def test_a_cached_kernel_is_compiled_again_when_a_kernel_it_calls_changes_in_another_file(tmp_path):
+def test_a_cached_kernel_is_compiled_again_when_a_kernel_it_calls_or_a_module_of_the_encodings_subpackage_changes(
+        tmp_path):
+    """Every source file of delta/ stamps the cache: the file of a kernel the probe calls (not the probe's own),
+    and delta/encodings/, which holds the glue that passes the kernels their arguments. One copy of delta/ and
+    one cache for both changes, each compiling again once and loading after."""
     root, cache = _copy_of_delta(tmp_path), str(tmp_path / "numba-cache")
     first = _run(root, cache)
     assert first[1:] == (0, 1)                                  # compiled, and cached
@@ -100,13 +104,6 @@ def test_a_cached_kernel_is_compiled_again_when_a_kernel_it_calls_changes_in_ano
     assert _run(root, cache)[1:] == (1, 0)
     os.unlink(os.path.join(root, "ckptdelta", "delta", ".#kernels.py"))     # the digest never read it: still fresh
     assert _run(root, cache)[1:] == (1, 0)
-
-
-def test_a_cached_kernel_is_compiled_again_when_a_module_of_the_encodings_subpackage_changes(tmp_path):
-    """delta/encodings/ holds the glue that passes the kernels their arguments; its files stamp the cache too."""
-    root, cache = _copy_of_delta(tmp_path), str(tmp_path / "numba-cache")
-    assert _run(root, cache)[1:] == (0, 1)
-    assert _run(root, cache)[1:] == (1, 0)
     with open(os.path.join(root, "ckptdelta", "delta", "encodings", "sparse.py"), "a") as f:
         f.write("\n# an upgrade\n")
     again = _run(root, cache)
@@ -114,7 +111,7 @@ def test_a_cached_kernel_is_compiled_again_when_a_module_of_the_encodings_subpac
     assert again[0] == "05070000"
     os.makedirs(os.path.join(root, "ckptdelta", "delta", "encodings", "__pycache__"), exist_ok=True)
     with open(os.path.join(root, "ckptdelta", "delta", "encodings", "__pycache__", "stale.py"), "w") as f:
-        f.write("# not a source\n")                            # bytecode folders are not sources
+        f.write("# not a source\n")                           # bytecode folders are not sources
     assert _run(root, cache)[1:] == (1, 0)
 
 

@@ -220,6 +220,11 @@ def test_greedy_tokens_and_logprobs_equal_a_fresh_vllm_server_on_the_same_snapsh
     assert hot["logprobs"]["top_logprobs"] == cold["logprobs"]["top_logprobs"]
 
 
+# its own vLLM start (~35-60 s). make test keeps the class: a vLLM the user started on TCP, attached to while it
+# computes with other weights, the snapshot loaded whole and proven, the user's vLLM serving on after the replica
+# stops (tests/loader/engines/vllm/test_vllm_faults.py, on that module's vLLM, e.g.
+# test_a_replica_stopped_while_its_start_loads_the_snapshot_into_the_paused_users_vllm_resumes_it)
+@pytest.mark.slow
 def test_a_vllm_started_by_the_user_attaches_and_is_checked_before_it_serves(llama_run, tmp_path):
     """``serve --engine vllm --attach URL``: vLLM started the user's way with the two documented settings."""
     from ckptdelta.loader.engines import build_engine
