@@ -25,8 +25,7 @@ import httpx
 import pytest
 
 from ckptdelta.loader.engine import build_engine
-from ckptdelta.loader.server import create_app
-from tests.replicas import PROMPT, LiveServer, Replica, lm_dir, publish_run, state_bits_equal  # noqa: F401
+from tests.replicas import PROMPT, Replica, lm_dir, publish_run, state_bits_equal  # noqa: F401
 
 CLIENTS = 3
 BODY = {"prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "ignore_eos": True, "return_engine_data": True}
@@ -142,8 +141,7 @@ def soak(tmp_path, lm_dir_path: str, *, hotloads: int, baseline_requests: int) -
     fig = SoakFigures()
     run = publish_run(str(tmp_path / "bucket" / "run"), lm_dir_path, n_versions=1)
     engine, reader = build_engine(bucket=run.url, snapshot=0)
-    app = create_app(engine, reader=reader, replica_id="soak-0")
-    rep = Replica(LiveServer(app).__enter__(), engine, reader, None)
+    rep = Replica(engine, reader=reader, replica_id="soak-0")
     t0 = time.monotonic()
     try:
         with Clients(rep.url, fig, deadline_s=900) as clients:
@@ -160,8 +158,7 @@ def soak(tmp_path, lm_dir_path: str, *, hotloads: int, baseline_requests: int) -
         if rep.status()["policy_version"] != run.latest:
             fig.errors.append(f"the replica reports {rep.status()['policy_version']}, not {run.latest}")
     finally:
-        rep.http.close()
-        rep.server.__exit__()
+        rep.close()
         run.close()
     return fig
 
