@@ -13,7 +13,7 @@
 #              the first publish or hot-load of every process below compiles), beside
 #   workload   the benchmarks' bf16 workload (benchmarks/workloads.py: a small transformer's AdamW steps,
 #              generated on the CPU and cached under benchmarks/.cache)
-#   pytest     tests/test_cuda.py on the device (CKPTDELTA_TEST_DEVICE), log in $OUT/pytest.log
+#   pytest     tests/loader/test_cuda.py on the device (CKPTDELTA_TEST_DEVICE), log in $OUT/pytest.log
 #   hostcopy   python -m benchmarks.publish_host_copy --device D: publish()'s host copy per GB, fresh and
 #              reused pinned buffers, and Publisher(device_diff=True)'s capture (the device-side diff)
 #   latency    python -m benchmarks.update_latency --device D --backends local: publish() -> swapped with the
@@ -106,7 +106,7 @@ wait "$warm"
 
 # plugins off: the checks need none, and one whose own dependencies are missing there would stop pytest
 step pytest 150 bash -o pipefail -c "CKPTDELTA_TEST_DEVICE=$DEVICE PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PY -m pytest -q -rs -p no:cacheprovider --durations=12 \
-    tests/test_cuda.py 2>&1 | tee '$OUT/pytest.log'"
+    tests/loader/test_cuda.py 2>&1 | tee '$OUT/pytest.log'"
 
 step hostcopy 120 "$PY" -m benchmarks.publish_host_copy --device "$DEVICE" --gb "$HOST_GB" \
     --repeats "$HOST_REPEATS" --out-dir "$SCRATCH/hostcopy"

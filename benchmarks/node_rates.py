@@ -20,7 +20,7 @@ vLLM replica's process does into its host copy:
 
 Rates are CPU seconds (the thread's, the process's for the replica), beside wall times: on a shared machine
 the waits for a core inflate the wall clock, not the CPU clock. A real TP-2 vLLM hot-load is not timed here
-(tests/test_vllm_tp.py runs and proves one): inside vLLM's CPU build a worker's share is mostly that
+(tests/loader/engines/vllm/test_vllm_tp.py runs and proves one): inside vLLM's CPU build a worker's share is mostly that
 re-packing, which a GPU does not do. The run also writes the projection for an 8-GPU node
 (:func:`projection`; its constants below) from its own rates.
 

@@ -153,7 +153,7 @@ def uvicorn_server(config: Any, *, on_stop: Callable[[], None]) -> Any:
 
 # --- tests only: a signal that lands in a named phase of a hot-load -----------------------------------------
 
-#: Tests only (tests/test_stops.py): ``PHASE:PATH`` holds this process's first hot-load that reaches PHASE
+#: Tests only (tests/loader/test_stops.py): ``PHASE:PATH`` holds this process's first hot-load that reaches PHASE
 #: (:data:`PHASES`) there, after creating the file PATH, until a stop signal comes; so a test's signal lands in
 #: that phase, wherever the machine's load puts the rest.
 HOLD_ENV = "CKPTDELTA_TEST_HOLD_HOTLOAD"

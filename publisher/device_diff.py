@@ -12,7 +12,7 @@ of the snapshot before the parent (which the publisher keeps for reuse): they ar
 brought up to the parent by the changes the parent's own publish moved (kept for
 this), then to the new weights by this step's. No host buffer is allocated after
 the first two steps and no whole tensor crosses to the host; the result is the
-same bits as a full copy (tests/test_publisher_device_diff.py checks it on CPU
+same bits as a full copy (tests/publisher/test_publisher_device_diff.py checks it on CPU
 tensors, where "the device" is the CPU: the code is the same torch ops).
 
 Invariant: the device copy holds the bits of the version recorded in

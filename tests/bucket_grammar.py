@@ -1,7 +1,7 @@
 """Hostile but well-formed-looking bucket objects, built from the format's grammar (docs/FORMAT.md), for
-tests/test_fuzz_bucket_grammar.py.
+tests/system/test_fuzz_bucket_grammar.py.
 
-The byte-level fuzzer (tests/test_fuzz_entry_points.py) flips bits, and a digest catches nearly every flip
+The byte-level fuzzer (tests/system/test_fuzz_entry_points.py) flips bits, and a digest catches nearly every flip
 before a parser sees it. Here each case rewrites one object as a writer of the bucket could -- a manifest, a
 shard's safetensors header, a delta record's header or payload, a delta object's footer, HEAD, RUN.json,
 the shard index, the extra files' names -- with values the grammar allows in form but not in meaning: deep

@@ -10,7 +10,7 @@ import uuid
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # The replica's background warm-up (delta/warmup.py) would run codec calls on a thread of its own in the
 # middle of whatever test follows the first HotSwapper, which tests that count or trace those calls
-# would see. It is off in the suite (and the processes it starts) except where tests/test_warmup.py
+# would see. It is off in the suite (and the processes it starts) except where tests/delta/test_warmup.py
 # turns it on for the processes it starts.
 os.environ["CKPTDELTA_WARMUP"] = "0"
 

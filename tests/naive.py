@@ -1,7 +1,7 @@
 """Plain-numpy references for every kernel in delta/kernels.py.
 
 Written for obviousness, not speed: whole-array numpy with no shared code with
-the kernels, so a bug in one is not repeated in the other. tests/test_kernels.py
+the kernels, so a bug in one is not repeated in the other. tests/delta/test_kernels.py
 compares each kernel to its reference on random inputs of every width.
 """
 

@@ -141,12 +141,26 @@ def run(tmp_path_factory, lm_dir):
 
 
 class Replica:
-    """A started replica: its URL, its engine and reader (in-process), and an HTTP client for it."""
+    """A started replica, whatever its engine: the engine (in this process), the replica app on a live socket
+    (uvicorn on 127.0.0.1), and an HTTP client for it. The one harness of the suite: the reference engine's
+    tests, vLLM's (tests/vllm_replicas.py) and the engine conformance suite (tests/loader/engines/conformance.py)
+    all start their replicas through it.
 
-    def __init__(self, server: LiveServer, engine, reader, api_key: str | None):
-        self.server, self.engine, self.reader, self.url = server, engine, reader, server.url
+    ``listen=False``: the port is bound but refuses connections until :meth:`listen`, as ``serve``'s does until
+    its checks end (then it answers STARTING until it serves: loader/starting.py)."""
+
+    def __init__(self, engine, *, reader=None, replica_id: str = "r0", api_key: str | None = None,
+                 listen: bool = True, timeout: float = 60.0):
+        from ckptdelta.loader.server import create_app
+
+        self.engine, self.reader = engine, reader
+        self.server = LiveServer(create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key))
+        if listen:
+            self.server.__enter__()
+        self.url = self.server.url
+        self.timeout = timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=server.url, timeout=60, headers=headers)
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def post(self, path: str, body: dict) -> httpx.Response:
         return self.http.post(path, json=body)
@@ -156,13 +170,13 @@ class Replica:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def hotload(self, snapshot, *, wait: bool = True) -> dict:
+    def hotload(self, snapshot, *, wait: bool = True, timeout: float | None = None) -> dict:
         r = self.post("/v1/hotload", {"snapshot": snapshot})
         assert r.status_code in (200, 202), r.text
-        return self.wait(r.json()["id"]) if wait else r.json()
+        return self.wait(r.json()["id"], timeout=timeout) if wait else r.json()
 
-    def wait(self, job_id: str, states=("READY", "FAILED")) -> dict:
-        deadline = time.monotonic() + 60
+    def wait(self, job_id: str, states=("READY", "FAILED"), *, timeout: float | None = None) -> dict:
+        deadline = time.monotonic() + (timeout or self.timeout)
         while True:
             job = self.http.get(f"/v1/hotload/{job_id}").json()
             if job["state"] in states:
@@ -178,6 +192,14 @@ class Replica:
         self.server.__enter__()
         return self
 
+    def close(self) -> None:
+        """Stop serving and release the engine (its processes, shared memory). Idempotent, as the engine's."""
+        self.http.close()
+        self.server.__exit__()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
 
 @pytest.fixture
 def start_replica(run):
@@ -185,22 +207,16 @@ def start_replica(run):
     started: list[Replica] = []
 
     from ckptdelta.loader.engines.reference.model import load_engine
-    from ckptdelta.loader.server import create_app
 
     def start(snapshot="latest", *, bucket: str | None = None, model_dir: str | None = None,
               api_key: str | None = None, cache_policy: str = "recompute", replica_id: str = "r0",
               listen: bool = True) -> Replica:
-        """``listen=False``: the port is bound but refuses connections until ``rep.listen()``, as ``serve``'s
-        does until its checks end (then it answers STARTING until it serves: loader/starting.py)."""
         engine, reader = load_engine(bucket=bucket or run.url, snapshot=snapshot, model_dir=model_dir,
                                       cache_policy=cache_policy)
-        app = create_app(engine, reader=reader, replica_id=replica_id, api_key=api_key)
-        server = LiveServer(app)
-        rep = Replica(server.__enter__() if listen else server, engine, reader, api_key)
+        rep = Replica(engine, reader=reader, replica_id=replica_id, api_key=api_key, listen=listen)
         started.append(rep)
         return rep
 
     yield start
     for rep in started:
-        rep.http.close()
-        rep.server.__exit__()
+        rep.close()

@@ -1,5 +1,5 @@
 """Stopping a ``ckptdelta serve`` process while its hot-load is held in a named phase (ckptdelta.loader.stopping.HOLD_ENV):
-tests/test_stops.py and tests/test_vllm_faults.py."""
+tests/loader/test_stops.py and tests/loader/engines/vllm/test_vllm_faults.py."""
 
 from __future__ import annotations
 

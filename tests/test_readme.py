@@ -9,12 +9,12 @@ port 8000 becomes a free port (the machine running the suite may already serve s
 Skipped, and why:
 - a block of ``pip install`` lines alone: set-up installs the package;
 - the set-up block (``make demo``, ``make test``): it runs the demo on vLLM and the whole suite, minutes;
-  ``tests/test_demo.py`` and the suite itself are what those commands run;
-- the ``--engine vllm`` block: it starts a vLLM server (a minute on CPU, or a GPU); tests/test_vllm_*.py
+  ``tests/benchmarks/test_demo.py`` and the suite itself are what those commands run;
+- the ``--engine vllm`` block: it starts a vLLM server (a minute on CPU, or a GPU); tests/loader/engines/vllm/
   start the same replica;
 - the TRL block (``GRPOTrainer``): a fragment of the user's trainer (its model, reward, dataset and replicas are
-  theirs); tests/test_trainer_integrations.py runs that loop against a replica, and docs/INTEGRATIONS.md has it
-  whole.
+  theirs); tests/integrations/test_trainer_integrations.py runs that loop against a replica, and
+  docs/INTEGRATIONS.md has it whole.
 """
 
 from __future__ import annotations

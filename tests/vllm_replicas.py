@@ -13,17 +13,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import httpx
 import pytest
 import torch
 
 from tests.lm import hf_extra_files, rl_step
-from tests.replicas import LiveServer
+from tests.replicas import PROMPT, Replica  # noqa: F401 (PROMPT: for the modules that import it from here)
 
 #: vLLM options for the tests' tiny models on a 2-core machine.
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "16",
              "--disable-log-stats"]
-PROMPT = "hello world, hello replica"
 #: vLLM with its worker inside the engine-core process (the "uni" executor, vLLM's own default on one GPU;
 #: its CPU build starts a worker process of its own unless told this). Each start then spawns two Python
 #: processes that import vLLM, not three: 22 s instead of 32 s on two cores. The demo's test keeps the CPU
@@ -95,38 +93,11 @@ def publish_vllm_run(url: str, model_dir: str, *, deltas: int = 2) -> VllmRun:
     return run
 
 
-class VllmReplicaHandle:
-    """The engine (in this process), the replica app on a live socket, and an HTTP client for it."""
+class VllmReplicaHandle(Replica):
+    """tests/replicas.py's :class:`Replica` on a vLLM engine, which can also read back vLLM's live weights."""
 
     def __init__(self, engine, *, replica_id: str = "vllm-0", api_key: str | None = None):
-        from ckptdelta.loader.server import create_app
-
-        self.engine = engine
-        self.server = LiveServer(create_app(engine, replica_id=replica_id, api_key=api_key)).__enter__()
-        self.url = self.server.url
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, timeout=120, headers=headers)
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return self.http.post(path, json=body)
-
-    def complete(self, **body) -> dict:
-        r = self.post("/v1/completions", {"prompt": PROMPT, **body})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def hotload(self, snapshot, *, timeout: float = 120.0) -> dict:
-        import time
-
-        r = self.post("/v1/hotload", {"snapshot": snapshot})
-        assert r.status_code in (200, 202), r.text
-        job = r.json()
-        deadline = time.monotonic() + timeout
-        while job["state"] not in ("READY", "FAILED"):
-            assert time.monotonic() < deadline, job
-            time.sleep(0.02)
-            job = self.http.get(f"/v1/hotload/{job['id']}").json()
-        return job
+        super().__init__(engine, replica_id=replica_id, api_key=api_key, timeout=120.0)
 
     def live_weights(self, tmp_dir: str, *, strict: bool = True) -> dict[str, torch.Tensor]:
         """Every runtime parameter read back by the worker, in checkpoint coordinates.
@@ -146,11 +117,6 @@ class VllmReplicaHandle:
         out = load_file(path)
         os.unlink(path)
         return (out, set(answer.get("kernel_view") or ())) if kernel else out
-
-    def close(self) -> None:
-        self.http.close()
-        self.server.__exit__()
-        self.engine.close()
 
 
 def start_vllm_replica(run: VllmRun, snapshot="latest", *, cache_dir: str | None = None,

@@ -4,7 +4,7 @@
 
 Each file is built by hand from docs/FORMAT.md with *valid* checksums where a
 checksum would otherwise hide the flaw, so the reader's field checks (not just
-its digests) are what reject it. tests/test_codec_corruption.py loads every file
+its digests) are what reject it. tests/delta/test_codec_corruption.py loads every file
 listed in EXPECTED.json and asserts it fails with exactly the error class named
 there; the forging helpers are shared with that test.
 """

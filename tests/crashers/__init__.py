@@ -1,1 +1,1 @@
-"""Child-process programs that the crash tests kill with SIGKILL (tests/test_crash.py)."""
+"""Child-process programs that the crash tests kill with SIGKILL (tests/publisher/test_crash.py)."""

@@ -3,7 +3,7 @@
     python -m tests.golden.make_golden            # writes only new cases; released ones stay as they are
     python -m tests.golden.make_golden --force    # rewrites everything (only for a new format version)
 
-tests/test_codec.py decodes every record listed in index.json on each run and
+tests/delta/test_codec.py decodes every record listed in index.json on each run and
 compares the result with the stored bits, so data written by this release keeps
 decoding in every later one. Never regenerate the files of a released version to
 make a failing test pass: the failure is the point.

@@ -1,0 +1,153 @@
+"""The engine contract (loader/engines/base.py) as one suite that every replica engine runs: complete, stream,
+hot-load forward, back and across an anchor, a failed apply rolled back, status, stop.
+
+:class:`EngineContract` defines the cases; each engine's tests subclass it (as zarr's StoreTests is subclassed
+per store) and provide the replica they run on:
+
+- fixture ``replica``: a started :class:`tests.replicas.Replica` on a version of ``published``, READY. Every
+  case of a subclass shares it, in the order written here, so it starts once (module-scoped where the engine
+  is costly to start: a vLLM start is 40-80 s on two cores); the last case stops it, so a module that shares
+  its replica with other tests defines its subclass after them;
+- fixture ``published``: the run it serves, with ``truth[v]``, version v's weights;
+- ``kind``: the engine's name (``/v1/status``'s ``engine.kind``);
+- ``hotload_path(published)``: hot-load targets in order, going forward, across an anchor and back; and the
+  run's anchor versions (a hot-load goes through an anchor when it goes back, or past one);
+- ``live_diff(replica, published, version, tmp_path)``: the names whose live bits (read back from the engine)
+  differ from version's;
+- ``fail_next_apply(replica, monkeypatch)``: make the next hot-load fail inside the pause, after it wrote
+  (part of) the new bits into the engine; ``failed_apply_target`` may pick the version it is tried on;
+- ``assert_released(replica)``: what the engine held (processes, shared memory) is gone after a stop.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.replicas import PROMPT, Replica
+
+
+class EngineContract:
+    kind: str = "?"
+
+    # --- what a subclass provides -------------------------------------------------------------------------
+
+    def hotload_path(self, published) -> tuple[list[int], set[int]]:
+        raise NotImplementedError
+
+    def live_diff(self, replica: Replica, published, version: int, tmp_path) -> list[str]:
+        raise NotImplementedError
+
+    def fail_next_apply(self, replica: Replica, monkeypatch: pytest.MonkeyPatch) -> None:
+        raise NotImplementedError
+
+    def failed_apply_target(self, replica: Replica, published) -> int:
+        """The version whose hot-load :meth:`fail_next_apply` fails: by default the newest the replica does not
+        serve."""
+        return max(v for v in published.truth if v != replica.engine.version)
+
+    # --- the contract ---------------------------------------------------------------------------------------
+
+    def test_a_completion_answers_tokens_logprobs_and_the_version_it_ran_on(self, replica):
+        v = replica.status()["policy_version"]
+        body = replica.complete(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True, return_token_ids=True,
+                                return_engine_data=True)
+        (choice,) = body["choices"]
+        assert len(choice["token_ids"]) == 4 and choice["finish_reason"] == "length" and choice["text"]
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(lp["tokens"]) == 4 and all(x <= 0 for x in lp["token_logprobs"])
+        ed = body["engine_data"]
+        assert ed["policy_version"] == v and ed["policy_versions"] == [v] and ed["crossed_swap"] is False
+        assert ed["snapshot"] == f"v{v:08d}"
+        again = replica.complete(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True, return_token_ids=True)
+        assert again["choices"][0]["token_ids"] == choice["token_ids"]          # greedy: the same tokens
+        assert "engine_data" not in again
+        seeded = [replica.complete(max_tokens=5, temperature=1.0, n=2, seed=7, return_token_ids=True)["choices"]
+                  for _ in range(2)]
+        assert len(seeded[0]) == 2 and [c["text"] for c in seeded[0]] == [c["text"] for c in seeded[1]]
+        chat = replica.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}],
+                                                     "max_tokens": 3, "return_engine_data": True})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["object"] == "chat.completion" and chat.json()["engine_data"]["policy_versions"] == [v]
+        assert chat.json()["choices"][0]["message"]["role"] == "assistant"
+
+    def test_a_stream_joins_to_the_plain_answer_and_ends_with_engine_data_then_done(self, replica):
+        v = replica.status()["policy_version"]
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        plain = replica.post("/v1/completions", body)
+        assert plain.status_code == 200, plain.text
+        with replica.http.stream("POST", "/v1/completions",
+                                 json={**body, "stream": True, "return_engine_data": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"] == [] and last["engine_data"]["policy_versions"] == [v]
+        chunks = [json.loads(e) for e in events[:-2]]
+        assert "".join(c["text"] for ch in chunks for c in ch["choices"]) == plain.json()["choices"][0]["text"]
+        assert [c["finish_reason"] for ch in chunks for c in ch["choices"] if c.get("finish_reason")] == ["length"]
+        assert {ch["model"] for ch in chunks} == {replica.engine.model_name}      # the run's name
+        self.after_stream(replica)
+
+    def test_status_is_ready_and_names_the_version_snapshot_and_engine(self, replica):
+        st = replica.status()
+        v = replica.engine.version
+        assert st["state"] == "READY" and st["policy_version"] == v and st["snapshot"] == f"v{v:08d}", st
+        assert st["engine"]["kind"] == self.kind
+        assert replica.http.get("/health").status_code == 200
+        r = replica.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "min_policy_version": v + 1000})
+        assert r.status_code == 408 and r.json()["error"]["type"] == "policy_version_too_old"
+
+    def test_hotloads_forward_across_an_anchor_and_back_leave_every_live_weight_bit_exact(self, replica, published,
+                                                                                          tmp_path):
+        path, anchors = self.hotload_path(published)
+        current = replica.engine.version
+        assert any(t < current for t in path) or any(b < a for a, b in zip(path, path[1:])), "no hot-load back"
+        for target in path:
+            job = replica.hotload(target)
+            assert job["state"] == "READY", job
+            if target == current:               # the version it serves: nothing to load, nothing reported
+                assert replica.engine.version == target and self.live_diff(replica, published, target, tmp_path) == []
+                continue
+            back_or_past_an_anchor = target < current or any(current < a <= target for a in anchors)
+            assert job["report"]["from_version"] == current and job["report"]["to_version"] == target
+            assert job["report"]["via_anchor"] is back_or_past_an_anchor, (current, target, job["report"])
+            assert replica.engine.version == target and replica.status()["policy_version"] == target
+            assert self.live_diff(replica, published, target, tmp_path) == [], target
+            ed = replica.complete(max_tokens=1, return_engine_data=True)["engine_data"]
+            assert ed["policy_versions"] == [target]
+            current = target
+
+    def test_a_failed_apply_rolls_back_and_the_previous_version_serves_on_bit_exact(self, replica, published,
+                                                                                    monkeypatch, tmp_path):
+        before = replica.engine.version
+        answer = replica.complete(max_tokens=6, temperature=0, ignore_eos=True)["choices"][0]["text"]
+        target = self.failed_apply_target(replica, published)
+        self.fail_next_apply(replica, monkeypatch)
+        job = replica.hotload(target)
+        assert job["state"] == "FAILED" and job["reason"], job
+        st = replica.status()
+        assert replica.engine.version == before and st["policy_version"] == before and st["state"] == "READY", st
+        assert self.live_diff(replica, published, before, tmp_path) == []
+        again = replica.complete(max_tokens=6, temperature=0, ignore_eos=True, return_engine_data=True)
+        assert again["choices"][0]["text"] == answer and again["engine_data"]["policy_versions"] == [before]
+        monkeypatch.undo()
+        job = replica.hotload(target)                       # nothing left over: the same hot-load goes through
+        assert job["state"] == "READY", job
+        assert self.live_diff(replica, published, target, tmp_path) == []
+
+    def test_a_stopped_replica_refuses_connections_and_its_engine_is_released(self, replica):
+        assert replica.complete(max_tokens=1)["choices"]
+        replica.close()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(replica.url + "/v1/status", timeout=5)
+        replica.engine.close()                              # idempotent: a second stop is a no-op
+        self.assert_released(replica)
+
+    def after_stream(self, replica: Replica) -> None:
+        """What else a finished stream leaves as it should (a subclass's engine-specific checks)."""
+
+    def assert_released(self, replica: Replica) -> None:
+        """What the engine held is gone after a stop (a subclass adds its engine's processes, shared memory)."""
