@@ -261,7 +261,7 @@ class CkptDeltaWorker:
         (``vllm_lora_slots.listen``): the replica's write path, with no RPC waiting for vLLM's step in progress."""
         from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
 
-        return {"path": slots.listen(self, str(req["path"]))}
+        return {"path": slots.listen(self, str(req["path"]).replace("{rank}", str(_tp_rank()[0])))}
 
     @_answer
     def ckptdelta_lora_stage(self, req: dict) -> dict[str, Any]:

@@ -443,21 +443,18 @@ def slot_digests(worker: Any, lora_id: int) -> dict[str, str]:
     return out
 
 
-def listen(worker: Any, path: str) -> str:
-    """Serve hot-load writes on a Unix socket at ``path`` (``{rank}`` replaced by this worker's tensor-parallel
-    rank) from a thread of this worker, started once: the replica connects, sends one request (a line of JSON:
-    ``id``, ``path``, ``digests``, ``config``) and reads one answer line. The thread prepares, writes between two
-    steps and proves (:func:`prepare`, :func:`write_locked`) at once, without a ``/collective_rpc``, which vLLM
+def listen(worker: Any, where: str) -> str:
+    """Serve hot-load writes on a Unix socket at ``where`` (this worker's own path) from a thread of this worker,
+    started once: the replica connects, sends one request (a line of JSON:
+    ``id``, ``path``, ``digests``, ``config``) and reads one answer line. The thread prepares, writes and proves
+    (:func:`prepare`, :func:`write_locked`) at once, without a ``/collective_rpc``, which vLLM
     runs only once the step in progress ends, and the replica hears the answer the moment it is written, without
     polling for it. The socket's directory is the replica's own (mode 0700). Returns the path bound."""
     import os
     import socket
     import threading
 
-    from ckptdelta.loader.engines.vllm.worker.extension import _tp_rank
-
     held = getattr(worker, "_ckptdelta_lora_listener", None)
-    where = path.replace("{rank}", str(_tp_rank()[0]))
     if held is not None:
         if held != where:
             raise SlotError(f"this worker serves LoRA writes at {held} already, not {where}")
