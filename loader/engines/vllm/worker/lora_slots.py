@@ -102,31 +102,15 @@ _STEP_LORA_METHODS = ("set_active_adapters",)
 REGISTRY_LOCK = FairLock()
 
 
-def _hold(obj: Any, names: tuple[str, ...], lock: Any, flag: str) -> None:
-    if getattr(obj, flag, False):
-        return
-    for name in names:
-        method = getattr(obj, name, None)
-        if method is None:
-            continue
-
-        def locked(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
-            with lock:
-                return _method(*args, **kwargs)
-
-        setattr(obj, name, locked)
-    setattr(obj, flag, True)
-
-
 def install_lora_lock(model_runner: Any) -> None:
     """Make the runner's own LoRA registry calls (``/v1/load_lora_adapter``, unloads, pins) hold the kernel
     lock, as its steps do (loader/engines/vllm/worker/shadow.py), and, inside it, :data:`REGISTRY_LOCK`, which
     each step's adapter activation holds too: a slot write from a worker thread (:func:`write_locked`) then
     never meets another change of the LoRA manager, and waits for no step's forward pass. Idempotent."""
-    from ckptdelta.loader.engines.vllm.worker.shadow import hold_kernel_lock
+    from ckptdelta.loader.engines.vllm.worker.shadow import hold_kernel_lock, hold_lock
 
-    _hold(model_runner.lora_manager, _STEP_LORA_METHODS, REGISTRY_LOCK, "_ckptdelta_registry_lock")
-    _hold(model_runner, _LORA_METHODS, REGISTRY_LOCK, "_ckptdelta_registry_lock")     # inside the kernel lock (next)
+    hold_lock(model_runner.lora_manager, _STEP_LORA_METHODS, "_ckptdelta_registry_lock", REGISTRY_LOCK)
+    hold_lock(model_runner, _LORA_METHODS, "_ckptdelta_registry_lock", REGISTRY_LOCK)   # inside the kernel lock (next)
     hold_kernel_lock(model_runner, _LORA_METHODS, "_ckptdelta_lora_lock")
 
 
