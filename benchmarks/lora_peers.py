@@ -308,9 +308,8 @@ class Replica:
             if r.status_code not in (200, 202):
                 raise RuntimeError(f"hotload {info['version']}: {r.status_code} {r.text[:300]}")
             job = r.json()
-            while job["state"] not in ("READY", "FAILED"):
-                time.sleep(0.01)
-                job = self.http.get(f"/v1/hotload/{job['id']}").json()
+            while job["state"] not in ("READY", "FAILED"):     # answered as soon as the job ends, as clients wait
+                job = self.http.get(f"/v1/hotload/{job['id']}?wait=30").json()
             t1 = time.perf_counter()
             if job["state"] != "READY":
                 raise RuntimeError(f"hotload {info['version']} failed: {job}")

@@ -170,13 +170,18 @@ class AsyncRolloutClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 return fleet.timed_out(job, timeout)
-            await asyncio.sleep(min(poll_interval, left))
+            # answered as soon as the job ends (``wait``); an older replica, which answers at once, is polled
+            wait = fleet.long_poll_s(left, self._http.timeout.read)
+            t0 = time.monotonic()
             try:
-                job = fleet.job_answer(url, f"GET {path}", await self._get(url, path), job["id"])
+                job = fleet.job_answer(url, f"GET {path}", await self._get(url, f"{path}?wait={wait:.3f}"),
+                                       job["id"])
             except ReplicaError as e:
                 return {**job, "error": str(e)}
             if job["state"] not in fleet.BUSY:
                 break
+            if time.monotonic() - t0 < wait / 2:
+                await asyncio.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
         return job
 
     async def _post_job(self, url: str, snapshot: str | int) -> dict[str, Any]:

@@ -224,13 +224,18 @@ class RolloutClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 return fleet.timed_out(job, timeout)
-            time.sleep(min(poll_interval, left))
+            # the replica answers as soon as the job ends (``wait``); one that answers a busy job at once (an
+            # older replica, which ignores ``wait``) is asked again after ``poll_interval``
+            wait = fleet.long_poll_s(left, self._http.timeout.read)
+            t0 = time.monotonic()
             try:
-                job = fleet.job_answer(url, f"GET {path}", self._get(url, path), job["id"])
+                job = fleet.job_answer(url, f"GET {path}", self._get(url, f"{path}?wait={wait:.3f}"), job["id"])
             except ReplicaError as e:
                 return {**job, "error": str(e)}
             if job["state"] not in fleet.BUSY:
                 return job
+            if time.monotonic() - t0 < wait / 2:
+                time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
 
     # --- status -----------------------------------------------------------------------------------
 

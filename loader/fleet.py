@@ -98,6 +98,17 @@ class StartWait:
         return row
 
 
+#: The longest ``GET /v1/hotload/{id}?wait=`` a client asks for (the replica holds at most 30 s).
+LONG_POLL_MAX_S = 5.0
+
+
+def long_poll_s(left: float, read_timeout: float | None) -> float:
+    """How long to ask the replica to hold a job's GET: within what is left of the wait, under the client's own
+    read timeout (with a second to spare) and :data:`LONG_POLL_MAX_S`."""
+    cap = LONG_POLL_MAX_S if read_timeout is None else min(LONG_POLL_MAX_S, max(0.0, read_timeout - 1.0))
+    return max(0.0, min(left, cap))
+
+
 def transport_error(url: str, what: str, e: httpx.TransportError) -> Unreachable:
     refused = isinstance(e, httpx.ConnectError)     # refused, or a name that does not resolve (yet)
     how = ("refused the connection" if "refused" in str(e).lower() else "could not be connected to") if refused \

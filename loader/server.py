@@ -48,6 +48,8 @@ STOPPING_MESSAGE = ("the replica is stopping (SIGTERM, SIGINT or SIGHUP) and thi
 #: ``/v1/status`` states besides a hot-load's: the engine died or stopped answering; the live weights are not
 #: proven to be any version (a failed swap or proof: the next hot-load pushes and proves every tensor).
 ENGINE_FAILED, UNKNOWN_VERSION = "ENGINE_FAILED", "UNKNOWN_VERSION"
+#: The longest ``GET /v1/hotload/{id}?wait=`` the replica holds, and how often it looks at the job meanwhile.
+HOTLOAD_WAIT_MAX_S, HOTLOAD_WAIT_TICK_S = 30.0, 0.002
 #: Seconds a 408 (policy version too old) asks the client to wait: about one hot-load of a small delta.
 RETRY_AFTER_S = 1
 _SNAPSHOT_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,63}$")
@@ -374,10 +376,17 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
         return JSONResponse(body, status_code=200 if how == "noop" else 202)
 
     @app.get("/v1/hotload/{job_id}")
-    async def hotload_status(job_id: str) -> dict[str, Any]:
+    async def hotload_status(job_id: str, wait: float = 0.0) -> dict[str, Any]:
+        """The job's state; with ``wait`` (seconds, at most HOTLOAD_WAIT_MAX_S), answered as soon as the job ends
+        within that time, so a client waiting for READY hears it then rather than at its next poll."""
         job = manager.get(job_id) if manager is not None else None
         if job is None:
             raise APIError(404, "hotload_not_found", f"no hot-load with id {job_id[:80]!r} on replica {replica_id}")
+        if not 0.0 <= wait <= HOTLOAD_WAIT_MAX_S:
+            raise APIError(400, "invalid_wait", f"wait={wait:g}: between 0 and {HOTLOAD_WAIT_MAX_S:g} seconds")
+        deadline = time.monotonic() + wait
+        while not job.done and time.monotonic() < deadline:
+            await asyncio.sleep(HOTLOAD_WAIT_TICK_S)
         return job.to_dict()
 
     @app.get("/v1/status")

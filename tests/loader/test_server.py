@@ -279,6 +279,26 @@ def test_one_hotload_at_a_time_join_conflict_and_idempotent_repeat(start_replica
     assert nxt.status_code == 202 and nxt.json()["id"] != job_id and rep.wait(nxt.json()["id"])["state"] == "READY"
 
 
+def test_a_hotloads_state_asked_with_wait_is_answered_once_the_job_ends_or_the_wait_runs_out(start_replica):
+    """``GET /v1/hotload/{id}?wait=S``: a job still held answers its busy state once S runs out; one asked while
+    held and released meanwhile answers READY in its one answer (the clients wait this way, not by polling)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rep = start_replica(1)
+    with ThreadPoolExecutor(1) as pool:
+        with rep.engine.step():  # a forward step that does not end: the swap waits for it
+            job_id = rep.post("/v1/hotload", {"snapshot": 2}).json()["id"]
+            assert rep.wait(job_id, states=("SWAPPING",))["state"] == "SWAPPING"
+            held = rep.http.get(f"/v1/hotload/{job_id}?wait=0.05")
+            assert held.status_code == 200 and held.json()["state"] == "SWAPPING"
+            answer = pool.submit(rep.http.get, f"/v1/hotload/{job_id}?wait=30")
+            time.sleep(0.2)      # the long poll in flight before the step ends (were it not, READY all the same)
+        assert answer.result().json()["state"] == "READY"
+    for bad in (-1, 31, "soon"):
+        r = rep.http.get(f"/v1/hotload/{job_id}?wait={bad}")
+        assert r.status_code in (400, 422) and "wait" in r.text, r.text
+
+
 def test_unknown_or_unsafe_snapshots_are_refused_without_leaving_the_run(start_replica, run, tmp_path):
     rep = start_replica(1)
     for missing in (99, "v00000099", "99"):

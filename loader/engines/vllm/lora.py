@@ -10,14 +10,16 @@ place, never re-read from a directory.
 
 - **A hot-load** is prepared while vLLM serves, as for full runs: the adapter's
   host copy (shared memory, checkpoint names) is patched by the
-  :class:`ckptdelta.loader.lora.LoraHotSwapper`. Then one ``/collective_rpc`` (which
-  returns at once) has a thread in every worker prepare the new version through
-  vLLM's own load transform, copy it into a slot no request runs on (rows no
-  step reads), swap vLLM's registry entry for the slot between two steps
-  (holding the lock vLLM's steps hold), prove it, and answer in a file beside
-  the host copy (loader/engines/vllm/worker/lora_slots.py). That swap is the only time
-  vLLM's steps wait, the *pause*; nothing is aborted or frozen, and vLLM is
-  never paused. Only once the slot is proven do new requests go to it.
+  :class:`ckptdelta.loader.lora.LoraHotSwapper`. Then one request on a Unix socket
+  to a thread every worker started at start-up (no ``/collective_rpc``, which
+  vLLM runs only once its step in progress ends) has it prepare the new version
+  through vLLM's own load transform, copy it into a slot no request runs on
+  (rows no step reads), swap vLLM's registry entry for the slot (holding the
+  lock each step holds while it activates its adapters, not during its forward
+  pass), prove it, and answer on the socket
+  (loader/engines/vllm/worker/lora_slots.py). That swap is the only time vLLM's
+  steps wait, the *pause*; nothing is aborted or frozen, and vLLM is never
+  paused. Only once the slot is proven do new requests go to it.
 - **Every request runs on exactly one version.** At admission a request is
   pinned to the slot of the newest proven version (its ``model`` rewritten to
   the slot's name, a per-version ``cache_salt`` so no prefix cached by another
@@ -29,6 +31,10 @@ place, never re-read from a directory.
 - **Resident versions.** The K slots keep the last K versions; a hot-load to one of
   them (a step back, a rollback) writes nothing: the slot is proven again where it
   sits, then serves.
+- **Warm at start.** vLLM builds its LoRA path on the first request that names an
+  adapter (compiled, its graphs again: seconds, tens of seconds on a real model);
+  one short request on every slot is answered before the replica says it serves
+  (``lora_warm_s`` in /v1/status), so a user's first request does not pay it.
 - **Trust.** A write or proof that fails leaves the slot out of service: the
   replica goes on serving the version it serves, and the hot-load fails.
 """
@@ -69,6 +75,8 @@ WORKER_FIELDS = ("index", "checked", "staged", "prepare_s", "transform_s", "lock
                  "held_s")
 #: Slots by default: the serving version, the one being written, one for a request that outlives a step.
 DEFAULT_SLOTS = 3
+#: The longest path a Unix socket binds to on Linux (sun_path less its terminating NUL).
+SOCKET_PATH_MAX = 107
 
 
 @dataclass
@@ -160,6 +168,7 @@ class LoraSlotApplier(EngineApplier):
         self.config, self.slot_timeout = config, slot_timeout
         self.epoch, self.swapping = 0, False       # what loader/engines/vllm/watch.py reads
         self.last: dict[str, Any] = {}
+        self.sockets: list[str] | None = None      # each worker's write socket (listen()); None: RPC + answer files
         self._pause: Any = None
 
     @contextmanager
@@ -215,10 +224,17 @@ class LoraSlotApplier(EngineApplier):
 
     def _write(self, slot: Slot, version: int, req: dict[str, Any]) -> tuple[float, float, list[dict[str, Any]]]:
         """Each worker prepares the version in a thread while vLLM generates, writes it into the slot (the copy
-        beside vLLM's steps, the registry swap between two: vllm_lora_slots.write_locked), proves it, then leaves
-        its answer in a file beside the host copy (``ckptdelta_lora_stage`` with ``answer``): one RPC, which returns at
-        once; no second one waiting for vLLM's step in progress. Returns when the write began in the first worker, how long the
+        beside vLLM's steps, the registry swap: vllm_lora_slots.write_locked), proves it, then answers: on its
+        socket (:meth:`listen`), else in a file beside the host copy (``ckptdelta_lora_stage`` with ``answer``,
+        one RPC, which returns at once; no second one waiting for vLLM's step in progress). Returns when the write began in the first worker, how long the
         longest held vLLM's steps, and every worker's answer."""
+        if self.sockets is not None:
+            answers = self._write_notified(req)
+            failed = [f"vLLM worker {w} failed: {a.get('why')}" for w, a in enumerate(answers)
+                      if a.get("state") != "ready"]
+            if failed:
+                raise VllmError("; ".join(failed))
+            return min(a["write_t"] for a in answers), max(a["held_s"] for a in answers), answers
         token = f"lora-{slot.id}-{version}-{os.urandom(4).hex()}"
         answer = f"{self.shared.path}.{token}.{{rank}}.json"
         staged = self.control.rpc("ckptdelta_lora_stage", {**req, "token": token, "answer": answer})
@@ -237,6 +253,58 @@ class LoraSlotApplier(EngineApplier):
         if failed:
             raise VllmError("; ".join(failed))
         return min(a["write_t"] for a in answers), max(a["held_s"] for a in answers), answers
+
+    def listen(self, directory: str) -> bool:
+        """Have every worker serve writes on a Unix socket in ``directory`` (the replica's own scratch, mode
+        0700), from then on the write path: one request to each worker, which starts at once (a
+        ``/collective_rpc`` is run by vLLM only once the step in progress ends), and each answer heard the moment
+        it is written (no polling for a file). False, and the RPC path kept, where the path would be too long
+        for a Unix socket."""
+        path = os.path.join(directory, "lora-w{rank}.sock")
+        if len(path) + 8 > SOCKET_PATH_MAX:
+            log.info("LoRA writes through vLLM's RPC: the socket path %s would be too long", path)
+            return False
+        self.sockets = [a["path"] for a in self.control.rpc("ckptdelta_lora_listen", {"path": path})]
+        return True
+
+    def _write_notified(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+        """:meth:`_write` through the workers' sockets: the request sent to every worker, then each answer read.
+        A worker that dies closes its socket, which ends the wait at once with an error naming it."""
+        import socket
+
+        body = (json.dumps(req) + "\n").encode()
+        conns: list[socket.socket] = []
+        try:
+            for w, p in enumerate(self.sockets or ()):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conns.append(c)
+                c.settimeout(CONTROL_TIMEOUT_S)
+                try:
+                    c.connect(p)
+                    c.sendall(body)
+                except OSError as e:
+                    raise VllmError(f"vLLM worker {w}: its write socket {p} refused the request: {e}") from None
+            out = []
+            for w, c in enumerate(conns):
+                try:
+                    with c.makefile("rb") as f:
+                        line = f.readline()
+                except OSError as e:        # socket.timeout included
+                    raise VllmError(f"vLLM worker {w}: no answer to the write ({e})") from None
+                if not line:
+                    raise VllmError(f"vLLM worker {w} closed its write socket without answering (vLLM at "
+                                    f"{self.control.url} stopped?)")
+                try:
+                    a = json.loads(line)
+                except ValueError as e:
+                    raise VllmError(f"vLLM worker {w}: its answer is unreadable: {e}") from None
+                if not isinstance(a, dict):
+                    raise VllmError(f"vLLM worker {w}: its answer is not an object")
+                out.append(a)
+            return out
+        finally:
+            for c in conns:
+                c.close()
 
     def _answers(self, paths: Sequence[str], version: int) -> list[dict[str, Any]]:
         """The workers' answer files, once all are there (polled every 2 ms; vLLM's health asked every second,
@@ -277,9 +345,9 @@ class LoraSlotApplier(EngineApplier):
 class VllmLoraReplica(VllmReplica):
     """A :class:`VllmReplica` whose requests are pinned to LoRA slots (see the module docstring)."""
 
-    def __init__(self, *, slots: SlotTable, lora_rank: int, **kwargs: Any):
+    def __init__(self, *, slots: SlotTable, lora_rank: int, warm_s: float | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        self.slots, self.lora_rank = slots, lora_rank
+        self.slots, self.lora_rank, self.warm_s = slots, lora_rank, warm_s
 
     def admit(self, body: dict[str, Any]) -> Admission:
         slot = self.slots.admit()
@@ -301,7 +369,8 @@ class VllmLoraReplica(VllmReplica):
         return Admission(out, pinned(version), release, model=self.model_name)
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "lora_rank": self.lora_rank, "lora_slots": self.slots.view()}
+        return {**super().status(), "lora_rank": self.lora_rank, "lora_slots": self.slots.view(),
+                "lora_warm_s": self.warm_s}
 
 
 def lora_args(slots: int, rank: int) -> list[str]:
@@ -333,6 +402,36 @@ def register_slots(control: VllmControl, slots: SlotTable, adapter_dir: str, whe
         if answer.get("registered") != ids:
             raise VllmError(f"vLLM worker {w} holds LoRA adapters {answer.get('registered')}, not the "
                             f"{len(ids)} slots registered at start ({ids})")
+
+
+#: A warm-up request's prompt (token ids: no tokenizer needed) and its tokens: a prefill and a decode step.
+WARM_PROMPT, WARM_TOKENS = [1, 2, 3, 4], 2
+
+
+def warm_slots(control: VllmControl, slots: SlotTable) -> float:
+    """One short request on every slot before the replica says it serves: vLLM builds its LoRA
+    path on the first request that names an adapter (compiled, its graphs again with the LoRA inputs: seconds to
+    tens of seconds, which a user's first request would otherwise wait for), so it is paid here, at start. The
+    slots are proven already and no request is pinned yet; the answers are discarded. Returns the seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(s: Slot) -> None:
+        try:
+            r = control.http.post("/v1/completions", json={"model": s.name, "prompt": WARM_PROMPT,
+                                                            "max_tokens": WARM_TOKENS, "temperature": 0.0})
+        except httpx.HTTPError as e:
+            raise VllmError(f"vLLM at {control.url}: a warm-up request on LoRA slot {s.name} failed: {e}") from e
+        if r.status_code != 200:
+            raise VllmError(f"vLLM at {control.url}: a warm-up request on LoRA slot {s.name} answered "
+                            f"{r.status_code}: {r.text[:300]}")
+
+    t0 = time.perf_counter()
+    one(slots.slots[0])                 # alone (a batch of one request), then the others together
+    with ThreadPoolExecutor(len(slots.slots)) as pool:
+        list(pool.map(one, slots.slots[1:]))
+    seconds = time.perf_counter() - t0
+    log.info("vLLM's LoRA path warmed with one request on each of %d slots in %.2fs", len(slots.slots), seconds)
+    return seconds
 
 
 def adapter_rank(config: dict[str, Any]) -> int:
@@ -401,6 +500,7 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
         control.rpc("ckptdelta_layout", {})
         register_slots(control, slots, adapter_dir, where)
         applier = LoraSlotApplier(control, shared, slots, reader=reader, config=config, slot_timeout=request_timeout)
+        applier.listen(scratch.path)
         t0 = time.perf_counter()
         for s in reversed(slots.slots):          # loaded by vLLM itself from the snapshot's directory: proven
             control.rpc("ckptdelta_lora_prove", {"id": s.id, "path": shared.path, "digests": applier.digests(version),
@@ -408,13 +508,14 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
             slots.ready(s, version)              # slot 0 last: the newest, new requests go there
         log.info("vLLM serves LoRA run %s, %s, in %d slots on base %s (rank %d; proven in %.2fs)", reader.run_id,
                  snapshot_label(version), lora_slots, base_dir, rank, time.perf_counter() - t0)
+        warm_s = warm_slots(control, slots)
         swapper = LoraHotSwapper(shared.tensors, reader, version=version, applier=applier, record=m.adapter,
                                  base_xxh3=digest, priors=priors)
         from ckptdelta.loader.engines.vllm.watch import EngineWatch
 
         watch = EngineWatch(server.url, applier=applier, proc=server.proc, api_key=vllm_api_key,
                             on_failure=on_failure).start()
-        return VllmLoraReplica(slots=slots, lora_rank=rank, url=server.url, served_name=name, swapper=swapper,
+        return VllmLoraReplica(slots=slots, lora_rank=rank, warm_s=warm_s, url=server.url, served_name=name, swapper=swapper,
                                applier=applier, shared=shared, cache_policy=cache_policy, server=server,
                                model_dir=base_dir, owned_dir=scratch, request_timeout=request_timeout, watch=watch)
     except BaseException as e:

@@ -256,6 +256,14 @@ class CkptDeltaWorker:
         return slots.describe(self)
 
     @_answer
+    def ckptdelta_lora_listen(self, req: dict) -> dict[str, Any]:
+        """Serve hot-load writes on a Unix socket at ``path`` (``{rank}`` replaced) from a thread of this worker
+        (``vllm_lora_slots.listen``): the replica's write path, with no RPC waiting for vLLM's step in progress."""
+        from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
+
+        return {"path": slots.listen(self, str(req["path"]).replace("{rank}", str(_tp_rank()[0])))}
+
+    @_answer
     def ckptdelta_lora_stage(self, req: dict) -> dict[str, Any]:
         """Start preparing the adapter in the host copy at ``path`` for registered adapter ``id`` in a thread
         (``vllm_lora_slots.prepare``: verify, transform, pack, the proof's reference) and return at once; poll
@@ -342,10 +350,11 @@ class CkptDeltaWorker:
         holds vLLM's engine loop with ckptdelta's slot write (whose times the workers report)."""
         from vllm.lora.request import LoRARequest
 
+        from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
         from ckptdelta.loader.engines.vllm.worker.shadow import KERNEL_LOCK
 
         t0 = time.perf_counter()
-        with KERNEL_LOCK:        # as the runner's own add_lora (vllm_lora_slots.install_lora_lock)
+        with KERNEL_LOCK, slots.REGISTRY_LOCK:     # as the runner's own add_lora (lora_slots.install_lora_lock)
             self.model_runner.lora_manager.add_adapter(  # type: ignore[attr-defined]
                 LoRARequest(lora_name=str(req["name"]), lora_int_id=int(req["id"]), lora_path=str(req["path"]),
                             load_inplace=True))

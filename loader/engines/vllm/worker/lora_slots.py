@@ -21,9 +21,11 @@ a half-written slot.
   generates. The same thread then writes (:func:`write_locked`): each layer's
   ``set_lora`` copy into the slot's rows, which no step reads (the slot keeps its
   index: every slot stays registered, active and pinned), beside vLLM's steps;
-  then, holding the kernel lock that vLLM's steps and its own LoRA registry
-  calls hold (:func:`install_lora_lock`), the registry's entry for the slot is
-  swapped for the prepared LoRAModel: that swap is all vLLM's steps wait for.
+  then, holding the registry lock that each step's adapter activation and
+  vLLM's own LoRA registry calls hold (:func:`install_lora_lock`; not the kernel
+  lock a step holds throughout, so the swap waits for no forward pass), the
+  registry's entry for the slot is swapped for the prepared LoRAModel: that
+  swap is all vLLM's steps wait for.
   The comparison of the slot with the reference runs after, beside vLLM's steps.
   (:func:`write` does it all inside one RPC, in the engine loop.)
 - **Pinned.** Every slot adapter is pinned in vLLM's CPU and GPU LoRA caches:
@@ -50,6 +52,8 @@ from typing import Any, NamedTuple
 
 import torch
 import xxhash
+
+from ckptdelta.loader.engines.vllm.worker.shadow import FairLock
 
 
 class SlotError(RuntimeError):
@@ -85,14 +89,28 @@ def pin(worker: Any, ids: list[int]) -> dict[str, Any]:
 
 
 _LORA_METHODS = ("add_lora", "remove_lora", "pin_lora")
+#: The LoRA manager's method each step calls (at its start, before any kernel) to make its requests' adapters
+#: active: the only place a step reads or changes the manager's registry.
+_STEP_LORA_METHODS = ("set_active_adapters",)
+
+
+#: Held by every change or read of the LoRA manager's registry: the runner's own LoRA registry calls, each
+#: step's ``set_active_adapters``, and a slot write's registry swap (:func:`write_locked`). A step holds it
+#: for its adapter activation only, not for its forward pass, so a swap waits at most for that, never for the
+#: step in progress (the kernel lock, which a step holds throughout, is taken only where kernels run). Always
+#: taken inside the kernel lock where both are held, never around it.
+REGISTRY_LOCK = FairLock()
 
 
 def install_lora_lock(model_runner: Any) -> None:
     """Make the runner's own LoRA registry calls (``/v1/load_lora_adapter``, unloads, pins) hold the kernel
-    lock, as its steps do (loader/engines/vllm/worker/shadow.py): a slot write from a worker thread
-    (:func:`write_locked`) then never meets another change of the LoRA manager. Idempotent."""
-    from ckptdelta.loader.engines.vllm.worker.shadow import hold_kernel_lock
+    lock, as its steps do (loader/engines/vllm/worker/shadow.py), and, inside it, :data:`REGISTRY_LOCK`, which
+    each step's adapter activation holds too: a slot write from a worker thread (:func:`write_locked`) then
+    never meets another change of the LoRA manager, and waits for no step's forward pass. Idempotent."""
+    from ckptdelta.loader.engines.vllm.worker.shadow import hold_kernel_lock, hold_lock
 
+    hold_lock(model_runner.lora_manager, _STEP_LORA_METHODS, "_ckptdelta_registry_lock", REGISTRY_LOCK)
+    hold_lock(model_runner, _LORA_METHODS, "_ckptdelta_registry_lock", REGISTRY_LOCK)   # inside the kernel lock (next)
     hold_kernel_lock(model_runner, _LORA_METHODS, "_ckptdelta_lora_lock")
 
 
@@ -217,11 +235,12 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     request runs on it until the replica hears it proven: its rows are read by no step, so each layer's own
     ``set_lora`` (or ``reset_lora`` for a layer the adapter leaves out) writes them beside vLLM's steps.
     Only the registry's entry for the slot (the LoRAModel vLLM would copy in again if it ever re-activated
-    it) is swapped holding the kernel lock, which vLLM's steps and its own LoRA registry calls hold too: that
-    swap is all vLLM's steps wait for. A slot not active (a write that failed half way) takes :func:`_swap_in`
-    under the lock instead. The proof runs after, beside vLLM's steps. ``write_t`` is when the lock was taken
-    (``time.perf_counter``, the host's monotonic clock), ``lock_wait_s`` how long it waited for the step in
-    progress, ``held_s`` how long vLLM's steps waited, ``write_s`` the copy."""
+    it) is swapped holding :data:`REGISTRY_LOCK`, which each step's adapter activation and vLLM's own LoRA
+    registry calls hold too: that swap is all vLLM's steps wait for, and it waits for no step's forward pass
+    (a step holds the lock only while it activates its adapters). A slot not active (a write that failed half
+    way) takes :func:`_swap_in` under the kernel lock as well. The proof runs after, beside vLLM's steps.
+    ``write_t`` is when the lock was taken (``time.perf_counter``, the host's monotonic clock), ``lock_wait_s``
+    how long it waited for it, ``held_s`` how long vLLM's steps waited, ``write_s`` the copy."""
     from ckptdelta.loader.engines.vllm.worker.shadow import KERNEL_LOCK
 
     wm, mgr = managers(worker)
@@ -230,14 +249,19 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     if index is not None:
         _copy_into(mgr, index, prepared.lora)
     t1 = time.perf_counter()
-    with KERNEL_LOCK:
+    with REGISTRY_LOCK:
         t2 = time.perf_counter()
-        if index is not None and mgr.lora_index_to_id[index] == lora_id:
+        swapped = index is not None and mgr.lora_index_to_id[index] == lora_id
+        if swapped:
             mgr._registered_adapters[lora_id] = prepared.lora
             wm.pin_adapter(lora_id)
-        else:                   # not active, or vLLM moved it meanwhile: vLLM's own path, under the lock
-            _swap_in(worker, lora_id, prepared)
         t3 = time.perf_counter()
+    if not swapped:             # not active, or vLLM moved it meanwhile: vLLM's own path, under both locks
+        with KERNEL_LOCK:
+            t2 = time.perf_counter()
+            with REGISTRY_LOCK:
+                _swap_in(worker, lora_id, prepared)
+            t3 = time.perf_counter()
     index, checked = _prove_written(worker, lora_id, config, prepared)
     t4 = time.perf_counter()
     return {"id": lora_id, "index": index, "checked": checked, "staged": True, "prepare_s": prepared.seconds,
@@ -401,3 +425,57 @@ def slot_digests(worker: Any, lora_id: int) -> dict[str, str]:
             for i, t in enumerate(_at(buf, index)):
                 out[f"{name}.{k}[{i}]"] = f"{_bits_digest(t.cpu()):016x}"
     return out
+
+
+def listen(worker: Any, where: str) -> str:
+    """Serve hot-load writes on a Unix socket at ``where`` (this worker's own path) from a thread of this worker,
+    started once: the replica connects, sends one request (a line of JSON:
+    ``id``, ``path``, ``digests``, ``config``) and reads one answer line. The thread prepares, writes and proves
+    (:func:`prepare`, :func:`write_locked`) at once, without a ``/collective_rpc``, which vLLM
+    runs only once the step in progress ends, and the replica hears the answer the moment it is written, without
+    polling for it. The socket's directory is the replica's own (mode 0700). Returns the path bound."""
+    import os
+    import socket
+    import threading
+
+    held = getattr(worker, "_ckptdelta_lora_listener", None)
+    if held is not None:
+        if held != where:
+            raise SlotError(f"this worker serves LoRA writes at {held} already, not {where}")
+        return held
+    if os.path.exists(where):
+        os.unlink(where)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(where)
+    os.chmod(where, 0o600)
+    srv.listen(4)
+    threading.Thread(target=_serve, args=(worker, srv), name="ckptdelta-lora-writes", daemon=True).start()
+    worker._ckptdelta_lora_listener = where
+    return where
+
+
+def _serve(worker: Any, srv: Any) -> None:
+    import json
+
+    from ckptdelta.loader.engines.vllm.worker.readback import KERNEL_GUARD
+    from ckptdelta.loader.engines.vllm.worker.shadow import KERNEL_LOCK
+
+    KERNEL_GUARD.set(lambda: KERNEL_LOCK)         # as a BackgroundJob's: its kernel calls hold the kernel lock
+    while True:
+        conn, _ = srv.accept()
+        with conn:
+            try:
+                with conn.makefile("rb") as f:
+                    line = f.readline()
+                if not line:
+                    continue                      # the replica gave up before sending: nothing to do
+                req = json.loads(line)
+                lora_id, config = int(req["id"]), dict(req["config"])
+                p = prepare(worker, lora_id, str(req["path"]), dict(req["digests"]), config)
+                out = {"state": "ready", **write_locked(worker, lora_id, config, p)}
+            except Exception as e:  # noqa: BLE001 - the replica reads why in the answer
+                out = {"state": "failed", "why": f"{type(e).__name__}: {e}"}
+            try:
+                conn.sendall((json.dumps(out) + "\n").encode())
+            except OSError:
+                pass                              # the replica is gone; the next request is another connection

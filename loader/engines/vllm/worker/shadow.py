@@ -305,6 +305,11 @@ def install_step_lock(model_runner: Any) -> None:
 def hold_kernel_lock(obj: Any, names: tuple[str, ...], flag: str) -> None:
     """Wrap each of ``obj``'s methods ``names`` (as instance attributes) so that it holds :data:`KERNEL_LOCK`;
     ``flag``, set on ``obj``, makes it idempotent."""
+    hold_lock(obj, names, flag, KERNEL_LOCK)
+
+
+def hold_lock(obj: Any, names: tuple[str, ...], flag: str, lock: Any) -> None:
+    """:func:`hold_kernel_lock` with another lock."""
     if getattr(obj, flag, False):
         return
     for name in names:
@@ -313,7 +318,7 @@ def hold_kernel_lock(obj: Any, names: tuple[str, ...], flag: str) -> None:
             continue
 
         def locked(*args: Any, _method: Callable[..., Any] = method, **kwargs: Any) -> Any:
-            with KERNEL_LOCK:
+            with lock:
                 return _method(*args, **kwargs)
 
         setattr(obj, name, locked)

@@ -107,9 +107,11 @@ def on_fresh(fresh):
 def test_a_replica_started_on_a_delta_serves_its_exact_bits_and_hot_loads_the_next_delta_forward(rep, fresh):
     """Started on v1 (a delta): every slot holds, bit for bit, what vLLM's own load of v1's PEFT directory holds;
     the next delta, coded against v0 too, is hot-loaded forward (the bits materializing v1 kept, not the anchor
-    route), written, proven and equal to vLLM's own load of v2's directory."""
+    route), written, proven and equal to vLLM's own load of v2's directory. Before it said it served, every slot
+    answered a warm-up request (vLLM builds its LoRA path on the first one)."""
     engine = rep.engine
     assert engine.version == 1 and {s.version for s in engine.slots.slots} == {1}
+    assert engine.status()["lora_warm_s"] > 0
     for s in engine.slots.slots:
         assert slot_digests(engine.applier.control, s.id) == slot_digests(fresh, 2)
     assert rep.complete(max_tokens=2, return_engine_data=True)["engine_data"]["policy_versions"] == [1]
