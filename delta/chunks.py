@@ -79,8 +79,8 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
                  context: bool = True, grand: np.ndarray | None = None) -> EncodedChunk:
     """Pick the smallest encoding for one chunk. ``old``/``new`` are the chunk's bits.
 
-    ``context=False`` leaves out the context coder (id 5, or 4: CONTEXT_ENCODING): deltas
-    about 1.6x larger, encode and decode faster where many elements change. ``grand``, the
+    ``context=False`` leaves out the context coder (id 5, or 4: CONTEXT_ENCODING): larger
+    deltas, encode and decode faster where many elements change. ``grand``, the
     grandparent's bits of the chunk, lets the context coder try encoding 6 as well (a reader
     then needs them too).
 

@@ -163,7 +163,7 @@ def encode(old: Array | None, new: Array, *, name: str = "tensor", chunk_elems: 
     (docs/FORMAT.md, encoding 4): larger deltas, faster encode and decode.
     ``grandparent``: the tensor before ``old`` (same dtype and shape), whose step to ``old``
     predicts the next one (encoding 6: where nearly every element moves, as in a LoRA step,
-    ~12% fewer bytes than encoding 5); a reader then needs it too.
+    fewer bytes than encoding 5; benchmarks/lora_codec.py measures it); a reader then needs it too.
     Many tensors: :func:`ckptdelta.delta.encode_many` spreads them over the cores as well."""
     job = _EncodeJob.prepare(old, new, name=name, chunk_elems=chunk_elems, level=level,
                              parent_digest=parent_digest, context=context, grandparent=grandparent)
@@ -355,7 +355,7 @@ def diagnose_parent(enc: EncodedTensor, bits: np.ndarray, verify: bool) -> None:
     Why only then: the result's digest, which every verified decode checks, already proves the
     bits (a step is applied to the parent's bits, so any other parent changes the result).
     Hashing the parent first would prove nothing more and cost a pass over it on every
-    decode: ~8% of a decode at 1% changed."""
+    decode, a noticeable share of one where few elements changed."""
     if verify and enc.header.has_parent:
         _check_parent(enc, xxhash.xxh3_64_intdigest(bits))
         if enc.needs_grandparent:      # the record stores no digest of it: the right parent leaves only this
@@ -427,7 +427,7 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     if any(c.encoding in unsized for c in h.chunks) or total * (8 + w) > h.numel * w:
         return _stage_chunkwise(bits, enc, verify, threads, grand)
     # The changes decode straight into the staged arrays, each chunk into its slice: no per-chunk arrays
-    # to assemble afterwards (a copy of every change: 15% of a sparse stage at 7% changed).
+    # to assemble afterwards (a copy of every change, a sizeable share of a sparse stage).
     positions = np.empty(total, np.int64)
     values = np.empty(total, h.dtype.bits_dtype)
     old_bits = np.empty(total, h.dtype.bits_dtype)
@@ -630,7 +630,7 @@ def _in_place(live, h: RecordHeader, method: str) -> bool:
     """Whether ``live`` takes a delta in place, told from its attributes alone (asking torch for the view
     gives up the GIL, slow beside busy codec threads). When it does, host_bits() is a view of it: a
     contiguous CPU tensor's numpy() shares its memory, as does a C-contiguous array's flat view, so
-    nothing checks the pointers (ndarray.ctypes alone costs ~3 us a tensor). An empty tensor has no
+    nothing checks the pointers (even ndarray.ctypes is slow, per tensor). An empty tensor has no
     memory to share: it is staged."""
     if isinstance(live, np.ndarray):
         ok = bool(live.flags.writeable and live.flags.c_contiguous) and live.size > 0

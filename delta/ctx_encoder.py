@@ -164,11 +164,10 @@ def _scan(old, new, old4, new4, width_bits, mbits, C, signbit, mask, cpos, ccls,
     bank ``k``, so consecutive elements of one class do not serialise on one counter.
     Inside the pass a change records only its position, class, rank and both bit patterns,
     into the caller's scratch arrays ``cpos``/``ccls``/``crank``/``cold``/``cnew`` (at least
-    as long as the chunk, reused from chunk to chunk: fresh ones cost page faults, ~0.08 ns
-    per element); its step is worked out after the pass from those, in order (reading the
-    two elements again there waits on the cache: ~20 ns per change). 0.92 -> ~0.70 ns per
-    element at 1% changed (bf16; the histogram and compare alone: 0.47). Returns the change
-    arrays cut to the changes found (views of the scratch)."""
+    as long as the chunk, reused from chunk to chunk: fresh ones cost page faults); its
+    step is worked out after the pass from those, in order (reading the two elements again
+    there waits on the cache), which takes a good part off this pass (benchmarks/stages.py
+    times it, "scan"). Returns the change arrays cut to the changes found (views of the scratch)."""
     n = old.shape[0]
     cm = U64(C - 1)
     h = np.zeros((4, C), np.int32)
@@ -267,8 +266,8 @@ def _unchanged_events(old, new, old4, new4, width_bits, mbits, pmode, ppol, ucou
     whose events are their unchanged elements (a second pass; only when there are any).
     Groups of four (``old4``/``new4`` as in :func:`_scan`) whose classes all lie outside
     the range of those classes, nearly all of them, are passed over on one SWAR range test
-    of the four class fields at once (no table look-up: ~10% off this pass at lr 1e-5,
-    where it runs on most chunks)."""
+    of the four class fields at once (no table look-up, which shows at lr 1e-5, where this
+    pass runs on most chunks)."""
     C = pmode.shape[0]
     cm = U64(C - 1)
     upos = np.empty(ucount + 4, np.int32)
@@ -351,7 +350,7 @@ def _step_models(kcls, ccls, ca):
     count = ccls.shape[0]
     # Only the classes that hold a change have a histogram row: a class without one keeps zero counts and
     # the NONE model (_flag_model(0, 0), zeros), and a chunk of a few changes in a small tensor then pays for
-    # the handful of classes it touches, not for all 2**ebits (256 x 64 counters for bf16, ~15 us a chunk).
+    # the handful of classes it touches, not for all 2**ebits (256 x 64 counters for bf16, set up per chunk).
     row = np.full(C, -1, np.int64)
     act = np.empty(C, np.int64)
     nact = 0

@@ -9,10 +9,10 @@ positions are Golomb-coded gaps inside the class's own index sequence, the steps
 sign bit plus a Golomb-coded "moved more than one ulp" sequence and magnitude.
 Golomb codes are within ~1% of the entropy of geometric gaps, need one parameter
 byte per class (no frequency tables), and decode with a bit reader and no
-divisions. On the small reference model (bf16, 1% of elements changed) this is
-within 5% of the conditional entropy benchmarks/entropy.py prints, ~1.4x past the
-order-0 limit and ~3x smaller than XOR+zstd; the price is a pass over every parent
-element (~1 ns each) where encoding 1 touches only the changes.
+divisions. On the small reference model (bf16, 1% of elements changed) this comes
+close to the conditional entropy benchmarks/entropy.py prints, well past the
+order-0 limit and much smaller than XOR+zstd (docs/PERFORMANCE.md); the price is a
+pass over every parent element where encoding 1 touches only the changes.
 
 Layout, classes, parameters and bit order are fixed by docs/FORMAT.md
 ("Encoding 4: ctx"). This module is the glue delta/chunks.py calls; the kernels
@@ -148,7 +148,7 @@ def _result(out: np.ndarray, sparse: tuple, changed: int | None, nan: bool | Non
 
 def encode_gctx(old: np.ndarray, new: np.ndarray, dt: DType, changed: int | None = None) -> CtxResult | None:
     """As :func:`encode_ctx`, for encoding 5 (delta/gctx.py): the same contexts, positions coded
-    per group of classes, both ends ~2x faster at ~2% more bytes."""
+    per group of classes, both ends much faster for slightly more bytes."""
     lay = layout_of(dt)
     if lay is None:
         return None

@@ -3,13 +3,13 @@
 
 Why: encoding 4 codes positions per class, so its decoder keeps one countdown per
 class and walks every element, a load and a store on a counter that the next
-element may need (~1 ns per element, where XOR+zstd's whole decode is ~0.65 ns).
+element may need (more per element than XOR+zstd's whole decode).
 Here adjacent exponent classes share one position model (a *group*, at most four per
 chunk), each group's elements form a bit mask per 64-element word (a few vector
 compares), and a gap is skipped a word at a time by counting the mask's bits. The
 steps keep encoding 4's per-class models (that work is per change, not per element).
-Grouping costs ~0.2 bits per change against encoding 4 on the reference model (four
-groups: 5.57 position bits against 5.36); both ends run ~2x faster.
+Grouping costs a few percent more position bits per change than encoding 4 on the
+reference model; both ends run much faster (benchmarks/stages.py times the stages).
 
 Layout, groups and bit order are fixed by docs/FORMAT.md ("Encoding 5: gctx"); the
 step stream and the Golomb codes are encoding 4's (delta/ctx_encoder.py,
@@ -79,7 +79,7 @@ else:
         """The ``r``-th (from 0) lowest set bit of ``m`` as a one-bit word; ``r`` < popcount(m).
         Broadword (no loop, no branch: Vigna's select in a word): byte-wise prefix counts of the
         set bits, one compare of all eight bytes with ``r`` finds the byte, a table the bit in it.
-        ~1 ns, where clearing bits one by one or halving the word cost 6-17 ns with mispredictions."""
+        Clearing bits one by one or halving the word costs several times more, in mispredictions."""
         s = m - ((m >> U64(1)) & U64(0x5555555555555555))
         s = (s & U64(0x3333333333333333)) + ((s >> U64(2)) & U64(0x3333333333333333))
         s = ((s + (s >> U64(4))) & U64(0x0F0F0F0F0F0F0F0F)) * _L8      # byte i: set bits of bytes 0..i
@@ -134,7 +134,7 @@ _BLOCK = 256    # words whose masks are worked out at a time (16384 elements; 8 
 @njit(cache=True, nogil=True)
 def _masks(old, w0, w1, G, em, glo, gwd, out):
     """Group masks of words w0..w1-1 into out[k, 0 .. w1-w0]. A function of its own: inlined in
-    the loops that use the masks, the compares stop vectorising (~3x slower)."""
+    the loops that use the masks, the compares stop vectorising (several times slower)."""
     n = old.shape[0]
     for wi in range(w0, w1):
         base = wi << 6
@@ -356,8 +356,7 @@ def gctx_decode(payload, old, count, width_bits, mbits, ebits, out_pos, out_val)
 @njit(cache=True, nogil=True)
 def _find_changes(old, new, mbits, cmask, cpos, ccls, cold, cnew, chgw):
     """Every change's position, class and both bit patterns, in order, a word of 64 elements at
-    a time. A function of its own: inlined into a larger one, the compares stop vectorising
-    (0.5 against 0.1 ns per element)."""
+    a time. A function of its own: inlined into a larger one, the compares stop vectorising."""
     n = old.shape[0]
     j = 0
     for wi in range((n + 63) >> 6):
@@ -370,7 +369,7 @@ def _find_changes(old, new, mbits, cmask, cpos, ccls, cold, cnew, chgw):
             cpos[j] = p
             ccls[j] = (o >> mbits) & cmask
             cold[j] = o                 # both bits now, while in cache: read again after the
-            cnew[j] = np.int64(new[p])  # pass, they wait on memory (~20 ns per change)
+            cnew[j] = np.int64(new[p])  # pass, they wait on memory
             j += 1
             chg &= chg - U64(1)
     return j
@@ -506,7 +505,7 @@ def _group_gaps(old, mbits, ebits, t, gpol, chgw, gaps, gid):
     the last gap of each group after its events; and each group's size. Events are the
     changed elements (``chgw``: a mask per word) of a polarity-0 group and the unchanged ones
     of a polarity-1 group. The GMAX groups' counters are locals, not an array (a group past
-    G has an empty mask): 0.23 -> 0.1 ns per element."""
+    G has an empty mask), so they stay in registers."""
     n = old.shape[0]
     G = t.shape[0] - 1
     em, glo, gwd = _group_ranges(t, G, mbits, ebits)

@@ -62,7 +62,7 @@ ENV = "CKPTDELTA_KERNEL_CACHE"
 
 @lru_cache(maxsize=None)
 def _host_cpu() -> tuple[str, str]:
-    """The host's CPU name and features, as llvmlite reports them (~1 ms: asked once, not once per kernel)."""
+    """The host's CPU name and features, as llvmlite reports them (not free: asked once, not once per kernel)."""
     import llvmlite.binding as ll
 
     return ll.get_host_cpu_name(), ll.get_host_cpu_features().flatten()
@@ -152,7 +152,7 @@ def quiet() -> None:
 
 def _announce(what: str) -> None:
     """One INFO line, on the first kernel a process compiles in an environment never warmed up: without it a
-    first publish or hot-load is silent for 20-30 s."""
+    first publish or hot-load is silent while it compiles (benchmarks/kernel_envs.py measures how long)."""
     global _announced
     with _announce_lock:
         if _announced:

@@ -202,7 +202,7 @@ def xor_planes(old, new, nplanes):
 #: The estimate below is taken per block of this many bytes: finer than zstd's Huffman blocks (up to 128 KiB),
 #: so where statistics change along the planes (runs, a region left unchanged, a plane boundary) it errs low,
 #: the safe side for deciding that a compression cannot win; large enough that a block's own statistics
-#: barely bias it (on noise-like planes it came 2-5% below zstd's output).
+#: barely bias it (on noise-like planes it came slightly below zstd's output).
 ENTROPY_BLOCK = 1 << 14
 
 
@@ -323,7 +323,7 @@ def hash_while_copying(b8, dst, src, swap=False):
     writes this one.
 
     The hash is bound by multiplies and the copy by memory, so interleaved they cost little more than the
-    copy alone; one after the other (hash a block, then write it) took 1.25x as long (256 MB, one thread)."""
+    copy alone; one after the other (hash a block, then write it) they take clearly longer."""
     n = b8.shape[0]
     nw = n >> 3
     w = b8[:nw << 3].view(np.uint64)

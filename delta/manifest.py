@@ -178,7 +178,8 @@ class PieceColumns(Sequence[PieceEntry]):
     A sharded 1T model's delta lists ~470,000 pieces, 256 per tensor. Parsed and checked (array operations over
     the columns of every entry at once), merged on rank 0 and written back as these columns, no piece becomes a
     Python object of its own on the way: one object per piece, made and checked one by one, was most of rank
-    0's 12 s of metadata per publish at 256 ranks, and ~8 us a piece on each replica. Whoever looks at the
+    0's metadata time per publish at 256 ranks, and a cost per piece on each replica (docs/PERFORMANCE.md,
+    "Rank 0's metadata at scale"). Whoever looks at the
     pieces one by one (a reader staging them) gets each as a :class:`PieceEntry`, all made once when first
     asked for; the columns compare equal to the tuple of those entries. The columns are kept as given (the
     parser's lists, rank 0's slices), not copied."""

@@ -3,12 +3,12 @@
 Why: encoding 5 (delta/gctx.py) works a word of 64 elements at a time, and both of
 its ends spend most of their per-element time building such masks. Written as a
 scalar loop (``m |= (x[j] == v) << j``), LLVM vectorises the compares but assembles
-the mask lane by lane: ~0.07 ns per element and group on this project's reference
-machine. Here the 64 elements are loaded as one LLVM vector, compared, and the
-<64 x i1> result bitcast to an i64, which LLVM lowers to the target's own mask
-instructions (AVX-512 mask registers, AVX2 movemask, NEON on ARM): ~0.013 ns per
-element and group. The caller guarantees that all 64 elements exist; the last,
-partial word of a chunk goes through a scalar loop.
+the mask lane by lane, several times slower than the target's own mask
+instructions. Here the 64 elements are loaded as one LLVM vector, compared, and the
+<64 x i1> result bitcast to an i64, which LLVM lowers to those instructions
+(AVX-512 mask registers, AVX2 movemask, NEON on ARM): a few per word
+(benchmarks/stages.py times the stages that use them). The caller guarantees that
+all 64 elements exist; the last, partial word of a chunk goes through a scalar loop.
 
 Under ``NUMBA_DISABLE_JIT`` (coverage runs) the same functions are plain Python.
 """

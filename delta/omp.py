@@ -4,12 +4,10 @@ Why: a pause starts right after torch has run something (the forward steps it
 waited for, a copy) on its intra-op threads, and torch's CPU build runs those on
 GNU OpenMP, whose idle threads spin for a while before they sleep. A commit on
 threads of its own then finds the cores taken by spinning threads, or, once they
-sleep, waits for an idle vCPU to wake (1-4 ms on the development machine). Started
+sleep, waits for an idle vCPU to wake, a delay the size of a small commit. Started
 with ``GOMP_parallel`` from the thread that ran the torch work, the same kernel
-gets those very threads, already awake. Measured on the development machine, 2
-vCPUs, right after a torch copy of a 0.09 GB model, scattering 9.5% of its
-elements: 5.1 ms on torch's team, 7.9 ms on a thread pool of our own; at 1%, 2.7 ms
-against 5.7 ms (the copy itself: 8.5 ms).
+gets those very threads, already awake: right after torch work, a scatter runs
+clearly faster on torch's team than on a thread pool of our own.
 
 An OpenMP team belongs to the thread that starts the parallel region: a commit
 called from another thread than the forward steps gets a team of its own (woken

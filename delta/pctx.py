@@ -6,17 +6,16 @@ trained with Adam at 1e-5 to 1e-4), the parent alone says little more than how
 large an ulp is (encodings 4 and 5). The step before says much more: Adam's
 update direction ``m / sqrt(v)`` persists from step to step (beta1 = 0.9), so an
 element that went up last time mostly goes up again, by a similar number of
-ulps, and one that did not move mostly stays. On real LoRA steps (bf16,
-benchmarks/lora_codec.py) the empirical entropy with the previous step as a
-context is 1.78-1.91x below XOR + zstd-3, where the parent's exponent alone
-gives 1.54-1.63x. The contexts are many and their statistics differ from chunk to
+ulps, and one that did not move mostly stays. On real LoRA steps (bf16) the
+empirical entropy with the previous step as a context is clearly further below
+XOR + zstd-3 than with the parent's exponent alone (benchmarks/lora_codec.py
+measures both). The contexts are many and their statistics differ from chunk to
 chunk, so they are learnt as the chunk is coded (LZMA's adaptive binary range
 coder, 11-bit probabilities) rather than sent as tables.
 
 The price: the decoder needs the tensor's bits before its parent (the caller
-passes them), and both ends visit every element with a few binary decisions, ~7 ns
-each: ~40-45 ns per element on an idle core at lr 1e-4 (bf16), where encoding 5
-takes a few.
+passes them), and both ends visit every element with a few binary decisions, each a
+range coder's multiply and renormalisation: many times encoding 5's time per element.
 
 Layout, contexts, binarisation and the coder's arithmetic are fixed by
 docs/FORMAT.md ("Encoding 6: pctx"). These are pure numba kernels over numpy

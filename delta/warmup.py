@@ -191,7 +191,7 @@ def _warm_commit_path(width: int) -> None:
 
 def _warm_stage(dtype: torch.dtype, context: bool) -> None:
     """The replica's staging path of one dtype and codec (sparse and dense chunks), checked. The records
-    are encoded here: with numba's cache filled at install that costs ~0.05 s more (a replica installed
+    are encoded here: with numba's cache filled at install that costs little (a replica installed
     without ``python -m ckptdelta.delta.warmup`` compiles the encoder too, in this background thread)."""
     from ckptdelta.delta import encode, stage
     from ckptdelta.delta.chunks import tries

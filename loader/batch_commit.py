@@ -11,8 +11,8 @@ preparing (:func:`choose`):
 - **copy** a staged whole copy of the new tensor over the live one, in 64 KiB
   blocks, each block's live bytes hashed (``kernels.block_hash``) and compared
   with the hash prepare() took of them before it is overwritten (the hash of a
-  block runs while the block before it is written): about 1.2-1.4x the cost of a
-  plain copy of the tensor, whatever changed. Staging it (a copy of the tensor and its
+  block runs while the block before it is written): a little more than a plain
+  copy of the tensor, whatever changed. Staging it (a copy of the tensor and its
   hashes) happens in prepare, while serving.
 
 Copy wins where so many elements change that the scatter costs more than a copy
@@ -24,7 +24,7 @@ holds the old bits, the undo, and nothing the size of the tensor is allocated.
 Its blocks are hashed while preparing. The tasks of every tensor (big tensors split into
 several) are cut by their estimated cost into ranges, about :data:`RANGES_PER_THREAD`
 per thread, which the threads claim one at a time as they finish the last (a fixed
-half each left one thread idle for 5-20 ms of a 40 ms pause at 1 GB: the estimate
+half each left one thread idle for a good part of the pause: the estimate
 is rough and the two cores of a shared machine are not equally fast). The threads
 are torch's own OpenMP team where torch runs on one (:mod:`ckptdelta.delta.omp`: right after
 torch work its threads are awake, where ours would have to be woken), else a pool
@@ -67,9 +67,9 @@ TASK_BLOCKS = 32
 #: Task ranges per commit thread: the threads claim them one at a time (a claim costs a kernel call).
 RANGES_PER_THREAD = 8
 #: Below this estimated cost (ns) the batch runs in the calling thread: a hand-off to threads of our own
-#: costs ~0.1 ms, and more when they must be woken ...
+#: is not free, and costs more when they must be woken ...
 THREADS_ABOVE_NS = 2e6
-#: ... to torch's OpenMP team, a few microseconds right after torch work.
+#: ... to torch's OpenMP team, far less right after torch work (its threads are awake: delta/omp.py).
 TEAM_ABOVE_NS = 2e5
 # rough costs for sharing tasks out (ns): per changed element scattered, per byte copied
 _SCATTER_NS = 4.0

@@ -2,8 +2,8 @@
 gets the new weights onto the replicas sooner.
 
 The two delta codecs trade CPU for bytes. The context coder (record encoding 5)
-writes deltas about 1.6x smaller than the fast path (``codec="fast"``: sparse / XOR
-planes with zstd alone), and encodes 1.4-2.7x slower and decodes 2-3x slower.
+writes smaller deltas than the fast path (``codec="fast"``: sparse / XOR planes
+with zstd alone), and encodes and decodes more slowly (docs/PERFORMANCE.md).
 Which one gets a snapshot swapped in sooner depends on the cores (and how busy
 they are) and the link to the bucket, so the publisher measures both and predicts,
 before each delta:
@@ -306,7 +306,7 @@ class CodecChooser:
 def warm_up(dtypes: "set[torch.dtype] | None" = None) -> None:
     """Load both codecs' kernels for ``dtypes`` (default: every float dtype the codec specialises) from numba's
     on-disk cache and start the codec pool, so no delta's ``encode_s`` includes that once-per-process cost
-    (~0.7 s for the context coder's first tensor, 10-50 ms more per dtype and codec). ``Publisher(codec=
+    (most of it at the context coder's first tensor, less for each further dtype and codec). ``Publisher(codec=
     "auto")`` runs it before its first delta of each dtype, outside the delta's timing (a run of anchors only,
     or a fixed codec, never pays for it)."""
     from ckptdelta.delta.batch import encode_many

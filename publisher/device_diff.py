@@ -3,7 +3,7 @@
 A delta is encoded on the host from two host copies, the parent (the last
 committed snapshot, which the publisher holds) and the new weights. Copying the
 new weights to the host whole costs the model's bytes over PCIe every step,
-although 98-99.5% of them are the parent's. With ``device_diff`` the publisher
+although nearly all of them are the parent's. With ``device_diff`` the publisher
 keeps the last published bits on the weights' own device (one extra copy of them
 there), finds the elements whose bits differ with torch ops on that device
 (integer views: NaN payloads and -0.0 are bits like any other), and moves only

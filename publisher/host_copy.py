@@ -6,8 +6,8 @@ copied into a host buffer owned by the publisher before publish() returns, and
 everything after that (encoding, hashing, uploading, keeping the copy as the
 next delta's parent) reads only these copies. CUDA tensors are copied into
 pinned buffers (the fast DMA path). Fresh host memory is expensive to fill (the
-kernel maps and zeroes each page on first touch: 0.16-0.73 s per GB measured,
-more than the copy itself; pinned memory costs more still), so the publisher
+kernel maps and zeroes each page on first touch, which costs more than the copy
+itself; pinned memory costs more still), so the publisher
 hands the buffers of a superseded parent back here and every step after the
 second copies into buffers it already owns (benchmarks/publish_host_copy.py).
 """
@@ -135,8 +135,8 @@ def check_publish_dtype(dtype: Any) -> torch.dtype | None:
     return dtype
 
 
-#: CPU tensors at least this large are copied by torch's threads (1 GB: 76 ms idle, 211 ms with both cores
-#: busy, against 102 and 181 ms for one memcpy); smaller ones by one memcpy on the calling thread.
+#: CPU tensors at least this large are copied by torch's threads (faster than one memcpy on idle cores, not
+#: much slower on busy ones); smaller ones by one memcpy on the calling thread.
 THREADED_COPY_BYTES = 16 << 20
 
 
@@ -167,8 +167,8 @@ def copy_to_host(sources: Mapping[str, torch.Tensor | np.ndarray],
             dst = _buffer(spare.get(name), t.dtype, tuple(t.shape), pin=on_cuda)
             if t.device.type == "cpu" and t.is_contiguous() and dst.nbytes < THREADED_COPY_BYTES:
                 # one memcpy on this thread: torch's copy_ splits even a small tensor over its intra-op
-                # threads, which on a trainer's busy cores wait for each other (8 MB: 31 ms against 0.9 ms
-                # with both cores busy; 0.2 against 0.5 ms idle)
+                # threads, which on a trainer's busy cores wait for each other: far slower than one memcpy
+                # there, where on idle cores they save little
                 np.copyto(dtypes.host_bits(dst), dtypes.host_bits(t))
             else:
                 dst.copy_(t, non_blocking=on_cuda)

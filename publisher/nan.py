@@ -1,10 +1,11 @@
 """Which tensors hold a NaN, at memory speed.
 
 The publisher warns once per tensor name when published weights hold NaNs (they
-are published as-is, bit-exact). ``torch.isnan(t).any()`` runs at ~0.4 GB/s on
-bf16 on a CPU, which would add most of a minute per publish of a 16 GB model;
-this numba scan over the raw bits (a vectorized max per 64K-element block, stopping
-at the first block with a NaN) runs at ~5 GB/s, still 0.2 s per GB. So a delta's tensors
+are published as-is, bit-exact). ``torch.isnan(t).any()`` is slow on bf16 on a
+CPU, far slower than reading the bytes, which would add a lot to each publish of a
+large model; this numba scan over the raw bits (a vectorized max per 64K-element
+block, stopping at the first block with a NaN) runs near memory speed, but is still
+a pass over every byte. So a delta's tensors
 are not scanned: a NaN can only appear where bits changed, and the encoder, which
 visits every changed element anyway, reports whether one of them became a NaN
 (``EncodedTensor.changed_nan``). The scan runs where nothing is known of the parent:

@@ -75,9 +75,9 @@ class Publisher:
     codecs' encode speed and output and of the upload bandwidth, which
     ``upload_bandwidth`` (bytes/s) seeds (publisher/codec_choice.py); ``"context"``:
     the context coder, the smallest deltas (``context_coding=True`` says the same);
-    ``"fast"``: zstd alone, ``context=False``: ~1.6x larger, encodes 1.4-2.7x and
-    decodes 2-3x faster (``context_coding=False`` says the same). Replicas decode
-    both, so any mix is bit-exact.
+    ``"fast"``: zstd alone, ``context=False``: larger deltas, faster to encode and
+    decode (``context_coding=False`` says the same; docs/PERFORMANCE.md measures
+    both). Replicas decode both, so any mix is bit-exact.
 
     ``device_diff=True`` (for weights on a GPU; needs ``max_in_flight=1``) keeps a
     copy of the last published bits on the weights' device, finds the changed

@@ -98,8 +98,8 @@ def split_dtensors(sources: Mapping[str, Any], cache: BoxCache | None = None) ->
     ranks) does not publish that tensor; a tensor of no elements is published whole by one rank.
 
     ``cache``: boxes already worked out by this rank, kept by the caller from publish to publish (a box
-    depends only on the mesh, the placements and the shape; torch's own computation of it costs ~60 us a
-    tensor, a few ms a step for a small model, 50 ms for 700 tensors)."""
+    depends only on the mesh, the placements and the shape; torch's own computation of it, per tensor, adds
+    up to a visible share of a step's publish)."""
     out: dict[str, Any] = {}
     boxes: Boxes = {}
     for name, value in sources.items():
@@ -120,7 +120,7 @@ def local_piece(name: str, dt: Any, cache: BoxCache | None = None) -> tuple[torc
         where = _box_of(name, dt)
         if cache is not None:
             cache[key] = where
-    with torch.no_grad():          # to_local() outside no_grad is an autograd call, ~30x the cost
+    with torch.no_grad():          # to_local() outside no_grad is an autograd call, many times the cost
         local = dt.to_local()
     if tuple(local.shape) != where.local_shape:
         raise PublishInputError(f"tensor {name!r}: the DTensor's local tensor is {list(local.shape)}, its "
@@ -180,7 +180,7 @@ def _box_of(name: str, dt: Any) -> _Where:
 # At 256 ranks a 1T model is ~470,000 pieces (1,830 tensors x 256 ranks). Rank 0 takes them in as columns, one
 # array per field over every rank's boxes, and checks and plans them with array operations per tensor: its
 # Python work per publish grows with the tensors and the ranks, not with their product (an object per box,
-# made, sorted and checked one by one, took 2.2 s of a 12 s publish there; benchmarks/sharded.py).
+# made, sorted and checked one by one, took a large share of a publish there; benchmarks/sharded.py).
 
 @dataclass(frozen=True, eq=False)
 class Holdings:

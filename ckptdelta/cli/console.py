@@ -102,7 +102,7 @@ INFO_COMMANDS = ("serve",)
 #: per-step lines; the replica logs one line per hot-load).
 DETAIL_LOGGERS = ("ckptdelta.loader.hotswap",)
 #: Loggers at INFO under every command: the line that says a first publish or hot-load is about to compile the
-#: codec's kernels (20-90 s, once per environment) instead of sitting silent.
+#: codec's kernels (once per environment, and slow) instead of sitting silent.
 ALWAYS_INFO_LOGGERS = ("ckptdelta.kernel_cache",)
 
 

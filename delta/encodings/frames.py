@@ -81,9 +81,10 @@ def unzstd(frame: bytes | memoryview, expected: int, where: str) -> bytes:
 
 #: A dense or raw try is compressed only when its planes' order-0 estimate (kernels.planes_entropy_bytes) is
 #: below this multiple of the best payload so far. zstd does not code bytes much below that estimate unless
-#: it finds repeats the estimate misses (on noise-like planes it lands 2-5% above it), so
-#: where every element changes by noise-like steps (a LoRA step: sparse wins by ~13%) the tries, which
-#: doubled the encode, are skipped; planes whose order-0 entropy is that high rarely hold long repeats.
+#: it finds repeats the estimate misses (on noise-like planes it lands slightly above it), so
+#: where every element changes by noise-like steps (a LoRA step: sparse wins) the tries, which
+#: cost as much as the rest of the encode, are skipped; planes whose order-0 entropy is that high rarely
+#: hold long repeats.
 SURELY_LARGER = 1.0
 
 

@@ -38,7 +38,7 @@ a half-written slot.
   zero padding up to ``--max-lora-rank`` are vLLM's). Layers the adapter does
   not touch must hold zeros there. On the CPU the comparison is of the bits'
   xxh3 (the reference's hashed while preparing), as every other proof of
-  ckptdelta: hashing is ~6x faster than comparing the bytes.
+  ckptdelta: hashing is much faster than comparing the bytes.
 
 Nothing here raises through the RPC: loader/engines/vllm/worker/extension.py turns an
 exception into ``{"error": ...}``.
@@ -364,7 +364,7 @@ def _bits_digest(t: torch.Tensor) -> int:
 
 
 def _expected(t: torch.Tensor) -> "torch.Tensor | int":
-    """What a slot buffer is compared with: on the CPU the xxh3 of its bits (hashing runs ~6x faster than
+    """What a slot buffer is compared with: on the CPU the xxh3 of its bits (hashing runs much faster than
     torch.equal over the bytes, and the comparison runs inside vLLM's engine loop), else the tensor."""
     return _bits_digest(t) if t.device.type == "cpu" else t
 
