@@ -35,12 +35,16 @@ class EngineContract:
     # --- what a subclass provides -------------------------------------------------------------------------
 
     def hotload_path(self, published) -> tuple[list[int], set[int]]:
+        """The versions to hot-load in order (forward, across an anchor, back) and which of them are anchors:
+        each engine's run has its own chain. Every subclass says it."""
         raise NotImplementedError
 
     def live_diff(self, replica: Replica, published, version: int, tmp_path) -> list[str]:
+        """The names of live weights whose bits differ from ``version``'s, read back the engine's own way."""
         raise NotImplementedError
 
     def fail_next_apply(self, replica: Replica, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Make the replica's next apply fail where that engine can fail (a real fault, not a stub)."""
         raise NotImplementedError
 
     def failed_apply_target(self, replica: Replica, published) -> int:
