@@ -121,17 +121,20 @@ def from_planes(planes: np.ndarray, n: int, nplanes: int, dtype) -> np.ndarray:
     return out.astype(dtype)
 
 
-def planes_entropy_bytes(planes: np.ndarray, plane_len: int, block: int) -> float:
+def planes_entropy_bytes(planes: np.ndarray, plane_len: int, block: int, stride: int = 1) -> float:
     total = 0.0
     for p0 in range(0, planes.shape[0], max(plane_len, 1)):
         plane = planes[p0:p0 + plane_len]
-        for start in range(0, plane.shape[0], block):
+        part, seen = 0.0, 0
+        for start in range(0, plane.shape[0], block * stride):
             b = plane[start:start + block]
             counts = np.bincount(b, minlength=256).astype(np.float64)
             counts = counts[counts > 0]
             bits = -float((counts * np.log2(counts / counts.sum())).sum())
             runs = 1 + int(np.count_nonzero(b[1:] != b[:-1]))
-            total += min(bits / 8.0, 2.0 * runs)
+            part += min(bits / 8.0, 2.0 * runs)
+            seen += b.shape[0]
+        total += part * plane.shape[0] / seen
     return total
 
 

@@ -612,11 +612,14 @@ def test_stage_decodes_each_chunk_into_its_slice_of_the_staged_arrays_as_chunk_b
     g = torch.Generator().manual_seed(7)
     old = (torch.randn(50_000, generator=g) * 0.02).to(torch.bfloat16)
     seen = set()
-    for share in (0.0005, 0.01, 0.2, 0.6, 1.0, "zeros"):      # zeros: raw chunks (smaller than XOR planes)
+    # zeros: raw chunks (smaller than XOR planes); flip: every element's lowest bit, dense XOR chunks
+    for share in (0.0005, 0.01, 0.2, 0.6, 1.0, "zeros", "flip"):
         for context in (True, False):
             new = old.clone()
             if share == "zeros":
                 new[:20_000] = 0
+            elif share == "flip":
+                new.view(torch.int16)[30_000:] ^= 1
             else:
                 pick = torch.rand(old.shape, generator=g) < share
                 noise = torch.randint(-(1 << 15), 1 << 15, old.shape, generator=g, dtype=torch.int16)

@@ -213,16 +213,17 @@ def test_planes_round_trip_and_match_reference(width):
                 np.testing.assert_array_equal(out, v.astype(out_dtype), err_msg=f"seed={SEED} nplanes={nplanes}")
 
 
-def test_planes_entropy_is_per_plane_block_the_smaller_of_order0_and_two_bytes_a_run_as_the_reference_says():
+def test_planes_entropy_is_per_plane_block_the_smaller_of_order0_and_two_bytes_a_run_sampled_by_stride_as_the_reference_says():
     rng = np.random.default_rng(SEED)
     for n, plane_len, block in [(1, 1, 4), (1000, 1000, 1000), (1000, 250, 64), (3000, 1500, 1 << 14),
                                 (4000, 1000, 300)]:
         for planes in (rng.integers(0, 256, n, dtype=np.uint8), np.zeros(n, np.uint8),
                        (rng.geometric(0.3, n) % 256).astype(np.uint8), np.repeat(rng.integers(0, 256, n // 50 + 1,
                                                                                               dtype=np.uint8), 50)[:n]):
-            got = kernels.planes_entropy_bytes(planes, plane_len, block)
-            assert got == pytest.approx(naive.planes_entropy_bytes(planes, plane_len, block), rel=1e-9, abs=1e-9), \
-                f"seed={SEED} n={n} plane_len={plane_len} block={block}"
+            for stride in (1, 2, 5):
+                got = kernels.planes_entropy_bytes(planes, plane_len, block, stride)
+                assert got == pytest.approx(naive.planes_entropy_bytes(planes, plane_len, block, stride), rel=1e-9,
+                                            abs=1e-9), f"seed={SEED} n={n} plane_len={plane_len} block={block} {stride=}"
     # one block of 256 distinct bytes repeated evenly: exactly 8 bits each
     assert kernels.planes_entropy_bytes(np.tile(np.arange(256, dtype=np.uint8), 4), 1024, 1024) == pytest.approx(1024)
     # two planes, each constant: nothing, whatever the block (no block spans two planes)
@@ -231,6 +232,9 @@ def test_planes_entropy_is_per_plane_block_the_smaller_of_order0_and_two_bytes_a
     # long runs: two bytes a run, below the order-0 entropy of the mix
     runs = np.repeat(np.arange(4, dtype=np.uint8), 500)
     assert kernels.planes_entropy_bytes(runs, 2000, 2000) == 8.0
+    # a sample of every other block scaled to the plane: a plane of two halves, each of one statistics
+    halves = np.concatenate([np.tile(np.arange(256, dtype=np.uint8), 4), np.zeros(1024, np.uint8)])
+    assert kernels.planes_entropy_bytes(halves, 2048, 512, 2) == pytest.approx(1024)   # blocks 0 and 2: 512, 0
 
 
 def test_gap_planes_use_uint32():
