@@ -289,7 +289,7 @@ class HotSwapper:
         threads = max(1, self.stage_threads or os.cpu_count() or 1)
         with _progress_bar(self.progress, to_fetch, f"hot-load {snapshot_name(v)}") as bar, \
                 Stager(stage_group, threads) as stager:
-            for done in stager.run(self.reader.iter_fetched(groups, counter=counter)):
+            for done in stager.run(self.reader.iter_fetched_batches(groups, counter=counter)):
                 if done.value is not None:
                     staged.append(done.value)
                 bar.update(sum(p.nbytes for p in groups[done.index]))

@@ -369,6 +369,15 @@ class SnapshotReader:
         flight while the caller works on this one: the first of about ``FIRST_BATCH_BYTES``, each next
         one up to twice the last, at most ``batch_bytes`` (a group is never split).
         ``counter["fetch_s"]`` accumulates the time spent waiting for bytes."""
+        for batch in self.iter_fetched_batches(groups, batch_bytes=batch_bytes, use_cache=use_cache,
+                                               counter=counter):
+            yield from batch
+
+    def iter_fetched_batches(self, groups: Sequence[Sequence[Piece]], *, batch_bytes: int = BATCH_BYTES,
+                             use_cache: bool = True, counter: dict | None = None) -> Iterator[list[tuple[int, list]]]:
+        """:meth:`iter_fetched`'s groups a fetched batch at a time: a caller that hands work to other threads
+        can hand many small groups over at once (one handoff per group costs more than decoding a small
+        tensor on a busy host)."""
         batches: list[list[int]] = [[]]
         size = 0
         limit = min(batch_bytes, FIRST_BATCH_BYTES)
@@ -398,11 +407,12 @@ class SnapshotReader:
                         counter["fetch_s"] = counter.get("fetch_s", 0.0) + time.perf_counter() - t0
                 if bi + 1 < len(batches):
                     fut = ex.submit(fetch_batch, batches[bi + 1])
-                k = 0
+                out, k = [], 0
                 for gi in b:
                     n = len(groups[gi])
-                    yield gi, values[k: k + n]
+                    out.append((gi, values[k: k + n]))
                     k += n
+                yield out
 
     # --- internals -----------------------------------------------------------------
 
