@@ -46,8 +46,7 @@ class StageDone:
 #: Small groups of one fetched batch are handed to a staging thread together, up to about this many fetched
 #: bytes a task (fewer where the batch would not otherwise reach every thread): a LoRA adapter's hundreds of
 #: small tensors are a few handoffs, not hundreds. Each handoff waits for a thread to wake, which on a host
-#: whose cores are busy serving costs more than decoding a small tensor (a LoRA delta's staging went from
-#: 0.04 s quiet to 0.15-0.4 s beside vLLM's sampling load, one task per tensor).
+#: whose cores are busy serving costs more than decoding a small tensor (docs/PERFORMANCE.md, "LoRA runs").
 TASK_BYTES = 1 << 20
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ckptdelta.delta.chunks import DEFAULT_LEVEL
 from ckptdelta.delta.codec import digest_hex
 from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError,
                                     RunMismatchError)
@@ -141,7 +142,8 @@ class Publisher:
     def __init__(self, url: str, *, anchor_every: int = 20, anchor_chain_fraction: float | None = None,
                  storage_options: dict[str, Any] | None = None,
                  extra_files: Mapping[str, str | os.PathLike[str] | bytes] | str | os.PathLike[str] | None = None,
-                 shard_bytes: int = 5 * 2**30, level: int = 3, max_in_flight: int = 1, run_id: str | None = None,
+                 shard_bytes: int = 5 * 2**30, level: int = DEFAULT_LEVEL, max_in_flight: int = 1,
+                 run_id: str | None = None,
                  process_group: Any = None, distributed: bool | None = None, partition: Partition = None,
                  progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
                  codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None,

@@ -81,20 +81,19 @@ def unzstd(frame: bytes | memoryview, expected: int, where: str) -> bytes:
 
 #: A dense or raw try is compressed only when its planes' order-0 estimate (kernels.planes_entropy_bytes) is
 #: below this multiple of the best payload so far. zstd does not code bytes much below that estimate unless
-#: it finds repeats the estimate misses; on noise-like planes it lands 5-12% above it (the XOR planes of
-#: LoRA steps, fp32 and bf16: estimates at 0.88-1.0 of sparse's payload compressed to 1.04-1.12 of it), so
-#: where every element changes by noise-like steps (a LoRA step: sparse wins) the tries, which
-#: cost as much as the rest of the encode, are skipped; planes whose order-0 entropy is that high rarely
-#: hold long repeats. (At 1.0, which tried those, every delta of the small-model workloads came out the same.)
+#: it finds repeats the estimate misses, and on noise-like planes it lands some percent above it: the bar
+#: sits below 1 by that much, so that where every element changes by noise-like steps (a LoRA step: sparse
+#: wins) the tries, which cost as much as the rest of the encode, are skipped; planes whose order-0 entropy
+#: is that high rarely hold long repeats (docs/PERFORMANCE.md, "The fast path on dense steps").
 SURELY_LARGER = 0.92
 #: The estimate itself reads every byte of the planes: as long as a zstd pass at a low level. Planes of more
 #: than SAMPLE_BLOCK bytes are first estimated from every SAMPLE_STRIDE-th block of SAMPLE_BLOCK bytes (the
 #: first of each plane at least; a smaller block's order-0 estimate errs low, to the side of a full
 #: estimate); where that guess is SAMPLE_MARGIN times the bar above or more, the try is skipped on it. On
-#: planes of one statistics (a tensor's step) the guess strayed from the full estimate by under 0.2%, so the
-#: full estimate decides every case it decided before except planes whose sampled blocks are unlike the rest
-#: (a region left alone beside a reset one), where a try may now be skipped that the full estimate would
-#: have compressed: bytes, never bits, are at stake.
+#: planes of one statistics (a tensor's step) the guess lands close to the full estimate, so the full
+#: estimate decides every case it decided before except planes whose sampled blocks are unlike the rest (a
+#: region left alone beside a reset one), where a try may now be skipped that the full estimate would have
+#: compressed: bytes, never bits, are at stake.
 SAMPLE_BLOCK = 1 << 12
 SAMPLE_STRIDE = 8
 SAMPLE_MARGIN = 1.05

@@ -1,0 +1,153 @@
+"""The fast path's zstd level and its dense/raw tries, on full-model steps and on LoRA steps, beside XOR + zstd-3.
+
+Each step is encoded by ``encode_many(..., threads=1)``: the fast path (``context=False``)
+at zstd levels 1 and 3, with the dense/raw tries' bar at what it was (1.0: a try compressed
+wherever the planes' order-0 estimate was below the best payload, the estimate read in full)
+and at what it is (``frames.SURELY_LARGER``, the estimate first guessed from a sample); the
+context coder at the default level; XOR + zstd-3 per tensor (benchmarks/baselines.py) beside
+them. Every record decodes back to the new snapshot, checked once per workload.
+
+- **full-model steps**: benchmarks/workloads.py's reference workloads (a small Llama-style
+  model trained by AdamW, bf16/fp8/fp32, 1 and 10 steps apart);
+- **LoRA steps**: peft LoRA on every linear layer of a Llama-style base (benchmarks/lora_codec.py's
+  trajectory), rank 16 and 64, lr 1e-4, fp32 as trained and cast to bf16.
+
+    python -m benchmarks.fast_path            # ~3-5 min on 2 cores
+    python -m benchmarks.fast_path --quick    # tiny model, LoRA on 2 layers: ~1 min
+
+Writes benchmarks/results/fast_path{,-quick}.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from benchmarks import baselines, harness, lora_codec, workloads
+from ckptdelta import delta
+from ckptdelta.delta import chunks
+from ckptdelta.delta.encodings import frames
+
+#: (label, context coder, zstd level, the tries' bar as before)
+SETTINGS = (("fast, level 3, bar 1.0 (before)", False, 3, True),
+            ("fast, level 3", False, 3, False),
+            ("fast, level 1 (now)", False, 1, False),
+            ("context coder", True, chunks.DEFAULT_LEVEL, False))
+
+
+@contextmanager
+def bar_as_before(before: bool) -> Iterator[None]:
+    """The tries' bar as it was before the sampled guess (1.0, no guess), or as it is."""
+    if not before:
+        yield
+        return
+    saved = frames.SURELY_LARGER, frames.SAMPLE_MARGIN
+    frames.SURELY_LARGER, frames.SAMPLE_MARGIN = 1.0, float("inf")
+    try:
+        yield
+    finally:
+        frames.SURELY_LARGER, frames.SAMPLE_MARGIN = saved
+
+
+def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
+    names = sorted(new)
+    out: dict[str, Any] = {"elements": sum(t.numel() for t in new.values()),
+                           "bytes_raw": sum(t.numel() * t.element_size() for t in new.values())}
+    xor = baselines.XorZstd()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        enc = xor.encode(old, new)
+        times.append(time.perf_counter() - t0)
+    out["xor+zstd3"] = {"bytes": baselines.encoded_nbytes(enc), "encode_s": statistics.median(times)}
+    for label, context, level, before in SETTINGS:
+        times = []
+        with bar_as_before(before):
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                encs = list(delta.encode_many([(k, old[k], new[k]) for k in names], threads=1, context=context,
+                                              level=level))
+                times.append(time.perf_counter() - t0)
+        for e in encs[:: max(1, len(encs) // 8)]:          # a sample of the records, decoded back and compared
+            got = delta.decode(old[e.name], e)
+            if not torch.equal(got.contiguous().view(torch.uint8), new[e.name].contiguous().view(torch.uint8)):
+                raise AssertionError(f"{label}: {e.name} does not decode to the new bits")
+        out[label] = {"bytes": sum(len(e.to_bytes()) for e in encs), "encode_s": statistics.median(times)}
+    return out
+
+
+def lora_steps(quick: bool) -> list[tuple[str, dict, dict]]:
+    layers = 2 if quick else 16
+    out = []
+    for rank in ((16,) if quick else (16, 64)):
+        snaps = lora_codec.trajectory(1024 if not quick else 256, layers, rank, 1e-4, 4, 1)
+        old, new = snaps[0], snaps[1]
+        out.append((f"LoRA r{rank} fp32 ({layers} layers)", old, new))
+        out.append((f"LoRA r{rank} bf16 ({layers} layers)", {k: v.to(torch.bfloat16) for k, v in old.items()},
+                    {k: v.to(torch.bfloat16) for k, v in new.items()}))
+    return out
+
+
+def markdown(out: dict[str, Any]) -> str:
+    labels = ["xor+zstd3", *(s[0] for s in SETTINGS)]
+    lines = [f"# The fast path's zstd level and its dense/raw tries (`{out['command']}`)", "",
+             f"{harness.machine()}. One thread, medians of {out['repeats']} encodes a step; bytes and encode time "
+             "of each setting, and in brackets its time over XOR + zstd-3's (per tensor, the same run). *Before*: "
+             "level 3 and every dense/raw try compressed wherever the planes' order-0 estimate fell below the "
+             "best payload (read in full); *now*: level 1, the bar at "
+             f"{frames.SURELY_LARGER:g} of the best payload, the estimate guessed first from every "
+             f"{frames.SAMPLE_STRIDE}th block of {frames.SAMPLE_BLOCK} bytes.", "",
+             "| step | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    for name, r in out["rows"]:
+        base = r["xor+zstd3"]["encode_s"]
+        cells = [f"{r[k]['bytes'] / 1e6:.3f} MB, {1e3 * r[k]['encode_s']:.0f} ms"
+                 + ("" if k == "xor+zstd3" else f" ({r[k]['encode_s'] / base:.2f}x)") for k in labels]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    labels = ["xor+zstd3", *(s[0] for s in SETTINGS)]
+    names = [n for n, _ in out["rows"]]
+    with harness.figure(path, 1, 1, figsize=(14, 5)) as (fig, ax):
+        w = 0.8 / len(labels)
+        for i, k in enumerate(labels):
+            ax.bar([x + (i - len(labels) / 2 + 0.5) * w for x in range(len(names))],
+                   [r[k]["encode_s"] / r["xor+zstd3"]["encode_s"] for _, r in out["rows"]], w, label=k)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+        ax.set(ylabel="encode time / XOR + zstd-3's", title="fast path: encode time per step, one thread")
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser("fast_path", __doc__, quick="the tiny model's workloads and LoRA on 2 small layers",
+                       from_json="only re-render the markdown and plot of a run")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    stem = os.path.join(a.out_dir, "fast_path" + ("-quick" if a.quick else ""))
+    if a.from_json:
+        out = harness.read_json(a.from_json)
+    else:
+        rows = []
+        for w in workloads.reference_workloads("small", quick=a.quick):
+            rows.append((f"full model {w.name}", measure(w.old, w.new, a.repeats)))
+            print(f"  {rows[-1][0]} done", flush=True)
+        for name, old, new in lora_steps(a.quick):
+            rows.append((name, measure(old, new, a.repeats)))
+            print(f"  {name} done", flush=True)
+        out = {"command": harness.command("fast_path", list(sys.argv[1:] if argv is None else argv)),
+               "repeats": a.repeats, "rows": rows}
+    harness.write(stem, markdown(out), out, lambda path: plot(out, path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
