@@ -114,6 +114,7 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
         if cand is not None and len(cand.payload) < chunk.best_length:
             best = cand
             chunk.best_length = len(cand.payload)
+            chunk.best_estimate = cand.estimate
     if best is None:
         raise AssertionError(f"no encoding took a chunk of {chunk.n} {dt.name} elements")    # a bug, never data
     return EncodedChunk(ChunkEntry(best.encoding, best.planes_a, best.planes_b, best.count, len(best.payload),

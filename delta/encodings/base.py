@@ -39,6 +39,9 @@ class Candidate(NamedTuple):
     planes_b: int
     count: int
     payload: bytes
+    #: The order-0 estimate (frames.estimate) of the byte planes the payload codes, where the encoding took
+    #: one: a later try then weighs its own planes against it, like for like (frames.may_beat).
+    estimate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,11 @@ class Chunk:
     grandparent (None: not given). The chunk coder fills ``changed`` (changed elements), ``sparse_parts``
     (encoding 1's gaps, steps and their maxima) and ``best_length`` (the smallest payload so far, which
     tries compare against before they spend time); a context coder's scan (:meth:`Encoding.scan`) fills
-    ``scan_payload``, ``beats_sparse`` and ``changed_nan`` on the way."""
+    ``scan_payload``, ``beats_sparse`` and ``changed_nan`` on the way; ``best_estimate`` is the smallest
+    payload's planes estimate (``Candidate.estimate``), None where its encoding took none."""
 
     __slots__ = ("old", "new", "grand", "dt", "level", "n", "changed", "sparse_parts", "best_length",
-                 "scan_payload", "beats_sparse", "changed_nan")
+                 "best_estimate", "scan_payload", "beats_sparse", "changed_nan")
 
     def __init__(self, old: np.ndarray | None, new: np.ndarray, dt: "DType", level: int,
                  grand: np.ndarray | None) -> None:
@@ -84,6 +88,7 @@ class Chunk:
         self.changed = -1
         self.sparse_parts: tuple | None = None
         self.best_length: float = math.inf
+        self.best_estimate: float | None = None
         self.scan_payload: bytes | None = None
         self.beats_sparse = False
         self.changed_nan: bool | None = None

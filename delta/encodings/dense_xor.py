@@ -39,7 +39,7 @@ class DenseXor(Encoding):
         if not (chunk.changed > DENSE_TRY_FRACTION * n and DENSE_SKIP_RATIO * best > n * w):
             return None
         planes = kernels.xor_planes(chunk.old, chunk.new, w)
-        if not frames.may_beat(planes, n, best):
+        if not frames.may_beat(planes, n, best, chunk.best_estimate):
             return None
         return Candidate(self.id, 0, w, chunk.changed, frames.compressor(chunk.level).compress(planes))
 

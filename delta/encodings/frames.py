@@ -99,8 +99,23 @@ SAMPLE_STRIDE = 8
 SAMPLE_MARGIN = 1.05
 
 
-def may_beat(planes: np.ndarray, plane_len: int, best: float) -> bool:
-    """Whether compressing ``planes`` may give fewer than ``best`` bytes (see :data:`SURELY_LARGER`)."""
+def estimate(planes: np.ndarray, plane_len: int) -> float:
+    """The planes' order-0 estimate from the sample a guess reads (every SAMPLE_STRIDE-th block of SAMPLE_BLOCK
+    bytes), or from all of them where a plane is no longer than one such block."""
+    if plane_len > SAMPLE_BLOCK:
+        return kernels.planes_entropy_bytes(planes, plane_len, SAMPLE_BLOCK, SAMPLE_STRIDE)
+    return kernels.planes_entropy_bytes(planes, plane_len, SAMPLE_BLOCK)
+
+
+def may_beat(planes: np.ndarray, plane_len: int, best: float, best_estimate: float | None = None) -> bool:
+    """Whether compressing ``planes`` may give fewer than ``best`` bytes.
+
+    With ``best_estimate``, the best payload's own planes estimated the same way (a sparse chunk's gaps and
+    steps), the two estimates are weighed like for like: zstd's overhead over the estimate, which differs
+    with the planes' statistics, cancels out, so the bar needs no margin for it. Else the estimate of
+    ``planes`` is weighed against the payload itself (see :data:`SURELY_LARGER`)."""
+    if best_estimate is not None:
+        return estimate(planes, plane_len) < best_estimate
     bar = SURELY_LARGER * best
     if plane_len > SAMPLE_BLOCK and kernels.planes_entropy_bytes(
             planes, plane_len, SAMPLE_BLOCK, SAMPLE_STRIDE) >= SAMPLE_MARGIN * bar:

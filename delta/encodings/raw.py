@@ -37,7 +37,7 @@ class Raw(Encoding):
         if chunk.old is not None and not (chunk.changed > DENSE_TRY_FRACTION * n and chunk.best_length > n * w // 2):
             return None
         planes = kernels.to_planes(chunk.new, w)
-        if chunk.old is not None and not frames.may_beat(planes, n, chunk.best_length):
+        if chunk.old is not None and not frames.may_beat(planes, n, chunk.best_length, chunk.best_estimate):
             return None
         return Candidate(self.id, 0, w, n, frames.compressor(chunk.level).compress(planes))
 

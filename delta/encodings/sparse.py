@@ -19,19 +19,25 @@ from ckptdelta.delta import kernels
 from ckptdelta.delta.errors import FormatError
 from ckptdelta.delta.encodings import frames
 from ckptdelta.delta.encodings.base import ALWAYS, Candidate, Cost, Encoding, register
+from ckptdelta.delta.encodings.dense_xor import DENSE_TRY_FRACTION
 
 
 def encode_payload(old: np.ndarray, new: np.ndarray, dt, changed: int, level: int,
-                   extracted: tuple | None = None) -> tuple[int, int, bytes]:
+                   extracted: tuple | None = None, *, estimate: bool = False) -> tuple:
     """(planes_a, planes_b, payload) of a chunk with ``changed`` changes (``extracted``: the
-    ``kernels.sparse_extract`` of it, when the caller has it)."""
+    ``kernels.sparse_extract`` of it, when the caller has it); with ``estimate``, a fourth item: the
+    planes' order-0 estimate (frames.estimate), for later tries to weigh theirs against."""
     gaps, steps, max_gap, max_step = extracted or kernels.sparse_extract(
         old, new, changed, 8 * dt.itemsize, dt.sign_magnitude)
     pa, pb = frames.planes_needed(max_gap), frames.planes_needed(max_step)
     c = frames.compressor(level)
-    pos = c.compress(kernels.to_planes(gaps, pa))
-    val = c.compress(kernels.to_planes(steps, pb))
-    return pa, pb, struct.pack("<I", len(pos)) + pos + val
+    gap_planes, step_planes = kernels.to_planes(gaps, pa), kernels.to_planes(steps, pb)
+    pos = c.compress(gap_planes)
+    val = c.compress(step_planes)
+    out = (pa, pb, struct.pack("<I", len(pos)) + pos + val)
+    if estimate:
+        out += (frames.estimate(gap_planes, changed) + frames.estimate(step_planes, changed),)
+    return out
 
 
 class Sparse(Encoding):
@@ -54,9 +60,11 @@ class Sparse(Encoding):
     def encode(self, chunk):
         if chunk.beats_sparse:      # the context coder's payload is surely smaller: no zstd for nothing
             return None
-        pa, pb, payload = encode_payload(chunk.old, chunk.new, chunk.dt, chunk.changed, chunk.level,
-                                         chunk.sparse_parts)
-        return Candidate(self.id, pa, pb, chunk.changed, payload)
+        # a dense or raw try follows where this many elements changed: it weighs its planes against these
+        tries = chunk.changed > DENSE_TRY_FRACTION * chunk.n
+        pa, pb, payload, *est = encode_payload(chunk.old, chunk.new, chunk.dt, chunk.changed, chunk.level,
+                                               chunk.sparse_parts, estimate=tries)
+        return Candidate(self.id, pa, pb, chunk.changed, payload, est[0] if est else None)
 
     def decode(self, entry, payload, old, dt, where, out, grand):
         if len(payload) < 4:
