@@ -606,6 +606,7 @@ class Publisher:
         that (:meth:`_job_done` starts it once the publish has returned: publisher/explore.py)."""
         assert job.snapshot is not None
         elements = sum(t.numel() for t in job.snapshot.values())
+        grand = self._parents.grandparents_for(plan.parent_version)
         choice = None
         if self._chooser is None:
             codec, reason = self.codec, f"fixed: Publisher(codec={self.codec!r})"
@@ -614,14 +615,16 @@ class Publisher:
             if fresh:      # both codecs' kernels loaded before the first delta of a dtype, untimed
                 warm_up(fresh)
                 self._warmed |= fresh
+            # A LoRA run's first delta after an anchor has no grandparent, the later ones do (the context coder's
+            # encoding 6): a sample of it would measure a context coder its next deltas do not get.
+            typical = job.adapter is None or self._diff is not None or grand is not None
             with self._choice_lock:
-                choice = self._chooser.choose(elements, may_explore=not self._explorer.busy)
+                choice = self._chooser.choose(elements, may_explore=typical and not self._explorer.busy)
             codec, reason = choice.codec, choice.reason
             if self._last_codec and codec != self._last_codec:
                 log.info("run %s: v%d switches to the %s codec (%s)", self.run_id, plan.version, codec, reason)
             else:
                 log.debug("run %s: v%d codec %s (%s)", self.run_id, plan.version, codec, reason)
-        grand = self._parents.grandparents_for(plan.parent_version)
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
                                      progress=self.progress, parent_digests=self._parents.digests,

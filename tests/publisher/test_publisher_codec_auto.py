@@ -496,6 +496,22 @@ def test_a_measurement_runs_after_publish_returned_and_one_at_a_time(tmp_path, m
     assert started == ["ckptdelta-explore-v1"] * 2 + ["ckptdelta-explore-v3"] * 2     # both codecs, each time
 
 
+def test_a_lora_run_s_first_delta_after_an_anchor_is_not_sampled(tmp_path):
+    """It has no grandparent, the next ones do (the context coder's encoding 6): its sample would measure a
+    context coder the run's deltas do not get."""
+    from ckptdelta.publisher.lora import AdapterSpec, BaseModel
+
+    g = torch.Generator().manual_seed(0)
+    names = [f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight" for i in range(2) for ab in "AB"]
+    w = {n: torch.randn((4, 128) if ".lora_A." in n else (128, 4), generator=g) * 0.02 for n in names}
+    spec = AdapterSpec({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+                       BaseModel("base", "0123456789abcdef"))
+    with Publisher(str(tmp_path / "run"), progress=False, adapter=spec) as pub:
+        results = _publish_deltas(pub, w, 2)
+    assert "measuring" not in results[0].codec_reason and results[0].codec == FAST
+    assert results[1].codec_reason.endswith(MEASURING.format(CONTEXT, "not measured yet"))
+
+
 def _other(codec: str) -> str:
     return FAST if codec == CONTEXT else CONTEXT
 
