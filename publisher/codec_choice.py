@@ -51,7 +51,7 @@ that is the fast path, the one whose worst case is bounded: it spends a fraction
 context coder's CPU per changed element at both ends, and what the context coder would
 save is a share of the bytes, which the link moves at its rate. So the wrong first guess
 costs those bytes' transfer on one delta, where the other wrong guess would cost a
-several-times-slower encode and decode. Its first delta gives the level and the link's
+several-times-slower encode and decode. That first delta gives the level and the link's
 rate that every later prediction starts from.
 
 The codec predicted to lose is still measured, but never by publishing a delta with it:
@@ -63,9 +63,10 @@ fewer than ``MIN_SAMPLES`` (3) pairs (in the first deltas: every delta whose pub
 finds no measurement still running), and later once the codec predicted to lose was not
 measured for ``explore_every`` (10) deltas times the ratio of its predicted time to the
 better one's (at most 4x): the more it is predicted to lose, the less often, which keeps
-the ratio current as the share of changes drifts. Every choice and its reason travel in ``PublishResult.codec`` and
-``codec_reason``. Both codecs are lossless and a replica decodes either, record by
-record, so a chain mixing them hot-loads and materializes bit-exactly.
+the ratio current as the share of changes drifts. Every choice and its reason travel in
+``PublishResult.codec`` and ``codec_reason``. Both codecs are lossless and a replica
+decodes either, record by record, so a chain mixing them hot-loads and materializes
+bit-exactly.
 """
 
 from __future__ import annotations
