@@ -133,6 +133,7 @@ class Explorer:
         self._done = threading.Event()      # set while no measurement is scheduled or running
         self._done.set()
         self._closed = False
+        self._lock = threading.Lock()     # go() may run in the caller's thread and the publish thread at once
 
     @property
     def busy(self) -> bool:
@@ -141,21 +142,23 @@ class Explorer:
 
     def schedule(self, sample: Sample) -> bool:
         """Hold ``sample`` for :meth:`go`, unless a measurement is scheduled or running or this explorer is closed."""
-        if self._closed or self.busy:
-            return False
-        self._pending, self._stop, self._done = sample, threading.Event(), threading.Event()
-        return True
+        with self._lock:
+            if self._closed or self.busy:
+                return False
+            self._pending, self._stop, self._done = sample, threading.Event(), threading.Event()
+            return True
 
     def go(self) -> None:
         """Start measuring the scheduled sample, if any, on a thread of its own."""
-        sample, self._pending = self._pending, None
-        if sample is None:
-            return
-        if self._closed:
-            self._done.set()
-            return
-        threading.Thread(target=self._run, args=(sample, self._stop, self._done), daemon=True,
-                         name=f"ckptdelta-explore-v{sample.version}").start()
+        with self._lock:
+            sample, self._pending = self._pending, None
+            if sample is None:
+                return
+            if self._closed:
+                self._done.set()
+                return
+            threading.Thread(target=self._run, args=(sample, self._stop, self._done), daemon=True,
+                             name=f"ckptdelta-explore-v{sample.version}").start()
 
     def _run(self, sample: Sample, stop: threading.Event, done: threading.Event) -> None:
         try:
@@ -175,11 +178,12 @@ class Explorer:
 
     def close(self, timeout: float = CLOSE_WAIT_S) -> None:
         """No measurement starts after this; a running one is told to stop and waited for at most ``timeout``."""
-        self._closed = True
-        self._stop.set()
-        if self._pending is not None:
-            self._pending = None
-            self._done.set()
+        with self._lock:
+            self._closed = True
+            self._stop.set()
+            if self._pending is not None:
+                self._pending = None
+                self._done.set()
         if not self.join(timeout):
             log.debug("%sleaving a measurement of the codecs behind at close (still encoding its sample)",
                       self._what)

@@ -323,7 +323,7 @@ class Publisher:
             raise
         with self._lock:
             self._jobs[fut] = job
-        fut.add_done_callback(lambda f: self._job_done(f, job))
+        fut.add_done_callback(self._job_done)
         return fut.result() if wait else fut
 
     def _check_inputs(self, weights: Weights, step: Any,
@@ -454,12 +454,10 @@ class Publisher:
         if err is not None:
             raise err
 
-    def _job_done(self, fut: Future, job: PublishJob) -> None:
+    def _job_done(self, fut: Future) -> None:
         with self._lock:
             self._jobs.pop(fut, None)
-        if job.exploration is not None:
-            job.exploration = None
-            self._explorer.go()     # the publish's result is out: measure beside the trainer's next step
+        self._explorer.go()     # what this publish scheduled, now that its result is out: beside the next step
 
     def _explored(self, context: Measurement, fast: Measurement) -> None:
         """A measurement's pair, from its thread: the chooser learns from it unless this publisher is closed."""
@@ -502,6 +500,7 @@ class Publisher:
         result = self._committed(plan, job, written, outcome)
         if job.exploration is not None:     # started by _job_done, once this result is out
             self._explorer.schedule(job.exploration)
+            job.exploration = None
         return result
 
     def _plan_round(self, gathered: list[rounds.LocalState],
