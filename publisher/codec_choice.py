@@ -56,7 +56,7 @@ rate that every later prediction starts from.
 
 The codec predicted to lose is still measured, but never by publishing a delta with it:
 a :class:`Choice` names it in ``explore``, and the publisher then encodes a sample of
-that delta's tensors (whole tensors, about 1/16 of its elements) with both codecs, into
+that delta's tensors (about 1/16 of its elements) with both codecs, into
 memory, on a thread of its own after publish() has returned (publisher/explore.py), and
 feeds the pair to :meth:`CodecChooser.observe_pair`. It asks so while the codecs have
 fewer than ``MIN_SAMPLES`` (3) pairs (in the first deltas: every delta whose publish

@@ -13,11 +13,12 @@ uploaded, and the trainer's next step is what it runs beside. The pair measured 
 (:class:`~ckptdelta.publisher.codec_choice.Measurement`) compares the two on the same
 tensors at the same moment, which a pair of consecutive deltas never did.
 
-The sample is whole tensors (a record is a tensor's, and the codecs' costs per record
-are part of what is measured), chosen by a hash of their names salted with the version
-(deterministic, and a different share of the model each time), about 1/16 of the
-elements and at most ``SAMPLE_MAX_ELEMENTS``, with at least one changed tensor (the
-codecs differ only in how they code changes).
+The sample is whole tensors where they fit (a record is a tensor's, and the codecs'
+costs per record are part of what is measured; the tensor larger than what is left of
+the sample gives its leading elements), chosen by a hash of their names salted with the
+version (deterministic, and a different share of the model each time), about 1/16 of the
+elements (at least ``SAMPLE_MIN_ELEMENTS``, at most ``SAMPLE_MAX_ELEMENTS``), with at
+least one changed tensor (the codecs differ only in how they code changes).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ log = logging.getLogger("ckptdelta.publisher")
 SAMPLE_FRACTION = 1 / 16
 #: ... and at most this many (its copies stay in memory until measured; each codec encodes it on one core).
 SAMPLE_MAX_ELEMENTS = 4 << 20
+#: ... and at least this many (or the whole delta): a smaller sample measures the records' fixed costs more than
+#: the coding.
+SAMPLE_MIN_ELEMENTS = 1 << 16
 #: How long close() lets a running measurement notice it is no longer wanted before leaving it behind.
 CLOSE_WAIT_S = 0.2
 
@@ -57,24 +61,38 @@ class Sample:
     elements: int
 
 
-def pick(snapshot: Mapping[str, torch.Tensor], changed: set[str], salt: int) -> list[str]:
-    """The names of a sample of ``snapshot`` (see the module docstring); [] when nothing changed."""
+def pick(snapshot: Mapping[str, torch.Tensor], changed: set[str], salt: int) -> list[tuple[str, int]]:
+    """A sample of ``snapshot`` as (name, elements taken) (see the module docstring); [] when nothing changed.
+    Tensors are taken whole while they fit; the one that does not fit what is left of the sample (in a large
+    model, the first: its tensors are larger than the whole sample) gives its leading elements, so the sample
+    is its size however large the tensors."""
     if not changed:
         return []
     order = sorted(snapshot, key=lambda n: (xxhash.xxh3_64_intdigest(n.encode(), seed=salt), n))
     total = sum(t.numel() for t in snapshot.values())
-    target = min(SAMPLE_MAX_ELEMENTS, max(1, int(total * SAMPLE_FRACTION)))
-    picked, n = [], 0
-    for name in order:
-        k = snapshot[name].numel()
-        if n + k <= target:
-            picked.append(name)
-            n += k
-    if not changed.intersection(picked):
-        candidates = [name for name in order if name in changed]
-        fitting = [name for name in candidates if snapshot[name].numel() <= SAMPLE_MAX_ELEMENTS]
-        picked.append(fitting[0] if fitting else min(candidates, key=lambda name: snapshot[name].numel()))
+    target = min(total, max(SAMPLE_MIN_ELEMENTS, min(SAMPLE_MAX_ELEMENTS, int(total * SAMPLE_FRACTION))))
+    picked = _fill(snapshot, order, target)
+    if not changed.intersection(n for n, _k in picked):     # the first changed tensor first, then as before
+        first = next(n for n in order if n in changed)
+        picked = _fill(snapshot, [first] + [n for n in order if n != first], target)
     return picked
+
+
+def _fill(snapshot: Mapping[str, torch.Tensor], order: list[str], target: int) -> list[tuple[str, int]]:
+    picked: list[tuple[str, int]] = []
+    left = target
+    for name in order:
+        if left <= 0:
+            break
+        k = snapshot[name].numel()
+        picked.append((name, min(k, left)))
+        left -= k
+    return picked
+
+
+def _part(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A copy of ``t``, or of its first ``n`` elements (flat) when that is fewer."""
+    return t.clone() if n >= t.numel() else t.reshape(-1)[:n].clone()
 
 
 def take_sample(parent: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], changed: set[str], *,
@@ -88,11 +106,12 @@ def take_sample(parent: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch
         return None
     known, grand = digests or {}, grandparents or {}
     items = []
-    for name in names:
+    for name, n in names:
         new = snapshot[name]
         g = grand.get(name)
-        g = g.clone() if g is not None and g.dtype == new.dtype and g.shape == new.shape else None
-        items.append((name, parent[name].clone(), new.clone(), known.get(name), g))
+        g = _part(g, n) if g is not None and g.dtype == new.dtype and g.shape == new.shape else None
+        whole = n >= new.numel()
+        items.append((name, _part(parent[name], n), _part(new, n), known.get(name) if whole else None, g))
     return Sample(version, explored, items, sum(t.numel() for _n, _o, t, _d, _g in items))
 
 

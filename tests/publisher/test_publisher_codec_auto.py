@@ -333,6 +333,25 @@ def test_observe_refuses_an_unknown_codec():
         CodecChooser().observe("zstd", elements=1, changed=1, encode_s=1.0, stored_bytes=1, upload_s=1.0)
 
 
+# --- the sample a measurement encodes -------------------------------------------------------------------
+
+def test_a_sample_is_about_a_sixteenth_picked_by_name_whole_tensors_where_they_fit_and_holds_a_changed_one():
+    snap = {f"layers.{i}.w": torch.zeros(explore.SAMPLE_MIN_ELEMENTS // 4) for i in range(256)}
+    changed = {"layers.7.w"}
+    picked = explore.pick(snap, changed, salt=5)
+    assert picked == explore.pick(dict(reversed(snap.items())), changed, salt=5)    # by name, not by order
+    assert "layers.7.w" in dict(picked) and len(picked) == 16                      # 1/16 of the elements
+    assert all(k == explore.SAMPLE_MIN_ELEMENTS // 4 for _n, k in picked)          # whole tensors
+    assert explore.pick(snap, changed, salt=6) != picked                            # another version, another share
+    assert explore.pick(snap, set(), salt=5) == []                                  # nothing changed: no sample
+    # a large model's tensors are larger than the sample: their leading elements, the cap kept
+    cap = explore.SAMPLE_MAX_ELEMENTS
+    big = {"mlp": torch.zeros(64 * cap), "embed": torch.zeros(64 * cap), "norm": torch.zeros(10)}
+    picked = explore.pick(big, {"norm", "mlp"}, salt=0)
+    assert sum(k for n, k in picked if n != "norm") <= cap and any(n in ("norm", "mlp") for n, _k in picked)
+    assert any(n != "norm" and k == cap - (10 if picked[0][0] == "norm" else 0) for n, k in picked)
+
+
 # --- the publisher's arguments -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, match", [
