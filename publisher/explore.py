@@ -40,7 +40,7 @@ from ckptdelta.publisher.codec_choice import CONTEXT, FAST, Measurement
 
 log = logging.getLogger("ckptdelta.publisher")
 
-#: A sample holds about this share of a delta's elements (whole tensors) ...
+#: A sample holds about this share of a delta's elements (whole tensors where they fit) ...
 SAMPLE_FRACTION = 1 / 16
 #: ... and at most this many (its copies stay in memory until measured; each codec encodes it on one core).
 SAMPLE_MAX_ELEMENTS = 4 << 20
