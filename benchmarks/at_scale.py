@@ -147,8 +147,9 @@ def build_snapshots(size_gb: float, d: str, *, quick: bool) -> dict[str, str]:
 #: Untimed steps (forward, back, ...) of every delta method before its timed ones: the first publish and
 #: hot-load of a run pay once for what a long run does not (fresh host buffers, a replica's first reads).
 WARM_STEPS = 2
-#: A codec="auto" publisher's untimed deltas: it alternates the two codecs for its first six
-#: (codec_choice.MIN_SAMPLES each), as any run starts, and settles after.
+#: A codec="auto" publisher's untimed deltas: it publishes its first with the fast path and measures the
+#: context coder on a sample beside each of its first deltas, in the background, until it has
+#: codec_choice.MIN_SAMPLES pairs, as any run starts; six leave its measurements room to finish.
 AUTO_LEARN = 6
 
 

@@ -20,7 +20,7 @@ That is what auto minimises: publish() -> swapped.
 Per link and codec the table shows which codec each delta used, the medians of
 ``encode_s``, stored bytes, ``upload_s``, their sum and ``total_s`` (publish() ->
 committed: also the host copy, the plan and the commit), the replica's hot-load, the
-mean publish() -> swapped (what auto's first delta and its explorations cost show up in),
+mean publish() -> swapped (what auto's first delta and its wrong predictions cost show up in),
 and auto's mean over the better fixed codec's. The break-even rate is where the fixed
 codecs' medians meet: ``2 x (bytes fast - bytes context) / (encode + decode context -
 encode + decode fast)`` (each byte crosses the link twice).
@@ -170,11 +170,13 @@ def markdown(cases: list[dict], meta: dict) -> str:
                      for c in cases if c["summary"]["break_even_bit"])
     lines += ["", f"Break-even link rate from the fixed codecs' medians, publish() -> swapped (the fast path is faster "
               f"above it): {even}.",
-              "", "`auto`'s first delta is the context coder (nothing measured yet); from the second on it takes the "
-              "smaller prediction, except that the other codec is measured every other delta until it has 3 samples "
-              "(deltas 2-6) and then once per 10 deltas times its predicted loss (other / best, up to 4x): those are "
-              "the minority counts in `codecs used`, and with noise what separates auto's mean from the best fixed "
-              "codec's. Per publish the noise on this machine is tens of ms (shared: load average "
+              "", "`auto` publishes every delta with the codec it predicts to win: its first with the fast path "
+              "(nothing measured yet), then the smaller prediction. It measures the other codec on a sample of a "
+              "delta (both codecs side by side, on a thread of its own after publish() returned, nothing uploaded) "
+              "beside its first deltas until it has 3 pairs, and then once per 10 deltas times the other's predicted "
+              "loss (other / best, up to 4x). A minority count in `codecs used` is a change of prediction; with noise "
+              "(and the measurements' CPU beside the next publish) it is what separates auto's mean from the best "
+              "fixed codec's. Per publish the noise on this machine is tens of ms (shared: load average "
               f"{meta['load'][0]:.1f} at the start, {meta['load'][1]:.1f} at the end, on {meta['cpus']} CPUs). "
               "Auto's reason for every delta is in the JSON (`cases[].rows[].reason`)."]
     return "\n".join(lines) + "\n"

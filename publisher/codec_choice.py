@@ -11,18 +11,18 @@ before each delta:
     publish() -> swapped(codec) = encode, uploaded part by part   (publish() -> committed)
                                 + fetched and decoded on a replica, batch by batch
 
-from what :class:`CodecChooser` learnt from the publisher's own timings
-(``write_delta_object``'s ``encode_s`` and ``upload_s``). Each delta gives one sample
-of the codec it used: encode seconds per unit of work (a unit is one element of
-the snapshot plus ``WORK_PER_CHANGED[codec]`` per changed element: both codecs scan
-every element, and pay far more per changed one) and stored bytes per changed
-element. Only one codec runs per delta, and the machine's speed drifts (other jobs
-on the trainer's cores can make every encode several times slower for a while),
-so the two codecs are not compared through samples taken at different times:
+from what :class:`CodecChooser` learnt from the publisher's own timings. Each published
+delta gives one sample of its codec (``write_delta_object``'s ``encode_s`` and
+``upload_s``): encode seconds per unit of work (a unit is one element of the snapshot
+plus ``WORK_PER_CHANGED[codec]`` per changed element: both codecs scan every element,
+and pay far more per changed one) and stored bytes per changed element. The machine's
+speed drifts (other jobs on the trainer's cores can make every encode several times
+slower for a while), so the two codecs are compared only where they ran side by side:
 
-- **the ratio** of the context coder's sample to the fast path's, over each pair of
-  consecutive deltas that used different codecs (the median of the last
-  ``window`` (5) pairs; before the first pair, ``PRIOR_FAST_VS_CONTEXT``);
+- **the ratio** of the context coder's sample to the fast path's, each pair measured
+  on one sample of one delta's tensors, one codec right after the other
+  (:meth:`CodecChooser.observe_pair`; the median of the last ``window`` (5) pairs;
+  before the first pair, ``PRIOR_FAST_VS_CONTEXT``);
 - **the level**: the median of the last ``LEVEL_SAMPLES`` (3) samples of either codec,
   each brought to the context coder's scale through the ratio. So a burst of load
   moves both predictions together and is forgotten three deltas after it ends;
@@ -46,17 +46,27 @@ trainer's decodes faster than that predicts, and one whose trainer is loaded by
 other jobs is predicted slower; either overstates or understates the context
 coder's cost only where the two codecs are close.
 
-The first delta uses the context coder; from the
-second on the smaller prediction wins, except that the other codec is used to
-measure it again while it has fewer than ``MIN_SAMPLES`` (3) samples and was not
-the previous delta's (in the first half-dozen deltas the two alternate, which
-gives the first ratios), and later once it was not used for ``explore_every``
-(10) deltas times the ratio of its predicted time to the better one's (at most
-4x): one delta in 10 or fewer runs the codec predicted to be slower, the fewer the
-more it is predicted to lose, which keeps the ratio current as the share of
-changes drifts. Every choice and its reason travel in ``PublishResult.codec`` and
-``codec_reason``. Both codecs are lossless and a replica decodes either, record by
-record, so a chain mixing them hot-loads and materializes bit-exactly.
+Every delta is published with the codec predicted to win. Before anything is measured
+that is the fast path, the one whose worst case is bounded: it spends a fraction of the
+context coder's CPU per changed element at both ends, and what the context coder would
+save is a share of the bytes, which the link moves at its rate. So the wrong first guess
+costs those bytes' transfer on one delta, where the other wrong guess would cost a
+several-times-slower encode and decode. That first delta gives the level and the link's
+rate that every later prediction starts from.
+
+The codec predicted to lose is still measured, but never by publishing a delta with it:
+a :class:`Choice` names it in ``explore``, and the publisher then encodes a sample of
+that delta's tensors (about 1/16 of its elements) with both codecs, into
+memory, on a thread of its own after publish() has returned (publisher/explore.py), and
+feeds the pair to :meth:`CodecChooser.observe_pair`. It asks so while the codecs have
+fewer than ``MIN_SAMPLES`` (3) pairs (in the first deltas: every delta whose publish
+finds no measurement still running), and later once the codec predicted to lose was not
+measured for ``explore_every`` (10) deltas times the ratio of its predicted time to the
+better one's (at most 4x): the more it is predicted to lose, the less often, which keeps
+the ratio current as the share of changes drifts. Every choice and its reason travel in
+``PublishResult.codec`` and ``codec_reason``. Both codecs are lossless and a replica
+decodes either, record by record, so a chain mixing them hot-loads and materializes
+bit-exactly.
 """
 
 from __future__ import annotations
@@ -84,10 +94,11 @@ WINDOW = 5
 #: Newest samples (either codec) the level is the median of.
 LEVEL_SAMPLES = 3
 #: One delta in this many, times the predicted loss (other / best, 1 to MAX_EXPLORE_STRETCH), measures the
-#: codec predicted to be slower again.
+#: codec predicted to be slower again (on a sample, off the critical path).
 EXPLORE_EVERY = 10
 MAX_EXPLORE_STRETCH = 4.0
-#: Until a codec has this many samples it is measured again every other delta.
+#: Until a codec has this many samples measured side by side with the other (pairs), it is measured with every
+#: delta that finds no measurement running (a published delta is no such sample: nothing ran beside it).
 MIN_SAMPLES = 3
 
 
@@ -100,7 +111,7 @@ def cost_of(codec: str) -> Cost:
 #: Encode work per changed element, in units of one scanned element (``Cost.work_per_changed``): the
 #: context coder's fitted ~32, the fast path's ~35.
 WORK_PER_CHANGED = {c: cost_of(c).work_per_changed for c in CODECS}
-#: The fast path's samples over the context coder's, before a pair of deltas has measured it: seconds per
+#: The fast path's samples over the context coder's, before a pair has measured it: seconds per
 #: unit of work and bytes per changed element (the encodings' ``Cost.prior_*``: 0.6 and 1.6).
 PRIOR_FAST_VS_CONTEXT = {"encode": cost_of(FAST).prior_per_work / cost_of(CONTEXT).prior_per_work,
                          "bytes": cost_of(FAST).prior_bytes_per_changed / cost_of(CONTEXT).prior_bytes_per_changed}
@@ -126,7 +137,7 @@ class Prediction:
     committed_s: float    # publish() -> committed: encode and upload, pipelined over the parts
     decode_s: float       # a replica's decode (predicted from the encode's level: DECODE_WORK)
     total_s: float        # publish() -> swapped: committed_s, then the replica's fetch and decode, pipelined
-    measured: bool        # False: the codecs' ratio is still the prior (no pair of deltas measured it)
+    measured: bool        # False: the codecs' ratio is still the prior (no pair measured it)
 
     def describe(self, bandwidth: float) -> str:
         src = "" if self.measured else ", ratio from the priors"
@@ -136,16 +147,32 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Choice:
-    """The codec of the next delta, and why."""
+    """The codec the next delta is published with (always the one predicted to win), why, and the codec to
+    measure beside it on a sample of that delta, off the publish's critical path (None: none now)."""
 
     codec: str
     reason: str
     predictions: tuple[Prediction, ...] = ()
-    exploring: bool = False
+    explore: str | None = None
 
     @property
     def context(self) -> bool:
         return self.codec == CONTEXT
+
+    @property
+    def exploring(self) -> bool:
+        """Whether this delta's tensors are to be sampled to measure ``explore`` (the delta itself is not)."""
+        return self.explore is not None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One codec's encode of a sample: elements scanned and changed, seconds, bytes out."""
+
+    elements: int
+    changed: int
+    encode_s: float
+    stored_bytes: int
 
 
 @dataclass(frozen=True)
@@ -191,8 +218,11 @@ class CodecChooser:
     """What both codecs cost on this trainer and link, learnt delta by delta.
 
     Per delta (one rank's share of it), in order: :meth:`choose` with the number of
-    elements about to be encoded, then :meth:`observe` with what writing it took.
-    Pure bookkeeping: no clock, no I/O, so tests feed it timings directly.
+    elements about to be encoded, then :meth:`observe` with what writing it took; and
+    whenever a choice asked for a measurement, :meth:`observe_pair` with it once it is
+    done (later: other deltas may be chosen and observed meanwhile). Pure bookkeeping:
+    no clock, no I/O, no lock (the caller serializes the calls), so tests feed it
+    timings directly.
     """
 
     def __init__(self, upload_bandwidth: float | None = None, *, explore_every: int | None = None,
@@ -207,7 +237,7 @@ class CodecChooser:
         if isinstance(part_bytes, bool) or not (isinstance(part_bytes, int) and part_bytes >= 1):
             raise ValueError(f"part_bytes must be an int >= 1, got {part_bytes!r}")
         self.explore_every, self.part_bytes = explore_every, part_bytes
-        self._recent: deque[_Sample] = deque(maxlen=LEVEL_SAMPLES)     # newest samples, either codec
+        self._recent: deque[_Sample] = deque(maxlen=LEVEL_SAMPLES)     # newest published deltas, either codec
         self._pairs: deque[tuple[float, float]] = deque(maxlen=window)  # context / fast: (per work, per changed)
         self._bandwidth: deque[float] = deque(maxlen=window)             # bytes/s
         hint = check_bandwidth(upload_bandwidth)
@@ -215,7 +245,7 @@ class CodecChooser:
             self._bandwidth.append(hint)
         self._deltas = 0                                                 # deltas observed
         self._seen = {c: 0 for c in CODECS}                              # _deltas at each codec's newest sample
-        self._count = {c: 0 for c in CODECS}                             # samples of each codec
+        self._count = {c: 0 for c in CODECS}           # samples of each codec measured side by side (pairs)
         self._share: float | None = None                                 # changed / elements of the newest delta
 
     @property
@@ -229,7 +259,7 @@ class CodecChooser:
 
     def ratio(self) -> tuple[float, float] | None:
         """The context coder's (encode seconds per unit of work, bytes per changed element) over the fast path's,
-        from pairs of consecutive deltas; None before the first pair."""
+        from the pairs measured side by side; None before the first pair."""
         if not self._pairs:
             return None
         return _median(p[0] for p in self._pairs), _median(p[1] for p in self._pairs)
@@ -264,43 +294,61 @@ class CodecChooser:
                                         upload_s, decode_s)    # fetched at the link's rate, as uploaded
         return Prediction(codec, encode_s, stored, upload_s, committed, decode_s, swapped, measured)
 
-    def choose(self, elements: int) -> Choice:
-        """The codec for the next delta of ``elements`` elements (this rank's)."""
+    def choose(self, elements: int, *, may_explore: bool = True) -> Choice:
+        """The codec for the next delta of ``elements`` elements (this rank's), and whether to measure the other
+        one on a sample of it; ``may_explore=False`` (a measurement is still running) never asks for one."""
         preds = [self.predict(c, elements) for c in CODECS]
         if any(p is None for p in preds):
             why = "no delta measured yet" if self._share is None else "no upload measured yet"
-            return Choice(CONTEXT, f"auto: {why}; the context coder first")
-        best, other = sorted(preds, key=lambda p: p.total_s)
-        bw = self.bandwidth
-        age, n = self.age(other.codec), self._count[other.codec]
-        stretch = min(MAX_EXPLORE_STRETCH, other.total_s / max(best.total_s, 1e-12))
-        if age >= (1 if n < MIN_SAMPLES else round(self.explore_every * stretch) - 1):
+            best, other, base = FAST, CONTEXT, f"auto: {why}; the fast path first"
+            stretch = MAX_EXPLORE_STRETCH
+            preds = []
+        else:
+            best_p, other_p = sorted(preds, key=lambda p: p.total_s)
+            bw = self.bandwidth
+            best, other = best_p.codec, other_p.codec
+            base = f"auto: predicted {best_p.describe(bw)} < {other_p.describe(bw)}"
+            stretch = min(MAX_EXPLORE_STRETCH, other_p.total_s / max(best_p.total_s, 1e-12))
+        age, n = self.age(other), self._count[other]
+        if may_explore and (n < MIN_SAMPLES or age >= round(self.explore_every * stretch) - 1):
             when = (f"last measured {age} deltas ago" if n >= MIN_SAMPLES else
                     f"{n} of its first {MIN_SAMPLES} samples" if n else "not measured yet")
-            return Choice(other.codec, f"auto: exploring {other.codec} ({when}); predicted {other.describe(bw)} "
-                          f"vs {best.describe(bw)}", tuple(preds), exploring=True)
-        return Choice(best.codec, f"auto: predicted {best.describe(bw)} < {other.describe(bw)}", tuple(preds))
+            return Choice(best, f"{base}; measuring {other} on a sample off the critical path ({when})",
+                          tuple(preds), explore=other)
+        return Choice(best, base, tuple(preds))
 
     def observe(self, codec: str, *, elements: int, changed: int, encode_s: float, stored_bytes: int,
                 upload_s: float) -> None:
-        """What one delta took: its codec, elements scanned and changed, encode and upload seconds, bytes."""
+        """What one published delta took: its codec, elements scanned and changed, encode and upload seconds,
+        bytes."""
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
         if changed <= 0 or elements <= 0 or stored_bytes <= 0:
             return      # nothing changed, nothing written: nothing learnt about either codec or the link
-        work = elements + WORK_PER_CHANGED[codec] * changed
-        sample = _Sample(codec, max(encode_s, 1e-9) / work, stored_bytes / changed)
-        prev = self._recent[-1] if self._recent else None
-        if prev is not None and prev.codec != codec:
-            ctx, fast = (sample, prev) if codec == CONTEXT else (prev, sample)
-            self._pairs.append((ctx.per_work / fast.per_work, ctx.per_changed / fast.per_changed))
-        self._recent.append(sample)
+        self._recent.append(_sample(codec, elements, changed, encode_s, stored_bytes))
         self._deltas += 1
         self._seen[codec] = self._deltas
-        self._count[codec] += 1
         self._share = changed / elements
         if upload_s > 0:
             self._bandwidth.append(stored_bytes / upload_s)
+
+    def observe_pair(self, context: Measurement, fast: Measurement) -> None:
+        """Both codecs' encodes of one sample, one right after the other: a pair for the ratio, and a sample
+        of each codec for the rules of when to measure again (its age counted from the newest published delta)."""
+        if min(context.changed, fast.changed, context.stored_bytes, fast.stored_bytes, context.elements,
+               fast.elements) <= 0:
+            return      # nothing changed in the sample: nothing learnt
+        ctx = _sample(CONTEXT, context.elements, context.changed, context.encode_s, context.stored_bytes)
+        fst = _sample(FAST, fast.elements, fast.changed, fast.encode_s, fast.stored_bytes)
+        self._pairs.append((ctx.per_work / fst.per_work, ctx.per_changed / fst.per_changed))
+        for c in CODECS:
+            self._seen[c] = self._deltas
+            self._count[c] += 1
+
+
+def _sample(codec: str, elements: int, changed: int, encode_s: float, stored_bytes: int) -> _Sample:
+    work = elements + WORK_PER_CHANGED[codec] * changed
+    return _Sample(codec, max(encode_s, 1e-9) / work, stored_bytes / changed)
 
 
 def warm_up(dtypes: "set[torch.dtype] | None" = None) -> None:

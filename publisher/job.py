@@ -8,7 +8,7 @@ import torch
 
 from ckptdelta.delta.errors import PublishError
 
-from ckptdelta.publisher import lora
+from ckptdelta.publisher import explore, lora
 from ckptdelta.publisher import sharded
 from ckptdelta.publisher.host_copy import Schema
 
@@ -33,6 +33,7 @@ class PublishJob:
     boxes: sharded.Boxes = field(default_factory=dict)     # this rank's boxes of the DTensors it publishes
     version: int | None = None       # the version planned for it (round 1)
     committing: bool = False         # past the last point where giving up at exit stops its commit
+    exploration: "explore.Sample | None" = None   # codec="auto": what to measure once it has returned
 
     def describe(self) -> str:
         return f"step {self.step}" + (f" (version {self.version})" if self.version is not None else "")

@@ -34,9 +34,9 @@ from ckptdelta.delta.storage import Store
 
 from ckptdelta.publisher import lora
 from ckptdelta.publisher import anchor as anchor_fmt
-from ckptdelta.publisher import rounds, sharded, tempdirs
+from ckptdelta.publisher import explore, rounds, sharded, tempdirs
 from ckptdelta.publisher.anchor_files import AnchorFiles
-from ckptdelta.publisher.codec_choice import CODECS, CONTEXT, FAST, CodecChooser, check_bandwidth, warm_up
+from ckptdelta.publisher.codec_choice import CODECS, CONTEXT, FAST, CodecChooser, Measurement, check_bandwidth, warm_up
 from ckptdelta.publisher.distributed import make_comm
 from ckptdelta.publisher.job import PublishJob, Skipped
 from ckptdelta.publisher.nan import nan_tensor_names
@@ -172,6 +172,9 @@ class Publisher:
         self.shard_bytes, self.level, self.progress = shard_bytes, level, progress
         self.codec = _resolve_codec(codec, context_coding, upload_bandwidth)
         self._chooser = CodecChooser(check_bandwidth(upload_bandwidth)) if self.codec == "auto" else None
+        # the chooser is fed by the publish thread and by measurements on a sample (publisher/explore.py)
+        self._choice_lock = threading.Lock()
+        self._explorer = explore.Explorer(level, self._explored, f"run at {url}: ")
         self._last_codec = ""          # the codec of this rank's previous delta (logged when auto switches)
         self._partition = partition
         self._files = AnchorFiles(extra_files, dtype=self.dtype)
@@ -370,6 +373,7 @@ class Publisher:
     def _release(self) -> None:
         self._closed = True
         _LIVE.discard(self)
+        self._explorer.close()
         self._join_prefault()
         self._worker.shutdown(wait=True)
         self._uploads.shutdown(wait=True)
@@ -455,6 +459,16 @@ class Publisher:
     def _job_done(self, fut: Future) -> None:
         with self._lock:
             self._jobs.pop(fut, None)
+        self._explorer.go()     # what this publish scheduled, now that its result is out: beside the next step
+
+    def _explored(self, context: Measurement, fast: Measurement) -> None:
+        """A measurement's pair, from its thread: the chooser learns from it unless this publisher is closed."""
+        with self._choice_lock:
+            if not self._closed and self._chooser is not None:
+                self._chooser.observe_pair(context, fast)
+                log.debug("run %s: measured both codecs on a sample: context %.4f s, %d bytes; fast %.4f s, %d "
+                          "bytes (%d elements, %d changed)", self.run_id, context.encode_s, context.stored_bytes,
+                          fast.encode_s, fast.stored_bytes, context.elements, context.changed)
 
     def _run_job(self, job: PublishJob) -> PublishResult:
         try:
@@ -485,7 +499,11 @@ class Publisher:
             if isinstance(e, ConcurrentPublisherError):
                 self._fatal = e
             raise
-        return self._committed(plan, job, written, outcome)
+        result = self._committed(plan, job, written, outcome)
+        if job.exploration is not None:     # started by _job_done, once this result is out
+            self._explorer.schedule(job.exploration)
+            job.exploration = None
+        return result
 
     def _plan_round(self, gathered: list[rounds.LocalState],
                     adapter: "lora.AdapterSnapshot | None") -> tuple[Plan, bool] | None:
@@ -584,10 +602,13 @@ class Publisher:
         self._nan_next = (known | with_bytes) - self._nan_warned
 
     def _write_delta(self, plan: Plan, job: PublishJob, parent: dict[str, torch.Tensor]) -> Written:
-        """This rank's delta objects, in the codec ``self.codec`` names or, with "auto", its chooser picks."""
+        """This rank's delta objects, in the codec ``self.codec`` names or, with "auto", the one its chooser
+        predicts to win; when the chooser asks to measure the other one, a sample of this delta is kept for
+        that (:meth:`_job_done` starts it once the publish has returned: publisher/explore.py)."""
         assert job.snapshot is not None
         elements = sum(t.numel() for t in job.snapshot.values())
-        exploring = False
+        grand = self._parents.grandparents_for(plan.parent_version)
+        choice = None
         if self._chooser is None:
             codec, reason = self.codec, f"fixed: Publisher(codec={self.codec!r})"
         else:
@@ -595,26 +616,44 @@ class Publisher:
             if fresh:      # both codecs' kernels loaded before the first delta of a dtype, untimed
                 warm_up(fresh)
                 self._warmed |= fresh
-            choice = self._chooser.choose(elements)
-            codec, reason, exploring = choice.codec, choice.reason, choice.exploring
-            if self._last_codec and codec != self._last_codec and not exploring:
+            # A LoRA run's first delta after an anchor has no grandparent, the later ones do (the context coder's
+            # encoding 6): a sample of it would measure a context coder its next deltas do not get.
+            typical = job.adapter is None or self._diff is not None or grand is not None
+            with self._choice_lock:
+                choice = self._chooser.choose(elements, may_explore=typical and not self._explorer.busy)
+            codec, reason = choice.codec, choice.reason
+            if self._last_codec and codec != self._last_codec:
                 log.info("run %s: v%d switches to the %s codec (%s)", self.run_id, plan.version, codec, reason)
             else:
                 log.debug("run %s: v%d codec %s (%s)", self.run_id, plan.version, codec, reason)
-        grand = self._parents.grandparents_for(plan.parent_version)
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
                                      progress=self.progress, parent_digests=self._parents.digests,
                                      grandparents=grand)
         sharded.with_boxes(written, job.boxes, plan.layout)      # pieces of a DTensor: merged into one entry
         written.codec, written.codec_reason = codec, reason
-        if self._chooser is not None:
-            self._chooser.observe(codec, elements=elements, changed=written.changed_elements,
-                                  encode_s=written.encode_s, stored_bytes=sum(o.size for o in written.objects),
-                                  upload_s=written.upload_s)
-            if not exploring:
-                self._last_codec = codec
+        if choice is not None:
+            with self._choice_lock:
+                self._chooser.observe(codec, elements=elements, changed=written.changed_elements,
+                                      encode_s=written.encode_s, stored_bytes=sum(o.size for o in written.objects),
+                                      upload_s=written.upload_s)
+            self._last_codec = codec
+            if choice.explore is not None:
+                self._keep_sample(plan, job, parent, written, choice.explore, grand)
         return written
+
+    def _keep_sample(self, plan: Plan, job: PublishJob, parent: dict[str, torch.Tensor], written: Written,
+                     explored: str, grand: dict[str, torch.Tensor] | None) -> None:
+        """Copy the sample the chooser's measurement will encode, now: the parent's buffers are recycled for the
+        next host copy once this delta commits. Never fails the publish."""
+        changed = {n for n, e in written.entries.items() if e.object is not None and n in job.snapshot}
+        try:
+            job.exploration = explore.take_sample(parent, job.snapshot, changed, version=plan.version,
+                                                  explored=explored, digests=self._parents.digests,
+                                                  grandparents=grand)
+        except Exception as e:  # noqa: BLE001 - a measurement only informs the next choices
+            log.warning("run %s: cannot sample v%d to measure the %s codec (%s: %s); the codec choice goes on "
+                        "without it", self.run_id, plan.version, explored, type(e).__name__, e)
 
     def _commit(self, plan: Plan, job: PublishJob, parts: list[Written]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -758,6 +797,7 @@ def _at_exit() -> None:
         try:
             pub._finish(max(0.0, t0 + pub.exit_timeout - time.monotonic()),
                         "the interpreter exits without Publisher.close()")
+            pub._explorer.close()
         except Exception as e:  # noqa: BLE001 - never stop the exit; say what happened
             log.error("run %s at %s: finishing its publishes at exit failed: %s", pub.run_id, pub.url, e)
 
