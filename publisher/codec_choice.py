@@ -52,7 +52,10 @@ context coder's CPU per changed element at both ends, and what the context coder
 save is a share of the bytes, which the link moves at its rate. So the wrong first guess
 costs those bytes' transfer on one delta, where the other wrong guess would cost a
 several-times-slower encode and decode. That first delta gives the level and the link's
-rate that every later prediction starts from.
+rate that every later prediction starts from. The same holds until a sample has measured
+both codecs side by side: the priors are fitted to full models' sparse steps, and on a LoRA
+run's dense steps the context coder they favour on a slow link loses several times over,
+so until then the fast path is published whatever they predict.
 
 The codec predicted to lose is still measured, but never by publishing a delta with it:
 a :class:`Choice` names it in ``explore``, and the publisher then encodes a sample of
@@ -303,6 +306,15 @@ class CodecChooser:
             best, other, base = FAST, CONTEXT, f"auto: {why}; the fast path first"
             stretch = MAX_EXPLORE_STRETCH
             preds = []
+        elif not preds[0].measured:
+            # the ratio is still the priors' (fitted to full models' sparse steps): they may favour the context
+            # coder where it loses several times over (a LoRA run's dense steps), so, as for the first delta,
+            # the fast path until a sample has measured both
+            bw = self.bandwidth
+            best, other = FAST, CONTEXT
+            base = (f"auto: the codecs' ratio not measured yet; the fast path until a sample has measured both "
+                    f"(from the priors: {' vs '.join(p.describe(bw) for p in preds)})")
+            stretch = MAX_EXPLORE_STRETCH
         else:
             best_p, other_p = sorted(preds, key=lambda p: p.total_s)
             bw = self.bandwidth

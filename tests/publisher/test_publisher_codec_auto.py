@@ -104,6 +104,21 @@ def test_the_choice_flips_with_the_upload_bandwidth(bandwidth, winner):
     assert ch.bandwidth == pytest.approx(bandwidth)
 
 
+def test_until_a_sample_has_measured_both_codecs_the_fast_path_is_published_even_where_the_priors_favour_context():
+    """The priors are full models' sparse steps; on a LoRA run's dense steps the context coder they favour on a slow
+    link loses several times over, so no delta is published with it on their word."""
+    ch = CodecChooser()
+    _feed(ch, FAST, 0.1 * MB)                        # one delta published, nothing measured side by side yet
+    choice = ch.choose(ELEMENTS)
+    assert not any(p.measured for p in choice.predictions)
+    assert min(choice.predictions, key=lambda p: p.total_s).codec == CONTEXT       # what the priors say
+    assert choice.codec == FAST and choice.explore == CONTEXT
+    assert choice.reason.startswith("auto: the codecs' ratio not measured yet; the fast path until a sample has "
+                                    "measured both (from the priors: ")
+    _pair(ch)                                         # measured: now the slow link's winner is published
+    assert ch.choose(ELEMENTS).codec == CONTEXT
+
+
 def test_the_break_even_bandwidth_is_where_the_encode_and_decode_saving_pays_for_the_extra_bytes():
     # one part, one fetch batch: each byte is uploaded, then fetched; each delta is encoded, then decoded
     even = 2 * (MEASURED[FAST][1] - MEASURED[CONTEXT][1]) / (_coded(CONTEXT) - _coded(FAST))   # ~3.2 MB/s
