@@ -160,8 +160,8 @@ def _announce(what: str) -> None:
         _announced = True
     if is_warm():
         return
-    log.info("compiling the codec's numba kernels for this environment (first: %s): about 20-90 s on first "
-             "use, once; cached in %s. `ckptdelta warmup` compiles them ahead (in a Dockerfile: "
+    log.info("compiling the codec's numba kernels for this environment (first: %s): tens of seconds on "
+             "first use, once; cached in %s. `ckptdelta warmup` compiles them ahead (in a Dockerfile: "
              "RUN ckptdelta warmup)", what, kernel_dir())
 
 

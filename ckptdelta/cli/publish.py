@@ -62,8 +62,8 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--shard-bytes", type=_count(1), default=5 * 2**30, metavar="B",
                    help="anchor shard size (default: 5 GiB)")
     p.add_argument("--codec", choices=("context", "fast"), default="context",
-                   help="how a delta is coded: context (smallest) or fast (quicker to encode and decode, ~1.5x "
-                        "the bytes); Publisher(codec='auto') picks per delta from timings a one-shot command does "
+                   help="how a delta is coded: context (smallest) or fast (quicker to encode and decode, larger "
+                        "deltas); Publisher(codec='auto') picks per delta from timings a one-shot command does "
                         "not have (default: context)")
     p.add_argument("--base-model", metavar="DIR", default=None,
                    help="a PEFT adapter's base model directory, hashed into the run's record (default: the base "

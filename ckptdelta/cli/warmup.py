@@ -1,5 +1,5 @@
 """``ckptdelta warmup``: compile the codec's numba kernels now, for this environment, rather than in the first
-publish or hot-load (20-90 s the first time, silent but for one log line).
+publish or hot-load (tens of seconds the first time, silent but for one log line).
 
 Meant for the last step of building an image or a venv (``RUN ckptdelta warmup``
 in a trainer's or a replica's Dockerfile): the kernels are cached per environment
