@@ -474,6 +474,12 @@ class Publisher:
         try:
             return self._execute(job)
         except BaseException as e:
+            if job.version is not None and isinstance(e, Exception):
+                # the version this publish was planned as, for whoever reports the failure (nothing committed)
+                try:
+                    e.publish_version = job.version     # type: ignore[attr-defined]
+                except AttributeError:                 # an exception type that takes no attributes
+                    pass
             with self._lock:
                 self._last_step = self._committed_step
                 if not job.wait and self._pending_error is None and not isinstance(e, Skipped):

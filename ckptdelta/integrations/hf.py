@@ -120,8 +120,9 @@ class PublishCallback(TrainerCallback):
 
     def _settle(self, *, block: bool) -> None:
         """Look at the publishes started, oldest first (all of them with ``block``, else those finished), and
-        raise the first failure. A failed publish is reported by its step and version (the one after the newest
-        committed: versions are consecutive, and publishes queued behind a failure are not attempted)."""
+        raise the first failure. A failed publish is reported by its step and version (the one the publisher
+        planned for it; one that failed before planning, the one after the newest committed: versions are
+        consecutive, and publishes queued behind a failure are not attempted)."""
         first = False
         while True:
             with self._lock:
@@ -148,8 +149,13 @@ class PublishCallback(TrainerCallback):
             raise self._failure
 
     def _failed(self, step: int, err: BaseException) -> PublishError:
+        # the version the publisher planned for it, where it got that far; else the one after the newest
+        # committed (versions are consecutive)
+        planned = getattr(err, "publish_version", None)
         version: int | str = "unknown"
-        if self._version is not None:
+        if isinstance(planned, int):
+            version = planned
+        elif self._version is not None:
             version = self._version + 1
         else:
             try:

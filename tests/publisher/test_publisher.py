@@ -302,8 +302,9 @@ def test_a_retried_publish_writes_keys_of_its_own_so_a_late_write_of_the_failed_
         perturb(w, seed=1)
         store.put_if_absent = manifest_create_fails
         before = set(store.list_prefix(""))
-        with pytest.raises(StorageError):
+        with pytest.raises(StorageError) as raised:
             pub.publish(w, 1, anchor=kind == "anchor")
+        assert raised.value.publish_version == 1            # the version it was planned as, for its reporter
         failed = {k: store.get(k) for k in set(store.list_prefix("")) - before}
         assert failed                                       # the failed attempt left its data objects
         store.put_if_absent = real
