@@ -210,6 +210,7 @@ class Publisher:
         self._nan_next: set[str] = set()
         self._n_failures = 0
         self._attempts = 0          # publish attempts planned by this session (rank 0): each one's data prefix
+        self._committed_here: int | None = None     # the newest version this session committed (rank 0)
         self._pending_error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._closed = False
@@ -545,7 +546,13 @@ class Publisher:
         # for an anchor (also one a failed parent rebuild makes); a LoRA anchor is a PEFT adapter directory
         self._anchor_files = (self._files.for_schema(union, self.run_id) if adapter is None
                               else {**self._files.files, **adapter.extra_files})
-        check_not_committed(self._store, plan.version, self.run_id)
+        if self._committed_here is None or plan.version != self._committed_here + 1:
+            # Fail a race with another publisher before uploading anything. Right after this session's own commit
+            # of the version before, the request is left out: steady publishing would pay it on every publish for
+            # a race that the manifest's create-only commit refuses anyway (the loser's data objects, under keys
+            # of its own, are left for gc). The first publish of a session, where another trainer may still run,
+            # and every one after a failure keep it.
+            check_not_committed(self._store, plan.version, self.run_id)
         # Every attempt writes under keys of its own: a retry of a failed publish gets the same version, and a
         # PUT of the failed attempt that lands late (a stalled request completed by the server) must never
         # replace an object the retry committed. Rank 0 decides, so all ranks of one attempt share it.
@@ -689,6 +696,7 @@ class Publisher:
         data = manifest.to_json()
         Manifest.from_json(data, run_id=self.run_id)  # never commit what a reader would refuse
         commit(store, manifest, data)
+        self._committed_here = plan.version
         self._chain = self._chain.advanced(manifest)
         if plan.kind == "anchor":
             self._anchor_extra = extra_refs
