@@ -109,18 +109,18 @@ child.start()
 child.join()
 print(f"forked child exited with {child.exitcode}", file=sys.stderr)
 
-# d: a with-block left on an error while its third publish is in flight (it plans only once the block is left)
+# d: a with-block left on an error while its third publish is in flight (it commits only once the block is left)
 with publisher("d") as d:
     leaving = Said("d", "the with-block was left")
     close = d.close
     d.close = lambda: (leaving.event.set(), close())      # an __exit__ that closes is leaving too
-    stall(d, "exists", leaving, lambda key: key.endswith("00000002.json"))
+    stall(d, "put_if_absent", leaving, lambda key, *_: key.endswith("00000002.json"))
     for step in range(3):
         d.publish(big(step), step, wait=False)
 
-    # a: the trainer: three publishes, no close(); the third plans only once the exit has begun
+    # a: the trainer: three publishes, no close(); the third commits only once the exit has begun
     a = publisher("a")
-    stall(a, "exists", Said("a", "the interpreter exits"), lambda key: key.endswith("00000002.json"))
+    stall(a, "put_if_absent", Said("a", "the interpreter exits"), lambda key, *_: key.endswith("00000002.json"))
     for step in range(3):
         a.publish(big(step), step, wait=False)
     raise RuntimeError("the trainer failed")
@@ -160,8 +160,8 @@ def test_publishes_in_flight_at_interpreter_exit_are_committed_and_logged_naming
     assert _versions(base, "a") == [0, 1, 2], p.stderr[-6000:]
     reader = SnapshotReader(str(base / "a"))
     assert_same(reader.read_tensors(2), _truth(2))
-    _line(p.stderr, r"^WARNING run \S+ at \S+/a: 1 publish\(es\) in flight \(step 2\) when the interpreter exits "
-                    r"without Publisher.close\(\); finishing them")
+    _line(p.stderr, r"^WARNING run \S+ at \S+/a: 1 publish\(es\) in flight \(step 2 \(version 2\)\) when the interpreter "
+                    r"exits without Publisher.close\(\); finishing them")
     _line(p.stderr, r"^INFO run \S+ at \S+/a: step 2 \(version 2\) committed as v00000002 \(delta\) when the "
                     r"interpreter exits")
 
@@ -192,8 +192,8 @@ def test_leaving_a_with_block_on_an_error_finishes_the_publishes_in_flight_and_l
     assert p.returncode == 1 and "RuntimeError: the trainer failed" in p.stderr
     assert _versions(base, "d") == [0, 1, 2]
     assert_same(SnapshotReader(str(base / "d")).read_tensors(2), _truth(2))
-    warned = _line(p.stderr, r"^WARNING run \S+ at \S+/d: 1 publish\(es\) in flight \(step 2\) when the with-block "
-                             r"was left on RuntimeError")
+    warned = _line(p.stderr, r"^WARNING run \S+ at \S+/d: 1 publish\(es\) in flight \(step 2 \(version 2\)\) when the "
+                             r"with-block was left on RuntimeError")
     committed = _line(p.stderr, r"^INFO run \S+ at \S+/d: step 2 \(version 2\) committed")
     lines = p.stderr.splitlines()
     assert lines.index(warned) < lines.index(committed) < next(
