@@ -25,8 +25,8 @@ from ckptdelta.delta.record import ChunkEntry
 
 #: zstd's level for the byte planes of sparse, dense and raw chunks. The planes of a step are noise-like where
 #: they are not constant: a deeper match search (level 3 and up) finds next to nothing in them, so level 1
-#: codes them as small or smaller, in far less time (docs/PERFORMANCE.md, "zstd's level"). A reader decodes
-#: any level.
+#: codes them as small or smaller, in far less time (docs/PERFORMANCE.md, "The fast path on dense steps").
+#: A reader decodes any level.
 DEFAULT_LEVEL = 1
 
 _UNCHANGED_ENTRY = ChunkEntry(unchanged.ENCODING.id, 0, 0, 0, 0, unchanged.EMPTY_CHECKSUM)

@@ -117,7 +117,6 @@ def may_beat(planes: np.ndarray, plane_len: int, best: float, best_estimate: flo
     if best_estimate is not None:
         return estimate(planes, plane_len) < best_estimate
     bar = SURELY_LARGER * best
-    if plane_len > SAMPLE_BLOCK and kernels.planes_entropy_bytes(
-            planes, plane_len, SAMPLE_BLOCK, SAMPLE_STRIDE) >= SAMPLE_MARGIN * bar:
+    if plane_len > SAMPLE_BLOCK and estimate(planes, plane_len) >= SAMPLE_MARGIN * bar:
         return False
     return kernels.planes_entropy_bytes(planes, plane_len, kernels.ENTROPY_BLOCK) < bar
