@@ -138,12 +138,13 @@ def measure(sample: Sample, level: int, stop: threading.Event) -> tuple[Measurem
 
 
 class Explorer:
-    """At most one measurement at a time, each on a daemon thread of its own; ``on_pair`` gets its result.
+    """At most one measurement at a time, each on a thread of its own; ``on_pair`` gets its result.
 
     The publish thread hands :meth:`schedule` a sample as its publish succeeds (from then on the explorer is busy:
     a delta chosen meanwhile asks for no measurement) and :meth:`go` starts it once the publish's result is out.
     A measurement only ever informs the chooser: one that fails is logged and forgotten, one still running at
-    :meth:`close` is told to stop and left behind after ``CLOSE_WAIT_S`` (it holds nothing but its copies)."""
+    :meth:`close` is told to stop and left behind after ``CLOSE_WAIT_S`` (it holds nothing but its copies); the
+    interpreter's exit waits for it to end at its next record."""
 
     def __init__(self, level: int, on_pair: Callable[[Measurement, Measurement], None], what: str = ""):
         self.level, self._on_pair, self._what = level, on_pair, what
@@ -176,7 +177,10 @@ class Explorer:
             if self._closed:
                 self._done.set()
                 return
-            threading.Thread(target=self._run, args=(sample, self._stop, self._done), daemon=True,
+            # not a daemon: the interpreter's exit waits for it (told to stop at close, it ends at its next
+            # record), where a daemon thread still inside a kernel as the interpreter finalizes aborts the process
+            # ("terminate called without an active exception": a README LoRA snippet, once in four fresh runs)
+            threading.Thread(target=self._run, args=(sample, self._stop, self._done), daemon=False,
                              name=f"ckptdelta-explore-v{sample.version}").start()
 
     def _run(self, sample: Sample, stop: threading.Event, done: threading.Event) -> None:
