@@ -232,7 +232,8 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
                                parent_digests=parent_digests, grandparents=grandparents,
                                on_part=lambda i, _size, _h: uploads.append(pool.submit(upload, i)),
                                on_bytes=bar.update,
-                               part_bytes=deltas_mod.DEFAULT_PART_BYTES if part_bytes is None else part_bytes)
+                               part_bytes=deltas_mod.part_bytes_for(
+                                   total, deltas_mod.DEFAULT_PART_BYTES if part_bytes is None else part_bytes))
             for u in uploads:
                 u.result()
             out.encode_s = part.encode_s

@@ -33,12 +33,17 @@ a half-written slot.
   was first registered from (an old version).
 - **The proof** reads the slot back: for every LoRA layer, each of its stacked
   buffers at the slot's index is compared, bit for bit, with what the layer's
-  own ``set_lora`` writes for a fresh transform of the verified tensors into a
+  own ``set_lora`` writes for the transform of the verified tensors into a
   one-slot copy of those buffers (so tensor-parallel slicing, packed groups and
   zero padding up to ``--max-lora-rank`` are vLLM's). Layers the adapter does
-  not touch must hold zeros there. On the CPU the comparison is of the bits'
-  xxh3 (the reference's hashed while preparing), as every other proof of
-  ckptdelta: hashing is much faster than comparing the bytes.
+  not touch must hold zeros there. The reference is written while preparing,
+  from the very LoRAModel the write copies, and hashed at once: a second
+  transform would run the same code on the same bits (the transform itself is
+  held to vLLM's directory load by the tests), while a LoRAModel changed after
+  it was prepared, a copy into the wrong rows or rows written meanwhile all
+  differ from those hashes. On the CPU the comparison is of the bits' xxh3, as
+  every other proof of ckptdelta: hashing is much faster than comparing the
+  bytes.
 
 Nothing here raises through the RPC: loader/engines/vllm/worker/extension.py turns an
 exception into ``{"error": ...}``.
@@ -172,7 +177,8 @@ class Prepared(NamedTuple):
     """One adapter version made ready off vLLM's engine loop (:func:`prepare`), for one slot."""
 
     lora: Any                            # vLLM's LoRAModel, packed and scaled: what add_adapter registers
-    reference: dict[str, torch.Tensor]   # clones of the verified tensors: the proof's own transform's input
+    path: str                            # the host copy it was read from, and its digests: read again only
+    digests: dict[str, str]              # where the write lands at another index than planned
     index: int                           # the slot index activate_adapter will give it
     expected: dict[str, dict[str, list[Any]]]   # what each layer's set_lora writes there (see _expected)
     seconds: float
@@ -198,17 +204,22 @@ def prepare(worker: Any, lora_id: int, path: str, digests: dict[str, str], confi
     if lora_id not in mgr.list_adapters():
         raise SlotError(f"LoRA adapter id {lora_id} is not registered in this worker (slots: "
                         f"{sorted(mgr.list_adapters())})")
-    tensors = verified_tensors(path, digests)
-    # the proof's own copies, taken now: the write's are scaled in place by the merge
-    reference = {n: t.clone() for n, t in tensors.items()}
+    lora = _merged(worker, lora_id, verified_tensors(path, digests), config)
+    index = next_index(mgr, lora_id)
+    expected = expected_slot(worker, lora_id, None, config, index, lora=lora)
+    return Prepared(lora, path, dict(digests), index, expected, time.perf_counter() - t0)
+
+
+def _merged(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
+    """vLLM's load transform of ``tensors`` with the manager's packing and scaling (which scales B in place:
+    ``tensors`` must be the caller's own copies)."""
+    _, mgr = managers(worker)
     lora = transform(worker, lora_id, tensors, config)
     validate = getattr(mgr, "_validate_moe_lora_format", None)
     if validate is not None:
         validate(lora)
     mgr._create_merged_loras_inplace(lora)
-    index = next_index(mgr, lora_id)
-    expected = expected_slot(worker, lora_id, reference, config, index)
-    return Prepared(lora, reference, index, expected, time.perf_counter() - t0)
+    return lora
 
 
 def write(worker: Any, lora_id: int, path: str, digests: dict[str, str], config: dict[str, Any],
@@ -310,7 +321,7 @@ def _prove_written(worker: Any, lora_id: int, config: dict[str, Any], prepared: 
     _, mgr = managers(worker)
     index = mgr.lora_index_to_id.index(lora_id)
     expected = prepared.expected if index == prepared.index else \
-        expected_slot(worker, lora_id, prepared.reference, config, index)
+        expected_slot(worker, lora_id, verified_tensors(prepared.path, prepared.digests), config, index)
     return index, compare(mgr, lora_id, index, expected)
 
 
@@ -330,14 +341,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any],
-                  index: int) -> dict[str, dict[str, list[Any]]]:
-    """For every LoRA layer, what its own ``set_lora`` writes at a slot for a fresh transform of ``tensors``
-    (packed and scaled as the manager does, kept off its books), in a one-slot copy of its buffers at
-    ``index``; layers the adapter leaves out are reset there. Reads the live buffers at ``index`` only."""
+def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor] | None, config: dict[str, Any],
+                  index: int, *, lora: Any = None) -> dict[str, dict[str, list[Any]]]:
+    """For every LoRA layer, what its own ``set_lora`` writes at a slot for a transform of ``tensors``
+    (packed and scaled as the manager does, kept off its books; or ``lora``, one made so already), in a
+    one-slot copy of its buffers at ``index``; layers the adapter leaves out are reset there. Reads the live
+    buffers at ``index`` only."""
     _, mgr = managers(worker)
-    fresh = transform(worker, lora_id, tensors, config)
-    mgr._create_merged_loras_inplace(fresh)
+    fresh = lora if lora is not None else _merged(worker, lora_id, tensors, config)
     out: dict[str, dict[str, list[Any]]] = {}
     for name, module in mgr.modules.items():
         bufs = _stacked(module)
