@@ -503,9 +503,18 @@ class Store:
         directory = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         dpath = f"{self.root}/{directory}".rstrip("/") if directory else self.root
 
+        tail = prefix.rsplit("/", 1)[-1]
+
         def fn(**kw: Any) -> list[str]:
             self.fs.invalidate_cache(dpath)
             try:
+                if tail and self.backend in ("s3", "gcs"):
+                    # the store filters: listing one version's objects does not page through every version's
+                    return list(self.fs.find(dpath, prefix=tail, **kw))
+                if tail and self.backend == "local":
+                    return [p for entry in self.fs.ls(dpath, detail=False)
+                            if entry.rstrip("/").rsplit("/", 1)[-1].startswith(tail)
+                            for p in self.fs.find(entry, **kw)]
                 return list(self.fs.find(dpath, **kw))
             except FileNotFoundError:
                 return []

@@ -100,7 +100,7 @@ class AsyncRolloutClient:
     # --- hot-loads ---------------------------------------------------------------------------
 
     async def hotload(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
-                      poll_interval: float = 0.1) -> dict[str, dict[str, Any]]:
+                      poll_interval: float = 0.1, await_commit_s: float | None = None) -> dict[str, dict[str, Any]]:
         """Hot-load ``snapshot`` on every replica, as :meth:`ckptdelta.loader.client.RolloutClient.hotload`: every replica on
         its own, at once, each hot-load given ``timeout`` (one that is dead, hung, of another run or answering
         something else stops no other; one that is starting, refusing connections or answering STARTING, is
@@ -108,14 +108,15 @@ class AsyncRolloutClient:
         that accepts it and the others asked for that exact version; with ``wait``, until each is READY at it.
         Unless every one is, raises (once all have ended) SnapshotNotFoundError, RunMismatchError,
         HotLoadConflictError, HotLoadError (FAILED somewhere), ReplicaError or HotLoadTimeoutError, each carrying
-        ``.states`` (replica -> its answer)."""
+        ``.states`` (replica -> its answer). ``await_commit_s``: as the sync client's (a version being
+        published is waited for, its objects fetched as they land)."""
         plan = fleet.FleetPlan(self.replicas, snapshot)
         cond = asyncio.Condition()
 
         async def one(i: int) -> dict[str, Any]:
             try:
                 return await self._hotload_one(i, plan, cond, wait=wait, timeout=timeout,
-                                               poll_interval=poll_interval)
+                                               poll_interval=poll_interval, await_commit_s=await_commit_s)
             finally:     # whatever ended it, the others must not wait for this one's first answer or resolve
                 async with cond:
                     plan.answered(i, None)
@@ -127,7 +128,8 @@ class AsyncRolloutClient:
         return states
 
     async def _hotload_one(self, i: int, plan: fleet.FleetPlan, cond: asyncio.Condition, *, wait: bool,
-                           timeout: float, poll_interval: float) -> dict[str, Any]:
+                           timeout: float, poll_interval: float,
+                           await_commit_s: float | None = None) -> dict[str, Any]:
         url = self.replicas[i]
         up = fleet.StartWait(url, self.ready_timeout)     # the sync client's rule for a replica still starting
         while True:
@@ -157,7 +159,7 @@ class AsyncRolloutClient:
         async with cond:
             while (target := plan.take_target(i)) is None:
                 await cond.wait()      # for the replica resolving the name: one request
-        job = await self._post_job(url, target[0])
+        job = await self._post_job(url, target[0], await_commit_s)
         if not isinstance(target[0], int):      # this replica was asked for the name: the others wait on it
             async with cond:
                 plan.resolved(i, job["target_version"] if job["state"] in fleet.JOB_STATES else None)
@@ -184,10 +186,13 @@ class AsyncRolloutClient:
                 await asyncio.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
         return job
 
-    async def _post_job(self, url: str, snapshot: str | int) -> dict[str, Any]:
+    async def _post_job(self, url: str, snapshot: str | int, await_commit_s: float | None = None) -> dict[str, Any]:
         what = "POST /v1/hotload"
+        body: dict[str, Any] = {"snapshot": snapshot}
+        if await_commit_s is not None:
+            body["await_commit_s"] = await_commit_s
         try:
-            r = await self._http.post(url + "/v1/hotload", json={"snapshot": snapshot})
+            r = await self._http.post(url + "/v1/hotload", json=body)
             return fleet.job_answer(url, what, fleet.answer(url, what, r, ok=(200, 202)))
         except httpx.TransportError as e:
             return fleet.failed_state(fleet.transport_error(url, what, e))

@@ -111,7 +111,7 @@ class RolloutClient:
     # --- hot-loads ---------------------------------------------------------------------------
 
     def hotload(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
-                poll_interval: float = 0.1) -> dict[str, dict[str, Any]]:
+                poll_interval: float = 0.1, await_commit_s: float | None = None) -> dict[str, dict[str, Any]]:
         """Hot-load ``snapshot`` on every replica; with ``wait``, until each is READY at that version.
 
         As :meth:`hotload_each` (every replica on its own, at once, each hot-load given ``timeout``; one that is
@@ -121,13 +121,19 @@ class RolloutClient:
         HotLoadConflictError (a replica runs another hot-load), HotLoadError (FAILED somewhere), ReplicaError
         (unreachable, or answering something else) or HotLoadTimeoutError (a hot-load past ``timeout``, or a
         replica still STARTING at ``ready_timeout``), in that order of precedence, once every replica has ended;
-        each carries ``.states`` (replica -> its answer, as :meth:`hotload_each` returns them)."""
-        states = self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval, queue=False)
+        each carries ``.states`` (replica -> its answer, as :meth:`hotload_each` returns them).
+
+        ``await_commit_s``: ``snapshot`` may be the version a publisher is writing now (newer than every committed
+        one): each replica waits up to that long for its commit, fetching its objects as the publisher uploads
+        them, instead of answering 404; ask as publish() starts and the fetch overlaps the upload
+        (docs/SERVING.md, "Hot-loading the version being published")."""
+        states = self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval, queue=False,
+                                     await_commit_s=await_commit_s)
         fleet.raise_for(states, snapshot, wait=wait)
         return states
 
     def hotload_each(self, snapshot: str | int = "latest", *, wait: bool = True, timeout: float = 600.0,
-                     poll_interval: float = 0.2) -> dict[str, dict[str, Any]]:
+                     poll_interval: float = 0.2, await_commit_s: float | None = None) -> dict[str, dict[str, Any]]:
         """Hot-load ``snapshot`` on every replica, each on its own: a replica that fails, refuses, cannot be
         reached, hangs or answers something that is not a replica's answer does not stop or delay the others
         (what ``ckptdelta hotload URL... SNAPSHOT`` runs). All are asked at once, and each hot-load has its own
@@ -146,17 +152,18 @@ class RolloutClient:
         both clients and the CLI: :class:`ckptdelta.loader.fleet.StartWait`). Before its hot-load is asked for, a replica
         waits at most for those before it in the order given to answer ``/v1/status`` once, and for the one
         resolving the name: one request each (the client's ``timeout``), whatever they do."""
-        return self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval, queue=True)
+        return self._hotload_fleet(snapshot, wait=wait, timeout=timeout, poll_interval=poll_interval, queue=True,
+                                   await_commit_s=await_commit_s)
 
     def _hotload_fleet(self, snapshot: str | int, *, wait: bool, timeout: float, poll_interval: float,
-                       queue: bool) -> dict[str, dict[str, Any]]:
+                       queue: bool, await_commit_s: float | None = None) -> dict[str, dict[str, Any]]:
         plan = fleet.FleetPlan(self.replicas, snapshot)
         cond = threading.Condition()
 
         def one(i: int) -> dict[str, Any]:
             try:
                 return self._hotload_one(i, plan, cond, wait=wait, timeout=timeout, poll_interval=poll_interval,
-                                         queue=queue)
+                                         queue=queue, await_commit_s=await_commit_s)
             finally:     # whatever ended it, the others must not wait for this one's first answer or resolve
                 with cond:
                     plan.answered(i, None)
@@ -168,7 +175,8 @@ class RolloutClient:
             return dict(zip(self.replicas, pool.map(one, range(len(self.replicas)))))
 
     def _hotload_one(self, i: int, plan: fleet.FleetPlan, cond: threading.Condition, *, wait: bool,
-                     timeout: float, poll_interval: float, queue: bool) -> dict[str, Any]:
+                     timeout: float, poll_interval: float, queue: bool,
+                     await_commit_s: float | None = None) -> dict[str, Any]:
         url = self.replicas[i]
         up = fleet.StartWait(url, self.ready_timeout)
         while True:
@@ -198,7 +206,7 @@ class RolloutClient:
         with cond:
             while (target := plan.take_target(i)) is None:
                 cond.wait()       # for the replica resolving the name: one request
-        job = self._post_job(url, target[0], queue)
+        job = self._post_job(url, target[0], queue, await_commit_s)
         if not isinstance(target[0], int):      # this replica was asked for the name: the others wait on it
             with cond:
                 plan.resolved(i, job["target_version"] if job["state"] in fleet.JOB_STATES else None)
@@ -207,10 +215,16 @@ class RolloutClient:
             job = self._wait_job(url, job, time.monotonic() + timeout, poll_interval, timeout)
         return job
 
-    def _post_job(self, url: str, snapshot: str | int, queue: bool) -> dict[str, Any]:
+    def _post_job(self, url: str, snapshot: str | int, queue: bool,
+                  await_commit_s: float | None = None) -> dict[str, Any]:
         what = "POST /v1/hotload"
+        body: dict[str, Any] = {"snapshot": snapshot}
+        if queue:
+            body["queue"] = True
+        if await_commit_s is not None:
+            body["await_commit_s"] = await_commit_s
         try:
-            r = self._http.post(url + "/v1/hotload", json={"snapshot": snapshot, **({"queue": True} if queue else {})})
+            r = self._http.post(url + "/v1/hotload", json=body)
             return fleet.job_answer(url, what, fleet.answer(url, what, r, ok=(200, 202)))
         except httpx.TransportError as e:
             return fleet.failed_state(fleet.transport_error(url, what, e))

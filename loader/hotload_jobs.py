@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptdelta.delta.errors import HotLoadCancelledError, HotLoadConflictError
+from ckptdelta.delta.errors import HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError
 from ckptdelta.delta.manifest import snapshot_name
 
 if TYPE_CHECKING:
@@ -64,6 +64,10 @@ class HotLoadJob:
     report: dict[str, Any] | None = None  # HotLoadReport fields once READY
     noop: bool = False  # already at the target: nothing was done
     prepare_s: float | None = None  # from its start to the end of prepare (fetch, decode, verify; serving)
+    #: asked for before its snapshot was committed: wait this long for the commit (loader/landing.py)
+    await_commit_s: float | None = None
+    commit_wait_s: float | None = None  # how long it waited for the commit, fetching what landed meanwhile
+    bytes_landed: int | None = None     # bytes of that version's objects fetched before its commit and used
 
     @property
     def done(self) -> bool:
@@ -84,6 +88,11 @@ class HotLoadJob:
             d["timings"] = {k: self.report.get(k) for k in _TIMING_FIELDS}
         if self.prepare_s is not None:
             d.setdefault("timings", {})["prepare_s"] = self.prepare_s
+        if self.await_commit_s is not None:
+            d["await_commit_s"] = self.await_commit_s
+        if self.commit_wait_s is not None:
+            d.setdefault("timings", {})["commit_wait_s"] = self.commit_wait_s
+            d["bytes_landed"] = self.bytes_landed
         return d
 
 
@@ -124,39 +133,52 @@ class HotLoadManager:
     def get(self, job_id: str) -> HotLoadJob | None:
         return self._jobs.get(job_id)
 
-    def submit(self, ref: str | int, *, queue: bool = False) -> tuple[HotLoadJob, str]:
+    def submit(self, ref: str | int, *, queue: bool = False,
+               await_commit_s: float | None = None) -> tuple[HotLoadJob, str]:
         """Start, join or acknowledge a hot-load of ``ref``; returns (job, "started"|"joined"|"noop"|"queued").
 
         Raises SnapshotNotFoundError for a snapshot the run lacks and, without
         ``queue``, HotLoadConflictError while a hot-load to another version runs
-        (with it, the request waits for that one and replaces any queued before it)."""
+        (with it, the request waits for that one and replaces any queued before it).
+        ``await_commit_s``: a version newer than every committed one (the one a publisher is writing) is
+        not refused: the job waits up to that long for its commit, fetching its objects as they land."""
         # storage I/O, outside the lock; fresh: a snapshot gc deleted, or a run deleted and published again,
         # is refused here (404) instead of failing later on objects its cached manifests still name
         self._refuse_if_stopping(ref)
-        target = self.reader.resolve(ref, fresh=True)
+        awaiting = None
+        try:
+            target = self.reader.resolve(ref, fresh=True)
+        except SnapshotNotFoundError:
+            if await_commit_s is None:
+                raise
+            target, awaiting = self.reader.upcoming(ref), float(await_commit_s)
         requested = str(ref)
         with self._lock:
-            self._refuse_if_stopping(ref)
-            run = self._running
-            if run is not None:
-                if run.target_version == target and (self._queued is None or not queue):
-                    return run, "joined"
-                queued = self._queued
-                if queued is not None and queued.target_version == target:
-                    return queued, "joined"
-                if not queue:
-                    raise HotLoadConflictError(
-                        f"hot-load {run.id} to {snapshot_name(run.target_version)} is {run.state}; "
-                        f"refusing a concurrent hot-load to {snapshot_name(target)}")
-                job = self._new_job(requested, target, None)
-                job.state = QUEUED
-                self._queued = job
-                if queued is not None:
-                    self._supersede(queued, job)
-                log.info("hot-load %s to %s queued behind %s to %s", job.id, snapshot_name(target), run.id,
-                         snapshot_name(run.target_version))
-                return job, "queued"
-            return self._start_locked(requested, target)
+            return self._submit_locked(ref, requested, target, queue, awaiting)
+
+    def _submit_locked(self, ref: str | int, requested: str, target: int, queue: bool,
+                       awaiting: float | None) -> tuple[HotLoadJob, str]:
+        self._refuse_if_stopping(ref)
+        run = self._running
+        if run is not None:
+            if run.target_version == target and (self._queued is None or not queue):
+                return run, "joined"
+            queued = self._queued
+            if queued is not None and queued.target_version == target:
+                return queued, "joined"
+            if not queue:
+                raise HotLoadConflictError(
+                    f"hot-load {run.id} to {snapshot_name(run.target_version)} is {run.state}; "
+                    f"refusing a concurrent hot-load to {snapshot_name(target)}")
+            job = self._new_job(requested, target, None, awaiting)
+            job.state = QUEUED
+            self._queued = job
+            if queued is not None:
+                self._supersede(queued, job)
+            log.info("hot-load %s to %s queued behind %s to %s", job.id, snapshot_name(target), run.id,
+                     snapshot_name(run.target_version))
+            return job, "queued"
+        return self._start_locked(requested, target, awaiting=awaiting)
 
     def _supersede(self, old: HotLoadJob, new: HotLoadJob) -> None:
         old.reason = (f"superseded by hot-load {new.id} to {snapshot_name(new.target_version)}, requested later "
@@ -166,7 +188,8 @@ class HotLoadManager:
         old.state = FAILED
         log.info("hot-load %s to %s dropped: %s", old.id, snapshot_name(old.target_version), old.reason)
 
-    def _start_locked(self, requested: str, target: int, job: HotLoadJob | None = None) -> tuple[HotLoadJob, str]:
+    def _start_locked(self, requested: str, target: int, job: HotLoadJob | None = None, *,
+                      awaiting: float | None = None) -> tuple[HotLoadJob, str]:
         """Start a hot-load of ``target`` (``job``: a queued one); the caller holds the lock."""
         current = self.swapper.version
         if current == target:
@@ -180,7 +203,7 @@ class HotLoadManager:
             self._notify(job, READY)
             job.state = READY
             return job, "noop"
-        job = job or self._new_job(requested, target, current)
+        job = job or self._new_job(requested, target, current, awaiting)
         job.from_version, job.state = current, PREPARING
         self._running = job
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"hotload-{job.id}", daemon=True)
@@ -188,9 +211,10 @@ class HotLoadManager:
         log.info("hot-load %s: %s -> %s started", job.id, _name(job.from_version), snapshot_name(target))
         return job, "started"
 
-    def _new_job(self, requested: str, target: int, current: int | None) -> HotLoadJob:
+    def _new_job(self, requested: str, target: int, current: int | None,
+                 awaiting: float | None = None) -> HotLoadJob:
         job = HotLoadJob(id=f"hl-{next(self._seq):04d}-{uuid.uuid4().hex[:8]}", requested=requested,
-                         target_version=target, from_version=current)
+                         target_version=target, from_version=current, await_commit_s=awaiting)
         self._jobs[job.id] = job
         while len(self._jobs) > MAX_KEPT_JOBS:
             oldest = next(iter(self._jobs))
@@ -204,7 +228,13 @@ class HotLoadManager:
         try:
             # Weights of unknown version (an HF directory): only an anchor can establish one ("initial").
             t0 = time.perf_counter()
+            if job.await_commit_s is not None:
+                job.commit_wait_s = self.reader.await_commit(job.target_version, job.await_commit_s,
+                                                             cancelled=lambda: self._stopping)
+            landed = self.reader.stats.get("bytes_landed", 0)
             prepared = self.swapper.prepare(job.target_version, initial=self.swapper.version is None)
+            if job.await_commit_s is not None:
+                job.bytes_landed = self.reader.stats.get("bytes_landed", 0) - landed
             job.prepare_s = time.perf_counter() - t0
             if self._stopping is not None:      # prepared, but the replica stops: nothing is written
                 raise HotLoadCancelledError(f"hot-load to {snapshot_name(job.target_version)} dropped before "
@@ -222,6 +252,8 @@ class HotLoadManager:
             log.error("hot-load %s to %s failed; still serving %s: %s", job.id, snapshot_name(job.target_version),
                       _name(self.swapper.version), job.reason)
         finally:
+            if job.await_commit_s is not None:
+                self.reader.drop_landed(job.target_version)
             # Everything an observer may check after seeing the final state (metrics, the
             # running slot, "last") is settled first; the state, which clients poll, goes last.
             with self._lock:

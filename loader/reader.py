@@ -36,6 +36,7 @@ from ckptdelta.loader.update_path import rebuild_pieces
 from ckptdelta.loader.prefetch import prefetching
 
 if TYPE_CHECKING:
+    from ckptdelta.loader.landing import Landing
     from ckptdelta.loader.verify import VerifyReport
 
 log = logging.getLogger("ckptdelta.loader")
@@ -46,6 +47,14 @@ BATCH_BYTES = 256 << 20
 #: once the first batch is in: on a 1 Gbit/s link a first batch of 256 MiB would be ~2 s of waiting
 #: before any work, one of 4 MiB is ~35 ms, and the batches after it arrive while earlier ones decode.
 FIRST_BATCH_BYTES = 4 << 20
+#: A batch holds at most 1/TAIL_SHARE of what the whole fetch holds (at least MIN_BATCH_CAP): the last batch's
+#: decode waits for its bytes and nothing is fetched beside it, and doubling alone made it up to half of a
+#: delta of tens of MB (a LoRA step of 53 MB: a last batch of 25 MB, 0.1-0.2 s of decode with the link idle).
+#: Batches that small meet the store's latency more often, so two are in flight while one decodes.
+TAIL_SHARE = 16
+MIN_BATCH_CAP = 2 << 20
+#: Batches fetched ahead of the one the caller works on.
+BATCHES_IN_FLIGHT = 2
 MAX_CHAIN = 1 << 20
 #: Manifests kept in memory (least recently used dropped first); a chain rarely exceeds a few hundred.
 MANIFEST_CACHE = 1024
@@ -75,7 +84,8 @@ class SnapshotReader:
         self._run_info: RunInfo | None = None
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._lock = threading.Lock()
-        self.stats: dict[str, int] = {"bytes_fetched": 0, "requests": 0, "cache_hits": 0}
+        self.stats: dict[str, int] = {"bytes_fetched": 0, "requests": 0, "cache_hits": 0, "bytes_landed": 0}
+        self._landing: "Landing | None" = None     # objects of the version a hot-load awaits (:meth:`await_commit`)
 
     def __repr__(self) -> str:
         return f"SnapshotReader({self.url!r})"
@@ -168,9 +178,22 @@ class SnapshotReader:
             raise SnapshotNotFoundError(f"not a snapshot reference: {ref!r}")
         if fresh:
             self.check_run()
+        if ref == "latest":
+            return self.latest()
+        v = self._version_of(ref)
+        if fresh and not self.store.exists(manifest_key(v)):
+            self._count(requests=1)
+            with self._lock:
+                known = self._manifests.pop(v, None) is not None
+            raise SnapshotNotFoundError(f"no committed snapshot {snapshot_name(v)} (version {v}) in run "
+                                        f"{self.run_id!r} at {self.url}" + (" any more (deleted, by gc?)" if known
+                                                                           else ""))
+        self._manifest(v)
+        return v
+
+    def _version_of(self, ref: "str | int") -> int:
+        """The version a reference other than "latest" names (a number, a decimal string or a snapshot name)."""
         if isinstance(ref, str):
-            if ref == "latest":
-                return self.latest()
             m = _NAME.fullmatch(ref)
             if m:
                 v = int(m.group(1))
@@ -183,15 +206,51 @@ class SnapshotReader:
             v = ref
         if not 0 <= v < 1 << 62:
             raise SnapshotNotFoundError(f"no snapshot with version {v} in {self.url}")
-        if fresh and not self.store.exists(manifest_key(v)):
-            self._count(requests=1)
-            with self._lock:
-                known = self._manifests.pop(v, None) is not None
-            raise SnapshotNotFoundError(f"no committed snapshot {snapshot_name(v)} (version {v}) in run "
-                                        f"{self.run_id!r} at {self.url}" + (" any more (deleted, by gc?)" if known
-                                                                           else ""))
-        self._manifest(v)
         return v
+
+    def upcoming(self, ref: "str | int") -> int:
+        """The version ``ref`` names if it is newer than every committed one (one a publisher may be writing
+        now), else SnapshotNotFoundError: an older version that is not committed never will be."""
+        if ref == "latest" or isinstance(ref, bool) or not isinstance(ref, (int, str)):
+            raise SnapshotNotFoundError(f"only a version number or name can be awaited, not {str(ref)[:80]!r}")
+        v = self._version_of(ref)
+        try:
+            newest = self.latest()
+        except SnapshotNotFoundError:
+            newest = -1                            # a run with no snapshot yet: any version may come
+        if v <= newest:
+            raise SnapshotNotFoundError(f"no committed snapshot {snapshot_name(v)} (version {v}) in run "
+                                        f"{self.run_id!r} at {self.url}, and the run is at version {newest} already")
+        return v
+
+    def await_commit(self, version: int, timeout_s: float, *,
+                     cancelled: "Callable[[], str | None]" = lambda: None) -> float:
+        """Wait for ``version``'s manifest, fetching its delta objects as they land (loader/landing.py), which
+        the fetches of this version then take instead of reading them again, each checked against the manifest
+        first. The seconds waited; HotLoadTimeoutError past ``timeout_s``, HotLoadCancelledError once
+        ``cancelled()`` gives a reason."""
+        from ckptdelta.loader.landing import Landing, await_commit
+
+        landing = Landing(self.store, version)
+        with self._lock:
+            self._landing = landing
+        def committed() -> bool:
+            try:
+                self._manifest(version)           # read once it is there: the hot-load plans from it next
+                return True
+            except SnapshotNotFoundError:
+                return False
+
+        try:
+            return await_commit(landing, committed, timeout_s, cancelled)
+        finally:
+            self._count(requests=landing.requests, bytes_fetched=landing.fetched_bytes)
+
+    def drop_landed(self, version: int) -> None:
+        """Forget the objects fetched ahead of ``version``'s commit (its hot-load ended)."""
+        with self._lock:
+            if self._landing is not None and self._landing.version == version:
+                self._landing = None
 
     def manifest(self, ref: "str | int") -> Manifest:
         return self._manifest(self.resolve(ref))
@@ -333,6 +392,9 @@ class SnapshotReader:
 
     def _fetch_misses(self, pieces: Sequence[Piece], misses: list[int], out: list, cache: "DiskCache | None",
                       claimed: set[int], counter: dict | None) -> list["bytes | EncodedTensor"]:
+        landing = self._landing
+        if landing is not None and misses:
+            misses = self._take_landed(landing, pieces, misses, out, cache, claimed)
         requests = coalesce([(pieces[i], i) for i in misses])
         try:
             datas = self._get_many([(key, (s, e)) for key, s, e, _members in requests])
@@ -363,6 +425,26 @@ class SnapshotReader:
             counter["requests"] = counter.get("requests", 0) + len(requests)
         return out
 
+    def _take_landed(self, landing: "Landing", pieces: Sequence[Piece], misses: list[int], out: list,
+                     cache: "DiskCache | None", claimed: set[int]) -> list[int]:
+        """Fill the misses whose object landed before the commit and matches its manifest entry; the rest."""
+        left, took = [], 0
+        for i in misses:
+            p = pieces[i]
+            data = landing.take(p.obj)
+            if data is None:
+                left.append(i)
+                continue
+            chunk = data[p.start:p.end]
+            out[i] = check_piece(p, chunk)
+            took += len(chunk)
+            if cache is not None:
+                cache.put(p.obj.xxh3, p.obj.size, p.start, p.end, chunk)
+                claimed.discard(i)
+        if took:
+            self._count(bytes_landed=took)
+        return left
+
     def iter_fetched(self, groups: Sequence[Sequence[Piece]], *, batch_bytes: int = BATCH_BYTES,
                      use_cache: bool = True, counter: dict | None = None) -> Iterator[tuple[int, list]]:
         """(group index, verified payloads) for each group, fetched in batches with the next batch in
@@ -378,15 +460,16 @@ class SnapshotReader:
         """:meth:`iter_fetched`'s groups a fetched batch at a time: a caller that hands work to other threads
         can hand many small groups over at once (one handoff per group costs more than decoding a small
         tensor on a busy host)."""
+        sizes = [sum(p.nbytes for p in g) for g in groups]
+        cap = min(batch_bytes, max(MIN_BATCH_CAP, sum(sizes) // TAIL_SHARE))
         batches: list[list[int]] = [[]]
         size = 0
-        limit = min(batch_bytes, FIRST_BATCH_BYTES)
-        for gi, g in enumerate(groups):
-            n = sum(p.nbytes for p in g)
+        limit = min(cap, FIRST_BATCH_BYTES)
+        for gi, n in enumerate(sizes):
             if batches[-1] and size + n > limit:
                 batches.append([])
                 size = 0
-                limit = min(batch_bytes, 2 * limit)
+                limit = min(cap, 2 * limit)
             batches[-1].append(gi)
             size += n
 
@@ -395,18 +478,19 @@ class SnapshotReader:
 
         if not groups:
             return
-        ex = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-prefetch")
+        ex = ThreadPoolExecutor(BATCHES_IN_FLIGHT, thread_name_prefix="ckptdelta-prefetch")
         with prefetching(ex):
-            fut = ex.submit(fetch_batch, batches[0])
+            futs = [ex.submit(fetch_batch, b) for b in batches[:BATCHES_IN_FLIGHT]]
             for bi, b in enumerate(batches):
                 t0 = time.perf_counter()
                 try:
-                    values = fut.result()
+                    values = futs[bi].result()
                 finally:
                     if counter is not None:
                         counter["fetch_s"] = counter.get("fetch_s", 0.0) + time.perf_counter() - t0
-                if bi + 1 < len(batches):
-                    fut = ex.submit(fetch_batch, batches[bi + 1])
+                futs[bi] = None           # the batch's bytes are the caller's now
+                if bi + BATCHES_IN_FLIGHT < len(batches):
+                    futs.append(ex.submit(fetch_batch, batches[bi + BATCHES_IN_FLIGHT]))
                 out, k = [], 0
                 for gi in b:
                     n = len(groups[gi])

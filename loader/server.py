@@ -24,7 +24,7 @@ from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptdelta.delta.errors import (DeltaError, HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError,
@@ -48,6 +48,8 @@ STOPPING_MESSAGE = ("the replica is stopping (SIGTERM, SIGINT or SIGHUP) and thi
 #: ``/v1/status`` states besides a hot-load's: the engine died or stopped answering; the live weights are not
 #: proven to be any version (a failed swap or proof: the next hot-load pushes and proves every tensor).
 ENGINE_FAILED, UNKNOWN_VERSION = "ENGINE_FAILED", "UNKNOWN_VERSION"
+#: The longest ``await_commit_s`` a hot-load request may ask for.
+MAX_AWAIT_COMMIT_S = 3600.0
 #: The longest ``GET /v1/hotload/{id}?wait=`` the replica holds, and how often it looks at the job meanwhile.
 HOTLOAD_WAIT_MAX_S, HOTLOAD_WAIT_TICK_S = 30.0, 0.002
 #: Seconds a 408 (policy version too old) asks the client to wait: about one hot-load of a small delta.
@@ -74,6 +76,9 @@ class HotLoadRequest(BaseModel):
     snapshot: StrictStr | StrictInt
     #: while a hot-load to another version runs: wait for it instead of 409 (the newest request wins)
     queue: StrictBool = False
+    #: a version newer than every committed one (the one being published): wait up to this many seconds for its
+    #: commit instead of 404, fetching its objects as they land (loader/landing.py)
+    await_commit_s: StrictFloat | StrictInt | None = None
 
 
 # --- errors ----------------------------------------------------------------------------
@@ -356,8 +361,12 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
             raise APIError(400, "invalid_snapshot",
                            f"snapshot {ref[:80]!r} is not 'latest', a snapshot name or a version "
                            "(one path segment of letters, digits, '.', '_', '-')")
+        wait = req.await_commit_s
+        if wait is not None and not 0 < wait <= MAX_AWAIT_COMMIT_S:
+            raise APIError(400, "invalid_await_commit", f"await_commit_s must be in (0, {MAX_AWAIT_COMMIT_S:g}] "
+                           f"seconds, got {wait!r}")
         try:
-            job, how = manager.submit(ref, queue=req.queue)
+            job, how = manager.submit(ref, queue=req.queue, await_commit_s=wait)
         except HotLoadCancelledError as e:
             raise APIError(503, "replica_stopping", f"replica {replica_id}: {e}") from None
         except SnapshotNotFoundError as e:

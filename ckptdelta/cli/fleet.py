@@ -62,6 +62,10 @@ def add_commands(subparsers: Any) -> None:
     h.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait with --wait (default 600): for a replica to come up, then for its "
                         "hot-load, each replica its own; also the longest one request may take (at most 60)")
+    h.add_argument("--await-commit", type=float, default=None, metavar="SECONDS",
+                   help="SNAPSHOT may be the version being published (not committed yet): each replica waits up to "
+                        "SECONDS (at most 3600) for its commit, fetching its parts as they land, instead of "
+                        "answering 404")
     h.add_argument("--json", action="store_true", help="print the replicas' answers as one JSON object")
     h.set_defaults(func=guarded(cmd_hotload, "hotload"))
     h.__class__ = _Intermixed
@@ -124,7 +128,7 @@ def cmd_hotload(args: argparse.Namespace) -> int:
     # starting one is waited for as the clients wait for it (loader/fleet.py, StartWait), with --wait only
     with RolloutClient(urls, api_key=_api_key(args), timeout=min(60.0, args.timeout),
                        ready_timeout=args.timeout if args.wait else 0.0) as client:
-        states = client.hotload_each(target, wait=args.wait, timeout=args.timeout)
+        states = client.hotload_each(target, wait=args.wait, timeout=args.timeout, await_commit_s=args.await_commit)
     ok = ("READY",) if args.wait else ("READY", "QUEUED", "PREPARING", "SWAPPING")
     bad = {u: st for u, st in states.items() if st.get("state") not in ok or "error" in st}
     if args.json:
