@@ -28,6 +28,14 @@ One run, the same adapters for every method (issue 30, item 6):
   deltas, applied to the replica's copy, written as an adapter directory and loaded
   the same way. Each step the trainer takes one AdamW step, then every method
   publishes that adapter and the replica loads it.
+- **when the replica hears of it** (``--notice``): ``start`` (the default) tells the
+  replica which version or step is coming as publish() starts, as an RL loop that
+  asks its replicas for the next policy while the trainer publishes it: ckptdelta's
+  hot-load carries ``await_commit_s`` (the replica fetches the delta's parts as they
+  land, docs/SERVING.md), and the baselines wait for their objects to exist (a HEAD
+  every 5 ms) and then fetch them, so every method starts the moment it can;
+  ``after`` relays publish()'s answer to the replica first (the runs before this
+  option).
 
 Columns: bytes per step (what the method's prefix of the bucket grew by on the
 server's disk), trainer-side time (serialize / encode), publish() -> serving, and
@@ -61,6 +69,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -114,8 +123,24 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
     where = os.path.join(ctx["disk"], ctx["prefix"], method)
     d0 = du(where)
     c0 = lab.counters(ctx["srv"]) if lab else None
-    p = trainer.call("publish", method=method)
-    h = rep.call("hotload", method=method, info=p)
+    if ctx["notice"] == "start":
+        # the replica is told what is coming as publish() starts, and waits for it (each method its own way)
+        coming = {"version": ctx["version"] + 1} if method == "ckptdelta" else {"step": ctx["step"]}
+        heard: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: heard.update(rep.call("hotload", method=method, info=coming, early=True)))
+        t.start()
+        try:
+            p = trainer.call("publish", method=method)
+        finally:
+            t.join()
+        h = heard
+        if method == "ckptdelta" and p["version"] != coming["version"]:
+            raise RuntimeError(f"published version {p['version']}, the replica was told {coming['version']}")
+    else:
+        p = trainer.call("publish", method=method)
+        h = rep.call("hotload", method=method, info=p)
+    if method == "ckptdelta":
+        ctx["version"] = p["version"]
     c1 = lab.counters(ctx["srv"]) if lab else None
     s = {"method": method, "rank": rank, "lr": lr, "timed": timed, "bytes": du(where) - d0,
          "trainer_s": p["trainer_s"], "upload_s": p["upload_s"], "publish_s": p["publish_s"],
@@ -124,7 +149,7 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
          "wire_up": (c1["rx_bytes"] - c0["rx_bytes"]) if lab else None,
          "wire_down": (c1["tx_bytes"] - c0["tx_bytes"]) if lab else None}
     if method == "ckptdelta":
-        s.update(kind=p["kind"], codec=p["codec"], version=p["version"],
+        s.update(kind=p["kind"], codec=p["codec"], version=p["version"], landed=h.get("bytes_landed"),
                  exact=h["serving_version"] == p["version"] and h["proven"] == "full",
                  workers=h["workers"], prove_s=h["prove_s"], report=h.get("report"))
     else:
@@ -144,6 +169,7 @@ def run_rank(ctx: dict, a: argparse.Namespace, rank: int) -> tuple[list[dict], d
     init = trainer.call("init", base_dir=ctx["base"], rank=rank, prefix=prefix, warmup=a.warmup, lr=a.lrs[0],
                         dtype=a.dtype, batch=a.batch, threads=a.trainer_threads,
                         codec=None if a.codec == "auto" else a.codec)
+    ctx["version"], ctx["step"] = init["version"], init["step"]
     print(f"rank {rank}: adapter {init['adapter_params'] / 1e6:.2f} M params ({init['adapter_bytes'] / 1e6:.1f} MB, "
           f"{init['tensors']} tensors), {a.warmup} warm-up steps in {time.perf_counter() - t0:.0f} s", flush=True)
     max_rank = next(r for r in (8, 16, 32, 64, 128, 256) if r >= rank)
@@ -158,6 +184,7 @@ def run_rank(ctx: dict, a: argparse.Namespace, rank: int) -> tuple[list[dict], d
     train_s = []
     for lr, timed in plan:
         tr = trainer.call("train", lr=lr)
+        ctx["step"] = tr["step"]
         train_s.append(tr["train_s"])
         for m in a.methods:
             samples.append(one_step(ctx, m, rank, lr, tr["digests"], timed))
@@ -243,7 +270,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "machine": harness.machine(), "quick": a.quick,
         "model": c, "ranks": a.ranks, "lrs": a.lrs, "steps": a.steps, "untimed": a.untimed, "warmup": a.warmup,
         "batch": a.batch, "dtype": a.dtype, "codec": a.codec, "clients": a.clients, "max_tokens": a.max_tokens, "settle_s": a.settle,
-        "load_timing": "every streamed chunk", "trainer_threads": a.trainer_threads, "argv": a.argv, "slots": SLOTS, "vllm_args": VLLM_ARGS,
+        "load_timing": "every streamed chunk", "trainer_threads": a.trainer_threads, "notice": a.notice, "argv": a.argv, "slots": SLOTS, "vllm_args": VLLM_ARGS,
         "links": None if why else f"{LINK / 1e9:g} Gbit/s", "links_unavailable": why}
     if why:
         print(f"NOTE: shaped links are not available here ({why}): the bucket is an UNSHAPED local directory",
@@ -259,7 +286,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         base, nbytes = save_base(os.path.join(scratch, "base"), c)
         meta["base_bytes"] = nbytes
         print(f"base: {nbytes / 1e9:.3f} GB bf16 ({c})", flush=True)
-        ctx: dict[str, Any] = {"base": base, "scratch": scratch, "settle": a.settle, "lab": None, "srv": None}
+        ctx: dict[str, Any] = {"base": base, "scratch": scratch, "settle": a.settle, "lab": None, "srv": None,
+                               "notice": a.notice}
         if not why:
             s3disk.rclone_binary()
             lab = links.Lab().__enter__()
@@ -398,7 +426,8 @@ def markdown(out: dict[str, Any]) -> str:
              f"replica links: {link}. Replica: one vLLM (CPU build, eager) per rank started by ckptdelta's LoRA "
              f"engine with {meta['slots']} slots, the baselines' two adapters loaded into the same vLLM by name; "
              f"{meta['clients']} streaming clients ({meta['max_tokens']} tokens each, back to back) on the adapter of "
-             "the method being measured, throughout. Every method ships the same adapter bits each step.", "",
+             "the method being measured, throughout. Every method ships the same adapter bits each step. "
+             + NOTICE[meta.get("notice", "after")], "",
              "| rank | lr | method | bytes / step (MB) | vs (c) | trainer-side | upload | **publish() -> serving** | "
              "**engine loop held (worker)** | call wall time | longest token gap around the call | "
              "failed / aborted | tok/s preparing (idle) |",
@@ -480,6 +509,16 @@ def markdown(out: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: How the replica heard of each step (``--notice``), as the results say it.
+NOTICE = {
+    "start": "The replica is told which step is coming as publish() starts (`--notice start`): ckptdelta's hot-load "
+             "asks with `await_commit_s` and fetches the delta's parts as they land, verified against the manifest "
+             "once it is committed; (b) and (c) wait for their objects to exist (a HEAD every 5 ms), then fetch and "
+             "load them.",
+    "after": "The replica is told of a step once publish() has returned (`--notice after`).",
+}
+
+
 #: ckptdelta's publish() -> serving cut into its stages (seconds, from each timed step's own timings): the
 #: trainer's, the replica's hot-load job (its report), each worker's write (the slowest worker's), and what is left.
 STAGES = (
@@ -495,7 +534,8 @@ STAGES = (
     ("lock wait", lambda s: _worker(s, "lock_wait_s")),
     ("copy + swap", lambda s: _worker(s, "write_s")),
     ("proof", lambda s: _worker(s, "prove_s")),
-    ("the rest: publish()'s answer relayed to the replica, POST /v1/hotload, the job's start, READY heard",
+    ("the rest: the commit heard by the replica (--notice start: its next look at the store; after: publish()'s "
+     "answer relayed, POST /v1/hotload, the job's start), READY heard",
      lambda s: s["t_serving"] - s["t0"] - s["publish_s"] - s["report"]["total_s"]),
 )
 
@@ -579,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
                         "ckptdelta's older slots are free again by its next step)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds of load before each publish (default 2)")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--notice", choices=("start", "after"), default="start",
+                   help="when the replica hears of a step: as publish() starts (each method then waits for its "
+                        "objects; ckptdelta fetches its parts as they land), or after publish() returns")
     p.add_argument("--codec", choices=("auto", "context", "fast"), default="auto",
                    help="ckptdelta's Publisher(codec=...): auto (default) picks per delta whichever serves sooner; "
                         "context always takes the context coder (the smallest deltas)")

@@ -301,10 +301,24 @@ class Replica:
             f.write(self.config)
         return local
 
-    def op_hotload(self, method: str, info: dict) -> dict:
+    def _await_objects(self, paths: list[str], timeout: float = 120.0) -> None:
+        """Until every one of ``paths`` exists (a HEAD each, every 5 ms): a baseline told of a step before its
+        upload ends starts fetching the moment its objects are there."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.fs.invalidate_cache()
+            if all(self.fs.exists(p) for p in paths):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{paths} did not appear within {timeout:g} s")
+            time.sleep(0.005)
+
+    def op_hotload(self, method: str, info: dict, early: bool = False) -> dict:
+        """Load the step ``info`` names; ``early``: it is being published now (its objects may not exist yet)."""
         t0 = time.perf_counter()
         if method == "ckptdelta":
-            r = self.http.post("/v1/hotload", json={"snapshot": info["version"]})
+            body = {"snapshot": info["version"], **({"await_commit_s": 120.0} if early else {})}
+            r = self.http.post("/v1/hotload", json=body)
             if r.status_code not in (200, 202):
                 raise RuntimeError(f"hotload {info['version']}: {r.status_code} {r.text[:300]}")
             job = r.json()
@@ -327,10 +341,15 @@ class Replica:
                     "prove_s": max(w.get("prove_s") or 0.0 for w in last["workers"]),
                     "workers": last["workers"], "slot": last["slot"],
                     "serving_version": self.engine.version, "proven": last.get("proven"),
-                    "report": job.get("report")}
+                    "report": job.get("report"), "bytes_landed": job.get("bytes_landed")}
         if method == "full":
+            if early:
+                d = f"{self.root}/{self.prefix}/full/{info['step']}"
+                self._await_objects([f"{d}/{WEIGHTS}", f"{d}/{CONFIG}"])
             local = self._download_full(info["step"])
         else:
+            if early:
+                self._await_objects([f"{self.root}/{self.prefix}/xor/{info['step']}.bin"])
             local = self._xor_dir(info["step"])
         r0, r1 = self._load_adapter(method, local, inplace=True)
         # the same in-place load again, run by the worker itself and timed there: how long it holds the engine loop
