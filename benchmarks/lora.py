@@ -33,7 +33,7 @@ One run, the same adapters for every method (issue 30, item 6):
   asks its replicas for the next policy while the trainer publishes it: ckptdelta's
   hot-load carries ``await_commit_s`` (the replica fetches the delta's parts as they
   land, docs/SERVING.md), and the baselines wait for their objects to exist (a HEAD
-  every 5 ms) and then fetch them, so every method starts the moment it can;
+  every 10 ms) and then fetch them, so every method starts the moment it can;
   ``after`` relays publish()'s answer to the replica first (the runs before this
   option).
 
@@ -513,7 +513,7 @@ def markdown(out: dict[str, Any]) -> str:
 NOTICE = {
     "start": "The replica is told which step is coming as publish() starts (`--notice start`): ckptdelta's hot-load "
              "asks with `await_commit_s` and fetches the delta's parts as they land, verified against the manifest "
-             "once it is committed; (b) and (c) wait for their objects to exist (a HEAD every 5 ms), then fetch and "
+             "once it is committed; (b) and (c) wait for their objects to exist (a HEAD every 10 ms), then fetch and "
              "load them.",
     "after": "The replica is told of a step once publish() has returned (`--notice after`).",
 }

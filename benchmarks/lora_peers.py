@@ -302,7 +302,7 @@ class Replica:
         return local
 
     def _await_objects(self, paths: list[str], timeout: float = 120.0) -> None:
-        """Until every one of ``paths`` exists (a HEAD each, every 5 ms): a baseline told of a step before its
+        """Until every one of ``paths`` exists (a HEAD each, every 10 ms): a baseline told of a step before its
         upload ends starts fetching the moment its objects are there."""
         deadline = time.monotonic() + timeout
         while True:
@@ -311,7 +311,7 @@ class Replica:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{paths} did not appear within {timeout:g} s")
-            time.sleep(0.005)
+            time.sleep(0.01)
 
     def op_hotload(self, method: str, info: dict, early: bool = False) -> dict:
         """Load the step ``info`` names; ``early``: it is being published now (its objects may not exist yet)."""

@@ -39,7 +39,7 @@ MAX_LANDING_BYTES = 2 << 30
 MAX_OBJECT_BYTES = 256 << 20
 #: The first pause between two looks at the store, and the longest: it grows with the wait (1/50 of it), so a
 #: replica asked long before the commit does not list the bucket 100 times a second meanwhile.
-FIRST_POLL_S = 0.005
+FIRST_POLL_S = 0.01
 MAX_POLL_S = 0.2
 
 
@@ -75,15 +75,16 @@ class Landing:
                 continue
             room = min(self.max_object_bytes, self.max_bytes - self.held_bytes)
             try:
-                data = self.store.get(key, max_size=room) if room > 0 else None
+                # one ranged read, at most one byte past the room: an object that fills it is too large
+                data = self.store.get(key, (0, room + 1)) if room > 0 else None
             except ObjectNotFoundError:
                 continue                       # listed, then gone (gc of a failed attempt): not ours to want
             except StorageError as e:
                 log.debug("%s: not fetched ahead of the commit (%s); fetched after it if the manifest names it",
                           self.store.key_url(key), e)
                 data = None
-            self.requests += 2                 # its size, then its bytes
-            if data is None:
+            self.requests += 1
+            if data is None or len(data) > room:
                 self._skipped.add(key)
                 continue
             with self._lock:

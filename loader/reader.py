@@ -47,14 +47,6 @@ BATCH_BYTES = 256 << 20
 #: once the first batch is in: on a 1 Gbit/s link a first batch of 256 MiB would be ~2 s of waiting
 #: before any work, one of 4 MiB is ~35 ms, and the batches after it arrive while earlier ones decode.
 FIRST_BATCH_BYTES = 4 << 20
-#: A batch holds at most 1/TAIL_SHARE of what the whole fetch holds (at least MIN_BATCH_CAP): the last batch's
-#: decode waits for its bytes and nothing is fetched beside it, and doubling alone made it up to half of a
-#: delta of tens of MB (a LoRA step of 53 MB: a last batch of 25 MB, 0.1-0.2 s of decode with the link idle).
-#: Batches that small meet the store's latency more often, so two are in flight while one decodes.
-TAIL_SHARE = 16
-MIN_BATCH_CAP = 2 << 20
-#: Batches fetched ahead of the one the caller works on.
-BATCHES_IN_FLIGHT = 2
 MAX_CHAIN = 1 << 20
 #: Manifests kept in memory (least recently used dropped first); a chain rarely exceeds a few hundred.
 MANIFEST_CACHE = 1024
@@ -460,16 +452,15 @@ class SnapshotReader:
         """:meth:`iter_fetched`'s groups a fetched batch at a time: a caller that hands work to other threads
         can hand many small groups over at once (one handoff per group costs more than decoding a small
         tensor on a busy host)."""
-        sizes = [sum(p.nbytes for p in g) for g in groups]
-        cap = min(batch_bytes, max(MIN_BATCH_CAP, sum(sizes) // TAIL_SHARE))
         batches: list[list[int]] = [[]]
         size = 0
-        limit = min(cap, FIRST_BATCH_BYTES)
-        for gi, n in enumerate(sizes):
+        limit = min(batch_bytes, FIRST_BATCH_BYTES)
+        for gi, g in enumerate(groups):
+            n = sum(p.nbytes for p in g)
             if batches[-1] and size + n > limit:
                 batches.append([])
                 size = 0
-                limit = min(cap, 2 * limit)
+                limit = min(batch_bytes, 2 * limit)
             batches[-1].append(gi)
             size += n
 
@@ -478,19 +469,18 @@ class SnapshotReader:
 
         if not groups:
             return
-        ex = ThreadPoolExecutor(BATCHES_IN_FLIGHT, thread_name_prefix="ckptdelta-prefetch")
+        ex = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-prefetch")
         with prefetching(ex):
-            futs = [ex.submit(fetch_batch, b) for b in batches[:BATCHES_IN_FLIGHT]]
+            fut = ex.submit(fetch_batch, batches[0])
             for bi, b in enumerate(batches):
                 t0 = time.perf_counter()
                 try:
-                    values = futs[bi].result()
+                    values = fut.result()
                 finally:
                     if counter is not None:
                         counter["fetch_s"] = counter.get("fetch_s", 0.0) + time.perf_counter() - t0
-                futs[bi] = None           # the batch's bytes are the caller's now
-                if bi + BATCHES_IN_FLIGHT < len(batches):
-                    futs.append(ex.submit(fetch_batch, batches[bi + BATCHES_IN_FLIGHT]))
+                if bi + 1 < len(batches):
+                    fut = ex.submit(fetch_batch, batches[bi + 1])
                 out, k = [], 0
                 for gi in b:
                     n = len(groups[gi])

@@ -124,17 +124,9 @@ PRIOR_FAST_VS_CONTEXT = {"encode": cost_of(FAST).prior_per_work / cost_of(CONTEX
 #: each side: the decode grows more slowly with the changes than the encode does.
 DECODE_WORK = {c: cost_of(c).decode_work for c in CODECS}
 #: A replica's fetch batches (loader/reader.py): the first this many bytes, then twice the last, up to
-#: REPLICA_BATCH_BYTES and to 1/REPLICA_TAIL_SHARE of the delta (at least REPLICA_MIN_BATCH_CAP).
+#: REPLICA_BATCH_BYTES.
 REPLICA_FIRST_BATCH_BYTES = 4 << 20
 REPLICA_BATCH_BYTES = 256 << 20
-REPLICA_TAIL_SHARE = 16
-REPLICA_MIN_BATCH_CAP = 2 << 20
-
-
-def replica_batch_sizes(nbytes: int) -> list[int]:
-    """The batches a replica fetches a delta of ``nbytes`` in (loader/reader.py's schedule)."""
-    cap = min(REPLICA_BATCH_BYTES, max(REPLICA_MIN_BATCH_CAP, nbytes // REPLICA_TAIL_SHARE))
-    return deltas.part_sizes(nbytes, cap, REPLICA_FIRST_BATCH_BYTES)
 
 
 @dataclass(frozen=True)
@@ -301,7 +293,8 @@ class CodecChooser:
         nbytes = max(1, math.ceil(stored))
         committed = _pipeline(deltas.part_sizes(nbytes, self.part_bytes, deltas.FIRST_PART_BYTES), encode_s,
                               upload_s)
-        swapped = committed + _pipeline(replica_batch_sizes(nbytes), upload_s, decode_s)  # fetched at the link's rate
+        swapped = committed + _pipeline(deltas.part_sizes(nbytes, REPLICA_BATCH_BYTES, REPLICA_FIRST_BATCH_BYTES),
+                                        upload_s, decode_s)    # fetched at the link's rate, as uploaded
         return Prediction(codec, encode_s, stored, upload_s, committed, decode_s, swapped, measured)
 
     def choose(self, elements: int, *, may_explore: bool = True) -> Choice:

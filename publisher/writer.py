@@ -205,6 +205,21 @@ def write_anchor(store: Store, pool: ThreadPoolExecutor, snapshot: Mapping[str, 
     return out
 
 
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """How long at least one of ``spans`` was in progress: the uploads' time, the link's bandwidth's divisor."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+#: Parts of a delta uploading at once: a part's request has a fixed cost (the store's answer, its write) that
+#: one part in flight would pay in turn for every part, and a few MB of parts are many.
+UPLOADS_IN_FLIGHT = 2
+
+
 def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor], *,
                        version: int, writer_id: str, rank: int, level: int, progress: bool | None,
                        part_bytes: int | None = None, context: bool = True,
@@ -216,17 +231,19 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
     bar = progress_bar(progress, total, f"delta v{version}")
     out = Written()
     uploads: list[Future] = []
-    upload_s = [0.0]
+    spans: list[tuple[float, float]] = []      # each part's upload, start and end (two may overlap)
+    lock = threading.Lock()
     try:
         with locked_tempdir("delta") as tmp, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptdelta-delta-upload") as pool:
+                ThreadPoolExecutor(max_workers=UPLOADS_IN_FLIGHT, thread_name_prefix="ckptdelta-delta-upload") as pool:
             def path_of(i: int) -> str:
                 return os.path.join(tmp, rank_object_name(rank, i))
 
             def upload(i: int) -> None:
                 t0 = time.perf_counter()
                 store.put_file(f"{delta_prefix(version, writer_id)}/{rank_object_name(rank, i)}", path_of(i))
-                upload_s[0] += time.perf_counter() - t0
+                with lock:
+                    spans.append((t0, time.perf_counter()))
 
             part = write_delta(lambda i: open(path_of(i), "wb"), parent, snapshot, level=level, context=context,
                                parent_digests=parent_digests, grandparents=grandparents,
@@ -237,7 +254,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
             for u in uploads:
                 u.result()
             out.encode_s = part.encode_s
-            out.upload_s = upload_s[0]
+            out.upload_s = busy_seconds(spans)
             for i, (size, xxh3) in enumerate(part.objects):
                 out.objects.append(ObjectRef(f"{delta_prefix(version, writer_id)}/{rank_object_name(rank, i)}",
                                              size, xxh3))

@@ -214,3 +214,17 @@ def test_the_cli_and_both_clients_ask_every_replica_for_the_version_being_publis
         other.close()
         rep.close()
         pub.close()
+
+
+def test_what_is_held_before_a_commit_is_bounded_and_an_object_past_the_bound_is_left_for_after_it(tmp_path):
+    """Each object is read once, by one ranged read of at most the room left plus one byte: one that fills it is
+    too large, is dropped and is never read again before the commit; the total held never passes ``max_bytes``."""
+    from ckptdelta.loader.landing import Landing
+
+    store = Store.from_url(str(tmp_path / "run"), {})
+    for i, n in enumerate((300, 500, 200)):
+        store.put(f"deltas/000000000007-aa-1/rank-00000{'' if i == 0 else f'-{i:03d}'}.ckd", bytes([i]) * n)
+    landing = Landing(store, 7, max_bytes=600, max_object_bytes=400)
+    assert landing.poll() == 2 and landing.held_bytes == 500 and landing.requests == 4   # a listing, three reads
+    assert landing.poll() == 0 and landing.requests == 5                            # the big one is not read again
+    assert sorted(len(v) for v in landing._objects.values()) == [200, 300]

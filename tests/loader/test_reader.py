@@ -93,35 +93,27 @@ def test_range_reads_fetch_only_the_requested_tensors(tmp_path):
     assert r.stats["bytes_fetched"] - before < total / 3
 
 
-def _batched_read(run, monkeypatch):
-    """A reader of ``run``, every tensor of v3's pieces as a group, their sizes; the first batch is the smallest
-    group's size."""
-    import ckptdelta.loader.reader as reader_mod
-    from ckptdelta.loader.update_path import rebuild_pieces
-
-    r = SnapshotReader(run.url)
-    chain = r.chain(3)
-    groups = [rebuild_pieces(chain, n) for n in sorted(chain[-1].tensors)]
-    sizes = [sum(p.nbytes for p in g) for g in groups]
-    monkeypatch.setattr(reader_mod, "FIRST_BATCH_BYTES", min(sizes))
-    return r, groups, sizes
-
-
 def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes(shared_run, monkeypatch):
     """Decoding waits only for the first batch (about FIRST_BATCH_BYTES); each later batch may hold twice as
     much as the last, up to batch_bytes, and a batch always holds whole tensors."""
-    r, groups, sizes = _batched_read(shared_run, monkeypatch)
-    first_of = {id(g[0]): gi for gi, g in enumerate(groups) if g}
-    fetched: list[tuple[int, int]] = []      # (the batch's first group, its bytes): batches are fetched two at once
+    import ckptdelta.loader.reader as reader_mod
+    from ckptdelta.loader.update_path import rebuild_pieces
+
+    r = SnapshotReader(shared_run.url)
+    chain = r.chain(3)
+    names = sorted(chain[-1].tensors)
+    groups = [rebuild_pieces(chain, n) for n in names]
+    sizes = [sum(p.nbytes for p in g) for g in groups]
+    monkeypatch.setattr(reader_mod, "FIRST_BATCH_BYTES", min(sizes))
+    calls: list[int] = []
     real = r.fetch
 
     def counting(pieces, **kw):
-        fetched.append((first_of[id(pieces[0])], sum(p.nbytes for p in pieces)))
+        calls.append(sum(p.nbytes for p in pieces))
         return real(pieces, **kw)
 
     monkeypatch.setattr(r, "fetch", counting)
     got = list(r.iter_fetched(groups, batch_bytes=sum(sizes)))
-    calls = [n for _, n in sorted(fetched)]
     assert [gi for gi, _ in got] == list(range(len(groups)))
     assert calls[0] == sizes[0] and sum(calls) == sum(sizes) and 1 < len(calls) < len(groups)
     limit, start = min(sizes), 0
@@ -133,31 +125,9 @@ def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes
         if end < len(sizes):                 # and it stopped before the tensor that would pass its limit
             assert c + sizes[end] > limit, (k, c, limit)
         start, limit = end, 2 * limit
-    fetched.clear()
+    calls.clear()
     list(r.iter_fetched(groups, batch_bytes=1))          # a cap below every tensor: one tensor per batch
-    assert [n for _, n in sorted(fetched)] == sizes
-
-
-def test_no_batch_holds_more_than_a_share_of_the_whole_fetch_so_the_last_decode_is_short(shared_run, monkeypatch):
-    """Doubling alone would leave up to half of the bytes for the last batch, whose decode nothing overlaps; a
-    batch holds at most 1/TAIL_SHARE of the whole fetch (or one tensor), and every tensor still comes in order."""
-    import ckptdelta.loader.reader as reader_mod
-
-    r, groups, sizes = _batched_read(shared_run, monkeypatch)
-    monkeypatch.setattr(reader_mod, "MIN_BATCH_CAP", 1)
-    monkeypatch.setattr(reader_mod, "TAIL_SHARE", 4)
-    batches: list[int] = []
-    real = r.fetch
-
-    def counting(pieces, **kw):
-        batches.append(len(pieces))
-        assert sum(p.nbytes for p in pieces) <= sum(sizes) // 4 or len({id(p) for p in pieces}) == len(
-            next(g for g in groups if g[0] is pieces[0])), "a batch over its share holds more than one tensor"
-        return real(pieces, **kw)
-
-    monkeypatch.setattr(r, "fetch", counting)
-    got = list(r.iter_fetched(groups, batch_bytes=sum(sizes)))
-    assert [gi for gi, _ in got] == list(range(len(groups))) and len(batches) >= 4
+    assert calls == sizes
 
 
 def test_unknown_tensor_name_is_not_found(run):

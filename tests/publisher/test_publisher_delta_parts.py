@@ -199,3 +199,13 @@ def test_a_wrong_parent_digest_handed_to_the_encoder_never_gives_a_replica_wrong
             with pytest.raises(ParentMismatchError, match="layer0.w"):
                 codec.apply_(live, record)
             assert torch.equal(live.view(torch.int16), other.view(torch.int16))    # nothing written
+
+def test_a_deltas_upload_time_is_how_long_any_of_its_parts_was_uploading_two_at_once_counted_once():
+    """Two parts upload at once (a part's request has a fixed cost each would otherwise pay in turn); the upload
+    time the codec chooser divides the bytes by is the union of their spans, not their sum."""
+    from ckptdelta.publisher.writer import UPLOADS_IN_FLIGHT, busy_seconds
+
+    assert UPLOADS_IN_FLIGHT == 2
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == 3.0
+    assert busy_seconds([(1.0, 2.0), (0.0, 5.0)]) == 5.0
