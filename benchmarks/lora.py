@@ -28,14 +28,16 @@ One run, the same adapters for every method (issue 30, item 6):
   deltas, applied to the replica's copy, written as an adapter directory and loaded
   the same way. Each step the trainer takes one AdamW step, then every method
   publishes that adapter and the replica loads it.
-- **when the replica hears of it** (``--notice``): ``start`` (the default) tells the
-  replica which version or step is coming as publish() starts, as an RL loop that
-  asks its replicas for the next policy while the trainer publishes it: ckptdelta's
-  hot-load carries ``await_commit_s`` (the replica fetches the delta's parts as they
-  land, docs/SERVING.md), and the baselines wait for their objects to exist (a HEAD
-  every 10 ms) and then fetch them, so every method starts the moment it can;
-  ``after`` relays publish()'s answer to the replica first (the runs before this
-  option).
+- **when the replica hears of it** (``--notice``): ``after`` (the default) relays
+  publish()'s answer to the replica; ``start`` tells the replica which version or
+  step is coming as publish() starts, as an RL loop that asks its replicas for the
+  next policy while the trainer publishes it: ckptdelta's hot-load carries
+  ``await_commit_s`` (the replica fetches the delta's parts as they land,
+  docs/SERVING.md), and the baselines wait for their objects to exist (a HEAD every
+  10 ms) and then fetch them, so every method starts the moment it can. Here the
+  trainer, the bucket's server, the replica and vLLM share 2 cores, so the
+  replica's fetching beside the upload takes cores from the trainer's encode:
+  docs/PERFORMANCE.md has both.
 
 Columns: bytes per step (what the method's prefix of the bucket grew by on the
 server's disk), trainer-side time (serialize / encode), publish() -> serving, and
@@ -589,11 +591,11 @@ def plot(out: dict[str, Any], path: str) -> None:
 
 
 def stem_of(meta: dict[str, Any]) -> str:
-    """lora{-bf16}{-context}{-quick}: one set of files per adapter dtype (fp32, peft's own, is the plain name)
-    and ckptdelta codec (the publisher's default, "auto", is the plain name)."""
+    """lora{-bf16}{-context}{-start}{-quick}: one set of files per adapter dtype (fp32, peft's own, is the plain
+    name), ckptdelta codec (the publisher's default, "auto", is the plain name) and notice (``--notice start``)."""
     codec = meta.get("codec", "auto")
     return "lora" + ("-bf16" if meta["dtype"] == "bf16" else "") + ("" if codec == "auto" else f"-{codec}") + \
-        ("-quick" if meta["quick"] else "")
+        ("-start" if meta.get("notice", "after") == "start" else "") + ("-quick" if meta["quick"] else "")
 
 
 def write(out: dict[str, Any], out_dir: str) -> None:
@@ -619,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                         "ckptdelta's older slots are free again by its next step)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds of load before each publish (default 2)")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--notice", choices=("start", "after"), default="start",
+    p.add_argument("--notice", choices=("start", "after"), default="after",
                    help="when the replica hears of a step: as publish() starts (each method then waits for its "
                         "objects; ckptdelta fetches its parts as they land), or after publish() returns")
     p.add_argument("--codec", choices=("auto", "context", "fast"), default="auto",
