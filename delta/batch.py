@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -160,7 +160,8 @@ class _Encoding:
     """One tensor's encode in flight: a task per chunk and one for its digests (a one-chunk tensor
     is a single task: on small tensors a hand-off between threads costs more than it saves)."""
 
-    def __init__(self, runner: _Runner, index: int, item: tuple, level: int, context: bool, chunk_elems: int):
+    def __init__(self, runner: _Runner, index: int, item: tuple, level: int, context: bool, chunk_elems: int,
+                 fast_alone: Container[str] = ()):
         self.index, self.name, self.error = index, None, None
         try:
             name, old, new, *rest = item
@@ -170,7 +171,8 @@ class _Encoding:
             self.name = name
             job = codec._EncodeJob.prepare(old, new, name=name, chunk_elems=chunk_elems, level=level,
                                            parent_digest=rest[0] if rest else None, context=context,
-                                           grandparent=rest[1] if len(rest) > 1 else None)
+                                           grandparent=rest[1] if len(rest) > 1 else None,
+                                           fast_alone=name in fast_alone)
         except Exception as e:
             self.error, self.weight = e, 1
             return
@@ -215,7 +217,7 @@ def _encode_whole(job: codec._EncodeJob) -> tuple[int, int, list]:
 
 def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: int = chunks.DEFAULT_LEVEL,
                 context: bool = True, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-                window: int | None = None) -> Iterator[EncodedTensor]:
+                window: int | None = None, fast_alone: Container[str] = ()) -> Iterator[EncodedTensor]:
     """:func:`~ckptdelta.delta.codec.encode` for every ``(name, old, new)`` (or ``(name, old, new, parent_digest)``,
     or ``(name, old, new, parent_digest, grandparent)``; either may be None) of ``items``, lazily and in
     order, each record byte-identical to encode()'s.
@@ -226,7 +228,8 @@ def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: in
     waiting for (default ``4 * threads``; a tensor bigger than that is admitted alone),
     so memory holds a few chunks' work, not the model's. ``items`` is read no further
     ahead than that. An error (naming its tensor) comes out of the iteration after the
-    records before it; leaving the iteration early drops the work not yet started."""
+    records before it; leaving the iteration early drops the work not yet started. ``fast_alone``: names of
+    tensors whose chunks try the fast path's own encoding only (``chunks.encode_chunk``'s ``fast_alone``)."""
     runner = _Runner(threads)
     window = _window(window, runner)
     pending: deque[_Encoding] = deque()
@@ -244,7 +247,7 @@ def encode_many(items: Iterable[tuple], *, threads: int | None = None, level: in
                 if item is None:
                     source = None
                     break
-                job = _Encoding(runner, index, item, level, context, chunk_elems)
+                job = _Encoding(runner, index, item, level, context, chunk_elems, fast_alone)
                 index += 1
                 pending.append(job)
                 admitted += job.weight

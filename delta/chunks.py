@@ -80,7 +80,7 @@ def codec_encoding(context: bool) -> Encoding:
 
 
 def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int = DEFAULT_LEVEL,
-                 context: bool = True, grand: np.ndarray | None = None) -> EncodedChunk:
+                 context: bool = True, grand: np.ndarray | None = None, *, fast_alone: bool = False) -> EncodedChunk:
     """Pick the smallest encoding for one chunk. ``old``/``new`` are the chunk's bits.
 
     ``context=False`` leaves out the context coder (id 5, or 4: CONTEXT_ENCODING): larger
@@ -90,13 +90,18 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
 
     Encodings are tried in their order (``Encoding.order``), each seeing the smallest payload so far
     (it may skip work that cannot win), and a later one is kept only where it is strictly smaller.
-    Without a parent, only those that need none (raw)."""
+    Without a parent, only those that need none (raw). ``fast_alone`` (the fast path only: without
+    ``context``): the fast path's own encoding (:data:`FAST_ENCODING`) is the only one tried, where the
+    caller saw the others lose on this tensor's last step: a record as valid, perhaps a few bytes larger."""
     chunk = Chunk(old, new, dt, level, grand)
     if old is None:
         order, nan = _whole(), None
     else:
         t = _tries.get((context, grand is not None, CONTEXT_ENCODING, REGISTRY.version))
         scanner, order = t if t is not None else tries(context, grand is not None)
+        if fast_alone and scanner is None:
+            order = (REGISTRY.by_id[FAST_ENCODING],)
+            chunk.alone = True
         if scanner is None or not scanner.scan(chunk):     # a context coder's scan counts the changes
             chunk.changed = kernels.count_changed(old, new)
         if chunk.changed == 0:

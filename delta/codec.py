@@ -188,10 +188,12 @@ class _EncodeJob:
     old_bits: np.ndarray | None = field(repr=False)
     known_parent: int | None
     grand_bits: np.ndarray | None = field(default=None, repr=False)
+    fast_alone: bool = False      # chunks.encode_chunk's: the dense and raw tries lost on this tensor last step
 
     @classmethod
     def prepare(cls, old: Array | None, new: Array, *, name: str, chunk_elems: int, level: int,
-                parent_digest: int | None, context: bool, grandparent: Array | None = None) -> "_EncodeJob":
+                parent_digest: int | None, context: bool, grandparent: Array | None = None,
+                fast_alone: bool = False) -> "_EncodeJob":
         """Check the inputs and take their bits (a host copy only for device or strided tensors)."""
         try:
             dt = dtypes.of(new)
@@ -219,7 +221,7 @@ class _EncodeJob:
         if numel:
             chunk_elems = min(chunk_elems, numel)
         return cls(name, dt, shape, numel, chunk_elems, n_chunks_for(numel, chunk_elems), level, context,
-                   new_bits, old_bits, parent_digest, grand_bits)
+                   new_bits, old_bits, parent_digest, grand_bits, fast_alone)
 
     @property
     def hashes_parent(self) -> bool:
@@ -230,7 +232,8 @@ class _EncodeJob:
         s, e = i * self.chunk_elems, min(self.numel, (i + 1) * self.chunk_elems)
         old = None if self.old_bits is None else self.old_bits[s:e]
         grand = None if self.grand_bits is None else self.grand_bits[s:e]
-        return chunks.encode_chunk(old, self.new_bits[s:e], self.dt, self.level, self.context, grand)
+        return chunks.encode_chunk(old, self.new_bits[s:e], self.dt, self.level, self.context, grand,
+                                   fast_alone=self.fast_alone)
 
     def digest(self) -> int:
         return xxhash.xxh3_64_intdigest(self.new_bits)

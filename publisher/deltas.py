@@ -15,7 +15,7 @@ nothing changed writes no object.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -27,6 +27,7 @@ from ckptdelta.delta import codec
 from ckptdelta.delta.batch import encode_many
 from ckptdelta.delta.container import ObjectWriter
 from ckptdelta.delta.manifest import TensorEntry
+from ckptdelta.delta.chunks import FAST_ENCODING
 from ckptdelta.delta.record import UNCHANGED
 
 #: Name of rank ``r``'s delta object ``part`` inside the snapshot's delta prefix.
@@ -108,6 +109,8 @@ class DeltaPart:
     changed: list[str] = field(default_factory=list)
     changed_elements: int = 0       # the records' chunk counts (changed elements; a raw chunk's: all of them)
     changed_nan: list[str] = field(default_factory=list)   # changed tensors where a changed element became NaN
+    #: changed tensors whose every chunk tried the fast path's other encodings, and took its own (sparse)
+    fast_won: list[str] = field(default_factory=list)
     encode_s: float = 0.0
 
 
@@ -121,7 +124,8 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
                 on_bytes: Callable[[int], None] | None = None, part_bytes: int = DEFAULT_PART_BYTES,
                 first_part_bytes: int = FIRST_PART_BYTES, context: bool = True,
                 parent_digests: Mapping[str, int] | None = None,
-                grandparents: Mapping[str, torch.Tensor] | None = None) -> DeltaPart:
+                grandparents: Mapping[str, torch.Tensor] | None = None,
+                fast_alone: Container[str] = ()) -> DeltaPart:
     """Encode ``snapshot`` against ``parent`` (same names, dtypes and shapes) into part streams.
 
     ``open_part(i)`` gives the stream for part ``i``; ``on_part(i, size, xxh3)`` is called
@@ -131,7 +135,9 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
     them. A wrong one cannot pass: a replica's parent check would refuse the record,
     and the record's own digest is always hashed from ``snapshot``. ``grandparents``: tensors of the
     snapshot ``parent`` was itself encoded against (same names, dtypes and shapes), for the context coder's
-    encoding 6 (a replica then needs them too: LoRA runs only)."""
+    encoding 6 (a replica then needs them too: LoRA runs only). ``fast_alone``: names whose chunks try the fast
+    path's own encoding only (``encode_many``'s); ``DeltaPart.fast_won`` names those that tried the others and
+    took it anyway, the caller's next ``fast_alone``."""
     t0 = time.perf_counter()
     part = DeltaPart(entries={})
     f: BinaryIO | None = None
@@ -152,7 +158,8 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
 
     known, grand = parent_digests or {}, grandparents or {}
     records = encode_many(((name, parent[name], new, known.get(name), _grandparent(grand.get(name), new))
-                           for name, new in snapshot.items()), level=level, context=context)
+                           for name, new in snapshot.items()), level=level, context=context,
+                          fast_alone=fast_alone)
     with closing(records):          # on an error here, the encoding work still queued is dropped
         for enc in records:
             h = enc.header
@@ -171,6 +178,9 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
                 part.changed_elements += sum(c.count for c in h.chunks)
                 if enc.changed_nan:
                     part.changed_nan.append(name)
+                if not context and name not in fast_alone and h.has_parent and \
+                        all(c.encoding in (FAST_ENCODING, UNCHANGED) for c in h.chunks):
+                    part.fast_won.append(name)
                 if out.size >= limit:
                     close_current()
             if on_bytes is not None:

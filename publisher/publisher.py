@@ -58,6 +58,12 @@ log = logging.getLogger("ckptdelta.publisher")
 EXIT_TIMEOUT_S = 600.0
 
 
+#: A tensor whose chunks all took the fast path's own encoding (sparse) where its dense and raw tries ran tries
+#: those again only this many deltas later, sparse alone meanwhile: on a LoRA run's dense steps the tries lose
+#: every time and cost about a third of the encode (docs/PERFORMANCE.md, "LoRA runs, the fetch beside the
+#: upload"); a tensor whose steps change in kind is weighed again within this many.
+FAST_RETRY_EVERY = 8
+
 class Publisher:
     """Publishes a trainer's weights to a run at ``url`` as anchors and deltas.
 
@@ -176,6 +182,10 @@ class Publisher:
         self._choice_lock = threading.Lock()
         self._explorer = explore.Explorer(level, self._explored, f"run at {url}: ")
         self._last_codec = ""          # the codec of this rank's previous delta (logged when auto switches)
+        # tensor -> this rank's delta count when the fast path last tried its other encodings on it and they lost:
+        # for FAST_RETRY_EVERY deltas after, its chunks try the fast path's own alone (bytes at stake, never bits)
+        self._fast_won: dict[str, int] = {}
+        self._deltas = 0
         self._partition = partition
         self._files = AnchorFiles(extra_files, dtype=self.dtype)
         self._anchor_files: dict[str, bytes] = {}          # rank 0: the extra files of the anchor being planned
@@ -639,10 +649,20 @@ class Publisher:
                 log.info("run %s: v%d switches to the %s codec (%s)", self.run_id, plan.version, codec, reason)
             else:
                 log.debug("run %s: v%d codec %s (%s)", self.run_id, plan.version, codec, reason)
+        self._deltas += 1
+        alone = frozenset(n for n, k in self._fast_won.items() if self._deltas - k < FAST_RETRY_EVERY) \
+            if codec != CONTEXT else frozenset()
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
                                      progress=self.progress, parent_digests=self._parents.digests,
-                                     grandparents=grand)
+                                     grandparents=grand, fast_alone=alone)
+        if codec != CONTEXT:
+            won = set(written.fast_won)
+            for name in job.snapshot:
+                if name in won:
+                    self._fast_won[name] = self._deltas
+                elif name not in alone:
+                    self._fast_won.pop(name, None)
         sharded.with_boxes(written, job.boxes, plan.layout)      # pieces of a DTensor: merged into one entry
         written.codec, written.codec_reason = codec, reason
         if choice is not None:

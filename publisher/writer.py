@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -66,6 +66,7 @@ class Written:
     changed: int = 0
     changed_elements: int = 0        # deltas: elements the records changed (publisher/deltas.py)
     changed_nan: list[str] = field(default_factory=list)   # deltas: tensors where a changed element became NaN
+    fast_won: list[str] = field(default_factory=list)      # deltas: DeltaPart.fast_won
     codec: str = ""                  # deltas: "context" or "fast" (Publisher(codec=...)); anchors: ""
     codec_reason: str = ""
     encode_s: float = 0.0
@@ -224,9 +225,11 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
                        version: int, writer_id: str, rank: int, level: int, progress: bool | None,
                        part_bytes: int | None = None, context: bool = True,
                        parent_digests: Mapping[str, int] | None = None,
-                       grandparents: Mapping[str, torch.Tensor] | None = None) -> Written:
+                       grandparents: Mapping[str, torch.Tensor] | None = None,
+                       fast_alone: Container[str] = ()) -> Written:
     """This rank's delta objects (none when nothing changed); each finished part uploads while the
-    next tensors are encoded. ``parent_digests`` and ``grandparents`` as in :func:`ckptdelta.publisher.deltas.write_delta`."""
+    next tensors are encoded. ``parent_digests``, ``grandparents`` and ``fast_alone`` as in
+    :func:`ckptdelta.publisher.deltas.write_delta`."""
     total = sum(t.numel() * t.element_size() for t in snapshot.values())
     bar = progress_bar(progress, total, f"delta v{version}")
     out = Written()
@@ -246,7 +249,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
                     spans.append((t0, time.perf_counter()))
 
             part = write_delta(lambda i: open(path_of(i), "wb"), parent, snapshot, level=level, context=context,
-                               parent_digests=parent_digests, grandparents=grandparents,
+                               parent_digests=parent_digests, grandparents=grandparents, fast_alone=fast_alone,
                                on_part=lambda i, _size, _h: uploads.append(pool.submit(upload, i)),
                                on_bytes=bar.update,
                                part_bytes=deltas_mod.part_bytes_for(
@@ -264,6 +267,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
     out.changed = len(part.changed)
     out.changed_elements = part.changed_elements
     out.changed_nan = part.changed_nan
+    out.fast_won = part.fast_won
     return out
 
 

@@ -72,10 +72,12 @@ class Chunk:
     (encoding 1's gaps, steps and their maxima) and ``best_length`` (the smallest payload so far, which
     tries compare against before they spend time); a context coder's scan (:meth:`Encoding.scan`) fills
     ``scan_payload``, ``beats_sparse`` and ``changed_nan`` on the way; ``best_estimate`` is the smallest
-    payload's planes estimate (``Candidate.estimate``), None where its encoding took none."""
+    payload's planes estimate (``Candidate.estimate``), None where its encoding took none. ``alone``: the
+    fast path's own encoding is the only one tried (the dense and raw tries lost on this tensor's last step),
+    so it makes no estimate for them."""
 
     __slots__ = ("old", "new", "grand", "dt", "level", "n", "changed", "sparse_parts", "best_length",
-                 "best_estimate", "scan_payload", "beats_sparse", "changed_nan")
+                 "best_estimate", "scan_payload", "beats_sparse", "changed_nan", "alone")
 
     def __init__(self, old: np.ndarray | None, new: np.ndarray, dt: "DType", level: int,
                  grand: np.ndarray | None) -> None:
@@ -92,6 +94,7 @@ class Chunk:
         self.scan_payload: bytes | None = None
         self.beats_sparse = False
         self.changed_nan: bool | None = None
+        self.alone = False
 
 
 class Encoding:

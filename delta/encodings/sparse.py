@@ -61,7 +61,7 @@ class Sparse(Encoding):
         if chunk.beats_sparse:      # the context coder's payload is surely smaller: no zstd for nothing
             return None
         # a dense or raw try follows where this many elements changed: it weighs its planes against these
-        tries = chunk.changed > DENSE_TRY_FRACTION * chunk.n
+        tries = not chunk.alone and chunk.changed > DENSE_TRY_FRACTION * chunk.n
         pa, pb, payload, *est = encode_payload(chunk.old, chunk.new, chunk.dt, chunk.changed, chunk.level,
                                                chunk.sparse_parts, estimate=tries)
         return Candidate(self.id, pa, pb, chunk.changed, payload, est[0] if est else None)

@@ -701,3 +701,22 @@ def test_a_densely_staged_change_carries_the_digest_of_the_tensor_it_was_staged_
     out = old.clone()
     st.apply_(out)
     assert torch.equal(out.view(torch.int16), new.view(torch.int16))
+
+
+def test_a_tensor_named_fast_alone_tries_sparse_only_and_its_record_decodes_exact():
+    """``encode_many(fast_alone=...)``: where the publisher saw a tensor's dense and raw tries lose on its last
+    step, its chunks try sparse alone. On a step where dense XOR would win (every lowest bit flips) the record is
+    sparse, larger, and decodes to the same bits; the other tensors still take the tries; the context coder
+    ignores the hint."""
+    from ckptdelta.delta import encode_many
+
+    a = _bf16_weights(100_000)
+    b = a.clone()
+    b.view(torch.int16)[:] ^= 1
+    tried, alone = (list(encode_many([(n, a, b)], threads=1, context=False, fast_alone={"alone"}))[0]
+                    for n in ("tried", "alone"))
+    assert tried.encoding_counts() == {"dense_xor": 1} and alone.encoding_counts() == {"sparse": 1}
+    assert alone.nbytes > tried.nbytes
+    assert_same_bits(codec.decode(a, alone.to_bytes()), b) and assert_same_bits(codec.decode(a, tried.to_bytes()), b)
+    ctx = list(encode_many([("alone", a, b)], threads=1, context=True, fast_alone={"alone"}))[0]
+    assert ctx.to_bytes() == codec.encode(a, b, name="alone").to_bytes()

@@ -386,3 +386,44 @@ def test_the_host_copy_keeps_every_bit_on_both_copy_paths(numel):
         for k, t in src.items():
             assert out[k].is_contiguous() and out[k].data_ptr() != t.data_ptr()
             assert torch.equal(raw(out[k]), raw(t)), k
+
+
+def test_a_tensors_dense_and_raw_tries_that_lost_run_again_only_every_few_deltas_and_every_version_reads_back(
+        tmp_path, monkeypatch):
+    """Dense fp32 steps (every element moves, as a LoRA step's): sparse wins every chunk, so after a delta whose
+    tries lost, a tensor's chunks try sparse alone until FAST_RETRY_EVERY deltas later, when the tries run
+    again. A tensor whose tries win (here every element's lowest bit flips: dense XOR) keeps them every delta.
+    Every version reads back exact."""
+    from ckptdelta.delta.encodings.dense_xor import DenseXor
+    from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.publisher.publisher import FAST_RETRY_EVERY
+
+    tried: list[int] = []          # the chunk sizes the dense try ran on
+    real = DenseXor.encode
+
+    def counting(self, chunk):
+        tried.append(chunk.n)
+        return real(self, chunk)
+
+    monkeypatch.setattr(DenseXor, "encode", counting)
+    g = torch.Generator().manual_seed(0)
+    w = {"a": torch.randn(4096, generator=g), "b": torch.randn(8192, generator=g),
+         "c": (0.02 * torch.randn(100_000, generator=g)).to(torch.bfloat16)}
+    url = str(tmp_path / "run")
+    truth, per_delta = {}, []
+    with Publisher(url, codec="fast", anchor_every=1000, anchor_chain_fraction=1000.0) as pub:
+        truth[pub.publish(w, 0).version] = w
+        for step in range(1, 2 * FAST_RETRY_EVERY + 2):
+            w = {k: t + 1e-3 * torch.randn(t.shape, generator=g) for k, t in w.items() if k != "c"} | \
+                {"c": (w["c"].view(torch.int16) ^ 1).view(torch.bfloat16)}
+            tried.clear()
+            r = pub.publish(w, step)
+            truth[r.version] = w
+            assert r.kind == "delta"
+            per_delta.append(sorted(tried))
+    assert all(100_000 in t for t in per_delta), per_delta         # "c": its tries win, they run every delta
+    retries = [k for k, t in enumerate(per_delta) if set(t) - {100_000}]
+    assert retries == [0, FAST_RETRY_EVERY, 2 * FAST_RETRY_EVERY], per_delta
+    reader = SnapshotReader(url)
+    for v, want in truth.items():
+        assert_same(reader.read_tensors(v), want)
