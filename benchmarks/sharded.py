@@ -757,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = None if args.no_metadata else metadata_run(scales, args.metadata_rounds, args.metadata_baseline, log=log)
     elapsed = time.perf_counter() - t0
     harness.write(stem, report(res, meta, args, elapsed, order),
-                  {"args": vars(args), "results": res, "order": order, "metadata": meta, "elapsed_s": elapsed},
+                  {"args": {k: v for k, v in vars(args).items() if k != "out"},      # where, not what was measured
+                   "results": res, "order": order, "metadata": meta, "elapsed_s": elapsed},
                   lambda path: plot(res, path))
     return 0
 
