@@ -24,11 +24,10 @@ import threading
 import time
 from typing import Callable
 
-import xxhash
-
 from ckptdelta.delta.errors import HotLoadCancelledError, HotLoadTimeoutError, ObjectNotFoundError, StorageError
-from ckptdelta.delta.manifest import DELTA_DIR, ObjectRef
+from ckptdelta.delta.manifest import ObjectRef, delta_prefix
 from ckptdelta.delta.storage import Store
+from ckptdelta.loader.fetch_units import xxh_hex
 
 log = logging.getLogger("ckptdelta.loader")
 
@@ -43,18 +42,13 @@ FIRST_POLL_S = 0.01
 MAX_POLL_S = 0.2
 
 
-def delta_version_prefix(version: int) -> str:
-    """The prefix every delta object of ``version`` starts with, whichever publisher wrote it."""
-    return f"{DELTA_DIR}/{version:012d}-"
-
-
 class Landing:
     """The delta objects of one uncommitted version that have landed so far (bytes not yet trusted)."""
 
     def __init__(self, store: Store, version: int, *, max_bytes: int = MAX_LANDING_BYTES,
                  max_object_bytes: int = MAX_OBJECT_BYTES) -> None:
         self.store, self.version = store, version
-        self.prefix = delta_version_prefix(version)
+        self.prefix = delta_prefix(version, "")      # every writer's objects of ``version``
         self.max_bytes, self.max_object_bytes = max_bytes, max_object_bytes
         self._objects: dict[str, bytes] = {}
         self._verified: set[str] = set()
@@ -63,7 +57,6 @@ class Landing:
         self.held_bytes = 0
         self.fetched_bytes = 0
         self.requests = 0
-        self.used_bytes = 0
 
     def poll(self) -> int:
         """List the version's delta prefix once and fetch every object not seen yet; how many were fetched."""
@@ -103,9 +96,8 @@ class Landing:
                 return None
             if obj.key in self._verified:
                 return data
-            if len(data) == obj.size and f"{xxhash.xxh3_64_intdigest(data):016x}" == obj.xxh3:
+            if len(data) == obj.size and xxh_hex(data) == obj.xxh3:
                 self._verified.add(obj.key)
-                self.used_bytes += len(data)
                 return data
             del self._objects[obj.key]
             self.held_bytes -= len(data)
