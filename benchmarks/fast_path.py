@@ -1,4 +1,5 @@
-"""The fast path's zstd level and its dense/raw tries, on full-model steps and on LoRA steps, beside XOR + zstd-3.
+"""The fast path's zstd level, its dense/raw tries and its dense steps, on full-model steps and LoRA steps, beside
+XOR + zstd-3.
 
 Each step is encoded by ``encode_many(..., threads=1)``: the fast path (``context=False``)
 at zstd levels 3 and 1 with the dense/raw tries as they were (a try compressed wherever its
@@ -35,16 +36,31 @@ from ckptdelta import delta
 from ckptdelta.delta import chunks, kernels
 from ckptdelta.delta.encodings import frames
 
-#: (label, context coder, zstd level, the tries as before)
-SETTINGS = (("fast, level 3, tries as before (before)", False, 3, True),
-            ("fast, level 1, tries as before", False, 1, True),
-            ("fast, level 1 (now)", False, 1, False),
-            ("context coder", True, chunks.DEFAULT_LEVEL, False))
+#: (label, context coder, zstd level, the tries as before, dense steps where half a chunk changed)
+SETTINGS = (("fast, level 3, tries as before (before)", False, 3, True, False),
+            ("fast, level 1, tries as before", False, 1, True, False),
+            ("fast, level 1, sparse on dense chunks", False, 1, False, False),
+            ("fast, level 1, dense steps (now)", False, 1, False, True),
+            ("context coder", True, chunks.DEFAULT_LEVEL, False, True))
 
 
 def _may_beat_before(planes, plane_len: int, best: float, best_estimate: float | None = None) -> bool:
     """frames.may_beat as it was: the planes' estimate, read in full, below the best payload."""
     return kernels.planes_entropy_bytes(planes, plane_len, kernels.ENTROPY_BLOCK) < best
+
+
+@contextmanager
+def dense_steps(on: bool) -> Iterator[None]:
+    """The fast path as it was before encoding 7 (sparse on every changed chunk), or as it is."""
+    if on:
+        yield
+        return
+    saved = chunks.DENSE_STEP_FRACTION
+    chunks.DENSE_STEP_FRACTION = 2.0            # no chunk has more than all of its elements changed
+    try:
+        yield
+    finally:
+        chunks.DENSE_STEP_FRACTION = saved
 
 
 @contextmanager
@@ -72,19 +88,23 @@ def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], repeats:
         enc = xor.encode(old, new)
         times.append(time.perf_counter() - t0)
     out["xor+zstd3"] = {"bytes": baselines.encoded_nbytes(enc), "encode_s": statistics.median(times)}
-    for label, context, level, before in SETTINGS:
-        times = []
-        with tries_as_before(before):
+    for label, context, level, before, dense in SETTINGS:
+        times, decodes = [], []
+        with tries_as_before(before), dense_steps(dense):
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 encs = list(delta.encode_many([(k, old[k], new[k]) for k in names], threads=1, context=context,
                                               level=level))
                 times.append(time.perf_counter() - t0)
-        for e in encs[:: max(1, len(encs) // 8)]:          # a sample of the records, decoded back and compared
-            got = delta.decode(old[e.name], e)
-            if not torch.equal(got.contiguous().view(torch.uint8), new[e.name].contiguous().view(torch.uint8)):
+        for _ in range(repeats):            # every record decoded back (the replica's work), and compared
+            t0 = time.perf_counter()
+            got = {e.name: delta.decode(old[e.name], e) for e in encs}
+            decodes.append(time.perf_counter() - t0)
+        for e in encs:
+            if not torch.equal(got[e.name].contiguous().view(torch.uint8), new[e.name].contiguous().view(torch.uint8)):
                 raise AssertionError(f"{label}: {e.name} does not decode to the new bits")
-        out[label] = {"bytes": sum(len(e.to_bytes()) for e in encs), "encode_s": statistics.median(times)}
+        out[label] = {"bytes": sum(len(e.to_bytes()) for e in encs), "encode_s": statistics.median(times),
+                      "decode_s": statistics.median(decodes)}
     return out
 
 
@@ -102,19 +122,23 @@ def lora_steps(quick: bool) -> list[tuple[str, dict, dict]]:
 
 def markdown(out: dict[str, Any]) -> str:
     labels = ["xor+zstd3", *(s[0] for s in SETTINGS)]
-    lines = [f"# The fast path's zstd level and its dense/raw tries (`{out['command']}`)", "",
+    lines = [f"# The fast path's zstd level, its dense/raw tries and its dense steps (`{out['command']}`)", "",
              f"{harness.machine()}. One thread, medians of {out['repeats']} encodes a step; bytes and encode time "
-             "of each setting, and in brackets its time over XOR + zstd-3's (per tensor, the same run). *Tries as "
+             "of each setting, in brackets its time over XOR + zstd-3's (per tensor, the same run), then the "
+             "decode of every record (median of as many). *Tries as "
              "before*: a dense or raw try compressed wherever its planes' order-0 estimate (read in full) fell "
-             "below the best payload; *now*: level 1, each try's planes weighed against sparse's own planes, "
-             f"both estimated from every {frames.SAMPLE_STRIDE}th block of {frames.SAMPLE_BLOCK} bytes (where "
-             f"the best is not sparse: against {frames.SURELY_LARGER:g} of the payload, guessed first from that "
-             "sample).", "",
+             "below the best payload; since: level 1, each try's planes weighed against the fast path's own "
+             f"planes, both estimated from every {frames.SAMPLE_STRIDE}th block of {frames.SAMPLE_BLOCK} bytes "
+             f"(where the best is not the fast path's: against {frames.SURELY_LARGER:g} of the payload, guessed "
+             "first from that sample). *Sparse on dense chunks*: encoding 1 (gaps and steps, two frames) on "
+             "every changed chunk, as before encoding 7; *dense steps (now)*: encoding 7 (every element's step, "
+             f"one frame) on the chunks where at least {chunks.DENSE_STEP_FRACTION:g} of the elements changed.", "",
              "| step | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
     for name, r in out["rows"]:
         base = r["xor+zstd3"]["encode_s"]
         cells = [f"{r[k]['bytes'] / 1e6:.3f} MB, {1e3 * r[k]['encode_s']:.0f} ms"
-                 + ("" if k == "xor+zstd3" else f" ({r[k]['encode_s'] / base:.2f}x)") for k in labels]
+                 + ("" if k == "xor+zstd3" else f" ({r[k]['encode_s'] / base:.2f}x)")
+                 + (f", decode {1e3 * r[k]['decode_s']:.0f} ms" if "decode_s" in r[k] else "") for k in labels]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -19,7 +19,9 @@ import xxhash
 
 from ckptdelta.delta import kernels
 from ckptdelta.delta.dtypes import DType, nan_rule
-from ckptdelta.delta.encodings import ALWAYS, CONTEXT, GCTX, REGISTRY, SPARSE, Chunk, Encoding, unchanged
+from ckptdelta.delta.encodings import (ALWAYS, CONTEXT, DENSE_STEP, FAST, GCTX, REGISTRY, SPARSE, Chunk, Encoding,
+                                      unchanged)
+from ckptdelta.delta.encodings.dense_step import DENSE_STEP_FRACTION
 from ckptdelta.delta.errors import ChecksumError, FormatError
 from ckptdelta.delta.record import ChunkEntry
 
@@ -44,8 +46,11 @@ class EncodedChunk(NamedTuple):
 #: The encoding the context coder writes: 5 (gctx), faster at both ends than 4 (ctx), which
 #: still decodes; a test sets this to CTX to run the codec paths over encoding 4.
 CONTEXT_ENCODING = GCTX
-#: The fast path's own encoding, tried on every changed chunk (the others are taken only where they win).
+#: The fast path's own encoding, tried on every changed chunk (the others are taken only where they win), and
+#: the one that stands for it in the publisher's cost model. Where at least DENSE_STEP_FRACTION of a chunk's
+#: elements changed, the fast path codes the chunk as dense steps (encoding 7) instead: FAST_ENCODINGS.
 FAST_ENCODING = SPARSE
+FAST_ENCODINGS = (SPARSE, DENSE_STEP)
 
 _tries: dict[tuple, tuple] = {}
 
@@ -55,8 +60,8 @@ def tries(context: bool, grand: bool = False) -> tuple[Encoding | None, tuple[En
 
     With ``context``: the registered encodings tried in both modes or with the context coder, of the
     context coders (``Encoding.scans``) only the one :data:`CONTEXT_ENCODING` names; without: those tried
-    in both modes. Those that need the grandparent only with ``grand`` (it was given). Kept per registry
-    version, so a chunk pays a dict lookup for it."""
+    in both modes or by the fast path. Those that need the grandparent only with ``grand`` (it was given).
+    Kept per registry version, so a chunk pays a dict lookup for it."""
     key = (context, grand, CONTEXT_ENCODING, REGISTRY.version)
     t = _tries.get(key)
     if t is None:
@@ -67,7 +72,7 @@ def tries(context: bool, grand: bool = False) -> tuple[Encoding | None, tuple[En
                 return False
             if e.scans:
                 return e is scanner
-            return e.tried == ALWAYS or (context and e.tried == CONTEXT)
+            return e.tried == ALWAYS or e.tried == (CONTEXT if context else FAST)
 
         t = _tries[key] = (scanner, tuple(filter(tried, REGISTRY.in_order)))
     return t
@@ -90,9 +95,11 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
 
     Encodings are tried in their order (``Encoding.order``), each seeing the smallest payload so far
     (it may skip work that cannot win), and a later one is kept only where it is strictly smaller.
-    Without a parent, only those that need none (raw). ``fast_alone`` (the fast path only: without
-    ``context``): the fast path's own encoding (:data:`FAST_ENCODING`) is the only one tried, where the
-    caller saw the others lose on this tensor's last step: a record as valid, perhaps a few bytes larger."""
+    Without a parent, only those that need none (raw). The fast path codes a chunk whose changed share is at
+    least DENSE_STEP_FRACTION as dense steps (encoding 7) and any other as sparse, so it extracts no gaps
+    from a chunk that is nearly all changes. ``fast_alone`` (the fast path only: without ``context``): its
+    own encoding (:data:`FAST_ENCODINGS`) is the only one tried, where the caller saw the others lose on this
+    tensor's last step: a record as valid, perhaps a few bytes larger."""
     chunk = Chunk(old, new, dt, level, grand)
     if old is None:
         order, nan = _whole(), None
@@ -100,15 +107,21 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
         t = _tries.get((context, grand is not None, CONTEXT_ENCODING, REGISTRY.version))
         scanner, order = t if t is not None else tries(context, grand is not None)
         if fast_alone and scanner is None:
-            order = (REGISTRY.by_id[FAST_ENCODING],)
+            order = _fast_alone()
             chunk.alone = True
         if scanner is None or not scanner.scan(chunk):     # a context coder's scan counts the changes
-            chunk.changed = kernels.count_changed(old, new)
+            rule = nan_rule(dt)
+            if rule is None:
+                chunk.changed, chunk.changed_nan = kernels.count_changed(old, new), False
+            else:           # the new bits of each change looked at in the same pass
+                chunk.changed, chunk.changed_nan = kernels.count_changed_nan(old, new,
+                                                                             *(new.dtype.type(v) for v in rule))
+            chunk.dense_step = scanner is None and chunk.changed >= DENSE_STEP_FRACTION * chunk.n
         if chunk.changed == 0:
             return EncodedChunk(_UNCHANGED_ENTRY, b"", False)
-        if chunk.sparse_parts is None:
+        if chunk.sparse_parts is None and not chunk.dense_step:
             chunk.sparse_parts = kernels.sparse_extract(old, new, chunk.changed, 8 * dt.itemsize, dt.sign_magnitude)
-        nan = chunk.changed_nan             # the context coder's scan looked at every change's new bits
+        nan = chunk.changed_nan             # counted above, or the context coder's scan looked at every change
         if nan is None:
             rule = nan_rule(dt)
             nan = rule is not None and bool(kernels.nan_at_gaps(new, chunk.sparse_parts[0],
@@ -124,6 +137,14 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
         raise AssertionError(f"no encoding took a chunk of {chunk.n} {dt.name} elements")    # a bug, never data
     return EncodedChunk(ChunkEntry(best.encoding, best.planes_a, best.planes_b, best.count, len(best.payload),
                                    xxhash.xxh3_64_intdigest(best.payload)), best.payload, nan)
+
+
+def _fast_alone() -> tuple[Encoding, ...]:
+    key = ("alone", REGISTRY.version)
+    t = _tries.get(key)
+    if t is None:
+        t = _tries[key] = tuple(REGISTRY.by_id[i] for i in FAST_ENCODINGS)
+    return t
 
 
 def _whole() -> tuple[Encoding, ...]:

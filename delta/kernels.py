@@ -51,6 +51,20 @@ def count_changed(old, new):
 
 
 @njit(cache=True, nogil=True)
+def count_changed_nan(old, new, mask, threshold):
+    """:func:`count_changed`, and whether a changed element's new bits are a NaN (``new & mask > threshold``),
+    in the same pass: the fast path then needs no second look at the changes for the publisher's NaN check."""
+    n = 0
+    nan = False
+    for i in range(old.shape[0]):
+        if old[i] != new[i]:
+            n += 1
+            if new[i] & mask > threshold:
+                nan = True
+    return n, nan
+
+
+@njit(cache=True, nogil=True)
 def sparse_extract(old, new, n_changed, width_bits, sign_magnitude):
     """Gaps between changed positions and the zigzag key step of each change.
 
@@ -204,6 +218,71 @@ def xor_planes(old, new, nplanes):
 #: the safe side for deciding that a compression cannot win; large enough that a block's own statistics
 #: barely bias it (on noise-like planes it came slightly below zstd's output).
 ENTROPY_BLOCK = 1 << 14
+
+
+@njit(cache=True, nogil=True)
+def step_planes(old, new, width_bits, sign_magnitude):
+    """Byte planes of every element's zigzag key step (0 where it did not change), as few planes as the
+    largest step needs; returns (planes, number of planes). The steps go through a scratch array of the
+    bits' own width first, so each plane is then written in one sequential sweep (writing all planes per
+    element was four times slower)."""
+    n = old.shape[0]
+    steps = np.empty(n, dtype=old.dtype)
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    seen = _U64(0)
+    for i in range(n):
+        d = (_key(_U64(new[i]), signbit, mask, sign_magnitude)
+             - _key(_U64(old[i]), signbit, mask, sign_magnitude)) & mask
+        if d < signbit:
+            z = d << _U64(1)
+        else:
+            z = ((mask - d) << _U64(1)) | _U64(1)
+        seen |= z
+        steps[i] = z
+    nplanes = 1
+    while nplanes < width_bits // 8 and (seen >> _U64(8 * nplanes)) != _U64(0):
+        nplanes += 1
+    return to_planes(steps, nplanes), nplanes
+
+
+@njit(cache=True, nogil=True)
+def step_apply_planes(old, planes, nplanes, width_bits, sign_magnitude, out_positions, out_values):
+    """Decode dense step planes against ``old`` into the sparse form (positions, new bits). Returns the number
+    of changed elements, written only where it is exactly what the output arrays hold; -1 where it is more (a
+    corrupt payload: the caller compares the count with the chunk entry's).
+
+    Written for a branch predictor that cannot guess which elements changed: the planes are gathered into
+    steps one sequential sweep each, then every element up to the last change is written at the next free
+    slot, which only a change advances (gathering every plane per element, then a branch per change, was
+    over twice as slow)."""
+    n = old.shape[0]
+    cap = out_positions.shape[0]
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    steps = np.zeros(n, dtype=old.dtype)
+    for p in range(nplanes):
+        shift = _U64(8 * p)
+        base = p * n
+        for i in range(n):
+            steps[i] |= old.dtype.type(_U64(planes[base + i]) << shift)
+    count = 0
+    for i in range(n):
+        count += steps[i] != 0
+    if count != cap:
+        return -1 if count > cap else count
+    last = n - 1
+    while last >= 0 and steps[last] == 0:
+        last -= 1
+    j = 0
+    for i in range(last + 1):           # slot j < cap throughout: the changes before element i are fewer than cap
+        z = _U64(steps[i])
+        d = (mask - (z >> _U64(1))) if z & _U64(1) else (z >> _U64(1))
+        k = (_key(_U64(old[i]), signbit, mask, sign_magnitude) + d) & mask
+        out_positions[j] = i
+        out_values[j] = _unkey(k, signbit, mask, sign_magnitude)
+        j += z != _U64(0)
+    return j
 
 
 @njit(cache=True, nogil=True)

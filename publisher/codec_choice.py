@@ -2,7 +2,7 @@
 gets the new weights onto the replicas sooner.
 
 The two delta codecs trade CPU for bytes. The context coder (record encoding 5)
-writes smaller deltas than the fast path (``codec="fast"``: sparse / XOR planes
+writes smaller deltas than the fast path (``codec="fast"``: sparse / dense steps / XOR planes
 with zstd alone), and encodes and decodes more slowly (docs/PERFORMANCE.md).
 Which one gets a snapshot swapped in sooner depends on the cores (and how busy
 they are) and the link to the bucket, so the publisher measures both and predicts,

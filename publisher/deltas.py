@@ -27,7 +27,7 @@ from ckptdelta.delta import codec
 from ckptdelta.delta.batch import encode_many
 from ckptdelta.delta.container import ObjectWriter
 from ckptdelta.delta.manifest import TensorEntry
-from ckptdelta.delta.chunks import FAST_ENCODING
+from ckptdelta.delta.chunks import FAST_ENCODINGS
 from ckptdelta.delta.record import UNCHANGED
 
 #: Name of rank ``r``'s delta object ``part`` inside the snapshot's delta prefix.
@@ -179,7 +179,7 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
                 if enc.changed_nan:
                     part.changed_nan.append(name)
                 if not context and name not in fast_alone and h.has_parent and \
-                        all(c.encoding in (FAST_ENCODING, UNCHANGED) for c in h.chunks):
+                        all(c.encoding in FAST_ENCODINGS or c.encoding == UNCHANGED for c in h.chunks):
                     part.fast_won.append(name)
                 if out.size >= limit:
                     close_current()

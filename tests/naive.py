@@ -70,6 +70,27 @@ def sparse_extract(old: np.ndarray, new: np.ndarray, width_bits: int, sign_magni
     return gaps, steps, max_gap, max_step
 
 
+def count_changed_nan(old: np.ndarray, new: np.ndarray, mask: int, threshold: int) -> tuple[int, bool]:
+    return count_changed(old, new), nan_at_gaps(old, new, mask, threshold)
+
+
+def step_planes(old: np.ndarray, new: np.ndarray, width_bits: int, sign_magnitude: bool):
+    """Every element's zigzag key step in as few byte planes as the largest needs (at least one)."""
+    m = int(mask_of(width_bits))
+    d = (key(new, width_bits, sign_magnitude).astype(object) - key(old, width_bits, sign_magnitude).astype(object)) \
+        % (m + 1)
+    steps = zigzag(np.asarray(d, dtype=object), width_bits)
+    top = int(steps.max()) if steps.size else 0
+    nplanes = max(1, (top.bit_length() + 7) // 8)
+    return to_planes(steps, nplanes), nplanes
+
+
+def step_apply_planes(old: np.ndarray, planes: np.ndarray, nplanes: int, width_bits: int, sign_magnitude: bool):
+    steps = from_planes(planes, old.shape[0], nplanes, _U64)
+    pos = np.flatnonzero(steps != 0).astype(np.int64)
+    return pos, sparse_new_values(old, pos, steps[pos], width_bits, sign_magnitude)
+
+
 def nan_at_gaps(old: np.ndarray, new: np.ndarray, mask: int, threshold: int) -> bool:
     """Whether a changed element's new bits are a NaN (bits & mask > threshold)."""
     changed = new[old != new].astype(np.uint64)

@@ -9,9 +9,9 @@ publisher's cost model take it from the registry.
 
 from __future__ import annotations
 
-from ckptdelta.delta.encodings import ctx, dense_xor, gctx, pctx, raw, sparse, unchanged
-from ckptdelta.delta.encodings.base import (ALWAYS, CONTEXT, REGISTRY, Candidate, Chunk, Cost, Encoding, LayoutEncoding,
-                                            register)
+from ckptdelta.delta.encodings import ctx, dense_step, dense_xor, gctx, pctx, raw, sparse, unchanged
+from ckptdelta.delta.encodings.base import (ALWAYS, CONTEXT, FAST, REGISTRY, Candidate, Chunk, Cost, Encoding,
+                                            LayoutEncoding, register)
 
 UNCHANGED = unchanged.ENCODING.id
 SPARSE = sparse.ENCODING.id
@@ -20,6 +20,7 @@ RAW = raw.ENCODING.id
 CTX = ctx.ENCODING.id
 GCTX = gctx.ENCODING.id
 PCTX = pctx.ENCODING.id
+DENSE_STEP = dense_step.ENCODING.id
 
-__all__ = ["ALWAYS", "CONTEXT", "CTX", "DENSE_XOR", "GCTX", "PCTX", "RAW", "REGISTRY", "SPARSE", "UNCHANGED",
-           "Candidate", "Chunk", "Cost", "Encoding", "LayoutEncoding", "register"]
+__all__ = ["ALWAYS", "CONTEXT", "CTX", "DENSE_STEP", "DENSE_XOR", "FAST", "GCTX", "PCTX", "RAW", "REGISTRY", "SPARSE",
+           "UNCHANGED", "Candidate", "Chunk", "Cost", "Encoding", "LayoutEncoding", "register"]

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from ckptdelta.delta.dtypes import DType
     from ckptdelta.delta.record import ChunkEntry
 
-#: When the chunk coder tries an encoding: in both codec modes, or only with the context coder
-#: (``encode(context=True)``); None: never (a decoder only, or the chunk coder takes it itself).
-ALWAYS, CONTEXT = "always", "context"
+#: When the chunk coder tries an encoding: in both codec modes, only with the context coder
+#: (``encode(context=True)``) or only without it (the fast path); None: never (a decoder only, or the
+#: chunk coder takes it itself).
+ALWAYS, CONTEXT, FAST = "always", "context", "fast"
 
 
 class Candidate(NamedTuple):
@@ -74,10 +75,11 @@ class Chunk:
     ``scan_payload``, ``beats_sparse`` and ``changed_nan`` on the way; ``best_estimate`` is the smallest
     payload's planes estimate (``Candidate.estimate``), None where its encoding took none. ``alone``: the
     fast path's own encoding is the only one tried (the dense and raw tries lost on this tensor's last step),
-    so it makes no estimate for them."""
+    so it makes no estimate for them. ``dense_step``: the fast path codes this chunk as dense steps (encoding
+    7) instead of sparse (most of its elements changed), so no gaps were extracted (``sparse_parts`` None)."""
 
     __slots__ = ("old", "new", "grand", "dt", "level", "n", "changed", "sparse_parts", "best_length",
-                 "best_estimate", "scan_payload", "beats_sparse", "changed_nan", "alone")
+                 "best_estimate", "scan_payload", "beats_sparse", "changed_nan", "alone", "dense_step")
 
     def __init__(self, old: np.ndarray | None, new: np.ndarray, dt: "DType", level: int,
                  grand: np.ndarray | None) -> None:
@@ -95,6 +97,7 @@ class Chunk:
         self.beats_sparse = False
         self.changed_nan: bool | None = None
         self.alone = False
+        self.dense_step = False
 
 
 class Encoding:
@@ -113,7 +116,7 @@ class Encoding:
     count_is_changes = True
     #: Whether :meth:`decode` fills arrays it is given (of ``count`` elements) instead of new ones.
     decodes_into = True
-    #: Whether the chunk coder tries it: ALWAYS, CONTEXT (with the context coder only) or None.
+    #: Whether the chunk coder tries it: ALWAYS, CONTEXT (with the context coder only), FAST (without it) or None.
     tried: str | None = None
     #: Its place among the tries (ascending): of two payloads of one size, the earlier encoding's is kept.
     order = 100
@@ -220,8 +223,8 @@ class Registry:
         if enc.id in self.by_id or enc.name in self.names.values():
             raise ValueError(f"{enc!r}: id {enc.id} or name {enc.name!r} is registered already "
                              f"({self.by_id.get(enc.id)!r})")
-        if enc.tried not in (None, ALWAYS, CONTEXT):
-            raise ValueError(f"{enc!r}: tried must be None, {ALWAYS!r} or {CONTEXT!r}, not {enc.tried!r}")
+        if enc.tried not in (None, ALWAYS, CONTEXT, FAST):
+            raise ValueError(f"{enc!r}: tried must be None, {ALWAYS!r}, {CONTEXT!r} or {FAST!r}, not {enc.tried!r}")
         self.by_id[enc.id] = enc
         self._update()
         return enc

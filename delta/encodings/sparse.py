@@ -58,8 +58,8 @@ class Sparse(Encoding):
         return None
 
     def encode(self, chunk):
-        if chunk.beats_sparse:      # the context coder's payload is surely smaller: no zstd for nothing
-            return None
+        if chunk.beats_sparse or chunk.dense_step:  # the context coder's payload is surely smaller (no zstd for
+            return None                             # nothing), or the fast path codes the chunk as dense steps
         # a dense or raw try follows where this many elements changed: it weighs its planes against these
         tries = not chunk.alone and chunk.changed > DENSE_TRY_FRACTION * chunk.n
         pa, pb, payload, *est = encode_payload(chunk.old, chunk.new, chunk.dt, chunk.changed, chunk.level,

@@ -682,7 +682,7 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
     raw = codec.encode(old, torch.zeros_like(old))                  # raw chunks: smaller than XOR planes
     r = raw.header.chunks[0]
     assert r.encoding == record.RAW
-    with pytest.raises(ValueError, match="only sparse, dense_xor, ctx, gctx and pctx chunks"):
+    with pytest.raises(ValueError, match="only sparse, dense_xor, ctx, gctx, pctx and dense_step chunks"):
         chunks.decode_changes(r, raw.payloads[0], bits, raw.header.dtype, "t",
                               (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))
 
@@ -703,11 +703,11 @@ def test_a_densely_staged_change_carries_the_digest_of_the_tensor_it_was_staged_
     assert torch.equal(out.view(torch.int16), new.view(torch.int16))
 
 
-def test_a_tensor_named_fast_alone_tries_sparse_only_and_its_record_decodes_exact():
+def test_a_tensor_named_fast_alone_tries_the_fast_path_s_own_encoding_only_and_its_record_decodes_exact():
     """``encode_many(fast_alone=...)``: where the publisher saw a tensor's dense and raw tries lose on its last
-    step, its chunks try sparse alone. On a step where dense XOR would win (every lowest bit flips) the record is
-    sparse, larger, and decodes to the same bits; the other tensors still take the tries; the context coder
-    ignores the hint."""
+    step, its chunks try the fast path's own encoding alone (dense steps: every element changed). On a step where
+    dense XOR would win (every lowest bit flips) the record is dense steps, larger, and decodes to the same bits;
+    the other tensors still take the tries; the context coder ignores the hint."""
     from ckptdelta.delta import encode_many
 
     a = _bf16_weights(100_000)
@@ -715,7 +715,7 @@ def test_a_tensor_named_fast_alone_tries_sparse_only_and_its_record_decodes_exac
     b.view(torch.int16)[:] ^= 1
     tried, alone = (list(encode_many([(n, a, b)], threads=1, context=False, fast_alone={"alone"}))[0]
                     for n in ("tried", "alone"))
-    assert tried.encoding_counts() == {"dense_xor": 1} and alone.encoding_counts() == {"sparse": 1}
+    assert tried.encoding_counts() == {"dense_xor": 1} and alone.encoding_counts() == {"dense_step": 1}
     assert alone.nbytes > tried.nbytes
     assert_same_bits(codec.decode(a, alone.to_bytes()), b) and assert_same_bits(codec.decode(a, tried.to_bytes()), b)
     ctx = list(encode_many([("alone", a, b)], threads=1, context=True, fast_alone={"alone"}))[0]

@@ -185,6 +185,48 @@ def test_resealed_corruption_is_rejected_or_decodes_exactly(delta_record, raw_re
     assert undone > 0  # some corruptions only show in the final digest: the undo path ran
 
 
+@pytest.mark.timeout(120)
+def test_every_resealed_flip_of_a_dense_step_record_is_rejected_or_decodes_exactly():
+    """The fast path's dense steps (encoding 7: one chunk all changed, one half changed, plus a sparse chunk):
+    with checksums recomputed, every flip of the header's fields or of a payload raises a DeltaError (a step
+    count that disagrees with the entry's, a frame of the wrong size, the result's digest) or decodes to the
+    record's exact bits, and an in-place apply that fails leaves the live tensor as it was."""
+    rng = np.random.default_rng(5)
+    old = (rng.standard_normal(48) * 0.02).astype(np.float32)
+    new = old.copy()
+    new.view(np.uint32)[:16] += rng.integers(1, 300, 16).astype(np.uint32)       # every element: dense steps
+    new.view(np.uint32)[16:32:2] -= 1                                             # half: dense steps
+    new[40] = np.float32(-0.0)                                                    # one: sparse
+    enc = codec.encode(old, new, name=NAME, chunk_elems=16, context=False)
+    h = enc.header
+    assert [c.encoding for c in h.chunks] == [record.DENSE_STEP, record.DENSE_STEP, record.SPARSE]
+    data = enc.to_bytes()
+    name_start = record.FIXED_SIZE + 8
+    table = name_start + len(NAME.encode()) + (-len(NAME.encode()) % 8)
+    sealed_fields = {table + 24 * c + 16 + k for c in range(len(h.chunks)) for k in range(8)}
+    sealed_fields |= set(range(h.header_size - 8, h.header_size))
+    decoded_ok = []
+    for i in range(table, len(data)):          # the chunk table and the payloads
+        if i in sealed_fields:
+            continue
+        for xor in (0x01, 0x80, 0xFF):
+            bad = bytearray(data)
+            bad[i] ^= xor
+            try:
+                sealed = _reseal(bad, h)
+            except errors.DeltaError:
+                continue
+            try:
+                out = codec.decode(old, sealed)
+            except errors.DeltaError:
+                _apply_leaves_live_untouched(sealed, old, i, new)
+                continue
+            np.testing.assert_array_equal(np.asarray(out).reshape(-1).view(np.uint32), new.view(np.uint32),
+                                          err_msg=f"byte {i} xor {xor:#x}: wrong tensor")
+            decoded_ok.append(i)
+    assert decoded_ok == []
+
+
 def _apply_leaves_live_untouched(data: bytes, parent: np.ndarray, i: int, want: np.ndarray) -> int:
     """apply_ writes in place and undoes on a digest mismatch: the live tensor must come back bit for bit,
     or, where the apply succeeds, be the record's tensor exactly (a record that claims a parent but whose
@@ -330,6 +372,10 @@ def test_chunk_entries_inconsistent_with_their_chunk_are_rejected():
         (record.SPARSE, 1, 1, 17, 10),     # more changes than elements
         (record.DENSE_XOR, 0, 1, 0, 10),   # dense with no change
         (record.DENSE_XOR, 0, 2, 1, 10),   # dense planes != width
+        (record.DENSE_STEP, 0, 1, 0, 10),  # dense steps with no change
+        (record.DENSE_STEP, 1, 1, 1, 10),  # dense steps with gap planes
+        (record.DENSE_STEP, 0, 2, 1, 10),  # more step planes than the dtype is wide
+        (record.DENSE_STEP, 0, 1, 17, 10),  # more changes than elements
         (record.RAW, 0, 1, 15, 10),        # raw count != chunk elements
         (4, 0, 1, 1, 10),                  # an encoding id this reader does not know
     ]

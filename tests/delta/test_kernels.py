@@ -122,6 +122,20 @@ def test_change_kernels_match_reference(case):
         kernels.sparse_new_values(old, positions, steps, w, sm, out)
         np.testing.assert_array_equal(out, new[positions], err_msg=f"{msg} sm={sm}: sparse round trip")
 
+        if k:       # the dense step form (encoding 7): every element's step, zero where unchanged
+            sp, used = kernels.step_planes(old, new, w, sm)
+            r_sp, r_used = naive.step_planes(old, new, w, sm)
+            assert used == r_used, f"{msg} sm={sm}"
+            np.testing.assert_array_equal(sp, r_sp, err_msg=f"{msg} sm={sm}")
+            dp, dv = np.empty(k, np.int64), np.empty(k, old.dtype)
+            assert kernels.step_apply_planes(old, sp, used, w, sm, dp, dv) == k, msg
+            rp, rv = naive.step_apply_planes(old, sp, used, w, sm)
+            np.testing.assert_array_equal(dp, rp, err_msg=f"{msg} sm={sm}")
+            np.testing.assert_array_equal(dv, rv, err_msg=f"{msg} sm={sm}")
+            np.testing.assert_array_equal(dv, new[dp], err_msg=f"{msg} sm={sm}: dense step round trip")
+            # an array too short for the changes found is refused, not overrun
+            assert kernels.step_apply_planes(old, sp, used, w, sm, dp[:-1], dv[:-1]) == -1, msg
+
     nbytes = w // 8
     planes = kernels.xor_planes(old, new, nbytes)
     np.testing.assert_array_equal(planes, naive.xor_planes(old, new, nbytes), err_msg=msg)
@@ -150,11 +164,13 @@ def test_nan_at_gaps_sees_a_nan_among_the_changed_elements_only(dtype):
         gaps = kernels.sparse_extract(old, new, k, w, True)[0]
         msg = f"seed={SEED} {dtype} fraction={frac}"
         assert not kernels.nan_at_gaps(new, gaps, old.dtype.type(mask), old.dtype.type(threshold)), msg
+        assert kernels.count_changed_nan(old, new, old.dtype.type(mask), old.dtype.type(threshold)) == (k, False)
         both = old.copy(), new.copy()
         for a in both:          # a NaN both versions hold is no change: not reported
             a[0] = nan
         gaps = kernels.sparse_extract(*both, kernels.count_changed(*both), w, True)[0]
         assert kernels.nan_at_gaps(both[1], gaps, old.dtype.type(mask), old.dtype.type(threshold)) is False, msg
+        assert kernels.count_changed_nan(*both, old.dtype.type(mask), old.dtype.type(threshold))[1] is False, msg
         assert naive.nan_at_gaps(*both, mask, threshold) is False
         for where in (0, old.size // 2, old.size - 1):    # a changed element becoming NaN (any payload, sign)
             n2 = new.copy()
@@ -162,6 +178,8 @@ def test_nan_at_gaps_sees_a_nan_among_the_changed_elements_only(dtype):
             gaps = kernels.sparse_extract(old, n2, kernels.count_changed(old, n2), w, True)[0]
             got = kernels.nan_at_gaps(n2, gaps, old.dtype.type(mask), old.dtype.type(threshold))
             assert got is True and naive.nan_at_gaps(old, n2, mask, threshold) is True, f"{msg} at {where}"
+            assert kernels.count_changed_nan(old, n2, old.dtype.type(mask), old.dtype.type(threshold)) == \
+                naive.count_changed_nan(old, n2, mask, threshold) == (kernels.count_changed(old, n2), True)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -287,6 +305,21 @@ def test_all_byte_pairs_round_trip_through_sparse_steps(sm):
     kernels.sparse_new_values(old, pos, steps, 8, sm, out)
     np.testing.assert_array_equal(out, new[pos])
     np.testing.assert_array_equal(steps, naive.sparse_extract(old, new, 8, sm)[1])
+
+
+@pytest.mark.parametrize("sm", [False, True], ids=["int", "signmag"])
+def test_all_byte_pairs_and_unchanged_elements_round_trip_through_dense_steps(sm):
+    """Width 8, every (old, new) pair, unchanged pairs among them: one byte plane holds every step, and it
+    decodes to exactly the changed positions and their new bits."""
+    old = np.repeat(np.arange(256, dtype=np.uint16), 256).astype(np.uint8)
+    new = np.tile(np.arange(256, dtype=np.uint16), 256).astype(np.uint8)
+    planes, used = kernels.step_planes(old, new, 8, sm)
+    assert used == 1 and planes.shape == (old.shape[0],)
+    assert int(np.count_nonzero(planes)) == 256 * 255        # a step is zero exactly where nothing changed
+    pos, vals = np.empty(256 * 255, np.int64), np.empty(256 * 255, np.uint8)
+    assert kernels.step_apply_planes(old, planes, 1, 8, sm, pos, vals) == 256 * 255
+    np.testing.assert_array_equal(pos, np.flatnonzero(old != new))
+    np.testing.assert_array_equal(vals, new[pos])
 
 
 def test_one_ulp_moves_cost_one_step_across_zero():

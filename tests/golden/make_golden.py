@@ -48,8 +48,9 @@ def cases() -> list[dict]:
     rng = np.random.default_rng(20240601)
     out = []
 
-    def add(name, dtype, old, new, chunk_elems, must, grand=None):
-        out.append(dict(name=name, dtype=dtype, old=old, new=new, chunk_elems=chunk_elems, must=must, grand=grand))
+    def add(name, dtype, old, new, chunk_elems, must, grand=None, context=True):
+        out.append(dict(name=name, dtype=dtype, old=old, new=new, chunk_elems=chunk_elems, must=must, grand=grand,
+                        context=context))
 
     a = _bits(rng, "F32", (4, 5))
     add("f32_unchanged", "F32", a, a.copy(), 8, {"unchanged"})
@@ -112,6 +113,7 @@ def cases() -> list[dict]:
     _ctx_cases(add)
     _gctx_cases(add)
     _pctx_cases(add)
+    _dense_step_cases(add)
     return out
 
 
@@ -205,6 +207,28 @@ def _pctx_cases(add) -> None:
         add(name, name.split("_")[0].upper(), old, new, 1024 if w == 16 else 512, {"pctx"}, grand=g)
 
 
+def _dense_step_cases(add) -> None:
+    """Encoding 7 (dense_step), written by the fast path: Adam-like steps of one to thousands of ulps moving
+    every element of some chunks and half of another (its unchanged elements are zero steps), one chunk left
+    as it was; special values (NaN payloads, infinities, -0.0, subnormals) changing. BF16 and F32. Its own
+    generator, as above."""
+    rng = np.random.default_rng(20261205)
+    for name, w, dtype, n, scale in (("bf16_dense_step", 16, np.uint16, 2000, 1), ("f32_dense_step", 32, np.uint32,
+                                                                                    1200, 1 << 10)):
+        old = _bf16_weights(rng, n) if w == 16 else (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+        size = np.maximum(1, (rng.pareto(1.5, n) * scale).astype(np.int64))
+        step = np.where(rng.random(n) < 0.5, 1, -1) * size
+        step[n // 2: n // 2 + n // 8] *= rng.random(n // 8) < 0.55     # a chunk about half changed
+        step[-(n // 8):] = 0                                            # the last chunk unchanged
+        new = _from_keys(_keys_of(old, w) + step, w, dtype)
+        top = (1 << w) - 1
+        specials = [0x7FC1, 0xFF80, 0x8000, 0x0001] if w == 16 else [0x7FC00001, 0xFF800000, 0x80000000, 0x00000001]
+        new[:4] = specials                     # a NaN payload, -inf, -0.0, the smallest subnormal
+        old[4:6] = [top >> 1, 0]               # a NaN (all ones) and +0.0 become ordinary values
+        new[4:6] = [0x3F80, 0x0001] if w == 16 else [0x3F800000, 0x00000001]
+        add(name, name.split("_")[0].upper(), old, new, n // 8, {"dense_step", "unchanged"}, context=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--force", action="store_true", help="overwrite existing golden files")
@@ -221,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         new = _tensor(c["new"], c["dtype"]).reshape(shape)
         old = None if c["old"] is None else _tensor(c["old"], c["dtype"]).reshape(shape)
         grand = None if c.get("grand") is None else _tensor(c["grand"], c["dtype"]).reshape(shape)
-        enc = codec.encode(old, new, name=c["name"], chunk_elems=c["chunk_elems"], grandparent=grand)
+        enc = codec.encode(old, new, name=c["name"], chunk_elems=c["chunk_elems"], grandparent=grand,
+                           context=c["context"])
         counts = enc.encoding_counts()
         if not c["must"] <= set(counts):
             raise SystemExit(f"{c['name']}: encoded as {counts}, expected to contain {sorted(c['must'])}")
