@@ -258,6 +258,8 @@ def step_apply_planes(old, planes, nplanes, width_bits, sign_magnitude, out_posi
     over twice as slow)."""
     n = old.shape[0]
     cap = out_positions.shape[0]
+    if planes.shape[0] < nplanes * n or out_values.shape[0] != cap or nplanes > width_bits // 8:
+        return -1       # the callers check all three first; a kernel without bounds checks refuses them too
     mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
     signbit = _U64(1) << _U64(width_bits - 1)
     steps = np.zeros(n, dtype=old.dtype)

@@ -135,6 +135,11 @@ def test_change_kernels_match_reference(case):
             np.testing.assert_array_equal(dv, new[dp], err_msg=f"{msg} sm={sm}: dense step round trip")
             # an array too short for the changes found is refused, not overrun
             assert kernels.step_apply_planes(old, sp, used, w, sm, dp[:-1], dv[:-1]) == -1, msg
+            # and so are planes shorter than they say, arrays of two lengths, more planes than the width
+            assert kernels.step_apply_planes(old, sp[:-1], used, w, sm, dp, dv) == -1, msg
+            assert kernels.step_apply_planes(old, sp, used, w, sm, dp, dv[:-1]) == -1, msg
+            assert kernels.step_apply_planes(old, np.zeros(n * (w // 8 + 1), np.uint8), w // 8 + 1, w, sm, dp,
+                                             dv) == -1, msg
 
     nbytes = w // 8
     planes = kernels.xor_planes(old, new, nbytes)
