@@ -9,10 +9,10 @@ Why: where most of a chunk's elements move (a LoRA step, every element of the
 adapter; a full model's dense step) sparse's positions say next to nothing, yet
 its encoder still extracts every gap and codes two frames. Coding the step of
 every element in place gives the same bytes (within 2% on LoRA steps, fp32 and
-bf16, from half the chunk changed up) from one pass, one plane sweep and one
-frame: the fast path's encode of a LoRA step in about half the time, and its
-decode in one sweep instead of sparse's four (docs/PERFORMANCE.md, "The fast
-path on dense steps"). The fast path codes a chunk with it, instead of sparse,
+bf16, from half the chunk changed up) from one pass, one sweep per plane and one
+frame: the fast path's encode of a LoRA step in 0.66-0.82x the time on one
+thread, its decode in 0.81-0.99x (docs/PERFORMANCE.md, "LoRA runs, dense
+steps"). The fast path codes a chunk with it, instead of sparse,
 where at least :data:`DENSE_STEP_FRACTION` of the elements changed
 (delta/chunks.py); below that sparse's positions are worth their cost, and its
 bytes were 1.5x smaller at a tenth changed. The kernels are in delta/kernels.py.
