@@ -153,29 +153,8 @@ def test_resealed_corruption_is_rejected_or_decodes_exactly(delta_record, raw_re
     name_bytes = range(name_start, name_start + len(NAME.encode()))
     undone = 0
     for parent, data, hdr, want in ((old, buf, h, new), (None, raw_buf, raw_h, new)):
-        table = name_start + len(NAME.encode()) + (-len(NAME.encode()) % 8)
-        checksums = {table + 24 * c + 16 + k for c in range(len(hdr.chunks)) for k in range(8)}
-        checksums |= set(range(hdr.header_size - 8, hdr.header_size))
-        decoded_ok = []
-        for i in range(len(data)):
-            if i in checksums:
-                continue  # resealing recomputes these, undoing the flip
-            for xor in (0x01, 0x80, 0xFF):
-                bad = bytearray(data)
-                bad[i] ^= xor
-                try:
-                    sealed = _reseal(bad, hdr)
-                except errors.DeltaError:
-                    continue  # the fixed header no longer parses
-                try:
-                    out = codec.decode(parent, sealed)
-                except errors.DeltaError:
-                    undone += _apply_leaves_live_untouched(sealed, old, i, want)
-                    continue
-                got = out.numpy() if isinstance(out, torch.Tensor) else out
-                np.testing.assert_array_equal(np.ascontiguousarray(got).reshape(-1).view(np.uint32),
-                                              want.view(np.uint32), err_msg=f"byte {i} xor {xor:#x}: wrong tensor")
-                decoded_ok.append(i)
+        decoded_ok, n_undone = _resealed_flips(parent, data, hdr, want, old)
+        undone += n_undone
         # only a renamed tensor may come out (the manifest, not the record, says which tensor it is), or one
         # whose record names another parent digest: the result's digest proves the bits, the parent's is
         # compared only to name a failure (codec.diagnose_parent) and by the loader's plan
@@ -201,30 +180,40 @@ def test_every_resealed_flip_of_a_dense_step_record_is_rejected_or_decodes_exact
     h = enc.header
     assert [c.encoding for c in h.chunks] == [record.DENSE_STEP, record.DENSE_STEP, record.SPARSE]
     data = enc.to_bytes()
-    name_start = record.FIXED_SIZE + 8
-    table = name_start + len(NAME.encode()) + (-len(NAME.encode()) % 8)
-    sealed_fields = {table + 24 * c + 16 + k for c in range(len(h.chunks)) for k in range(8)}
-    sealed_fields |= set(range(h.header_size - 8, h.header_size))
-    decoded_ok = []
-    for i in range(table, len(data)):          # the chunk table and the payloads
-        if i in sealed_fields:
-            continue
+    table = record.FIXED_SIZE + 8 + len(NAME.encode()) + (-len(NAME.encode()) % 8)
+    decoded_ok, _ = _resealed_flips(old, data, h, new, old, start=table)     # the chunk table and the payloads
+    assert decoded_ok == []
+
+
+def _resealed_flips(parent, data: bytes, hdr: record.RecordHeader, want: np.ndarray, live: np.ndarray,
+                    start: int = 0) -> tuple[list[int], int]:
+    """Flip each byte of ``data`` from ``start`` (0x01, 0x80, 0xFF; not the checksums, which resealing
+    recomputes), reseal, decode on ``parent``: a DeltaError (then an in-place apply on ``live`` must leave it
+    as it was) or ``want`` exactly. Returns the offsets that decoded, and how many failed applies had to undo."""
+    table = record.FIXED_SIZE + 8 * len(hdr.shape) + len(hdr.name.encode()) + (-len(hdr.name.encode()) % 8)
+    checksums = {table + 24 * c + 16 + k for c in range(len(hdr.chunks)) for k in range(8)}
+    checksums |= set(range(hdr.header_size - 8, hdr.header_size))
+    decoded_ok, undone = [], 0
+    for i in range(start, len(data)):
+        if i in checksums:
+            continue  # resealing recomputes these, undoing the flip
         for xor in (0x01, 0x80, 0xFF):
             bad = bytearray(data)
             bad[i] ^= xor
             try:
-                sealed = _reseal(bad, h)
+                sealed = _reseal(bad, hdr)
             except errors.DeltaError:
-                continue
+                continue  # the fixed header no longer parses
             try:
-                out = codec.decode(old, sealed)
+                out = codec.decode(parent, sealed)
             except errors.DeltaError:
-                _apply_leaves_live_untouched(sealed, old, i, new)
+                undone += _apply_leaves_live_untouched(sealed, live, i, want)
                 continue
-            np.testing.assert_array_equal(np.asarray(out).reshape(-1).view(np.uint32), new.view(np.uint32),
-                                          err_msg=f"byte {i} xor {xor:#x}: wrong tensor")
+            got = out.numpy() if isinstance(out, torch.Tensor) else out
+            np.testing.assert_array_equal(np.ascontiguousarray(got).reshape(-1).view(np.uint32),
+                                          want.view(np.uint32), err_msg=f"byte {i} xor {xor:#x}: wrong tensor")
             decoded_ok.append(i)
-    assert decoded_ok == []
+    return decoded_ok, undone
 
 
 def _apply_leaves_live_untouched(data: bytes, parent: np.ndarray, i: int, want: np.ndarray) -> int:
