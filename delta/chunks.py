@@ -180,6 +180,24 @@ def _whole_encoding(entry: ChunkEntry, where: str) -> Encoding:
     return enc
 
 
+def decode_dense(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarray, dt: DType, where: str,
+                 out: np.ndarray, grand: np.ndarray | None = None) -> None:
+    """Every element's new bits of a chunk encoded against ``old``, into ``out`` (``old``'s length): written
+    by the encoding itself where it decodes densely (dense_step), else its changes scattered over a copy of
+    ``old``. A dense stage's decode, without arrays of every change's position and value."""
+    enc = REGISTRY.by_id.get(entry.encoding)
+    if enc is None:
+        raise FormatError(f"{where}: unknown encoding {entry.encoding}")
+    if out.shape != old.shape:
+        raise ValueError(f"{where}: a dense decode writes {old.shape[0]} elements, not {out.shape[0]}")
+    if enc.decodes_dense:
+        enc.decode_dense(entry, payload, old, dt, where, out, grand)
+        return
+    positions, values = enc.decode(entry, payload, old, dt, where, None, grand)
+    np.copyto(out, old)
+    kernels.scatter(out, positions, values)
+
+
 def decode_changes(entry: ChunkEntry, payload: bytes | memoryview, old: np.ndarray, dt: DType,
                    where: str, out: "tuple[np.ndarray, np.ndarray] | None" = None,
                    grand: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -427,8 +427,10 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     counts = [c.count for c in h.chunks]           # each checked <= its chunk's elements (record.py)
     total = sum(counts)
     unsized = REGISTRY.counts_elements            # raw: its count is not its changes
-    if any(c.encoding in unsized for c in h.chunks) or total * (8 + w) > h.numel * w:
+    if any(c.encoding in unsized for c in h.chunks):
         return _stage_chunkwise(bits, enc, verify, threads, grand)
+    if total * (8 + w) > h.numel * w:
+        return _stage_dense(bits, enc, verify, threads, grand)
     # The changes decode straight into the staged arrays, each chunk into its slice: no per-chunk arrays
     # to assemble afterwards (a copy of every change, a sizeable share of a sparse stage).
     positions = np.empty(total, np.int64)
@@ -475,6 +477,36 @@ def _check_result(enc: EncodedTensor, result: "xxhash.xxh3_64 | None", bits: np.
         raise ChecksumError(
             f"{enc.where()}: reconstructed bytes hash to {digest_hex(result.intdigest())}, "
             f"the record says {digest_hex(enc.header.digest)}")
+
+
+def _stage_dense(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: int | None,
+                 grand: np.ndarray | None = None) -> StagedTensor:
+    """:func:`stage` where the changes are known up front to fill most of the tensor: each chunk decodes
+    straight into a new whole copy (dense_step writes every element itself), which is hashed chunk by chunk
+    as it comes. The sparse form would hold a position and a value per change (12 bytes an fp32 element where
+    the copy holds 4) and copy every change twice more on the way to the copy a dense swap writes."""
+    h = enc.header
+    dense = np.empty_like(bits)
+    result = xxhash.xxh3_64() if verify else None
+
+    def decode(i: int) -> None:
+        s, e = h.chunk_range(i)
+        chunks.decode_dense(h.chunks[i], enc.payloads[i], bits[s:e], h.dtype, f"{enc.where()} chunk {i}",
+                            dense[s:e], None if grand is None else grand[s:e])
+
+    try:
+        for i, _ in enumerate(_imap(decode, range(len(h.chunks)), threads)):
+            if result is not None:
+                s, e = h.chunk_range(i)
+                result.update(dense[s:e])
+    except DeltaError:
+        diagnose_parent(enc, bits, verify)
+        raise
+    _check_result(enc, result, bits, verify)
+    # as a chunkwise dense stage: the dense swap checks, in the pause, that the live bits still hash to this
+    seen = xxhash.xxh3_64_intdigest(bits) if verify and h.has_parent else h.parent_digest
+    return StagedTensor(h.name, h.dtype, h.shape, h.digest, seen,
+                        np.empty(0, np.int64), np.empty(0, h.dtype.bits_dtype), dense)
 
 
 def _stage_chunkwise(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: int | None,

@@ -288,6 +288,36 @@ def step_apply_planes(old, planes, nplanes, width_bits, sign_magnitude, out_posi
 
 
 @njit(cache=True, nogil=True)
+def step_apply_planes_dense(old, planes, nplanes, width_bits, sign_magnitude, out):
+    """Decode dense step planes against ``old`` into every element's new bits, ``out`` (``old``'s length; it
+    holds the gathered steps first, so no scratch is allocated). Returns the number of changed elements; -1
+    where the planes are shorter than they say, ``out`` is not ``old``'s length or the planes are more than
+    the width (the callers check all three first). An element whose step is zero keeps ``old``'s bits as they
+    are, whatever they are (NaN payloads included)."""
+    n = old.shape[0]
+    if planes.shape[0] < nplanes * n or out.shape[0] != n or nplanes > width_bits // 8:
+        return -1
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    zero = old.dtype.type(0)
+    for i in range(n):
+        out[i] = zero
+    for p in range(nplanes):
+        shift = _U64(8 * p)
+        base = p * n
+        for i in range(n):
+            out[i] |= old.dtype.type(_U64(planes[base + i]) << shift)
+    count = 0
+    for i in range(n):
+        z = _U64(out[i])
+        d = (mask - (z >> _U64(1))) if z & _U64(1) else (z >> _U64(1))
+        k = (_key(_U64(old[i]), signbit, mask, sign_magnitude) + d) & mask
+        out[i] = _unkey(k, signbit, mask, sign_magnitude) if z != _U64(0) else old[i]
+        count += z != _U64(0)
+    return count
+
+
+@njit(cache=True, nogil=True)
 def planes_entropy_bytes(planes, plane_len, block, stride=1):
     """About the fewest bytes zstd could code these byte planes in (``plane_len`` bytes each): per block of
     at most ``block`` bytes inside a plane, the smaller of its order-0 entropy (what literal coding needs

@@ -116,6 +116,9 @@ class Encoding:
     count_is_changes = True
     #: Whether :meth:`decode` fills arrays it is given (of ``count`` elements) instead of new ones.
     decodes_into = True
+    #: Whether :meth:`decode_dense` writes every element's new bits itself (else a dense stage decodes the
+    #: changes and scatters them over a copy of the parent's bits).
+    decodes_dense = False
     #: Whether the chunk coder tries it: ALWAYS, CONTEXT (with the context coder only), FAST (without it) or None.
     tried: str | None = None
     #: Its place among the tries (ascending): of two payloads of one size, the earlier encoding's is kept.
@@ -163,6 +166,13 @@ class Encoding:
         checked against the entry's length and checksum, the entry's fields by :meth:`check_entry`;
         anything else wrong in the payload is a :class:`~ckptdelta.delta.errors.FormatError` naming ``where``."""
         raise NotImplementedError(f"{where}: encoding {self.name} does not decode")
+
+    def decode_dense(self, entry: "ChunkEntry", payload: bytes | memoryview, old: np.ndarray, dt: "DType",
+                     where: str, out: np.ndarray, grand: np.ndarray | None) -> None:
+        """Every element's new bits of a chunk encoded against ``old``, written into ``out`` (``old``'s length):
+        for an encoding whose chunks change most of their elements (:attr:`decodes_dense`), a dense stage
+        without the positions and values of every change. Checked as :meth:`decode` checks."""
+        raise NotImplementedError(f"{where}: encoding {self.name} does not decode densely")
 
     def check_whole(self, entry: "ChunkEntry", payload: bytes | memoryview, n: int, dt: "DType",
                     where: str) -> None:

@@ -687,6 +687,39 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
                               (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))
 
 
+def test_a_mostly_changed_dense_step_record_stages_densely_without_arrays_of_its_changes(monkeypatch):
+    """A LoRA step moves every element: its dense_step chunks decode straight into the staged copy (their
+    sparse decode, a position and a value per change, is never called), as chunk-by-chunk staging would stage
+    them, bit for bit; a wrong parent is still refused by name, and a chunk decodes densely only into an
+    array of its own length."""
+    from ckptdelta.delta.encodings.dense_step import DenseStep
+
+    g = torch.Generator().manual_seed(5)
+    old = torch.randn(3 * 8192, generator=g) * 0.02
+    new = old.clone()
+    new.view(torch.int32)[:] += torch.randint(-40, 40, old.shape, generator=g, dtype=torch.int32)
+    new.view(torch.int32)[2 * 8192:] = old.view(torch.int32)[2 * 8192:]         # one chunk untouched
+    enc = codec.encode(old, new, chunk_elems=8192, context=False)
+    assert [c.encoding for c in enc.header.chunks] == [record.DENSE_STEP, record.DENSE_STEP, record.UNCHANGED]
+    want = codec._stage_chunkwise(dtypes.host_bits(old), enc, True, None)
+
+    def refuse(*a, **k):
+        raise AssertionError("dense_step's sparse decode used for a dense stage")
+
+    monkeypatch.setattr(DenseStep, "decode", refuse)
+    got = codec.stage(old, enc)
+    assert got.dense is not None and np.array_equal(got.dense, want.dense) and got.positions.shape[0] == 0
+    assert got.parent_digest == want.parent_digest == codec.digest(old)
+    assert np.array_equal(got.dense, dtypes.host_bits(new))
+    wrong = old.clone()
+    wrong[9] = 1.0
+    with pytest.raises(ParentMismatchError):
+        codec.stage(wrong, enc)
+    c, bits = enc.header.chunks[0], dtypes.host_bits(old)[:8192]
+    with pytest.raises(ValueError, match="a dense decode writes 8192 elements, not 8191"):
+        chunks.decode_dense(c, enc.payloads[0], bits, enc.header.dtype, "t", np.empty(8191, np.uint32))
+
+
 def test_a_densely_staged_change_carries_the_digest_of_the_tensor_it_was_staged_against():
     """A dense swap checks in the pause that the live bits still hash to what prepare staged against. With
     the parent hashed only on failure, that must be the live tensor's own digest, not the header's claim

@@ -185,6 +185,55 @@ def test_every_resealed_flip_of_a_dense_step_record_is_rejected_or_decodes_exact
     assert decoded_ok == []
 
 
+def test_every_resealed_flip_of_a_densely_staged_dense_step_record_is_rejected_or_stages_exactly():
+    """A replica's hot-load stages a mostly changed record densely, dense_step chunks decoding every element
+    straight into the staged copy (the others' changes scattered over it): every resealed flip of its chunk
+    table and payloads raises a DeltaError or stages the record's exact bits, and the live tensor is never
+    written."""
+    rng = np.random.default_rng(6)
+    old = (rng.standard_normal(48) * 0.02).astype(np.float32)
+    new = old.copy()
+    new.view(np.uint32)[:16] += rng.integers(1, 300, 16).astype(np.uint32)
+    new.view(np.uint32)[16:32:2] -= 1
+    new[40] = np.float32(-0.0)
+    enc = codec.encode(old, new, name=NAME, chunk_elems=16, context=False)
+    h = enc.header
+    # dense steps decode densely themselves; dense XOR and sparse changes are scattered over the parent's bits
+    assert [c.encoding for c in h.chunks] == [record.DENSE_STEP, record.DENSE_XOR, record.SPARSE]
+    st = codec.stage(old, enc)
+    assert st.dense is not None and st.positions.shape[0] == 0
+    np.testing.assert_array_equal(st.dense, new.view(np.uint32))
+    data = enc.to_bytes()
+    table = record.FIXED_SIZE + 8 + len(NAME.encode()) + (-len(NAME.encode()) % 8)
+    checksums = {table + 24 * c + 16 + k for c in range(len(h.chunks)) for k in range(8)}
+    checksums |= set(range(h.header_size - 8, h.header_size))
+    live, staged_ok = old.copy(), []
+    for i in range(table, len(data)):
+        if i in checksums:
+            continue
+        for xor in (0x01, 0x80, 0xFF):
+            bad = bytearray(data)
+            bad[i] ^= xor
+            try:
+                sealed = _reseal(bad, h)
+            except errors.DeltaError:
+                continue
+            try:
+                got = codec.stage(live, sealed)
+            except errors.DeltaError:
+                continue
+            finally:
+                np.testing.assert_array_equal(live.view(np.uint32), old.view(np.uint32))
+            bits = got.dense if got.dense is not None else None
+            if bits is None:
+                out = live.copy()
+                got.apply_(out)
+                bits = out.view(np.uint32)
+            np.testing.assert_array_equal(bits, new.view(np.uint32), err_msg=f"byte {i} xor {xor:#x}")
+            staged_ok.append(i)
+    assert staged_ok == []
+
+
 def _resealed_flips(parent, data: bytes, hdr: record.RecordHeader, want: np.ndarray, live: np.ndarray,
                     start: int = 0) -> tuple[list[int], int]:
     """Flip each byte of ``data`` from ``start`` (0x01, 0x80, 0xFF; not the checksums, which resealing

@@ -140,6 +140,14 @@ def test_change_kernels_match_reference(case):
             assert kernels.step_apply_planes(old, sp, used, w, sm, dp, dv[:-1]) == -1, msg
             assert kernels.step_apply_planes(old, np.zeros(n * (w // 8 + 1), np.uint8), w // 8 + 1, w, sm, dp,
                                              dv) == -1, msg
+            # densely (a dense stage): every element's new bits, the unchanged ones exactly the old bits
+            whole = np.full(n, 0x5A, old.dtype)          # junk first: the kernel writes every element
+            assert kernels.step_apply_planes_dense(old, sp, used, w, sm, whole) == k, msg
+            np.testing.assert_array_equal(whole, new, err_msg=f"{msg} sm={sm}: dense step, decoded densely")
+            assert kernels.step_apply_planes_dense(old, sp[:-1], used, w, sm, whole) == -1, msg
+            assert kernels.step_apply_planes_dense(old, sp, used, w, sm, whole[:-1]) == -1, msg
+            assert kernels.step_apply_planes_dense(old, np.zeros(n * (w // 8 + 1), np.uint8), w // 8 + 1, w, sm,
+                                                   whole) == -1, msg
 
     nbytes = w // 8
     planes = kernels.xor_planes(old, new, nbytes)
@@ -325,6 +333,9 @@ def test_all_byte_pairs_and_unchanged_elements_round_trip_through_dense_steps(sm
     assert kernels.step_apply_planes(old, planes, 1, 8, sm, pos, vals) == 256 * 255
     np.testing.assert_array_equal(pos, np.flatnonzero(old != new))
     np.testing.assert_array_equal(vals, new[pos])
+    whole = np.empty_like(old)
+    assert kernels.step_apply_planes_dense(old, planes, 1, 8, sm, whole) == 256 * 255
+    np.testing.assert_array_equal(whole, new)
 
 
 def test_one_ulp_moves_cost_one_step_across_zero():
