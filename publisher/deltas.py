@@ -125,7 +125,7 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
                 first_part_bytes: int = FIRST_PART_BYTES, context: bool = True,
                 parent_digests: Mapping[str, int] | None = None,
                 grandparents: Mapping[str, torch.Tensor] | None = None,
-                fast_alone: Container[str] = ()) -> DeltaPart:
+                fast_alone: Container[str] = (), threads: int | None = None) -> DeltaPart:
     """Encode ``snapshot`` against ``parent`` (same names, dtypes and shapes) into part streams.
 
     ``open_part(i)`` gives the stream for part ``i``; ``on_part(i, size, xxh3)`` is called
@@ -137,7 +137,7 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
     snapshot ``parent`` was itself encoded against (same names, dtypes and shapes), for the context coder's
     encoding 6 (a replica then needs them too: LoRA runs only). ``fast_alone``: names whose chunks try the fast
     path's own encoding only (``encode_many``'s); ``DeltaPart.fast_won`` names those that tried the others and
-    took it anyway, the caller's next ``fast_alone``."""
+    took it anyway, the caller's next ``fast_alone``. ``threads``: ``encode_many``'s (default: every core)."""
     t0 = time.perf_counter()
     part = DeltaPart(entries={})
     f: BinaryIO | None = None
@@ -159,7 +159,7 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
     known, grand = parent_digests or {}, grandparents or {}
     records = encode_many(((name, parent[name], new, known.get(name), _grandparent(grand.get(name), new))
                            for name, new in snapshot.items()), level=level, context=context,
-                          fast_alone=fast_alone)
+                          fast_alone=fast_alone, threads=threads)
     with closing(records):          # on an error here, the encoding work still queued is dropped
         for enc in records:
             h = enc.header

@@ -139,6 +139,10 @@ class Publisher:
     publish given up on commits nothing afterwards. Leaving a ``with Publisher(...)`` block on an
     exception finishes them the same way (without the bound), then lets the exception go on.
 
+    ``encode_threads``: the most threads a delta's encode runs on at once (default: every core), for a
+    trainer that shares its host with a sampler (a co-located vLLM) and keeps cores for it. The bytes are
+    the same whatever the number.
+
     LoRA runs: ``publish(peft_model, step)`` publishes the model's adapter (its tensors under peft's saved
     names; anchors are PEFT adapter directories, and every manifest records the base model and the adapter
     config); ``adapter=AdapterSpec(config, base)`` lets publish() take adapter state dicts instead
@@ -154,7 +158,7 @@ class Publisher:
                  progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
                  codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None,
                  adapter: "lora.AdapterSpec | None" = None, collective_timeout: float | None = None,
-                 exit_timeout: float = EXIT_TIMEOUT_S):
+                 exit_timeout: float = EXIT_TIMEOUT_S, encode_threads: int | None = None):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if anchor_chain_fraction is not None and not anchor_chain_fraction >= 0:
@@ -169,7 +173,11 @@ class Publisher:
             raise ValueError(f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}")
         if isinstance(exit_timeout, bool) or not (isinstance(exit_timeout, (int, float)) and exit_timeout >= 0):
             raise ValueError(f"exit_timeout must be a number of seconds >= 0, got {exit_timeout!r}")
+        if encode_threads is not None and (isinstance(encode_threads, bool) or not isinstance(encode_threads, int)
+                                           or encode_threads < 1):
+            raise ValueError(f"encode_threads must be an int >= 1 or None (every core), got {encode_threads!r}")
         self.exit_timeout = float(exit_timeout)
+        self.encode_threads = encode_threads
         self.url = url
         self.dtype = check_publish_dtype(dtype)
         self.anchor_every = anchor_every
@@ -655,7 +663,7 @@ class Publisher:
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
                                      progress=self.progress, parent_digests=self._parents.digests,
-                                     grandparents=grand, fast_alone=alone)
+                                     grandparents=grand, fast_alone=alone, threads=self.encode_threads)
         if codec != CONTEXT:
             won = set(written.fast_won)
             for name in job.snapshot:

@@ -226,9 +226,9 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
                        part_bytes: int | None = None, context: bool = True,
                        parent_digests: Mapping[str, int] | None = None,
                        grandparents: Mapping[str, torch.Tensor] | None = None,
-                       fast_alone: Container[str] = ()) -> Written:
+                       fast_alone: Container[str] = (), threads: int | None = None) -> Written:
     """This rank's delta objects (none when nothing changed); each finished part uploads while the
-    next tensors are encoded. ``parent_digests``, ``grandparents`` and ``fast_alone`` as in
+    next tensors are encoded. ``parent_digests``, ``grandparents``, ``fast_alone`` and ``threads`` as in
     :func:`ckptdelta.publisher.deltas.write_delta`."""
     total = sum(t.numel() * t.element_size() for t in snapshot.values())
     bar = progress_bar(progress, total, f"delta v{version}")
@@ -250,7 +250,7 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
 
             part = write_delta(lambda i: open(path_of(i), "wb"), parent, snapshot, level=level, context=context,
                                parent_digests=parent_digests, grandparents=grandparents, fast_alone=fast_alone,
-                               on_part=lambda i, _size, _h: uploads.append(pool.submit(upload, i)),
+                               threads=threads, on_part=lambda i, _size, _h: uploads.append(pool.submit(upload, i)),
                                on_bytes=bar.update,
                                part_bytes=deltas_mod.part_bytes_for(
                                    total, deltas_mod.DEFAULT_PART_BYTES if part_bytes is None else part_bytes))

@@ -209,3 +209,40 @@ def test_a_deltas_upload_time_is_how_long_any_of_its_parts_was_uploading_two_at_
     assert busy_seconds([]) == 0.0
     assert busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == 3.0
     assert busy_seconds([(1.0, 2.0), (0.0, 5.0)]) == 5.0
+
+
+def test_encode_threads_bounds_a_deltas_encode_and_changes_no_byte(tmp_path, monkeypatch):
+    """A co-located trainer gives the encode its own cores: ``Publisher(encode_threads=1)`` encodes on one
+    thread (encode_many's ``threads``), and its deltas are byte for byte the default's."""
+    seen: list[int | None] = []
+    real_encode_many = deltas.encode_many
+
+    def recording(*a, **k):
+        seen.append(k.get("threads"))
+        return real_encode_many(*a, **k)
+
+    monkeypatch.setattr(deltas, "encode_many", recording)
+    steps = [_weights(0)]
+    for s in range(1, 4):
+        steps.append(_step(steps[-1], s))
+    stored = {}
+    for threads in (1, None):
+        url = str(tmp_path / f"run-{threads}")
+        with Publisher(url, encode_threads=threads, codec="fast", run_id="r", progress=False,
+                       anchor_chain_fraction=100.0) as pub:
+            for i, w in enumerate(steps):
+                pub.publish(w, i)
+        store = Store.from_url(url)
+        # deltas/<version>-<writer id>-<attempt>/<part>: the writer id differs from run to run
+        stored[threads] = {(k.split("/")[1].split("-")[0], k.rsplit("/", 1)[-1]): store.get(k)
+                           for k in store.list_prefix("deltas/")}
+        got = SnapshotReader(url).read_tensors(3)
+        assert all(torch.equal(got[k].view(torch.int16), steps[3][k].view(torch.int16)) for k in steps[3])
+    assert seen == [1, 1, 1, None, None, None]
+    assert len(stored[1]) == 3 and stored[1] == stored[None]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_encode_threads_below_one_or_not_an_int_is_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="encode_threads must be an int >= 1 or None"):
+        Publisher(str(tmp_path / "run"), encode_threads=bad)
