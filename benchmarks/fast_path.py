@@ -7,7 +7,9 @@ planes' order-0 estimate, read in full, was below the best payload), and as it i
 each try's planes weighed against sparse's own planes' estimate, both from a sample, or
 against the payload at ``frames.SURELY_LARGER`` where the best is not sparse); the context
 coder at the default level; XOR + zstd-3 per tensor (benchmarks/baselines.py) beside them.
-A sample of the records is decoded back and compared with the new bits.
+Every record is decoded back and compared with the new bits, and staged as a replica's
+hot-load prepares it (``codec.stage``), beside the chunk-by-chunk stage it replaced for
+mostly changed records.
 
 - **full-model steps**: benchmarks/workloads.py's reference workloads (a small Llama-style
   model trained by AdamW, bf16/fp8/fp32, 1 and 10 steps apart);
@@ -33,7 +35,7 @@ import torch
 
 from benchmarks import baselines, harness, lora_codec, workloads
 from ckptdelta import delta
-from ckptdelta.delta import chunks, kernels
+from ckptdelta.delta import chunks, codec, kernels
 from ckptdelta.delta.encodings import frames
 
 #: (label, context coder, zstd level, the tries as before, dense steps where half a chunk changed)
@@ -61,6 +63,30 @@ def dense_steps(on: bool) -> Iterator[None]:
         yield
     finally:
         chunks.DENSE_STEP_FRACTION = saved
+
+
+@contextmanager
+def chunkwise_stage() -> Iterator[None]:
+    """A replica's stage of a mostly changed record as it was before the dense stage: every chunk's changes
+    decoded into positions and values, then scattered over a copy of the parent (``codec._stage_chunkwise``)."""
+    saved = codec._stage_dense
+    codec._stage_dense = codec._stage_chunkwise
+    try:
+        yield
+    finally:
+        codec._stage_dense = saved
+
+
+def stage_s(old: dict[str, torch.Tensor], encs: list, repeats: int) -> float:
+    """Median seconds to stage every record against its parent, as a replica's hot-load prepares it (one
+    thread, the result's digest checked); every staged tensor is checked against the record's digest."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for e in encs:
+            codec.stage(old[e.name], e, threads=1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 @contextmanager
@@ -104,7 +130,9 @@ def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], repeats:
             if not torch.equal(got[e.name].contiguous().view(torch.uint8), new[e.name].contiguous().view(torch.uint8)):
                 raise AssertionError(f"{label}: {e.name} does not decode to the new bits")
         out[label] = {"bytes": sum(len(e.to_bytes()) for e in encs), "encode_s": statistics.median(times),
-                      "decode_s": statistics.median(decodes)}
+                      "decode_s": statistics.median(decodes), "stage_s": stage_s(old, encs, repeats)}
+        with chunkwise_stage():
+            out[label]["stage_chunkwise_s"] = stage_s(old, encs, repeats)
     return out
 
 
@@ -132,13 +160,19 @@ def markdown(out: dict[str, Any]) -> str:
              f"(where the best is not the fast path's: against {frames.SURELY_LARGER:g} of the payload, guessed "
              "first from that sample). *Sparse on dense chunks*: encoding 1 (gaps and steps, two frames) on "
              "every changed chunk, as before encoding 7; *dense steps (now)*: encoding 7 (every element's step, "
-             f"one frame) on the chunks where at least {chunks.DENSE_STEP_FRACTION:g} of the elements changed.", "",
+             f"one frame) on the chunks where at least {chunks.DENSE_STEP_FRACTION:g} of the elements changed. "
+             "*Stage*: every record staged against its parent as a replica's hot-load prepares it (`codec.stage`, "
+             "one thread, digests checked; median of as many); in brackets the same with a mostly changed record "
+             "staged chunk by chunk, its changes as positions and values scattered over a copy, as before the "
+             "dense stage (whose dense_step chunks decode every element straight into the copy).", "",
              "| step | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
     for name, r in out["rows"]:
         base = r["xor+zstd3"]["encode_s"]
         cells = [f"{r[k]['bytes'] / 1e6:.3f} MB, {1e3 * r[k]['encode_s']:.0f} ms"
                  + ("" if k == "xor+zstd3" else f" ({r[k]['encode_s'] / base:.2f}x)")
-                 + (f", decode {1e3 * r[k]['decode_s']:.0f} ms" if "decode_s" in r[k] else "") for k in labels]
+                 + (f", decode {1e3 * r[k]['decode_s']:.0f} ms" if "decode_s" in r[k] else "")
+                 + (f", stage {1e3 * r[k]['stage_s']:.0f} ms (chunkwise {1e3 * r[k]['stage_chunkwise_s']:.0f})"
+                    if "stage_s" in r[k] else "") for k in labels]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
