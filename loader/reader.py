@@ -23,8 +23,8 @@ from typing import Iterator, Sequence, TYPE_CHECKING
 import torch
 
 from ckptdelta.delta import EncodedTensor
-from ckptdelta.delta.errors import (ChecksumError, DeltaError, ManifestError, ObjectNotFoundError, RunMismatchError,
-                                    SnapshotNotFoundError)
+from ckptdelta.delta.errors import (ChecksumError, CkptDeltaError, DeltaError, ManifestError, ObjectNotFoundError,
+                                    RunMismatchError, SnapshotNotFoundError)
 from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head,
                                       Manifest, ObjectRef, RunInfo, extra_file_name, manifest_key, snapshot_name,
                                       version_of_manifest_key)
@@ -168,20 +168,49 @@ class SnapshotReader:
         opened (:meth:`check_run`) and that the snapshot's manifest still exists (gc may have deleted it)."""
         if isinstance(ref, bool) or not isinstance(ref, (int, str)):
             raise SnapshotNotFoundError(f"not a snapshot reference: {ref!r}")
-        if fresh:
-            self.check_run()
         if ref == "latest":
+            if fresh:
+                self.check_run()
             return self.latest()
         v = self._version_of(ref)
-        if fresh and not self.store.exists(manifest_key(v)):
-            self._count(requests=1)
-            with self._lock:
-                known = self._manifests.pop(v, None) is not None
+        if fresh:
+            self._read_fresh(v)
+        else:
+            self._manifest(v)
+        return v
+
+    def _read_fresh(self, v: int) -> None:
+        """Version ``v``'s manifest read anew from the store (never the cache) while :meth:`check_run` reads
+        RUN.json beside it: a hot-load's one round trip, where the run's check, a HEAD of the manifest and,
+        for a version not read before, its GET took three in turn. A run that changed is what is said."""
+        _ = self.run_id                     # the run this reader opened, read once before it is checked
+        with self._lock:
+            known = self._manifests.pop(v, None) is not None
+        errors: list[BaseException] = []
+        checked = threading.Thread(target=self._check_run_into, args=(errors,), name="ckptdelta-check-run",
+                                   daemon=True)
+        checked.start()
+        try:
+            self._manifest(v)
+            err = None
+        except CkptDeltaError as e:
+            err = e
+        checked.join()
+        if errors:                           # the run is gone or another: its snapshots are, whatever was read
+            self._forget()
+            raise errors[0]
+        if isinstance(err, SnapshotNotFoundError):
             raise SnapshotNotFoundError(f"no committed snapshot {snapshot_name(v)} (version {v}) in run "
                                         f"{self.run_id!r} at {self.url}" + (" any more (deleted, by gc?)" if known
-                                                                           else ""))
-        self._manifest(v)
-        return v
+                                                                           else "")) from None
+        if err is not None:
+            raise err
+
+    def _check_run_into(self, errors: list) -> None:
+        try:
+            self.check_run()
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that waits for it
+            errors.append(e)
 
     def _version_of(self, ref: "str | int") -> int:
         """The version a reference other than "latest" names (a number, a decimal string or a snapshot name)."""

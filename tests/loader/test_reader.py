@@ -130,6 +130,29 @@ def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes
     assert calls == sizes
 
 
+def test_a_fresh_resolve_reads_the_manifest_anew_beside_the_run_check_in_two_requests(run):
+    """What a replica's hot-load asks: RUN.json and the version's manifest, read side by side (not a HEAD of
+    the manifest, then its GET, after the run check), the manifest from the store even when cached; a
+    manifest deleted since it was cached is said to be gone, and a run deleted and published again wins over
+    whatever the manifest read found."""
+    import shutil
+
+    r = SnapshotReader(run.url)
+    assert r.resolve(0) == 0
+    before = r.stats["requests"]
+    assert r.resolve(3, fresh=True) == 3
+    assert r.stats["requests"] - before == 2
+    cached = r.manifest(3)
+    assert r.resolve(3, fresh=True) == 3 and r.manifest(3) is not cached       # read anew, cached again
+    os.remove(os.path.join(run.url, manifest_key(3)))                           # gc deleted it
+    with pytest.raises(SnapshotNotFoundError, match=r"v00000003 .* any more \(deleted, by gc\?\)"):
+        r.resolve(3, fresh=True)
+    shutil.rmtree(run.url)
+    make_run(run.url, n_versions=3, anchors=set())
+    with pytest.raises(SnapshotNotFoundError, match="was deleted and the URL now holds run"):
+        r.resolve(2, fresh=True)
+
+
 def test_unknown_tensor_name_is_not_found(run):
     r = SnapshotReader(run.url)
     with pytest.raises(SnapshotNotFoundError, match="no.such"):
