@@ -429,7 +429,7 @@ def stage(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: boo
     unsized = REGISTRY.counts_elements            # raw: its count is not its changes
     if any(c.encoding in unsized for c in h.chunks):
         return _stage_chunkwise(bits, enc, verify, threads, grand)
-    if total * (8 + w) > h.numel * w:
+    if _dense_worthy(h):
         return _stage_dense(bits, enc, verify, threads, grand)
     # The changes decode straight into the staged arrays, each chunk into its slice: no per-chunk arrays
     # to assemble afterwards (a copy of every change, a sizeable share of a sparse stage).
@@ -479,8 +479,17 @@ def _check_result(enc: EncodedTensor, result: "xxhash.xxh3_64 | None", bits: np.
             f"the record says {digest_hex(enc.header.digest)}")
 
 
+def _dense_worthy(h: RecordHeader) -> bool:
+    """Whether a record's changes, counted from its header, fill enough of its tensor that a whole new copy
+    holds them in fewer bytes than a position and a value each (raw chunks' counts are elements: never)."""
+    if any(c.encoding in REGISTRY.counts_elements for c in h.chunks):
+        return False
+    w = h.dtype.itemsize
+    return sum(c.count for c in h.chunks) * (8 + w) > h.numel * w
+
+
 def _stage_dense(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: int | None,
-                 grand: np.ndarray | None = None) -> StagedTensor:
+                 grand: np.ndarray | None = None, *, parent_seen: bool = True) -> StagedTensor:
     """:func:`stage` where the changes are known up front to fill most of the tensor: each chunk decodes
     straight into a new whole copy (dense_step writes every element itself), which is hashed chunk by chunk
     as it comes. The sparse form would hold a position and a value per change (12 bytes an fp32 element where
@@ -504,7 +513,7 @@ def _stage_dense(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: in
         raise
     _check_result(enc, result, bits, verify)
     # as a chunkwise dense stage: the dense swap checks, in the pause, that the live bits still hash to this
-    seen = xxhash.xxh3_64_intdigest(bits) if verify and h.has_parent else h.parent_digest
+    seen = xxhash.xxh3_64_intdigest(bits) if parent_seen and verify and h.has_parent else h.parent_digest
     return StagedTensor(h.name, h.dtype, h.shape, h.digest, seen,
                         np.empty(0, np.int64), np.empty(0, h.dtype.bits_dtype), dense)
 
@@ -599,6 +608,13 @@ def decode(old: Array | None, enc: "EncodedTensor | bytes | memoryview", *, veri
         return t if old is None else t.to(old.device)
     if old is None:
         raise ParentMismatchError(f"{enc.where()}: the record needs its parent tensor to decode")
+    if _dense_worthy(h):     # most of it changes: decoded straight from old into the result, no copy of old first
+        _check_live(old, h.name, h.dtype, h.shape)
+        new_bits = _stage_dense(dtypes.host_bits(old), enc, verify, threads, _grand_bits(enc, grandparent),
+                                parent_seen=False).dense
+        if isinstance(old, np.ndarray):
+            return new_bits.view(old.dtype).reshape(h.shape)
+        return dtypes.from_bits(new_bits, h.dtype, h.shape).to(old.device)
     if isinstance(old, np.ndarray):
         out = np.array(old, copy=True, order="C")
     else:
@@ -639,6 +655,12 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
     bits = _writable_bits(live, h, method)
     if bits is None:
         stage(live, enc, verify=verify, threads=threads, grandparent=grandparent).apply_(live, method=method)
+        return
+    if h.has_parent and _dense_worthy(h):
+        # most of the tensor changes: decoded whole into a new copy and proven there, then copied in (live is
+        # written only once the result is right: nothing to undo)
+        st = _stage_dense(bits, enc, verify, threads, _grand_bits(enc, grandparent), parent_seen=False)
+        np.copyto(bits, st.dense)
         return
     per_chunk = _decode_against(enc, bits, verify, threads, _grand_bits(enc, grandparent))
     undo: list[_Undo] = []
