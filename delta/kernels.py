@@ -262,12 +262,8 @@ def step_apply_planes(old, planes, nplanes, width_bits, sign_magnitude, out_posi
         return -1       # the callers check all three first; a kernel without bounds checks refuses them too
     mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
     signbit = _U64(1) << _U64(width_bits - 1)
-    steps = np.zeros(n, dtype=old.dtype)
-    for p in range(nplanes):
-        shift = _U64(8 * p)
-        base = p * n
-        for i in range(n):
-            steps[i] |= old.dtype.type(_U64(planes[base + i]) << shift)
+    steps = np.empty(n, dtype=old.dtype)
+    from_planes(planes, n, nplanes, steps)
     count = 0
     for i in range(n):
         count += steps[i] != 0
@@ -299,14 +295,7 @@ def step_apply_planes_dense(old, planes, nplanes, width_bits, sign_magnitude, ou
         return -1
     mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
     signbit = _U64(1) << _U64(width_bits - 1)
-    zero = old.dtype.type(0)
-    for i in range(n):
-        out[i] = zero
-    for p in range(nplanes):
-        shift = _U64(8 * p)
-        base = p * n
-        for i in range(n):
-            out[i] |= old.dtype.type(_U64(planes[base + i]) << shift)
+    from_planes(planes, n, nplanes, out)
     count = 0
     for i in range(n):
         z = _U64(out[i])

@@ -13,6 +13,7 @@ import io
 import json
 import struct
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -205,44 +206,30 @@ def test_every_resealed_flip_of_a_densely_staged_dense_step_record_is_rejected_o
     np.testing.assert_array_equal(st.dense, new.view(np.uint32))
     data = enc.to_bytes()
     table = record.FIXED_SIZE + 8 + len(NAME.encode()) + (-len(NAME.encode()) % 8)
-    checksums = {table + 24 * c + 16 + k for c in range(len(h.chunks)) for k in range(8)}
-    checksums |= set(range(h.header_size - 8, h.header_size))
     live, staged_ok = old.copy(), []
-    for i in range(table, len(data)):
-        if i in checksums:
+    for i, xor, sealed in _flips(data, h, start=table):
+        try:
+            got = codec.stage(live, sealed)
+        except errors.DeltaError:
             continue
-        for xor in (0x01, 0x80, 0xFF):
-            bad = bytearray(data)
-            bad[i] ^= xor
-            try:
-                sealed = _reseal(bad, h)
-            except errors.DeltaError:
-                continue
-            try:
-                got = codec.stage(live, sealed)
-            except errors.DeltaError:
-                continue
-            finally:
-                np.testing.assert_array_equal(live.view(np.uint32), old.view(np.uint32))
-            bits = got.dense if got.dense is not None else None
-            if bits is None:
-                out = live.copy()
-                got.apply_(out)
-                bits = out.view(np.uint32)
-            np.testing.assert_array_equal(bits, new.view(np.uint32), err_msg=f"byte {i} xor {xor:#x}")
-            staged_ok.append(i)
+        finally:
+            np.testing.assert_array_equal(live.view(np.uint32), old.view(np.uint32))
+        bits = got.dense
+        if bits is None:
+            out = live.copy()
+            got.apply_(out)
+            bits = out.view(np.uint32)
+        np.testing.assert_array_equal(bits, new.view(np.uint32), err_msg=f"byte {i} xor {xor:#x}")
+        staged_ok.append(i)
     assert staged_ok == []
 
 
-def _resealed_flips(parent, data: bytes, hdr: record.RecordHeader, want: np.ndarray, live: np.ndarray,
-                    start: int = 0) -> tuple[list[int], int]:
-    """Flip each byte of ``data`` from ``start`` (0x01, 0x80, 0xFF; not the checksums, which resealing
-    recomputes), reseal, decode on ``parent``: a DeltaError (then an in-place apply on ``live`` must leave it
-    as it was) or ``want`` exactly. Returns the offsets that decoded, and how many failed applies had to undo."""
+def _flips(data: bytes, hdr: record.RecordHeader, start: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    """(offset, xor, resealed record) for each byte of ``data`` from ``start`` flipped by 0x01, 0x80 and 0xFF
+    (not the checksums, which resealing recomputes), where the fixed header still parses."""
     table = record.FIXED_SIZE + 8 * len(hdr.shape) + len(hdr.name.encode()) + (-len(hdr.name.encode()) % 8)
     checksums = {table + 24 * c + 16 + k for c in range(len(hdr.chunks)) for k in range(8)}
     checksums |= set(range(hdr.header_size - 8, hdr.header_size))
-    decoded_ok, undone = [], 0
     for i in range(start, len(data)):
         if i in checksums:
             continue  # resealing recomputes these, undoing the flip
@@ -250,18 +237,27 @@ def _resealed_flips(parent, data: bytes, hdr: record.RecordHeader, want: np.ndar
             bad = bytearray(data)
             bad[i] ^= xor
             try:
-                sealed = _reseal(bad, hdr)
+                yield i, xor, _reseal(bad, hdr)
             except errors.DeltaError:
                 continue  # the fixed header no longer parses
-            try:
-                out = codec.decode(parent, sealed)
-            except errors.DeltaError:
-                undone += _apply_leaves_live_untouched(sealed, live, i, want)
-                continue
-            got = out.numpy() if isinstance(out, torch.Tensor) else out
-            np.testing.assert_array_equal(np.ascontiguousarray(got).reshape(-1).view(np.uint32),
-                                          want.view(np.uint32), err_msg=f"byte {i} xor {xor:#x}: wrong tensor")
-            decoded_ok.append(i)
+
+
+def _resealed_flips(parent, data: bytes, hdr: record.RecordHeader, want: np.ndarray, live: np.ndarray,
+                    start: int = 0) -> tuple[list[int], int]:
+    """Flip each byte of ``data`` from ``start`` (0x01, 0x80, 0xFF; not the checksums, which resealing
+    recomputes), reseal, decode on ``parent``: a DeltaError (then an in-place apply on ``live`` must leave it
+    as it was) or ``want`` exactly. Returns the offsets that decoded, and how many failed applies had to undo."""
+    decoded_ok, undone = [], 0
+    for i, xor, sealed in _flips(data, hdr, start):
+        try:
+            out = codec.decode(parent, sealed)
+        except errors.DeltaError:
+            undone += _apply_leaves_live_untouched(sealed, live, i, want)
+            continue
+        got = out.numpy() if isinstance(out, torch.Tensor) else out
+        np.testing.assert_array_equal(np.ascontiguousarray(got).reshape(-1).view(np.uint32),
+                                      want.view(np.uint32), err_msg=f"byte {i} xor {xor:#x}: wrong tensor")
+        decoded_ok.append(i)
     return decoded_ok, undone
 
 
