@@ -7,7 +7,9 @@ delta/encodings/ (fields, encoder, decoder); this module tries the registered
 encodings on each chunk and keeps the smallest payload, and dispatches a payload
 to its encoding's decoder. Decoding against a parent yields the *sparse form* —
 chunk-local positions and the new bits there — whatever the encoding, so the
-apply step has one shape.
+apply step has one shape; a chunk of a record that changes most of its tensor
+decodes instead into every element's new bits (:func:`decode_dense`), which
+dense_step writes itself.
 """
 
 from __future__ import annotations

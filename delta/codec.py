@@ -520,7 +520,8 @@ def _stage_dense(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: in
 
 def _stage_chunkwise(bits: np.ndarray, enc: EncodedTensor, verify: bool, threads: int | None,
                      grand: np.ndarray | None = None) -> StagedTensor:
-    """:func:`stage` where the changes cannot be sized before decoding (raw chunks) or are staged densely."""
+    """:func:`stage` where the changes cannot be sized before decoding (raw chunks): each chunk's changes
+    decoded, then staged sparsely or, where they fill most of the tensor, densely."""
     h = enc.header
     result = xxhash.xxh3_64() if verify else None
     per_chunk: list[tuple[np.ndarray, np.ndarray]] = []
@@ -645,11 +646,14 @@ def apply_(live: Array, enc: "EncodedTensor | bytes | memoryview", *, verify: bo
            threads: int | None = None, method: str = "auto", grandparent: Array | None = None) -> None:
     """Rewrite ``live`` in place into the tensor ``enc`` encodes. On any error ``live`` is untouched.
 
-    On contiguous host memory this verifies after writing instead of staging a
-    checked copy first: the old bits of every changed element are kept, the result
-    is hashed in place, and a mismatch puts the old bits back before raising. That
-    reads the tensor twice (parent digest, result digest) and copies only the old
-    bits of what changes. ``grandparent``: see :func:`stage`. Many tensors: :func:`ckptdelta.delta.apply_many`."""
+    On contiguous host memory a sparse change is verified after writing instead of
+    staging a checked copy first: the old bits of every changed element are kept, the
+    result is hashed in place, and a mismatch puts the old bits back before raising.
+    That reads the tensor twice (parent digest, result digest) and copies only the old
+    bits of what changes. A record that changes most of the tensor is decoded whole
+    into a copy and proven there (fewer bytes than the old bits and positions of every
+    change), then copied in. ``grandparent``: see :func:`stage`. Many tensors:
+    :func:`ckptdelta.delta.apply_many`."""
     enc = _as_encoded(enc)
     h = enc.header
     bits = _writable_bits(live, h, method)

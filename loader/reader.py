@@ -180,29 +180,41 @@ class SnapshotReader:
         return v
 
     def _read_fresh(self, v: int) -> None:
-        """Version ``v``'s manifest read anew from the store (never the cache) while :meth:`check_run` reads
-        RUN.json beside it: a hot-load's one round trip, where the run's check, a HEAD of the manifest and,
-        for a version not read before, its GET took three in turn. A run that changed is what is said."""
+        """Confirm version ``v`` against the store while :meth:`check_run` reads RUN.json beside it: a cached
+        manifest by a HEAD (it never changes once committed), one not read before by its GET. A hot-load's
+        one round trip, where the run's check, a HEAD of the manifest and its GET took three in turn. A run
+        that is gone or another is what is said (check_run drops the cache then); a manifest gc deleted is
+        dropped from the cache and said to be gone."""
         _ = self.run_id                     # the run this reader opened, read once before it is checked
         with self._lock:
-            known = self._manifests.pop(v, None) is not None
+            cached = v in self._manifests
         errors: list[BaseException] = []
         checked = threading.Thread(target=self._check_run_into, args=(errors,), name="ckptdelta-check-run",
                                    daemon=True)
         checked.start()
+        gone, err = False, None
         try:
-            self._manifest(v)
-            err = None
+            if cached:
+                self._count(requests=1)
+                gone = not self.store.exists(manifest_key(v))
+            else:
+                self._manifest(v)
+        except SnapshotNotFoundError:
+            gone = True
         except CkptDeltaError as e:
             err = e
-        checked.join()
-        if errors:                           # the run is gone or another: its snapshots are, whatever was read
-            self._forget()
+        finally:
+            checked.join()                  # whatever happened here, the run's check is waited for and said first
+        if errors:
+            if isinstance(errors[0], SnapshotNotFoundError):
+                self._forget()              # the run is gone or another: what the read beside it cached is too
             raise errors[0]
-        if isinstance(err, SnapshotNotFoundError):
+        if gone:
+            with self._lock:
+                self._manifests.pop(v, None)
             raise SnapshotNotFoundError(f"no committed snapshot {snapshot_name(v)} (version {v}) in run "
-                                        f"{self.run_id!r} at {self.url}" + (" any more (deleted, by gc?)" if known
-                                                                           else "")) from None
+                                        f"{self.run_id!r} at {self.url}" + (" any more (deleted, by gc?)" if cached
+                                                                           else ""))
         if err is not None:
             raise err
 

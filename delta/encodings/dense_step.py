@@ -73,7 +73,8 @@ class DenseStep(Encoding):
         planes = np.frombuffer(frames.unzstd(payload, n * entry.planes_b, where), np.uint8)
         got = kernels.step_apply_planes_dense(old, planes, entry.planes_b, 8 * dt.itemsize, dt.sign_magnitude, out)
         if got != entry.count:
-            raise FormatError(f"{where}: dense_step chunk changes {got} elements, its header says {entry.count}")
+            raise FormatError(f"{where}: dense_step chunk changes {got if got >= 0 else 'an unreadable number of'} "
+                              f"elements, its header says {entry.count}")
 
     def warm_up(self, old, new, grand, dt):
         # the codec's round trips change half the elements at most, where the fast path may still pick sparse

@@ -130,11 +130,11 @@ def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes
     assert calls == sizes
 
 
-def test_a_fresh_resolve_reads_the_manifest_anew_beside_the_run_check_in_two_requests(run):
-    """What a replica's hot-load asks: RUN.json and the version's manifest, read side by side (not a HEAD of
-    the manifest, then its GET, after the run check), the manifest from the store even when cached; a
-    manifest deleted since it was cached is said to be gone, and a run deleted and published again wins over
-    whatever the manifest read found."""
+def test_a_fresh_resolve_confirms_the_manifest_beside_the_run_check_in_two_requests(run):
+    """What a replica's hot-load asks: RUN.json and the version's manifest side by side (its GET for a version
+    not read before, a HEAD for one cached; not a HEAD, then a GET, after the run check); a manifest deleted
+    since it was cached is said to be gone, and a run deleted and published again wins over whatever the
+    manifest's read found."""
     import shutil
 
     r = SnapshotReader(run.url)
@@ -143,14 +143,45 @@ def test_a_fresh_resolve_reads_the_manifest_anew_beside_the_run_check_in_two_req
     assert r.resolve(3, fresh=True) == 3
     assert r.stats["requests"] - before == 2
     cached = r.manifest(3)
-    assert r.resolve(3, fresh=True) == 3 and r.manifest(3) is not cached       # read anew, cached again
+    before = r.stats["requests"]
+    assert r.resolve(3, fresh=True) == 3 and r.manifest(3) is cached           # confirmed, not read again
+    assert r.stats["requests"] - before == 2
     os.remove(os.path.join(run.url, manifest_key(3)))                           # gc deleted it
     with pytest.raises(SnapshotNotFoundError, match=r"v00000003 .* any more \(deleted, by gc\?\)"):
         r.resolve(3, fresh=True)
+    assert 3 not in r._manifests
     shutil.rmtree(run.url)
     make_run(run.url, n_versions=3, anchors=set())
     with pytest.raises(SnapshotNotFoundError, match="was deleted and the URL now holds run"):
         r.resolve(2, fresh=True)
+
+
+def test_a_fresh_resolve_that_cannot_read_the_run_keeps_the_cached_manifests_and_joins_its_check(run,
+                                                                                                  monkeypatch):
+    """A storage error reading RUN.json fails the resolve, says so, and keeps what is cached (the run may be
+    fine); an unexpected error reading the manifest still waits for the run's check beside it."""
+    import threading
+
+    from ckptdelta.delta.errors import StorageError
+
+    r = SnapshotReader(run.url)
+    assert r.resolve(2) == 2 and 2 in r._manifests
+    real_get = r._get
+
+    def failing_run(key, *a, **k):
+        if key == "RUN.json":
+            raise StorageError("RUN.json: connection reset")
+        return real_get(key, *a, **k)
+
+    monkeypatch.setattr(r, "_get", failing_run)
+    with pytest.raises(StorageError, match="connection reset"):
+        r.resolve(2, fresh=True)
+    assert 2 in r._manifests
+    monkeypatch.setattr(r, "_get", real_get)
+    monkeypatch.setattr(r, "_manifest", lambda v: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        r.resolve(3, fresh=True)
+    assert not [t for t in threading.enumerate() if t.name == "ckptdelta-check-run"]
 
 
 def test_unknown_tensor_name_is_not_found(run):
