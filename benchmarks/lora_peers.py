@@ -364,19 +364,19 @@ class Replica:
     def _ids(self) -> list[int]:
         return self.engine.applier.control.rpc("ckptdelta_lora_slots", {})[0]["registered"]
 
-    def op_check(self) -> dict:
-        """Untimed: the LoRA buffers vLLM holds for each baseline adapter (after one request on it) and for the
-        ckptdelta slot serving, bit for bit (each must hold the same version as ckptdelta's slot by now)."""
-        for name in BASELINE_NAMES.values():     # a request on each first: vLLM activates an adapter in its slot
+    def op_check(self, methods: list[str]) -> dict:
+        """Untimed: the LoRA buffers vLLM holds for the adapter of each baseline in ``methods`` (those this run
+        loads every step; after one request on it) and for the ckptdelta slot serving, bit for bit (each must hold
+        the same version as ckptdelta's slot by now)."""
+        for name in (BASELINE_NAMES[m] for m in methods):   # a request on each first: vLLM activates it in a slot
             r = self.vllm.post("/v1/completions", json={"model": name, "prompt": "check", "max_tokens": 1})
             if r.status_code != 200:
                 raise RuntimeError(f"a request on {name}: {r.status_code} {r.text[:200]}")
         ctl = self.engine.applier.control
-        slot_ids = {s.id for s in self.engine.slots.slots}
         serving = self.engine.slots.newest().id
         want = ctl.rpc("ckptdelta_lora_digests", {"id": serving})[0]["digests"]
         out = {}
-        for i in sorted(set(self._ids()) - slot_ids):
+        for i in sorted(self.ids[m] for m in methods):
             try:
                 got = ctl.rpc("ckptdelta_lora_digests", {"id": i})[0]["digests"]
                 out[str(i)] = got == want
