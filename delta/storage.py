@@ -405,9 +405,12 @@ class Store:
             max_size: int | None = None) -> bytes:
         """Bytes of ``key``, or of the half-open ``byte_range`` (shorter if the object is).
 
-        With ``max_size`` a larger object is refused before it is downloaded,
-        and the read itself is capped, so a hostile or corrupt bucket cannot make
-        the caller allocate unbounded memory even if the object grows meanwhile.
+        With ``max_size`` the read is capped at one byte past the limit and a
+        larger object is refused, so a hostile or corrupt bucket cannot make the
+        caller allocate more than that, even if the object grows meanwhile. The
+        object's size is not asked first: that HEAD was a round trip more on
+        every manifest, HEAD and RUN.json read (a hot-load's resolve); only a
+        refusal asks it, for its message.
         """
         path = self._path(key)
         if byte_range is not None:
@@ -418,10 +421,6 @@ class Store:
                 raise StorageError(f"get {self.key_url(key)}: range of {end - start} bytes "
                                    f"exceeds the {max_size}-byte limit")
         elif max_size is not None:
-            size = self.size(key)
-            if size > max_size:
-                raise StorageError(f"get {self.key_url(key)}: object is {size} bytes, "
-                                   f"larger than the {max_size}-byte limit")
             start, end = 0, max_size + 1
         else:
             start = end = None  # type: ignore[assignment]
@@ -447,12 +446,18 @@ class Store:
                 raise
             return b""
         if max_size is not None and len(data) > max_size:
-            raise StorageError(f"get {self.key_url(key)}: object is larger than the "
-                               f"{max_size}-byte limit")
+            raise StorageError(f"get {self.key_url(key)}: object is {self._size_for_message(key)}, larger than "
+                               f"the {max_size}-byte limit")
         if start is not None and end is not None and len(data) > end - start:
             raise StorageError(f"get {self.key_url(key)}: server returned {len(data)} bytes "
                                f"for a {end - start}-byte range")
         return data
+
+    def _size_for_message(self, key: str) -> str:
+        try:
+            return f"{self.size(key)} bytes"
+        except StorageError:
+            return "of unknown size"
 
     def _starts_past_end(self, key: str, start: int) -> bool:
         try:

@@ -24,6 +24,7 @@ new version proven or the previous one put back, before the engine is closed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -69,9 +70,50 @@ class HotLoadJob:
     commit_wait_s: float | None = None  # how long it waited for the commit, fetching what landed meanwhile
     bytes_landed: int | None = None     # bytes of that version's objects fetched before its commit and used
 
+    #: (event loop, future) of each ``wait_done`` in progress, woken as the state becomes READY or FAILED
+    _waiters: list = field(default_factory=list, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "state" and value in (READY, FAILED):
+            self._wake()
+
     @property
     def done(self) -> bool:
         return self.state in (READY, FAILED)
+
+    async def wait_done(self, timeout: float) -> None:
+        """Return once the job is READY or FAILED, or after ``timeout`` seconds. Woken by the state's change
+        (from the job's thread), not by looking at it every few ms: in the replica's process each look took
+        the GIL from the hot-load being waited for."""
+        if self.done or timeout <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with _WAITERS_LOCK:
+            if self.done:
+                return
+            self._waiters.append((loop, fut))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with _WAITERS_LOCK:
+                if (loop, fut) in self._waiters:
+                    self._waiters.remove((loop, fut))
+
+    def _wake(self) -> None:
+        with _WAITERS_LOCK:
+            waiters = getattr(self, "_waiters", None)
+            if not waiters:
+                return
+            self._waiters = []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:      # that loop has closed: no one waits on it any more
+                pass
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -94,6 +136,14 @@ class HotLoadJob:
             d.setdefault("timings", {})["commit_wait_s"] = self.commit_wait_s
             d["bytes_landed"] = self.bytes_landed
         return d
+
+
+_WAITERS_LOCK = threading.Lock()
+
+
+def _resolve(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class HotLoadManager:

@@ -45,7 +45,7 @@ from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.loader.spans import VersionLog
 from ckptdelta.loader.dense_swap import DenseSwap, _scatter_if_unchanged, _synchronize, _unchanged_since_prepare
 from ckptdelta.loader.gate import ServingGate
-from ckptdelta.loader.staging import Staged, Stager, host_copy, last_change, old_bits, stage_one
+from ckptdelta.loader.staging import Staged, Stager, host_copy, last_change, old_bits, stage_one, stage_threads_for
 
 if TYPE_CHECKING:
     from ckptdelta.loader.engines.base import EngineApplier
@@ -286,7 +286,8 @@ class HotSwapper:
                         if st.dense is None else batch_commit.choose_dense(bits, st.dense)
             return s
 
-        threads = max(1, self.stage_threads or os.cpu_count() or 1)
+        threads = self.stage_threads or stage_threads_for(
+            sum(live[mapping[names[gi]]].nbytes for gi, g in enumerate(groups) if g), os.cpu_count() or 1)
         with _progress_bar(self.progress, to_fetch, f"hot-load {snapshot_name(v)}") as bar, \
                 Stager(stage_group, threads) as stager:
             for done in stager.run(self.reader.iter_fetched_batches(groups, counter=counter)):

@@ -50,8 +50,8 @@ STOPPING_MESSAGE = ("the replica is stopping (SIGTERM, SIGINT or SIGHUP) and thi
 ENGINE_FAILED, UNKNOWN_VERSION = "ENGINE_FAILED", "UNKNOWN_VERSION"
 #: The longest ``await_commit_s`` a hot-load request may ask for.
 MAX_AWAIT_COMMIT_S = 3600.0
-#: The longest ``GET /v1/hotload/{id}?wait=`` the replica holds, and how often it looks at the job meanwhile.
-HOTLOAD_WAIT_MAX_S, HOTLOAD_WAIT_TICK_S = 30.0, 0.002
+#: The longest ``GET /v1/hotload/{id}?wait=`` the replica holds (it answers the moment the job ends).
+HOTLOAD_WAIT_MAX_S = 30.0
 #: Seconds a 408 (policy version too old) asks the client to wait: about one hot-load of a small delta.
 RETRY_AFTER_S = 1
 _SNAPSHOT_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,63}$")
@@ -393,9 +393,7 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
             raise APIError(404, "hotload_not_found", f"no hot-load with id {job_id[:80]!r} on replica {replica_id}")
         if not 0.0 <= wait <= HOTLOAD_WAIT_MAX_S:
             raise APIError(400, "invalid_wait", f"wait={wait:g}: between 0 and {HOTLOAD_WAIT_MAX_S:g} seconds")
-        deadline = time.monotonic() + wait
-        while not job.done and time.monotonic() < deadline:
-            await asyncio.sleep(HOTLOAD_WAIT_TICK_S)
+        await job.wait_done(wait)
         return job.to_dict()
 
     @app.get("/v1/status")

@@ -49,6 +49,18 @@ class StageDone:
 #: whose cores are busy serving costs more than decoding a small tensor (docs/PERFORMANCE.md, "LoRA runs").
 TASK_BYTES = 1 << 20
 
+#: The changed tensors' bytes each staging thread is given at least: below it a hot-load stages on fewer threads
+#: (one for a small LoRA adapter's step). Each tensor's stage is a few short kernels between lines of Python; on
+#: tensors of tens to hundreds of KB a second thread mostly waits for the GIL the first holds (docs/PERFORMANCE.md,
+#: "LoRA runs, staging threads by the work").
+STAGE_BYTES_PER_THREAD = 16 << 20
+
+
+def stage_threads_for(staged_bytes: int, cores: int) -> int:
+    """Threads to stage ``staged_bytes`` of changed tensors with on ``cores`` cores (see
+    :data:`STAGE_BYTES_PER_THREAD`)."""
+    return max(1, min(cores, staged_bytes // STAGE_BYTES_PER_THREAD))
+
 
 class Stager:
     """Stages fetched groups on ``threads`` threads, results in fetch order, a bounded number ahead.

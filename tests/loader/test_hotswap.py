@@ -167,6 +167,42 @@ def test_tensors_really_stage_at_the_same_time(run, monkeypatch):
     assert len(set(calls[:2])) == 2
 
 
+def test_stage_threads_follow_the_bytes_of_the_changed_tensors():
+    from ckptdelta.loader.staging import STAGE_BYTES_PER_THREAD, stage_threads_for
+
+    assert stage_threads_for(0, 8) == 1
+    assert stage_threads_for(STAGE_BYTES_PER_THREAD - 1, 8) == 1          # a small LoRA adapter's step: one
+    assert stage_threads_for(3 * STAGE_BYTES_PER_THREAD, 8) == 3
+    assert stage_threads_for(100 * STAGE_BYTES_PER_THREAD, 8) == 8        # a full model's step: every core
+    assert stage_threads_for(100 * STAGE_BYTES_PER_THREAD, 1) == 1
+
+
+@pytest.mark.parametrize("asked, per_thread, want", [(None, None, 1), (None, 1, 8), (2, None, 2)])
+def test_a_hotload_stages_on_as_many_threads_as_its_changed_bytes_pay_for(run, monkeypatch, asked, per_thread,
+                                                                          want):
+    """Unless told, a hot-load stages on one thread per STAGE_BYTES_PER_THREAD of changed tensors, at most one
+    per core (this run's tensors are small: one thread, unless each thread is given a byte), and the update is
+    the same."""
+    import ckptdelta.loader.hotswap as hs
+    from ckptdelta.loader import staging
+
+    seen = []
+    real = hs.Stager
+
+    def recording(fn, threads):
+        seen.append(threads)
+        return real(fn, threads)
+
+    monkeypatch.setattr(hs, "Stager", recording)
+    monkeypatch.setattr(hs.os, "cpu_count", lambda: 8)
+    if per_thread is not None:
+        monkeypatch.setattr(staging, "STAGE_BYTES_PER_THREAD", per_thread)
+    live, sw = swapper_at(run, 1, stage_threads=asked)
+    sw.hotload(2)
+    assert_at(live, run, 2)
+    assert seen == [want]
+
+
 def test_a_failing_tensor_among_parallel_stagings_leaves_no_staging_running(run, monkeypatch):
     import ckptdelta.loader.hotswap as hs
 
