@@ -75,7 +75,10 @@ def test_chain_runs_from_the_anchor(run):
     assert r.chain(6)[0].kind == "anchor"
 
 
-def test_range_reads_fetch_only_the_requested_tensors(tmp_path):
+def test_range_reads_fetch_only_the_requested_tensors(tmp_path, monkeypatch):
+    from ckptdelta.loader import fetch_units
+
+    monkeypatch.setattr(fetch_units, "FROM_START_BYTES", 0)     # this run's objects are a few KB: ranges alone
     run = make_run(str(tmp_path / "run"), n_versions=4, seed=3)
     total = sum(o.size for m in run.manifests.values() for o in m.objects)
     r = SnapshotReader(run.url)
@@ -91,6 +94,27 @@ def test_range_reads_fetch_only_the_requested_tensors(tmp_path):
     assert sorted(got) == ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
     assert_same(got, {k: run.truth[3][k] for k in got})
     assert r.stats["bytes_fetched"] - before < total / 3
+
+
+def test_a_request_near_an_objects_start_begins_at_its_first_byte(tmp_path, monkeypatch):
+    """A request that would start within FROM_START_BYTES of its object's start (a delta object's first record
+    follows its magic) reads from byte 0 (rclone's S3 server answers a range starting inside an object's first
+    4 KiB several times slower); the pieces are the same bytes, checked as before."""
+    from ckptdelta.loader import fetch_units
+    from ckptdelta.loader.update_path import rebuild_pieces
+
+    run = make_run(str(tmp_path / "run"), n_versions=3, seed=5)
+    r = SnapshotReader(run.url)
+    chain = r.chain(2)
+    pieces = [p for n in sorted(chain[-1].tensors) for p in rebuild_pieces(chain, n)]
+    reqs = fetch_units.coalesce([(p, i) for i, p in enumerate(pieces)])
+    firsts = {key: min(p.start for p, _i in members) for key, _s, _e, members in reqs}
+    assert any(0 < s <= fetch_units.FROM_START_BYTES for s in firsts.values())
+    for key, s, _e, members in reqs:
+        assert s == (0 if firsts[key] <= fetch_units.FROM_START_BYTES else firsts[key])
+    assert_same(r.read_tensors(2), run.truth[2])
+    monkeypatch.setattr(fetch_units, "FROM_START_BYTES", 0)
+    assert all(s == firsts[key] for key, s, _e, _m in fetch_units.coalesce([(p, i) for i, p in enumerate(pieces)]))
 
 
 def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes(shared_run, monkeypatch):
