@@ -52,7 +52,7 @@ TASK_BYTES = 1 << 20
 #: The changed tensors' bytes each staging thread is given at least: below it a hot-load stages on fewer threads
 #: (one for a small LoRA adapter's step). Each tensor's stage is a few short kernels between lines of Python; on
 #: tensors of tens to hundreds of KB a second thread mostly waits for the GIL the first holds (docs/PERFORMANCE.md,
-#: "LoRA runs, staging threads by the work").
+#: "LoRA runs, the replica's fixed costs").
 STAGE_BYTES_PER_THREAD = 16 << 20
 
 
