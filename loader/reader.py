@@ -45,8 +45,11 @@ log = logging.getLogger("ckptdelta.loader")
 BATCH_BYTES = 256 << 20
 #: The first batch's bytes; each next batch may hold twice as many, up to ``batch_bytes``. Decoding starts
 #: once the first batch is in: on a 1 Gbit/s link a first batch of 256 MiB would be ~2 s of waiting
-#: before any work, one of 4 MiB is ~35 ms, and the batches after it arrive while earlier ones decode.
-FIRST_BATCH_BYTES = 4 << 20
+#: before any work, one of 1 MiB is ~9 ms, and the batches after it arrive while earlier ones decode.
+#: 1 MiB, the publisher's first part (publisher/deltas.py): a LoRA step of a few MB was one 4 MiB batch,
+#: decoded only once all of it had crossed the link (docs/PERFORMANCE.md, "LoRA runs, the replica's fixed
+#: costs"); a model's delta of GBs still reaches 256 MiB batches after a few doublings.
+FIRST_BATCH_BYTES = 1 << 20
 MAX_CHAIN = 1 << 20
 #: Manifests kept in memory (least recently used dropped first); a chain rarely exceeds a few hundred.
 MANIFEST_CACHE = 1024

@@ -125,7 +125,7 @@ PRIOR_FAST_VS_CONTEXT = {"encode": cost_of(FAST).prior_per_work / cost_of(CONTEX
 DECODE_WORK = {c: cost_of(c).decode_work for c in CODECS}
 #: A replica's fetch batches (loader/reader.py): the first this many bytes, then twice the last, up to
 #: REPLICA_BATCH_BYTES.
-REPLICA_FIRST_BATCH_BYTES = 4 << 20
+REPLICA_FIRST_BATCH_BYTES = 1 << 20
 REPLICA_BATCH_BYTES = 256 << 20
 
 

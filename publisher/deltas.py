@@ -47,9 +47,11 @@ FIRST_PART_BYTES = 1 << 20
 #: A publisher's parts hold at most 1/TAIL_SHARE of the step's input bytes (:func:`part_bytes_for`, at least
 #: MIN_PART_CAP): doubling alone leaves up to half of a delta of tens of MB in its last part, uploaded only
 #: once every record is encoded (a LoRA step of 53 MB closed a last part of 25 MB, 0.2 s at 1 Gbit/s after
-#: its encode). A full model's delta of GBs still gets parts of ``part_bytes``.
+#: its encode). A full model's delta of GBs still gets parts of ``part_bytes``. 1 MiB at least: a LoRA step
+#: of 3-4 MB then closes parts of 1 MiB, and what is left after its encode is at most ~9 ms at 1 Gbit/s
+#: (2 MiB parts left ~17; docs/PERFORMANCE.md, "LoRA runs, the replica's fixed costs").
 TAIL_SHARE = 16
-MIN_PART_CAP = 2 << 20
+MIN_PART_CAP = 1 << 20
 
 
 def part_bytes_for(input_bytes: int, part_bytes: int = DEFAULT_PART_BYTES) -> int:

@@ -327,13 +327,13 @@ def test_parts_start_small_and_double_up_to_the_part_size():
 def test_a_publishers_parts_hold_a_sixteenth_of_the_steps_input_at_most_so_little_is_left_to_upload_after_encoding():
     """A LoRA step of 76 MB of tensors whose delta is 53 MB: doubling alone closes a last part of 22 MB, uploaded
     after the encode; capped at 1/16 of the input, no part passes 4.75 MB. A full model's step keeps 64 MiB parts,
-    and a small step's parts are never capped under 2 MiB (nor above the part size asked for)."""
+    and a small step's parts are never capped under 1 MiB (nor above the part size asked for)."""
     MiB = 1 << 20
     assert max(deltas.part_sizes(53_000_000)) > 20_000_000
     capped = deltas.part_sizes(53_000_000, deltas.part_bytes_for(76_000_000))
     assert max(capped) == 76_000_000 // 16 and sum(capped) == 53_000_000 and capped[:2] == [1 * MiB, 2 * MiB]
     assert deltas.part_bytes_for(16_000_000_000) == 64 * MiB
-    assert deltas.part_bytes_for(1_000_000) == 2 * MiB and deltas.part_bytes_for(1_000_000, 1000) == 1000
+    assert deltas.part_bytes_for(1_000_000) == 1 * MiB and deltas.part_bytes_for(1_000_000, 1000) == 1000
 
 
 def test_nothing_changed_teaches_nothing():
