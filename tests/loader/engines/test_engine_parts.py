@@ -126,3 +126,41 @@ def test_a_sampled_kernel_view_matches_what_the_kernel_shows_and_nothing_else():
     live[0] = float("nan")                         # a row poisoned live but finite in the host copy is one too
     want, got = _kernel_views(host, live, cols)
     assert not _same_bits(want, got)
+
+
+def test_a_slots_preparation_owns_every_adapter_tensor_and_copies_only_those_vllm_does_not_cast_itself(tmp_path):
+    """vLLM's transform casts LoRA A/B weights to its LoRA dtype (a new tensor) and then scales B in place: an
+    fp32 adapter's A/B weights need no clone of their own, while every tensor the transform keeps as given (one
+    already in vLLM's dtype, a module to save, an embedding's A/B) is cloned. However the worker then casts and
+    scales, the host copy keeps the published bits."""
+    from ckptdelta.loader.engines.vllm.worker.lora_slots import SlotError, _host_digest, verified_tensors
+
+    g = torch.Generator().manual_seed(0)
+    pre = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{pre}.lora_A.weight": torch.randn(8, 64, generator=g),
+               f"{pre}.lora_B.weight": torch.randn(64, 8, generator=g),
+               "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight":
+                   torch.randn(64, 8, generator=g).to(torch.bfloat16),
+               "base_model.model.model.embed_tokens.lora_embedding_A": torch.randn(8, 32, generator=g),
+               "base_model.model.lm_head.weight": torch.randn(32, 64, generator=g)}
+    shared = SharedWeights.create(tensors, directory=str(tmp_path))
+    try:
+        digests = {n: _host_digest(t) for n, t in tensors.items()}
+        host = open_tensors(shared.path, list(tensors))
+        got = verified_tensors(shared.path, digests, torch.bfloat16)
+        aliased = {n for n, t in got.items() if t.data_ptr() == host[n].data_ptr()}
+        assert aliased == {f"{pre}.lora_A.weight", f"{pre}.lora_B.weight"}
+        # without a dtype to cast to, every tensor is a clone; with fp32, only the bf16 B is cast
+        for dt, cast in ((None, set()), (torch.float32, {"base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"})):
+            assert {n for n, t in verified_tensors(shared.path, digests, dt).items()
+                    if t.data_ptr() == host[n].data_ptr()} == cast
+        # what vLLM then does: cast A/B (new tensors), keep the rest as given, scale B in place
+        for n, t in got.items():
+            t = t.to(torch.bfloat16) if ".lora_" in n and ".lora_embedding" not in n else t
+            t.mul_(2.0)
+        assert {n: _host_digest(t) for n, t in host.items()} == digests
+        shared.tensors[f"{pre}.lora_B.weight"][0, 0] += 1.0         # a host copy that is not the snapshot's
+        with pytest.raises(SlotError, match="1 adapter tensors in the host copy differ"):
+            verified_tensors(shared.path, digests, torch.bfloat16)
+    finally:
+        shared.close()

@@ -125,8 +125,12 @@ def _host_digest(t: torch.Tensor) -> str:
     return f"{xxhash.xxh3_64_intdigest(dtypes.host_bits(t.detach().contiguous())):016x}"
 
 
-def verified_tensors(path: str, digests: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Clones of the named host-copy tensors, each checked against its digest (the manifest's)."""
+def verified_tensors(path: str, digests: dict[str, str], lora_dtype: Any = None) -> dict[str, torch.Tensor]:
+    """The named host-copy tensors, each checked against its digest (the manifest's), each the caller's own:
+    a clone, except a LoRA A or B weight of another dtype than ``lora_dtype`` (vLLM's LoRA dtype), which
+    vLLM's transform casts into a new tensor anyway (``LoRAModel.from_lora_tensors``). Nothing handed on
+    may alias the host copy: vLLM scales B in place, and the next hot-load rewrites the host copy. Leaving
+    out the clone that the cast makes needless saves a pass over an fp32 adapter (76 MB at rank 64 here)."""
     from ckptdelta.loader.engines.shared_weights import open_tensors
 
     shared = open_tensors(path, list(digests))
@@ -134,7 +138,21 @@ def verified_tensors(path: str, digests: dict[str, str]) -> dict[str, torch.Tens
     if bad:
         raise SlotError(f"{len(bad)} adapter tensors in the host copy differ from the snapshot's digests "
                         f"({', '.join(sorted(bad)[:4])})")
-    return {n: t.clone() for n, t in shared.items()}
+    return {n: t if _cast_by_vllm(n, t, lora_dtype) else t.clone() for n, t in shared.items()}
+
+
+def _cast_by_vllm(name: str, t: torch.Tensor, lora_dtype: Any) -> bool:
+    """Whether vLLM's transform makes its own copy of ``t``: a LoRA A or B weight (``.lora_A.`` / ``.lora_B.``
+    in PEFT's names; not an embedding's ``lora_embedding_A/B``, nor a module to save, which vLLM keeps as
+    given) whose dtype it casts to ``lora_dtype``."""
+    return isinstance(lora_dtype, torch.dtype) and t.dtype != lora_dtype and \
+        (".lora_A." in name or ".lora_B." in name)
+
+
+def _lora_dtype(worker: Any) -> Any:
+    """The dtype vLLM's transform casts LoRA weights to (what :func:`transform` passes it)."""
+    wm, _ = managers(worker)
+    return wm.lora_config.lora_dtype
 
 
 def transform(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
@@ -169,7 +187,7 @@ def transform(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], confi
     if unknown:
         raise SlotError(f"vLLM's model has no LoRA layer for {len(unknown)} adapter tensors "
                         f"({', '.join(sorted(unknown)[:3])}); it takes LoRA on {sorted(expected)}")
-    return LoRAModel.from_lora_tensors(lora_id, tensors, helper, device="cpu", dtype=wm.lora_config.lora_dtype,
+    return LoRAModel.from_lora_tensors(lora_id, tensors, helper, device="cpu", dtype=_lora_dtype(worker),
                                        model_vocab_size=wm.vocab_size, weights_mapper=mapper, skip_prefixes=skip)
 
 
@@ -204,7 +222,7 @@ def prepare(worker: Any, lora_id: int, path: str, digests: dict[str, str], confi
     if lora_id not in mgr.list_adapters():
         raise SlotError(f"LoRA adapter id {lora_id} is not registered in this worker (slots: "
                         f"{sorted(mgr.list_adapters())})")
-    lora = _merged(worker, lora_id, verified_tensors(path, digests), config)
+    lora = _merged(worker, lora_id, verified_tensors(path, digests, _lora_dtype(worker)), config)
     index = next_index(mgr, lora_id)
     expected = expected_slot(worker, lora_id, None, config, index, lora=lora)
     return Prepared(lora, path, dict(digests), index, expected, time.perf_counter() - t0)
@@ -321,7 +339,8 @@ def _prove_written(worker: Any, lora_id: int, config: dict[str, Any], prepared: 
     _, mgr = managers(worker)
     index = mgr.lora_index_to_id.index(lora_id)
     expected = prepared.expected if index == prepared.index else \
-        expected_slot(worker, lora_id, verified_tensors(prepared.path, prepared.digests), config, index)
+        expected_slot(worker, lora_id, verified_tensors(prepared.path, prepared.digests, _lora_dtype(worker)), config,
+                      index)
     return index, compare(mgr, lora_id, index, expected)
 
 
@@ -419,7 +438,8 @@ def prove(worker: Any, lora_id: int, path: str, digests: dict[str, str], config:
         index = mgr.lora_index_to_id.index(lora_id)
     except ValueError:
         raise SlotError(f"LoRA adapter id {lora_id} is not in any slot") from None
-    expected = expected_slot(worker, lora_id, tensors if tensors is not None else verified_tensors(path, digests),
+    expected = expected_slot(worker, lora_id,
+                             tensors if tensors is not None else verified_tensors(path, digests, _lora_dtype(worker)),
                              config, index)
     checked = compare(mgr, lora_id, index, expected)
     return {"index": index, "checked": checked, "prove_s": time.perf_counter() - t0,
