@@ -179,10 +179,10 @@ def stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list, 
             if first.needs_grandparent and grand is None:
                 raise GrandparentNeededError(f"{pieces[0].where()}: the record is coded against the tensor two "
                                              "snapshots back, which this replica does not hold")
-            # verifies the result digest (and so the bits), one chunk of scratch; the live bits, before the
-            # record, are what the next snapshot's record of this tensor may be coded against
-            after = Prior(pieces[0].manifest.version, live.detach().to("cpu", copy=True)) if keep_prior else None
-            return stage(live, first, grandparent=grand), after
+            # verifies the result digest (and so the bits), one chunk of scratch; staging leaves ``live`` as it
+            # is, so its bits, before the record, are what the next snapshot's record may be coded against
+            st = stage(live, first, grandparent=grand)
+            return st, Prior(pieces[0].manifest.version, bits_before(live, st)) if keep_prior else None
         base = live.detach().to("cpu", copy=True).contiguous() if first.header.has_parent else None
         # each record verifies its result digest
         new, after = replay(pieces, values, base=base, prior=prior, keep_prior=keep_prior)
@@ -191,6 +191,17 @@ def stage_one(name: str, live: torch.Tensor, pieces: list[Piece], values: list, 
     st = stage_full(live, new, name=name, expected_digest=expected)
     _check_held(name, live, st, cur)
     return st, after if keep_prior else None
+
+
+def bits_before(live: torch.Tensor, st: StagedTensor) -> torch.Tensor:
+    """The live tensor's bits as they are before its staged change is committed, for a Prior: a copy, except
+    for a densely staged tensor, whose staged array is itself what the commit leaves them in. The commit
+    exchanges a dense stage with the live bits (loader/dense_swap.py, batch_commit's swap), so once it has
+    succeeded, and a Prior is only taken up then, that array holds exactly the bits before; no copy of the
+    tensor is made for it (a LoRA step stages most tensors densely: 76 MB of copies at rank 64, fp32)."""
+    if st.dense is not None:
+        return dtypes.from_bits(st.dense, st.dtype, tuple(st.shape))
+    return live.detach().to("cpu", copy=True)
 
 
 def _check_held(name: str, live: torch.Tensor, st: StagedTensor, cur: Manifest | None) -> None:

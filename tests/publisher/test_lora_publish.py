@@ -326,6 +326,13 @@ def test_deltas_after_the_first_are_coded_against_their_grandparent_and_every_re
         assert bits_differ(swapper.weights, truth[v]) == [], f"v{v}"
         if v in (2, 3, 6) and report.from_version == v - 1:
             assert not report.via_anchor, f"v{v} took the anchor route"
+        if v in (1, 2, 3) and report.from_version == v - 1:
+            # what the replica keeps of each tensor v changed is its bits before: v-1's (a densely staged
+            # tensor's kept bits are the array the commit swapped them into, not a copy taken before)
+            kept = {n: p.tensor for n, p in swapper._priors.items() if p.version == v}
+            assert kept and report.tensors_copied > 0, f"v{v}: {len(kept)} kept, {report.tensors_copied} copied"
+            assert [n for n, t in kept.items() if not torch.equal(t.view(torch.uint8),
+                                                                   truth[v - 1][n].view(torch.uint8))] == [], f"v{v}"
     # a replica started on a delta keeps, from materializing it, the bits v6's records need
     started = reference.build(bucket=url, snapshot=5, base_model=lm_dir)
     assert not started.swapper.hotload(6).via_anchor
