@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdelta.delta.errors import HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError
 from ckptdelta.delta.manifest import snapshot_name
+from ckptdelta.loader.threads import Threads
 
 if TYPE_CHECKING:
     from ckptdelta.loader.hotswap import HotSwapper
@@ -162,7 +163,10 @@ class HotLoadManager:
         self._queued: HotLoadJob | None = None    # waits for the running one (submit(queue=True))
         self._last: HotLoadJob | None = None
         self._seq = itertools.count(1)
-        self._thread: threading.Thread | None = None   # the running job's
+        # the thread hot-loads run on, kept between them (loader/threads.py: a thread started per hot-load cost
+        # tens of ms of Thread.start on a replica whose cores vLLM keeps busy); set once the running job ends
+        self._runner = Threads(1, "ckptdelta-hotload")
+        self._ended: threading.Event | None = None
         self._stopping: str | None = None              # why, once the replica stops
         self._stopped_in: HotLoadJob | None = None     # the hot-load that was running when the stop came
 
@@ -256,8 +260,8 @@ class HotLoadManager:
         job = job or self._new_job(requested, target, current, awaiting)
         job.from_version, job.state = current, PREPARING
         self._running = job
-        self._thread = threading.Thread(target=self._run, args=(job,), name=f"hotload-{job.id}", daemon=True)
-        self._thread.start()
+        self._ended = ended = threading.Event()
+        self._runner.submit(self._run, job, ended)
         log.info("hot-load %s: %s -> %s started", job.id, _name(job.from_version), snapshot_name(target))
         return job, "started"
 
@@ -273,7 +277,13 @@ class HotLoadManager:
             del self._jobs[oldest]
         return job
 
-    def _run(self, job: HotLoadJob) -> None:
+    def _run(self, job: HotLoadJob, ended: threading.Event) -> None:
+        try:
+            self._run_job(job)
+        finally:
+            ended.set()
+
+    def _run_job(self, job: HotLoadJob) -> None:
         state = FAILED
         try:
             # Weights of unknown version (an HF directory): only an anchor can establish one ("initial").
@@ -347,13 +357,13 @@ class HotLoadManager:
             queued, self._queued = self._queued, None
             if queued is not None:
                 self._drop(queued)
-            job, thread = self._running or self._stopped_in, self._thread
-        if job is None or thread is None:
+            job, ended = self._running or self._stopped_in, self._ended
+        if job is None or ended is None:
             return None
         if not job.done:
             log.warning("%s: waiting for hot-load %s to %s (%s) to end before the engine stops", self._stopping,
                         job.id, snapshot_name(job.target_version), job.state)
-        thread.join(timeout)
+        ended.wait(timeout)
         if not job.done:
             log.error("hot-load %s to %s still %s after %.0f s: the engine stops under it", job.id,
                       snapshot_name(job.target_version), job.state, timeout)

@@ -45,6 +45,7 @@ from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.loader.spans import VersionLog
 from ckptdelta.loader.dense_swap import DenseSwap, _scatter_if_unchanged, _synchronize, _unchanged_since_prepare
 from ckptdelta.loader.gate import ServingGate
+from ckptdelta.loader.threads import Threads
 from ckptdelta.loader.staging import Staged, Stager, host_copy, last_change, old_bits, stage_one, stage_threads_for
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ class HotSwapper:
         self.apply_method = apply_method
         self.progress = progress  # a tqdm bar while preparing: None = on a terminal, for >= 64 MiB to fetch
         self.stage_threads = stage_threads  # tensors staged at once while preparing (default: every core)
+        self._stage_pools: dict[int, Threads] = {}     # by thread count (a hot-load's: stage_threads_for)
         self.commit_mode = commit_mode
         # An engine that keeps weights of its own (ckptdelta.loader.engines.base.EngineApplier): ``weights`` are then
         # its host copy, the applier's pause replaces the gate and it pushes each commit into the engine.
@@ -289,7 +291,7 @@ class HotSwapper:
         threads = self.stage_threads or stage_threads_for(
             sum(live[mapping[names[gi]]].nbytes for gi, g in enumerate(groups) if g), os.cpu_count() or 1)
         with _progress_bar(self.progress, to_fetch, f"hot-load {snapshot_name(v)}") as bar, \
-                Stager(stage_group, threads) as stager:
+                Stager(stage_group, threads, self._staging_threads(threads)) as stager:
             for done in stager.run(self.reader.iter_fetched_batches(groups, counter=counter)):
                 if done.value is not None:
                     staged.append(done.value)
@@ -312,6 +314,15 @@ class HotSwapper:
                  "anchor" if plan.via_anchor else "deltas", len(staged), report.bytes_fetched, staging)
         return PreparedUpdate(current, v, plan.path, plan.via_anchor, staged, report, staging, id(self), batch,
                               priors=priors)
+
+    def _staging_threads(self, n: int) -> Threads | None:
+        """``n`` staging threads, kept from one hot-load to the next (loader/threads.py); one stages inline."""
+        if n <= 1:
+            return None
+        pool = self._stage_pools.get(n)
+        if pool is None:
+            pool = self._stage_pools[n] = Threads(n, "ckptdelta-stage")
+        return pool
 
     def _commit(self, p: PreparedUpdate) -> HotLoadReport:
         t0 = time.perf_counter()

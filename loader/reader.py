@@ -17,7 +17,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
 from typing import Iterator, Sequence, TYPE_CHECKING
 
 import torch
@@ -33,7 +33,8 @@ from ckptdelta.delta.storage import Store
 from ckptdelta.loader.cache import DiskCache
 from ckptdelta.loader.fetch_units import xxh_hex, Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
 from ckptdelta.loader.update_path import rebuild_pieces
-from ckptdelta.loader.prefetch import prefetching
+from ckptdelta.loader.prefetch import in_flight
+from ckptdelta.loader.threads import Threads
 
 if TYPE_CHECKING:
     from ckptdelta.loader.landing import Landing
@@ -50,6 +51,9 @@ BATCH_BYTES = 256 << 20
 #: decoded only once all of it had crossed the link (docs/PERFORMANCE.md, "LoRA runs, the replica's fixed
 #: costs"); a model's delta of GBs still reaches 256 MiB batches after a few doublings.
 FIRST_BATCH_BYTES = 1 << 20
+#: A reader's kept threads (loader/threads.py): the run's check beside a resolve and one fetch batch in flight
+#: per iteration, with room for a few iterations at once (a hot-load and a prefetch of the next version).
+READER_THREADS = 4
 MAX_CHAIN = 1 << 20
 #: Manifests kept in memory (least recently used dropped first); a chain rarely exceeds a few hundred.
 MANIFEST_CACHE = 1024
@@ -81,6 +85,9 @@ class SnapshotReader:
         self._lock = threading.Lock()
         self.stats: dict[str, int] = {"bytes_fetched": 0, "requests": 0, "cache_hits": 0, "bytes_landed": 0}
         self._landing: "Landing | None" = None     # objects of the version a hot-load awaits (:meth:`await_commit`)
+        # the run's check beside a resolve, the next batch of a fetch: on threads kept between hot-loads
+        # (loader/threads.py), not one started for each
+        self._threads = Threads(READER_THREADS, "ckptdelta-reader")
 
     def __repr__(self) -> str:
         return f"SnapshotReader({self.url!r})"
@@ -192,9 +199,7 @@ class SnapshotReader:
         with self._lock:
             cached = v in self._manifests
         errors: list[BaseException] = []
-        checked = threading.Thread(target=self._check_run_into, args=(errors,), name="ckptdelta-check-run",
-                                   daemon=True)
-        checked.start()
+        checked = self._threads.submit(self._check_run_into, errors)
         gone, err = False, None
         try:
             if cached:
@@ -207,7 +212,7 @@ class SnapshotReader:
         except CkptDeltaError as e:
             err = e
         finally:
-            checked.join()                  # whatever happened here, the run's check is waited for and said first
+            futures.wait([checked])         # whatever happened here, the run's check is waited for and said first
         if errors:
             if isinstance(errors[0], SnapshotNotFoundError):
                 self._forget()              # the run is gone or another: what the read beside it cached is too
@@ -513,9 +518,8 @@ class SnapshotReader:
 
         if not groups:
             return
-        ex = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-prefetch")
-        with prefetching(ex):
-            fut = ex.submit(fetch_batch, batches[0])
+        with in_flight() as held:
+            fut = held.add(self._threads.submit(fetch_batch, batches[0]))
             for bi, b in enumerate(batches):
                 t0 = time.perf_counter()
                 try:
@@ -524,7 +528,7 @@ class SnapshotReader:
                     if counter is not None:
                         counter["fetch_s"] = counter.get("fetch_s", 0.0) + time.perf_counter() - t0
                 if bi + 1 < len(batches):
-                    fut = ex.submit(fetch_batch, batches[bi + 1])
+                    fut = held.add(self._threads.submit(fetch_batch, batches[bi + 1]))
                 out, k = [], 0
                 for gi in b:
                     n = len(groups[gi])

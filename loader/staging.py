@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -22,6 +23,7 @@ from ckptdelta.delta.manifest import Manifest, TensorEntry
 from ckptdelta.delta.pieces import box_bits, box_view, flat_range
 
 from ckptdelta.loader import batch_commit
+from ckptdelta.loader.threads import Threads
 from ckptdelta.loader.fetch_units import Piece, Prior, check_assembled, grandparent_of, rebuild, replay
 from ckptdelta.loader.update_path import UpdatePlan
 
@@ -71,9 +73,13 @@ class Stager:
     staged results waiting. On an error the tasks not started are dropped and the
     running ones finish before it propagates: nothing stages after prepare returns."""
 
-    def __init__(self, fn: Callable[[int, list], Any], threads: int) -> None:
+    def __init__(self, fn: Callable[[int, list], Any], threads: int, pool: Threads | None = None) -> None:
+        """``pool``: kept threads to stage on (at least ``threads`` of them; the swapper's, loader/threads.py),
+        else a pool of this Stager's own."""
         self.fn, self.threads, self.wait_s = fn, threads, 0.0
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptdelta-stage") if threads > 1 else None
+        self._own = pool is None and threads > 1
+        self._pool: Threads | ThreadPoolExecutor | None = None if threads <= 1 else \
+            pool if pool is not None else ThreadPoolExecutor(threads, thread_name_prefix="ckptdelta-stage")
         self._pending: deque[tuple[list[int], Future]] = deque()
 
     def __enter__(self) -> "Stager":
@@ -82,8 +88,10 @@ class Stager:
     def __exit__(self, *exc: object) -> None:
         for _gis, f in self._pending:
             f.cancel()
-        if self._pool is not None:
+        if self._own:
             self._pool.shutdown(wait=True)
+        elif self._pool is not None:        # the tasks that started end before this does: nothing stages after
+            futures.wait([f for _gis, f in self._pending])
 
     def run(self, batches: Iterator[list[tuple[int, list]]]) -> Iterator[StageDone]:
         """Stage each fetched batch's groups (``iter_fetched_batches``), yielding them in order. Time spent

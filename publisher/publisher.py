@@ -663,7 +663,8 @@ class Publisher:
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
                                      progress=self.progress, parent_digests=self._parents.digests,
-                                     grandparents=grand, fast_alone=alone, threads=self.encode_threads)
+                                     grandparents=grand, fast_alone=alone, threads=self.encode_threads,
+                                     pool=self._uploads)
         if codec != CONTEXT:
             won = set(written.fast_won)
             for name in job.snapshot:

@@ -11,6 +11,7 @@ manifest commits it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -18,7 +19,8 @@ import sys
 import threading
 import time
 from collections.abc import Container, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -226,27 +228,39 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
                        part_bytes: int | None = None, context: bool = True,
                        parent_digests: Mapping[str, int] | None = None,
                        grandparents: Mapping[str, torch.Tensor] | None = None,
-                       fast_alone: Container[str] = (), threads: int | None = None) -> Written:
+                       fast_alone: Container[str] = (), threads: int | None = None,
+                       pool: Executor | None = None) -> Written:
     """This rank's delta objects (none when nothing changed); each finished part uploads while the
-    next tensors are encoded. ``parent_digests``, ``grandparents``, ``fast_alone`` and ``threads`` as in
-    :func:`ckptdelta.publisher.deltas.write_delta`."""
+    next tensors are encoded, at most UPLOADS_IN_FLIGHT at once. ``parent_digests``, ``grandparents``,
+    ``fast_alone`` and ``threads`` as in :func:`ckptdelta.publisher.deltas.write_delta`. ``pool``: the
+    threads to upload on, kept by the caller from one publish to the next (a Publisher's); else a pool of this
+    call's own. Starting threads for every delta cost a trainer beside a busy sampler ~30 ms a publish of
+    ``Thread.start`` (a profile of benchmarks.lora under its sampling load, rank 16: a new thread runs only once
+    a busy core and the GIL let it)."""
     total = sum(t.numel() * t.element_size() for t in snapshot.values())
     bar = progress_bar(progress, total, f"delta v{version}")
     out = Written()
     uploads: list[Future] = []
     spans: list[tuple[float, float]] = []      # each part's upload, start and end (two may overlap)
     lock = threading.Lock()
+    in_flight = threading.BoundedSemaphore(UPLOADS_IN_FLIGHT)
     try:
-        with locked_tempdir("delta") as tmp, \
-                ThreadPoolExecutor(max_workers=UPLOADS_IN_FLIGHT, thread_name_prefix="ckptdelta-delta-upload") as pool:
+        with locked_tempdir("delta") as tmp, contextlib.ExitStack() as stack:
+            if pool is None:
+                pool = stack.enter_context(ThreadPoolExecutor(max_workers=UPLOADS_IN_FLIGHT,
+                                                              thread_name_prefix="ckptdelta-delta-upload"))
+            else:       # every upload started has ended before the part files go (the pool outlives this call)
+                stack.callback(lambda: futures.wait(uploads))
+
             def path_of(i: int) -> str:
                 return os.path.join(tmp, rank_object_name(rank, i))
 
             def upload(i: int) -> None:
-                t0 = time.perf_counter()
-                store.put_file(f"{delta_prefix(version, writer_id)}/{rank_object_name(rank, i)}", path_of(i))
-                with lock:
-                    spans.append((t0, time.perf_counter()))
+                with in_flight:
+                    t0 = time.perf_counter()
+                    store.put_file(f"{delta_prefix(version, writer_id)}/{rank_object_name(rank, i)}", path_of(i))
+                    with lock:
+                        spans.append((t0, time.perf_counter()))
 
             part = write_delta(lambda i: open(path_of(i), "wb"), parent, snapshot, level=level, context=context,
                                parent_digests=parent_digests, grandparents=grandparents, fast_alone=fast_alone,

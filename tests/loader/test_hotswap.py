@@ -189,9 +189,10 @@ def test_a_hotload_stages_on_as_many_threads_as_its_changed_bytes_pay_for(run, m
     seen = []
     real = hs.Stager
 
-    def recording(fn, threads):
+    def recording(fn, threads, pool=None):
         seen.append(threads)
-        return real(fn, threads)
+        assert (pool is None) == (threads == 1) and (pool is None or pool.n == threads)
+        return real(fn, threads, pool)
 
     monkeypatch.setattr(hs, "Stager", recording)
     monkeypatch.setattr(hs.os, "cpu_count", lambda: 8)
@@ -220,7 +221,7 @@ def test_a_failing_tensor_among_parallel_stagings_leaves_no_staging_running(run,
     live, sw = swapper_at(run, 1, stage_threads=4)
     with pytest.raises(ParentMismatchError, match="lm_head.weight"):
         sw.hotload(2)
-    assert not [t for t in threading.enumerate() if t.name.startswith("ckptdelta-stage")]
+    assert all(pool.busy == 0 for pool in sw._stage_pools.values()) and sw._stage_pools   # none staging now
     n = len(started)
     time.sleep(0.2)
     assert len(started) == n                   # nothing staged after prepare returned

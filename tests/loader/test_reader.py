@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -184,8 +185,6 @@ def test_a_fresh_resolve_that_cannot_read_the_run_keeps_the_cached_manifests_and
                                                                                                   monkeypatch):
     """A storage error reading RUN.json fails the resolve, says so, and keeps what is cached (the run may be
     fine); an unexpected error reading the manifest still waits for the run's check beside it."""
-    import threading
-
     from ckptdelta.delta.errors import StorageError
 
     r = SnapshotReader(run.url)
@@ -202,10 +201,18 @@ def test_a_fresh_resolve_that_cannot_read_the_run_keeps_the_cached_manifests_and
         r.resolve(2, fresh=True)
     assert 2 in r._manifests
     monkeypatch.setattr(r, "_get", real_get)
+    real_check, ended = r.check_run, []
+
+    def slow_check():                            # still running when the manifest's read fails
+        time.sleep(0.2)
+        real_check()
+        ended.append(True)
+
+    monkeypatch.setattr(r, "check_run", slow_check)
     monkeypatch.setattr(r, "_manifest", lambda v: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
         r.resolve(3, fresh=True)
-    assert not [t for t in threading.enumerate() if t.name == "ckptdelta-check-run"]
+    assert ended and r._threads.busy == 0        # the run's check was waited for, on the reader's kept thread
 
 
 def test_unknown_tensor_name_is_not_found(run):
