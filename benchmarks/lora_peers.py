@@ -242,6 +242,9 @@ class Replica:
         self.load = StreamLoad(clients, max_tokens)
         self.load.start()
         self.op_target("ckptdelta")
+        from ckptdelta.loader.heap import freeze_started_heap
+
+        freeze_started_heap()           # as `ckptdelta serve` does once its replica serves
         return {"vllm_start_s": t1 - t0, "ids": self._ids()}
 
     # -- what the sampling load asks for
@@ -385,6 +388,9 @@ class Replica:
         return {"same_as_ckptdelta_slot": out}
 
     def op_stop(self) -> dict:
+        from ckptdelta.loader.heap import unfreeze_heap
+
+        unfreeze_heap()                 # what this replica held may be collected once it is stopped
         out: dict[str, Any] = {}
         if self.load is not None:
             self.load.stop()

@@ -139,6 +139,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int",
     import uvicorn
 
     from ckptdelta.loader.engines import build_engine
+    from ckptdelta.loader.heap import freeze_started_heap
     from ckptdelta.loader.server import create_app
 
     stopper = _StopOnEngineFailure(getattr(args, "on_engine_failure", "exit") == "exit")
@@ -156,6 +157,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, snapshot: "str | int",
     try:
         app = create_app(engine, replica_id=replica_id, api_key=api_key)
         hotloads = app.state.hotloads
+        freeze_started_heap()   # what start-up left alive is not walked by every full collection (loader/heap.py)
         starting.stop()     # the socket, still listening, is the app's: what connects from now on waits for it
 
         def on_stop() -> None:     # at the signal, before the drain: a hot-load still preparing is dropped
