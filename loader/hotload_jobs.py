@@ -163,8 +163,8 @@ class HotLoadManager:
         self._queued: HotLoadJob | None = None    # waits for the running one (submit(queue=True))
         self._last: HotLoadJob | None = None
         self._seq = itertools.count(1)
-        # the thread hot-loads run on, kept between them (loader/threads.py: a thread started per hot-load cost
-        # tens of ms of Thread.start on a replica whose cores vLLM keeps busy); set once the running job ends
+        # the thread hot-loads run on, kept between them (loader/threads.py: a thread started per hot-load waits
+        # in Thread.start until a busy core and the GIL let it run); _ended is set once the running job ends
         self._runner = Threads(1, "ckptdelta-hotload")
         self._ended: threading.Event | None = None
         self._stopping: str | None = None              # why, once the replica stops

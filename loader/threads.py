@@ -2,10 +2,11 @@
 next fetch batch, its staging.
 
 Each of those once started a thread of its own (or a pool's) per hot-load. ``Thread.start()`` returns only once
-the new thread runs and has taken the GIL, and on a replica whose cores vLLM keeps busy that wait is long: a
-profile of the LoRA benchmark under its sampling load (py-spy, rank 16) found ~38 ms of every hot-load in
-``Thread.start`` (docs/PERFORMANCE.md, "LoRA runs, the replica's fixed costs"). A thread started once and
-kept, waiting on a queue, takes the next task as soon as it is woken.
+the new thread runs and has taken the GIL, which on a replica whose cores vLLM keeps busy can take a while: a
+py-spy profile of the LoRA benchmark under its sampling load put ~38 ms of every hot-load in ``Thread.start``,
+though without the profiler's own load the difference was within the benchmark's noise (docs/PERFORMANCE.md,
+"LoRA runs, what a busy host adds"). A thread started once and kept, waiting on a queue, takes the next task as
+soon as it is woken.
 
 Daemon threads, as the per-hot-load threads were: an interpreter that exits does not wait for a hot-load. A
 thread idle for :data:`IDLE_EXIT_S` ends (the next task starts one again), so a process that makes many

@@ -234,9 +234,8 @@ def write_delta_object(store: Store, parent: Mapping[str, torch.Tensor], snapsho
     next tensors are encoded, at most UPLOADS_IN_FLIGHT at once. ``parent_digests``, ``grandparents``,
     ``fast_alone`` and ``threads`` as in :func:`ckptdelta.publisher.deltas.write_delta`. ``pool``: the
     threads to upload on, kept by the caller from one publish to the next (a Publisher's); else a pool of this
-    call's own. Starting threads for every delta cost a trainer beside a busy sampler ~30 ms a publish of
-    ``Thread.start`` (a profile of benchmarks.lora under its sampling load, rank 16: a new thread runs only once
-    a busy core and the GIL let it)."""
+    call's own. A thread started for every delta waits, in ``Thread.start``, until a busy core and the GIL let
+    it run (loader/threads.py says how much that was measured to cost)."""
     total = sum(t.numel() * t.element_size() for t in snapshot.values())
     bar = progress_bar(progress, total, f"delta v{version}")
     out = Written()
