@@ -24,7 +24,6 @@ import struct
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -36,7 +35,7 @@ from ckptdelta.delta.errors import ChecksumError, CkptDeltaError, ManifestError,
 from ckptdelta.delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
 
 from ckptdelta.loader.fetch_units import xxh_hex, Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
-from ckptdelta.loader.prefetch import prefetching
+from ckptdelta.loader.prefetch import in_flight
 
 if TYPE_CHECKING:
     import torch
@@ -182,13 +181,12 @@ def _chunks(reader: "SnapshotReader", o: ObjectRef) -> Iterator[tuple[int, bytes
                                 f"expected {span[1] - span[0]}")
         return data
 
-    ex = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-verify")
-    with prefetching(ex):        # not a plain `with`: an abandoned generator must not join (reader.prefetching)
-        fut = ex.submit(get, spans[0])
+    with in_flight() as held:    # on the reader's kept threads, as its own fetches (loader/prefetch.py)
+        fut = held.add(reader._threads.submit(get, spans[0]))
         for i, span in enumerate(spans):
             data = fut.result()
             if i + 1 < len(spans):
-                fut = ex.submit(get, spans[i + 1])
+                fut = held.add(reader._threads.submit(get, spans[i + 1]))
             yield span[0], data
 
 
