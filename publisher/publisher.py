@@ -45,7 +45,8 @@ from ckptdelta.publisher.chain import ChainState, Plan, decide
 from ckptdelta.publisher.prefault import Prefault
 from ckptdelta.publisher.rebuild import read_chain
 from ckptdelta.publisher.result import PublishResult
-from ckptdelta.publisher.runs import (check_not_committed, commit, committed_versions, ensure_run_info, new_writer_id,
+from ckptdelta.publisher.runs import (check_not_committed, commit, committed_versions, ensure_run_info, move_head,
+                                      new_writer_id,
                                       read_manifest, read_run_info)
 from ckptdelta.publisher.device_diff import DeviceDiff
 from ckptdelta.publisher.host_copy import (Cast, Partition, Weights, check_publish_dtype, copy_to_host,
@@ -241,6 +242,10 @@ class Publisher:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-publish")
         self._warmed: set[torch.dtype] = set()   # dtypes whose kernels auto loaded before a timed delta
         self._uploads = ThreadPoolExecutor(4, thread_name_prefix="ckptdelta-upload")
+        # HEAD moves after each commit on a thread of its own, in commit order: publish() returns once the
+        # manifest is committed, a PUT sooner (readers find a manifest newer than HEAD without it)
+        self._heads = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-head")
+        self._head_moved: Future | None = None
         _LIVE.add(self)
 
     @property
@@ -378,7 +383,14 @@ class Publisher:
                 for f in pending:
                     if f.done():
                         self._jobs.pop(f, None)
+        self._wait_head()
         self._raise_pending()
+
+    def _wait_head(self) -> None:
+        """Until HEAD names the newest commit (move_head never raises)."""
+        moved = self._head_moved
+        if moved is not None:
+            moved.result()
 
     def close(self) -> None:
         """Finish what is in flight, then release threads and connections. Idempotent."""
@@ -396,6 +408,7 @@ class Publisher:
         self._join_prefault()
         self._worker.shutdown(wait=True)
         self._uploads.shutdown(wait=True)
+        self._heads.shutdown(wait=True)
         self._store.close()
 
     def __enter__(self) -> "Publisher":
@@ -724,7 +737,8 @@ class Publisher:
             full_bytes=full, stored_bytes=stored, adapter=None if job.adapter is None else job.adapter.record)
         data = manifest.to_json()
         Manifest.from_json(data, run_id=self.run_id)  # never commit what a reader would refuse
-        commit(store, manifest, data)
+        h = commit(store, manifest, data)
+        self._head_moved = self._heads.submit(move_head, store, manifest, h)
         self._committed_here = plan.version
         self._chain = self._chain.advanced(manifest)
         if plan.kind == "anchor":

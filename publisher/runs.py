@@ -83,10 +83,10 @@ def read_manifests(store: Store, versions: Iterable[int], run_id: str | None) ->
 
 
 def commit(store: Store, manifest: Manifest, data: bytes | None = None) -> str:
-    """Make ``manifest`` visible (the commit point), then move HEAD. Returns the manifest's xxh3.
+    """Make ``manifest`` visible (the commit point). Returns the manifest's xxh3, which :func:`move_head`
+    writes into HEAD after it.
 
-    ``data``: ``manifest.to_json()`` when the caller has it already (it parsed it back first).
-    HEAD is best effort: a failure there is logged, the snapshot is committed regardless."""
+    ``data``: ``manifest.to_json()`` when the caller has it already (it parsed it back first)."""
     data = manifest.to_json() if data is None else data
     key = manifest_key(manifest.version)
     try:
@@ -114,12 +114,17 @@ def commit(store: Store, manifest: Manifest, data: bytes | None = None) -> str:
             raise
         log.warning("%s: the create failed, but the manifest holds this publisher's bytes (an answer was "
                     "lost); committed", store.key_url(key))
-    h = digest_hex(xxhash.xxh3_64_intdigest(data))
+    return digest_hex(xxhash.xxh3_64_intdigest(data))
+
+
+def move_head(store: Store, manifest: Manifest, h: str) -> None:
+    """Point HEAD at ``manifest`` (committed, its xxh3 ``h``). Best effort: the snapshot is committed without
+    it, and a reader whose HEAD lags finds the newer manifests after it (one existence check each), so a
+    failure is logged, never raised."""
     try:
         store.put(HEAD_KEY, Head(manifest.run_id, manifest.version, h).to_json())
-    except Exception as e:  # the commit happened; a stale HEAD only costs readers a listing
+    except Exception as e:  # the commit happened; a stale HEAD only costs readers a look or two
         log.warning("committed %s but could not update %s: %s", manifest.where(), store.key_url(HEAD_KEY), e)
-    return h
 
 
 def _holds(store: Store, key: str, data: bytes) -> bool:

@@ -427,3 +427,39 @@ def test_a_tensors_dense_and_raw_tries_that_lost_run_again_only_every_few_deltas
     reader = SnapshotReader(url)
     for v, want in truth.items():
         assert_same(reader.read_tensors(v), want)
+
+
+def test_publish_returns_at_the_commit_and_head_follows_in_commit_order(tmp_path):
+    """HEAD is a hint, moved on a thread of its own: publish() returns once the manifest is committed, a
+    reader resolving "latest" finds that version while HEAD still lags, and wait_until_finished() (as close())
+    returns only once HEAD names the newest commit, never having moved it backwards."""
+    import threading
+
+    from ckptdelta.loader.reader import SnapshotReader
+
+    url = str(tmp_path / "run")
+    pub = Publisher(url)
+    pub.publish(weights(), 0)
+    pub.wait_until_finished()
+    release, heads = threading.Event(), []
+    real_put = pub.store.put
+
+    def held_head(key, data, *a, **kw):
+        if key == HEAD_KEY:
+            assert release.wait(30)
+            heads.append(Head.from_json(data).version)
+        return real_put(key, data, *a, **kw)
+
+    pub.store.put = held_head
+    w = weights()
+    for step in (1, 2):
+        perturb(w, seed=step)
+        r = pub.publish(w, step)              # returns while HEAD's PUT is held
+        assert r.version == step
+    store = open_store((url, {}))
+    assert Head.from_json(store.get(HEAD_KEY)).version == 0
+    assert SnapshotReader(url).resolve("latest") == 2
+    release.set()
+    pub.wait_until_finished()
+    assert heads == [1, 2] and Head.from_json(store.get(HEAD_KEY)).version == 2
+    pub.close()
