@@ -8,7 +8,7 @@ publish() called on the trainer -> serving on the replica spans them).
 
 The three methods, trainer side and replica side, all on the same adapter bits:
 
-- ``ckptdelta``: ``Publisher.publish(peft_model, step)`` -> ``POST /v1/hotload`` on the
+- ``ckptdelta``: ``Publisher.publish(peft_model, step)`` -> ``POST /v1/hotload`` (answered as the job ends) on the
   replica app over ``build_engine("vllm")`` (a LoRA run: the new version written
   into a free slot by one collective RPC, proven, then routed to) -> job READY.
 - ``full``: the whole adapter every step (``safetensors`` of the peft state dict +
@@ -320,12 +320,13 @@ class Replica:
         """Load the step ``info`` names; ``early``: it is being published now (its objects may not exist yet)."""
         t0 = time.perf_counter()
         if method == "ckptdelta":
-            body = {"snapshot": info["version"], **({"await_commit_s": 120.0} if early else {})}
+            # answered once the job ends (``wait``): one request from the hot-load's start to READY
+            body = {"snapshot": info["version"], "wait": 30, **({"await_commit_s": 120.0} if early else {})}
             r = self.http.post("/v1/hotload", json=body)
             if r.status_code not in (200, 202):
                 raise RuntimeError(f"hotload {info['version']}: {r.status_code} {r.text[:300]}")
             job = r.json()
-            while job["state"] not in ("READY", "FAILED"):     # answered as soon as the job ends, as clients wait
+            while job["state"] not in ("READY", "FAILED"):     # past the wait: asked again, answered as it ends
                 job = self.http.get(f"/v1/hotload/{job['id']}?wait=30").json()
             t1 = time.perf_counter()
             if job["state"] != "READY":

@@ -159,7 +159,11 @@ class AsyncRolloutClient:
         async with cond:
             while (target := plan.take_target(i)) is None:
                 await cond.wait()      # for the replica resolving the name: one request
-        job = await self._post_job(url, target[0], await_commit_s)
+        deadline = time.monotonic() + timeout         # its own timeout, from its own start
+        # a version asked for by number is answered once its job ends (one request); a name is answered at once,
+        # as the others wait for the version it resolves to
+        held = fleet.long_poll_s(timeout, self._http.timeout.read) if wait and isinstance(target[0], int) else None
+        job = await self._post_job(url, target[0], await_commit_s, held)
         if not isinstance(target[0], int):      # this replica was asked for the name: the others wait on it
             async with cond:
                 plan.resolved(i, job["target_version"] if job["state"] in fleet.JOB_STATES else None)
@@ -167,7 +171,6 @@ class AsyncRolloutClient:
         if not wait:
             return job
         path = f"/v1/hotload/{job['id']}" if job["state"] in fleet.BUSY else None
-        deadline = time.monotonic() + timeout         # its own timeout, from its own start
         while path is not None:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -186,13 +189,14 @@ class AsyncRolloutClient:
                 await asyncio.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
         return job
 
-    async def _post_job(self, url: str, snapshot: str | int, await_commit_s: float | None = None) -> dict[str, Any]:
+    async def _post_job(self, url: str, snapshot: str | int, await_commit_s: float | None = None,
+                        wait_s: float | None = None) -> dict[str, Any]:
         what = "POST /v1/hotload"
-        body: dict[str, Any] = {"snapshot": snapshot}
-        if await_commit_s is not None:
-            body["await_commit_s"] = await_commit_s
+        body = fleet.hotload_body(snapshot, await_commit_s=await_commit_s, wait_s=wait_s)
         try:
             r = await self._http.post(url + "/v1/hotload", json=body)
+            if wait_s is not None and fleet.wait_refused(r):      # an older replica: its job is waited for by GETs
+                r = await self._http.post(url + "/v1/hotload", json={k: v for k, v in body.items() if k != "wait"})
             return fleet.job_answer(url, what, fleet.answer(url, what, r, ok=(200, 202)))
         except httpx.TransportError as e:
             return fleet.failed_state(fleet.transport_error(url, what, e))

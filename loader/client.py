@@ -206,25 +206,27 @@ class RolloutClient:
         with cond:
             while (target := plan.take_target(i)) is None:
                 cond.wait()       # for the replica resolving the name: one request
-        job = self._post_job(url, target[0], queue, await_commit_s)
+        deadline = time.monotonic() + timeout          # its own timeout, from its own start
+        # a version asked for by number is answered once its job ends (one request); a name is answered at once,
+        # as the others wait for the version it resolves to
+        held = fleet.long_poll_s(timeout, self._http.timeout.read) if wait and isinstance(target[0], int) else None
+        job = self._post_job(url, target[0], queue, await_commit_s, held)
         if not isinstance(target[0], int):      # this replica was asked for the name: the others wait on it
             with cond:
                 plan.resolved(i, job["target_version"] if job["state"] in fleet.JOB_STATES else None)
                 cond.notify_all()
-        if wait and job["state"] in fleet.BUSY:      # its own timeout, from its own start
-            job = self._wait_job(url, job, time.monotonic() + timeout, poll_interval, timeout)
+        if wait and job["state"] in fleet.BUSY:
+            job = self._wait_job(url, job, deadline, poll_interval, timeout)
         return job
 
-    def _post_job(self, url: str, snapshot: str | int, queue: bool,
-                  await_commit_s: float | None = None) -> dict[str, Any]:
+    def _post_job(self, url: str, snapshot: str | int, queue: bool, await_commit_s: float | None = None,
+                  wait_s: float | None = None) -> dict[str, Any]:
         what = "POST /v1/hotload"
-        body: dict[str, Any] = {"snapshot": snapshot}
-        if queue:
-            body["queue"] = True
-        if await_commit_s is not None:
-            body["await_commit_s"] = await_commit_s
+        body = fleet.hotload_body(snapshot, queue=queue, await_commit_s=await_commit_s, wait_s=wait_s)
         try:
             r = self._http.post(url + "/v1/hotload", json=body)
+            if wait_s is not None and fleet.wait_refused(r):      # an older replica: its job is waited for by GETs
+                r = self._http.post(url + "/v1/hotload", json={k: v for k, v in body.items() if k != "wait"})
             return fleet.job_answer(url, what, fleet.answer(url, what, r, ok=(200, 202)))
         except httpx.TransportError as e:
             return fleet.failed_state(fleet.transport_error(url, what, e))

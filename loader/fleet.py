@@ -135,6 +135,31 @@ def error_of(r: httpx.Response) -> dict[str, Any]:
     return err if isinstance(err, dict) else {}
 
 
+def hotload_body(snapshot: str | int, *, queue: bool = False, await_commit_s: float | None = None,
+                 wait_s: float | None = None) -> dict[str, Any]:
+    """``POST /v1/hotload``'s body; ``wait_s``: the replica answers once the job ends, within that long."""
+    body: dict[str, Any] = {"snapshot": snapshot}
+    if queue:
+        body["queue"] = True
+    if await_commit_s is not None:
+        body["await_commit_s"] = await_commit_s
+    if wait_s is not None:
+        body["wait"] = round(wait_s, 3)
+    return body
+
+
+_WAIT_FIELD = re.compile(r"\bwait\b")
+
+
+def wait_refused(r: httpx.Response) -> bool:
+    """An older replica's answer to a ``POST /v1/hotload`` with ``wait``, a field it does not know (400, the
+    request refused before anything started): the client asks again without it and waits with GETs."""
+    err = error_of(r)
+    message = err.get("message")
+    return r.status_code == 400 and err.get("type") == "invalid_request_error" and isinstance(message, str) \
+        and _WAIT_FIELD.search(message) is not None
+
+
 def answer(url: str, what: str, r: httpx.Response, ok: tuple[int, ...] = (200,)) -> dict[str, Any]:
     """The JSON object a replica answered ``what`` with; BadAnswer naming the replica for anything else."""
     if r.status_code not in ok:

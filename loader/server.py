@@ -79,6 +79,9 @@ class HotLoadRequest(BaseModel):
     #: a version newer than every committed one (the one being published): wait up to this many seconds for its
     #: commit instead of 404, fetching its objects as they land (loader/landing.py)
     await_commit_s: StrictFloat | StrictInt | None = None
+    #: hold the answer until the job ends, at most this many seconds (as ``GET /v1/hotload/{id}?wait=``): one
+    #: request from the hot-load's start to READY
+    wait: StrictFloat | StrictInt | None = None
 
 
 # --- errors ----------------------------------------------------------------------------
@@ -344,9 +347,13 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
 
     @app.post("/v1/hotload", status_code=202)
     async def hotload(req: HotLoadRequest) -> JSONResponse:
-        return await to_thread.run_sync(_hotload, req, limiter=control_threads)
+        job, how = await to_thread.run_sync(_hotload, req, limiter=control_threads)
+        if req.wait:
+            await job.wait_done(float(req.wait))
+        ended = how == "noop" or (bool(req.wait) and job.done)
+        return JSONResponse({**job.to_dict(), "joined": how == "joined"}, status_code=200 if ended else 202)
 
-    def _hotload(req: HotLoadRequest) -> JSONResponse:
+    def _hotload(req: HotLoadRequest) -> tuple[HotLoadJob, str]:
         if manager is None:
             raise APIError(409, "hotload_unavailable", f"replica {replica_id} was started without a bucket")
         failed = engine.failure()
@@ -365,6 +372,8 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
         if wait is not None and not 0 < wait <= MAX_AWAIT_COMMIT_S:
             raise APIError(400, "invalid_await_commit", f"await_commit_s must be in (0, {MAX_AWAIT_COMMIT_S:g}] "
                            f"seconds, got {wait!r}")
+        if req.wait is not None and not 0 <= req.wait <= HOTLOAD_WAIT_MAX_S:
+            raise APIError(400, "invalid_wait", f"wait={req.wait:g}: between 0 and {HOTLOAD_WAIT_MAX_S:g} seconds")
         try:
             job, how = manager.submit(ref, queue=req.queue, await_commit_s=wait)
         except HotLoadCancelledError as e:
@@ -381,8 +390,7 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
             raise APIError(502, "snapshot_unreadable", str(e)) from None
         except ValueError as e:
             raise APIError(400, "invalid_snapshot", str(e)) from None
-        body = {**job.to_dict(), "joined": how == "joined"}
-        return JSONResponse(body, status_code=200 if how == "noop" else 202)
+        return job, how
 
     @app.get("/v1/hotload/{job_id}")
     async def hotload_status(job_id: str, wait: float = 0.0) -> dict[str, Any]:

@@ -299,6 +299,32 @@ def test_a_hotloads_state_asked_with_wait_is_answered_once_the_job_ends_or_the_w
         assert r.status_code in (400, 422) and "wait" in r.text, r.text
 
 
+def test_a_hotload_posted_with_wait_answers_its_end_in_the_one_request(start_replica):
+    """``POST /v1/hotload`` with ``wait``: a job held past the wait answers 202 with its busy state; one that
+    ends within it answers 200 READY, the new version serving, with no second request; a bad wait is a 400
+    that starts nothing."""
+    rep = start_replica(1)
+    for bad in (-1, 31):
+        r = rep.post("/v1/hotload", {"snapshot": 2, "wait": bad})
+        assert r.status_code == 400 and "wait" in r.text, r.text
+    assert rep.status()["last_hotload"] is None and rep.status()["hotload"] is None
+    with rep.engine.step():     # a forward step that does not end: the swap waits for it
+        held = rep.post("/v1/hotload", {"snapshot": 2, "wait": 0.1})
+        assert held.status_code == 202 and held.json()["state"] in ("PREPARING", "SWAPPING"), held.text
+    assert rep.wait(held.json()["id"])["state"] == "READY"
+    r = rep.post("/v1/hotload", {"snapshot": 3, "wait": 30})
+    assert r.status_code == 200 and r.json()["state"] == "READY" and r.json()["target_version"] == 3, r.text
+    assert rep.status()["policy_version"] == 3
+    # what a replica that does not know the field answers (a 400 naming it, nothing started) is told from other
+    # refusals: the clients then ask again without it
+    from ckptdelta.loader.fleet import wait_refused
+
+    assert wait_refused(rep.post("/v1/hotload", {"snapshot": 2, "wait": "soon"}))
+    assert not wait_refused(rep.post("/v1/hotload", {"snapshot": "../x", "wait": 1}))
+    assert not wait_refused(rep.post("/v1/hotload", {"snapshot": 2, "await_commit_s": "soon"}))
+    assert rep.status()["policy_version"] == 3 and rep.status()["hotload"] is None
+
+
 def test_unknown_or_unsafe_snapshots_are_refused_without_leaving_the_run(start_replica, run, tmp_path):
     rep = start_replica(1)
     for missing in (99, "v00000099", "99"):
