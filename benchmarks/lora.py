@@ -532,7 +532,10 @@ STAGES = (
     ("decode + verify", lambda s: s["report"]["decode_s"]),
     ("host apply, write request, answer", lambda s: s["report"]["apply_s"] - sum(
         _worker(s, k) for k in ("prepare_s", "lock_wait_s", "write_s", "prove_s"))),
-    ("workers: prepare", lambda s: _worker(s, "prepare_s")),
+    ("workers' prepare: the host copy read and verified", lambda s: _prepared(s, "verify_s")),
+    ("vLLM's transform (packing, scaling)", lambda s: _prepared(s, "transform_s")),
+    ("the proof's reference", lambda s: _worker(s, "prepare_s") - _prepared(s, "verify_s")
+     - _prepared(s, "transform_s")),
     ("lock wait", lambda s: _worker(s, "lock_wait_s")),
     ("copy + swap", lambda s: _worker(s, "write_s")),
     ("proof", lambda s: _worker(s, "prove_s")),
@@ -544,6 +547,13 @@ STAGES = (
 
 def _worker(s: dict[str, Any], key: str) -> float:
     return max((w.get(key) or 0.0) for w in s["workers"])
+
+
+def _prepared(s: dict[str, Any], part: str) -> float:
+    """A part of the slowest worker's preparation (``prepare_parts``; 0 in runs from before it was reported,
+    whose whole preparation then shows as the reference's column)."""
+    slowest = max(s["workers"], key=lambda w: w.get("prepare_s") or 0.0)
+    return (slowest.get("prepare_parts") or {}).get(part) or 0.0
 
 
 def stages(samples: list[dict]) -> list[str]:

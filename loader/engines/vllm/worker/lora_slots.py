@@ -200,6 +200,8 @@ class Prepared(NamedTuple):
     index: int                           # the slot index activate_adapter will give it
     expected: dict[str, dict[str, list[Any]]]   # what each layer's set_lora writes there (see _expected)
     seconds: float
+    parts: dict[str, float] = {}         # seconds of each part: the host copy read and verified, vLLM's transform
+                                         # with packing and scaling, the proof's reference
 
 
 def next_index(mgr: Any, lora_id: int) -> int:
@@ -222,10 +224,15 @@ def prepare(worker: Any, lora_id: int, path: str, digests: dict[str, str], confi
     if lora_id not in mgr.list_adapters():
         raise SlotError(f"LoRA adapter id {lora_id} is not registered in this worker (slots: "
                         f"{sorted(mgr.list_adapters())})")
-    lora = _merged(worker, lora_id, verified_tensors(path, digests, _lora_dtype(worker)), config)
+    tensors = verified_tensors(path, digests, _lora_dtype(worker))
+    t1 = time.perf_counter()
+    lora = _merged(worker, lora_id, tensors, config)
+    t2 = time.perf_counter()
     index = next_index(mgr, lora_id)
     expected = expected_slot(worker, lora_id, None, config, index, lora=lora)
-    return Prepared(lora, path, dict(digests), index, expected, time.perf_counter() - t0)
+    t3 = time.perf_counter()
+    return Prepared(lora, path, dict(digests), index, expected, t3 - t0,
+                    {"verify_s": t1 - t0, "transform_s": t2 - t1, "reference_s": t3 - t2})
 
 
 def _merged(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
@@ -294,7 +301,7 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     index, checked = _prove_written(worker, lora_id, config, prepared)
     t4 = time.perf_counter()
     return {"id": lora_id, "index": index, "checked": checked, "staged": True, "prepare_s": prepared.seconds,
-            "transform_s": 0.0, "write_s": (t1 - t0) + (t3 - t2), "lock_wait_s": t2 - t1, "held_s": t3 - t2,
+            "prepare_parts": prepared.parts, "transform_s": 0.0, "write_s": (t1 - t0) + (t3 - t2), "lock_wait_s": t2 - t1, "held_s": t3 - t2,
             "prove_s": t4 - t3, "write_t": t2}
 
 
