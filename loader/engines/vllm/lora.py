@@ -71,8 +71,8 @@ log = logging.getLogger("ckptdelta.engine.vllm")
 #: The ranks vLLM's ``--max-lora-rank`` takes.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: What each worker's answer to a write or proof says, kept in ``last`` (and /v1/status).
-WORKER_FIELDS = ("index", "checked", "staged", "prepare_s", "prepare_parts", "transform_s", "lock_wait_s", "write_s",
-                 "prove_s", "held_s")
+WORKER_FIELDS = ("index", "checked", "staged", "prepare_s", "prepare_parts", "layers_copied", "transform_s",
+                 "lock_wait_s", "write_s", "prove_s", "held_s")
 #: Slots by default: the serving version, the one being written, one for a request that outlives a step.
 DEFAULT_SLOTS = 3
 #: The longest path a Unix socket binds to on Linux (sun_path less its terminating NUL).

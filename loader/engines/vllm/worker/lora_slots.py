@@ -18,9 +18,11 @@ a half-written slot.
 - **Off the loop.** Reading and verifying the host copy, the transform, the
   packing and scaling, and the proof's reference (below) run in a worker thread
   (:func:`prepare`, started by one RPC that returns at once) while vLLM
-  generates. The same thread then writes (:func:`write_locked`): each layer's
-  ``set_lora`` copy into the slot's rows, which no step reads (the slot keeps its
-  index: every slot stays registered, active and pinned), beside vLLM's steps;
+  generates. The same thread then writes (:func:`write_locked`) the slot's rows,
+  which no step reads (the slot keeps its index: every slot stays registered,
+  active and pinned), beside vLLM's steps: a linear layer's are copied from the
+  proof's reference below (what its own ``set_lora`` wrote into a one-slot copy),
+  any other layer's are written by its own ``set_lora``;
   then, holding the registry lock that each step's adapter activation and
   vLLM's own LoRA registry calls hold (:func:`install_lora_lock`; not the kernel
   lock a step holds throughout, so the swap waits for no forward pass), the
@@ -39,9 +41,9 @@ a half-written slot.
   not touch must hold zeros there. The reference is written while preparing,
   from the very LoRAModel the write copies, and hashed at once: a second
   transform would run the same code on the same bits (the transform itself is
-  held to vLLM's directory load by the tests), while a LoRAModel changed after
-  it was prepared, a copy into the wrong rows or rows written meanwhile all
-  differ from those hashes. On the CPU the comparison is of the bits' xxh3, as
+  held to vLLM's directory load by the tests), while a copy into the wrong rows
+  or rows written meanwhile differ from those hashes (as does, for a layer its
+  own ``set_lora`` writes, a LoRAModel changed after it was prepared). On the CPU the comparison is of the bits' xxh3, as
   every other proof of ckptdelta: hashing is much faster than comparing the
   bytes.
 
@@ -52,6 +54,7 @@ exception into ``{"error": ...}``.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -202,6 +205,8 @@ class Prepared(NamedTuple):
     seconds: float
     parts: dict[str, float] = {}         # seconds of each part: the host copy read and verified, vLLM's transform
                                          # with packing and scaling, the proof's reference
+    rows: dict[str, dict[str, list[torch.Tensor]]] = {}   # the reference's one-slot rows of each linear layer,
+                                         # which the write copies (see _copy_into)
 
 
 def next_index(mgr: Any, lora_id: int) -> int:
@@ -229,10 +234,11 @@ def prepare(worker: Any, lora_id: int, path: str, digests: dict[str, str], confi
     lora = _merged(worker, lora_id, tensors, config)
     t2 = time.perf_counter()
     index = next_index(mgr, lora_id)
-    expected = expected_slot(worker, lora_id, None, config, index, lora=lora)
+    rows = _spare_rows(worker)
+    expected = expected_slot(worker, lora_id, None, config, index, lora=lora, rows=rows)
     t3 = time.perf_counter()
     return Prepared(lora, path, dict(digests), index, expected, t3 - t0,
-                    {"verify_s": t1 - t0, "transform_s": t2 - t1, "reference_s": t3 - t2})
+                    {"verify_s": t1 - t0, "transform_s": t2 - t1, "reference_s": t3 - t2}, rows)
 
 
 def _merged(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
@@ -268,8 +274,10 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     """:func:`write` from a worker thread, not the engine loop, so that vLLM's steps do not wait for the copy.
 
     The slot keeps its index in vLLM's LoRA buffers (all K slots stay registered, active and pinned), and no
-    request runs on it until the replica hears it proven: its rows are read by no step, so each layer's own
-    ``set_lora`` (or ``reset_lora`` for a layer the adapter leaves out) writes them beside vLLM's steps.
+    request runs on it until the replica hears it proven: its rows are read by no step, so they are written
+    beside vLLM's steps, copied from the proof's reference for a linear layer (``layers_copied``: what its own
+    ``set_lora`` wrote for this LoRAModel into a one-slot copy), by the layer's own ``set_lora`` (or
+    ``reset_lora`` for a layer the adapter leaves out) for any other (:func:`_copy_into`).
     Only the registry's entry for the slot (the LoRAModel vLLM would copy in again if it ever re-activated
     it) is swapped holding :data:`REGISTRY_LOCK`, which each step's adapter activation and vLLM's own LoRA
     registry calls hold too: that swap is all vLLM's steps wait for, and it waits for no step's forward pass
@@ -283,7 +291,7 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     index = _active_index(mgr, lora_id)
     t0 = time.perf_counter()
     if index is not None:
-        _copy_into(mgr, index, prepared.lora)
+        _copy_into(mgr, index, prepared.lora, prepared.rows)
     t1 = time.perf_counter()
     with REGISTRY_LOCK:
         t2 = time.perf_counter()
@@ -298,11 +306,13 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
             with REGISTRY_LOCK:
                 _swap_in(worker, lora_id, prepared)
             t3 = time.perf_counter()
+    copied = 0 if index is None else len(prepared.rows)
     index, checked = _prove_written(worker, lora_id, config, prepared)
     t4 = time.perf_counter()
+    _hand_back(worker, prepared.rows)
     return {"id": lora_id, "index": index, "checked": checked, "staged": True, "prepare_s": prepared.seconds,
-            "prepare_parts": prepared.parts, "transform_s": 0.0, "write_s": (t1 - t0) + (t3 - t2), "lock_wait_s": t2 - t1, "held_s": t3 - t2,
-            "prove_s": t4 - t3, "write_t": t2}
+            "prepare_parts": prepared.parts, "layers_copied": copied, "transform_s": 0.0, "write_s": (t1 - t0) + (t3 - t2),
+            "lock_wait_s": t2 - t1, "held_s": t3 - t2, "prove_s": t4 - t3, "write_t": t2}
 
 
 def _active_index(mgr: Any, lora_id: int) -> int | None:
@@ -315,12 +325,24 @@ def _active_index(mgr: Any, lora_id: int) -> int | None:
     return mgr.lora_index_to_id.index(lora_id)
 
 
-def _copy_into(mgr: Any, index: int, lora: Any) -> None:
+def _copy_into(mgr: Any, index: int, lora: Any, rows: dict[str, dict[str, list[torch.Tensor]]] | None = None) -> None:
     """What vLLM's ``activate_adapter`` writes at ``index`` for ``lora``: each layer's ``set_lora``, or its
     ``reset_lora`` where the adapter has no weights for it. Run beside vLLM's steps: no step reads these rows,
     since every request a LoRA replica sends names a proven slot (a request on the base alone would not do:
-    its tokens' index -1 is read as the last slot by vLLM's CPU torch kernels)."""
+    its tokens' index -1 is read as the last slot by vLLM's CPU torch kernels).
+
+    ``rows``: what those very calls wrote for ``lora`` into a one-slot copy of a layer's buffers (the proof's
+    reference, :func:`expected_slot`), for the layers whose ``set_lora`` writes nothing but their
+    ``*_stacked`` rows: each of those rows is copied, not written again by vLLM's code (one copy per buffer,
+    where ``set_lora`` zeroes the rows and then copies each packed slice). The proof compares the slot with the
+    reference either way."""
     for name, module in mgr.modules.items():
+        held = None if rows is None else rows.get(name)
+        if held is not None:
+            for k, srcs in held.items():
+                for live, src in zip(_at(getattr(module, k), index), srcs, strict=True):
+                    live.copy_(src)
+            continue
         weights = mgr._get_lora_layer_weights(lora, name)
         if weights:
             module.set_lora(index, weights.lora_a, weights.lora_b)
@@ -368,11 +390,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor] | None, config: dict[str, Any],
-                  index: int, *, lora: Any = None) -> dict[str, dict[str, list[Any]]]:
+                  index: int, *, lora: Any = None,
+                  rows: dict[str, dict[str, list[torch.Tensor]]] | None = None) -> dict[str, dict[str, list[Any]]]:
     """For every LoRA layer, what its own ``set_lora`` writes at a slot for a transform of ``tensors``
     (packed and scaled as the manager does, kept off its books; or ``lora``, one made so already), in a
     one-slot copy of its buffers at ``index``; layers the adapter leaves out are reset there. Reads the live
-    buffers at ``index`` only."""
+    buffers at ``index`` only. ``rows``: filled with those one-slot copies of every layer whose ``set_lora``
+    and ``reset_lora`` write only its ``*_stacked`` rows (:func:`_rows_only`), for the write to copy."""
     _, mgr = managers(worker)
     fresh = lora if lora is not None else _merged(worker, lora_id, tensors, config)
     out: dict[str, dict[str, list[Any]]] = {}
@@ -381,8 +405,16 @@ def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor] | 
         if not bufs:
             continue
         one = copy.copy(module)                # a one-slot copy of the layer's buffers, written by its own code
+        kept = rows is not None and _rows_only(module)
+        spare = rows.get(name) if kept else None
         for k, buf in bufs.items():
-            held = [t.clone() for t in _at(buf, index)]
+            live = _at(buf, index)
+            held = spare.get(k) if spare is not None else None
+            if held is not None and _alike(held, live):
+                for h, t in zip(held, live):   # an earlier hot-load's rows, handed back (_hand_back): no new pages
+                    h.copy_(t)
+            else:
+                held = [t.clone() for t in live]
             object.__setattr__(one, k, held[0] if isinstance(buf, torch.Tensor) else tuple(held))
         weights = mgr._get_lora_layer_weights(fresh, name)
         if weights:
@@ -393,7 +425,51 @@ def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor] | 
         for k in bufs:
             want = getattr(one, k)
             out[name][k] = [_expected(t) for t in ([want] if isinstance(want, torch.Tensor) else want)]
+        if kept:
+            rows[name] = {k: [getattr(one, k)] if isinstance(getattr(one, k), torch.Tensor) else list(getattr(one, k))
+                          for k in bufs}
     return out
+
+
+def _alike(held: list[torch.Tensor], live: list[torch.Tensor]) -> bool:
+    return len(held) == len(live) and all(
+        h.shape == t.shape and h.dtype == t.dtype and h.device == t.device for h, t in zip(held, live))
+
+
+def _spare_rows(worker: Any) -> dict[str, dict[str, list[torch.Tensor]]]:
+    """The reference rows an earlier hot-load's write is done with, to be written again (one slot of every
+    linear layer: 10-40 MB for a rank 16-64 adapter of a 0.5 GB model), else an empty set. Reusing them spares
+    the preparation a fresh allocation, whose first touch of every page costs more than the copy into it."""
+    with _SPARE_LOCK:
+        spare = getattr(worker, "_ckptdelta_spare_rows", None)
+        worker._ckptdelta_spare_rows = None
+    return spare if spare is not None else {}
+
+
+def _hand_back(worker: Any, rows: dict[str, dict[str, list[torch.Tensor]]]) -> None:
+    """``rows`` are no longer read (their write and its proof are done): the next preparation may reuse them.
+    Host rows only: a GPU's caching allocator hands out blocks without new pages, and device memory is kept for
+    the slots."""
+    if any(t.device.type != "cpu" for held in rows.values() for ts in held.values() for t in ts):
+        return
+    with _SPARE_LOCK:
+        worker._ckptdelta_spare_rows = rows
+
+
+#: Guards a worker's spare reference rows: a preparation takes them, a finished write hands them back.
+_SPARE_LOCK = threading.Lock()
+
+
+def _rows_only(module: Any) -> bool:
+    """Whether all that vLLM's ``set_lora`` and ``reset_lora`` change on ``module`` is its ``*_stacked`` rows at
+    the index: its linear LoRA layers (``BaseLinearLayerWithLoRA``: zero the rows, copy each slice in). An
+    embedding, logits or MoE layer keeps more (and an older vLLM without that class, anything): its own calls
+    write it."""
+    try:
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    except ImportError:
+        return False
+    return isinstance(module, BaseLinearLayerWithLoRA)
 
 
 def _bits_digest(t: torch.Tensor) -> int:

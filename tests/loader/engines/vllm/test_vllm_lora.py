@@ -199,8 +199,10 @@ def test_a_hotload_whose_workers_find_the_host_copy_wrong_fails_naming_the_tenso
     # the pause reported is what vLLM's steps waited for in the worker (the copy and the proof ran beside them)
     assert all(w["prove_s"] > 0 and w["write_s"] > 0 for w in a.last["workers"]), a.last["workers"]
     assert a.last["pause_s"] == max(w["held_s"] for w in a.last["workers"])
-    # the preparation's parts (the host copy verified, vLLM's transform, the proof's reference) add up to it
+    # the preparation's parts (the host copy verified, vLLM's transform, the proof's reference) add up to it;
+    # the linear layers' rows were copied from the reference (and proven, as every layer's)
     for w in a.last["workers"]:
+        assert w["layers_copied"] > 0 and w["checked"] > 0, w
         parts = w["prepare_parts"]
         assert set(parts) == {"verify_s", "transform_s", "reference_s"} and min(parts.values()) > 0, w
         assert sum(parts.values()) <= w["prepare_s"], w
