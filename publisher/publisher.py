@@ -48,6 +48,7 @@ from ckptdelta.publisher.result import PublishResult
 from ckptdelta.publisher.runs import (check_not_committed, commit, committed_versions, ensure_run_info, move_head,
                                       new_writer_id,
                                       read_manifest, read_run_info)
+from ckptdelta.publisher.deltas import encode_threads_for
 from ckptdelta.publisher.device_diff import DeviceDiff
 from ckptdelta.publisher.host_copy import (Cast, Partition, Weights, check_publish_dtype, copy_to_host,
                                           gather_sources, schema_of, spares)
@@ -140,7 +141,8 @@ class Publisher:
     publish given up on commits nothing afterwards. Leaving a ``with Publisher(...)`` block on an
     exception finishes them the same way (without the bound), then lets the exception go on.
 
-    ``encode_threads``: the most threads a delta's encode runs on at once (default: every core), for a
+    ``encode_threads``: the most threads a delta's encode runs on at once (default: one per 16 MiB of the
+    step's tensors, at most every core: a small step's many small tensors encode faster on one thread), for a
     trainer that shares its host with a sampler (a co-located vLLM) and keeps cores for it. The bytes are
     the same whatever the number.
 
@@ -676,8 +678,9 @@ class Publisher:
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
                                      progress=self.progress, parent_digests=self._parents.digests,
-                                     grandparents=grand, fast_alone=alone, threads=self.encode_threads,
-                                     pool=self._uploads)
+                                     grandparents=grand, fast_alone=alone, pool=self._uploads,
+                                     threads=self.encode_threads or encode_threads_for(
+                                         sum(t.nbytes for t in job.snapshot.values()), os.cpu_count() or 1))
         if codec != CONTEXT:
             won = set(written.fast_won)
             for name in job.snapshot:

@@ -222,6 +222,8 @@ def test_encode_threads_bounds_a_deltas_encode_and_changes_no_byte(tmp_path, mon
         return real_encode_many(*a, **k)
 
     monkeypatch.setattr(deltas, "encode_many", recording)
+    monkeypatch.setattr(deltas, "ENCODE_BYTES_PER_THREAD", 1)     # the default: every core, on these small steps
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
     steps = [_weights(0)]
     for s in range(1, 4):
         steps.append(_step(steps[-1], s))
@@ -238,7 +240,7 @@ def test_encode_threads_bounds_a_deltas_encode_and_changes_no_byte(tmp_path, mon
                            for k in store.list_prefix("deltas/")}
         got = SnapshotReader(url).read_tensors(3)
         assert all(torch.equal(got[k].view(torch.int16), steps[3][k].view(torch.int16)) for k in steps[3])
-    assert seen == [1, 1, 1, None, None, None]
+    assert seen == [1, 1, 1, 4, 4, 4]
     assert len(stored[1]) == 3 and stored[1] == stored[None]
 
 
@@ -246,3 +248,34 @@ def test_encode_threads_bounds_a_deltas_encode_and_changes_no_byte(tmp_path, mon
 def test_encode_threads_below_one_or_not_an_int_is_refused(tmp_path, bad):
     with pytest.raises(ValueError, match="encode_threads must be an int >= 1 or None"):
         Publisher(str(tmp_path / "run"), encode_threads=bad)
+
+
+def test_a_small_steps_delta_encodes_on_one_thread_and_a_large_ones_on_a_thread_per_16_mib(tmp_path, monkeypatch):
+    """Hundreds of small tensors encode faster on one thread than on two (the second waits for the GIL between
+    the first one's short kernels): the encode takes one thread per ENCODE_BYTES_PER_THREAD of the step's
+    tensors, at most one per core, unless Publisher(encode_threads=...) says."""
+    assert [deltas.encode_threads_for(n << 20, 8) for n in (0, 9, 16, 38, 76, 10_000)] == [1, 1, 1, 2, 4, 8]
+    assert deltas.encode_threads_for(10_000 << 20, 2) == 2
+    asked: list = []
+    real_encode_many = deltas.encode_many
+
+    def recorded(*a, **k):
+        asked.append(k.get("threads"))
+        return real_encode_many(*a, **k)
+
+    monkeypatch.setattr(deltas, "encode_many", recorded)
+    monkeypatch.setattr(deltas, "ENCODE_BYTES_PER_THREAD", 16 << 10)   # the test's 8 KB tensors as MBs
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    w = _weights(0, n=6)                                      # 48 KB: 3 threads of 16 KB each
+    for url, kw, want in ((tmp_path / "a", {}, 3), (tmp_path / "b", {"encode_threads": 1}, 1)):
+        asked.clear()
+        with Publisher(str(url), codec="fast", **kw) as pub:
+            pub.publish(w, 0)
+            pub.publish(_step(w, 1), 1)
+        assert asked == [want], (kw, asked)
+    monkeypatch.setattr(deltas, "ENCODE_BYTES_PER_THREAD", 16 << 20)
+    asked.clear()
+    with Publisher(str(tmp_path / "c"), codec="fast") as pub:
+        pub.publish(w, 0)
+        pub.publish(_step(w, 1), 1)
+    assert asked == [1]
