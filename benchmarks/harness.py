@@ -123,14 +123,19 @@ def parser(name: str, doc: str, *, full_doc: bool = False, quick: str | None = N
     return p
 
 
-def command(name: str, argv: list[str]) -> str:
-    """The command line of a run as a table quotes it: ``python -m benchmarks.<name>`` and its arguments, less
-    where its files went (``--out-dir DIR``), which says nothing about what was measured."""
+def measured_argv(argv: list[str]) -> list[str]:
+    """A run's arguments less where its files went (``--out-dir DIR``, a path of the machine that ran it), which
+    says nothing about what was measured: what a result records."""
     argv = list(argv)
     if "--out-dir" in argv:
         i = argv.index("--out-dir")
         del argv[i:i + 2]
-    return " ".join([f"python -m benchmarks.{name}", *argv])
+    return [x for x in argv if not x.startswith("--out-dir=")]
+
+
+def command(name: str, argv: list[str]) -> str:
+    """The command line of a run as a table quotes it: ``python -m benchmarks.<name>`` and its arguments."""
+    return " ".join([f"python -m benchmarks.{name}", *measured_argv(argv)])
 
 
 # --- units --------------------------------------------------------------------------------------------

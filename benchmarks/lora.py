@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="ckptdelta's Publisher(codec=...): auto (default) picks per delta whichever serves sooner; "
                         "context always takes the context coder (the smallest deltas)")
     a = p.parse_args(argv)
-    a.argv = [x for x in (sys.argv[1:] if argv is None else argv)]
+    a.argv = harness.measured_argv(sys.argv[1:] if argv is None else argv)
     if a.from_json:
         out = harness.read_json(a.from_json)
         out["targets"] = targets(out)
