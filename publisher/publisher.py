@@ -46,8 +46,7 @@ from ckptdelta.publisher.prefault import Prefault
 from ckptdelta.publisher.rebuild import read_chain
 from ckptdelta.publisher.result import PublishResult
 from ckptdelta.publisher.runs import (check_not_committed, commit, committed_versions, ensure_run_info, move_head,
-                                      new_writer_id,
-                                      read_manifest, read_run_info)
+                                      new_writer_id, read_manifest, read_run_info)
 from ckptdelta.publisher.deltas import encode_threads_for
 from ckptdelta.publisher.device_diff import DeviceDiff
 from ckptdelta.publisher.host_copy import (Cast, Partition, Weights, check_publish_dtype, copy_to_host,

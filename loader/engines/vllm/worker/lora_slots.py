@@ -43,9 +43,9 @@ a half-written slot.
   transform would run the same code on the same bits (the transform itself is
   held to vLLM's directory load by the tests), while a copy into the wrong rows
   or rows written meanwhile differ from those hashes (as does, for a layer its
-  own ``set_lora`` writes, a LoRAModel changed after it was prepared). On the CPU the comparison is of the bits' xxh3, as
-  every other proof of ckptdelta: hashing is much faster than comparing the
-  bytes.
+  own ``set_lora`` writes, a LoRAModel changed after it was prepared). On the
+  CPU the comparison is of the bits' xxh3, as every other proof of ckptdelta:
+  hashing is much faster than comparing the bytes.
 
 Nothing here raises through the RPC: loader/engines/vllm/worker/extension.py turns an
 exception into ``{"error": ...}``.
@@ -311,8 +311,9 @@ def write_locked(worker: Any, lora_id: int, config: dict[str, Any], prepared: Pr
     t4 = time.perf_counter()
     _hand_back(worker, prepared.rows)
     return {"id": lora_id, "index": index, "checked": checked, "staged": True, "prepare_s": prepared.seconds,
-            "prepare_parts": prepared.parts, "layers_copied": copied, "transform_s": 0.0, "write_s": (t1 - t0) + (t3 - t2),
-            "lock_wait_s": t2 - t1, "held_s": t3 - t2, "prove_s": t4 - t3, "write_t": t2}
+            "prepare_parts": prepared.parts, "layers_copied": copied, "transform_s": 0.0,
+            "write_s": (t1 - t0) + (t3 - t2), "lock_wait_s": t2 - t1, "held_s": t3 - t2, "prove_s": t4 - t3,
+            "write_t": t2}
 
 
 def _active_index(mgr: Any, lora_id: int) -> int | None:
