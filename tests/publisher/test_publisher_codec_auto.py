@@ -5,7 +5,8 @@ materialize bit-exactly.
 
 The chooser is pure bookkeeping, so most tests feed it timings directly. The publisher tests shape the
 timings it measures: a storage wrapper that sleeps in proportion to the bytes uploaded (a slow link), or an
-encoder wrapper that sleeps before the context coder's records (a slow context coder beside a fast disk);
+encoder wrapper that spins on its thread's CPU before the context coder's records (a slow context coder beside
+a fast disk: a measurement times its encodes by that CPU);
 the margins are tens of times any scheduling noise. The measurements on a sample run on a thread of their
 own; tests that look at them hold or break the encoder there (a wrapper around the real one, on that thread
 only) and wait for that thread. No test asserts how long anything took."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -24,6 +26,7 @@ from safetensors.torch import load_file
 import ckptdelta.publisher.codec_choice as codec_choice
 import ckptdelta.publisher.deltas as deltas
 import ckptdelta.publisher.explore as explore
+from ckptdelta.delta.chunks import DEFAULT_LEVEL
 from ckptdelta.delta.codec import EncodedTensor
 from ckptdelta.delta.storage import Store
 from ckptdelta.loader.hotswap import HotSwapper
@@ -428,14 +431,21 @@ def _throttle(pub: Publisher, bytes_per_s: float) -> None:
     store.put_file = slow_put_file
 
 
+def _spin(seconds: float) -> None:
+    """``seconds`` of this thread's CPU: work, where a sleep is waiting."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def _slow_context_coder(monkeypatch, seconds: float) -> None:
-    """The context coder ``seconds`` slower per encode_many call: a published delta's and a measurement's."""
+    """The context coder ``seconds`` of CPU slower per encode_many call: a published delta's and a measurement's."""
     for module in (deltas, explore):
         real = module.encode_many
 
         def encode_many(*a, context=True, _real=real, **k):
             if context:
-                time.sleep(seconds)
+                _spin(seconds)
             return _real(*a, context=context, **k)
 
         monkeypatch.setattr(module, "encode_many", encode_many)
@@ -513,7 +523,7 @@ def test_beside_a_fast_disk_no_delta_is_published_with_the_slower_context_coder(
         rw, _rb = pub._chooser.ratio()
     # measured beside the first three deltas only, where its sleep costs no publish anything
     assert [r.codec for r in results] == [FAST] * 5
-    assert rw > 10                                      # the sleep, in the pairs' context encode
+    assert rw > 10                                      # the spin, in the pairs' context encode
     assert [MEASURING.format(CONTEXT, "") [:-3] in r.codec_reason for r in results] == [True] * 3 + [False] * 2
     assert all(r.codec_reason.startswith("auto: predicted fast ") for r in results[1:])
     for r in results:
@@ -541,6 +551,35 @@ def test_a_measurement_runs_after_publish_returned_and_one_at_a_time(tmp_path, m
         assert third.codec_reason.endswith(MEASURING.format(_other(third.codec), "1 of its first 3 samples"))
         assert pub._explorer.join(30)
     assert started == ["ckptdelta-explore-v1"] * 2 + ["ckptdelta-explore-v3"] * 2     # both codecs, each time
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="threads have priorities of their own on Linux")
+def test_a_measurement_yields_the_cores_to_the_trainer_and_replicas_beside_it(tmp_path, monkeypatch):
+    """Its thread runs MEASURE_NICE below the publisher's, which keeps its own priority."""
+    seen = []
+    _before_measuring(monkeypatch, lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pairs = []
+    w = _weights()
+    with Publisher(str(tmp_path / "run"), progress=False, codec="auto") as pub:
+        real = pub._explorer._on_pair
+        pub._explorer._on_pair = lambda c, f: (pairs.append((c, f)), real(c, f))
+        _publish_deltas(pub, w, 1)
+    assert seen == [min(19, mine + explore.MEASURE_NICE)] * 2        # both codecs' encodes
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine and len(pairs) == 1
+
+
+def test_a_measurement_is_timed_by_its_thread_s_cpu_not_by_its_wait_for_a_core(monkeypatch):
+    """A wait (here: a sleep before each codec's encode) is no encode time: the pair's ratio is the codecs'."""
+    w = _weights()
+    new = clone(w)
+    perturb(new, 1)
+    sample = explore.take_sample(w, new, set(new), version=1, explored=CONTEXT)
+    _before_measuring(monkeypatch, lambda: time.sleep(0.5))
+    context, fast = explore.measure(sample, DEFAULT_LEVEL, threading.Event())
+    assert context.changed > 0 and fast.changed > 0
+    assert context.encode_s < 0.5 and fast.encode_s < 0.5
 
 
 def test_a_lora_run_s_first_delta_after_an_anchor_is_not_sampled(tmp_path):
