@@ -265,7 +265,10 @@ class Campaign:
                 rel = os.path.relpath(os.path.join(d, f), self.store.root)
                 if rel in (RUN_KEY, HEAD_KEY) or rel.startswith("manifests/"):
                     continue
-                if v is None or rel.split(os.sep)[1].startswith(f"{v:012d}-"):
+                parts = rel.split(os.sep)
+                # a temp file at the root is HEAD's or RUN.json's write (HEAD moves after publish() returns, so a
+                # kill lands there too): no version's data
+                if v is None or (len(parts) > 1 and parts[1].startswith(f"{v:012d}-")):
                     out.append(rel)
         return out
 
