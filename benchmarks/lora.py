@@ -576,6 +576,26 @@ def stages(samples: list[dict]) -> list[str]:
              {s.get("codec") or s.get("kind") for s in mine}}.items()))
         out.append(f"| {rank} | {lr:g} | **{1e3 * total:.0f}** | " + " | ".join(f"{1e3 * v:.0f}" for v in mean)
                    + f" | {codecs} |")
+    return out + ["", *trainer_steps(samples)]
+
+
+def trainer_steps(samples: list[dict]) -> list[str]:
+    """Each timed step's trainer side, every method, in order: a mean of 5 hides that under the sampling load
+    the same encode takes one time or two to three times it, from step to step."""
+    ss = [s for s in samples if s["timed"]]
+    cells = sorted({(s["rank"], s["lr"]) for s in ss})
+    if not cells:
+        return []
+    out = ["The trainer side of each timed step (ms, in order; (a) ckptdelta's host copy + encode, an anchor's "
+           "marked *; (b) serialize; (c) XOR + compress):", ""]
+    for rank, lr in cells:
+        parts = []
+        for m in METHODS:
+            mine = [s for s in ss if (s["rank"], s["lr"], s["method"]) == (rank, lr, m)]
+            if mine:
+                parts.append(f"{LABELS[m].split()[0]} " + " ".join(
+                    f"{1e3 * s['trainer_s']:.0f}{'*' if s.get('kind') == 'anchor' else ''}" for s in mine))
+        out.append(f"- rank {rank}, lr {lr:g}: " + "; ".join(parts))
     return out
 
 

@@ -36,4 +36,6 @@ def test_a_quick_lora_run_loads_the_same_adapter_bits_by_every_method_and_writes
     assert all(r["bytes"] >= out["ranks"][0]["adapter_bytes"] for r in full)
     md = (tmp_path / "lora-quick.md").read_text()
     assert "## Targets" in md and "| (a) ckptdelta" in md and "engine loop held (worker)" in md and ("1 Gbit/s" in md or "UNSHAPED" in md)
+    # every timed step's trainer side, each method's, beside the stage table's means
+    assert "The trainer side of each timed step" in md and "- rank 16, lr 1e-05: (a) " in md and "; (c) " in md
     assert (tmp_path / "lora-quick.png").stat().st_size > 10_000
