@@ -34,6 +34,17 @@ from ckptdelta.delta.errors import ChecksumError, DeltaError, ParentMismatchErro
 #: handles a result, few enough that lookahead memory stays a handful of chunks.
 WINDOW_PER_THREAD = 4
 
+#: The bytes of tensors each thread of a batch is given at least (:func:`threads_for`): on tensors of tens to
+#: hundreds of KB, a second thread mostly waits for the GIL the first holds between its short kernels (a LoRA
+#: step's hundreds of tensors encode and stage faster on one thread of 2 cores; docs/PERFORMANCE.md, "LoRA runs").
+BYTES_PER_THREAD = 16 << 20
+
+
+def threads_for(nbytes: int, cores: int, per_thread: int = BYTES_PER_THREAD) -> int:
+    """Threads to encode or stage ``nbytes`` of tensors with on ``cores`` cores: one per ``per_thread`` bytes, at
+    least one, at most every core. The publisher's encode and a replica's staging both follow it."""
+    return max(1, min(cores, nbytes // per_thread))
+
 
 class _Task:
     """One unit of work and its outcome, for the caller to collect in its own order."""

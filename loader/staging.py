@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from ckptdelta.delta import StagedTensor, dtypes, stage, stage_full
+from ckptdelta.delta.batch import BYTES_PER_THREAD, threads_for
 from ckptdelta.delta.errors import (ChecksumError, GrandparentNeededError,
                                     ParentMismatchError)
 from ckptdelta.delta.manifest import Manifest, TensorEntry
@@ -55,13 +56,13 @@ TASK_BYTES = 1 << 20
 #: (one for a small LoRA adapter's step). Each tensor's stage is a few short kernels between lines of Python; on
 #: tensors of tens to hundreds of KB a second thread mostly waits for the GIL the first holds (docs/PERFORMANCE.md,
 #: "LoRA runs, the replica's fixed costs").
-STAGE_BYTES_PER_THREAD = 16 << 20
+STAGE_BYTES_PER_THREAD = BYTES_PER_THREAD
 
 
 def stage_threads_for(staged_bytes: int, cores: int) -> int:
     """Threads to stage ``staged_bytes`` of changed tensors with on ``cores`` cores (see
-    :data:`STAGE_BYTES_PER_THREAD`)."""
-    return max(1, min(cores, staged_bytes // STAGE_BYTES_PER_THREAD))
+    :data:`STAGE_BYTES_PER_THREAD`; the codec's ``threads_for`` rule, which the publisher's encode follows too)."""
+    return threads_for(staged_bytes, cores, STAGE_BYTES_PER_THREAD)
 
 
 class Stager:

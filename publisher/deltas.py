@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from ckptdelta.delta import codec
-from ckptdelta.delta.batch import encode_many
+from ckptdelta.delta.batch import BYTES_PER_THREAD, encode_many, threads_for
 from ckptdelta.delta.container import ObjectWriter
 from ckptdelta.delta.manifest import TensorEntry
 from ckptdelta.delta.chunks import FAST_ENCODINGS
@@ -54,17 +54,16 @@ TAIL_SHARE = 16
 MIN_PART_CAP = 1 << 20
 
 
-#: A delta's input bytes each encode thread is given at least (:func:`encode_threads_for`): a LoRA step's hundreds
-#: of tensors of tens to hundreds of KB each encode faster on one thread than on two of 2 cores (rank 16 bf16,
-#: 9.6 MB: 36 ms against 43 ms, quiet), whose second mostly waits for the GIL between the first one's short
-#: kernels; a rank-64 step (38 MB) gains from a second (89 ms against 105). The replica's staging has the same
-#: rule (loader/staging.py ``STAGE_BYTES_PER_THREAD``).
-ENCODE_BYTES_PER_THREAD = 16 << 20
+#: A delta's input bytes each encode thread is given at least (:func:`encode_threads_for`, the codec's
+#: ``threads_for`` rule): a LoRA step's hundreds of tensors of tens to hundreds of KB each encode faster on one
+#: thread than on two of 2 cores (rank 16 bf16, 9.6 MB: 36 ms against 43 ms, quiet), whose second mostly waits for
+#: the GIL between the first one's short kernels; a rank-64 step (38 MB) gains from a second (89 ms against 105).
+ENCODE_BYTES_PER_THREAD = BYTES_PER_THREAD
 
 
 def encode_threads_for(input_bytes: int, cores: int) -> int:
     """Threads to encode a delta of ``input_bytes`` bytes of tensors with on ``cores`` cores."""
-    return max(1, min(cores, input_bytes // ENCODE_BYTES_PER_THREAD))
+    return threads_for(input_bytes, cores, ENCODE_BYTES_PER_THREAD)
 
 
 def part_bytes_for(input_bytes: int, part_bytes: int = DEFAULT_PART_BYTES) -> int:
