@@ -480,8 +480,8 @@ class Manifest:
         _expect(pieced == (schema == PIECES_SCHEMA_VERSION), what,
                 f"schema_version {schema} with{'' if pieced else 'out'} pieced tensors (2 exactly when some are)")
         metadata = d.get("metadata", {})
-        _expect(isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-                and len(json.dumps(metadata)) <= MAX_METADATA_BYTES, what, "metadata must map strings to strings")
+        problem = metadata_problem(metadata)
+        _expect(problem is None, what, problem or "")
         return cls(
             run_id=rid, version=version, kind=kind, parent_version=parent, anchor_version=anchor,
             created=_str(d, "created", what), step=step, writer_id=_str(d, "writer_id", what),
@@ -557,6 +557,28 @@ def _str(d: dict, k: str, what: str) -> str:
     v = d.get(k)
     _expect(isinstance(v, str) and 0 < len(v) <= 256 and _utf8(v) is not None, what, f"{k} {v!r}")
     return v
+
+
+def text_problem(v: Any) -> str | None:
+    """Why ``v`` cannot be a manifest's name-like string (run_id, writer_id: 1-256 characters of valid UTF-8),
+    or None. A publisher checks its inputs by the very rule its readers apply."""
+    if not isinstance(v, str) or not 0 < len(v) <= 256:
+        return "must be a non-empty string of at most 256 characters"
+    if _utf8(v) is None:
+        return "must be valid UTF-8 text (it holds a lone surrogate)"
+    return None
+
+
+def metadata_problem(metadata: Any) -> str | None:
+    """Why ``metadata`` cannot be a manifest's user metadata (strings to strings, at most
+    :data:`MAX_METADATA_BYTES` as JSON), or None."""
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        return "metadata must map strings to strings"
+    size = len(json.dumps(metadata))
+    if size > MAX_METADATA_BYTES:
+        return f"metadata is {size} bytes as JSON, over the limit of {MAX_METADATA_BYTES}"
+    return None
 
 
 def _utf8(v: Any) -> bytes | None:

@@ -12,8 +12,9 @@ from ckptdelta.delta.errors import CollectiveError, ConcurrentPublisherError, Pu
 
 from ckptdelta.publisher.lora import AdapterSpec, BaseModel
 from ckptdelta.publisher.gc import GcReport, collect
+from ckptdelta.publisher.job import Skipped
 from ckptdelta.publisher.publisher import Publisher
 from ckptdelta.publisher.result import PublishResult
 
 __all__ = ["AdapterSpec", "BaseModel", "CollectiveError", "ConcurrentPublisherError", "GcReport", "PublishError",
-           "PublishInputError", "PublishResult", "Publisher", "collect"]
+           "PublishInputError", "PublishResult", "Publisher", "Skipped", "collect"]

@@ -174,32 +174,37 @@ def write_delta(open_part: Callable[[int], BinaryIO], parent: Mapping[str, torch
     records = encode_many(((name, parent[name], new, known.get(name), _grandparent(grand.get(name), new))
                            for name, new in snapshot.items()), level=level, context=context,
                           fast_alone=fast_alone, threads=threads)
-    with closing(records):          # on an error here, the encoding work still queued is dropped
-        for enc in records:
-            h = enc.header
-            name, dtype, shape = h.name, h.dtype.name, tuple(h.shape)
-            if all(c.encoding == UNCHANGED for c in h.chunks):
-                part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), None)
-            else:
-                if writer is None:
-                    f = open_part(len(part.objects))
-                    out = HashingWriter(f)
-                    writer = ObjectWriter(out)
-                offset, length = writer.add(name, enc.to_bytes())
-                part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), len(part.objects),
-                                                 offset, length)
-                part.changed.append(name)
-                part.changed_elements += sum(c.count for c in h.chunks)
-                if enc.changed_nan:
-                    part.changed_nan.append(name)
-                if not context and name not in fast_alone and h.has_parent and \
-                        all(c.encoding in FAST_ENCODINGS or c.encoding == UNCHANGED for c in h.chunks):
-                    part.fast_won.append(name)
-                if out.size >= limit:
-                    close_current()
-            if on_bytes is not None:
-                on_bytes(h.numel * h.dtype.itemsize)
-    if writer is not None:
-        close_current()
+    try:
+        with closing(records):          # on an error here, the encoding work still queued is dropped
+            for enc in records:
+                h = enc.header
+                name, dtype, shape = h.name, h.dtype.name, tuple(h.shape)
+                if all(c.encoding == UNCHANGED for c in h.chunks):
+                    part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), None)
+                else:
+                    if writer is None:
+                        f = open_part(len(part.objects))
+                        out = HashingWriter(f)
+                        writer = ObjectWriter(out)
+                    offset, length = writer.add(name, enc.to_bytes())
+                    part.entries[name] = TensorEntry(dtype, shape, codec.digest_hex(h.digest), len(part.objects),
+                                                     offset, length)
+                    part.changed.append(name)
+                    part.changed_elements += sum(c.count for c in h.chunks)
+                    if enc.changed_nan:
+                        part.changed_nan.append(name)
+                    if not context and name not in fast_alone and h.has_parent and \
+                            all(c.encoding in FAST_ENCODINGS or c.encoding == UNCHANGED for c in h.chunks):
+                        part.fast_won.append(name)
+                    if out.size >= limit:
+                        close_current()
+                if on_bytes is not None:
+                    on_bytes(h.numel * h.dtype.itemsize)
+        if writer is not None:
+            close_current()
+    except BaseException:
+        if f is not None:               # the part being written: its file goes with the temp dir
+            f.close()
+        raise
     part.encode_s = time.perf_counter() - t0
     return part

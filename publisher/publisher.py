@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import time
 import weakref
@@ -28,8 +29,9 @@ import xxhash
 from ckptdelta.delta.chunks import DEFAULT_LEVEL
 from ckptdelta.delta.codec import digest_hex
 from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError,
-                                    RunMismatchError)
-from ckptdelta.delta.manifest import Manifest, ObjectRef, anchor_prefix, now_iso, snapshot_name
+                                    RunMismatchError, StorageError)
+from ckptdelta.delta.manifest import (Manifest, ObjectRef, anchor_prefix, metadata_problem, now_iso, snapshot_name,
+                                      text_problem)
 from ckptdelta.delta.storage import Store
 
 from ckptdelta.publisher import lora
@@ -45,7 +47,7 @@ from ckptdelta.publisher.chain import ChainState, Plan, decide
 from ckptdelta.publisher.prefault import Prefault
 from ckptdelta.publisher.rebuild import read_chain
 from ckptdelta.publisher.result import PublishResult
-from ckptdelta.publisher.runs import (check_not_committed, commit, committed_versions, ensure_run_info, move_head,
+from ckptdelta.publisher.runs import (commit, committed_manifest, committed_versions, ensure_run_info, move_head,
                                       new_writer_id, read_manifest, read_run_info)
 from ckptdelta.publisher.deltas import encode_threads_for
 from ckptdelta.publisher.device_diff import DeviceDiff
@@ -171,8 +173,8 @@ class Publisher:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         if device_diff and max_in_flight != 1:
             raise ValueError("device_diff=True builds each snapshot from the previous one: it needs max_in_flight=1")
-        if run_id is not None and not (isinstance(run_id, str) and 0 < len(run_id) <= 256):
-            raise ValueError(f"run_id must be a non-empty string of at most 256 characters, got {run_id!r}")
+        if run_id is not None and text_problem(run_id) is not None:
+            raise ValueError(f"run_id {text_problem(run_id)}, got {run_id!r}")
         if isinstance(exit_timeout, bool) or not (isinstance(exit_timeout, (int, float)) and exit_timeout >= 0):
             raise ValueError(f"exit_timeout must be a number of seconds >= 0, got {exit_timeout!r}")
         if encode_threads is not None and (isinstance(encode_threads, bool) or not isinstance(encode_threads, int)
@@ -229,6 +231,7 @@ class Publisher:
         self._nan_clean_version: int | None = None
         self._nan_next: set[str] = set()
         self._n_failures = 0
+        self._last_failure: str | None = None       # which publish failed last, and why
         self._attempts = 0          # publish attempts planned by this session (rank 0): each one's data prefix
         self._committed_here: int | None = None     # the newest version this session committed (rank 0)
         self._pending_error: BaseException | None = None
@@ -280,10 +283,7 @@ class Publisher:
         self._run_info_exists = info is not None
         if versions:
             try:
-                chain = read_chain(store, versions[-1], rid)
-                self._chain = ChainState.from_chain(chain)
-                self._anchor_extra = chain[0].extra_files
-                self._adapter.resume(store, chain)
+                self._follow_chain(versions[-1], rid)
             except CkptDeltaError as e:  # an unreadable chain: the next publish anchors
                 log.warning("run %s at %s: cannot read the chain of version %d (%s); the next publish will anchor",
                             rid, store.url, versions[-1], e)
@@ -295,6 +295,13 @@ class Publisher:
             log.info("run %s at %s: resuming after version %d (step %s)", rid, store.url, versions[-1],
                      self._chain.last_step)
         return rid, new_writer_id(), self._chain.last_step
+
+    def _follow_chain(self, version: int, run_id: str) -> None:
+        """Rank 0's view of the run set to end at ``version``, from its manifests (as a new session resumes)."""
+        chain = read_chain(self._store, version, run_id)
+        self._chain = ChainState.from_chain(chain)
+        self._anchor_extra = chain[0].extra_files
+        self._adapter.resume(self._store, chain)
 
     # --- public verbs --------------------------------------------------------------------
 
@@ -358,8 +365,9 @@ class Publisher:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise PublishInputError(f"step must be a non-negative int, got {step!r}")
         metadata = dict(metadata or {})
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise PublishInputError("metadata must map strings to strings")
+        problem = metadata_problem(metadata)
+        if problem is not None:
+            raise PublishInputError(f"step {step}: {problem}; nothing was written")
         # a DTensor becomes this rank's box of it: a delta encodes boxes, never a gathered tensor
         sources, boxes = sharded.split_dtensors(gather_sources(weights, self._partition), self._box_cache)
         if not sources and self._comm.world == 1:
@@ -531,10 +539,16 @@ class Publisher:
         try:
             plan, written, outcome = rounds.run(self._comm, _Steps(self), job, self._parents, skip=skip,
                                                 shard_bytes=self.shard_bytes, run_id=self.run_id)
-        except Skipped:
-            raise
+        except Skipped as e:
+            failed = self._last_failure if skip else None
+            if failed is None:
+                raise
+            raise Skipped(f"{e}: {failed}") from None
         except BaseException as e:
+            # words, not the exception: its traceback would hold the failed publish's snapshot
+            self._last_failure = f"{job.describe()} failed ({type(e).__name__}: {e})"
             self._n_failures += 1
+            self._committed_here = None       # the next publish checks its version first (a lost commit, a race)
             if isinstance(e, ConcurrentPublisherError):
                 self._fatal = e
             raise
@@ -584,12 +598,35 @@ class Publisher:
             # a race that the manifest's create-only commit refuses anyway (the loser's data objects, under keys
             # of its own, are left for gc). The first publish of a session, where another trainer may still run,
             # and every one after a failure keep it.
-            check_not_committed(self._store, plan.version, self.run_id)
+            if self._own_lost_commit(plan.version):
+                return self._plan(gathered, adapter)
         # Every attempt writes under keys of its own: a retry of a failed publish gets the same version, and a
         # PUT of the failed attempt that lands late (a stalled request completed by the server) must never
         # replace an object the retry committed. Rank 0 decides, so all ranks of one attempt share it.
         self._attempts += 1
         return replace(plan, data_id=f"{self.writer_id}-{self._attempts}")
+
+    def _own_lost_commit(self, version: int) -> bool:
+        """Fail a race with another publisher for ``version`` before uploading anything; True where ``version``
+        is this session's own commit, whose create landed although every answer to it was lost (publish()
+        said it failed, runs.py ``commit``): the run then goes on after it, as a new session would, instead of
+        taking its own snapshot for another publisher's and stopping for good."""
+        m = committed_manifest(self._store, version, self.run_id)
+        if m is None:
+            return False
+        if m.writer_id != self.writer_id:
+            raise ConcurrentPublisherError(
+                f"run {self.run_id} at {self._store.url}: snapshot {m.name} (version {version}) is already committed "
+                f"by another publisher (writer {m.writer_id}, step {m.step}); refusing to fork the run (one "
+                "publisher per run)")
+        log.warning("run %s: %s (step %s) was committed by this publisher although its commit reported a failure "
+                    "(the answers were lost); continuing after it", self.run_id, m.where(), m.step)
+        self._follow_chain(version, self.run_id)
+        self._committed_here = version
+        with self._lock:
+            if self._committed_step is None or (m.step is not None and m.step > self._committed_step):
+                self._committed_step = m.step
+        return True
 
     def _may_commit(self, job: PublishJob, err: BaseException | None) -> BaseException | None:
         with self._lock:     # the last point where giving up at exit (_finish) stops the commit
@@ -601,6 +638,18 @@ class Publisher:
 
     def _write(self, plan: Plan, job: PublishJob, parent: dict[str, torch.Tensor] | None, shards: list[list[str]],
                first: int, total: int) -> Written:
+        try:
+            return self._write_files(plan, job, parent, shards, first, total)
+        except StorageError:
+            raise
+        except OSError as e:    # the local files on their way to the bucket: a full disk, a file size limit
+            raise PublishError(
+                f"{job.describe()} of run {self.run_id}: writing this rank's {plan.kind} files in the temp dir "
+                f"{tempfile.gettempdir()} failed ({type(e).__name__}: {e}); nothing was committed. Free space there, "
+                "or point TMPDIR at a disk with room for the largest shard or part") from e
+
+    def _write_files(self, plan: Plan, job: PublishJob, parent: dict[str, torch.Tensor] | None,
+                     shards: list[list[str]], first: int, total: int) -> Written:
         assert job.snapshot is not None
         if plan.kind == "anchor":
             pieced = plan.layout.pieces if plan.layout is not None else {}
@@ -729,9 +778,6 @@ class Publisher:
             extra_refs = tuple(extra)
         else:
             extra_refs = self._anchor_extra  # the anchor's config/tokenizer, found from any snapshot
-        if not self._run_info_exists:
-            ensure_run_info(store, self.run_id)
-            self._run_info_exists = True
         manifest = Manifest(
             run_id=self.run_id, version=plan.version, kind=plan.kind, parent_version=plan.parent_version,
             anchor_version=plan.anchor_version, created=now_iso(), step=job.step, writer_id=self.writer_id,
@@ -739,6 +785,9 @@ class Publisher:
             full_bytes=full, stored_bytes=stored, adapter=None if job.adapter is None else job.adapter.record)
         data = manifest.to_json()
         Manifest.from_json(data, run_id=self.run_id)  # never commit what a reader would refuse
+        if not self._run_info_exists:                 # nor name a run in RUN.json that its manifests cannot hold
+            ensure_run_info(store, self.run_id)
+            self._run_info_exists = True
         h = commit(store, manifest, data)
         self._head_moved = self._heads.submit(move_head, store, manifest, h)
         self._committed_here = plan.version

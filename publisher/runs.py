@@ -103,7 +103,7 @@ def commit(store: Store, manifest: Manifest, data: bytes | None = None) -> str:
                 f"run {manifest.run_id} at {store.url}: snapshot {manifest.name} (version {manifest.version}) was "
                 "committed by another publisher while this one was publishing it; refusing to fork the run "
                 "(one publisher per run; a new Publisher on this URL continues after the latest snapshot)") from None
-    except StorageError:
+    except StorageError as e:
         # Every try failed, yet one may have landed with its answer lost: then the snapshot is
         # committed, and saying otherwise would make the next publish find "its" version taken.
         try:
@@ -111,7 +111,9 @@ def commit(store: Store, manifest: Manifest, data: bytes | None = None) -> str:
         except CkptDeltaError:
             ours = False
         if not ours:
-            raise
+            raise StorageError(f"{store.key_url(key)}: the commit of snapshot {manifest.name} (version "
+                               f"{manifest.version}) failed, and whether it landed could not be read back: {e}; the "
+                               "next publish of this Publisher looks, and goes on after it if it did") from e
         log.warning("%s: the create failed, but the manifest holds this publisher's bytes (an answer was "
                     "lost); committed", store.key_url(key))
     return digest_hex(xxhash.xxh3_64_intdigest(data))
@@ -135,9 +137,8 @@ def _holds(store: Store, key: str, data: bytes) -> bool:
         return False
 
 
-def check_not_committed(store: Store, version: int, run_id: str) -> None:
-    """Fail early (before uploading anything) if ``version`` is already committed."""
-    if store.exists(manifest_key(version)):
-        raise ConcurrentPublisherError(
-            f"run {run_id} at {store.url}: snapshot version {version} is already committed by another "
-            "publisher; refusing to fork the run (one publisher per run)")
+def committed_manifest(store: Store, version: int, run_id: str) -> Manifest | None:
+    """``version``'s manifest where it is committed, else None (one existence check)."""
+    if not store.exists(manifest_key(version)):
+        return None
+    return read_manifest(store, version, run_id)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -13,9 +16,10 @@ import torch
 from ckptdelta.delta.errors import (ConcurrentPublisherError, PublishError, PublishInputError, RunMismatchError,
                                     StorageError)
 from ckptdelta.delta.manifest import RUN_KEY
-from ckptdelta.publisher import Publisher
+from ckptdelta.publisher import Publisher, Skipped
 from ckptdelta.publisher.chain import MAX_CHAIN, ChainState, decide
 from ckptdelta.publisher.runs import read_manifest
+from tests import REPO
 from tests.publisher_helpers import assert_same, clone, perturb, snapshot, versions, weights
 
 
@@ -131,6 +135,66 @@ def test_weights_that_cannot_be_published_are_refused(url, bad, match):
         assert versions(pub.store) == []
 
 
+@pytest.mark.parametrize("metadata, match", [
+    ({"notes": "x" * (1 << 20)}, r"metadata is 1048589 bytes as JSON, over the limit of 1048576"),
+    ({"k": 1}, "metadata must map strings to strings"),
+])
+def test_metadata_a_manifest_cannot_hold_is_refused_before_anything_is_written(url, metadata, match):
+    with Publisher(url) as pub:
+        with pytest.raises(PublishInputError, match=match):
+            pub.publish(weights(), 0, metadata=metadata)
+        assert pub.store.list_prefix("") == []
+        assert pub.publish(weights(), 0, metadata={"notes": "fits"}).version == 0
+
+
+def test_a_run_id_its_manifests_could_not_hold_is_refused_and_the_bucket_stays_usable(url):
+    with pytest.raises(ValueError, match="run_id must be valid UTF-8 text"):
+        Publisher(url, run_id="exp-\udc80")
+    with Publisher(url, run_id="exp-ok") as pub:
+        assert pub.publish(weights(), 0).version == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE's EFBIG is the full disk here")
+def test_a_full_local_disk_fails_the_publish_with_an_error_naming_the_step_and_the_temp_dir(tmp_path):
+    """The anchor's shard and a delta's part are written to the trainer's temp dir before they upload; a disk
+    that refuses them (here the kernel's file size limit: EFBIG) fails that publish with a PublishError naming
+    the step, the version and the temp dir, nothing committed, and the next publish with room goes on."""
+    script = r"""
+import os, resource, signal, sys, tempfile
+import torch
+from ckptdelta.delta.errors import PublishError
+from ckptdelta.publisher import Publisher
+tempfile.tempdir = sys.argv[2]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+unlimited = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+w = {"a": torch.arange(40000, dtype=torch.float32), "b": torch.ones(300)}
+with Publisher(sys.argv[1], codec="fast") as pub:
+    for step in (0, 1):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        try:
+            pub.publish(w, step)
+        except PublishError as e:
+            print("REFUSED", type(e).__name__, type(e.__cause__).__name__, e)
+        resource.setrlimit(resource.RLIMIT_FSIZE, unlimited)
+        print("VERSION", pub.publish(w, step).version)
+        w["a"] += torch.randn(40000, generator=torch.Generator().manual_seed(step))   # a delta of > 4 KiB
+print("TEMP", os.listdir(sys.argv[2]))
+"""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run"), str(tmp)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    refused = [l for l in r.stdout.splitlines() if l.startswith("REFUSED")]
+    assert len(refused) == 2, r.stdout
+    for line, (step, kind) in zip(refused, ((0, "anchor"), (1, "delta"))):
+        assert f"REFUSED PublishError OSError step {step} (version {step}) of run " in line
+        assert f"writing this rank's {kind} files in the temp dir {tmp} failed (OSError: [Errno 27] File too " \
+               "large); nothing was committed" in line
+    assert [l for l in r.stdout.splitlines() if l.startswith("VERSION")] == ["VERSION 0", "VERSION 1"]
+    assert "TEMP []" in r.stdout                        # the refused publishes' files went with their temp dirs
+
+
 def test_non_contiguous_numpy_and_module_weights_publish_by_logical_content(url):
     base = torch.randn(16, 24).to(torch.bfloat16)
     arr = np.arange(60, dtype=np.float32).reshape(6, 10)
@@ -224,6 +288,59 @@ def test_a_failed_background_publish_surfaces_from_its_future_and_the_next_publi
         assert_same(snapshot(pub.store, 1), w)
 
 
+def test_a_commit_whose_answers_were_lost_is_taken_as_this_publishers_own_and_the_run_goes_on(url, caplog):
+    """The manifest's create lands, its answer is lost and so is the read-back that would recognise it: publish()
+    says it failed. The next publish finds the version committed under this publisher's own writer id and goes on
+    after it, where it took its own snapshot for another publisher's and stopped for good."""
+    w = weights()
+    with Publisher(url) as pub:
+        pub.publish(w, 0)
+        store = pub.store
+        real_create, real_size = store.put_if_absent, store.size
+        armed = {"create": True, "size": True}
+
+        def create_then_drop_the_answer(key, data):
+            real_create(key, data)
+            if armed.pop("create", False):
+                raise StorageError(f"simulated reset after {key} landed")
+
+        def size_fails_once(key):
+            if key.startswith("manifests/") and armed.pop("size", False):
+                raise StorageError(f"simulated reset reading {key}")
+            return real_size(key)
+
+        store.put_if_absent, store.size = create_then_drop_the_answer, size_fails_once
+        perturb(w, seed=0)
+        one = clone(w)
+        with pytest.raises(StorageError, match=r"could not be read back.*next publish"):
+            pub.publish(w, 1)
+        assert read_manifest(store, 1, pub.run_id).writer_id == pub.writer_id     # it did land
+        with caplog.at_level(logging.WARNING, logger="ckptdelta"):
+            r = pub.publish(w, 1)                        # the retry of the same step
+        assert "committed by this publisher although its commit reported a failure" in caplog.text
+        assert (r.version, r.parent_version) == (2, 1)
+        perturb(w, seed=1)
+        r = pub.publish(w, 2)
+        assert (r.version, r.kind, r.parent_version) == (3, "delta", 2)
+        assert_same(snapshot(store, 1), one)
+        assert_same(snapshot(store, 2), one)
+        assert_same(snapshot(store, 3), w)
+
+
+def test_a_version_committed_by_another_publisher_is_refused_before_uploading_naming_its_writer(url):
+    w = weights()
+    with Publisher(url) as first:
+        first.publish(w, 0)
+    with Publisher(url) as a:             # its first publish looks before it uploads
+        with Publisher(url) as b:
+            perturb(w, seed=0)
+            b.publish(w, 1)
+        perturb(w, seed=1)
+        with pytest.raises(ConcurrentPublisherError, match=rf"version 1\) is already committed by another "
+                                                           rf"publisher \(writer {b.writer_id}, step 1\)"):
+            a.publish(w, 2)
+
+
 def test_publishes_beyond_max_in_flight_wait_for_a_slot(url):
     w = weights()
     with Publisher(url, max_in_flight=1) as pub:
@@ -290,7 +407,11 @@ def test_queued_publishes_behind_a_failure_are_not_attempted(url):
         f2 = pub.publish(w, 2, wait=False)
         gate.set()
         assert isinstance(f1.exception(60), StorageError)
-        assert isinstance(f2.exception(60), PublishError) and "earlier publish" in str(f2.exception())
+        skipped = f2.exception(60)
+        assert isinstance(skipped, Skipped) and isinstance(skipped, PublishError)
+        # it says which publish failed and why
+        assert re.search(r"step 2 was not published: an earlier publish of run .* failed: step 1 .* failed "
+                         r"\(StorageError: simulated outage\)", str(skipped)), str(skipped)
         with pytest.raises(StorageError):
             pub.wait_until_finished()
         pub.store.put_file = real
