@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Sequence
 
@@ -239,8 +238,8 @@ class SamplingClient:
                              backoff_base=backoff_base, backoff_max=backoff_max)
         self._max_connections = max_connections
         self._sync = RolloutClient(urls, **self._options)
-        self._async: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncRolloutClient]" = \
-            weakref.WeakKeyDictionary()
+        # one client per event loop, and what closes it as its loop shuts down (_for_loop)
+        self._async: dict[asyncio.AbstractEventLoop, tuple[AsyncRolloutClient, AsyncIterator[None]]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -270,7 +269,8 @@ class SamplingClient:
                            topk_prompt_logprobs: int = 0, *, affinity_key: str | None = None) -> SampleResponse:
         """:meth:`sample` for asyncio."""
         req = self._request(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
-        return await self._for_loop()._post_sample(_PATH, req.body, req.floor, affinity_key, req.accept)
+        client = await self._for_loop()
+        return await client._post_sample(_PATH, req.body, req.floor, affinity_key, req.accept)
 
     def compute_logprobs(self, prompt: "ModelInput | Sequence[int]", *,
                          affinity_key: str | None = None) -> list[float | None]:
@@ -287,27 +287,39 @@ class SamplingClient:
                                        include_prompt_logprobs=True, affinity_key=affinity_key)
         return list(resp.prompt_logprobs or [])
 
-    def _for_loop(self) -> AsyncRolloutClient:
+    async def _for_loop(self) -> AsyncRolloutClient:
         """The pooled async client of the running event loop: an httpx.AsyncClient cannot outlive its loop, and
-        a loop per ``asyncio.run`` (one per RL step) is how such loops are written."""
+        a loop per ``asyncio.run`` (one per RL step) is how such loops are written.
+
+        Its connections are closed as that loop shuts down: a started async generator holds the client, and the
+        loop closes its live async generators before it closes (``shutdown_asyncgens``, which ``asyncio.run``
+        runs), running the generator's ``finally`` while the loop still can. Otherwise each ``asyncio.run`` would
+        leave a socket per connection it used open, until the descriptors ran out. A loop closed without that
+        (``loop.close()`` alone) has its client let go here, at the next loop's first request."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            client = self._async.get(loop)
-            if client is None:
-                client = self._async[loop] = AsyncRolloutClient(self._sync.replicas, **self._options,
-                                                                max_connections=self._max_connections)
-            return client
+            for gone in [lp for lp in self._async if lp.is_closed()]:
+                del self._async[gone]
+            held = self._async.get(loop)
+            if held is not None:
+                return held[0]
+            client = AsyncRolloutClient(self._sync.replicas, **self._options, max_connections=self._max_connections)
+            closer = _close_with_the_loop(client)
+            self._async[loop] = (client, closer)     # the loop keeps its async generators by weak reference
+        await closer.__anext__()
+        return client
 
     async def aclose(self) -> None:
         """Close this event loop's connections (and, as :meth:`close`, the blocking client's)."""
         with self._lock:
-            client = self._async.pop(asyncio.get_running_loop(), None)
-        if client is not None:
-            await client.aclose()
+            held = self._async.pop(asyncio.get_running_loop(), None)
+        if held is not None:
+            await held[1].aclose()
         self._sync.close()
 
     def close(self) -> None:
-        """Close the blocking client's connections; an event loop's close with :meth:`aclose` or with its loop."""
+        """Close the blocking client's connections, and let go of every event loop's (:meth:`aclose` closes the
+        running loop's; a loop already closed has its own let go at the next loop's first request anyway)."""
         self._sync.close()
         with self._lock:
             self._async.clear()
@@ -323,6 +335,15 @@ class SamplingClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _close_with_the_loop(client: AsyncRolloutClient) -> AsyncIterator[None]:
+    """Started once, then parked: closed by its event loop's ``shutdown_asyncgens`` (or by ``aclose``), it closes
+    ``client`` on that loop."""
+    try:
+        yield
+    finally:
+        await client.aclose()
 
 
 def save_weights_and_get_sampling_client(publisher: Any, weights: Any, step: int, replicas: str | Sequence[str], *,

@@ -307,17 +307,35 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
                 metrics.request_crossed_swap.inc()
             return _engine_data(res, replica_id, run_id) if opts.return_engine_data else None
 
+        def below_floor(res: EngineResult) -> APIError | None:
+            """The floor checked again on the versions that served the request: one below it (a hot-load to an
+            older version, a rollback, landed after the check at its start) makes it a 408 all the same."""
+            floor = opts.min_policy_version
+            if floor is None or res.status != 200 or all(v is not None and v >= floor for v in res.policy_versions):
+                return None
+            return APIError(408, "policy_version_too_old",
+                            f"replica {replica_id} served this request with policy versions {res.policy_versions}, "
+                            f"below the {floor} it needs (a hot-load to an older version landed while it ran); "
+                            "retry after the hot-load lands", policy_version=engine.version, min_policy_version=floor,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+
         if body.get("stream") is True:
             answer = await engine.stream(kind, body)
             if isinstance(answer, EngineStream):
                 def last(res: EngineResult) -> dict[str, Any] | None:
                     data = settle(res)
+                    low = below_floor(res)
+                    if low is not None:        # the status went out with the first byte: an error event instead
+                        return {"error": {"type": low.type, "message": low.message, **low.extra}}
                     return None if data is None else streaming.last_chunk(res, data)
 
                 return streaming.response(answer, finish=last)
             return JSONResponse(answer.body, status_code=answer.status)
         res = await engine.complete(kind, body)
         data = settle(res)
+        low = below_floor(res)
+        if low is not None:
+            raise low
         if data is not None:
             res.body["engine_data"] = data
         return JSONResponse(res.body, status_code=res.status)

@@ -93,6 +93,33 @@ def test_sample_returns_tokens_logprobs_stop_reasons_prompt_logprobs_and_the_ver
             client.sample(prompt, sampling_params=SamplingParams(max_tokens=0))
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's open descriptors")
+def test_one_asyncio_run_per_step_leaves_no_connections_open_behind_it(start_replica):
+    """The Loops loop runs each step's group in its own ``asyncio.run``: the client of a loop that closed cannot be
+    closed any more (aclose needs its loop), so it is let go at the next loop's first request with its sockets,
+    not kept, one socket per connection per step, until the descriptors run out."""
+    rep = start_replica(1)
+    prompt = ModelInput.from_ints(_prompt_ids(rep))
+
+    def step(client: SamplingClient) -> None:
+        async def group() -> list:
+            return await asyncio.gather(*(client.sample_async(prompt, sampling_params=SamplingParams(max_tokens=1))
+                                          for _ in range(8)))
+        assert len(asyncio.run(group())) == 8
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with SamplingClient(rep.url) as client:
+        for _ in range(3):
+            step(client)
+        before = open_fds()
+        for _ in range(12):
+            step(client)
+        assert len(client._async) == 1                    # this loop's client; the closed loops' let go
+        assert open_fds() - before <= 8, "the closed loops' connections were kept open"
+
+
 def test_a_minimum_policy_version_is_retried_on_408_until_the_hotload_lands_then_a_timeout_is_an_error(
         start_replica, run):
     rep = start_replica(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -446,6 +447,31 @@ def test_a_request_in_flight_crosses_a_hotload_and_reports_the_span(start_replic
     assert ed["prefix_recomputes"] == 1 and all(len(c["token_ids"]) == 5 for c in body.json()["choices"])
     m = metric_samples(rep)
     assert m[("ckptdelta_requests_crossed_swap_total", ())] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_rollback_while_a_request_runs_makes_its_answer_a_408_not_a_version_below_its_floor(start_replica, stream):
+    """min_policy_version is checked at the request's start, and again on the versions that served it: a hot-load
+    to an older version landing while it runs would otherwise answer with tokens of a policy below the floor."""
+    rep = start_replica(2)
+    with httpx.Client(base_url=rep.url, timeout=60) as other:
+        body = _across_a_swap(
+            rep.engine,
+            lambda: other.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True,
+                                                        "min_policy_version": 2, "return_engine_data": True,
+                                                        "stream": stream}),
+            lambda: rep.hotload(1))          # a rollback, between the request's first step and its second
+    if not stream:
+        assert body.status_code == 408 and body.headers["retry-after"] == "1"
+        err = body.json()["error"]
+    else:                                    # the 200 went out with the first byte: an error event, then [DONE]
+        assert body.status_code == 200
+        events = [line[len("data: "):] for line in body.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+    assert (err["type"], err["policy_version"], err["min_policy_version"]) == ("policy_version_too_old", 1, 2)
+    assert "served this request with policy versions [2, 1], below the 2 it needs" in err["message"]
+    assert rep.complete(max_tokens=1, min_policy_version=1)["choices"]
 
 
 def test_recompute_policy_reruns_the_prefix_with_the_new_weights(run, tmp_path):
