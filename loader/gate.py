@@ -83,14 +83,17 @@ class ServingGate:
             with self._cond:
                 self._pausing = True
                 deadline = None if timeout is None else t0 + timeout
-                while self._active:
-                    left = None if deadline is None else deadline - time.perf_counter()
-                    if left is not None and left <= 0:
-                        self._pausing = False
-                        self._cond.notify_all()
-                        raise HotLoadError(f"{self._active} forward steps still running after {timeout:.1f}s; "
-                                           "swap abandoned, weights unchanged")
-                    self._cond.wait(left)
+                try:
+                    while self._active:
+                        left = None if deadline is None else deadline - time.perf_counter()
+                        if left is not None and left <= 0:
+                            raise HotLoadError(f"{self._active} forward steps still running after {timeout:.1f}s; "
+                                               "swap abandoned, weights unchanged")
+                        self._cond.wait(left)
+                except BaseException:     # the timeout, or Ctrl-C / a stop signal while the swap waited on the
+                    self._pausing = False  # main thread: held-back steps go on, never blocked for good
+                    self._cond.notify_all()
+                    raise
             pause.waited_s = time.perf_counter() - t0
             try:
                 yield pause

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import MutableMapping
@@ -401,6 +403,47 @@ def test_no_forward_step_sees_half_applied_weights(tmp_path):
     assert not errors, errors[:5]
     assert min(steps) > 0
     assert_at(live, run, 5)
+
+
+class _Stop(BaseException):
+    """What a stop signal's handler raises in the main thread (as loader/stopping.py's TerminationRequested)."""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="a real signal interrupts the wait")
+def test_a_signal_that_interrupts_a_pause_waiting_for_steps_lets_steps_run_again():
+    """A swap run on the main thread (an embedder's hotload()) waits in paused() for the running steps; a stop
+    signal's exception raised there must not leave the gate paused, or every later step would wait for good."""
+    gate = ServingGate()
+    held, release = threading.Event(), threading.Event()
+
+    def step():
+        with gate.serving():
+            held.set()
+            release.wait(30)
+
+    def stop(signum, frame):
+        raise _Stop()
+
+    t = threading.Thread(target=step)
+    t.start()
+    assert held.wait(30)
+    previous = signal.signal(signal.SIGUSR1, stop)
+    try:
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(_Stop):
+            with gate.paused():
+                pass
+        timer.join()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    release.set()
+    t.join(30)
+    assert not gate.is_paused
+    later = threading.Thread(target=lambda: gate.serving().__enter__(), daemon=True)
+    later.start()
+    later.join(5)
+    assert not later.is_alive(), "a step after the interrupted pause is still held back"
 
 
 def test_gate_refuses_to_pause_from_inside_a_step_and_times_out():
