@@ -34,7 +34,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptdelta.delta.errors import HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError
+from ckptdelta.delta.errors import (HotLoadCancelledError, HotLoadConflictError, HotLoadError,
+                                    SnapshotNotFoundError)
 from ckptdelta.delta.manifest import snapshot_name
 from ckptdelta.loader.threads import Threads
 
@@ -261,7 +262,18 @@ class HotLoadManager:
         job.from_version, job.state = current, PREPARING
         self._running = job
         self._ended = ended = threading.Event()
-        self._runner.submit(self._run, job, ended)
+        try:
+            self._runner.submit(self._run, job, ended)
+        except Exception as e:  # no thread to be had: the job fails, said why, and nothing waits on it for good
+            self._running = None
+            ended.set()
+            job.reason, job.error_type, job.finished = f"{type(e).__name__}: {e}", type(e).__name__, time.time()
+            self._last = job
+            self._notify(job, FAILED)
+            job.state = FAILED
+            log.error("hot-load %s to %s could not start: %s", job.id, snapshot_name(target), job.reason)
+            raise HotLoadError(f"hot-load {job.id} to {snapshot_name(target)} could not start ({job.reason}); "
+                               f"still serving {_name(current)}") from e
         log.info("hot-load %s: %s -> %s started", job.id, _name(job.from_version), snapshot_name(target))
         return job, "started"
 
@@ -328,12 +340,8 @@ class HotLoadManager:
                 elif nxt is not None:
                     try:
                         self._start_locked(nxt.requested, nxt.target_version, nxt)
-                    except Exception as e:  # noqa: BLE001 - no thread to be had: the queued one fails, said why
-                        nxt.reason, nxt.error_type, nxt.finished = f"{type(e).__name__}: {e}", type(e).__name__, \
-                            time.time()
-                        self._running = None
-                        self._notify(nxt, FAILED)
-                        nxt.state = FAILED
+                    except HotLoadError:      # no thread to be had: the queued job failed, saying why
+                        pass
 
     # --- the replica stops ---------------------------------------------------------------------------
 

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ckptdelta.delta.errors import (DeltaError, HotLoadCancelledError, HotLoadConflictError, SnapshotNotFoundError,
-                                    StorageError)
+from ckptdelta.delta.errors import (CkptDeltaError, DeltaError, HotLoadCancelledError, HotLoadConflictError,
+                                    HotLoadError, SnapshotNotFoundError, StorageError)
 
 from ckptdelta.loader import streaming
 from ckptdelta.loader.engines import replica_engine
@@ -50,6 +50,8 @@ STOPPING_MESSAGE = ("the replica is stopping (SIGTERM, SIGINT or SIGHUP) and thi
 ENGINE_FAILED, UNKNOWN_VERSION = "ENGINE_FAILED", "UNKNOWN_VERSION"
 #: The longest ``await_commit_s`` a hot-load request may ask for.
 MAX_AWAIT_COMMIT_S = 3600.0
+#: Seconds between two looks for the run's id (RUN.json) of a replica up before the trainer's first publish.
+RUN_LOOK_S = 5.0
 #: The longest ``GET /v1/hotload/{id}?wait=`` the replica holds (it answers the moment the job ends).
 HOTLOAD_WAIT_MAX_S = 30.0
 #: Seconds a 408 (policy version too old) asks the client to wait: about one hot-load of a small delta.
@@ -258,7 +260,22 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
 
     manager = HotLoadManager(swapper, reader, on_done=on_done) if (
         swapper is not None and reader is not None) else None
-    run_id = getattr(reader, "run_id", None)
+    known_run: list[str] = []
+    looked = [float("-inf")]
+
+    def run_id() -> str | None:
+        """The bucket's run id, once it has one: a replica started from a model directory may be up before the
+        trainer's first publish creates the run (RUN.json), and learns it at a look after that (one every
+        ``RUN_LOOK_S`` at most, not one per request)."""
+        if not known_run and reader is not None and time.monotonic() - looked[0] >= RUN_LOOK_S:
+            looked[0] = time.monotonic()
+            try:
+                known_run.append(reader.run_id)
+            except CkptDeltaError as e:
+                log.debug("replica %s: the bucket has no run yet (%s)", replica_id, e)
+        return known_run[0] if known_run else None
+
+    run_id()
     control_threads = CapacityLimiter(4)
 
     app = FastAPI(title="ckptdelta replica", docs_url=None, redoc_url=None, openapi_url=None)
@@ -276,6 +293,13 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
     @app.exception_handler(ReplicaAPIError)
     async def _api(request: Request, exc: ReplicaAPIError) -> JSONResponse:
         return _error(exc.status, exc.type, exc.message, headers=exc.headers, **exc.extra)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # an OpenAI-shaped error a client can show, as a stream's error event is, not a bare text/plain 500
+        log.error("replica %s: %s %s failed", replica_id, request.method, request.url.path, exc_info=exc)
+        return _error(500, "engine_error", f"replica {replica_id} failed on this request: {type(exc).__name__}: "
+                      f"{exc}"[:2000])
 
     def check_version(min_version: int | None) -> None:
         v = engine.version
@@ -305,7 +329,7 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
             metrics.generated_tokens.inc(res.completion_tokens)
             if len(res.policy_versions) > 1:
                 metrics.request_crossed_swap.inc()
-            return _engine_data(res, replica_id, run_id) if opts.return_engine_data else None
+            return _engine_data(res, replica_id, run_id()) if opts.return_engine_data else None
 
         def below_floor(res: EngineResult) -> APIError | None:
             """The floor checked again on the versions that served the request: one below it (a hot-load to an
@@ -342,7 +366,7 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
 
     def served_names() -> list[str]:
         """The ``model`` names a request may give (``/v1/models`` lists them): the served name and the run id."""
-        return list(dict.fromkeys(n for n in (engine.model_name, run_id) if n))
+        return list(dict.fromkeys(n for n in (engine.model_name, run_id()) if n))
 
     def check_model(name: Any) -> None:
         if name is None:
@@ -402,6 +426,8 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
             running = manager.running
             raise APIError(409, "hotload_in_progress", str(e),
                            running=running.to_dict() if running is not None else None) from None
+        except HotLoadError as e:           # it could not start (no thread to be had): the job says so too
+            raise APIError(503, "hotload_not_started", str(e)) from None
         except StorageError as e:
             raise APIError(503, "storage_error", str(e)) from None
         except DeltaError as e:  # the snapshot exists but its manifest cannot be trusted
@@ -428,7 +454,7 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
         last = manager.last if manager is not None else None
         queued = manager.queued if manager is not None else None
         return {
-            "replica_id": replica_id, "run_id": run_id, "policy_version": engine.version,
+            "replica_id": replica_id, "run_id": run_id(), "policy_version": engine.version,
             "snapshot": engine.snapshot, "state": replica_state(running),
             "hotload": running.to_dict() if running is not None else None,
             "queued_hotload": queued.to_dict() if queued is not None else None,

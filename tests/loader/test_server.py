@@ -352,6 +352,30 @@ def test_start_from_hf_directory_then_first_hotload_goes_through_an_anchor(start
     assert rep.status()["policy_version"] == 2
 
 
+def test_a_replica_started_from_a_model_directory_before_the_first_publish_serves_then_hot_loads_the_run(
+        start_replica, lm_dir, tmp_path, monkeypatch):
+    """`serve --model DIR --bucket URL` may start before the trainer's first publish creates the run: it serves
+    the directory's weights (version unknown), and once the run exists it hot-loads it and names its run id."""
+    import ckptdelta.loader.server as server
+
+    monkeypatch.setattr(server, "RUN_LOOK_S", 0.0)
+    bucket = str(tmp_path / "not-yet")
+    rep = start_replica(bucket=bucket, model_dir=lm_dir)
+    st = rep.status()
+    assert (st["policy_version"], st["run_id"]) == (None, None)
+    assert rep.complete(max_tokens=1)["choices"]
+    r = rep.post("/v1/hotload", {"snapshot": "latest"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "snapshot_not_found"
+    run = publish_run(bucket, lm_dir, n_versions=2)
+    job = rep.hotload(1)
+    assert job["state"] == "READY" and job["report"]["via_anchor"] is True
+    assert state_bits_equal(rep.engine.model, run.truth[1]) == []
+    assert rep.status()["run_id"] == run.publisher.run_id
+    body = rep.complete(max_tokens=1, return_engine_data=True)
+    assert body["engine_data"]["run_id"] == run.publisher.run_id
+    run.publisher.close()
+
+
 def test_a_snapshot_gc_deleted_or_of_a_deleted_run_is_404_not_a_failed_hotload(start_replica, lm_dir, tmp_path):
     """Regression (issue 15, item 8): manifests cached by the replica outlived their snapshots. After gc
     removed v0-v3, a hot-load of v2 was accepted (202) and FAILED on a missing anchor; after the run was
@@ -385,6 +409,62 @@ def test_a_snapshot_gc_deleted_or_of_a_deleted_run_is_404_not_a_failed_hotload(s
         assert "no longer exist" in r.json()["error"]["message"]
     assert rep.status()["policy_version"] == 5 and rep.status()["last_hotload"]["state"] == "READY"
     rep.complete(max_tokens=2)
+
+
+def test_a_hotload_whose_thread_cannot_start_fails_saying_why_and_the_next_one_runs(start_replica, monkeypatch):
+    """No thread to be had for a hot-load (the host's thread limit): the job must end FAILED with the reason and
+    the request get a JSON 503, not stay the running job for good (every other hot-load 409, a wait that never
+    returns, a queued one that never starts)."""
+    rep = start_replica(1)
+    manager = rep.server.server.config.app.state.hotloads
+    real = manager._runner.submit
+    failures = iter([RuntimeError("can't start new thread")])
+
+    def submit_once_failing(*args, **kwargs):     # the one fault: Thread.start() refusing, as at the limit
+        for e in failures:
+            raise e
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager._runner, "submit", submit_once_failing)
+    r = rep.post("/v1/hotload", {"snapshot": 2})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "hotload_not_started"
+    assert "could not start (RuntimeError: can't start new thread); still serving v00000001" in \
+        r.json()["error"]["message"]
+    st = rep.status()
+    assert st["hotload"] is None and st["last_hotload"]["state"] == "FAILED"
+    assert st["last_hotload"]["error_type"] == "RuntimeError"
+    assert rep.hotload(2)["state"] == "READY"          # the next one starts and lands
+    assert rep.status()["policy_version"] == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_the_chat_template_refuses_are_a_400_naming_why_and_an_engine_failure_a_json_500(
+        start_replica, monkeypatch, stream):
+    """Templates refuse messages they cannot render (raise_exception on a system role, roles that do not
+    alternate): that is the request's fault, a 400 saying what the template said. Any other failure of the engine
+    is a 500 a client can show, OpenAI-shaped, not a bare text/plain "Internal Server Error"."""
+    rep = start_replica(1)
+    tok = rep.engine.tokenizer
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
+                        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}",
+                        raising=False)
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            "max_tokens": 1, "stream": stream}
+    r = rep.post("/v1/chat/completions", body)
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"] == {"type": "invalid_request_error",
+                                 "message": "messages: the model's chat template refused them: System role not "
+                                            "supported"}
+    assert rep.post("/v1/chat/completions", {**body, "messages": body["messages"][1:]}).status_code == 200
+
+    def broken(*args, **kwargs):                      # the one fault: the engine's tokenizer failing
+        raise RuntimeError("tokenizer state lost")
+
+    monkeypatch.setattr(rep.engine, "encode", broken)
+    r = rep.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "stream": stream})
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["type"] == "engine_error"
+    assert "failed on this request: RuntimeError: tokenizer state lost" in r.json()["error"]["message"]
 
 
 def test_min_policy_version_above_the_served_one_is_408(start_replica):

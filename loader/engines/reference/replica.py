@@ -111,7 +111,13 @@ class ReferenceReplica(ReplicaEngine):
         eng = self.engine
         if kind == "chat":
             req: Any = parse(ChatCompletionRequest, body)
-            prompt_ids = eng.encode_chat([m.model_dump() for m in req.messages])
+            try:
+                prompt_ids = eng.encode_chat([m.model_dump() for m in req.messages])
+            except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja2's raise_exception) of the messages
+                if type(e).__module__.split(".")[0] != "jinja2":
+                    raise
+                raise ReplicaAPIError(400, "invalid_request_error",
+                                      f"messages: the model's chat template refused them: {e}") from None
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             max_tokens = req.max_completion_tokens or req.max_tokens
         else:
