@@ -28,8 +28,8 @@ import xxhash
 
 from ckptdelta.delta.chunks import DEFAULT_LEVEL
 from ckptdelta.delta.codec import digest_hex
-from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, PublishError, PublishInputError,
-                                    RunMismatchError, StorageError)
+from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, ManifestError, PublishError,
+                                    PublishInputError, RunMismatchError, StorageError)
 from ckptdelta.delta.manifest import (Manifest, ObjectRef, anchor_prefix, metadata_problem, now_iso, snapshot_name,
                                       text_problem)
 from ckptdelta.delta.storage import Store
@@ -275,8 +275,12 @@ class Publisher:
         info = read_run_info(store)
         versions = committed_versions(store)
         existing = info.run_id if info else None
-        if existing is None and versions:
-            existing = read_manifest(store, versions[-1], None).run_id
+        if existing is None and versions:     # RUN.json lost: the run is the one its newest readable manifest names
+            last = _last_readable(store, versions, None)
+            if last is None:
+                raise ManifestError(f"{store.url}: no RUN.json and none of its {len(versions)} manifests can be read: "
+                                    "this is not a run a publisher can continue; publish to a new URL")
+            existing = last.run_id
         if run_id is not None and existing is not None and run_id != existing:
             raise RunMismatchError(f"{store.url} holds run {existing!r}, not run {run_id!r}")
         rid = existing or run_id or f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{new_writer_id()[:8]}"
@@ -877,7 +881,7 @@ def _resolve_codec(codec: Any, context_coding: Any, upload_bandwidth: Any) -> st
     return codec
 
 
-def _last_readable(store: Store, versions: list[int], run_id: str) -> Manifest | None:
+def _last_readable(store: Store, versions: list[int], run_id: str | None) -> Manifest | None:
     """The newest manifest of ``versions`` that parses, skipping (and logging) damaged ones."""
     for v in reversed(versions):
         try:

@@ -428,6 +428,25 @@ def test_run_id_is_kept_across_publishers_and_a_different_one_is_refused(url):
         Publisher(url, run_id="exp-8")
 
 
+def test_a_run_that_lost_run_json_and_whose_newest_manifest_is_damaged_is_continued_by_an_anchor(url):
+    """RUN.json gone (a partial copy, a hand clean-up) and the newest manifest damaged: the run id comes from the
+    newest manifest that reads, and the next publish anchors after the newest version, rewriting nothing."""
+    w = weights()
+    with Publisher(url, run_id="exp-9") as pub:
+        pub.publish(w, 0)
+        perturb(w, seed=0)
+        pub.publish(w, 1)
+        store = pub.store
+    store.delete([RUN_KEY])
+    store.put("manifests/000000000001.json", b"{damaged")
+    with Publisher(url) as again:
+        assert again.run_id == "exp-9"
+        perturb(w, seed=1)
+        r = again.publish(w, 2)
+        assert (r.version, r.kind) == (2, "anchor")
+        assert_same(snapshot(again.store, 2), w)
+
+
 def test_extra_files_may_not_shadow_the_anchor_weights(url, tmp_path):
     with pytest.raises(PublishInputError):
         Publisher(url, extra_files={"model.safetensors": b"x"})
