@@ -12,7 +12,7 @@ from ckptdelta.loader.cache import DiskCache
 from ckptdelta.loader.hotswap import HotLoadReport, HotSwapper, PreparedUpdate
 from ckptdelta.loader.gate import Pause, ServingGate
 from ckptdelta.loader.reader import SnapshotReader
-from ckptdelta.loader.verify import VerifyReport
+from ckptdelta.loader.verify import HeadPointerError, VerifyReport
 
-__all__ = ["DiskCache", "HotLoadReport", "HotSwapper", "Pause", "PreparedUpdate", "ServingGate", "SnapshotReader",
-           "VerifyReport"]
+__all__ = ["DiskCache", "HeadPointerError", "HotLoadReport", "HotSwapper", "Pause", "PreparedUpdate", "ServingGate",
+           "SnapshotReader", "VerifyReport"]

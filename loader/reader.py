@@ -386,7 +386,8 @@ class SnapshotReader:
         object once (loader/verify.py); a progress bar with ``progress`` (default: when stderr is a terminal).
 
         Reads the store directly, never the cache. Raises the first failure
-        (:class:`ChecksumError` and friends) naming the object, tensor and snapshot."""
+        (:class:`ChecksumError` and friends) naming the object, tensor and snapshot; an unreadable HEAD, once an
+        explicit version's chain verified, as :class:`ckptdelta.loader.HeadPointerError` with that report."""
         from ckptdelta.loader.verify import verify
         return verify(self, ref, progress=progress)
 

@@ -13,6 +13,10 @@ being rebuilt, whatever the model's size.
 Failures keep their order of priority: bytes that do not hash to their object's
 digest are reported before what they would mean (a shard's remaining bytes are
 hashed even once one of its tensors failed), a shard's header before its tensors.
+HEAD is a hint (docs/FORMAT.md): an unreadable one does not stop the check of an
+explicit version, whose chain is verified whole; it is then reported on its own
+(:class:`HeadPointerError`, the report attached), since ``latest`` fails for every
+reader until HEAD is rewritten or deleted. ``latest`` itself needs HEAD.
 This module is the reader's own: it reads through the reader's counted accessors.
 """
 
@@ -31,8 +35,9 @@ import xxhash
 
 from ckptdelta.delta import untrusted_json
 from ckptdelta.delta.pieces import tensor_digest
-from ckptdelta.delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError
-from ckptdelta.delta.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, TensorEntry, manifest_key, snapshot_name
+from ckptdelta.delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError, RunMismatchError
+from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_MANIFEST_BYTES, Head, Manifest, ObjectRef,
+                                      TensorEntry, manifest_key, snapshot_name)
 
 from ckptdelta.loader.fetch_units import xxh_hex, Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
 from ckptdelta.loader.prefetch import in_flight
@@ -57,6 +62,24 @@ class VerifyReport:
     damaged: tuple[str, ...] = ()   # unreadable manifests newer than the version checked (verify of latest)
 
 
+class HeadPointerError(ManifestError):
+    """The run's HEAD cannot be read (not a head pointer, or one naming another run).
+
+    HEAD is only a hint: an explicit version's chain is verified whole before this is raised, and ``report``
+    holds what that check found (every object and digest good); ``latest`` cannot be resolved without HEAD, and
+    ``report`` is None. Either way ``latest`` fails for every reader until HEAD is rewritten (the next publish
+    does) or deleted (readers then take the newest manifest)."""
+
+    def __init__(self, message: str, report: "VerifyReport | None" = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+#: How to repair an unreadable HEAD, said by verify.
+HEAD_REPAIR = (f"rewrite or delete {HEAD_KEY} (the next publish rewrites it; without it readers take the newest "
+               f"manifest under {MANIFEST_DIR}/)")
+
+
 READ_BYTES = 64 << 20
 #: Delta objects kept in memory for the rebuild up to this total; the rest goes to a temporary directory.
 SPOOL_MEMORY_BYTES = 64 << 20
@@ -71,9 +94,14 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
 
     t0 = time.perf_counter()
     before = reader.stats["bytes_fetched"]
+    latest = ref is None or ref == "latest"
+    _ = reader.run_id                  # RUN.json first: its own failures are not HEAD's
+    head, head_error = _head_or_error(reader)
+    if head_error is not None and latest:
+        raise HeadPointerError(f"{head_error}; 'latest' is found through {HEAD_KEY}, so it cannot be resolved until "
+                               f"{HEAD_KEY} is repaired: {HEAD_REPAIR} (an explicit version verifies without it)")
     v = reader.resolve("latest" if ref is None else ref)
     chain = reader.chain(v)
-    head = reader._head_record()
     objects: dict[str, ObjectRef] = {}
     listed_by: dict[str, Manifest] = {}
     for m in chain:
@@ -109,12 +137,25 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
             if name not in checker.done:
                 checker.check(name, None)
     damaged = ()
-    if ref is None or ref == "latest":     # latest skipped damaged newer manifests: say which
+    if latest:     # latest skipped damaged newer manifests: say which
         damaged = tuple(reader.store.key_url(manifest_key(u)) for u in reader.versions() if u > v)
         for key in damaged:
             _log().warning("verify: manifest %s is unreadable; latest is %s", key, snapshot_name(v))
-    return VerifyReport(v, snapshot_name(v), [m.version for m in chain], len(objects), checker.checked,
-                        reader.stats["bytes_fetched"] - before, time.perf_counter() - t0, damaged)
+    report = VerifyReport(v, snapshot_name(v), [m.version for m in chain], len(objects), checker.checked,
+                          reader.stats["bytes_fetched"] - before, time.perf_counter() - t0, damaged)
+    if head_error is not None:      # the snapshot is good; the run's head pointer is not
+        raise HeadPointerError(f"{head_error}; {snapshot_name(v)} itself verified, but 'latest' fails for every "
+                               f"reader until {HEAD_KEY} is repaired: {HEAD_REPAIR}", report)
+    return report
+
+
+def _head_or_error(reader: "SnapshotReader") -> "tuple[Head | None, CkptDeltaError | None]":
+    """(HEAD, None), (None, None) when there is no HEAD, or (None, why) when HEAD is there but unreadable as this
+    run's head pointer. A storage failure is raised: it says nothing about HEAD's bytes."""
+    try:
+        return reader._head_record(), None
+    except (ManifestError, RunMismatchError) as e:
+        return None, e
 
 
 def _log():

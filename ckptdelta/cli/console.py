@@ -32,6 +32,11 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 object``, ``2 objects``: a count and its noun, as a command prints them."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _prog(name: str) -> str:
     return f"ckptdelta {name}" if name else "ckptdelta"
 

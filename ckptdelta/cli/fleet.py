@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from ckptdelta.cli.console import CommandParser, guarded, one_line
-from ckptdelta.cli.options import UsageError
+from ckptdelta.cli.options import UsageError, number
 
 #: Exit status when a replica failed, refused or could not be reached.
 SOME_FAILED = 1
@@ -62,7 +62,7 @@ def add_commands(subparsers: Any) -> None:
     h.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait with --wait (default 600): for a replica to come up, then for its "
                         "hot-load, each replica its own; also the longest one request may take (at most 60)")
-    h.add_argument("--await-commit", type=float, default=None, metavar="SECONDS",
+    h.add_argument("--await-commit", type=number(0, above=True, maximum=3600), default=None, metavar="SECONDS",
                    help="SNAPSHOT may be the version being published (not committed yet): each replica waits up to "
                         "SECONDS (at most 3600) for its commit, fetching its parts as they land, instead of "
                         "answering 404")

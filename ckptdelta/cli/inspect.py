@@ -20,7 +20,7 @@ from ckptdelta.delta import container, record
 from ckptdelta.delta.codec import EncodedTensor
 from ckptdelta.delta.errors import ObjectNotFoundError, StorageError
 
-from ckptdelta.cli.console import guarded
+from ckptdelta.cli.console import guarded, plural
 from ckptdelta.cli.options import add_storage_args, storage_options
 
 
@@ -111,8 +111,8 @@ def run_snapshot(args: argparse.Namespace) -> int:
         return 0
     parent = f", parent v{m.parent_version}" if m.parent_version is not None else ""
     print(f"{m.where()}: {m.kind}{parent}, anchor v{m.anchor_version}, step {m.step}, created {m.created}")
-    print(f"{len(m.objects)} objects, {m.stored_bytes} bytes stored for {m.full_bytes} bytes of weights; "
-          f"{len(rows)} tensors stored, {unchanged} unchanged")
+    print(f"{plural(len(m.objects), 'object')}, {plural(m.stored_bytes, 'byte')} stored for "
+          f"{plural(m.full_bytes, 'byte')} of weights; {plural(len(rows), 'tensor')} stored, {unchanged} unchanged")
     if rows:
         print(_table(rows))
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -21,6 +22,40 @@ from ckptdelta.delta.storage import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 class UsageError(CkptDeltaError, ValueError):
     """A command-line value the user can fix (named in the message)."""
+
+
+def count(minimum: int, maximum: int | None = None):
+    """An argparse ``type=``: an integer from ``minimum`` to ``maximum`` (None: no upper bound); anything else is
+    a usage error naming the flag (``argument --keep-anchors: 0 is below 1``), exit 2."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} is above {maximum}")
+        return value
+    return parse
+
+
+def number(minimum: float = 0.0, *, above: bool = False, maximum: float | None = None):
+    """An argparse ``type=``: a finite number at least ``minimum`` (``above``: greater than it) and at most
+    ``maximum`` (seconds, gigabytes); anything else is a usage error naming the flag, exit 2."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"{value:g} is {'not above' if above else 'below'} {minimum:g}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value:g} is above {maximum:g}")
+        return value
+    return parse
 
 
 def add_storage_args(p: argparse.ArgumentParser) -> None:

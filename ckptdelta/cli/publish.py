@@ -20,8 +20,8 @@ from ckptdelta.delta.errors import CkptDeltaError, PublishInputError, SnapshotNo
 from ckptdelta.delta.manifest import RUN_KEY
 from ckptdelta.delta.storage import Store
 
-from ckptdelta.cli.console import guarded
-from ckptdelta.cli.options import UsageError, add_storage_args, storage_options
+from ckptdelta.cli.console import guarded, plural
+from ckptdelta.cli.options import UsageError, add_storage_args, count, number, storage_options
 
 from ckptdelta.publisher import lora
 from ckptdelta.publisher import anchor as anchor_fmt
@@ -32,18 +32,6 @@ from ckptdelta.publisher.runs import committed_versions, read_manifest, read_run
 log = logging.getLogger("ckptdelta.publisher")
 
 
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
-        return value
-    return parse
-
-
 def add_commands(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser(
         "publish", help="publish a safetensors file, HF model directory or PEFT adapter as a run's next snapshot",
@@ -52,14 +40,16 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
                     "files, generation_config.json) travel with anchors. A PEFT adapter directory "
                     "(adapter_config.json + adapter_model.safetensors) makes a LoRA run: its anchors are adapter "
                     "directories, and the run records its base model (--base-model).")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("url", metavar="URL")
-    p.add_argument("--step", type=_count(0), required=True, help="the trainer step of these weights")
+    p.add_argument("src", metavar="SRC",
+                   help="a .safetensors file, a Hugging Face model directory, or a PEFT adapter directory")
+    p.add_argument("url", metavar="URL", help="the run: a local path, file://, s3://bucket/prefix, gs://bucket/prefix "
+                                               "... (created by its first publish)")
+    p.add_argument("--step", type=count(0), required=True, help="the trainer step of these weights")
     p.add_argument("--anchor", action="store_true", help="write a full anchor whatever the policy says")
     p.add_argument("--metadata", action="append", default=[], metavar="K=V", help="string metadata (repeatable)")
-    p.add_argument("--anchor-every", type=_count(1), default=20, metavar="N",
+    p.add_argument("--anchor-every", type=count(1), default=20, metavar="N",
                    help="anchor every N versions (default: 20)")
-    p.add_argument("--shard-bytes", type=_count(1), default=5 * 2**30, metavar="B",
+    p.add_argument("--shard-bytes", type=count(1), default=5 * 2**30, metavar="B",
                    help="anchor shard size (default: 5 GiB)")
     p.add_argument("--codec", choices=("context", "fast"), default="context",
                    help="how a delta is coded: context (smallest) or fast (quicker to encode and decode, larger "
@@ -77,7 +67,7 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
                               description="One row per committed snapshot of the run at URL: the bytes its "
                                           "weights take in the bucket, its extra files (an anchor's config and "
                                           "tokenizer) apart, and the weights' ratio to their full size.")
-    p.add_argument("url", metavar="URL")
+    p.add_argument("url", metavar="URL", help="the run: a local path, file://, s3://bucket/prefix ...")
     p.add_argument("--json", action="store_true", help="print a JSON list")
     add_storage_args(p)
     p.set_defaults(func=guarded(cmd_ls, "ls"))
@@ -86,10 +76,10 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
         "gc", help="delete old snapshots and debris of failed publishes",
         description="Keep the last K anchors and every snapshot after the oldest of them; delete older manifests, "
                     "their data, and unreferenced objects older than the grace period.")
-    p.add_argument("url", metavar="URL")
-    p.add_argument("--keep-anchors", type=_count(1), default=2, metavar="K",
+    p.add_argument("url", metavar="URL", help="the run: a local path, file://, s3://bucket/prefix ...")
+    p.add_argument("--keep-anchors", type=count(1), default=2, metavar="K",
                    help="keep the newest K anchors and every snapshot after the oldest of them (default: 2)")
-    p.add_argument("--grace-seconds", type=float, default=3600, metavar="S",
+    p.add_argument("--grace-seconds", type=number(0), default=3600, metavar="S",
                    help="keep unreferenced objects younger than this, since a publish may be in flight "
                         "(default: 3600)")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
@@ -270,7 +260,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict()))
         return 0
     verb = "would delete" if report.dry_run else "deleted"
-    print(f"kept {len(report.kept_versions)} snapshots; {verb} {len(report.deleted_versions)} manifests and "
-          f"{len(report.deleted_objects)} objects ({_human(report.deleted_bytes)}); "
-          f"{len(report.young_orphans)} unreferenced objects younger than the grace period kept")
+    print(f"kept {plural(len(report.kept_versions), 'snapshot')}; {verb} "
+          f"{plural(len(report.deleted_versions), 'manifest')} and {plural(len(report.deleted_objects), 'object')} "
+          f"({_human(report.deleted_bytes)}); {plural(len(report.young_orphans), 'unreferenced object')} younger "
+          "than the grace period kept")
     return 0

@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from ckptdelta.cli.console import CommandParser, guarded, warn
+from ckptdelta.cli.console import CommandParser, guarded, one_line, plural, warn
 from ckptdelta.cli.options import add_storage_args, storage_options
 
 log = logging.getLogger("ckptdelta.loader")
@@ -22,11 +22,12 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("materialize", help="write a snapshot as a Hugging Face safetensors directory",
                               description="Rebuild a snapshot (anchor + deltas, verified) and write it as "
                                           "safetensors shards, index and the anchor's config/tokenizer files.")
-    p.add_argument("url", help="run root: a local path, file://, s3://bucket/prefix, gs://bucket/prefix ...")
-    p.add_argument("snapshot", help="'latest', a version number or a name like v00000042")
-    p.add_argument("out_dir", help="directory to create (must not exist, or be empty)")
+    p.add_argument("url", metavar="URL",
+                   help="run root: a local path, file://, s3://bucket/prefix, gs://bucket/prefix ...")
+    p.add_argument("snapshot", metavar="SNAPSHOT", help="'latest', a version number or a name like v00000042")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to create (must not exist, or be empty)")
     add_storage_args(p)
-    p.add_argument("--cache-dir", default=None, help="shared on-disk cache of fetched ranges")
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help="shared on-disk cache of fetched ranges")
     _progress(p)
     p.set_defaults(func=guarded(cmd_materialize, "materialize"))
 
@@ -34,8 +35,10 @@ def add_commands(subparsers) -> None:
                               description="Read every object of the snapshot's chain (anchor and deltas) once, "
                                           "checking its digest, and rebuild every tensor at every version, "
                                           "checking all digests. Reads the store, never a cache.")
-    v.add_argument("url", help="run root")
-    v.add_argument("snapshot", nargs="?", default="latest", help="default: latest")
+    v.add_argument("url", metavar="URL", help="run root: a local path, file://, s3://bucket/prefix ...")
+    v.add_argument("snapshot", nargs="?", default="latest", metavar="SNAPSHOT",
+                   help="'latest' (default; found through the run's HEAD), a version number or a name like "
+                        "v00000042 (verified even where HEAD is unreadable, which is then reported: exit 1)")
     add_storage_args(v)
     _progress(v)
     v.set_defaults(func=guarded(cmd_verify, "verify"))
@@ -58,14 +61,26 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ckptdelta.loader.reader import SnapshotReader
+    from ckptdelta.loader.verify import HeadPointerError
+
     reader = SnapshotReader(args.url, storage_options=storage_options(args))
-    report = reader.verify(args.snapshot, progress=args.progress)
+    try:
+        report = reader.verify(args.snapshot, progress=args.progress)
+        head_problem = None
+    except HeadPointerError as e:
+        if e.report is None:       # 'latest' needs HEAD: nothing was verified
+            raise
+        report, head_problem = e.report, str(e)   # the snapshot was verified whole; HEAD is its own finding
     chain = report.chain
-    print(f"ok: {report.snapshot} of run {reader.run_id} (chain v{chain[0]}..v{chain[-1]}, {len(chain)} versions): "
-          f"{report.objects_checked} objects, {report.tensors_checked} tensor digests, "
-          f"{report.bytes_read} bytes read in {report.seconds:.2f}s")
+    print(f"ok: {report.snapshot} of run {reader.run_id} (chain v{chain[0]}..v{chain[-1]}, "
+          f"{plural(len(chain), 'version')}): {plural(report.objects_checked, 'object')}, "
+          f"{plural(report.tensors_checked, 'tensor digest')}, {plural(report.bytes_read, 'byte')} read in "
+          f"{report.seconds:.2f}s")
     for key in report.damaged:  # latest skipped them: the run is readable, but these need a look
         warn("verify", f"newer manifest {key} is unreadable and was skipped; 'latest' is the snapshot above")
+    if head_problem is not None:   # every reader's 'latest' fails: a failure of the run, exit 1
+        print(f"ckptdelta verify: error: {one_line(head_problem)}", file=sys.stderr)
+        return 1
     return 0
 
 

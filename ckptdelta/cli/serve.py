@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdelta.cli.console import guarded, usage_error
 from ckptdelta.loader import stopping
-from ckptdelta.cli.options import UsageError, add_storage_args, storage_options
+from ckptdelta.cli.options import UsageError, add_storage_args, count, number, storage_options
 from ckptdelta.delta.errors import CkptDeltaError, NotServableError
 
 if TYPE_CHECKING:
@@ -28,19 +28,21 @@ def add_commands(subparsers: Any) -> None:
                    help="what samples: the built-in reference decode loop, or vLLM's own OpenAI server "
                         "(options after a bare '--' go to vLLM); docs/SERVING.md")
     p.add_argument("--bucket", help="the run's URL (local dir, s3://, gs://, any fsspec URL)")
-    p.add_argument("--snapshot", default="latest", help="snapshot to start from (default: latest)")
+    p.add_argument("--snapshot", default=None,
+                   help="with --bucket: the snapshot to start from, 'latest', a version or a name like v00000042 "
+                        "(default: latest); not with --model, which starts from DIR")
     p.add_argument("--model", metavar="DIR", help="start from this HF model directory instead (version unknown)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000,
+    p.add_argument("--port", type=count(0, 65535), default=8000,
                    help="port to listen on (default: 8000; 0 picks a free one, named in the log)")
     p.add_argument("--replica-id", default=None, help="name in engine_data and /v1/status (default: host:port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $CKPTDELTA_API_KEY)")
     add_storage_args(p)
     p.add_argument("--cache-dir", default=None, help="local cache for fetched objects and materialized snapshots")
-    p.add_argument("--cache-max-gb", type=float, default=None, metavar="GB",
+    p.add_argument("--cache-max-gb", type=number(0), default=None, metavar="GB",
                    help="bound of --cache-dir's cached objects, least recently used evicted first (default: a "
                         "quarter of its disk, at most 32; 0: no bound; also $CKPTDELTA_CACHE_MAX_GB)")
-    p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--drain-timeout", type=number(0), default=None, metavar="S",
                    help="on SIGTERM, SIGINT (Ctrl-C) or SIGHUP: stop accepting requests, let those in flight "
                         "finish for up to S seconds, let a hot-load in its pause end it, then stop the engine, "
                         "clean up and exit 0 (default 25)")
@@ -69,15 +71,15 @@ def add_commands(subparsers: Any) -> None:
                         "changed modules beside the live ones while serving and swap them in during the pause "
                         "(more host memory while a hot-load prepares: docs/SERVING.md); reload: reload every "
                         "changed tensor's module inside the pause")
-    v.add_argument("--lora-slots", type=int, default=3, metavar="K",
+    v.add_argument("--lora-slots", type=count(2), default=3, metavar="K",
                    help="a LoRA run: adapter versions vLLM holds at once (default 3, at least 2); each request runs "
                         "to its end on the version it was admitted on, and a hot-load writes into a slot no request "
                         "holds")
     v.add_argument("--vllm-log", default=None, metavar="PATH", help="where the started vLLM server logs")
-    v.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+    v.add_argument("--request-timeout", type=number(0, above=True), default=600.0, metavar="S",
                    help="seconds a sampling request may wait for vLLM's answer before it fails with 504 "
                         "(default 600)")
-    v.add_argument("--control-timeout", type=float, default=300.0, metavar="S",
+    v.add_argument("--control-timeout", type=number(0, above=True), default=300.0, metavar="S",
                    help="seconds each control call to vLLM (pause, swap, proof, resume) may take before the "
                         "hot-load fails (default 300)")
     v.add_argument("--on-engine-failure", choices=["exit", "stay"], default="exit",
@@ -99,8 +101,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage = "--engine vllm serves a run's snapshots: give --bucket URL (and not --model)"
     elif not args.bucket and not args.model:
         usage = "give --bucket URL (a run to serve and hot-load), --model DIR (fixed weights), or both"
+    elif args.snapshot is not None and not args.bucket:
+        usage = (f"--snapshot {args.snapshot} names a snapshot of a run: give --bucket URL too (--model DIR "
+                 "serves the weights in DIR)")
+    elif args.snapshot is not None and args.model:
+        usage = (f"--snapshot {args.snapshot} with --model: the replica starts from DIR, and its first hot-load "
+                 "goes through an anchor; drop --model to start from the snapshot, or --snapshot to start from DIR")
     if usage:
         return usage_error("serve", usage)
+    if args.snapshot is None:
+        args.snapshot = "latest"
     with stopping.signals_stop():     # SIGTERM, SIGINT, SIGHUP: a graceful stop (loader/stopping.py)
         try:
             snapshot, sock = _check_before_loading(args)
