@@ -261,6 +261,12 @@ class Publisher:
         return self._comm.world
 
     @property
+    def partition(self) -> Partition:
+        """The ``partition=`` this publisher was built with: which names this rank publishes (None: every name
+        it is handed)."""
+        return self._partition
+
+    @property
     def store(self) -> Store:
         """The run's storage (shared with the background publish thread)."""
         return self._store

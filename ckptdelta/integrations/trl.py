@@ -64,7 +64,10 @@ class FleetRollout:
     ``hotload_timeout``, after a look at every replica's status: one serving another run than the publisher's is
     a RunMismatchError; sampling waits up to ``ready_timeout`` for a replica at the version, then raises
     PolicyVersionTimeoutError. At world size > 1 only the main process hot-loads; the others sample with the same
-    floor, which holds their requests (retried on 408) until the hot-load lands, for up to ``ready_timeout``."""
+    floor, which holds their requests (retried on 408) until the hot-load lands, for up to ``ready_timeout``.
+
+    A trainer given TRL ``tools`` or an ``environment_factory`` is refused (ValueError, :func:`check_trainer`):
+    TRL generates what follows a tool call with its own model, not through this function."""
 
     def __init__(self, callback: "PublishCallback", replicas: str | Sequence[str], *, ready_timeout: float = 300.0,
                  hotload_timeout: float = 600.0, api_key: str | None = None, timeout: float = 60.0,
@@ -81,6 +84,7 @@ class FleetRollout:
         self.history: list[RolloutRecord] = []
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
+        check_trainer(trainer)
         version = self.callback.published_version()
         main = getattr(trainer, "is_world_process_zero", lambda: True)()
         if main and version != self._loaded:
@@ -131,6 +135,31 @@ class FleetRollout:
                                                for group, n in groups)))
         finally:
             await client.aclose()
+
+
+def check_trainer(trainer: Any) -> None:
+    """Refuse a trainer whose completions would not all come from the replicas (ValueError saying why).
+
+    TRL's tool calling (``GRPOTrainer(tools=...)``, and ``environment_factory``, whose environments' methods are
+    tools) runs after ``rollout_func`` returns: ``GRPOTrainer._generate`` hands the completions that call a tool
+    to ``_tool_call_loop``, which runs the tools and generates the rest of each completion with
+    ``_generate_single_turn``, the trainer's own model (or its vLLM), never the rollout_func (trl 1.16). Those
+    segments would not come from the published version, and the ``logprobs`` and ``policy_version`` returned
+    for them would be wrong, so they are refused before anything is sampled."""
+    refused = []
+    if getattr(trainer, "tools", None):
+        names = ", ".join(getattr(t, "__name__", type(t).__name__) for t in trainer.tools)
+        refused.append(f"tools ({names})")
+    for attr in ("environment_factories", "environment_factory"):
+        if getattr(trainer, attr, None) is not None:
+            refused.append("environment_factory")
+            break
+    if refused:
+        raise ValueError(f"FleetRollout: the trainer was given {' and '.join(refused)}; TRL continues a completion "
+                         "after a tool call with its own generation (GRPOTrainer._tool_call_loop: the trainer's "
+                         "local model or its vLLM), not with rollout_func, so what follows each tool call would "
+                         "not come from the replicas, and its logprobs and policy_version would be wrong. Leave "
+                         "tools and environment_factory unset with FleetRollout (docs/INTEGRATIONS.md, 'Tools')")
 
 
 def sampling_params(args: Any) -> SamplingParams:
@@ -189,4 +218,4 @@ def _run(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
-__all__ = ["FleetRollout", "RolloutRecord", "prompt_ids", "sampling_params"]
+__all__ = ["FleetRollout", "RolloutRecord", "check_trainer", "prompt_ids", "sampling_params"]

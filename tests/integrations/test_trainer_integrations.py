@@ -4,6 +4,9 @@ serving from a local-directory bucket; the HF Trainer with a publish that fails 
 
 from __future__ import annotations
 
+import logging
+import os
+
 import pytest
 import torch
 
@@ -106,14 +109,15 @@ def test_grpo_trains_on_rollouts_sampled_from_a_replica_at_each_version_the_call
         assert replica.version == 4
 
 
-def _hf_trainer(model: torch.nn.Module, out: str, callback, max_steps: int):
+def _hf_trainer(model: torch.nn.Module, out: str, callback, max_steps: int, save_steps: int | None = None):
     from transformers import Trainer, TrainingArguments
 
     ids = list(range(3, 19))
     data = [{"input_ids": ids, "labels": ids}] * 8
+    saving = {"save_strategy": "no"} if save_steps is None else {"save_strategy": "steps", "save_steps": save_steps}
     args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=2, learning_rate=1e-2,
-                             report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
-                             dataloader_num_workers=0, logging_strategy="no")
+                             report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+                             logging_strategy="no", seed=0, **saving)
     return Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
 
 
@@ -162,3 +166,121 @@ def test_a_peft_models_adapter_is_what_the_callback_publishes_as_a_lora_run(lm_d
     published = reader.read_tensors(2)
     assert all(torch.equal(published[k].view(torch.uint8), v.detach().contiguous().view(torch.uint8))
                for k, v in adapter.items())
+
+
+def test_a_run_resumed_below_its_last_published_step_publishes_the_weights_it_resumed_with(lm_dir, tmp_path,
+                                                                                          caplog):
+    """A job died after publishing step 3; its newest checkpoint is step 2. The resumed Trainer starts at step 2,
+    below the run's last step, which a run's step labels may not go back to; and its weights are the ones
+    published at steps above 2 only if training is deterministic. So replicas must get the weights the trainer
+    resumed with, not keep the abandoned step 3's: the callback publishes them labelled with the run's last step
+    (the trainer's own step in the metadata, a warning naming both), then goes on at the trainer's steps."""
+    from safetensors.torch import load_file
+
+    from ckptdelta import PublishCallback
+    from ckptdelta.integrations.hf import TRAINER_STEP_KEY
+
+    url, out = str(tmp_path / "run"), str(tmp_path / "out")
+    first = PublishCallback(_publisher(url, lm_dir))
+    _hf_trainer(_policy(lm_dir), out, first, 3, save_steps=2).train()
+    assert [(r.version, r.step) for r in first.results] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+
+    resumed = PublishCallback(_publisher(url, lm_dir))
+    with caplog.at_level(logging.WARNING, logger="ckptdelta.integrations"):
+        _hf_trainer(_policy(lm_dir), out, resumed, 5, save_steps=2).train(
+            resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    assert [(r.version, r.step) for r in resumed.results] == [(4, 3), (5, 3), (6, 4), (7, 5)]
+    assert any("resumed at step 2, below the run's last published step 3" in m for m in caplog.messages)
+    reader = SnapshotReader(url)
+    assert reader.manifest(4).metadata == {TRAINER_STEP_KEY: "2"} and reader.manifest(5).metadata == {}
+    # version 4 is the checkpoint the trainer resumed from, bit for bit: the first session's step 2, not its step 3
+    checkpoint = load_file(os.path.join(out, "checkpoint-2", "model.safetensors"))
+    v4 = reader.read_tensors(4)
+    assert set(v4) == set(checkpoint)
+    assert all(torch.equal(v4[n].view(torch.uint8), checkpoint[n].view(torch.uint8)) for n in v4)
+    assert state_bits_equal(_loaded(lm_dir, reader.read_tensors(2)), v4) == []
+    assert state_bits_equal(_loaded(lm_dir, reader.read_tensors(3)), v4) != []
+
+
+def _loaded(lm_dir: str, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    model = _policy(lm_dir)
+    model.load_state_dict(tensors, strict=False)
+    return model
+
+
+def test_a_publish_refused_in_the_call_raises_as_a_publish_error_naming_its_step_and_version(lm_dir, tmp_path):
+    """A publish the Publisher refuses at once (here a persistent complex buffer, a dtype the format has no
+    exact bytes for) must reach the user as the documented PublishError naming the step and version that were
+    not published, its cause the Publisher's own error, like a failure in the background."""
+    from ckptdelta import PublishCallback
+    from ckptdelta.delta.errors import PublishInputError
+
+    model = _policy(lm_dir)
+    model.register_buffer("freqs_cis", torch.ones(4, dtype=torch.complex64))     # Meta Llama's rotary table
+    publisher = _publisher(str(tmp_path / "run"), lm_dir)
+    trainer = _hf_trainer(model, str(tmp_path / "out"), PublishCallback(publisher), 2)
+    with pytest.raises(PublishError, match=r"^step 0 \(version 0\) of run .* was not published: PublishInputError: "
+                                           r"tensor 'freqs_cis'") as info:
+        trainer.train()
+    assert isinstance(info.value.__cause__, PublishInputError)
+    assert trainer.state.global_step == 0 and committed_versions(publisher.store) == []
+
+
+class _Calculator:
+    """An environment of TRL's environment_factory: its public methods are tools."""
+
+    def reset(self, **kwargs):
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return a + b
+
+
+def _add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+@pytest.mark.filterwarnings("ignore:TRL currently supports vLLM versions")
+@pytest.mark.parametrize("given", ["tools", "environment_factory"])
+def test_fleet_rollout_refuses_a_trainer_with_tools_whose_post_tool_turns_trl_generates_locally(
+        lm_dir, tmp_path, monkeypatch, given):
+    """TRL runs tool calls after rollout_func returns and generates what follows each call with the trainer's own
+    model (GRPOTrainer._tool_call_loop -> _generate_single_turn), not the replicas: those tokens would carry a
+    policy_version and logprobs they did not come from. FleetRollout refuses such a trainer at its first rollout,
+    before hot-loading or sampling anything."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from ckptdelta import FleetRollout, PublishCallback
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir)
+    tokenizer.chat_template = qwen3_chat_template       # a template TRL can render and parse tool calls with
+    callback = PublishCallback(_publisher(str(tmp_path / "run"), lm_dir))
+    rollout = FleetRollout(callback, "http://127.0.0.1:9")          # never reached
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, report_to="none", save_strategy="no",
+                      use_cpu=True, bf16=False, disable_tqdm=True, dataloader_num_workers=0)
+    extra = {"tools": [_add]} if given == "tools" else {"environment_factory": _Calculator}
+    trainer = GRPOTrainer(model=_policy(lm_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, processing_class=tokenizer, callbacks=[callback], rollout_func=rollout,
+                          train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "1+1?"}]] * 4}),
+                          **extra)
+    with pytest.raises(ValueError, match=f"FleetRollout: the trainer was given .*{given.split('_')[0]}.*not come "
+                                         "from the replicas"):
+        trainer.train()
+    assert rollout.history == []
