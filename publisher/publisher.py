@@ -653,6 +653,8 @@ class Publisher:
         except StorageError:
             raise
         except OSError as e:    # the local files on their way to the bucket: a full disk, a file size limit
+            if self._comm.world > 1:
+                raise           # a sharded publish names the failing rank and this error on every rank
             raise PublishError(
                 f"{job.describe()} of run {self.run_id}: writing this rank's {plan.kind} files in the temp dir "
                 f"{tempfile.gettempdir()} failed ({type(e).__name__}: {e}); nothing was committed. Free space there, "

@@ -109,8 +109,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  "goes through an anchor; drop --model to start from the snapshot, or --snapshot to start from DIR")
     if usage:
         return usage_error("serve", usage)
-    if args.snapshot is None:
-        args.snapshot = "latest"
     with stopping.signals_stop():     # SIGTERM, SIGINT, SIGHUP: a graceful stop (loader/stopping.py)
         try:
             snapshot, sock = _check_before_loading(args)
@@ -259,6 +257,9 @@ def _check_before_loading(args: argparse.Namespace) -> "tuple[str | int, socket.
     port picked is put in ``args.port``; the run's id, from a bucket, in ``args.run_id``)."""
     from ckptdelta.loader.reader import SnapshotReader
     from ckptdelta.loader.servable import check_device, check_model_dir, check_snapshot
+
+    if args.snapshot is None:       # --snapshot's default: a bucket's latest (None only tells "not given" apart)
+        args.snapshot = "latest"
 
     if args.engine == "reference":
         try:

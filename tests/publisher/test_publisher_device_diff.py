@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ckptdelta.delta import dtypes
+from ckptdelta.delta.errors import PublishError
 from ckptdelta.delta.storage import Store
 from ckptdelta.publisher import Publisher
 from ckptdelta.publisher import publisher as publisher_mod
@@ -161,8 +162,8 @@ def test_after_a_failed_publish_the_next_one_copies_whole_and_stays_exact(tmp_pa
             fail["armed"] = step == 2
             try:
                 r = pub.publish(w, step)
-            except OSError as e:
-                assert step == 2 and "injected" in str(e)
+            except PublishError as e:            # naming the step and version, the disk's error its cause
+                assert step == 2 and "injected" in str(e) and isinstance(e.__cause__, OSError)
             else:
                 history[r.version] = _copy(w)
                 diffed = pub._diff.stats.diffed

@@ -170,7 +170,7 @@ def test_a_background_failure_never_raised_to_the_trainer_is_logged_at_exit_as_a
         trainer):
     base, p = trainer
     assert _versions(base, "b") == [0]
-    _line(p.stderr, r"^ERROR run \S+ at \S+/b: step 1 \(version 1\) was not published \(FileNotFoundError: .*gone")
+    _line(p.stderr, r"^ERROR run \S+ at \S+/b: step 1 \(version 1\) was not published \(PublishError: step 1 \(version 1\) .*FileNotFoundError: .*gone")
 
 
 def test_a_publish_still_running_past_exit_timeout_is_logged_as_given_up_and_commits_nothing_after(trainer):
