@@ -117,8 +117,12 @@ class PublishCallback(TrainerCallback):
 
     def on_train_begin(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
                        model: Any = None, **kwargs: Any) -> None:
-        self._setup(model)
-        self._publish(model, state.global_step)
+        try:
+            self._setup(model)
+            self._publish(model, state.global_step)
+        except BaseException:     # a set-up refused, or the first publish: train() stops, and no end event follows
+            self._close_after_failure()
+            raise
 
     def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
                     model: Any = None, **kwargs: Any) -> None:
@@ -134,14 +138,19 @@ class PublishCallback(TrainerCallback):
                 self._publish(model, state.global_step)
             self._settle(block=True)
         except BaseException:
-            if self.close_publisher and self.publisher is not None:
-                try:
-                    self.publisher.close()
-                except BaseException:   # noqa: BLE001 - the failure being raised is this one, or came first
-                    pass
+            self._close_after_failure()
             raise
         if self.close_publisher and self.publisher is not None:
             self.publisher.close()
+
+    def _close_after_failure(self) -> None:
+        """Close the publisher (when this callback owns it) as a failure leaves training: its threads and, on
+        several ranks, its process group are let go now, not at interpreter exit."""
+        if self.close_publisher and self.publisher is not None:
+            try:
+                self.publisher.close()
+            except BaseException:   # noqa: BLE001 - the failure being raised is this one, or came first
+                pass
 
     # --- what a rollout needs -------------------------------------------------------------------------
 

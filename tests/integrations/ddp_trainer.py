@@ -85,4 +85,10 @@ def main(case: str, lm_dir: str, url: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    try:
+        main(*sys.argv[1:5])
+    finally:            # as a training script ends: the process groups let go before the interpreter exits
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
