@@ -301,13 +301,16 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
         return _error(500, "engine_error", f"replica {replica_id} failed on this request: {type(exc).__name__}: "
                       f"{exc}"[:2000])
 
+    def too_old(why: str, floor: int) -> APIError:
+        """The 408 a request below ``floor`` gets, at its start or on the versions that served it."""
+        return APIError(408, "policy_version_too_old", f"replica {replica_id} {why}; retry after the hot-load lands",
+                        policy_version=engine.version, min_policy_version=floor,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+
     def check_version(min_version: int | None) -> None:
         v = engine.version
         if min_version is not None and (v is None or v < min_version):
-            raise APIError(408, "policy_version_too_old",
-                           f"replica {replica_id} serves policy version {v}, the request needs >= {min_version}; "
-                           "retry after the hot-load lands", policy_version=v, min_policy_version=min_version,
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise too_old(f"serves policy version {v}, the request needs >= {min_version}", min_version)
 
     async def sample(kind: RequestKind, request: Request) -> Response:
         raw = await request.body()
@@ -337,11 +340,8 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
             floor = opts.min_policy_version
             if floor is None or res.status != 200 or all(v is not None and v >= floor for v in res.policy_versions):
                 return None
-            return APIError(408, "policy_version_too_old",
-                            f"replica {replica_id} served this request with policy versions {res.policy_versions}, "
-                            f"below the {floor} it needs (a hot-load to an older version landed while it ran); "
-                            "retry after the hot-load lands", policy_version=engine.version, min_policy_version=floor,
-                            headers={"Retry-After": str(RETRY_AFTER_S)})
+            return too_old(f"served this request with policy versions {res.policy_versions}, below the {floor} it "
+                           "needs (a hot-load to an older version landed while it ran)", floor)
 
         if body.get("stream") is True:
             answer = await engine.stream(kind, body)
