@@ -54,6 +54,9 @@ _EXPORTS: dict[str, str] = {
     "HotLoadError": "ckptdelta.delta.errors",
     "StorageError": "ckptdelta.delta.errors",
     "SnapshotNotFoundError": "ckptdelta.delta.errors",
+    "ReplicaError": "ckptdelta.delta.errors",
+    "PolicyVersionTimeoutError": "ckptdelta.delta.errors",
+    "SampleTimeoutError": "ckptdelta.delta.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -75,7 +78,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:   # for type checkers and IDEs; at run time the names above load on first use
     from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, DeltaError, HotLoadError,
-                                        PublishError, PublishInputError, SnapshotNotFoundError, StorageError)
+                                        PolicyVersionTimeoutError, PublishError, PublishInputError, ReplicaError,
+                                        SampleTimeoutError, SnapshotNotFoundError, StorageError)
     from ckptdelta.integrations.hf import PublishCallback
     from ckptdelta.integrations.trl import FleetRollout
     from ckptdelta.loader import DiskCache, HotSwapper, SnapshotReader, VerifyReport

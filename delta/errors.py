@@ -138,3 +138,8 @@ class NotServableError(CkptDeltaError, ValueError):
 
 class ReplicaError(CkptDeltaError, RuntimeError):
     """A replica refused a request or could not be reached; the message names the replica and its answer."""
+
+
+class SampleTimeoutError(ReplicaError, TimeoutError):
+    """A replica took a sampling request but gave no answer within the client's ``sample_timeout``. Not sent
+    again: the replica may still be generating it, and a second try would end the same way."""

@@ -28,7 +28,8 @@ import httpx
 from ckptdelta.delta.errors import ReplicaError
 
 from ckptdelta.loader import fleet
-from ckptdelta.loader.client import Accept, RolloutClient, SampleTries, sample_request
+from ckptdelta.loader.client import (SAMPLE_TIMEOUT_S, Accept, RolloutClient, SampleTries, sample_request,
+                                     sampling_timeout)
 
 log = logging.getLogger("ckptdelta.client")
 
@@ -46,11 +47,13 @@ class AsyncRolloutClient:
 
     def __init__(self, replica_urls: Sequence[str], *, api_key: str | None = None, timeout: float = 60.0,
                  ready_timeout: float = 300.0, backoff_base: float = 0.1, backoff_max: float = 5.0,
-                 max_connections: int = 256):
+                 max_connections: int = 256, sample_timeout: float | None = SAMPLE_TIMEOUT_S):
         if not replica_urls:
             raise ValueError("AsyncRolloutClient needs at least one replica URL")
         self.replicas = [u.rstrip("/") for u in replica_urls]
         self.ready_timeout = ready_timeout
+        self.sample_timeout = sample_timeout
+        self._sample_timeout = sampling_timeout(timeout, sample_timeout)
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(timeout=timeout, headers=headers,
@@ -87,7 +90,7 @@ class AsyncRolloutClient:
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
             try:
-                answer = tries.judge(url, await self._http.post(url + path, json=body))
+                answer = tries.judge(url, await self._http.post(url + path, json=body, timeout=self._sample_timeout))
             except httpx.TransportError as e:
                 answer = tries.judge(url, e)
             if answer is not None:

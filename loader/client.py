@@ -12,6 +12,13 @@ for this client, the asyncio one and ``ckptdelta hotload --wait``: a replica tha
 refuses connections or answers STARTING (``serve`` while its engine loads) is
 asked again until then, for a sample as for a hot-load (loader/fleet.py,
 StartWait); one that is hung or answers garbage is not.
+
+A sampling request's answer comes when its generation ends, so it is waited for
+``sample_timeout`` (15 minutes by default, past a replica's own ``--request-timeout``),
+not ``timeout``, which bounds connecting and every control call. A request that
+gets no answer in that time is a :class:`SampleTimeoutError`, never sent again:
+the replica took it and may still be generating it (a replica stops a generation
+whose client has left, loader/server.py), and another try would end the same way.
 """
 
 from __future__ import annotations
@@ -27,13 +34,23 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from ckptdelta.delta.errors import PolicyVersionTimeoutError, ReplicaError
+from ckptdelta.delta.errors import PolicyVersionTimeoutError, ReplicaError, SampleTimeoutError
 
 from ckptdelta.loader import fleet
 
 log = logging.getLogger("ckptdelta.client")
 
 _RETRY_STATUS = frozenset({502, 503, 504})
+#: Seconds a sampling request waits for its answer (``sample_timeout``): longer than a replica's own bound on a
+#: generation (``ckptdelta serve --request-timeout``, 600 s by default), so that the replica's 504 comes first.
+SAMPLE_TIMEOUT_S = 900.0
+
+
+def sampling_timeout(timeout: float, sample_timeout: float | None) -> httpx.Timeout:
+    """The httpx timeout of a sampling request: ``timeout`` to connect and send, ``sample_timeout`` (None: no
+    limit) for the answer, and no limit on waiting for a connection of the client's own pool (a ``gather`` of
+    more requests than connections waits for one, it does not fail)."""
+    return httpx.Timeout(timeout, read=sample_timeout, pool=None)
 #: What a caller of ``_post_sample`` makes of a 200 answer: (tries, replica URL, answer) -> result, or None to
 #: try again (loader/sampling.py reads tokens and logprobs out of it, and holds it to the policy floor).
 Accept = Callable[["SampleTries", str, dict[str, Any]], Any]
@@ -43,11 +60,14 @@ class RolloutClient:
     """Round-robin (or affinity-pinned) sampling over replicas, and fleet-wide hot-loads."""
 
     def __init__(self, replica_urls: Sequence[str], *, api_key: str | None = None, timeout: float = 60.0,
-                 ready_timeout: float = 300.0, backoff_base: float = 0.1, backoff_max: float = 5.0):
+                 ready_timeout: float = 300.0, backoff_base: float = 0.1, backoff_max: float = 5.0,
+                 sample_timeout: float | None = SAMPLE_TIMEOUT_S):
         if not replica_urls:
             raise ValueError("RolloutClient needs at least one replica URL")
         self.replicas = [u.rstrip("/") for u in replica_urls]
         self.ready_timeout = ready_timeout
+        self.sample_timeout = sample_timeout
+        self._sample_timeout = sampling_timeout(timeout, sample_timeout)
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=timeout, headers=headers)
@@ -98,7 +118,7 @@ class RolloutClient:
         for attempt in itertools.count():
             url = self.replica_for(affinity_key)
             try:
-                answer = tries.judge(url, self._http.post(url + path, json=body))
+                answer = tries.judge(url, self._http.post(url + path, json=body, timeout=self._sample_timeout))
             except httpx.TransportError as e:
                 answer = tries.judge(url, e)
             if answer is not None:
@@ -299,7 +319,7 @@ def sample_request(prompt: "str | Sequence[int] | Sequence[dict[str, str]]", n: 
 class SampleTries:
     """The retry rule of one sampling request, the same for the sync and the async client: 408 (policy too
     old), 502-504 and unreachable replicas are tried again, with backoff, until ``ready_timeout``; any other
-    answer is raised at once."""
+    answer is raised at once, and so is no answer within ``sample_timeout`` (:class:`SampleTimeoutError`)."""
 
     def __init__(self, client: Any, path: str, min_policy_version: int | None):
         self.client, self.path, self.min_version = client, path, min_policy_version
@@ -309,6 +329,14 @@ class SampleTries:
 
     def judge(self, url: str, r: "httpx.Response | httpx.TransportError") -> dict[str, Any] | None:
         """The answer's JSON on 200, None when it is worth another try; raises ReplicaError otherwise."""
+        if isinstance(r, httpx.ReadTimeout):
+            # the replica took the request: it may still be generating it, so another try would spend its
+            # time twice (a replica stops a generation whose client left, at its next token; vLLM aborts it)
+            limit = self.client.sample_timeout
+            raise SampleTimeoutError(
+                f"replica {url} gave no answer to {self.path} within the client's sample_timeout of {limit:g}s; "
+                "not sent again. A generation that long needs a longer sample_timeout (None waits for as "
+                "long as it takes)") from r
         if isinstance(r, httpx.TransportError):
             self.last = f"{url}: {type(r).__name__}: {r}"
             return None

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Literal, Sequence
 from ckptdelta.delta.errors import ReplicaError
 
 from ckptdelta.loader.async_client import AsyncRolloutClient
-from ckptdelta.loader.client import RolloutClient, SampleTries
+from ckptdelta.loader.client import SAMPLE_TIMEOUT_S, RolloutClient, SampleTries
 
 _PATH = "/v1/completions"
 StopReason = Literal["length", "stop"]
@@ -127,6 +127,20 @@ class SampleResponse:
     policy_versions: list[int | None] = field(default_factory=list)
     replica: str = ""
     replica_id: str | None = None
+
+
+class PromptLogprobs(list):
+    """:meth:`SamplingClient.compute_logprobs`' answer: the list of per-token logprobs a Tinker-style loop expects
+    (None for the first token), which also says which weights computed them, as every answer does:
+    ``policy_version`` (a prompt's logprobs come from one forward), ``policy_versions`` (its span) and
+    ``replica`` (the URL that answered). A trainer comparing them with its own scores needs to know whose they
+    are."""
+
+    def __init__(self, values: Iterable[float | None], response: SampleResponse) -> None:
+        super().__init__(values)
+        self.policy_version = response.policy_version
+        self.policy_versions = list(response.policy_versions)
+        self.replica = response.replica
 
 
 # --- reading a replica's answer ---------------------------------------------------------------------
@@ -229,13 +243,14 @@ class SamplingClient:
 
     def __init__(self, replicas: str | Sequence[str], *, min_policy_version: int | None = None,
                  ready_timeout: float = 300.0, api_key: str | None = None, timeout: float = 60.0,
-                 backoff_base: float = 0.1, backoff_max: float = 5.0, max_connections: int = 256) -> None:
+                 backoff_base: float = 0.1, backoff_max: float = 5.0, max_connections: int = 256,
+                 sample_timeout: float | None = SAMPLE_TIMEOUT_S) -> None:
         urls = [replicas] if isinstance(replicas, str) else list(replicas)
         if min_policy_version is not None and (type(min_policy_version) is not int or min_policy_version < 0):
             raise ValueError(f"min_policy_version must be a version (an int >= 0) or None, got {min_policy_version!r}")
         self.min_policy_version = min_policy_version
         self._options = dict(api_key=api_key, timeout=timeout, ready_timeout=ready_timeout,
-                             backoff_base=backoff_base, backoff_max=backoff_max)
+                             backoff_base=backoff_base, backoff_max=backoff_max, sample_timeout=sample_timeout)
         self._max_connections = max_connections
         self._sync = RolloutClient(urls, **self._options)
         # one client per event loop, and what closes it as its loop shuts down (_for_loop)
@@ -273,19 +288,20 @@ class SamplingClient:
         return await client._post_sample(_PATH, req.body, req.floor, affinity_key, req.accept)
 
     def compute_logprobs(self, prompt: "ModelInput | Sequence[int]", *,
-                         affinity_key: str | None = None) -> list[float | None]:
+                         affinity_key: str | None = None) -> PromptLogprobs:
         """Each token's logprob given those before it (None for the first), from one replica at the floor: on
         the reference engine, one forward of the whole sequence, so a trainer's
-        :func:`ckptdelta.loader.hf_model.score_tokens` on the same bits gives these numbers exactly."""
+        :func:`ckptdelta.loader.hf_model.score_tokens` on the same bits gives these numbers exactly. A list, with
+        the version that computed it (:class:`PromptLogprobs`)."""
         resp = self.sample(prompt, 1, SamplingParams(max_tokens=1, temperature=0.0), include_prompt_logprobs=True,
                            affinity_key=affinity_key)
-        return list(resp.prompt_logprobs or [])
+        return PromptLogprobs(resp.prompt_logprobs or [], resp)
 
     async def compute_logprobs_async(self, prompt: "ModelInput | Sequence[int]", *,
-                                     affinity_key: str | None = None) -> list[float | None]:
+                                     affinity_key: str | None = None) -> PromptLogprobs:
         resp = await self.sample_async(prompt, 1, SamplingParams(max_tokens=1, temperature=0.0),
                                        include_prompt_logprobs=True, affinity_key=affinity_key)
-        return list(resp.prompt_logprobs or [])
+        return PromptLogprobs(resp.prompt_logprobs or [], resp)
 
     async def _for_loop(self) -> AsyncRolloutClient:
         """The pooled async client of the running event loop: an httpx.AsyncClient cannot outlive its loop, and

@@ -18,7 +18,7 @@ import json
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI, HTTPException, Request
@@ -34,7 +34,7 @@ from ckptdelta.loader import streaming
 from ckptdelta.loader.engines import replica_engine
 from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
 from ckptdelta.loader.engines.requests import parse, validation_message
-from ckptdelta.loader.hotload_jobs import HotLoadJob, HotLoadManager
+from ckptdelta.loader.hotload_jobs import SUPERSEDED, HotLoadJob, HotLoadManager
 from ckptdelta.loader.metrics import CONTENT_TYPE, ServerMetrics
 
 if TYPE_CHECKING:
@@ -56,6 +56,9 @@ RUN_LOOK_S = 5.0
 HOTLOAD_WAIT_MAX_S = 30.0
 #: Seconds a 408 (policy version too old) asks the client to wait: about one hot-load of a small delta.
 RETRY_AFTER_S = 1
+#: The status counted (``ckptdelta_requests_total``) for a sampling request whose client left before its answer
+#: (nginx's "client closed request"); nothing is sent, there is nobody to send it to.
+CLIENT_LEFT = 499
 _SNAPSHOT_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,63}$")
 _KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/hotload", "/v1/status", "/v1/models",
                     "/metrics", "/health")
@@ -182,6 +185,50 @@ class Gatekeeper:
                                          status=str(status["code"])).inc()
 
 
+T = TypeVar("T")
+
+
+def _hotload_result(job: HotLoadJob, state: str) -> str:
+    """The ``result`` label of an ended hot-load. A queued one replaced by a newer request, or dropped by a stop,
+    ended FAILED as its waiters must see, but nothing went wrong: an alert on ``failed`` must not fire for them."""
+    if state == "READY":
+        return "ready"
+    if job.error_type == SUPERSEDED:
+        return "superseded"
+    if job.error_type == HotLoadCancelledError.__name__:
+        return "cancelled"
+    return "failed"
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None once the request's client has gone (its connection closed: a client timeout,
+    a cancelled task, a killed process), with ``work`` cancelled.
+
+    A plain (not streamed) answer is sent only when the generation ends, and nothing else tells the server the
+    client stopped waiting: the engine would go on generating for nobody, beside the client's next try. Cancelled,
+    the vLLM engine closes its forwarded request, which vLLM aborts; the reference engine stops at its next
+    token. (A stream needs none of this: Starlette stops iterating it when the client goes.)"""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass      # the body was read before: nothing else comes but the disconnect
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()     # this handler cancelled (a stop's drain timeout): so is its work
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
 def _endpoint_label(path: str) -> str:
     if path.startswith("/v1/hotload/"):
         return "/v1/hotload/{id}"
@@ -251,7 +298,7 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
             log.info("hot-load %s: %s -> %s READY: %s fetched, prepare %.2f s, pause %.3f s, %s", job.id,
                      _name(job.from_version), _name(job.target_version), _bytes(int(r.get("bytes_fetched") or 0)),
                      job.prepare_s or 0.0, float(r.get("pause_s") or 0.0), _verified(engine))
-        metrics.hotloads.labels(result="ready" if state == "READY" else "failed").inc()
+        metrics.hotloads.labels(result=_hotload_result(job, state)).inc()
         if job.finished is not None:
             metrics.hotload_duration.observe(job.finished - job.created)
         if job.report:
@@ -355,7 +402,10 @@ def create_app(engine: Any, *, reader: "SnapshotReader | None" = None, replica_i
 
                 return streaming.response(answer, finish=last)
             return JSONResponse(answer.body, status_code=answer.status)
-        res = await engine.complete(kind, body)
+        res = await unless_client_leaves(request, engine.complete(kind, body))
+        if res is None:
+            log.info("the client of a %s request left before its answer: its generation was stopped", kind)
+            return Response(status_code=CLIENT_LEFT)
         data = settle(res)
         low = below_floor(res)
         if low is not None:

@@ -22,6 +22,8 @@ from tests.replicas import PROMPT, Replica  # noqa: F401 (PROMPT: for the module
 #: vLLM options for the tests' tiny models on a 2-core machine.
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-seqs", "16",
              "--disable-log-stats"]
+#: The same with vLLM's own counts on (its ``/metrics``), for the replicas whose tests read them (vllm_generations).
+VLLM_ARGS_WITH_STATS = [a for a in VLLM_ARGS if a != "--disable-log-stats"]
 #: vLLM with its worker inside the engine-core process (the "uni" executor, vLLM's own default on one GPU;
 #: its CPU build starts a worker process of its own unless told this). Each start then spawns two Python
 #: processes that import vLLM, not three: 22 s instead of 32 s on two cores. The demo's test keeps the CPU
@@ -119,11 +121,23 @@ class VllmReplicaHandle(Replica):
         return (out, set(answer.get("kernel_view") or ())) if kernel else out
 
 
+def vllm_generations(engine) -> tuple[int, int]:
+    """(requests vLLM runs now, requests that ran to their end), from vLLM's own ``/metrics`` (a request with
+    ``n`` > 1 is ``n`` there; one it aborted is in neither); its vLLM started with VLLM_ARGS_WITH_STATS."""
+    running = finished = 0.0
+    for line in engine.applier.control.http.get("/metrics").text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            running += float(line.split()[-1])
+        elif line.startswith("vllm:request_success_total") and 'finished_reason="abort"' not in line:
+            finished += float(line.split()[-1])
+    return int(running), int(finished)
+
+
 def start_vllm_replica(run: VllmRun, snapshot="latest", *, cache_dir: str | None = None,
                        cache_policy: str = "recompute", replica_id: str = "vllm-0",
                        api_key: str | None = None) -> VllmReplicaHandle:
     from ckptdelta.loader.engines import build_engine
 
     engine = build_engine("vllm", bucket=run.url, snapshot=snapshot, cache_dir=cache_dir, cache_policy=cache_policy,
-                          vllm_args=VLLM_ARGS)
+                          vllm_args=VLLM_ARGS_WITH_STATS)      # the contract reads vLLM's counts
     return VllmReplicaHandle(engine, replica_id=replica_id, api_key=api_key)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ckptdelta.delta.errors import RunMismatchError
-from ckptdelta.loader.client import RolloutClient
+from ckptdelta.loader.client import SAMPLE_TIMEOUT_S, RolloutClient
 from ckptdelta.loader.sampling import ModelInput, SampleResponse, SamplingClient, SamplingParams
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ class FleetRollout:
     the project's error for what went wrong: HotLoadError, SnapshotNotFoundError, ReplicaError, ...), each given
     ``hotload_timeout``, after a look at every replica's status: one serving another run than the publisher's is
     a RunMismatchError; sampling waits up to ``ready_timeout`` for a replica at the version, then raises
-    PolicyVersionTimeoutError. At world size > 1 only the main process hot-loads; the others sample with the same
+    PolicyVersionTimeoutError; a completion gets ``sample_timeout`` to come back (SampleTimeoutError, not sent
+    again). At world size > 1 only the main process hot-loads; the others sample with the same
     floor, which holds their requests (retried on 408) until the hot-load lands, for up to ``ready_timeout``.
 
     A trainer given TRL ``tools`` or an ``environment_factory`` is refused (ValueError, :func:`check_trainer`):
@@ -71,13 +72,14 @@ class FleetRollout:
 
     def __init__(self, callback: "PublishCallback", replicas: str | Sequence[str], *, ready_timeout: float = 300.0,
                  hotload_timeout: float = 600.0, api_key: str | None = None, timeout: float = 60.0,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, sample_timeout: float | None = SAMPLE_TIMEOUT_S) -> None:
         self.callback = callback
         self.replicas = [replicas] if isinstance(replicas, str) else list(replicas)
         if not self.replicas:
             raise ValueError("FleetRollout needs at least one replica URL")
         self.ready_timeout, self.hotload_timeout = ready_timeout, hotload_timeout
-        self._client_options = dict(api_key=api_key, timeout=timeout, ready_timeout=ready_timeout)
+        self._client_options = dict(api_key=api_key, timeout=timeout, ready_timeout=ready_timeout,
+                                    sample_timeout=sample_timeout)
         self._max_connections = max_connections
         self._loaded: int | None = None      # the version this process last hot-loaded the fleet to
         #: one record per rollout, in order

@@ -255,3 +255,62 @@ def test_serve_holds_its_port_from_the_first_check_until_it_serves(run):
         sock.close()
     with socket.socket() as other:
         other.bind(("127.0.0.1", args.port))  # let go once serving ends
+
+
+def _completion_requests(rep) -> dict[str, float]:
+    prefix = 'ckptdelta_requests_total{endpoint="/v1/completions",status="'
+    return {x[len(prefix):].split('"')[0]: float(x.split()[-1])
+            for x in rep.http.get("/metrics").text.splitlines() if x.startswith(prefix)}
+
+
+@pytest.mark.parametrize("kind", ["RolloutClient", "AsyncRolloutClient", "SamplingClient"])
+def test_a_generation_longer_than_the_client_timeout_is_waited_for_and_one_past_sample_timeout_is_sent_once(
+        start_replica, kind):
+    """A sampling answer comes when its generation ends: ``timeout`` (connecting, control calls) does not bound
+    it, ``sample_timeout`` does, and a request past it is not sent again (the replica stops generating it)."""
+    import asyncio
+
+    from ckptdelta import SampleTimeoutError
+    from ckptdelta.loader.async_client import AsyncRolloutClient
+    from ckptdelta.loader.sampling import ModelInput, SamplingClient, SamplingParams
+
+    rep = start_replica(1)
+    ids = rep.engine.encode(PROMPT)
+
+    def sample(**options):
+        if kind == "RolloutClient":
+            with RolloutClient([rep.url], **options) as c:
+                return len(c.sample(ids, n=2, max_tokens=400, ignore_eos=True)["choices"][0]["token_ids"])
+        if kind == "AsyncRolloutClient":
+            async def go():
+                async with AsyncRolloutClient([rep.url], **options) as c:
+                    out = await c.sample_async(ids, n=2, max_tokens=400, ignore_eos=True)
+                    return len(out["choices"][0]["token_ids"])
+            return asyncio.run(go())
+        with SamplingClient(rep.url, **options) as c:
+            out = c.sample(ModelInput.from_ints(ids), 2, SamplingParams(max_tokens=400))
+            return len(out.sequences[0].tokens)
+
+    before = _completion_requests(rep)
+    t0 = time.monotonic()
+    assert 1 <= sample(timeout=0.05) <= 400        # (the SamplingClient sends no ignore_eos: EOS may end it first)
+    took = time.monotonic() - t0
+    assert took > 0.05, f"the generation took {took:.3f}s: too short to prove anything"
+    counts = _completion_requests(rep)
+    assert counts.get("200", 0) == before.get("200", 0) + 1 and sum(counts.values()) == sum(before.values()) + 1
+
+    finished = rep.status()["engine"]["finished"]
+    with pytest.raises(SampleTimeoutError) as info:
+        sample(sample_timeout=0.05, ready_timeout=30)
+    assert isinstance(info.value, ReplicaError) and isinstance(info.value, TimeoutError)
+    assert rep.url in str(info.value) and "0.05s" in str(info.value) and "not sent again" in str(info.value)
+    deadline = time.monotonic() + 30
+    while _completion_requests(rep).get("499", 0) < before.get("499", 0) + 1:    # the replica saw its client go
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    after = _completion_requests(rep)
+    assert sum(after.values()) == sum(counts.values()) + 1, after           # one request, never sent again
+    while rep.status()["engine"]["generating"]:        # a decode loop stops at its next token
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert rep.status()["engine"]["finished"] == finished         # nor generated to its end for nobody

@@ -72,6 +72,12 @@ def test_sample_returns_tokens_logprobs_stop_reasons_prompt_logprobs_and_the_ver
         scored = client.compute_logprobs(ModelInput.from_ints(ids + seq.tokens))
         with torch.no_grad():
             assert torch.equal(torch.tensor(scored[len(ids):]), score_tokens(model, ids + seq.tokens, len(ids)))
+        # a list, as a Tinker-style loop takes it, that says which weights computed it, as every answer does
+        assert isinstance(scored, list) and scored == list(scored) and scored[0] is None
+        assert scored.policy_version == run.latest and scored.policy_versions == [run.latest]
+        assert scored.replica == rep.url
+        again = asyncio.run(client.compute_logprobs_async(ModelInput.from_ints(ids + seq.tokens)))
+        assert again == scored and again.policy_version == run.latest
 
         greedy = client.sample(prompt, sampling_params=SamplingParams(max_tokens=6, temperature=0.0)).sequences[0]
         top1 = client.sample(prompt, sampling_params=SamplingParams(max_tokens=6, top_k=1, seed=9)).sequences[0]

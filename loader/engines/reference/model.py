@@ -50,6 +50,11 @@ CachePolicy = Literal["recompute", "keep"]
 CACHE_POLICIES: tuple[str, ...] = ("recompute", "keep")
 
 
+class ClientGone(Exception):
+    """Raised by a generation's ``on_token`` once its request's client went away (a stream's reader, or the
+    client of a plain request): the decode loop stops there, not at ``max_tokens``."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling settings (validated by the server before they get here)."""
@@ -188,6 +193,10 @@ class Engine:
         self.gate = gate
         # what requests' spans are read from: the swapper's log, or one version (None) for fixed weights
         self.served = swapper.served if swapper is not None else VersionLog(None)
+        #: generations running now, those that ran to their end, and those stopped because their client left
+        #: (ClientGone): the engine's part of /v1/status
+        self.generating = self.finished = self.stopped_early = 0
+        self._counts = threading.Lock()
         self.cache_policy = cache_policy
         self.model_name = model_name
         self.device = next(model.parameters()).device
@@ -295,10 +304,21 @@ class Engine:
         prompt = list(prompt_ids)
         self.check_prompt(prompt, params.max_tokens)
         span = self.served.open()
+        with self._counts:
+            self.generating += 1
         try:
-            return self._generate(prompt, params, on_token, span, t0)
+            out = self._generate(prompt, params, on_token, span, t0)
+            with self._counts:
+                self.finished += 1
+            return out
+        except ClientGone:
+            with self._counts:
+                self.stopped_early += 1
+            raise
         finally:
             span.close()
+            with self._counts:
+                self.generating -= 1
 
     def _generate(self, prompt: list[int], params: SamplingParams,
                   on_token: Callable[[Completion, int | None, bool], None] | None, span: Span,

@@ -10,13 +10,14 @@ the swap (the gate in loader/hotswap.py).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
 
 from anyio import CapacityLimiter, to_thread
 
-from ckptdelta.loader.engines.reference.model import Engine, Generation, SamplingParams
+from ckptdelta.loader.engines.reference.model import ClientGone, Engine, Generation, SamplingParams
 from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, ReplicaEngine, RequestKind
 from ckptdelta.loader.engines.requests import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 
@@ -99,12 +100,24 @@ class ReferenceReplica(ReplicaEngine):
         return self.engine.snapshot
 
     async def complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
-        return await to_thread.run_sync(self._complete, kind, body, limiter=self.threads)
+        gone = threading.Event()
+        try:
+            # cancelled (its client left, loader/server.py), the call returns at once; the decode loop stops
+            # at its next token
+            return await to_thread.run_sync(self._complete, kind, body, gone, limiter=self.threads,
+                                            abandon_on_cancel=True)
+        finally:
+            gone.set()
 
     async def stream(self, kind: RequestKind, body: dict[str, Any]) -> EngineStream:
         from ckptdelta.loader.engines.reference.stream import stream
 
         return await stream(self, kind, body)
+
+    def status(self) -> dict[str, Any]:
+        eng = self.engine
+        return {"kind": self.kind, "generating": eng.generating, "finished": eng.finished,
+                "stopped_early": eng.stopped_early}
 
     def prepare(self, kind: RequestKind, body: dict[str, Any]) -> tuple[SamplingFields, list[int], SamplingParams]:
         """The validated request, its prompt's token ids and its sampling parameters (400 for a bad body)."""
@@ -135,9 +148,17 @@ class ReferenceReplica(ReplicaEngine):
             raise ReplicaAPIError(400, "invalid_request_error", str(e)) from None
         return req, prompt_ids, params
 
-    def _complete(self, kind: RequestKind, body: dict[str, Any]) -> EngineResult:
+    def _complete(self, kind: RequestKind, body: dict[str, Any], gone: threading.Event) -> EngineResult:
         req, prompt_ids, params = self.prepare(kind, body)
-        gen = self.engine.generate(prompt_ids, params)
+
+        def on_token(*_: Any) -> None:
+            if gone.is_set():
+                raise ClientGone()
+
+        try:
+            gen = self.engine.generate(prompt_ids, params, on_token=on_token)
+        except ClientGone:
+            return EngineResult(499, {})      # nobody reads it: the server answered its client's leaving
         return self._chat(req, gen) if kind == "chat" else self._completions(req, gen)
 
     def _result(self, kind: str, gen: Generation, choices: list[dict]) -> EngineResult:

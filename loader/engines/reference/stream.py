@@ -27,15 +27,12 @@ from anyio import to_thread
 
 from ckptdelta.loader.streaming import event
 from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
+from ckptdelta.loader.engines.reference.model import ClientGone
 
 if TYPE_CHECKING:
     from ckptdelta.loader.engines.reference.model import Completion, Generation
     from ckptdelta.loader.engines.reference.replica import ReferenceReplica
     from ckptdelta.loader.engines.requests import SamplingFields
-
-
-class _ClientGone(Exception):
-    """Raised inside the decode loop when the stream's reader went away."""
 
 
 class _Choice:
@@ -170,7 +167,7 @@ async def stream(replica: "ReferenceReplica", kind: RequestKind, body: dict[str,
 
     def on_token(c: "Completion", version: int | None, finished: bool) -> None:
         if gone.is_set():
-            raise _ClientGone()
+            raise ClientGone()
         put(("chunk", chunks.token(c, finished)))
 
     def run() -> None:
@@ -179,7 +176,7 @@ async def stream(replica: "ReferenceReplica", kind: RequestKind, body: dict[str,
             for ch in chunks.end(gen):
                 put(("chunk", ch))
             put(("done", gen))
-        except _ClientGone:
+        except ClientGone:
             put(("gone", None))
         except Exception as e:  # noqa: BLE001 - said to the client in the stream, as an error event
             put(("error", e))

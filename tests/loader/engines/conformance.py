@@ -16,12 +16,18 @@ per store) and provide the replica they run on:
   differ from version's;
 - ``fail_next_apply(replica, monkeypatch)``: make the next hot-load fail inside the pause, after it wrote
   (part of) the new bits into the engine; ``failed_apply_target`` may pick the version it is tried on;
-- ``assert_released(replica)``: what the engine held (processes, shared memory) is gone after a stop.
+- ``assert_released(replica)``: what the engine held (processes, shared memory) is gone after a stop;
+- ``generations(replica)``: (generations running now, generations that ran to their end), as the engine itself
+  counts them;
+- ``long_generation``: a ``max_tokens`` whose generation lasts well past a poll of :meth:`generations`.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -31,6 +37,7 @@ from tests.replicas import PROMPT, Replica
 
 class EngineContract:
     kind: str = "?"
+    long_generation: int = 200
 
     # --- what a subclass provides -------------------------------------------------------------------------
 
@@ -142,6 +149,27 @@ class EngineContract:
         assert job["state"] == "READY", job
         assert self.live_diff(replica, published, target, tmp_path) == []
 
+    def test_a_plain_request_whose_client_leaves_mid_generation_is_stopped_and_counted_499(self, replica):
+        """A plain answer is sent only when the generation ends: a client that stopped waiting (its timeout, a
+        killed process) must not leave the engine generating for nobody, beside that client's next try."""
+        running, finished = self.generations(replica)
+        assert running == 0
+        left = _requests_with_status(replica, 499)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": self.long_generation, "n": 4, "ignore_eos": True,
+                           "seed": 1}).encode()
+        auth = replica.http.headers.get("authorization")
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: replica\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n" + (f"Authorization: {auth}\r\n" if auth else "") + "\r\n")
+        url = urlsplit(replica.url)
+        with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+            s.sendall(head.encode() + body)
+            _wait_for(lambda: self.generations(replica)[0] > 0, "the generation to start")
+        # the connection is closed while the engine generates: the client left
+        _wait_for(lambda: self.generations(replica)[0] == 0, "the generation to end")
+        _wait_for(lambda: _requests_with_status(replica, 499) == left + 1, "the request to be counted 499")
+        assert self.generations(replica) == (0, finished), "the engine generated the whole answer for nobody"
+        assert replica.complete(max_tokens=2)["choices"]          # and the replica serves on
+
     def test_a_stopped_replica_refuses_connections_and_its_engine_is_released(self, replica):
         assert replica.complete(max_tokens=1)["choices"]
         replica.close()
@@ -150,8 +178,25 @@ class EngineContract:
         replica.engine.close()                              # idempotent: a second stop is a no-op
         self.assert_released(replica)
 
+    def generations(self, replica: Replica) -> tuple[int, int]:
+        """(generations running now, generations that ran to their end)."""
+        raise NotImplementedError
+
     def after_stream(self, replica: Replica) -> None:
         """What else a finished stream leaves as it should (a subclass's engine-specific checks)."""
 
     def assert_released(self, replica: Replica) -> None:
         """What the engine held is gone after a stop (a subclass adds its engine's processes, shared memory)."""
+
+
+def _requests_with_status(replica: Replica, status: int) -> float:
+    line = f'ckptdelta_requests_total{{endpoint="/v1/completions",status="{status}"}}'
+    text = replica.http.get("/metrics").text
+    return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)

@@ -38,6 +38,12 @@ class TestReferenceEngine(EngineContract):
     def hotload_path(self, published):
         return [1, 2, 4, 1], {0, 3}
 
+    long_generation = 480
+
+    def generations(self, replica):
+        st = replica.status()["engine"]
+        return st["generating"], st["finished"]
+
     def live_diff(self, replica, published, version, tmp_path):
         return state_bits_equal(replica.engine.engine.model, published.truth[version])
 

@@ -22,7 +22,8 @@ from ckptdelta.publisher import Publisher
 from tests.loader.engines.conformance import EngineContract
 from tests.publisher.test_lora_publish import peft_model, train_step
 from tests.vllm_models import save_tiny_llama
-from tests.vllm_replicas import VLLM_ARGS, VllmReplicaHandle, one_gpu_layout  # noqa: F401 (a fixture)
+from tests.vllm_replicas import (VLLM_ARGS, VLLM_ARGS_WITH_STATS, VllmReplicaHandle, one_gpu_layout,  # noqa: F401
+                                 vllm_generations)
 
 PROMPTS = ["hello world, hello replica", "the quick brown fox", "one two three four"]
 VERSIONS = 6          # v0 anchor, v1-v2 deltas, v3 anchor, v4-v5 deltas
@@ -58,7 +59,7 @@ def rep(lora_run):
     from ckptdelta.loader.engines import build_engine
 
     engine = build_engine("vllm", bucket=lora_run["url"], snapshot=1, base_model=lora_run["base"], lora_slots=3,
-                          vllm_args=VLLM_ARGS)      # started on a delta
+                          vllm_args=VLLM_ARGS_WITH_STATS)      # started on a delta; the contract reads vLLM's counts
     r = VllmReplicaHandle(engine, replica_id="lora-0")
     yield r
     r.close()
@@ -348,6 +349,9 @@ class TestVllmLoraEngine(EngineContract):
 
     def hotload_path(self, published):
         return [0, 1, 2, 4, 1], {0, 3}                      # v0-v5: anchors v0 and v3 (VERSIONS)
+
+    def generations(self, replica):
+        return vllm_generations(replica.engine)
 
     def live_diff(self, replica, published, version, tmp_path):
         engine = replica.engine

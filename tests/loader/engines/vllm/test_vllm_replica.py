@@ -23,7 +23,7 @@ from tests.loader.engines.conformance import EngineContract
 from tests.servers import free_port
 from tests.vllm_models import save_tiny_llama, save_tiny_moe
 from tests.vllm_replicas import (PROMPT, VLLM_ARGS, VllmReplicaHandle, bit_diff, publish_vllm_run,
-                                 start_vllm_replica, one_gpu_layout)
+                                 start_vllm_replica, one_gpu_layout, vllm_generations)
 
 
 pytestmark = pytest.mark.usefixtures("one_gpu_layout")   # (imported) every vLLM here: its worker in the engine core
@@ -630,6 +630,9 @@ class TestVllmEngine(EngineContract):
             published.contract = (anchor, published.step(seed=78))
         reader = SnapshotReader(published.url)
         return [1, 2, published.contract[1], 0, 2], {v for v in published.truth if reader.manifest(v).kind == "anchor"}
+
+    def generations(self, replica):
+        return vllm_generations(replica.engine)
 
     def live_diff(self, replica, published, version, tmp_path):
         return bit_diff(replica.live_weights(str(tmp_path)), published.truth[version])
