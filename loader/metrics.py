@@ -34,7 +34,7 @@ class ServerMetrics:
         self.bytes_fetched = Counter(
             "ckptdelta_hotload_bytes_fetched", "Bytes fetched from storage by hot-loads.", registry=r)
         self.hotloads = Counter(
-            "ckptdelta_hotloads", "Hot-loads by result (ready, failed, noop).", ["result"], registry=r)
+            "ckptdelta_hotloads", "Hot-loads by result (ready, failed, noop, superseded, cancelled).", ["result"], registry=r)
         self.requests = Counter(
             "ckptdelta_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r)
         self.generated_tokens = Counter(

@@ -96,6 +96,10 @@ def test_the_newest_hotload_request_wins_on_a_busy_replica(start_replica, run):
     done = rep.wait(newer["id"])
     assert done["state"] == "READY" and done["from_version"] == 2 and done["timings"]["prepare_s"] > 0
     assert rep.status()["policy_version"] == 0 and rep.status()["queued_hotload"] is None
+    # the replaced one is counted as such, not as a failure an operator's alert would fire on
+    counts = {line.split('"')[1]: float(line.split()[-1]) for line in rep.http.get("/metrics").text.splitlines()
+              if line.startswith("ckptdelta_hotloads_total{")}
+    assert counts == {"ready": 2.0, "superseded": 1.0}, counts
 
 
 def test_a_policy_version_timeout_is_raised_after_the_whole_ready_timeout(start_replica):
