@@ -192,3 +192,46 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_the_replica_stopping_error_
     err = outcome["chat"]
     assert isinstance(err, openai.APIError) and not isinstance(err, openai.APIConnectionError), repr(err)
     assert err.body == stopping_error()["error"], err.body
+
+
+def test_a_plain_request_cut_by_the_drain_timeout_is_answered_503_then_and_its_decode_stops(run):
+    """A plain request still decoding at a stop's drain timeout (its decode held past it) is answered 503
+    ``replica_stopping`` then, not when its decode would have ended; and the decode loop stops at its next
+    token instead of running on to ``max_tokens`` for nobody."""
+    from ckptdelta.loader.engines.reference.model import load_engine
+    from ckptdelta.loader.server import create_app, stopping_error
+
+    engine, reader = load_engine(bucket=run.url, snapshot=run.latest)
+    server = LiveServer(create_app(engine, reader=reader, replica_id="r-stop"), drain=1.0).__enter__()
+    out: dict = {}
+    first_step = threading.Event()
+
+    def hold_after_first_step(module, args, output):     # the first step ends once the test holds the next
+        if not first_step.is_set():
+            first_step.set()
+            while engine.steps_waiting == 0:
+                time.sleep(0.001)
+
+    def plain() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            out["answer"] = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
+
+    handle = engine.model.register_forward_hook(hold_after_first_step)
+    client = threading.Thread(target=plain)
+    try:
+        client.start()
+        assert first_step.wait(60)
+        with engine.hold():                    # the decode loop waits here, past the drain timeout
+            server.server.handle_exit(signal.SIGTERM, None)    # what uvicorn does on SIGTERM
+            client.join(30)
+            assert not client.is_alive(), "the answer waited for the held decode"
+        deadline = time.monotonic() + 30
+        while engine.generating:               # released: the loop stops at its next token
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        handle.remove()
+        server.__exit__()
+    answer = out["answer"]
+    assert answer.status_code == 503 and answer.json() == stopping_error(), answer.text
+    assert engine.stopped_early == 1 and engine.finished == 0
