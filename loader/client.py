@@ -41,6 +41,9 @@ from ckptdelta.loader import fleet
 log = logging.getLogger("ckptdelta.client")
 
 _RETRY_STATUS = frozenset({502, 503, 504})
+#: The error type of a replica's 504 whose engine took longer than the replica's ``--request-timeout`` (a long
+#: generation, not a replica down): not retried, as a request past ``sample_timeout`` is not.
+ENGINE_TIMEOUT = "engine_timeout"
 #: Seconds a sampling request waits for its answer (``sample_timeout``): longer than a replica's own bound on a
 #: generation (``ckptdelta serve --request-timeout``, 600 s by default), so that the replica's 504 comes first.
 SAMPLE_TIMEOUT_S = 900.0
@@ -319,7 +322,8 @@ def sample_request(prompt: "str | Sequence[int] | Sequence[dict[str, str]]", n: 
 class SampleTries:
     """The retry rule of one sampling request, the same for the sync and the async client: 408 (policy too
     old), 502-504 and unreachable replicas are tried again, with backoff, until ``ready_timeout``; any other
-    answer is raised at once, and so is no answer within ``sample_timeout`` (:class:`SampleTimeoutError`)."""
+    answer is raised at once, and so is no answer within ``sample_timeout`` or the replica's own
+    ``--request-timeout`` (:class:`SampleTimeoutError`)."""
 
     def __init__(self, client: Any, path: str, min_policy_version: int | None):
         self.client, self.path, self.min_version = client, path, min_policy_version
@@ -343,6 +347,10 @@ class SampleTries:
         if r.status_code == 200:
             return fleet.answer(url, f"POST {self.path}", r)     # a body that is not JSON: ReplicaError at once
         err = fleet.error_of(r)
+        if r.status_code == 504 and err.get("type") == ENGINE_TIMEOUT:
+            raise SampleTimeoutError(f"replica {url} answered {self.path} with 504: {err.get('message')}; not sent "
+                                     "again: its engine gave no answer within the replica's own --request-timeout, "
+                                     "and another try would end the same way")
         if r.status_code == 408 and err.get("type") == "policy_version_too_old":
             self.last = f"{url} serves policy version {err.get('policy_version')}, needs >= {self.min_version}"
         elif r.status_code not in _RETRY_STATUS:

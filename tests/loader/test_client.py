@@ -314,3 +314,24 @@ def test_a_generation_longer_than_the_client_timeout_is_waited_for_and_one_past_
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert rep.status()["engine"]["finished"] == finished         # nor generated to its end for nobody
+
+
+def test_a_replica_whose_engine_timed_out_is_not_asked_again_but_a_proxys_504_is():
+    """A replica's 504 ``engine_timeout`` says the generation outlived its ``--request-timeout``: another try
+    would spend as long and end the same way. A 504 without it (a proxy in front of a replica that is down) is
+    retried as before."""
+    from ckptdelta import SampleTimeoutError
+
+    engine_timeout = (504, "application/json", {"error": {"type": "engine_timeout", "message": "vLLM at "
+                      "http://127.0.0.1:1 did not answer within the request timeout (600 s, --request-timeout)"}})
+    with BadReplica({("POST", "/v1/completions"): engine_timeout}) as bad, \
+            RolloutClient([bad.url], ready_timeout=5, backoff_base=0.01) as client:
+        with pytest.raises(SampleTimeoutError, match="--request-timeout.*not sent again") as info:
+            client.sample(PROMPT, max_tokens=1)
+        assert bad.url in str(info.value) and bad.requests == [("POST", "/v1/completions")]
+    gateway = (504, "text/html", b"<html>504 Gateway Time-out</html>")
+    with BadReplica({("POST", "/v1/completions"): gateway}) as bad, \
+            RolloutClient([bad.url], ready_timeout=0.5, backoff_base=0.01) as client:
+        with pytest.raises(ReplicaError, match="failed on every try") as info:
+            client.sample(PROMPT, max_tokens=1)
+        assert not isinstance(info.value, SampleTimeoutError) and len(bad.requests) > 1
