@@ -64,6 +64,11 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """A key does not exist in the store."""
 
 
+class ObjectTooLargeError(StorageError):
+    """An object is larger than the limit its reader sets for it (a manifest, HEAD, RUN.json): refused before
+    more than the limit is read."""
+
+
 class ObjectExistsError(StorageError, FileExistsError):
     """A create-only write found the key already present."""
 

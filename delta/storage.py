@@ -26,7 +26,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ckptdelta.delta.errors import (CkptDeltaError, InvalidKeyError, ObjectExistsError, ObjectNotFoundError,
-                                    StorageError, StorageURLError)
+                                    ObjectTooLargeError, StorageError, StorageURLError)
 
 log = logging.getLogger("ckptdelta.storage")
 T = TypeVar("T")
@@ -418,8 +418,8 @@ class Store:
             if start < 0 or end < start:
                 raise ValueError(f"invalid byte range {byte_range!r} for {self.key_url(key)}")
             if max_size is not None and end - start > max_size:
-                raise StorageError(f"get {self.key_url(key)}: range of {end - start} bytes "
-                                   f"exceeds the {max_size}-byte limit")
+                raise ObjectTooLargeError(f"get {self.key_url(key)}: range of {end - start} bytes "
+                                          f"exceeds the {max_size}-byte limit")
         elif max_size is not None:
             start, end = 0, max_size + 1
         else:
@@ -446,8 +446,8 @@ class Store:
                 raise
             return b""
         if max_size is not None and len(data) > max_size:
-            raise StorageError(f"get {self.key_url(key)}: object is {self._size_for_message(key)}, larger than "
-                               f"the {max_size}-byte limit")
+            raise ObjectTooLargeError(f"get {self.key_url(key)}: object is {self._size_for_message(key)}, larger "
+                                      f"than the {max_size}-byte limit")
         if start is not None and end is not None and len(data) > end - start:
             raise StorageError(f"get {self.key_url(key)}: server returned {len(data)} bytes "
                                f"for a {end - start}-byte range")

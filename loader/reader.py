@@ -24,7 +24,7 @@ import torch
 
 from ckptdelta.delta import EncodedTensor
 from ckptdelta.delta.errors import (ChecksumError, CkptDeltaError, DeltaError, ManifestError, ObjectNotFoundError,
-                                    RunMismatchError, SnapshotNotFoundError)
+                                    ObjectTooLargeError, RunMismatchError, SnapshotNotFoundError)
 from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head,
                                       Manifest, ObjectRef, RunInfo, extra_file_name, manifest_key, snapshot_name,
                                       version_of_manifest_key)
@@ -561,6 +561,8 @@ class SnapshotReader:
             data = self._get(HEAD_KEY, max_size=MAX_HEAD_BYTES)
         except ObjectNotFoundError:
             return None
+        except ObjectTooLargeError as e:      # its bytes, not the storage, are wrong: a damaged HEAD
+            raise ManifestError(f"{self.store.key_url(HEAD_KEY)} is not a head pointer: {e}") from None
         head = Head.from_json(data, what=self.store.key_url(HEAD_KEY))
         if head.run_id != self.run_id:
             raise RunMismatchError(f"{self.store.key_url(HEAD_KEY)} names run {head.run_id!r}, "

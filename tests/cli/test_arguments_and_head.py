@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from ckptdelta.cli import build_parser
-from ckptdelta.delta.manifest import HEAD_KEY, Head, manifest_key
+from ckptdelta.delta.manifest import HEAD_KEY, MAX_HEAD_BYTES, Head, manifest_key
 from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.publisher import Publisher
 from tests.cli.test_first_hour import ckptdelta, first_line
@@ -123,14 +123,15 @@ def _head_of_another_run(url: str) -> bytes:
         return Head("another-run", 2, xxhash.xxh3_64(f.read()).hexdigest()).to_json()
 
 
-@pytest.mark.parametrize("damage", ["not-json", "another-run"])
+@pytest.mark.parametrize("damage", ["not-json", "another-run", "oversized"])
 def test_verify_checks_an_explicit_version_despite_a_damaged_head_and_reports_the_head_on_its_own(run3, damage):
     from ckptdelta.loader.verify import HeadPointerError
 
     path = os.path.join(run3, HEAD_KEY)
     with open(path, "rb") as f:
         original = f.read()
-    bad = b"{not json\n" if damage == "not-json" else _head_of_another_run(run3)
+    bad = {"not-json": lambda: b"{not json\n", "another-run": lambda: _head_of_another_run(run3),
+           "oversized": lambda: b" " * (MAX_HEAD_BYTES + 1)}[damage]()      # larger than a HEAD may be
     try:
         with open(path, "wb") as f:
             f.write(bad)
