@@ -65,7 +65,9 @@ class FleetRollout:
     a RunMismatchError; sampling waits up to ``ready_timeout`` for a replica at the version, then raises
     PolicyVersionTimeoutError; a completion gets ``sample_timeout`` to come back (SampleTimeoutError, not sent
     again). At world size > 1 only the main process hot-loads; the others sample with the same
-    floor, which holds their requests (retried on 408) until the hot-load lands, for up to ``ready_timeout``.
+    floor, which holds their requests (retried on 408) until the hot-load lands, for up to ``ready_timeout`` +
+    ``hotload_timeout``: as long as the main process may take to hot-load (its wait for a starting replica, then
+    the hot-load itself).
 
     A trainer given TRL ``tools`` or an ``environment_factory`` is refused (ValueError, :func:`check_trainer`):
     TRL generates what follows a tool call with its own model, not through this function."""
@@ -97,7 +99,9 @@ class FleetRollout:
         params = sampling_params(trainer.args)
         ids = prompt_ids(prompts, trainer)
         groups = _runs(ids)
-        responses = _run(self._sample(version, groups, params))
+        # the other processes' floor waits for the main one's hot-load, as long as that may take
+        wait = self.ready_timeout if main else self.ready_timeout + self.hotload_timeout
+        responses = _run(self._sample(version, groups, params, wait))
 
         out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "policy_version": []}
         spans: set[int] = set()
@@ -127,10 +131,10 @@ class FleetRollout:
                                    + ", ".join(f"replica {u} serves run {r}" for u, r in sorted(other.items()))
                                    + ": start the replicas on the trainer's bucket (ckptdelta serve --bucket URL)")
 
-    async def _sample(self, version: int, groups: list[tuple[tuple[int, ...], int]],
-                      params: SamplingParams) -> list[SampleResponse]:
+    async def _sample(self, version: int, groups: list[tuple[tuple[int, ...], int]], params: SamplingParams,
+                      ready_timeout: float) -> list[SampleResponse]:
         client = SamplingClient(self.replicas, min_policy_version=version, max_connections=self._max_connections,
-                                **self._client_options)
+                                **{**self._client_options, "ready_timeout": ready_timeout})
         try:
             return list(await asyncio.gather(*(client.sample_async(ModelInput.from_ints(group), num_samples=n,
                                                                    sampling_params=params)

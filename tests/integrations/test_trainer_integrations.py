@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -107,6 +108,19 @@ def test_grpo_trains_on_rollouts_sampled_from_a_replica_at_each_version_the_call
             FleetRollout(other, server.url)(PROMPTS, trainer)
         other.publisher.close()
         assert replica.version == 4
+
+        # another process of the trainer (world size > 1) does not hot-load: its requests' floor waits for the
+        # main process's hot-load as long as that may take (ready_timeout + hotload_timeout), not ready_timeout
+        with RolloutClient([server.url]) as fleet:
+            fleet.hotload(3, wait=True, timeout=600)      # the replica a version behind the trainer's
+        monkeypatch.setattr(trainer, "is_world_process_zero", lambda: False)
+        main_process = threading.Timer(2.0, lambda: RolloutClient([server.url]).hotload(4, wait=True, timeout=600))
+        main_process.start()
+        try:
+            out = FleetRollout(callback, server.url, ready_timeout=0.5, hotload_timeout=60)(PROMPTS, trainer)
+        finally:
+            main_process.join()
+        assert set(out["policy_version"]) == {4} and len(out["completion_ids"]) == len(PROMPTS)
 
 
 def _hf_trainer(model: torch.nn.Module, out: str, callback, max_steps: int, save_steps: int | None = None):
