@@ -220,3 +220,17 @@ def start_replica(run):
     yield start
     for rep in started:
         rep.close()
+
+
+def held_after_first_step(engine):
+    """(an event set at the engine's first forward step, the hook's handle): that step ends only once the test
+    holds the next one (``engine.hold()``), so a decode loop is caught between its first and second token."""
+    first_step = threading.Event()
+
+    def hook(module, args, output):
+        if not first_step.is_set():
+            first_step.set()
+            while engine.steps_waiting == 0:
+                time.sleep(0.001)
+
+    return first_step, engine.model.register_forward_hook(hook)

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckptdelta.loader.engines.reference.model import Engine, SamplingParams, load_engine
 from ckptdelta.loader.hf_model import load_model
 from ckptdelta.loader.reader import SnapshotReader
-from tests.replicas import PROMPT, Replica, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
+from tests.replicas import (PROMPT, Replica, corrupt_delta, held_after_first_step, lm_dir, publish_run,  # noqa: F401
+                            run, start_replica, state_bits_equal)
 
 
 def fresh_engine(run, version: int, tmp_path) -> Engine:
@@ -487,15 +488,7 @@ def _across_a_swap(engine: Engine, request, swap):
     A forward hook holds step 1 open until the test has queued behind it on the
     engine's FIFO step lock; the test then owns the gap between step 1 and step 2
     and runs ``swap()`` in it."""
-    first_step = threading.Event()
-
-    def hook(module, args, output):
-        if not first_step.is_set():
-            first_step.set()
-            while engine.steps_waiting == 0:
-                time.sleep(0.001)
-
-    handle = engine.model.register_forward_hook(hook)
+    first_step, handle = held_after_first_step(engine)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("result", request()))
     t.start()

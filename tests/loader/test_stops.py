@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from ckptdelta.loader.stopping import HOLD_ENV, PHASES
-from tests.replicas import PROMPT, LiveServer, lm_dir, run  # noqa: F401
+from tests.replicas import PROMPT, LiveServer, held_after_first_step, lm_dir, run  # noqa: F401
 from tests.stops import hotload_until_held, stop_and_check
 from tests.loader.test_replica_hygiene import ROOT, _leftovers, _serving_port, short_tmp  # noqa: F401
 from tests.vllm_replicas import ONE_GPU_LAYOUT_ENV, VLLM_ARGS, publish_vllm_run
@@ -143,13 +143,7 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_the_replica_stopping_error_
     server = LiveServer(create_app(engine, reader=reader, replica_id="r-stop"), drain=1.0).__enter__()
     raw: list[str] = []
     outcome: dict = {}
-    first_step, chat_started = threading.Event(), threading.Event()
-
-    def hold_after_first_step(module, args, output):     # the first step ends once the test holds the next
-        if not first_step.is_set():
-            first_step.set()
-            while engine.steps_waiting == 0:
-                time.sleep(0.001)
+    chat_started = threading.Event()
 
     def sse() -> None:
         try:
@@ -172,7 +166,7 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_the_replica_stopping_error_
             finally:
                 chat_started.set()
 
-    handle = engine.model.register_forward_hook(hold_after_first_step)
+    first_step, handle = held_after_first_step(engine)
     threads = [threading.Thread(target=sse), threading.Thread(target=chat)]
     try:
         threads[0].start()
@@ -204,19 +198,12 @@ def test_a_plain_request_cut_by_the_drain_timeout_is_answered_503_then_and_its_d
     engine, reader = load_engine(bucket=run.url, snapshot=run.latest)
     server = LiveServer(create_app(engine, reader=reader, replica_id="r-stop"), drain=1.0).__enter__()
     out: dict = {}
-    first_step = threading.Event()
-
-    def hold_after_first_step(module, args, output):     # the first step ends once the test holds the next
-        if not first_step.is_set():
-            first_step.set()
-            while engine.steps_waiting == 0:
-                time.sleep(0.001)
 
     def plain() -> None:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             out["answer"] = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
 
-    handle = engine.model.register_forward_hook(hold_after_first_step)
+    first_step, handle = held_after_first_step(engine)
     client = threading.Thread(target=plain)
     try:
         client.start()
