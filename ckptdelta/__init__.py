@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "SamplingClient": "ckptdelta.loader.sampling",
     "SampleResponse": "ckptdelta.loader.sampling",
     "SampledSequence": "ckptdelta.loader.sampling",
+    "PromptLogprobs": "ckptdelta.loader.sampling",
     "save_weights_and_get_sampling_client": "ckptdelta.loader.sampling",
     # trainer integrations (pip install ckptdelta[trl]): the HF Trainer / TRL callback, TRL's rollout_func
     "PublishCallback": "ckptdelta.integrations.hf",
@@ -85,6 +86,6 @@ if TYPE_CHECKING:   # for type checkers and IDEs; at run time the names above lo
     from ckptdelta.loader import DiskCache, HotSwapper, SnapshotReader, VerifyReport
     from ckptdelta.loader.async_client import AsyncRolloutClient
     from ckptdelta.loader.client import RolloutClient
-    from ckptdelta.loader.sampling import (ModelInput, SampledSequence, SampleResponse, SamplingClient,
+    from ckptdelta.loader.sampling import (ModelInput, PromptLogprobs, SampledSequence, SampleResponse, SamplingClient,
                                            SamplingParams, save_weights_and_get_sampling_client)
     from ckptdelta.publisher import AdapterSpec, BaseModel, GcReport, Publisher, PublishResult, collect
