@@ -54,6 +54,8 @@ def sampling_timeout(timeout: float, sample_timeout: float | None) -> httpx.Time
     limit) for the answer, and no limit on waiting for a connection of the client's own pool (a ``gather`` of
     more requests than connections waits for one, it does not fail)."""
     return httpx.Timeout(timeout, read=sample_timeout, pool=None)
+
+
 #: What a caller of ``_post_sample`` makes of a 200 answer: (tries, replica URL, answer) -> result, or None to
 #: try again (loader/sampling.py reads tokens and logprobs out of it, and holds it to the policy floor).
 Accept = Callable[["SampleTries", str, dict[str, Any]], Any]

@@ -185,9 +185,6 @@ class Gatekeeper:
                                          status=str(status["code"])).inc()
 
 
-T = TypeVar("T")
-
-
 def _hotload_result(job: HotLoadJob, state: str) -> str:
     """The ``result`` label of an ended hot-load. A queued one replaced by a newer request, or dropped by a stop,
     ended FAILED as its waiters must see, but nothing went wrong: an alert on ``failed`` must not fire for them."""
@@ -198,6 +195,9 @@ def _hotload_result(job: HotLoadJob, state: str) -> str:
     if job.error_type == HotLoadCancelledError.__name__:
         return "cancelled"
     return "failed"
+
+
+T = TypeVar("T")
 
 
 async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
