@@ -37,13 +37,11 @@ import httpx
 from ckptdelta.delta.errors import PolicyVersionTimeoutError, ReplicaError, SampleTimeoutError
 
 from ckptdelta.loader import fleet
+from ckptdelta.loader.engines.base import ENGINE_TIMEOUT
 
 log = logging.getLogger("ckptdelta.client")
 
 _RETRY_STATUS = frozenset({502, 503, 504})
-#: The error type of a replica's 504 whose engine took longer than the replica's ``--request-timeout`` (a long
-#: generation, not a replica down): not retried, as a request past ``sample_timeout`` is not.
-ENGINE_TIMEOUT = "engine_timeout"
 #: Seconds a sampling request waits for its answer (``sample_timeout``): longer than a replica's own bound on a
 #: generation (``ckptdelta serve --request-timeout``, 600 s by default), so that the replica's 504 comes first.
 SAMPLE_TIMEOUT_S = 900.0

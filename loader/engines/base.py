@@ -41,6 +41,12 @@ if TYPE_CHECKING:
 RequestKind = Literal["completions", "chat"]
 
 
+#: The error type of the 504 a replica answers when its engine gave no answer within the replica's
+#: ``--request-timeout``: a generation that long, not an engine down, so clients do not send it again
+#: (loader/client.py, SampleTries).
+ENGINE_TIMEOUT = "engine_timeout"
+
+
 class ReplicaAPIError(Exception):
     """An error a request is answered with, as ``{"error": {"type": ..., "message": ..., **extra}}``."""
 

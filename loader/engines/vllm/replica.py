@@ -58,7 +58,7 @@ from ckptdelta.delta.errors import HotLoadError
 
 from ckptdelta.loader import stopping
 from ckptdelta.loader.spans import Span
-from ckptdelta.loader.engines.base import EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
+from ckptdelta.loader.engines.base import ENGINE_TIMEOUT, EngineResult, ReplicaAPIError, ReplicaEngine, RequestKind
 from ckptdelta.loader.engines.shared_weights import SharedWeights
 from ckptdelta.loader.engines.vllm.applier import VllmApplier, snapshot_label, reload_groups
 from ckptdelta.loader.engines.vllm.control import CONTROL_TIMEOUT_S, VllmControl, VllmError, http_client
@@ -167,7 +167,7 @@ class VllmReplica(ReplicaEngine):
         try:
             r = await self._http().post(path, json=admitted.body)
         except httpx.TimeoutException as e:
-            raise ReplicaAPIError(504, "engine_timeout", f"vLLM at {self.url} did not answer within the request "
+            raise ReplicaAPIError(504, ENGINE_TIMEOUT, f"vLLM at {self.url} did not answer within the request "
                                   f"timeout ({self.request_timeout:g} s, --request-timeout): "
                                   f"{type(e).__name__}") from None
         except httpx.HTTPError as e:

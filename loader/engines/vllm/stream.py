@@ -23,7 +23,7 @@ import anyio
 import httpx
 
 from ckptdelta.loader.streaming import event
-from ckptdelta.loader.engines.base import EngineResult, EngineStream, ReplicaAPIError, RequestKind
+from ckptdelta.loader.engines.base import ENGINE_TIMEOUT, EngineResult, EngineStream, ReplicaAPIError, RequestKind
 
 if TYPE_CHECKING:
     from ckptdelta.loader.engines.vllm.replica import VllmReplica
@@ -50,7 +50,7 @@ async def _stream(replica: "VllmReplica", kind: RequestKind, admitted: Any, t0: 
     try:
         r = await client.send(client.build_request("POST", path, json=body), stream=True)
     except httpx.TimeoutException as e:
-        raise ReplicaAPIError(504, "engine_timeout", f"vLLM at {replica.url} did not answer within the request "
+        raise ReplicaAPIError(504, ENGINE_TIMEOUT, f"vLLM at {replica.url} did not answer within the request "
                               f"timeout ({replica.request_timeout:g} s, --request-timeout): "
                               f"{type(e).__name__}") from None
     except httpx.HTTPError as e:
