@@ -64,14 +64,68 @@ def count_changed_nan(old, new, mask, threshold):
     return n, nan
 
 
+#: Where a chunk has between these fractions of its elements changed, :func:`sparse_extract` writes every
+#: element's gap and step and moves on only past a change, instead of branching on each element: the branch
+#: is mispredicted there often enough to cost more than the writes (a LoRA step's A matrices at lr 1e-4, 40-70%
+#: changed: 2.2x faster at half changed; below ~18% or above ~92% the branch wins).
+BRANCHLESS_FROM = 0.18
+BRANCHLESS_TO = 0.92
+
+
 @njit(cache=True, nogil=True)
 def sparse_extract(old, new, n_changed, width_bits, sign_magnitude):
     """Gaps between changed positions and the zigzag key step of each change.
 
     ``gaps[j] = pos[j] - pos[j-1] - 1`` (with ``pos[-1] = -1``); returns
     ``(gaps uint32, steps uint64, max_gap, max_step)`` so the caller can pick the
-    number of byte planes to store.
+    number of byte planes to store. ``n_changed`` must be :func:`count_changed`'s count.
     """
+    n = old.shape[0]
+    if BRANCHLESS_FROM * n <= n_changed <= BRANCHLESS_TO * n and n < (1 << 32):
+        return _sparse_extract_every(old, new, n_changed, width_bits, sign_magnitude)
+    return _sparse_extract_changed(old, new, n_changed, width_bits, sign_magnitude)
+
+
+@njit(cache=True, nogil=True)
+def _sparse_extract_every(old, new, n_changed, width_bits, sign_magnitude):
+    """:func:`sparse_extract` without a branch per element: each element's position and step are written at
+    the next free index, which advances only past a change (one spare slot takes the writes after the last
+    change); the gaps are taken from the positions in a second pass over the changes alone."""
+    gaps = np.empty(n_changed + 1, dtype=np.uint32)
+    steps = np.empty(n_changed + 1, dtype=np.uint64)
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    top = _U64(width_bits - 1)
+    sm = _U64(1) if sign_magnitude else _U64(0)
+    j = 0
+    max_step = _U64(0)
+    for i in range(old.shape[0]):
+        o = _U64(old[i])
+        v = _U64(new[i])
+        # _key without a branch: a set sign bit flips every bit, a clear one sets it (sign-magnitude only)
+        ko = o ^ ((signbit | ((_U64(0) - (o >> top)) & mask)) * sm)
+        kv = v ^ ((signbit | ((_U64(0) - (v >> top)) & mask)) * sm)
+        d = (kv - ko) & mask
+        neg = d >> top                          # the zigzag of a modular difference, without a branch
+        z = ((d ^ (mask * neg)) << _U64(1)) | neg
+        gaps[j] = np.uint32(i)
+        steps[j] = z                            # 0 where unchanged: the maximum needs no condition
+        max_step = max(max_step, z)
+        j += np.int64(o != v)
+    prev = -1
+    max_gap = 0
+    for k in range(n_changed):
+        p = np.int64(gaps[k])
+        g = p - prev - 1
+        gaps[k] = np.uint32(g)
+        max_gap = max(max_gap, g)
+        prev = p
+    return gaps[:n_changed], steps[:n_changed], max_gap, max_step
+
+
+@njit(cache=True, nogil=True)
+def _sparse_extract_changed(old, new, n_changed, width_bits, sign_magnitude):
+    """:func:`sparse_extract` branching on each element: the faster where few or nearly all changed."""
     gaps = np.empty(n_changed, dtype=np.uint32)
     steps = np.empty(n_changed, dtype=np.uint64)
     mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
@@ -316,7 +370,9 @@ def planes_entropy_bytes(planes, plane_len, block, stride=1):
     what they hold up to the plane: a guess at ``stride`` times less work, for deciding at once where the
     answer is far from the line (frames.may_beat)."""
     n = planes.shape[0]
-    hist = np.zeros(256, np.int64)
+    # four histograms, one per byte of each group of four: runs of one byte (the usual in a high plane) then
+    # increment four counters in turn instead of one counter that waits on its own last store (1.4-1.7x)
+    hist = np.zeros((4, 256), np.int64)
     total = 0.0
     step = block * max(stride, 1)
     for p0 in range(0, n, max(plane_len, 1)):
@@ -325,16 +381,27 @@ def planes_entropy_bytes(planes, plane_len, block, stride=1):
         part = 0.0
         for start in range(p0, p1, step):
             end = min(p1, start + block)
-            hist[:] = 0
+            hist[:, :] = 0
             runs = 1
-            hist[planes[start]] += 1
-            for i in range(start + 1, end):
-                hist[planes[i]] += 1
+            prev = planes[start]
+            hist[0, prev] += 1
+            i = start + 1
+            while i + 4 <= end:
+                a, b, c, d = planes[i], planes[i + 1], planes[i + 2], planes[i + 3]
+                hist[0, a] += 1
+                hist[1, b] += 1
+                hist[2, c] += 1
+                hist[3, d] += 1
+                runs += (a != prev) + (b != a) + (c != b) + (d != c)
+                prev = d
+                i += 4
+            for i in range(i, end):
+                hist[0, planes[i]] += 1
                 runs += planes[i] != planes[i - 1]
             m = end - start
             bits = 0.0
             for v in range(256):
-                h = hist[v]
+                h = hist[0, v] + hist[1, v] + hist[2, v] + hist[3, v]
                 if h:
                     bits -= h * np.log2(h / m)
             part += min(bits / 8.0, 2.0 * runs)
