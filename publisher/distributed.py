@@ -80,14 +80,19 @@ class Comm:
         """The ``nbytes`` bytes rank ``src`` sends with ``tag`` (uint8)."""
         raise errors.PublishError("recv_bytes needs more than one rank")
 
-    def settle(self, local_error: BaseException | None, payload: Any, fn: Any, context: str = "") -> Any:
+    def settle(self, local_error: BaseException | None, payload: Any, fn: Any, context: str = "", *,
+               commits: bool = False) -> Any:
         """One round trip through rank 0: every rank's ``payload`` (and its error, if it failed) goes to rank 0,
         which runs ``fn(payloads)`` when no rank failed, and its result (or the error: the first failing rank's,
         else ``fn``'s) comes back to every rank. A rank that failed raises its own error, the others that rank's
         (sharded, as a PublishError naming the rank, the error and ``context``: what was being published).
 
         Two exchanges, a gather then a broadcast, where an all-gather of the errors followed by a gather and
-        a broadcast took three: a step's publish is two of these rounds (plan, then commit)."""
+        a broadcast took three: a step's publish is two of these rounds (plan, then commit).
+
+        ``commits``: ``fn`` commits the snapshot, so a broadcast that fails after it (a rank gone once every
+        rank's part was in) does not mean that nothing was committed: rank 0 says that it was, the others that
+        it may have been."""
         gathered = self.gather((payload, None if local_error is None else describe(local_error)))
         result, failed, exc = None, None, None
         if self.rank == 0:
@@ -98,7 +103,12 @@ class Comm:
                     result = fn([p for p, _e in gathered])
                 except Exception as e:  # noqa: BLE001 - forwarded to every rank, then re-raised
                     failed, exc = (0, describe(e)), e
-        result, failed = self.broadcast((result, failed))
+        try:
+            result, failed = self.broadcast((result, failed))
+        except CollectiveError as e:
+            if not commits or (self.rank == 0 and failed is not None):
+                raise
+            raise _outcome_unheard(e, self.rank, context) from e
         if local_error is not None:
             raise self._own(local_error, context)
         if exc is not None:
@@ -269,6 +279,19 @@ def _collective(what: str, rank: int) -> Iterator[None]:
                               "the run keeps its last committed snapshot") from e
 
 
+def _outcome_unheard(e: CollectiveError, rank: int, context: str) -> CollectiveError:
+    """A commit round's broadcast failed: rank 0 had every rank's part, so the snapshot may be committed (on rank
+    0: it is, as ``fn`` returned), unlike a round that fails before it (:func:`_collective`'s "commits nothing")."""
+    cause = str(e.__cause__ or e).splitlines()[0][:300]
+    if rank == 0:
+        return CollectiveError(f"rank 0: {context} is committed, but the publishers' broadcast of the commit failed "
+                               f"({cause}): another rank died or stopped publishing after it sent its part; the "
+                               "other ranks were not told")
+    return CollectiveError(f"rank {rank}: the publishers' broadcast of the commit of {context} failed ({cause}): "
+                           "rank 0 or another rank died or stopped publishing after every rank had sent its part, "
+                           "so the snapshot may be committed. `ckptdelta ls` lists it if it is")
+
+
 def describe(e: BaseException) -> tuple[str, str]:
     return type(e).__name__, str(e)
 
@@ -280,7 +303,8 @@ def publish_error(rank: int, err: tuple[str, str], context: str = "") -> BaseExc
     name, msg = err
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, errors.PublishError):
-        return cls(f"rank {rank}: {msg}")
+        # already named where it began (a failure of an earlier publish, raised again by the next one)
+        return cls(msg if msg.startswith(f"rank {rank}: ") else f"rank {rank}: {msg}")
     where = f" (publishing {context}: nothing is committed)" if context else ""
     return errors.PublishError(f"rank {rank}: {name}: {msg}{where}")
 

@@ -34,6 +34,7 @@ class PublishJob:
     version: int | None = None       # the version planned for it (round 1)
     committing: bool = False         # past the last point where giving up at exit stops its commit
     exploration: "explore.Sample | None" = None   # codec="auto": what to measure once it has returned
+    call: int = 0                    # which publish() call of this rank's publisher it is (from 1)
 
     def describe(self) -> str:
         return f"step {self.step}" + (f" (version {self.version})" if self.version is not None else "")

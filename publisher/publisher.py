@@ -231,6 +231,7 @@ class Publisher:
         self._nan_clean_version: int | None = None
         self._nan_next: set[str] = set()
         self._n_failures = 0
+        self._calls = 0          # publish() calls that reached the rounds: every rank's count is the same
         self._last_failure: str | None = None       # which publish failed last, and why
         self._attempts = 0          # publish attempts planned by this session (rank 0): each one's data prefix
         self._committed_here: int | None = None     # the newest version this session committed (rank 0)
@@ -329,11 +330,16 @@ class Publisher:
         if self._closed:
             raise PublishError(f"publisher for {self.url} is closed")
         self._slots.acquire()  # with one slot, every earlier publish has finished once this returns
+        interrupted: BaseException | None = None
         try:
-            self._check_usable()
             err: BaseException | None = None
             snapshot, copy_s, snap, boxes = None, 0.0, None, {}
             try:
+                # A sharded publisher's ranks must run the same publishes, round for round: a failure of this
+                # rank's call (an earlier publish's error surfacing here, bad input, an interrupt) joins this
+                # publish's rounds and fails it on every rank, so that no rank's next call pairs with another
+                # rank's this one.
+                self._check_usable()
                 weights, snap = self._adapter.split(weights, f"run {self.run_id} at {self.url}")
                 if snap is not None and self._comm.world > 1:
                     raise PublishInputError("a LoRA adapter is published by one process (world size 1): gather "
@@ -350,17 +356,24 @@ class Publisher:
                 else:   # one slot: the last publish has finished, so the parent and its version are settled
                     snapshot = self._diff.capture(sources, self._parents.tensors, self._parents.version, spare)
                 copy_s = time.perf_counter() - t0
-            except Exception as e:
-                if self._comm.world == 1:
+            except BaseException as e:
+                if self._comm.world == 1 or (self._closed and isinstance(e, PublishError)):
                     raise
+                if not isinstance(e, Exception):    # KeyboardInterrupt: the others fail this publish with it,
+                    interrupted = e                 # and the caller gets it at once
+                    e = PublishError(f"rank {self._comm.rank}'s publish() of step {step} was interrupted "
+                                     f"({type(e).__name__}) before its weights were copied")
                 err = e  # every rank must take part in this publish, so the error travels with it
             with self._lock:
                 self._last_step = step if err is None else self._last_step
                 failures = self._n_failures
+                self._calls += 1
+                call = self._calls
+            # a failure this call raises itself (err, or the interrupt) is not kept for a later call to raise
             job = PublishJob(snapshot=snapshot, schema=None if snapshot is None else schema_of(snapshot), step=step,
                              metadata=metadata if err is None else {}, force_anchor=anchor, error=err,
-                             failures_seen=failures, t_start=t_start, wait=wait, copy_s=copy_s, adapter=snap,
-                             boxes=boxes if err is None else {})
+                             failures_seen=failures, t_start=t_start, wait=wait or err is not None, copy_s=copy_s,
+                             adapter=snap, boxes=boxes if err is None else {}, call=call)
             fut = self._worker.submit(self._run_job, job)
         except BaseException:
             self._slots.release()
@@ -368,7 +381,9 @@ class Publisher:
         with self._lock:
             self._jobs[fut] = job
         fut.add_done_callback(self._job_done)
-        return fut.result() if wait else fut
+        if interrupted is not None:
+            raise interrupted
+        return fut.result() if wait or err is not None else fut
 
     def _check_inputs(self, weights: Weights, step: Any,
                       metadata: Any) -> tuple[int, dict[str, str], dict, "sharded.Boxes"]:
@@ -571,6 +586,12 @@ class Publisher:
     def _plan_round(self, gathered: list[rounds.LocalState],
                     adapter: "lora.AdapterSnapshot | None") -> tuple[Plan, bool] | None:
         """Rank 0: None when a rank skips this publish, else the plan and whether every rank holds its parent."""
+        calls = sorted({g.call for g in gathered})
+        if len(calls) > 1:
+            behind = ", ".join(f"rank {r}: call {g.call}" for r, g in enumerate(gathered))
+            raise PublishInputError(f"the ranks of run {self.run_id} are out of step: their publish() calls pair "
+                                    f"up differently ({behind}); every rank must call publish() as often as the "
+                                    "others, a failed call included. Nothing of this publish is committed")
         if any(g.skip for g in gathered):
             return None
         plan = self._plan(gathered, adapter)

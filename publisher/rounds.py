@@ -45,6 +45,7 @@ class LocalState(NamedTuple):
     force_anchor: bool
     parent_version: int | None      # the version of the parent it holds in memory
     holds_parent: bool              # that parent has every tensor it publishes, as it publishes it
+    call: int = 0                   # the publish() call of this rank's publisher: every rank's must match
 
 
 class Steps(Protocol):
@@ -74,7 +75,7 @@ def run(comm: Comm, steps: Steps, job: PublishJob, parents: Parents, *, skip: bo
     state = None
     try:
         state = LocalState(skip, sharded.holdings(job.schema, job.boxes), job.step, job.force_anchor,
-                           parents.version, parents.holds(job.snapshot, job.boxes))
+                           parents.version, parents.holds(job.snapshot, job.boxes), job.call)
     except Exception as e:  # noqa: BLE001 - reported to every rank by this round
         err = err or e
     decided = comm.settle(err, state, lambda gathered: steps.plan(gathered, job), f"step {job.step} of run {run_id}")
@@ -113,7 +114,7 @@ def run(comm: Comm, steps: Steps, job: PublishJob, parents: Parents, *, skip: bo
             err = e
     err = steps.may_commit(job, err)
     outcome = comm.settle(err, written.for_commit() if written is not None else None,
-                          lambda parts: steps.commit(plan, job, parts), context)
+                          lambda parts: steps.commit(plan, job, parts), context, commits=True)
     assert written is not None       # settle raised on any rank's error
     return plan, written, outcome
 
