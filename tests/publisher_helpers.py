@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import time
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -64,3 +68,23 @@ def snapshot(store: Store, version: int) -> dict[str, torch.Tensor]:
 
 def versions(store: Store) -> list[int]:
     return committed_versions(store)
+
+
+def run_ranks(target: Callable[..., None], world: int, args: Callable[[int], tuple], join_s: float) -> list[int | None]:
+    """Run ``target(rank, *args(rank))`` in ``world`` spawned processes (torch.distributed ranks) and wait at most
+    ``join_s`` seconds for all of them together; fails naming the ranks still running then (a publish that left
+    them waiting on a collective), after killing them. Returns the exit codes."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args(r))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + join_s
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} still running after {join_s}s: a publish left them waiting on a collective"
+    return [p.exitcode for p in procs]

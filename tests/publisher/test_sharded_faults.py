@@ -31,7 +31,7 @@ from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.publisher import Publisher
 from ckptdelta.publisher.runs import committed_versions
 from ckptdelta.delta.storage import Store
-from tests.publisher_helpers import assert_same, perturb
+from tests.publisher_helpers import assert_same, perturb, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -154,22 +154,9 @@ def _rank_main(rank: int, init_file: str, url: str, url_timeout: str, out_dir: s
 def faulty_job(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
     url, url_timeout = str(d / "run"), str(d / "run-timeout")
-    ctx = multiprocessing.get_context("spawn")
-    stopped = ctx.Event()
-    procs = [ctx.Process(target=_rank_main, args=(r, str(d / "init"), url, url_timeout, str(d), stopped))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOIN_S
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} still running after {JOIN_S}s: a publish left them waiting on a collective"
-    assert [p.exitcode for p in procs] == [0, 0]
+    stopped = multiprocessing.get_context("spawn").Event()
+    assert run_ranks(_rank_main, WORLD, lambda r: (str(d / "init"), url, url_timeout, str(d), stopped), JOIN_S) == \
+        [0, 0]
     return url, [json.load(open(d / f"rank{r}.json")) for r in range(WORLD)]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing
 import os
 import time
 
@@ -25,7 +24,7 @@ from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.publisher import Publisher
 from ckptdelta.publisher.runs import committed_versions
 from ckptdelta.delta.storage import Store
-from tests.publisher_helpers import assert_same, perturb
+from tests.publisher_helpers import assert_same, perturb, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -120,20 +119,7 @@ def _rank_main(rank: int, init_file: str, url: str, out_dir: str) -> None:
 def paired_job(tmp_path_factory):
     d = tmp_path_factory.mktemp("pairing")
     url = str(d / "run")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(d / "init"), url, str(d))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOIN_S
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} still running after {JOIN_S}s"
-    assert [p.exitcode for p in procs] == [0] * WORLD
+    assert run_ranks(_rank_main, WORLD, lambda r: (str(d / "init"), url, str(d)), JOIN_S) == [0] * WORLD
     return url, {r: json.load(open(d / f"rank{r}.json")) for r in (0, 1)}
 
 
