@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Sequence
@@ -52,11 +53,22 @@ class ModelInput:
 
     @classmethod
     def from_ints(cls, tokens: Iterable[int]) -> "ModelInput":
-        ids = tuple(tokens)
-        bad = [t for t in ids if type(t) is not int or t < 0]
+        """The prompt of these token ids: any integers (Python's, numpy's, a tokenizer's tensor's elements:
+        whatever ``operator.index`` takes), kept as Python ints so that the request body is plain JSON.
+
+        Bools, floats and anything else are refused with a ValueError naming them: ``True`` or ``2.0`` as a
+        token id is a bug upstream (a mask, a logprob) that would otherwise sample from the wrong prompt."""
+        ids: list[int] = []
+        bad: list[Any] = []
+        for t in tokens:
+            i = _token_id(t)
+            if i is None:
+                bad.append(t)
+            else:
+                ids.append(i)
         if bad:
             raise ValueError(f"ModelInput.from_ints: token ids must be ints >= 0, got {bad[:5]!r}")
-        return cls(ids)
+        return cls(tuple(ids))
 
     def to_ints(self) -> list[int]:
         return list(self.tokens)
@@ -67,6 +79,18 @@ class ModelInput:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+def _token_id(t: Any) -> int | None:
+    """``t`` as a token id (a Python int >= 0), or None when it is not one: an integer of any kind
+    (``operator.index``), but never a bool (Python's, numpy's, or a bool tensor's element)."""
+    if isinstance(t, bool) or str(getattr(t, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        i = operator.index(t)
+    except TypeError:
+        return None
+    return i if i >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -118,7 +142,13 @@ class SampleResponse:
     ``prompt_logprobs`` (asked for): per prompt token, its logprob given those before it (None for the first);
     ``topk_prompt_logprobs``: per prompt token, the k most likely (token id, logprob) there. ``policy_version``
     is the version that computed the last token, ``policy_versions`` every version the request ran on (its
-    span: more than one when it crossed a hot-load); ``replica`` the URL that answered."""
+    span: more than one when it crossed a hot-load); ``replica`` the URL that answered.
+
+    ``prompt_logprobs_version`` (with prompt logprobs) is the version that computed ``prompt_logprobs``, which
+    need not be ``policy_version``: a hot-load may land between the prompt's forward and the last token. The
+    replica says it (``engine_data.prompt_logprobs_version``); from one too old to say it, it is the span's
+    one version when the request ran on one. None when unknown: the replica serves an unknown version, or the
+    request crossed a hot-load on an engine that cannot tell which version ran the prompt (vLLM)."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
@@ -127,18 +157,20 @@ class SampleResponse:
     policy_versions: list[int | None] = field(default_factory=list)
     replica: str = ""
     replica_id: str | None = None
+    prompt_logprobs_version: int | None = None
 
 
 class PromptLogprobs(list):
     """:meth:`SamplingClient.compute_logprobs`' answer: the list of per-token logprobs a Tinker-style loop expects
     (None for the first token), which also says which weights computed them, as every answer does:
-    ``policy_version`` (a prompt's logprobs come from one forward), ``policy_versions`` (its span) and
-    ``replica`` (the URL that answered). A trainer comparing them with its own scores needs to know whose they
-    are."""
+    ``policy_version`` (a prompt's logprobs come from one forward: the version of that forward, the response's
+    ``prompt_logprobs_version``, not the version of the token sampled after it), ``policy_versions`` (the
+    request's span) and ``replica`` (the URL that answered). A trainer comparing them with its own scores needs
+    to know whose they are."""
 
     def __init__(self, values: Iterable[float | None], response: SampleResponse) -> None:
         super().__init__(values)
-        self.policy_version = response.policy_version
+        self.policy_version = response.prompt_logprobs_version
         self.policy_versions = list(response.policy_versions)
         self.replica = response.replica
 
@@ -193,7 +225,31 @@ class _Request:
         version = data.get("policy_version")
         return SampleResponse(sequences=sequences, prompt_logprobs=plps, topk_prompt_logprobs=topk,
                               policy_version=version if type(version) is int else None, policy_versions=list(span),
-                              replica=url, replica_id=data.get("replica_id"))
+                              replica=url, replica_id=data.get("replica_id"),
+                              prompt_logprobs_version=self._prompt_version(data, span) if plps is not None else None)
+
+    @staticmethod
+    def _prompt_version(data: dict[str, Any], span: list[Any]) -> int | None:
+        """The version that computed the prompt's logprobs: the replica's word for it, else (a replica too old
+        to give it) the span's one version, when the request ran on one: then nothing else can have."""
+        if "prompt_logprobs_version" in data:
+            v = data["prompt_logprobs_version"]
+        else:
+            v = span[0] if len(span) == 1 else None
+        return v if type(v) is int else None
+
+    def scored(self, tries: SampleTries, url: str, answer: dict[str, Any]) -> "PromptLogprobs | None":
+        """:meth:`accept` for :meth:`SamplingClient.compute_logprobs`: the prompt's logprobs with the version that
+        computed them. An answer that cannot name that version although it crossed a hot-load (vLLM, whose
+        prefill the replica does not see, or an older replica) is asked again: logprobs of unknown weights are
+        of no use to a trainer comparing them with its own."""
+        resp = self.accept(tries, url, answer)
+        if resp is None:
+            return None
+        if resp.prompt_logprobs_version is None and len(resp.policy_versions) > 1:
+            return tries.again(f"{url} scored the prompt across a hot-load (versions {resp.policy_versions}) "
+                               "without saying which version computed it")
+        return PromptLogprobs(resp.prompt_logprobs or [], resp)
 
     def _sequence(self, url: str, i: int, c: dict[str, Any]) -> SampledSequence:
         tokens = c.get("token_ids")
@@ -292,16 +348,21 @@ class SamplingClient:
         """Each token's logprob given those before it (None for the first), from one replica at the floor: on
         the reference engine, one forward of the whole sequence, so a trainer's
         :func:`ckptdelta.loader.hf_model.score_tokens` on the same bits gives these numbers exactly. A list, with
-        the version that computed it (:class:`PromptLogprobs`)."""
-        resp = self.sample(prompt, 1, SamplingParams(max_tokens=1, temperature=0.0), include_prompt_logprobs=True,
-                           affinity_key=affinity_key)
-        return PromptLogprobs(resp.prompt_logprobs or [], resp)
+        the version that computed it (:class:`PromptLogprobs`; an answer that crossed a hot-load without naming
+        that version is asked again)."""
+        req = self._scoring(prompt)
+        return self._sync._post_sample(_PATH, req.body, req.floor, affinity_key, req.scored)
 
     async def compute_logprobs_async(self, prompt: "ModelInput | Sequence[int]", *,
                                      affinity_key: str | None = None) -> PromptLogprobs:
-        resp = await self.sample_async(prompt, 1, SamplingParams(max_tokens=1, temperature=0.0),
-                                       include_prompt_logprobs=True, affinity_key=affinity_key)
-        return PromptLogprobs(resp.prompt_logprobs or [], resp)
+        """:meth:`compute_logprobs` for asyncio."""
+        req = self._scoring(prompt)
+        client = await self._for_loop()
+        return await client._post_sample(_PATH, req.body, req.floor, affinity_key, req.scored)
+
+    def _scoring(self, prompt: "ModelInput | Sequence[int]") -> _Request:
+        """The request that scores ``prompt``: its logprobs, and one greedy token (a request samples one)."""
+        return self._request(prompt, 1, SamplingParams(max_tokens=1, temperature=0.0), True, 0)
 
     async def _for_loop(self) -> AsyncRolloutClient:
         """The pooled async client of the running event loop: an httpx.AsyncClient cannot outlive its loop, and

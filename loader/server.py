@@ -238,12 +238,16 @@ def _endpoint_label(path: str) -> str:
 # --- response shaping -------------------------------------------------------------------------
 
 def _engine_data(res: EngineResult, replica_id: str, run_id: str | None) -> dict[str, Any]:
-    return {
+    data = {
         "policy_version": res.policy_version, "policy_versions": res.policy_versions,
         "crossed_swap": len(res.policy_versions) > 1, "snapshot": res.snapshot, "replica_id": replica_id,
         "run_id": run_id, "cache_policy": res.cache_policy, "prefix_recomputes": res.recomputes,
         "stale_kv_steps": res.stale_kv_steps, "duration_s": res.duration_s,
     }
+    if res.prompt_logprobs_versions is not None:
+        # the prompt's logprobs may come from another version than the last token (a hot-load in between)
+        data["prompt_logprobs_version"] = res.prompt_logprobs_version
+    return data
 
 
 def _name(version: int | None) -> str:

@@ -68,10 +68,21 @@ class EngineResult:
     stale_kv_steps: int = 0      # steps on KV built by older weights ("keep")
     duration_s: float = 0.0
     completion_tokens: int = 0
+    #: with prompt logprobs asked for, the versions that may have computed them: the one version of the step
+    #: that did where the engine runs the steps (reference), else the request's whole span (vLLM: its prefill is
+    #: not seen from here); None when none were asked. engine_data's ``prompt_logprobs_version`` is read off it.
+    prompt_logprobs_versions: list[int | None] | None = None
 
     @property
     def policy_version(self) -> int | None:
         return self.policy_versions[-1] if self.policy_versions else None
+
+    @property
+    def prompt_logprobs_version(self) -> int | None:
+        """The version that computed the prompt's logprobs, where only one can have: None when none were asked,
+        or when more than one version may have (a vLLM request that crossed a hot-load)."""
+        vs = self.prompt_logprobs_versions
+        return vs[0] if vs is not None and len(vs) == 1 else None
 
 
 @dataclass

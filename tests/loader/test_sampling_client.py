@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 from ckptdelta.delta.errors import CkptDeltaError, PolicyVersionTimeoutError, ReplicaError
 from ckptdelta.loader.hf_model import score_tokens
 from ckptdelta.loader.sampling import ModelInput, SamplingClient, SamplingParams, save_weights_and_get_sampling_client
-from tests.replicas import PROMPT, LiveServer, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
+from tests.replicas import (PROMPT, LiveServer, held_after_first_step, lm_dir, publish_run, run,  # noqa: F401
+                            start_replica, state_bits_equal)
 from tests.lm import rl_step
 from tests import REPO
 
@@ -97,6 +98,92 @@ def test_sample_returns_tokens_logprobs_stop_reasons_prompt_logprobs_and_the_ver
             ModelInput.from_ints([1, -2])
         with pytest.raises(ReplicaError, match="400"):        # the replica's own refusal, named
             client.sample(prompt, sampling_params=SamplingParams(max_tokens=0))
+
+
+def test_compute_logprobs_says_the_version_that_computed_them_when_a_hotload_lands_during_the_scoring(start_replica):
+    """The prompt's forward and the token sampled after it must be one version's: a hot-load asked for while the
+    prompt's forward runs lands after both (the request then reports the version of its values), never between
+    them (values of v1 labelled v2, as a prompt forward in a step of its own let happen)."""
+    rep = start_replica(1)
+    ids = _prompt_ids(rep)
+    with SamplingClient(rep.url) as client:
+        at1 = client.compute_logprobs(ids)
+        in_forward, release = threading.Event(), threading.Event()
+
+        def hold_first_forward(module, args, output) -> None:   # times the hot-load; changes no number
+            if not in_forward.is_set():
+                in_forward.set()
+                release.wait(30)
+
+        handle = rep.engine.model.register_forward_hook(hold_first_forward)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault("lp", client.compute_logprobs(ids)))
+        t.start()
+        try:
+            assert in_forward.wait(30)                   # the scoring request's first forward: its prompt's
+            job = rep.hotload(2, wait=False)
+            assert rep.wait(job["id"], ("SWAPPING", "READY", "FAILED"))["state"] == "SWAPPING"   # waits on the step
+        finally:
+            release.set()
+            t.join(30)
+            handle.remove()
+        assert rep.wait(job["id"])["state"] == "READY"
+        raced = out["lp"]
+        at2 = client.compute_logprobs(ids)
+        assert at2.policy_version == 2 and list(at2) != list(at1)
+        assert list(raced) == list(at1)                  # v1's values ...
+        assert raced.policy_version == 1 and raced.policy_versions == [1]    # ... said to be v1's
+
+
+def test_prompt_logprobs_name_the_version_of_their_forward_when_later_tokens_run_on_a_newer_one(start_replica):
+    """A request that asked for its prompt's logprobs and crossed a hot-load after its first token: the prompt's
+    logprobs are v1's, its last token v2's. ``engine_data.prompt_logprobs_version`` and the client's
+    ``SampleResponse.prompt_logprobs_version`` say v1, beside ``policy_version`` 2 and the span [1, 2]."""
+    rep = start_replica(1)
+    ids = _prompt_ids(rep)
+    with SamplingClient(rep.url) as client:
+        at1 = client.compute_logprobs(ids)
+        first_step, handle = held_after_first_step(rep.engine)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault("resp", client.sample(
+            ids, sampling_params=SamplingParams(max_tokens=3, temperature=0.0), include_prompt_logprobs=True)))
+        t.start()
+        try:
+            assert first_step.wait(30)
+            with rep.engine.hold():                      # between the request's first step and its second
+                rep.hotload(2)
+        finally:
+            t.join(30)
+            handle.remove()
+        resp = out["resp"]
+        if len(resp.sequences[0].tokens) == 3:           # it ran a step on v2 (greedy: no EOS at once)
+            assert resp.policy_version == 2 and resp.policy_versions == [1, 2]
+        assert resp.prompt_logprobs == list(at1) and resp.prompt_logprobs_version == 1
+        raw = rep.complete(prompt=ids, max_tokens=1, prompt_logprobs=0, return_engine_data=True)
+        assert raw["engine_data"]["prompt_logprobs_version"] == 2
+        assert "prompt_logprobs_version" not in rep.complete(max_tokens=1, return_engine_data=True)["engine_data"]
+
+
+def test_model_input_from_ints_takes_numpy_integers_and_still_refuses_bools_floats_and_junk(start_replica):
+    """Token ids straight out of a tokenizer's numpy (or torch) arrays are ids; a bool, a float or a string in
+    their place is a bug upstream, refused with the error that names it."""
+    import numpy as np
+
+    rep = start_replica(1)
+    ids = _prompt_ids(rep)
+    as_numpy = ModelInput.from_ints(np.array(ids))
+    assert as_numpy == ModelInput.from_ints(ids) and all(type(t) is int for t in as_numpy.tokens)
+    assert ModelInput.from_ints(list(np.array(ids, dtype=np.int32))).to_ints() == ids
+    assert ModelInput.from_ints(torch.tensor(ids)).to_ints() == ids
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    with SamplingClient(rep.url) as client:
+        assert (client.sample(as_numpy, sampling_params=greedy).sequences[0].tokens
+                == client.sample(ids, sampling_params=greedy).sequences[0].tokens)
+        assert list(client.compute_logprobs(np.array(ids))) == list(client.compute_logprobs(ids))
+    for junk in ([5, True], [5, np.True_], [5, 2.0], [5, np.float32(2)], [5, "6"], [5, None], [5, -1],
+                 [5, torch.tensor(True)]):
+        with pytest.raises(ValueError, match=r"ModelInput.from_ints: token ids must be ints >= 0, got \["):
+            ModelInput.from_ints(junk)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's open descriptors")

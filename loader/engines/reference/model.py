@@ -101,6 +101,8 @@ class Generation:
     #: with ``prompt_logprobs``: per prompt position, None for the first, else [(token id, logprob, rank)]: the
     #: prompt's own token first, then the top alternatives (see :meth:`Engine._prompt_logprobs`)
     prompt_logprobs: list[list[tuple[int, float, int]] | None] | None = None
+    #: with ``prompt_logprobs``: the version whose weights computed them (that of the request's first step)
+    prompt_logprobs_version: int | None = None
 
     @property
     def policy_version(self) -> int | None:
@@ -333,12 +335,18 @@ class Engine:
         kv_version: Any = _NO_VERSION
         recomputes = stale_steps = 0
         k_top = params.logprobs or 0
-        prompt_lps = self._prompt_logprobs(prompt, params.prompt_logprobs, span) \
-            if params.prompt_logprobs is not None else None
+        prompt_lp: torch.Tensor | None = None
+        prompt_version: int | None = None
+        prompt_scored = params.prompt_logprobs is None      # nothing to score, or scored already
 
         for _ in range(params.max_tokens):
             with self.step() as version:
                 span.ran()
+                if not prompt_scored:
+                    # in the step that samples the first token, not one of its own: a hot-load between the two
+                    # would leave the prompt's logprobs one version's and every token another's, as vLLM's prefill
+                    # (one forward for both) never does
+                    prompt_lp, prompt_version, prompt_scored = self._score_prompt(prompt), version, True
                 if cache is None or (version != kv_version and self.cache_policy == "recompute"):
                     if cache is not None:
                         recomputes += 1
@@ -379,26 +387,41 @@ class Engine:
                 break
         if params.logprobs is not None and params.score_logprobs:
             self._rescore(prompt, comps, k_top, span)
+        prompt_lps = None
+        if params.prompt_logprobs is not None:
+            if not prompt_scored:           # no step ran (max_tokens 0): a step of its own
+                with self.step() as prompt_version:
+                    span.ran()
+                    prompt_lp = self._score_prompt(prompt)
+            prompt_lps = self._prompt_logprobs(prompt, params.prompt_logprobs, prompt_lp)
         versions = span.close()     # up to the last step: a swap after it computed nothing of this request
         for c in comps:
             if c.stop_reason is None:
                 c.text = self.decode(c.token_ids)
         return Generation(prompt_token_ids=prompt, completions=comps, policy_versions=versions,
                           snapshot=_snapshot(versions[-1]), cache_policy=self.cache_policy, recomputes=recomputes,
-                          stale_kv_steps=stale_steps, duration_s=time.perf_counter() - t0, prompt_logprobs=prompt_lps)
+                          stale_kv_steps=stale_steps, duration_s=time.perf_counter() - t0, prompt_logprobs=prompt_lps,
+                          prompt_logprobs_version=prompt_version if prompt_lps is not None else None)
 
-    def _prompt_logprobs(self, prompt: list[int], k: int, span: Span) -> list[list[tuple[int, float, int]] | None]:
-        """Each prompt token's logprob given the tokens before it (None for the first: nothing before it), with
-        its rank and the ``k`` most likely tokens at that position.
+    def _score_prompt(self, prompt: list[int]) -> torch.Tensor | None:
+        """The prompt's logprobs at each position after the first (None for a one-token prompt: nothing to
+        score); called inside the caller's step, whose version is then theirs.
 
-        One forward of the whole prompt at batch 1, no cache, in one step: :func:`score_logprobs`, so a trainer
-        scoring the same tokens with it (or :func:`score_tokens`) on the same bits gets these numbers exactly."""
-        out: list[list[tuple[int, float, int]] | None] = [None]
+        One forward of the whole prompt at batch 1, no cache: :func:`score_logprobs`, so a trainer scoring the
+        same tokens with it (or :func:`score_tokens`) on the same bits gets these numbers exactly, which the
+        decode step's batched, cached forward would not give."""
         if len(prompt) < 2:
+            return None
+        with torch.inference_mode():
+            return score_logprobs(self.model, prompt, 1).cpu()
+
+    def _prompt_logprobs(self, prompt: list[int], k: int,
+                         lp: torch.Tensor | None) -> list[list[tuple[int, float, int]] | None]:
+        """Each prompt token's logprob given the tokens before it (None for the first: nothing before it), with
+        its rank and the ``k`` most likely tokens at that position, out of :meth:`_score_prompt`'s ``lp``."""
+        out: list[list[tuple[int, float, int]] | None] = [None]
+        if lp is None:
             return out
-        with self.step(), torch.inference_mode():
-            span.ran()
-            lp = score_logprobs(self.model, prompt, 1).cpu()
         target = torch.tensor(prompt[1:], dtype=torch.long)
         own = lp.gather(-1, target[:, None]).squeeze(-1)
         ranks = (lp > own[:, None]).sum(-1) + 1

@@ -168,7 +168,9 @@ class ReferenceReplica(ReplicaEngine):
         return EngineResult(200, body, policy_versions=list(gen.policy_versions), snapshot=gen.snapshot,
                             cache_policy=gen.cache_policy, recomputes=gen.recomputes,
                             stale_kv_steps=gen.stale_kv_steps, duration_s=gen.duration_s,
-                            completion_tokens=sum(len(c.token_ids) for c in gen.completions))
+                            completion_tokens=sum(len(c.token_ids) for c in gen.completions),
+                            prompt_logprobs_versions=None if gen.prompt_logprobs is None
+                            else [gen.prompt_logprobs_version])
 
     def _completions(self, req: CompletionRequest, gen: Generation) -> EngineResult:
         eng = self.engine

@@ -63,6 +63,7 @@ from ckptdelta.loader.engines.shared_weights import SharedWeights
 from ckptdelta.loader.engines.vllm.applier import VllmApplier, snapshot_label, reload_groups
 from ckptdelta.loader.engines.vllm.control import CONTROL_TIMEOUT_S, VllmControl, VllmError, http_client
 from ckptdelta.loader.engines.vllm.server import VllmServer
+from ckptdelta.loader.engines.vllm.prompt_versions import prompt_logprobs_versions
 
 if TYPE_CHECKING:
     from ckptdelta.loader.hotswap import HotSwapper
@@ -188,7 +189,8 @@ class VllmReplica(ReplicaEngine):
                             cache_policy=self.cache_policy,
                             recomputes=(len(versions) - 1) if self.cache_policy == "recompute" else 0,
                             stale_kv_steps=0, duration_s=time.perf_counter() - t0,
-                            completion_tokens=int(usage.get("completion_tokens") or 0))
+                            completion_tokens=int(usage.get("completion_tokens") or 0),
+                            prompt_logprobs_versions=prompt_logprobs_versions(body, versions))
 
     def status(self) -> dict[str, Any]:
         return {"kind": self.kind, "url": self.url, "host_copy_bytes": self.shared.nbytes,

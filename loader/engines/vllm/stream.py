@@ -24,6 +24,7 @@ import httpx
 
 from ckptdelta.loader.streaming import event
 from ckptdelta.loader.engines.base import ENGINE_TIMEOUT, EngineResult, EngineStream, ReplicaAPIError, RequestKind
+from ckptdelta.loader.engines.vllm.prompt_versions import prompt_logprobs_versions
 
 if TYPE_CHECKING:
     from ckptdelta.loader.engines.vllm.replica import VllmReplica
@@ -106,6 +107,7 @@ async def _stream(replica: "VllmReplica", kind: RequestKind, admitted: Any, t0: 
             admitted.release()
             versions = admitted.versions()
             result.policy_versions = versions
+            result.prompt_logprobs_versions = prompt_logprobs_versions(body, versions)
             result.snapshot = None if versions[-1] is None else snapshot_label(versions[-1])
             result.recomputes = (len(versions) - 1) if replica.cache_policy == "recompute" else 0
             result.duration_s = time.perf_counter() - t0

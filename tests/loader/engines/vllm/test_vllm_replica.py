@@ -131,6 +131,7 @@ def test_the_loops_shaped_sampling_client_gets_tokens_logprobs_and_prompt_logpro
         for own, top in zip(resp.prompt_logprobs[1:], resp.topk_prompt_logprobs[1:]):
             assert len(top) == 2 and top[0][1] >= top[1][1]
             assert own in (lp for _, lp in top) or own <= top[1][1] + 1e-6
+        assert resp.prompt_logprobs_version == v          # one version served while it ran: its prefill's
 
         greedy = client.sample(prompt, sampling_params=SamplingParams(max_tokens=5, temperature=0.0)).sequences[0]
         top1 = client.sample(prompt, sampling_params=SamplingParams(max_tokens=5, top_k=1, seed=9)).sequences[0]
@@ -142,7 +143,7 @@ def test_the_loops_shaped_sampling_client_gets_tokens_logprobs_and_prompt_logpro
         # the sequence scored as a prompt: each sampled token's logprob again, at its own position (vLLM's prefill
         # rounds differently from its decode: close, not equal)
         scored = client.compute_logprobs(ModelInput.from_ints(ids + greedy.tokens))
-        assert len(scored) == len(ids) + len(greedy.tokens)
+        assert len(scored) == len(ids) + len(greedy.tokens) and scored.policy_version == v
         assert max(abs(a - b) for a, b in zip(scored[len(ids):], greedy.logprobs)) < 0.1
 
         async def group() -> list:
