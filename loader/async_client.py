@@ -7,7 +7,8 @@ request does not fit it. :class:`AsyncRolloutClient` does what
 ``httpx.AsyncClient``: 408 (``min_policy_version`` not reached yet), 502-504 and
 unreachable replicas are retried with exponential backoff and jitter until
 ``ready_timeout``, its last try made at the deadline; ``affinity_key`` pins a group
-to one replica, the same one the sync client picks for the key; ``hotload`` moves
+to one replica, the same one the sync client picks for the key, and moves on to the
+next in the key's order (the sync client's too) when that replica cannot serve it; ``hotload`` moves
 the whole fleet to one version, a replica still starting waited for until
 ``ready_timeout`` as the sync client and ``ckptdelta hotload --wait`` wait for it
 (loader/fleet.py, StartWait). Other errors raise at once, with the replica's own
@@ -43,6 +44,8 @@ class AsyncRolloutClient:
     # the sync client's own choice of replica and backoff, shared: a key lands on the same replica from
     # either client (a group sampled async and scored sync shares a replica's prefix cache and version)
     replica_for = RolloutClient.replica_for
+    replica_order = RolloutClient.replica_order
+    _round = RolloutClient._round
     _delay = RolloutClient._delay
 
     def __init__(self, replica_urls: Sequence[str], *, api_key: str | None = None, timeout: float = 60.0,
@@ -88,15 +91,16 @@ class AsyncRolloutClient:
         """As :meth:`ckptdelta.loader.client.RolloutClient._post_sample`, on this event loop."""
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
-            url = self.replica_for(affinity_key)
-            try:
-                answer = tries.judge(url, await self._http.post(url + path, json=body, timeout=self._sample_timeout))
-            except httpx.TransportError as e:
-                answer = tries.judge(url, e)
-            if answer is not None:
-                result = answer if accept is None else accept(tries, url, answer)
-                if result is not None:
-                    return result
+            for url in self._round(affinity_key):
+                try:
+                    answer = tries.judge(url, await self._http.post(url + path, json=body,
+                                                                    timeout=self._sample_timeout))
+                except httpx.TransportError as e:
+                    answer = tries.judge(url, e)
+                if answer is not None:
+                    result = answer if accept is None else accept(tries, url, answer)
+                    if result is not None:
+                        return result
             await asyncio.sleep(tries.delay(attempt))
         raise AssertionError("unreachable")
 

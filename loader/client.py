@@ -5,7 +5,12 @@ A trainer that has just published version v asks for rollouts with
 this client retries, with exponential backoff and jitter, until one has
 hot-loaded v or ``ready_timeout`` passes. ``affinity_key`` pins related
 requests (a GRPO group, one conversation) to one replica so they share its
-prefix cache and its policy version.
+prefix cache and its policy version, while that replica answers: a key orders
+the whole fleet (rendezvous hashing, :meth:`RolloutClient.replica_order`), and a
+try its replica cannot serve (down, starting, 502-504, below the floor) goes on
+at once to the next in that order, so a dead or stale replica never holds a
+group until ``ready_timeout`` while another could serve it. Each round of tries
+starts again at the key's own replica.
 
 ``ready_timeout`` is how long any call waits for replicas to be ready, by one rule
 for this client, the asyncio one and ``ckptdelta hotload --wait``: a replica that
@@ -89,12 +94,28 @@ class RolloutClient:
     # --- choosing a replica -----------------------------------------------------------
 
     def replica_for(self, affinity_key: str | None = None) -> str:
-        """The replica for a key (stable across processes: a hash, not Python's ``hash``), else the next in turn."""
+        """The replica for a key (the first of :meth:`replica_order`), else the next in turn."""
         if affinity_key is not None:
-            h = int.from_bytes(hashlib.blake2b(affinity_key.encode(), digest_size=8).digest(), "little")
-            return self.replicas[h % len(self.replicas)]
+            return self.replica_order(affinity_key)[0]
         with self._rr_lock:
             return self.replicas[next(self._rr) % len(self.replicas)]
+
+    def replica_order(self, affinity_key: str) -> list[str]:
+        """Every replica, in the order a request keyed ``affinity_key`` tries them: rendezvous (highest random
+        weight) hashing of (key, URL).
+
+        A keyed request must land where its group's prefix cache and policy version are, from any client and
+        any process (so a hash of bytes, not Python's ``hash``), yet move on when that replica cannot serve it.
+        Weighing each URL against the key gives both: the order does not depend on how the URLs were listed,
+        a replica's failure moves its keys to their next replicas, spread over the fleet rather than all onto
+        one neighbour, and adding or removing a replica moves only the keys it heads or headed."""
+        key = affinity_key.encode()
+        return sorted(self.replicas, key=lambda url: _weight(key, url), reverse=True)
+
+    def _round(self, affinity_key: str | None) -> list[str]:
+        """The replicas one round of a request's tries goes through: a keyed one's whole order (the next is
+        asked at once when one cannot serve it), else the next replica in turn."""
+        return self.replica_order(affinity_key) if affinity_key is not None else [self.replica_for(None)]
 
     def _delay(self, attempt: int) -> float:
         cap = min(self.backoff_max, self.backoff_base * 2 ** attempt)
@@ -115,19 +136,20 @@ class RolloutClient:
 
     def _post_sample(self, path: str, body: dict[str, Any], min_policy_version: int | None,
                      affinity_key: str | None, accept: "Accept | None" = None) -> Any:
-        """``body`` to ``path`` on a replica under :class:`SampleTries`' rule; ``accept(tries, url, answer)``
-        turns a 200 answer into the result, or None (after :meth:`SampleTries.again`) to try again."""
+        """``body`` to ``path`` under :class:`SampleTries`' rule, in rounds (:meth:`_round`: a keyed request's
+        replicas in its order, else the next in turn) with a backoff between rounds; ``accept(tries, url,
+        answer)`` turns a 200 answer into the result, or None (after :meth:`SampleTries.again`) to try again."""
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
-            url = self.replica_for(affinity_key)
-            try:
-                answer = tries.judge(url, self._http.post(url + path, json=body, timeout=self._sample_timeout))
-            except httpx.TransportError as e:
-                answer = tries.judge(url, e)
-            if answer is not None:
-                result = answer if accept is None else accept(tries, url, answer)
-                if result is not None:
-                    return result
+            for url in self._round(affinity_key):
+                try:
+                    answer = tries.judge(url, self._http.post(url + path, json=body, timeout=self._sample_timeout))
+                except httpx.TransportError as e:
+                    answer = tries.judge(url, e)
+                if answer is not None:
+                    result = answer if accept is None else accept(tries, url, answer)
+                    if result is not None:
+                        return result
             time.sleep(tries.delay(attempt))
         raise AssertionError("unreachable")
 
@@ -307,6 +329,13 @@ class RolloutClient:
         return fleet.answer(url, f"GET {path}", r)
 
 
+def _weight(key: bytes, url: str) -> int:
+    """A replica's rendezvous weight for a key: a hash of both (the key's length first, so that no two (key,
+    URL) pairs hash the same bytes), the same in every process and on every platform."""
+    data = len(key).to_bytes(8, "little") + key + url.encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 def sample_request(prompt: "str | Sequence[int] | Sequence[dict[str, str]]", n: int, min_policy_version: int | None,
                    return_engine_data: bool, sampling: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(path, body) of one sampling request: a list of ``{"role", "content"}`` messages goes to the chat
@@ -330,9 +359,13 @@ class SampleTries:
         self.t0 = time.monotonic()
         self.deadline = self.t0 + client.ready_timeout
         self.last = ""
+        self.tries = 0
+        #: why each try of the round under way failed (a round: one replica in turn, or a key's whole order)
+        self._round: list[str] = []
 
     def judge(self, url: str, r: "httpx.Response | httpx.TransportError") -> dict[str, Any] | None:
         """The answer's JSON on 200, None when it is worth another try; raises ReplicaError otherwise."""
+        self.tries += 1
         if isinstance(r, httpx.ReadTimeout):
             # the replica took the request: it may still be generating it, so another try would spend its
             # time twice (a replica stops a generation whose client left, at its next token; vLLM aborts it)
@@ -342,8 +375,7 @@ class SampleTries:
                 "not sent again. A generation that long needs a longer sample_timeout (None waits for as "
                 "long as it takes)") from r
         if isinstance(r, httpx.TransportError):
-            self.last = f"{url}: {type(r).__name__}: {r}"
-            return None
+            return self.again(f"{url}: {type(r).__name__}: {r}")
         if r.status_code == 200:
             return fleet.answer(url, f"POST {self.path}", r)     # a body that is not JSON: ReplicaError at once
         err = fleet.error_of(r)
@@ -352,33 +384,37 @@ class SampleTries:
                                      "again: its engine gave no answer within the replica's own --request-timeout, "
                                      "and another try would end the same way")
         if r.status_code == 408 and err.get("type") == "policy_version_too_old":
-            self.last = f"{url} serves policy version {err.get('policy_version')}, needs >= {self.min_version}"
-        elif r.status_code not in _RETRY_STATUS:
+            return self.again(f"{url} serves policy version {err.get('policy_version')}, needs >= {self.min_version}")
+        if r.status_code not in _RETRY_STATUS:
             raise ReplicaError(f"replica {url} answered {self.path} with {r.status_code}: "
                                f"{err.get('message') or r.text[:500]}")
-        else:
-            self.last = f"{url}: {r.status_code} {err.get('message', '')}"
-        return None
+        return self.again(f"{url}: {r.status_code} {err.get('message', '')}")
 
     def again(self, why: str) -> None:
         """An answer that is not the one wanted yet, for ``why`` (which names the replica): try again, as after
         a 408. A ``why`` that speaks of a "policy version" ends, at the deadline, as PolicyVersionTimeoutError."""
         self.last = why
+        self._round.append(why)
         return None
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait before the next try; raises once ``ready_timeout`` has passed. The last try is made
-        at the deadline, not one backoff before it: the timeout said is the time tried."""
+        """Seconds to wait before the next round of tries (``attempt``: the round just over, from 0); raises once
+        ``ready_timeout`` has passed. The last round is made at the deadline, not one backoff before it: the
+        timeout said is the time tried. A last round in which a replica was too old (or answered on an older
+        version) is a PolicyVersionTimeoutError, whatever the others of that round did: the floor is what no
+        replica met."""
+        reasons, self._round = self._round or [self.last], []
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            tried = f"{attempt + 1} tries in {time.monotonic() - self.t0:.1f}s"
+            tried = f"{self.tries} tries in {time.monotonic() - self.t0:.1f}s"
             timeout = self.client.ready_timeout
-            if "policy version" in self.last:
+            last = "; ".join(reasons)
+            if any("policy version" in why for why in reasons):
                 raise PolicyVersionTimeoutError(
                     f"no replica reached policy version {self.min_version} within the ready_timeout of "
-                    f"{timeout:g}s ({tried}; last: {self.last})")
+                    f"{timeout:g}s ({tried}; last: {last})")
             raise ReplicaError(f"{self.path} failed on every try within the ready_timeout of {timeout:g}s "
-                               f"({tried}); last: {self.last}")
+                               f"({tried}); last: {last}")
         delay = min(self.client._delay(attempt), remaining)
         log.debug("retrying %s in %.2fs: %s", self.path, delay, self.last)
         return delay

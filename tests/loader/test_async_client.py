@@ -19,30 +19,70 @@ def _count_408(rep) -> float:
     return next((float(x.split()[-1]) for x in rep.http.get("/metrics").text.splitlines() if x.startswith(line)), 0.0)
 
 
-def test_a_gathered_group_retries_408_until_the_fleet_hotload_lands_each_on_its_pinned_replica(start_replica):
+def test_a_gathered_group_retries_408_until_the_fleet_hotload_lands_then_each_key_lands_on_its_pinned_replica(
+        start_replica):
+    """While the whole fleet is below the floor, a keyed request goes round its replicas (each 408) and waits;
+    once the hot-load landed, on its own replica (the sync client's pick) again. Through the hot-load itself a
+    request may be served by the next replica of its order that reached the version first: that is the
+    failover rule, and all it must hold there is the floor."""
     reps = [start_replica(1, replica_id="r0"), start_replica(1, replica_id="r1")]
     urls = [r.url for r in reps]
     keys = [f"group-{i // 2}" for i in range(8)]          # four groups of two completions
 
-    async def main() -> tuple[list[dict], dict]:
+    async def main() -> tuple[list[dict], dict, list[dict]]:
         async with AsyncRolloutClient(urls, ready_timeout=60, backoff_base=0.02, backoff_max=0.2) as client:
-            sampling = asyncio.gather(*(client.sample_async(PROMPT, max_tokens=2, min_policy_version=2,
+            def group() -> "asyncio.Future[list[dict]]":
+                return asyncio.gather(*(client.sample_async(PROMPT, max_tokens=2, min_policy_version=2,
                                                             affinity_key=k, seed=i) for i, k in enumerate(keys)))
-            while sum(_count_408(r) for r in reps) < len(keys):     # every request turned away at least once
+            sampling = group()
+            while sum(_count_408(r) for r in reps) < 2 * len(keys):   # every request turned away by both
                 await asyncio.sleep(0.01)
             states = await client.hotload(2)
-            return await sampling, states
+            return await sampling, states, await group()
 
-    outs, states = asyncio.run(main())
+    outs, states, after = asyncio.run(main())
     assert {u: s["state"] for u, s in states.items()} == {u: "READY" for u in urls}
     by_url = {r.url: r.status()["replica_id"] for r in reps}
     sync = RolloutClient(urls)
-    for key, out in zip(keys, outs):
-        data = out["engine_data"]
+    for key, out, later in zip(keys, outs, after):
+        assert out["engine_data"]["policy_version"] == 2 and out["engine_data"]["policy_versions"] == [2]
+        data = later["engine_data"]
         assert data["policy_version"] == 2 and data["policy_versions"] == [2]
         assert data["replica_id"] == by_url[sync.replica_for(key)]     # pinned, as the sync client pins it
     sync.close()
-    assert len({o["engine_data"]["replica_id"] for o in outs}) == 2    # the groups spread over the fleet
+    assert len({o["engine_data"]["replica_id"] for o in after}) == 2    # the groups spread over the fleet
+
+
+def test_a_gathered_keyed_group_fails_over_to_the_next_replica_of_each_key_when_its_own_is_stale_or_dead(
+        start_replica):
+    """The asyncio client's keyed requests follow the sync client's order (RolloutClient.replica_order): a group
+    pinned to a replica behind the floor, or to one that died, is served at once by the next replica of its key
+    instead of failing at ``ready_timeout``."""
+    ahead, behind = start_replica(2, replica_id="ahead"), start_replica(1, replica_id="behind")
+    urls = [ahead.url, behind.url]
+    sync = RolloutClient(urls)
+    keys = [k for k in (f"group-{i}" for i in range(200)) if sync.replica_for(k) == behind.url][:6]
+    sync.close()
+
+    async def group(client: AsyncRolloutClient, floor: int | None) -> list[dict]:
+        return await asyncio.gather(*(client.sample_async(PROMPT, max_tokens=1, min_policy_version=floor,
+                                                          affinity_key=k) for k in keys))
+
+    async def main() -> tuple[list[dict], list[dict], list[dict], float]:
+        async with AsyncRolloutClient(urls, ready_timeout=3, backoff_base=0.05, backoff_max=0.2) as client:
+            own = await group(client, None)          # healthy and answering: their own replica
+            t0 = asyncio.get_running_loop().time()
+            stale = await group(client, 2)           # their own replica below the floor
+            behind.close()
+            dead = await group(client, None)         # their own replica dead
+            return own, stale, dead, asyncio.get_running_loop().time() - t0
+
+    own, stale, dead, took = asyncio.run(main())
+    assert {o["engine_data"]["replica_id"] for o in own} == {"behind"}
+    assert {o["engine_data"]["replica_id"] for o in stale + dead} == {"ahead"}
+    assert all(o["engine_data"]["policy_version"] == 2 for o in stale + dead)
+    assert took < 2.5                                # neither waited for the ready_timeout of 3 s
+    assert AsyncRolloutClient.replica_order is RolloutClient.replica_order      # one order for both clients
 
 
 def test_sample_async_gives_up_after_ready_timeout_and_raises_other_errors_at_once(start_replica):

@@ -46,6 +46,40 @@ def test_round_robin_spreads_requests_and_affinity_pins_a_group(start_replica):
         assert len(out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
 
 
+def _key_led_by(client: RolloutClient, url: str) -> str:
+    """An affinity key whose own replica (the first of its order) is ``url``."""
+    return next(k for k in (f"group-{i}" for i in range(1000)) if client.replica_for(k) == url)
+
+
+def test_a_keyed_request_moves_to_the_next_replica_in_its_order_when_its_own_is_behind_the_floor_or_dead(
+        start_replica):
+    """affinity_key prefers its replica while that one serves, and fails over, at once, to the next in the key's
+    own stable order when it cannot: a replica behind ``min_policy_version`` (408) or a dead one no longer holds
+    the request until ``ready_timeout`` while another serves it."""
+    ahead, behind = start_replica(2, replica_id="ahead"), start_replica(1, replica_id="behind")
+    urls = [ahead.url, behind.url]
+    with RolloutClient(urls, ready_timeout=3, backoff_base=0.05, backoff_max=0.2) as client:
+        key = _key_led_by(client, behind.url)
+        # healthy and answering: the key's own replica serves it, every time
+        assert {client.sample(PROMPT, max_tokens=1, affinity_key=key)["engine_data"]["replica_id"]
+                for _ in range(3)} == {"behind"}
+        # its replica below the floor: the next in its order, at once
+        t0 = time.monotonic()
+        out = client.sample(PROMPT, max_tokens=1, min_policy_version=2, affinity_key=key)
+        assert out["engine_data"]["replica_id"] == "ahead" and out["engine_data"]["policy_version"] == 2
+        assert time.monotonic() - t0 < 2.5
+        # its replica dead: the next in its order, at once
+        behind.close()
+        t0 = time.monotonic()
+        assert client.sample(PROMPT, max_tokens=1, affinity_key=key)["engine_data"]["replica_id"] == "ahead"
+        assert time.monotonic() - t0 < 2.5
+        # the order: the same from any client and however the URLs are listed; the key's own replica first
+        assert client.replica_order(key) == RolloutClient(urls[::-1]).replica_order(key) == [behind.url, ahead.url]
+    with RolloutClient([behind.url], ready_timeout=0.5, backoff_base=0.05) as alone:     # no other: as before
+        with pytest.raises(ReplicaError, match="refused|Connect"):
+            alone.sample(PROMPT, max_tokens=1, affinity_key=key)
+
+
 def test_sample_retries_408_until_the_hotload_lands(start_replica):
     rep = start_replica(1)
     result: dict = {}
