@@ -84,8 +84,8 @@ class ModelInput:
 def _token_id(t: Any) -> int | None:
     """``t`` as a token id (a Python int >= 0), or None when it is not one: an integer of any kind
     (``operator.index``), but never a bool (Python's, numpy's, or a bool tensor's element)."""
-    if isinstance(t, bool) or str(getattr(t, "dtype", "")) in ("bool", "torch.bool"):
-        return None
+    if isinstance(t, bool) or str(getattr(t, "dtype", "")) in ("bool", "torch.bool") or getattr(t, "ndim", 0):
+        return None     # a bool, or an array of one element (torch takes operator.index of any such tensor)
     try:
         i = operator.index(t)
     except TypeError:

@@ -106,6 +106,8 @@ class Comm:
         try:
             result, failed = self.broadcast((result, failed))
         except CollectiveError as e:
+            if local_error is not None:     # this rank's own error: rank 0 committed nothing, and it says why
+                raise self._own(local_error, context) from e
             if not commits or (self.rank == 0 and failed is not None):
                 raise
             raise _outcome_unheard(e, self.rank, context) from e

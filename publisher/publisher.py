@@ -325,21 +325,34 @@ class Publisher:
         once the weights are copied to host memory; encoding and upload continue
         in the background, and a failure surfaces from the Future and from the
         next publish(), wait_until_finished() or close().
+
+        On a sharded publisher every call takes its place in the ranks' rounds, whatever it raises, so that the
+        ranks' calls pair up in order (docs/PUBLISHING.md, "Sharded trainers"): a call that fails on this rank
+        before its weights are copied (bad input) raises once every rank has reached it, which fails it there
+        too, ``wait=False`` or not; an interrupt of the host copy is raised at once, the others failing the
+        call; and a background failure raised by this call makes it publish nothing on any rank (the others'
+        call raises :class:`Skipped`).
         """
         t_start = time.perf_counter()
         if self._closed:
             raise PublishError(f"publisher for {self.url} is closed")
         self._slots.acquire()  # with one slot, every earlier publish has finished once this returns
-        interrupted: BaseException | None = None
+        raised: BaseException | None = None     # what this call raises at once, its job taking its rounds' place
         try:
             err: BaseException | None = None
+            skip = False
             snapshot, copy_s, snap, boxes = None, 0.0, None, {}
             try:
-                # A sharded publisher's ranks must run the same publishes, round for round: a failure of this
-                # rank's call (an earlier publish's error surfacing here, bad input, an interrupt) joins this
-                # publish's rounds and fails it on every rank, so that no rank's next call pairs with another
-                # rank's this one.
-                self._check_usable()
+                self._check_open()
+                pending = self._take_pending()
+                if pending is not None:
+                    if self._comm.world == 1:
+                        raise pending
+                    # Told here of an earlier failure that every rank had (each one's call failed with it): this
+                    # call publishes nothing anywhere, a skip, not a failure of its own, which the other ranks
+                    # would keep as theirs to raise in turn.
+                    raised, skip = pending, True
+                    raise _Told()
                 weights, snap = self._adapter.split(weights, f"run {self.run_id} at {self.url}")
                 if snap is not None and self._comm.world > 1:
                     raise PublishInputError("a LoRA adapter is published by one process (world size 1): gather "
@@ -356,33 +369,39 @@ class Publisher:
                 else:   # one slot: the last publish has finished, so the parent and its version are settled
                     snapshot = self._diff.capture(sources, self._parents.tensors, self._parents.version, spare)
                 copy_s = time.perf_counter() - t0
+            except _Told:
+                pass
             except BaseException as e:
+                # A sharded publisher's ranks must run the same publishes, round for round: this rank's failure
+                # joins this publish's rounds and fails it on every rank, so that no rank's next call pairs with
+                # another rank's this one.
                 if self._comm.world == 1 or (self._closed and isinstance(e, PublishError)):
                     raise
                 if not isinstance(e, Exception):    # KeyboardInterrupt: the others fail this publish with it,
-                    interrupted = e                 # and the caller gets it at once
+                    raised = e                      # and the caller gets it at once
                     e = PublishError(f"rank {self._comm.rank}'s publish() of step {step} was interrupted "
                                      f"({type(e).__name__}) before its weights were copied")
-                err = e  # every rank must take part in this publish, so the error travels with it
+                err = e
             with self._lock:
-                self._last_step = step if err is None else self._last_step
-                failures = self._n_failures
-                self._calls += 1
-                call = self._calls
-            # a failure this call raises itself (err, or the interrupt) is not kept for a later call to raise
+                self._last_step = step if err is None and not skip else self._last_step
+                failures = -1 if skip else self._n_failures     # not this publisher's count: skipped everywhere
+                call = self._calls + 1
+            # a failure this call raises itself is not kept for a later call to raise again
             job = PublishJob(snapshot=snapshot, schema=None if snapshot is None else schema_of(snapshot), step=step,
                              metadata=metadata if err is None else {}, force_anchor=anchor, error=err,
-                             failures_seen=failures, t_start=t_start, wait=wait or err is not None, copy_s=copy_s,
-                             adapter=snap, boxes=boxes if err is None else {}, call=call)
+                             failures_seen=failures, t_start=t_start, wait=wait or err is not None or skip,
+                             copy_s=copy_s, adapter=snap, boxes=boxes if err is None else {}, call=call)
             fut = self._worker.submit(self._run_job, job)
+            with self._lock:
+                self._calls = call
         except BaseException:
             self._slots.release()
             raise
         with self._lock:
             self._jobs[fut] = job
         fut.add_done_callback(self._job_done)
-        if interrupted is not None:
-            raise interrupted
+        if raised is not None:
+            raise raised
         return fut.result() if wait or err is not None else fut
 
     def _check_inputs(self, weights: Weights, step: Any,
@@ -507,18 +526,22 @@ class Publisher:
     def _join_prefault(self) -> None:
         self._prefault.join()
 
-    def _check_usable(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise PublishError(f"publisher for {self.url} is closed")
         if self._fatal is not None:
             raise self._fatal
-        self._raise_pending()
 
-    def _raise_pending(self) -> None:
+    def _take_pending(self) -> BaseException | None:
+        """The background failure not yet raised to the caller, who hears of it now (once)."""
         with self._lock:
             err, self._pending_error = self._pending_error, None
             if err is not None:
-                self._unreported.clear()     # the caller hears of the failure now
+                self._unreported.clear()
+        return err
+
+    def _raise_pending(self) -> None:
+        err = self._take_pending()
         if err is not None:
             raise err
 
@@ -892,6 +915,10 @@ class _Steps:
 
     def commit(self, plan: Plan, job: PublishJob, parts: list[Written]) -> dict[str, Any]:
         return self._pub._commit(plan, job, parts)
+
+
+class _Told(Exception):
+    """publish(): this call raises an earlier background failure (see there), and publishes nothing."""
 
 
 def _resolve_codec(codec: Any, context_coding: Any, upload_bandwidth: Any) -> str:

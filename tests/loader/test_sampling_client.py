@@ -181,7 +181,7 @@ def test_model_input_from_ints_takes_numpy_integers_and_still_refuses_bools_floa
                 == client.sample(ids, sampling_params=greedy).sequences[0].tokens)
         assert list(client.compute_logprobs(np.array(ids))) == list(client.compute_logprobs(ids))
     for junk in ([5, True], [5, np.True_], [5, 2.0], [5, np.float32(2)], [5, "6"], [5, None], [5, -1],
-                 [5, torch.tensor(True)]):
+                 [5, torch.tensor(True)], torch.tensor([[5], [6]]), [5, np.array([6])]):   # not one id each
         with pytest.raises(ValueError, match=r"ModelInput.from_ints: token ids must be ints >= 0, got \["):
             ModelInput.from_ints(junk)
 

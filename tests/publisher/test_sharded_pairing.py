@@ -88,8 +88,8 @@ def _rank_main(rank: int, init_file: str, url: str, out_dir: str) -> None:
     pubmod.write_delta_object = write_delta_object
     if rank == 0:
         record("asked", pub.wait_until_finished)
-    record("told", lambda: pub.publish(weights(), 3))
-    record("after_told", lambda: pub.publish(weights(), 3))
+    record("told", lambda: pub.publish(weights(), 3, wait=False))
+    record("after_told", lambda: pub.publish(weights(), 3, wait=False))
     # a count out of step (no call of the API leaves one now: the safety net under the rule above)
     if rank == 1:
         pub._calls += 1
@@ -139,16 +139,18 @@ def test_a_rank_interrupted_in_its_host_copy_fails_that_publish_everywhere_and_t
     _committed_as(url, 2, results[0]["after_interrupt"]["call"])
 
 
-def test_a_background_failure_told_to_one_rank_only_still_fails_the_next_publish_on_every_rank_together(paired_job):
+def test_a_background_failure_told_to_one_rank_only_makes_the_next_publish_skip_on_every_rank_and_the_one_after_commit(
+        paired_job):
     url, results = paired_job
     for rank in (0, 1):
         assert results[rank]["background"]["error"] == "PublishError" and REFUSED in \
             results[rank]["background"]["message"], results[rank]
     assert results[0]["asked"]["error"] == "PublishError"       # rank 0 heard of it here; rank 1 at its next call
-    for rank in (0, 1):
-        got = results[rank]["told"]
-        assert got.get("error") == "PublishError" and got["message"].startswith("rank 1: ") and REFUSED in \
-            got["message"], got
+    told = results[1]["told"]
+    assert told.get("error") == "PublishError" and told["message"].startswith("rank 1: ") and REFUSED in \
+        told["message"], told
+    skipped = results[0]["told"]       # that call publishes nothing anywhere, and is not a new failure to keep
+    assert skipped.get("error") == "Skipped" and "an earlier publish" in skipped["message"], skipped
     assert results[0]["after_told"]["version"] == results[1]["after_told"]["version"] == 3
     _committed_as(url, 3, results[0]["after_told"]["call"])
 
@@ -176,3 +178,46 @@ def test_a_commit_whose_outcome_a_dying_rank_cut_off_is_reported_committed_by_ra
     assert SnapshotReader(url).latest() == 4
     _committed_as(url, 4, got["call"])          # the call after the refused one
     assert SnapshotReader(url).verify().chain[-1] == 4
+
+
+def _refusing_rank_main(rank: int, init_file: str, url: str, out_dir: str) -> None:
+    """2 ranks: rank 1's disk refuses its delta, and rank 0 dies once it has every rank's part of the commit round
+    (which holds rank 1's error, so it commits nothing)."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    import ckptdelta.publisher.publisher as pubmod
+
+    pub = Publisher(url, codec="fast", progress=False, collective_timeout=COLLECTIVE_TIMEOUT_S)
+    pub.publish({f"r{rank}.w": _truth(1)[f"r{rank}.w"]}, 0)
+    if rank == 1:
+        def refused(*a, **k):
+            raise OSError(errno.EIO, REFUSED)
+        pubmod.write_delta_object = refused
+    else:
+        gather, seen = pub._comm.gather, []
+
+        def gather_then_die(obj):
+            out = gather(obj)
+            seen.append(obj)
+            if len(seen) == 2:
+                os._exit(0)
+            return out
+        pub._comm.gather = gather_then_die
+    try:
+        pub.publish({f"r{rank}.w": _truth(2)[f"r{rank}.w"]}, 1)
+        got = {"version": "committed"}
+    except Exception as e:  # noqa: BLE001 - what the rank got is the result
+        got = {"error": type(e).__name__, "message": str(e)}
+    with open(os.path.join(out_dir, f"refusing{rank}.json"), "w") as f:
+        json.dump(got, f)
+    os._exit(0)
+
+
+def test_a_rank_whose_own_part_of_the_commit_round_failed_reports_its_error_when_rank_0_is_gone_not_a_maybe(
+        tmp_path):
+    url = str(tmp_path / "run")
+    assert run_ranks(_refusing_rank_main, 2, lambda r: (str(tmp_path / "init"), url, str(tmp_path)), JOIN_S) == [0, 0]
+    got = json.load(open(tmp_path / "refusing1.json"))
+    assert got.get("error") == "PublishError" and REFUSED in got["message"] and "may be committed" not in \
+        got["message"], got
+    assert committed_versions(Store.from_url(url)) == [0]
