@@ -43,6 +43,21 @@ def _truth(call: int) -> dict[str, torch.Tensor]:
     return w
 
 
+def _die_after_the_commit_rounds_gather(pub: Publisher, delay: float) -> None:
+    """This rank exits ``delay`` seconds after the next publish's commit round has gathered its part (the
+    second gather of a delta: the plan round's, then the commit round's), before the outcome comes back."""
+    gather, seen = pub._comm.gather, []
+
+    def gather_then_die(obj):
+        out = gather(obj)
+        seen.append(obj)
+        if len(seen) == 2:
+            time.sleep(delay)
+            os._exit(0)
+        return out
+    pub._comm.gather = gather_then_die
+
+
 def _rank_main(rank: int, init_file: str, url: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -98,17 +113,7 @@ def _rank_main(rank: int, init_file: str, url: str, out_dir: str) -> None:
         pub._calls -= 1
     # last, rank 2 sends its part of a commit round, then dies before the outcome comes back
     if rank == 2:
-        gather = pub._comm.gather
-        seen = []
-
-        def gather_then_die(obj):
-            out = gather(obj)
-            seen.append(obj)
-            if len(seen) == 2:      # the plan round's, then the commit round's
-                time.sleep(0.3)
-                os._exit(0)
-            return out
-        pub._comm.gather = gather_then_die
+        _die_after_the_commit_rounds_gather(pub, 0.3)
     record("died", lambda: pub.publish(weights(), 4))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -194,15 +199,7 @@ def _refusing_rank_main(rank: int, init_file: str, url: str, out_dir: str) -> No
             raise OSError(errno.EIO, REFUSED)
         pubmod.write_delta_object = refused
     else:
-        gather, seen = pub._comm.gather, []
-
-        def gather_then_die(obj):
-            out = gather(obj)
-            seen.append(obj)
-            if len(seen) == 2:
-                os._exit(0)
-            return out
-        pub._comm.gather = gather_then_die
+        _die_after_the_commit_rounds_gather(pub, 0.0)
     try:
         pub.publish({f"r{rank}.w": _truth(2)[f"r{rank}.w"]}, 1)
         got = {"version": "committed"}
