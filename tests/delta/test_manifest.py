@@ -70,7 +70,14 @@ def _set(d: dict, path: str, value):
         node[last] = value
 
 
-_DELETE = object()
+class _Deleted:
+    """The field left out (a repr of its own keeps the test ids the same in every process)."""
+
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_DELETE = _Deleted()
 
 BROKEN = [
     ("format", "ckptdelta-head"), ("format", _DELETE), ("schema_version", 2), ("schema_version", "1"),

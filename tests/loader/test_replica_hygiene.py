@@ -227,7 +227,10 @@ def test_serve_cache_max_gb_bounds_the_cache_and_its_start_prunes_it(tmp_path, m
 
     from ckptdelta.cli import serve as cli
 
-    monkeypatch.delenv(MAX_GB_ENV, raising=False)
+    # unset for the code (empty is no bound given), and deleted again after the test: _sweep_host sets it in
+    # this process's environment, where every later test's DiskCache would take it up (delenv of an unset
+    # name restores nothing)
+    monkeypatch.setenv(MAX_GB_ENV, "")
     cache = str(tmp_path / "cache")
     c = DiskCache(cache, max_bytes=None)
     for i in range(8):
