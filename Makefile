@@ -33,8 +33,12 @@ demo: $(STAMP)
 demo-lora: $(STAMP)
 	$(BIN)/python -m benchmarks.demo_lora
 
+# the suite on two pytest-xdist workers, each module whole on one of them, the vLLM tests one after another on one
+# (tests/conftest.py); TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 stress: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -157,3 +157,42 @@ def spans_hold_every_version_served(_span_check_installed):
         pytest.fail("spans short of the versions served:\n" + "\n".join(found), pytrace=False)
 
 # ============================ end of spans section ============================
+
+
+# =============================================================================
+# Workers (make test: two pytest-xdist workers, --dist loadfile)
+#
+#   a module's tests run on one worker, so its module fixtures are made once; every test that starts a vLLM
+#   server lives in tests/loader/engines/vllm/, and that whole folder is one unit of work, run first: two vLLM
+#   servers at once on a two-core machine would starve each other. So a test of make test that starts vLLM
+#   (a VllmServer, build_engine("vllm"), `ckptdelta serve --engine vllm`) goes in that folder.
+# =============================================================================
+
+VLLM_TESTS = "tests/loader/engines/vllm/"
+
+
+def _scope(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return "vllm" if module.startswith(VLLM_TESTS) else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """loadfile, with tests/loader/engines/vllm/ as one file (the nodeids' own text is all the controller has:
+    pytest 9's nodeids no longer take xdist_group's suffix)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return VllmOnOneWorker(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The vLLM tests first (the longest unit of work starts at once; the other worker takes the rest)."""
+    items.sort(key=lambda item: _scope(item.nodeid) != "vllm")   # stable: each module's order is kept
+
+# ============================ end of workers section ==========================

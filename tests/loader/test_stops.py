@@ -5,7 +5,8 @@ Real ``ckptdelta serve`` processes and real signals (SIGTERM, SIGINT, SIGHUP). A
 until the signal has come, so each signal lands in the phase its test names, whatever the machine's load.
 After each stop: exit status 0, no traceback, the hot-load ended before the engine was closed (dropped while
 preparing; run to its end, its pause over, from the pause on), nothing of the replica left on the host (and,
-owning vLLM, none of vLLM's processes). The cells of a vLLM attached to with ``--attach`` are in
+owning vLLM, none of vLLM's processes). The cells of a vLLM the replica started are in
+tests/loader/engines/vllm/test_vllm_stops.py, those of a vLLM attached to with ``--attach`` in
 tests/loader/engines/vllm/test_vllm_faults.py, on that module's vLLM; there vLLM itself is read back after each stop.
 
 And what the drain cuts: a stream still running at ``--drain-timeout`` ends with the error a plain request
@@ -24,14 +25,12 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from ckptdelta.loader.stopping import HOLD_ENV, PHASES
 from tests.replicas import PROMPT, LiveServer, held_after_first_step, lm_dir, run  # noqa: F401
 from tests.stops import hotload_until_held, stop_and_check
-from tests.loader.test_replica_hygiene import ROOT, _leftovers, _serving_port, short_tmp  # noqa: F401
-from tests.vllm_replicas import ONE_GPU_LAYOUT_ENV, VLLM_ARGS, publish_vllm_run
+from tests.loader.test_replica_hygiene import ROOT, _serving_port, short_tmp  # noqa: F401
 
 SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 #: make test: the reference engine's two cells (with the vLLM cells and tests/loader/engines/vllm/test_vllm_faults.py's, every signal
@@ -80,54 +79,6 @@ def test_a_reference_replica_stopped_while_preparing_or_in_the_pause_ends_the_ho
 def test_a_reference_replica_stopped_by_every_signal_in_every_phase_ends_the_hotload(run, short_tmp, tmp_path,
                                                                                      phase, sig):
     _reference_cell(run, short_tmp, tmp_path, phase, sig)
-
-
-# --- a vLLM the replica started (owning) ---------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
-    from tests.vllm_models import save_tiny_llama
-
-    root = tmp_path_factory.mktemp("stops-llama")
-    r = publish_vllm_run(str(root / "bucket" / "run"), save_tiny_llama(str(root / "model")), deltas=1)
-    yield r
-    r.publisher.close()
-
-
-def _owning_cell(vllm_run, short_tmp, tmp_path, phase: str, sig: str) -> None:
-    cache = os.path.join(short_tmp, "cache")
-    log_path = str(tmp_path / "serve.log")
-    proc, url, marker = serve_held(["--engine", "vllm", "--bucket", vllm_run.url, "--snapshot", "0", "--cache-dir",
-                                    cache, "--drain-timeout", "5", "--", *VLLM_ARGS], phase, short_tmp, log_path,
-                                   env=ONE_GPU_LAYOUT_ENV)
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert children                                  # vLLM's server (and its engine core)
-        job = hotload_until_held(url, 1, marker, proc, log_path)
-        text = stop_and_check(proc, sig, job, phase, 1, log_path)
-        assert f"the engine serves v{0 if phase == 'prepare' else 1:08d}" in text, text[-3000:]
-        if phase != "prepare":
-            assert "v00000001 READY" in text             # the replica's own line: proven (loader/server.py)
-        psutil.wait_procs(children, timeout=60)
-        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-        assert _leftovers(proc.pid, short_tmp, cache) == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def test_a_replica_owning_its_vllm_stopped_in_the_pause_ends_the_hotload_then_stops_vllm(vllm_run, short_tmp,
-                                                                                         tmp_path):
-    """It used to close the engine under the hot-load, which then failed half-way (its client closed, vLLM
-    stopped under it) and left the version unknown."""
-    _owning_cell(vllm_run, short_tmp, tmp_path, "pause", "SIGTERM")
-
-
-@pytest.mark.slow      # a vLLM start each (~25 s)
-@pytest.mark.parametrize("phase,sig", [(p, s) for p in PHASES for s in SIGNALS if (p, s) != ("pause", "SIGTERM")])
-def test_a_replica_owning_its_vllm_stopped_by_every_signal_in_every_phase_ends_the_hotload(vllm_run, short_tmp,
-                                                                                           tmp_path, phase, sig):
-    _owning_cell(vllm_run, short_tmp, tmp_path, phase, sig)
 
 
 # --- what the drain cuts -----------------------------------------------------------------------------------
