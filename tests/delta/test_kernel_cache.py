@@ -62,9 +62,10 @@ def _run(root: str, cache: str | None, prelude: str = "", **env_vars: str) -> tu
 
 
 def _run_logged(root: str, cache: str | None, prelude: str = "", **env_vars: str) -> tuple[tuple[str, int, int], str]:
-    env = {**os.environ, "PYTHONPATH": root, "CKPTDELTA_WARMUP": "0", **env_vars}
-    for name in ("NUMBA_CACHE_LOCATOR_CLASSES", "NUMBA_CACHE_DIR") + (() if env_vars else (kernel_cache.ENV,)):
+    env = {**os.environ, "PYTHONPATH": root, "CKPTDELTA_WARMUP": "0"}
+    for name in ("NUMBA_CACHE_LOCATOR_CLASSES", "NUMBA_CACHE_DIR", kernel_cache.ENV):   # the user's own, if set
         env.pop(name, None)
+    env.update(env_vars)
     if cache is not None:
         env["NUMBA_CACHE_DIR"] = cache
     code = "import logging; logging.basicConfig(level=logging.INFO)\n" + prelude + RUN
