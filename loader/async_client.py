@@ -92,9 +92,11 @@ class AsyncRolloutClient:
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             for url in self._round(affinity_key):
+                limit = tries.limit(self._sample_timeout)
+                if limit is None:
+                    break
                 try:
-                    answer = tries.judge(url, await self._http.post(url + path, json=body,
-                                                                    timeout=self._sample_timeout))
+                    answer = tries.judge(url, await self._http.post(url + path, json=body, timeout=limit))
                 except httpx.TransportError as e:
                     answer = tries.judge(url, e)
                 if answer is not None:

@@ -20,7 +20,9 @@ StartWait); one that is hung or answers garbage is not.
 
 A sampling request's answer comes when its generation ends, so it is waited for
 ``sample_timeout`` (15 minutes by default, past a replica's own ``--request-timeout``),
-not ``timeout``, which bounds connecting and every control call. A request that
+not ``timeout``, which bounds connecting and every control call (a try of a sampling request connects and sends
+within what is left of ``ready_timeout``, and a round of tries ends at it, so that replicas that never answer a
+connection do not hold a request ``timeout`` each past it). A request that
 gets no answer in that time is a :class:`SampleTimeoutError`, never sent again:
 the replica took it and may still be generating it (a replica stops a generation
 whose client has left, loader/server.py), and another try would end the same way.
@@ -57,6 +59,11 @@ def sampling_timeout(timeout: float, sample_timeout: float | None) -> httpx.Time
     limit) for the answer, and no limit on waiting for a connection of the client's own pool (a ``gather`` of
     more requests than connections waits for one, it does not fail)."""
     return httpx.Timeout(timeout, read=sample_timeout, pool=None)
+
+
+#: The least time a try of a sampling request is given to connect and send, however little of ``ready_timeout``
+#: is left (the last round is made at the deadline).
+MIN_TRY_S = 0.1
 
 
 #: What a caller of ``_post_sample`` makes of a 200 answer: (tries, replica URL, answer) -> result, or None to
@@ -142,8 +149,11 @@ class RolloutClient:
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             for url in self._round(affinity_key):
+                limit = tries.limit(self._sample_timeout)
+                if limit is None:
+                    break
                 try:
-                    answer = tries.judge(url, self._http.post(url + path, json=body, timeout=self._sample_timeout))
+                    answer = tries.judge(url, self._http.post(url + path, json=body, timeout=limit))
                 except httpx.TransportError as e:
                     answer = tries.judge(url, e)
                 if answer is not None:
@@ -362,6 +372,19 @@ class SampleTries:
         self.tries = 0
         #: why each try of the round under way failed (a round: one replica in turn, or a key's whole order)
         self._round: list[str] = []
+
+    def limit(self, timeout: httpx.Timeout) -> httpx.Timeout | None:
+        """The httpx timeout of the next try: ``timeout`` (:func:`sampling_timeout`), its connect and send bounded
+        by what is left of ``ready_timeout`` (at least :data:`MIN_TRY_S`); None once that is spent and this round
+        has made a try: the round ends there (:meth:`delay` then raises). The answer is still waited for
+        ``sample_timeout``: a replica that took the request may be generating it."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 and self._round:
+            return None
+        send = max(remaining, MIN_TRY_S)
+        if timeout.connect is not None:
+            send = min(send, timeout.connect)
+        return httpx.Timeout(connect=send, read=timeout.read, write=send, pool=timeout.pool)
 
     def judge(self, url: str, r: "httpx.Response | httpx.TransportError") -> dict[str, Any] | None:
         """The answer's JSON on 200, None when it is worth another try; raises ReplicaError otherwise."""

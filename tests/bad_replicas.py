@@ -1,5 +1,5 @@
 """Members of a fleet that are not working replicas: small real HTTP servers on 127.0.0.1 that answer garbage or
-hang, and a port nobody listens on.
+hang, a port nobody listens on, and one whose connections never complete.
 
 The fleet commands and clients (loader/fleet.py) must report each of them on its own row, and hot-load the
 working replicas beside them as if they were not there. A :class:`BadReplica` answers each request by the first
@@ -10,9 +10,11 @@ process; the client's read timeout ends the request).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -28,6 +30,31 @@ def dead_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def blackholed_url() -> Iterator[str]:
+    """A port of 127.0.0.1 whose connections never complete (a host whose packets are dropped): it listens,
+    never accepts, and its queue of pending connections is full, so the kernel drops the next SYNs and a
+    client's connect waits out its timeout."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        fill = []
+        try:
+            for _ in range(3):
+                c = socket.socket()
+                c.setblocking(False)
+                try:
+                    c.connect(("127.0.0.1", port))
+                except BlockingIOError:
+                    pass
+                fill.append(c)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            for c in fill:
+                c.close()
 
 
 def replica_status(run_id: str, version: int = 1) -> dict[str, Any]:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
 from ckptdelta.delta.errors import PolicyVersionTimeoutError, ReplicaError, SnapshotNotFoundError
 from ckptdelta.loader.async_client import AsyncRolloutClient
 from ckptdelta.loader.client import RolloutClient
-from tests.bad_replicas import HANG, JSON_LIST, BadReplica, dead_url, replica_status
+from tests.bad_replicas import HANG, JSON_LIST, BadReplica, blackholed_url, dead_url, replica_status
 from tests.replicas import PROMPT, lm_dir, run, start_replica, state_bits_equal  # noqa: F401
 
 
@@ -83,6 +84,23 @@ def test_a_gathered_keyed_group_fails_over_to_the_next_replica_of_each_key_when_
     assert all(o["engine_data"]["policy_version"] == 2 for o in stale + dead)
     assert took < 2.5                                # neither waited for the ready_timeout of 3 s
     assert AsyncRolloutClient.replica_order is RolloutClient.replica_order      # one order for both clients
+
+
+def test_a_gathered_group_on_replicas_that_never_answer_a_connection_fails_at_ready_timeout():
+    """As the sync client: each try connects within what is left of ``ready_timeout`` and a keyed round ends
+    there, so a group keyed over three replicas whose packets are dropped fails at ``ready_timeout`` (0.5 s),
+    not 3 x the client's ``timeout`` (5 s) past it."""
+    async def main(urls: list[str]) -> tuple[list, float]:
+        async with AsyncRolloutClient(urls, timeout=5.0, ready_timeout=0.5, backoff_base=0.05) as client:
+            t0 = asyncio.get_running_loop().time()
+            out = await asyncio.gather(*(client.sample_async(PROMPT, max_tokens=1, affinity_key=f"group-{i}")
+                                         for i in range(4)), return_exceptions=True)
+            return out, asyncio.get_running_loop().time() - t0
+
+    with contextlib.ExitStack() as stack:
+        out, took = asyncio.run(main([stack.enter_context(blackholed_url()) for _ in range(3)]))
+    assert all(isinstance(e, ReplicaError) and "ConnectTimeout" in str(e) for e in out), out
+    assert took < 2.5
 
 
 def test_sample_async_gives_up_after_ready_timeout_and_raises_other_errors_at_once(start_replica):

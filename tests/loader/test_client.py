@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -19,7 +20,7 @@ from ckptdelta.delta.errors import (HotLoadConflictError, HotLoadError, PolicyVe
                                     RunMismatchError, SnapshotNotFoundError)
 from ckptdelta.cli import serve as cli
 from ckptdelta.loader.client import RolloutClient
-from tests.bad_replicas import HTML, BadReplica, dead_url
+from tests.bad_replicas import HTML, BadReplica, blackholed_url, dead_url
 from tests.replicas import PROMPT, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
 from tests import REPO
 
@@ -78,6 +79,20 @@ def test_a_keyed_request_moves_to_the_next_replica_in_its_order_when_its_own_is_
     with RolloutClient([behind.url], ready_timeout=0.5, backoff_base=0.05) as alone:     # no other: as before
         with pytest.raises(ReplicaError, match="refused|Connect"):
             alone.sample(PROMPT, max_tokens=1, affinity_key=key)
+
+
+def test_replicas_that_never_answer_a_connection_hold_a_request_no_longer_than_ready_timeout():
+    """Each try waited the client's ``timeout`` for its connection, and a keyed round tries the whole order: three
+    replicas whose packets are dropped held a request 3 x 5 s past a ``ready_timeout`` of 0.5 s (an unkeyed one
+    5 s). A try now connects within what is left of ``ready_timeout``, and the round ends there."""
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(blackholed_url()) for _ in range(3)]
+        with RolloutClient(urls, timeout=5.0, ready_timeout=0.5, backoff_base=0.05) as client:
+            for key in ("group-0", None):
+                t0 = time.monotonic()
+                with pytest.raises(ReplicaError, match="within the ready_timeout of 0.5s.*ConnectTimeout"):
+                    client.sample(PROMPT, max_tokens=1, affinity_key=key)
+                assert time.monotonic() - t0 < 2.5, key
 
 
 def test_sample_retries_408_until_the_hotload_lands(start_replica):
