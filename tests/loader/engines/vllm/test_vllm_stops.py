@@ -10,23 +10,13 @@ import psutil
 import pytest
 
 from ckptdelta.loader.stopping import PHASES
-from tests.loader.test_replica_hygiene import _leftovers, short_tmp  # noqa: F401 (a fixture)
+from tests.loader.test_replica_hygiene import _leftovers, short_tmp, vllm_run  # noqa: F401 (fixtures)
 from tests.loader.test_stops import SIGNALS, serve_held
 from tests.stops import hotload_until_held, stop_and_check
-from tests.vllm_replicas import ONE_GPU_LAYOUT_ENV, VLLM_ARGS, publish_vllm_run
+from tests.vllm_replicas import ONE_GPU_LAYOUT_ENV, VLLM_ARGS
 
 
 # --- a vLLM the replica started (owning) ---------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
-    from tests.vllm_models import save_tiny_llama
-
-    root = tmp_path_factory.mktemp("stops-llama")
-    r = publish_vllm_run(str(root / "bucket" / "run"), save_tiny_llama(str(root / "model")), deltas=1)
-    yield r
-    r.publisher.close()
-
 
 def _owning_cell(vllm_run, short_tmp, tmp_path, phase: str, sig: str) -> None:
     cache = os.path.join(short_tmp, "cache")
