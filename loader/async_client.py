@@ -92,11 +92,9 @@ class AsyncRolloutClient:
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             for url in self._round(affinity_key):
-                limit = tries.limit(self._sample_timeout)
-                if limit is None:
-                    break
                 try:
-                    answer = tries.judge(url, await self._http.post(url + path, json=body, timeout=limit))
+                    answer = tries.judge(url, await self._http.post(url + path, json=body,
+                                                                    timeout=tries.limit(self._sample_timeout)))
                 except httpx.TransportError as e:
                     answer = tries.judge(url, e)
                 if answer is not None:

@@ -21,7 +21,7 @@ StartWait); one that is hung or answers garbage is not.
 A sampling request's answer comes when its generation ends, so it is waited for
 ``sample_timeout`` (15 minutes by default, past a replica's own ``--request-timeout``),
 not ``timeout``, which bounds connecting and every control call (a try of a sampling request connects and sends
-within what is left of ``ready_timeout``, and a round of tries ends at it, so that replicas that never answer a
+within what is left of ``ready_timeout``, at least :data:`MIN_TRY_S`, so that replicas that never answer a
 connection do not hold a request ``timeout`` each past it). A request that
 gets no answer in that time is a :class:`SampleTimeoutError`, never sent again:
 the replica took it and may still be generating it (a replica stops a generation
@@ -62,8 +62,9 @@ def sampling_timeout(timeout: float, sample_timeout: float | None) -> httpx.Time
 
 
 #: The least time a try of a sampling request is given to connect and send, however little of ``ready_timeout``
-#: is left (the last round is made at the deadline).
-MIN_TRY_S = 0.1
+#: is left (the last round is made at the deadline, each of its replicas tried): a new TLS connection to a
+#: replica in another region needs a few round trips.
+MIN_TRY_S = 0.5
 
 
 #: What a caller of ``_post_sample`` makes of a 200 answer: (tries, replica URL, answer) -> result, or None to
@@ -149,11 +150,9 @@ class RolloutClient:
         tries = SampleTries(self, path, min_policy_version)
         for attempt in itertools.count():
             for url in self._round(affinity_key):
-                limit = tries.limit(self._sample_timeout)
-                if limit is None:
-                    break
                 try:
-                    answer = tries.judge(url, self._http.post(url + path, json=body, timeout=limit))
+                    answer = tries.judge(url, self._http.post(url + path, json=body,
+                                                              timeout=tries.limit(self._sample_timeout)))
                 except httpx.TransportError as e:
                     answer = tries.judge(url, e)
                 if answer is not None:
@@ -373,15 +372,14 @@ class SampleTries:
         #: why each try of the round under way failed (a round: one replica in turn, or a key's whole order)
         self._round: list[str] = []
 
-    def limit(self, timeout: httpx.Timeout) -> httpx.Timeout | None:
+    def limit(self, timeout: httpx.Timeout) -> httpx.Timeout:
         """The httpx timeout of the next try: ``timeout`` (:func:`sampling_timeout`), its connect and send bounded
-        by what is left of ``ready_timeout`` (at least :data:`MIN_TRY_S`); None once that is spent and this round
-        has made a try: the round ends there (:meth:`delay` then raises). The answer is still waited for
-        ``sample_timeout``: a replica that took the request may be generating it."""
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0 and self._round:
-            return None
-        send = max(remaining, MIN_TRY_S)
+        by what is left of ``ready_timeout``, but at least :data:`MIN_TRY_S`: every replica of the last round,
+        made at the deadline, still gets its try (a keyed request's next replica may serve it), and replicas that
+        never answer a connection hold the request at most that long each past ``ready_timeout``, not
+        ``timeout`` each. The answer is still waited for ``sample_timeout``: a replica that took the request
+        may be generating it."""
+        send = max(self.deadline - time.monotonic(), MIN_TRY_S)
         if timeout.connect is not None:
             send = min(send, timeout.connect)
         return httpx.Timeout(connect=send, read=timeout.read, write=send, pool=timeout.pool)

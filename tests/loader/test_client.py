@@ -83,16 +83,31 @@ def test_a_keyed_request_moves_to_the_next_replica_in_its_order_when_its_own_is_
 
 def test_replicas_that_never_answer_a_connection_hold_a_request_no_longer_than_ready_timeout():
     """Each try waited the client's ``timeout`` for its connection, and a keyed round tries the whole order: three
-    replicas whose packets are dropped held a request 3 x 5 s past a ``ready_timeout`` of 0.5 s (an unkeyed one
-    5 s). A try now connects within what is left of ``ready_timeout``, and the round ends there."""
+    replicas whose packets are dropped held a request 3 x 10 s past a ``ready_timeout`` of 0.5 s (an unkeyed one
+    10 s). A try now connects within what is left of ``ready_timeout``, at least 0.5 s (MIN_TRY_S)."""
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(blackholed_url()) for _ in range(3)]
-        with RolloutClient(urls, timeout=5.0, ready_timeout=0.5, backoff_base=0.05) as client:
+        with RolloutClient(urls, timeout=10.0, ready_timeout=0.5, backoff_base=0.05) as client:
             for key in ("group-0", None):
                 t0 = time.monotonic()
                 with pytest.raises(ReplicaError, match="within the ready_timeout of 0.5s.*ConnectTimeout"):
                     client.sample(PROMPT, max_tokens=1, affinity_key=key)
-                assert time.monotonic() - t0 < 2.5, key
+                assert time.monotonic() - t0 < 5.0, key       # 0.5 + 2 x 0.5 s keyed; 10-30 s before
+
+
+def test_the_round_at_the_deadline_still_tries_every_replica_of_a_keys_order(start_replica):
+    """A key whose own replica is dead or drops packets is served by the next of its order also when
+    ``ready_timeout`` is spent by then (0 s, or less than the try's connect timeout): the last round is a whole
+    round, each of its tries given at least MIN_TRY_S to connect."""
+    live = start_replica(1, replica_id="live")
+    with blackholed_url() as silent:
+        for own, ready in ((dead_url(), 0.0), (silent, 0.3)):
+            with RolloutClient([own, live.url], timeout=10.0, ready_timeout=ready, backoff_base=0.05) as client:
+                key = _key_led_by(client, own)
+                t0 = time.monotonic()
+                out = client.sample(PROMPT, max_tokens=1, affinity_key=key)
+                assert out["engine_data"]["replica_id"] == "live"
+                assert time.monotonic() - t0 < 5.0, own      # not the 10 s connect timeout
 
 
 def test_sample_retries_408_until_the_hotload_lands(start_replica):
