@@ -176,6 +176,7 @@ def _scope(nodeid: str) -> str:
     return "vllm" if module.startswith(VLLM_TESTS) else module
 
 
+@pytest.hookimpl(optionalhook=True)     # pytest-xdist's hook: absent without the plugin (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     """loadfile, with tests/loader/engines/vllm/ as one file (the nodeids' own text is all the controller has:
     pytest 9's nodeids no longer take xdist_group's suffix)."""
