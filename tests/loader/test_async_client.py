@@ -28,7 +28,11 @@ def test_a_gathered_group_retries_408_until_the_fleet_hotload_lands_then_each_ke
     failover rule, and all it must hold there is the floor."""
     reps = [start_replica(1, replica_id="r0"), start_replica(1, replica_id="r1")]
     urls = [r.url for r in reps]
-    keys = [f"group-{i // 2}" for i in range(8)]          # four groups of two completions
+    # four groups of two completions, two groups led by each replica: chosen, since which replica leads a key
+    # hangs on the replicas' ports (rendezvous hashing), and four keys all on one replica came up 1 run in 8
+    with RolloutClient(urls) as pick:
+        led = [[k for k in (f"group-{i}" for i in range(200)) if pick.replica_for(k) == u][:2] for u in urls]
+    keys = [k for pair in zip(*led) for k in pair for _ in range(2)]
 
     async def main() -> tuple[list[dict], dict, list[dict]]:
         async with AsyncRolloutClient(urls, ready_timeout=60, backoff_base=0.02, backoff_max=0.2) as client:
