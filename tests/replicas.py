@@ -113,6 +113,17 @@ def corrupt_delta(run: PublishedRun, version: int) -> str:
     return path
 
 
+def keys_led_by(replica_urls: list[str], url: str, n: int = 1) -> list[str]:
+    """``n`` affinity keys whose own replica (the first of their order, rendezvous hashing over the fleet's URLs)
+    is ``url``: which replica leads a given key hangs on the test's random ports, so tests choose keys, never
+    assume them."""
+    from ckptdelta.loader.client import RolloutClient
+
+    with RolloutClient(replica_urls) as client:
+        keys = (f"group-{i}" for i in range(100 * n + 1000))
+        return [k for k in keys if client.replica_for(k) == url.rstrip("/")][:n]
+
+
 def state_bits_equal(model: torch.nn.Module, truth: dict[str, torch.Tensor]) -> list[str]:
     """Names whose live bits differ from ``truth`` (empty when bit-identical)."""
     live = model.state_dict()

@@ -12,7 +12,7 @@ from ckptdelta.delta.errors import PolicyVersionTimeoutError, ReplicaError, Snap
 from ckptdelta.loader.async_client import AsyncRolloutClient
 from ckptdelta.loader.client import RolloutClient
 from tests.bad_replicas import HANG, JSON_LIST, BadReplica, blackholed_url, dead_url, replica_status
-from tests.replicas import PROMPT, lm_dir, run, start_replica, state_bits_equal  # noqa: F401
+from tests.replicas import PROMPT, keys_led_by, lm_dir, run, start_replica, state_bits_equal  # noqa: F401
 
 
 def _count_408(rep) -> float:
@@ -28,10 +28,9 @@ def test_a_gathered_group_retries_408_until_the_fleet_hotload_lands_then_each_ke
     failover rule, and all it must hold there is the floor."""
     reps = [start_replica(1, replica_id="r0"), start_replica(1, replica_id="r1")]
     urls = [r.url for r in reps]
-    # four groups of two completions, two groups led by each replica: chosen, since which replica leads a key
-    # hangs on the replicas' ports (rendezvous hashing), and four keys all on one replica came up 1 run in 8
-    with RolloutClient(urls) as pick:
-        led = [[k for k in (f"group-{i}" for i in range(200)) if pick.replica_for(k) == u][:2] for u in urls]
+    # four groups of two completions, two groups led by each replica (chosen: four fixed keys all landed on one
+    # replica 1 run in 8)
+    led = [keys_led_by(urls, u, 2) for u in urls]
     keys = [k for pair in zip(*led) for k in pair for _ in range(2)]
 
     async def main() -> tuple[list[dict], dict, list[dict]]:
@@ -65,9 +64,7 @@ def test_a_gathered_keyed_group_fails_over_to_the_next_replica_of_each_key_when_
     instead of failing at ``ready_timeout``."""
     ahead, behind = start_replica(2, replica_id="ahead"), start_replica(1, replica_id="behind")
     urls = [ahead.url, behind.url]
-    sync = RolloutClient(urls)
-    keys = [k for k in (f"group-{i}" for i in range(200)) if sync.replica_for(k) == behind.url][:6]
-    sync.close()
+    keys = keys_led_by(urls, behind.url, 6)
 
     async def group(client: AsyncRolloutClient, floor: int | None) -> list[dict]:
         return await asyncio.gather(*(client.sample_async(PROMPT, max_tokens=1, min_policy_version=floor,
@@ -117,10 +114,7 @@ def test_a_gathered_group_whose_replica_drops_packets_is_served_by_the_next_afte
             return await asyncio.gather(*(client.sample_async(PROMPT, max_tokens=1, affinity_key=k) for k in keys))
 
     with blackholed_url() as silent:
-        sync = RolloutClient([silent, live.url])
-        keys = [k for k in (f"group-{i}" for i in range(200)) if sync.replica_for(k) == silent][:3]
-        sync.close()
-        out = asyncio.run(main([silent, live.url], keys))
+        out = asyncio.run(main([silent, live.url], keys_led_by([silent, live.url], silent, 3)))
     assert {o["engine_data"]["replica_id"] for o in out} == {"live"}
 
 

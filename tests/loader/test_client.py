@@ -21,7 +21,8 @@ from ckptdelta.delta.errors import (HotLoadConflictError, HotLoadError, PolicyVe
 from ckptdelta.cli import serve as cli
 from ckptdelta.loader.client import RolloutClient
 from tests.bad_replicas import HTML, BadReplica, blackholed_url, dead_url
-from tests.replicas import PROMPT, corrupt_delta, lm_dir, publish_run, run, start_replica, state_bits_equal  # noqa: F401
+from tests.replicas import (PROMPT, corrupt_delta, keys_led_by, lm_dir, publish_run, run, start_replica,  # noqa: F401
+                            state_bits_equal)
 from tests import REPO
 
 
@@ -47,11 +48,6 @@ def test_round_robin_spreads_requests_and_affinity_pins_a_group(start_replica):
         assert len(out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
 
 
-def _key_led_by(client: RolloutClient, url: str) -> str:
-    """An affinity key whose own replica (the first of its order) is ``url``."""
-    return next(k for k in (f"group-{i}" for i in range(1000)) if client.replica_for(k) == url)
-
-
 def test_a_keyed_request_moves_to_the_next_replica_in_its_order_when_its_own_is_behind_the_floor_or_dead(
         start_replica):
     """affinity_key prefers its replica while that one serves, and fails over, at once, to the next in the key's
@@ -60,7 +56,7 @@ def test_a_keyed_request_moves_to_the_next_replica_in_its_order_when_its_own_is_
     ahead, behind = start_replica(2, replica_id="ahead"), start_replica(1, replica_id="behind")
     urls = [ahead.url, behind.url]
     with RolloutClient(urls, ready_timeout=3, backoff_base=0.05, backoff_max=0.2) as client:
-        key = _key_led_by(client, behind.url)
+        key, = keys_led_by(urls, behind.url)
         # healthy and answering: the key's own replica serves it, every time
         assert {client.sample(PROMPT, max_tokens=1, affinity_key=key)["engine_data"]["replica_id"]
                 for _ in range(3)} == {"behind"}
@@ -103,7 +99,7 @@ def test_the_round_at_the_deadline_still_tries_every_replica_of_a_keys_order(sta
     with blackholed_url() as silent:
         for own, ready in ((dead_url(), 0.0), (silent, 0.3)):
             with RolloutClient([own, live.url], timeout=10.0, ready_timeout=ready, backoff_base=0.05) as client:
-                key = _key_led_by(client, own)
+                key, = keys_led_by([own, live.url], own)
                 t0 = time.monotonic()
                 out = client.sample(PROMPT, max_tokens=1, affinity_key=key)
                 assert out["engine_data"]["replica_id"] == "live"
@@ -214,8 +210,7 @@ def test_fleet_hotload_loads_the_live_replica_then_raises_for_the_dead_the_other
             status = client.status()
             assert status[live.url]["policy_version"] == 1 and status[html.url]["state"] == "REJECTED"
             with pytest.raises(ReplicaError, match="not JSON"):     # sampling: named, not a JSONDecodeError
-                client.sample(PROMPT, max_tokens=1, affinity_key=next(
-                    k for k in map(str, range(100)) if client.replica_for(k) == html.url))
+                client.sample(PROMPT, max_tokens=1, affinity_key=keys_led_by(client.replicas, html.url)[0])
     finally:
         other.close()
 
