@@ -407,6 +407,55 @@ def test_a_base_swapped_or_changed_under_one_publisher_is_recorded_as_itself_and
     assert bits_differ(on_other.swapper.weights, truth[3]) == []
 
 
+def test_an_adapter_whose_parameters_are_replaced_or_reassigned_between_publishes_is_published_as_it_is_then(
+        lm_dir, tmp_path):
+    """The publisher takes peft's state dict of a peft model once and reads the model's own tensors through it on
+    later publishes (publisher/lora.py, adapter_key), taking it again wherever the model is not the one it was
+    taken from: a LoRA weight replaced by a new Parameter, one whose ``.data`` is reassigned, a second adapter
+    made the active one, and a second peft model are each published with their own bits, and a replica
+    rebuilds every version to what peft's own state dict said then."""
+    from peft import LoraConfig
+
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    lora_a = next(m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_A"))
+    lora_b = next(m for n, m in model.named_modules() if n.endswith("v_proj") and hasattr(m, "lora_B"))
+    g = torch.Generator().manual_seed(7)
+
+    def publish(m, step: int) -> None:
+        from peft import get_peft_model_state_dict
+
+        r = pub.publish(m, step)
+        truth[r.version] = {k: v.detach().clone()
+                            for k, v in get_peft_model_state_dict(m, adapter_name=m.active_adapter).items()}
+
+    with Publisher(url, anchor_chain_fraction=10.0) as pub:
+        publish_steps(pub, model, opt, range(2), truth)
+        old = lora_a.lora_A["default"].weight
+        lora_a.lora_A["default"].weight = torch.nn.Parameter(torch.randn(old.shape, generator=g).to(old.dtype))
+        publish(model, 2)
+        w = lora_b.lora_B["default"].weight
+        w.data = torch.randn(w.shape, generator=g).to(w.dtype)
+        publish(model, 3)
+        model.add_adapter("second", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+        model.set_adapter("second")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".second." in n:
+                    p.add_(torch.randn(p.shape, generator=g).to(p.dtype))
+        publish(model, 4)
+        other, _ = peft_model(lm_dir, seed=1)
+        publish(other, 5)
+    reader = SnapshotReader(url)
+    for v, want in truth.items():
+        got = reader.materialize(v, str(tmp_path / f"v{v}"))
+        from safetensors.torch import load_file
+
+        assert bits_differ(load_file(os.path.join(got, "adapter_model.safetensors")), want) == [], v
+    assert not any(torch.equal(truth[4][k], truth[3][k]) for k in truth[3])   # the second adapter's own bits
+
+
 def test_target_modules_or_rank_changing_anchor_serve_bit_exact_once_restarted_and_a_replica_refuses_naming_the_change(
         lm_dir, tmp_path):
     """An adapter whose target modules, then rank, change between versions: each change is an anchor whose reason

@@ -44,6 +44,11 @@ def test_dtype_publishes_floating_tensors_cast_and_integer_ones_as_they_are(tmp_
     g = torch.Generator().manual_seed(0)
     w = {"w": torch.randn(40, 24, generator=g), "half": torch.randn(16, generator=g).half(),
          "nan": torch.tensor([float("nan"), -0.0, 1e-40, 3.0e38]), "steps": torch.tensor([7, 1 << 40]),
+         # NaNs with payloads (signalling, negative), and a transposed (non-contiguous) master: each cast as it
+         # is copied to the host gives .to()'s very bits
+         "payloads": torch.tensor([0x7F800001, -0x003FFEDD, 0x7FC00ABC, 0x00000001], dtype=torch.int32).view(
+             torch.float32),
+         "transposed": torch.randn(24, 40, generator=g).t(), "bf16": torch.randn(8, generator=g).bfloat16(),
          "mask": torch.tensor([True, False]), "np": np.linspace(-2, 2, 9, dtype=np.float32)}
     with Publisher(str(tmp_path / "run"), dtype=torch.bfloat16, device_diff=device_diff) as pub:
         for step in range(3):
@@ -56,6 +61,7 @@ def test_dtype_publishes_floating_tensors_cast_and_integer_ones_as_they_are(tmp_
             # only the published bits reached the host: the copy the publisher keeps is bf16, not fp32
             assert {t.dtype for n, t in pub._parents.tensors.items() if n in ("w", "nan", "np")} == {torch.bfloat16}
             w["w"] = w["w"] + 0.01 * torch.randn(40, 24, generator=g)      # an fp32 master step
+            w["transposed"].add_(0.01 * torch.randn(40, 24, generator=g))
     assert all(isinstance(v, torch.Tensor) for v in w.values() if not isinstance(v, np.ndarray))
 
 
