@@ -26,13 +26,15 @@ def lm_dir(tmp_path_factory):
     return make_lm_dir(str(tmp_path_factory.mktemp("lm")))
 
 
-def peft_model(lm_dir: str, *, r: int = 4, alpha: int = 8, seed: int = 0, target_modules="all-linear"):
+def peft_model(lm_dir: str, *, r: int = 4, alpha: int = 8, seed: int = 0, target_modules="all-linear",
+               rank_pattern: dict[str, int] | None = None):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.bfloat16)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0))
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
+                                            rank_pattern=rank_pattern or {}))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, opt
 

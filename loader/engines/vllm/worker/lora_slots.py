@@ -412,8 +412,12 @@ def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor] | 
             live = _at(buf, index)
             held = spare.get(k) if spare is not None else None
             if held is not None and _alike(held, live):
-                for h, t in zip(held, live):   # an earlier hot-load's rows, handed back (_hand_back): no new pages
-                    h.copy_(t)
+                # an earlier hot-load's reference rows, handed back (_hand_back): no new pages, and not refilled
+                # from the live rows first (a third of the reference's time at rank 64): a linear layer's own
+                # set_lora (the only layers kept, _rows_only) zeroes its rows at the index, then copies every
+                # slice in, so nothing they held is left; rows past the adapter's rank hold zeros since the
+                # first reference, which was cloned from the live slot
+                pass
             else:
                 held = [t.clone() for t in live]
             object.__setattr__(one, k, held[0] if isinstance(buf, torch.Tensor) else tuple(held))
