@@ -112,6 +112,34 @@ def team() -> Team | None:
     return _TEAM
 
 
+def serial_here() -> bool:
+    """torch's intra-op work started from the calling thread runs on that thread alone from now on; other
+    threads keep their teams. Returns whether it took.
+
+    Why: a thread of our own that runs torch ops (a vLLM worker's LoRA writes, beside the engine loop) gets
+    an OpenMP team of its own, whose threads sleep between the ops: each op of a few hundred KB waits for
+    them to wake, and then they take cores from the engine's team. Copying a rank-64 adapter's rows in such
+    a thread took 4-5x as long as on the thread alone. torch sizes each parallel region by
+    ``omp_get_max_threads()``, which OpenMP keeps per thread, so setting it to 1 here touches no other thread
+    (``torch.set_num_threads`` would change the process's default too). torch sets each thread's count up
+    lazily, from that default: it runs here first, never after."""
+    import torch
+
+    if _FORKED or os.environ.get("CKPTDELTA_OMP_TEAM", "1") == "0":
+        return False
+    path = _torch_openmp_library()
+    if path is None or not os.path.basename(path).startswith("libgomp"):
+        return False
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+        torch.get_num_threads()          # torch's per-thread set-up, now rather than after the call below
+        lib.omp_set_num_threads(1)
+    except (OSError, AttributeError) as e:
+        log.debug("torch's OpenMP runtime %s: this thread keeps its team (%s)", path, e)
+        return False
+    return torch.get_num_threads() == 1
+
+
 def _torch_openmp_library() -> str | None:
     """The OpenMP runtime mapped into this process from torch's own directories, when torch runs on it."""
     import torch

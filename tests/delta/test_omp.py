@@ -85,3 +85,32 @@ def test_a_process_forked_after_the_team_ran_commits_on_threads_of_its_own():
 def test_ckptdelta_omp_team_0_turns_the_team_off(monkeypatch):
     monkeypatch.setenv("CKPTDELTA_OMP_TEAM", "0")
     assert omp.team() is None
+
+
+@needs_openmp
+def test_serial_here_runs_the_calling_threads_torch_ops_alone_and_leaves_other_threads_their_teams():
+    """A thread of ours (a vLLM worker's LoRA writes) sets its own OpenMP thread count to 1: its torch ops then run
+    on it alone, bit for bit as before, while the thread that started it, and a thread started later, keep
+    the process's count."""
+    import threading
+
+    before = max(2, torch.get_num_threads())
+    torch.set_num_threads(before)        # set explicitly, as vLLM's workers do: each new thread's set-up applies it
+    src = torch.randn(1 << 20, dtype=torch.float32)
+    want = src.to(torch.bfloat16)
+    seen: dict[str, object] = {}
+
+    def ours() -> None:
+        seen["took"] = omp.serial_here()  # before torch's own per-thread set-up, which must not undo it
+        seen["bits"] = torch.equal(src.to(torch.bfloat16).view(torch.int16), want.view(torch.int16))
+        seen["threads"] = torch.get_num_threads()        # after a parallel op too
+
+    def other() -> None:
+        seen["other"] = torch.get_num_threads()
+
+    for fn in (ours, other):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+    assert seen == {"took": True, "threads": 1, "bits": True, "other": before}
+    assert torch.get_num_threads() == before

@@ -273,6 +273,7 @@ class CkptDeltaWorker:
         steps and proves it (``vllm_lora_slots.write_locked``), then leaves its answer, or ``{"state": "failed",
         "why": ...}``, in that file (its tensor-parallel rank put in): the replica reads it there, without
         another RPC waiting for vLLM's step in progress."""
+        from ckptdelta.delta.omp import serial_here
         from ckptdelta.loader.engines.vllm.worker import lora_slots as slots
         from ckptdelta.loader.engines.vllm.worker.shadow import BackgroundJob
 
@@ -283,6 +284,7 @@ class CkptDeltaWorker:
         holder: dict[str, Any] = {}
 
         def run() -> dict[str, Any]:
+            serial_here()                         # this thread's torch ops on this thread alone (delta/omp.py)
             try:
                 holder["prepared"] = p = slots.prepare(self, lora_id, path, digests, config)
                 out = {"prepare_s": p.seconds, "index": p.index}

@@ -576,10 +576,12 @@ def listen(worker: Any, where: str) -> str:
 def _serve(worker: Any, srv: Any) -> None:
     import json
 
+    from ckptdelta.delta.omp import serial_here
     from ckptdelta.loader.engines.vllm.worker.readback import KERNEL_GUARD
     from ckptdelta.loader.engines.vllm.worker.shadow import KERNEL_LOCK
 
     KERNEL_GUARD.set(lambda: KERNEL_LOCK)         # as a BackgroundJob's: its kernel calls hold the kernel lock
+    serial_here()                                 # this thread's torch ops on this thread alone (delta/omp.py)
     while True:
         conn, _ = srv.accept()
         with conn:
