@@ -113,8 +113,9 @@ def team() -> Team | None:
 
 
 def serial_here() -> bool:
-    """torch's intra-op work started from the calling thread runs on that thread alone from now on; other
-    threads keep their teams. Returns whether it took.
+    """torch's OpenMP work started from the calling thread (its elementwise ops, copies, fills) runs on that
+    thread alone from now on; other threads keep their teams. Returns whether it took. (A matrix product that
+    torch hands to MKL keeps MKL's own thread count: a LoRA write runs none.)
 
     Why: a thread of our own that runs torch ops (a vLLM worker's LoRA writes, beside the engine loop) gets
     an OpenMP team of its own, whose threads sleep between the ops: each op of a few hundred KB waits for

@@ -156,9 +156,10 @@ def copy_to_host(sources: Mapping[str, torch.Tensor | np.ndarray],
         for name in (sources if names is None else names):
             raw = sources.sources[name] if isinstance(sources, Cast) else None
             if isinstance(raw, torch.Tensor) and raw.device.type == "cpu" and raw.is_floating_point() and \
-                    raw.dtype != sources.dtype:
-                # cast as it is copied, one pass (torch's copy_ casts as .to() does): a cast tensor first and a
-                # copy of it then took 4-5x as long on a LoRA adapter's small tensors
+                    raw.dtype != sources.dtype and raw.is_contiguous():
+                # cast as it is copied, one pass: a cast tensor first and a copy of it then took 4-5x as long on a
+                # LoRA adapter's small tensors. Contiguous sources only: there copy_ runs .to()'s very conversion;
+                # from a permuted tensor .to() keeps the strides and takes another kernel, whose NaNs differ
                 dst = _buffer(spare.get(name), sources.dtype, tuple(raw.shape), pin=False)
                 dst.copy_(raw.detach())
                 out[name] = dst

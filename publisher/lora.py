@@ -222,6 +222,22 @@ def _module_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
         yield t
 
 
+def _views_of(model: torch.nn.Module, tensors: Mapping[str, Any]) -> bool:
+    """Whether every one of ``tensors`` is a plain CPU or device tensor viewing the storage of one of the model's
+    own plain parameters or buffers: only such a state dict shows the next step through itself. One peft
+    computed (a copy, a product), or tensors of another kind (an FSDP2 model's DTensors, whose storage and address
+    are not their shards'), is taken again on every publish."""
+    def plain(t: Any) -> bool:
+        return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and \
+            t.device.type != "meta"
+
+    owned = set()
+    for t in _module_tensors(model):
+        if plain(t):
+            owned.add((t.untyped_storage().data_ptr(), t.device))
+    return all(plain(t) and (t.untyped_storage().data_ptr(), t.device) in owned for t in tensors.values())
+
+
 def adapter_key(model: torch.nn.Module) -> tuple:
     """What peft's state dict of a peft model depends on besides its config, read without a byte of the weights:
     every parameter's and buffer's name, identity, storage address, dtype, shape, strides and device. A module
@@ -329,12 +345,7 @@ class RunAdapter:
 
         tensors = get_peft_model_state_dict(model, adapter_name=name)
         check_adapter_tensors(list(tensors), f"peft model's adapter {name!r}")
-        # kept only where every entry is a view of a tensor the key covers: one peft computed (a copy, a
-        # product) would not show the next step
-        owned = {(t.untyped_storage().data_ptr(), t.device) for t in _module_tensors(model)}
-        views = all(isinstance(t, torch.Tensor) and (t.untyped_storage().data_ptr(), t.device) in owned
-                    for t in tensors.values())
-        self._peft_sd = (weakref.ref(model), key, dict(tensors)) if views else None
+        self._peft_sd = (weakref.ref(model), key, dict(tensors)) if _views_of(model, tensors) else None
         return tensors
 
     def _hash_base(self, model: Any, name: str | None) -> None:

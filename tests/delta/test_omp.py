@@ -94,7 +94,8 @@ def test_serial_here_runs_the_calling_threads_torch_ops_alone_and_leaves_other_t
     the process's count."""
     import threading
 
-    before = max(2, torch.get_num_threads())
+    was = torch.get_num_threads()
+    before = max(2, was)
     torch.set_num_threads(before)        # set explicitly, as vLLM's workers do: each new thread's set-up applies it
     src = torch.randn(1 << 20, dtype=torch.float32)
     want = src.to(torch.bfloat16)
@@ -108,9 +109,12 @@ def test_serial_here_runs_the_calling_threads_torch_ops_alone_and_leaves_other_t
     def other() -> None:
         seen["other"] = torch.get_num_threads()
 
-    for fn in (ours, other):
-        t = threading.Thread(target=fn)
-        t.start()
-        t.join()
-    assert seen == {"took": True, "threads": 1, "bits": True, "other": before}
-    assert torch.get_num_threads() == before
+    try:
+        for fn in (ours, other):
+            t = threading.Thread(target=fn)
+            t.start()
+            t.join()
+        assert seen == {"took": True, "threads": 1, "bits": True, "other": before}
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(was)

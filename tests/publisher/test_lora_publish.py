@@ -458,6 +458,53 @@ def test_an_adapter_whose_parameters_are_replaced_or_reassigned_between_publishe
     assert not any(torch.equal(truth[4][k], truth[3][k]) for k in truth[3])   # the second adapter's own bits
 
 
+FSDP2_PEFT_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
+from ckptdelta.loader import SnapshotReader
+from ckptdelta.publisher import AdapterSpec, BaseModel, Publisher
+from tests.publisher.test_lora_publish import peft_model, train_step
+lm_dir, url, out = sys.argv[1:4]
+dist.init_process_group("gloo", rank=0, world_size=1)
+model, _ = peft_model(lm_dir)
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+truth = {}
+# the base declared (AdapterSpec): the publisher does not hash an FSDP2 model's sharded base itself
+with Publisher(url, adapter=AdapterSpec(model.peft_config["default"], BaseModel.of(lm_dir))) as pub:
+    for step in range(3):
+        train_step(model, opt, seed=step)
+        r = pub.publish(model, step)
+        truth[r.version] = {k: v.full_tensor().clone() for k, v in get_peft_model_state_dict(model).items()}
+reader = SnapshotReader(url)
+for v, want in truth.items():
+    got = load_file(os.path.join(reader.materialize(v, os.path.join(out, str(v))), "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want), v
+    assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want), v
+assert len({tuple(t[next(iter(t))].flatten()[:4].tolist()) for t in truth.values()}) == 3
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_a_peft_model_sharded_by_fsdp2_on_one_rank_publishes_each_steps_bits(lm_dir, tmp_path):
+    """peft's state dict of an FSDP2 model holds DTensors, which share no storage address with their shards: the
+    publisher takes it again on every publish instead of reading the next steps through it (publisher/lora.py,
+    _views_of), and each version is the trainer's bits. (The first cut of that reuse raised on DTensors.)"""
+    import subprocess
+    import sys
+
+    from tests.servers import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    r = subprocess.run([sys.executable, "-c", FSDP2_PEFT_SCRIPT, lm_dir, str(tmp_path / "run"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=os.getcwd())
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_target_modules_or_rank_changing_anchor_serve_bit_exact_once_restarted_and_a_replica_refuses_naming_the_change(
         lm_dir, tmp_path):
     """An adapter whose target modules, then rank, change between versions: each change is an anchor whose reason

@@ -49,7 +49,10 @@ def test_dtype_publishes_floating_tensors_cast_and_integer_ones_as_they_are(tmp_
          "payloads": torch.tensor([0x7F800001, -0x003FFEDD, 0x7FC00ABC, 0x00000001], dtype=torch.int32).view(
              torch.float32),
          "transposed": torch.randn(24, 40, generator=g).t(), "bf16": torch.randn(8, generator=g).bfloat16(),
+         "nans": torch.randn(64, 24, generator=g),
          "mask": torch.tensor([True, False]), "np": np.linspace(-2, 2, 9, dtype=np.float32)}
+    for t in (w["transposed"], w["nans"]):     # NaNs past the conversion kernels' vector width
+        t[::3, ::5] = float("nan")
     with Publisher(str(tmp_path / "run"), dtype=torch.bfloat16, device_diff=device_diff) as pub:
         for step in range(3):
             pub.publish(w, step)

@@ -284,8 +284,8 @@ class CkptDeltaWorker:
         holder: dict[str, Any] = {}
 
         def run() -> dict[str, Any]:
-            serial_here()                         # this thread's torch ops on this thread alone (delta/omp.py)
             try:
+                serial_here()                     # this thread's torch ops on this thread alone (delta/omp.py)
                 holder["prepared"] = p = slots.prepare(self, lora_id, path, digests, config)
                 out = {"prepare_s": p.seconds, "index": p.index}
                 if answer is not None:

@@ -412,12 +412,15 @@ def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor] | 
             live = _at(buf, index)
             held = spare.get(k) if spare is not None else None
             if held is not None and _alike(held, live):
-                # an earlier hot-load's reference rows, handed back (_hand_back): no new pages, and not refilled
-                # from the live rows first (a third of the reference's time at rank 64): a linear layer's own
-                # set_lora (the only layers kept, _rows_only) zeroes its rows at the index, then copies every
-                # slice in, so nothing they held is left; rows past the adapter's rank hold zeros since the
-                # first reference, which was cloned from the live slot
-                pass
+                # an earlier hot-load's reference rows, handed back (_hand_back): no new pages. Its A and B rows
+                # are not refilled from the live rows first (a third of the reference's time at rank 64): a
+                # linear layer's own set_lora (the only layers kept, _rows_only) starts with its reset_lora,
+                # which zeroes every slice's A and B rows at the index, then copies each slice in, so nothing
+                # they held is left. Any other buffer (a classification head's whole weight) set_lora may leave
+                # as it is: refilled, as before
+                if k not in _REWRITTEN_WHOLE:
+                    for h, t in zip(held, live):
+                        h.copy_(t)
             else:
                 held = [t.clone() for t in live]
             object.__setattr__(one, k, held[0] if isinstance(buf, torch.Tensor) else tuple(held))
@@ -434,6 +437,10 @@ def expected_slot(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor] | 
             rows[name] = {k: [getattr(one, k)] if isinstance(getattr(one, k), torch.Tensor) else list(getattr(one, k))
                           for k in bufs}
     return out
+
+
+#: The stacked buffers a linear LoRA layer's set_lora rewrites whole at its index (reset_lora zeroes them first).
+_REWRITTEN_WHOLE = frozenset({"lora_a_stacked", "lora_b_stacked"})
 
 
 def _alike(held: list[torch.Tensor], live: list[torch.Tensor]) -> bool:
