@@ -60,7 +60,16 @@ class BaseModel:
             adapters = getattr(source, "peft_config", {}) or {}
             model = source.get_base_model() if is_peft_model(source) else source
             found = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-            return cls(name or found, base_digest(base_tensors(model, adapters)))
+            tensors = base_tensors(model, adapters)
+            odd = next(((n, t) for n, t in tensors if type(t) not in (torch.Tensor, torch.nn.Parameter)), None)
+            if odd is not None:
+                # an FSDP2 model's DTensor holds one shard; gathering it would wait for every rank of its mesh
+                raise PublishInputError(
+                    f"the base weight {odd[0]!r} is a {type(odd[1]).__name__} (a sharded or wrapped tensor, such as "
+                    "an FSDP2 model's DTensor), not a plain tensor: ckptdelta cannot hash that base from the model; "
+                    "declare it instead: Publisher(url, adapter=AdapterSpec(model.peft_config[name], "
+                    "BaseModel.of(BASE_MODEL_DIR)))")
+            return cls(name or found, base_digest(tensors))
         if isinstance(source, Mapping):
             return cls(name or "base", base_digest(source.items()))
         raise PublishInputError(f"BaseModel.of takes a model, a state dict or a model directory, not "

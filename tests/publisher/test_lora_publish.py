@@ -485,6 +485,14 @@ for v, want in truth.items():
     assert sorted(got) == sorted(want), v
     assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want), v
 assert len({tuple(t[next(iter(t))].flatten()[:4].tolist()) for t in truth.values()}) == 3
+from ckptdelta.delta.errors import PublishInputError
+try:                   # the base not declared: one line that says how, nothing written
+    with Publisher(os.path.join(out, "undeclared")) as undeclared:
+        undeclared.publish(model, 0)
+    raise AssertionError("an FSDP2 model's base was hashed from its shards")
+except PublishInputError as e:
+    assert "DTensor" in str(e) and "AdapterSpec" in str(e) and "\\n" not in str(e), e
+assert not os.path.exists(os.path.join(out, "undeclared", "manifests"))
 dist.destroy_process_group()
 print("ok")
 """
@@ -493,7 +501,8 @@ print("ok")
 def test_a_peft_model_sharded_by_fsdp2_on_one_rank_publishes_each_steps_bits(lm_dir, tmp_path):
     """peft's state dict of an FSDP2 model holds DTensors, which share no storage address with their shards: the
     publisher takes it again on every publish instead of reading the next steps through it (publisher/lora.py,
-    _views_of), and each version is the trainer's bits. (The first cut of that reuse raised on DTensors.)"""
+    _views_of), and each version is the trainer's bits. (The first cut of that reuse raised on DTensors.) A base
+    of DTensors the publisher cannot hash is refused in one line naming AdapterSpec (it crashed in numpy)."""
     import subprocess
     import sys
 
