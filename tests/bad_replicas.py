@@ -25,11 +25,19 @@ OTHER_SCHEMA = (200, "application/json", {"status": "ok", "version": "1.2.3"})
 ERROR_500 = (500, "text/plain", b"Internal Server Error")
 
 
+#: The sockets that keep dead_url()'s ports bound, for the life of the test process.
+_DEAD: list[socket.socket] = []
+
+
 def dead_url() -> str:
-    """A port of 127.0.0.1 nobody listens on: connections are refused at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    """A port of 127.0.0.1 nobody listens on: connections are refused at once. The port stays bound (never
+    listening) while the tests run, so that no server another test starts, in this process or the other
+    worker's, is given it: a port merely found free was, and a test expecting a refused connection met a
+    server that dropped it."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _DEAD.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 @contextlib.contextmanager
