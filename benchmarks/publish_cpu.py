@@ -12,8 +12,9 @@ threads (their share of the chunks), the S3 client (fsspec's event-loop thread, 
 s3fs and aiobotocore build, sign and send every request), the upload threads (each waits
 for its request there), the caller (the host copy) and the rest (threads that ended
 within the call included: the process's CPU time less the roles'). Medians over
-``--publishes`` steps per rank, after the anchor and one delta; parts per delta from
-each manifest (docs/FORMAT.md: a request each, plus the manifest's and HEAD's).
+``--publishes`` steps per rank, after the anchor and one delta, of the deltas (a periodic
+anchor among them is left out); parts per delta from each manifest (docs/FORMAT.md: a
+request each, plus the manifest's and HEAD's).
 
     python -m benchmarks.publish_cpu [--ranks 16,64] [--dtype bf16] [--publishes 12]
 
@@ -97,8 +98,8 @@ def measure_rank(base_dir: str, url: str, opts: dict, scratch: str, rank: int, l
             before, c0, w0 = thread_cpu(), time.process_time(), time.perf_counter()
             r = t.pub.publish(t.model, t.steps)
             wall, cpu, after = time.perf_counter() - w0, time.process_time() - c0, thread_cpu()
-            if i == 0:
-                continue                    # the first delta: the codec's first choice, buffers first used
+            if i == 0 or r.kind != "delta":
+                continue                    # the first delta (the codec's first choice, buffers first used), anchors
             roles = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in {*before, *after}}
             roles["other"] = cpu - sum(v for k, v in roles.items() if k != "other")
             manifest = json.loads(t.fs.cat_file(f"{t.root}/r{rank}/ckptdelta/manifests/{r.version:012d}.json"))
