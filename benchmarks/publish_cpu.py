@@ -26,9 +26,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -56,38 +54,11 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(data_dir: str) -> tuple[subprocess.Popen, str]:
-    from benchmarks import s3disk
-
-    os.makedirs(os.path.join(data_dir, s3disk.BUCKET), exist_ok=True)
-    endpoint = f"127.0.0.1:{_free_port()}"
-    proc = subprocess.Popen(s3disk.server_argv(data_dir, endpoint), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    host, port = endpoint.split(":")
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"rclone serve s3 exited with {proc.returncode}")
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return proc, f"http://{endpoint}"
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"rclone serve s3 did not listen on {endpoint} within 30 s") from None
-            time.sleep(0.1)
-
-
 def measure_rank(base_dir: str, url: str, opts: dict, scratch: str, rank: int, lr: float, dtype: str,
                  publishes: int, warmup: int, batch: list[int]) -> dict[str, Any]:
     """Per-publish wall and CPU (by role) of ``publishes`` delta steps at ``rank``."""
     from benchmarks.lora_peers import Trainer
+    from ckptdelta.delta.manifest import manifest_key
 
     t = Trainer(url, opts, scratch)
     t.op_init(base_dir, rank, f"r{rank}", warmup, lr, dtype, batch)
@@ -102,7 +73,7 @@ def measure_rank(base_dir: str, url: str, opts: dict, scratch: str, rank: int, l
                 continue                    # the first delta (the codec's first choice, buffers first used), anchors
             roles = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in {*before, *after}}
             roles["other"] = cpu - sum(v for k, v in roles.items() if k != "other")
-            manifest = json.loads(t.fs.cat_file(f"{t.root}/r{rank}/ckptdelta/manifests/{r.version:012d}.json"))
+            manifest = json.loads(t.fs.cat_file(f"{t.root}/r{rank}/ckptdelta/{manifest_key(r.version)}"))
             samples.append({"wall_s": wall, "cpu_s": cpu, "roles": roles, "parts": len(manifest["objects"]),
                             "stored_bytes": r.stored_bytes, "encode_s": r.encode_s, "copy_s": r.copy_s,
                             "kind": r.kind, "codec": r.codec})
@@ -164,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="AdamW steps before the anchor (default 10)")
     a = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    from benchmarks import s3disk
     from benchmarks.lora import FULL, QUICK, save_base
 
     shape, ranks, batch = (QUICK, [16], [2, 16]) if a.quick else (FULL, [int(x) for x in a.ranks.split(",")], [2, 64])
@@ -174,16 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)            # as benchmarks.lora's trainer (--trainer-threads 1)
     with tempfile.TemporaryDirectory(prefix="ckptdelta-publish-cpu-") as scratch:
         base_dir, _ = save_base(os.path.join(scratch, "base"), shape)
-        proc, endpoint = start_server(os.path.join(scratch, "bucket"))
+        server = s3disk.start(None, None, os.path.join(scratch, "bucket"))
         try:
-            from benchmarks import s3disk
-
-            rows = [measure_rank(base_dir, f"s3://{s3disk.BUCKET}", s3disk.storage_options(endpoint),
-                                 os.path.join(scratch, f"t{r}"), r, a.lr, a.dtype, a.publishes, a.warmup, batch)
+            rows = [measure_rank(base_dir, server.url, server.options, os.path.join(scratch, f"t{r}"), r, a.lr,
+                                 a.dtype, a.publishes, a.warmup, batch)
                     for r in ranks]
         finally:
-            proc.kill()
-            proc.wait()
+            server.proc.kill()
+            server.proc.wait()
     out = {"meta": {"command": harness.command("publish_cpu", argv), "dtype": a.dtype, "lr": a.lr,
                     "machine": harness.machine(),
                     "setup": f"Base {shape}, peft LoRA on every linear layer, AdamW lr {a.lr:g} on a "

@@ -93,24 +93,45 @@ class Server:
 
 
 def start(lab: Any, host: Any, data_dir: str, *, port: int = 9000, timeout: float = 30.0) -> Server:
-    """Serve ``data_dir`` (bucket ``bench`` inside it) on ``host``'s address in ``lab`` (benchmarks.links)."""
+    """Serve ``data_dir`` (bucket ``bench`` inside it) on ``host``'s address in ``lab`` (benchmarks.links), or,
+    with ``lab`` None, on a free port of 127.0.0.1 in this machine's own network (``host`` and ``port`` unused)."""
     os.makedirs(os.path.join(data_dir, BUCKET), exist_ok=True)
-    log_path = os.path.join(data_dir, "..", f"rclone-{host.name}.log")
+    log_path = os.path.join(data_dir, "..", f"rclone-{host.name if lab is not None else 'local'}.log")
     log = open(log_path, "wb")
-    addr = f"{host.ip}:{port}"
-    proc = lab.popen(host, server_argv(data_dir, addr), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    if lab is None:
+        from tests.servers import free_port
+
+        ip, port = "127.0.0.1", free_port()
+        proc = subprocess.Popen(server_argv(data_dir, f"{ip}:{port}"), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+    else:
+        ip = host.ip
+        proc = lab.popen(host, server_argv(data_dir, f"{ip}:{port}"), stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=subprocess.STDOUT)
     log.close()
+    probe = ["bash", "-c", f"exec 3<>/dev/tcp/{ip}/{port}"]
     deadline = time.monotonic() + timeout
-    probe = ["bash", "-c", f"exec 3<>/dev/tcp/{host.ip}/{port}"]
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"rclone serve s3 exited with {proc.returncode}: {tail(log_path, 2000)}")
-        if lab.run(host, probe, capture_output=True, timeout=10).returncode == 0:
-            return Server(f"http://{addr}", data_dir, proc, log_path)
+        if (_listens(ip, port) if lab is None else
+                lab.run(host, probe, capture_output=True, timeout=10).returncode == 0):
+            return Server(f"http://{ip}:{port}", data_dir, proc, log_path)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"rclone serve s3 did not listen on {addr} within {timeout:g} s: "
+            proc.kill()
+            raise RuntimeError(f"rclone serve s3 did not listen on {ip}:{port} within {timeout:g} s: "
                                f"{tail(log_path, 2000)}")
         time.sleep(0.1)
+
+
+def _listens(ip: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((ip, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 # --- measured from a client (run inside a host of the lab: benchmarks.peers) -----------------

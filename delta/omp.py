@@ -29,6 +29,7 @@ again) and the threads share work through an atomic counter (:func:`fetch_add`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -141,18 +142,10 @@ def serial_here() -> bool:
     return torch.get_num_threads() == 1
 
 
-_LIBRARY: list[str | None] = []      # _torch_openmp_library's answer, once found (a mapped library stays mapped)
-
-
+@functools.cache
 def _torch_openmp_library() -> str | None:
     """The OpenMP runtime mapped into this process from torch's own directories, when torch runs on it (read
     from ``/proc/self/maps`` once per process: torch cannot unload it)."""
-    if not _LIBRARY:
-        _LIBRARY.append(_find_torch_openmp_library())
-    return _LIBRARY[0]
-
-
-def _find_torch_openmp_library() -> str | None:
     import torch
 
     if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
