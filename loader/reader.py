@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent import futures
-from typing import Iterator, Sequence, TYPE_CHECKING
+from typing import Callable, Iterator, Sequence, TYPE_CHECKING
 
 import torch
 
@@ -51,12 +51,35 @@ BATCH_BYTES = 256 << 20
 #: decoded only once all of it had crossed the link (docs/PERFORMANCE.md, "LoRA runs, the replica's fixed
 #: costs"); a model's delta of GBs still reaches 256 MiB batches after a few doublings.
 FIRST_BATCH_BYTES = 1 << 20
+#: A read's batches hold at most 1/TAIL_SHARE of its bytes (at least FIRST_BATCH_BYTES): the last batch is
+#: decoded only once all of it is in, so doubling alone left up to half of a LoRA step's tens of MB to decode
+#: after the link went quiet (a rank-64 fp32 step of 48 MB closed on a batch of 17 MB, 70-110 ms of decoding
+#: after its fetch; docs/PERFORMANCE.md). The publisher cuts its parts by the same rule.
+TAIL_SHARE = 8
 #: A reader's kept threads (loader/threads.py): the run's check beside a resolve and one fetch batch in flight
 #: per iteration, with room for a few iterations at once (a hot-load and a prefetch of the next version).
 READER_THREADS = 4
 MAX_CHAIN = 1 << 20
 #: Manifests kept in memory (least recently used dropped first); a chain rarely exceeds a few hundred.
 MANIFEST_CACHE = 1024
+
+
+def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES) -> list[list[int]]:
+    """The groups of a read (their fetched bytes, in order) cut into batches of whole groups: the first of
+    about FIRST_BATCH_BYTES, each next one up to twice the last, at most ``batch_bytes`` and 1/TAIL_SHARE of
+    the read (FIRST_BATCH_BYTES at least); a group larger than that is a batch of its own."""
+    cap = max(1, min(batch_bytes, max(FIRST_BATCH_BYTES, sum(sizes) // TAIL_SHARE)))
+    batches: list[list[int]] = [[]]
+    size = 0
+    limit = min(cap, FIRST_BATCH_BYTES)
+    for gi, n in enumerate(sizes):
+        if batches[-1] and size + n > limit:
+            batches.append([])
+            size = 0
+            limit = min(cap, 2 * limit)
+        batches[-1].append(gi)
+        size += n
+    return batches
 
 _NAME = re.compile(r"v([0-9]{8,18})", re.ASCII)
 _DECIMAL = re.compile(r"[0-9]{1,18}", re.ASCII)
@@ -490,8 +513,7 @@ class SnapshotReader:
     def iter_fetched(self, groups: Sequence[Sequence[Piece]], *, batch_bytes: int = BATCH_BYTES,
                      use_cache: bool = True, counter: dict | None = None) -> Iterator[tuple[int, list]]:
         """(group index, verified payloads) for each group, fetched in batches with the next batch in
-        flight while the caller works on this one: the first of about ``FIRST_BATCH_BYTES``, each next
-        one up to twice the last, at most ``batch_bytes`` (a group is never split).
+        flight while the caller works on this one, cut by :func:`fetch_batches` (a group is never split).
         ``counter["fetch_s"]`` accumulates the time spent waiting for bytes."""
         for batch in self.iter_fetched_batches(groups, batch_bytes=batch_bytes, use_cache=use_cache,
                                                counter=counter):
@@ -502,17 +524,7 @@ class SnapshotReader:
         """:meth:`iter_fetched`'s groups a fetched batch at a time: a caller that hands work to other threads
         can hand many small groups over at once (one handoff per group costs more than decoding a small
         tensor on a busy host)."""
-        batches: list[list[int]] = [[]]
-        size = 0
-        limit = min(batch_bytes, FIRST_BATCH_BYTES)
-        for gi, g in enumerate(groups):
-            n = sum(p.nbytes for p in g)
-            if batches[-1] and size + n > limit:
-                batches.append([])
-                size = 0
-                limit = min(batch_bytes, 2 * limit)
-            batches[-1].append(gi)
-            size += n
+        batches = fetch_batches([sum(p.nbytes for p in g) for g in groups], batch_bytes)
 
         def fetch_batch(b: list[int]) -> list:
             return self.fetch([p for gi in b for p in groups[gi]], use_cache=use_cache, counter=counter)

@@ -124,9 +124,10 @@ PRIOR_FAST_VS_CONTEXT = {"encode": cost_of(FAST).prior_per_work / cost_of(CONTEX
 #: each side: the decode grows more slowly with the changes than the encode does.
 DECODE_WORK = {c: cost_of(c).decode_work for c in CODECS}
 #: A replica's fetch batches (loader/reader.py): the first this many bytes, then twice the last, up to
-#: REPLICA_BATCH_BYTES.
+#: REPLICA_BATCH_BYTES or 1/REPLICA_TAIL_SHARE of the read, whichever is smaller.
 REPLICA_FIRST_BATCH_BYTES = 1 << 20
 REPLICA_BATCH_BYTES = 256 << 20
+REPLICA_TAIL_SHARE = 8
 
 
 @dataclass(frozen=True)
@@ -293,7 +294,8 @@ class CodecChooser:
         nbytes = max(1, math.ceil(stored))
         committed = _pipeline(deltas.part_sizes(nbytes, self.part_bytes, deltas.FIRST_PART_BYTES), encode_s,
                               upload_s)
-        swapped = committed + _pipeline(deltas.part_sizes(nbytes, REPLICA_BATCH_BYTES, REPLICA_FIRST_BATCH_BYTES),
+        batch = min(REPLICA_BATCH_BYTES, max(REPLICA_FIRST_BATCH_BYTES, nbytes // REPLICA_TAIL_SHARE))
+        swapped = committed + _pipeline(deltas.part_sizes(nbytes, batch, REPLICA_FIRST_BATCH_BYTES),
                                         upload_s, decode_s)    # fetched at the link's rate, as uploaded
         return Prediction(codec, encode_s, stored, upload_s, committed, decode_s, swapped, measured)
 

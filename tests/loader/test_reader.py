@@ -120,7 +120,8 @@ def test_a_request_near_an_objects_start_begins_at_its_first_byte(tmp_path, monk
 
 def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes(shared_run, monkeypatch):
     """Decoding waits only for the first batch (about FIRST_BATCH_BYTES); each later batch may hold twice as
-    much as the last, up to batch_bytes, and a batch always holds whole tensors."""
+    much as the last, up to batch_bytes or 1/TAIL_SHARE of the read (what is left to decode once the link is
+    quiet), and a batch always holds whole tensors."""
     import ckptdelta.loader.reader as reader_mod
     from ckptdelta.loader.update_path import rebuild_pieces
 
@@ -138,6 +139,7 @@ def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes
         return real(pieces, **kw)
 
     monkeypatch.setattr(r, "fetch", counting)
+    cap = max(min(sizes), sum(sizes) // reader_mod.TAIL_SHARE)
     got = list(r.iter_fetched(groups, batch_bytes=sum(sizes)))
     assert [gi for gi, _ in got] == list(range(len(groups)))
     assert calls[0] == sizes[0] and sum(calls) == sum(sizes) and 1 < len(calls) < len(groups)
@@ -149,10 +151,29 @@ def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes
         assert sum(sizes[start:end]) == c and (c <= limit or end == start + 1), (k, c, limit)
         if end < len(sizes):                 # and it stopped before the tensor that would pass its limit
             assert c + sizes[end] > limit, (k, c, limit)
-        start, limit = end, 2 * limit
+        start, limit = end, min(cap, 2 * limit)
     calls.clear()
     list(r.iter_fetched(groups, batch_bytes=1))          # a cap below every tensor: one tensor per batch
     assert calls == sizes
+
+
+def test_a_read_of_tens_of_mb_leaves_at_most_an_eighth_of_it_to_decode_after_its_last_byte():
+    """Batches double from FIRST_BATCH_BYTES but stop at 1/TAIL_SHARE of the read: the last batch, decoded only
+    once all of it is in, is a small share of the read, not the half that doubling alone leaves."""
+    from ckptdelta.loader.reader import FIRST_BATCH_BYTES, TAIL_SHARE, fetch_batches
+
+    mib = 1 << 20
+    sizes = [mib // 4] * 192                                            # a LoRA step: 48 MiB of 256 KiB tensors
+    batches = fetch_batches(sizes)
+    held = [sum(sizes[gi] for gi in b) for b in batches]
+    assert [gi for b in batches for gi in b] == list(range(len(sizes)))
+    assert held[:4] == [FIRST_BATCH_BYTES, 2 * mib, 4 * mib, 6 * mib] == [mib, 2 * mib, 4 * mib, 48 * mib // TAIL_SHARE]
+    assert max(held) == 6 * mib and held[-1] == 5 * mib and len(batches) == 10
+    assert fetch_batches(sizes, batch_bytes=3 * mib)[4] == list(range(36, 48))        # batch_bytes caps it lower
+    small = fetch_batches([mib // 4] * 16)                              # 4 MiB: batches of FIRST_BATCH_BYTES
+    assert [len(b) for b in small] == [4, 4, 4, 4]
+    assert fetch_batches([10 * mib, mib, 10 * mib]) == [[0], [1], [2]]  # a group past the cap is its own batch
+    assert fetch_batches([]) == [[]]
 
 
 def test_a_fresh_resolve_confirms_the_manifest_beside_the_run_check_in_two_requests(run):

@@ -274,9 +274,11 @@ def test_predictions_follow_the_share_of_changed_elements():
 def test_a_delta_of_many_parts_is_predicted_as_a_pipeline(monkeypatch):
     """Parts of 40, 80 and the last ~93 kB (doubling from FIRST_PART_BYTES): on a fast link only the last
     part's upload is left once encoding ends; on a slow one only the first part's encoding precedes the
-    uploads. A replica's fetch batches (40, 80, the rest) pipeline its fetch with its decode the same way."""
+    uploads. A replica's fetch batches (40, 80, the rest, with no cap of a share of the read) pipeline its
+    fetch with its decode the same way."""
     monkeypatch.setattr(deltas, "FIRST_PART_BYTES", 40_000)
     monkeypatch.setattr(codec_choice, "REPLICA_FIRST_BATCH_BYTES", 40_000)
+    monkeypatch.setattr(codec_choice, "REPLICA_TAIL_SHARE", 1)
     for bandwidth, upload_bound in ((100 * MB, False), (0.1 * MB, True)):
         ch = CodecChooser(part_bytes=160_000)
         _feed(ch, CONTEXT, bandwidth)
