@@ -18,7 +18,7 @@ request each, plus the manifest's and HEAD's).
 
     python -m benchmarks.publish_cpu [--ranks 16,64] [--dtype bf16] [--publishes 12]
 
-Writes benchmarks/results/publish_cpu.{md,json,png}.
+Writes benchmarks/results/publish_cpu{,-fp32}{,-quick}.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"({s3disk.RCLONE_PIN}) over a directory on 127.0.0.1, unshaped; {a.publishes} timed "
                              f"publishes per rank after the anchor and one delta; python {platform.python_version()}."},
            "rows": rows}
-    harness.write(os.path.join(a.out_dir, "publish_cpu" + ("-quick" if a.quick else "")), markdown(out), out,
-                  lambda path: plot(out, path))
+    name = "publish_cpu" + ("-fp32" if a.dtype == "fp32" else "") + ("-quick" if a.quick else "")
+    harness.write(os.path.join(a.out_dir, name), markdown(out), out, lambda path: plot(out, path))
     return 0
 
 

@@ -9,11 +9,16 @@ import threading
 import pytest
 
 
-def test_a_quick_publish_cpu_run_splits_each_publishs_cpu_by_thread_and_writes_markdown_json_and_png(tmp_path):
+@pytest.mark.parametrize("dtype, name", [("bf16", "publish_cpu-quick"), ("fp32", "publish_cpu-fp32-quick")])
+def test_a_quick_publish_cpu_run_splits_each_publishs_cpu_by_thread_and_writes_markdown_json_and_png(tmp_path, dtype,
+                                                                                                     name):
+    """Each dtype's run has files of its own: an fp32 run does not overwrite the bf16 one's results."""
     from benchmarks import publish_cpu
 
-    assert publish_cpu.main(["--quick", "--out-dir", str(tmp_path)]) == 0
-    out = json.loads((tmp_path / "publish_cpu-quick.json").read_text())
+    assert publish_cpu.main(["--quick", "--dtype", dtype, "--out-dir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [f"{name}.{e}" for e in ("json", "md", "png")]
+    out = json.loads((tmp_path / f"{name}.json").read_text())
+    assert out["meta"]["dtype"] == dtype
     (row,) = out["rows"]
     assert row["rank"] == 16 and len(row["samples"]) == 3
     for s in row["samples"]:
@@ -22,9 +27,9 @@ def test_a_quick_publish_cpu_run_splits_each_publishs_cpu_by_thread_and_writes_m
         # every request went through fsspec's loop thread, and the encode ran on the publish thread
         assert roles["S3 client (fsspec loop)"] > 0 and roles["publish thread"] > 0
         assert sum(roles.values()) == pytest.approx(s["cpu_s"], abs=1e-9)     # "other" closes the sum
-    md = (tmp_path / "publish_cpu-quick.md").read_text()
-    assert "| rank | MB / delta | parts |" in md and "S3 client (fsspec loop)" in md
-    assert (tmp_path / "publish_cpu-quick.png").stat().st_size > 5_000
+    md = (tmp_path / f"{name}.md").read_text()
+    assert f"({dtype} adapters)" in md and "| rank | MB / delta | parts |" in md and "S3 client (fsspec loop)" in md
+    assert (tmp_path / f"{name}.png").stat().st_size > 5_000
 
 
 def test_thread_cpu_counts_a_busy_thread_under_its_role():
