@@ -350,17 +350,39 @@ def test_a_generation_longer_than_the_client_timeout_is_waited_for_and_one_past_
             out = c.sample(ModelInput.from_ints(ids), 2, SamplingParams(max_tokens=400))
             return len(out.sequences[0].tokens)
 
+    def first_step_waits(seconds: float) -> tuple[threading.Event, object]:
+        """The generation's first forward step waits up to ``seconds`` (until the event is set): it outlasts the
+        client's 0.05 s however soon its sampled tokens reach EOS (the SamplingClient sends no ignore_eos, and
+        a generation that ended in 20 ms once proved nothing), on a quiet machine as on a loaded one."""
+        release, waited = threading.Event(), []
+
+        def hook(module, args, output):
+            if not waited:
+                waited.append(True)
+                release.wait(seconds)
+
+        return release, rep.engine.model.register_forward_hook(hook)
+
     before = _completion_requests(rep)
+    _, handle = first_step_waits(0.2)
     t0 = time.monotonic()
-    assert 1 <= sample(timeout=0.05) <= 400        # (the SamplingClient sends no ignore_eos: EOS may end it first)
+    try:
+        assert 1 <= sample(timeout=0.05) <= 400
+    finally:
+        handle.remove()
     took = time.monotonic() - t0
-    assert took > 0.05, f"the generation took {took:.3f}s: too short to prove anything"
+    assert took > 0.2, f"the generation took {took:.3f}s: too short to prove anything"
     counts = _completion_requests(rep)
     assert counts.get("200", 0) == before.get("200", 0) + 1 and sum(counts.values()) == sum(before.values()) + 1
 
     finished = rep.status()["engine"]["finished"]
-    with pytest.raises(SampleTimeoutError) as info:
-        sample(sample_timeout=0.05, ready_timeout=30)
+    release, handle = first_step_waits(30.0)            # held until the client gave up
+    try:
+        with pytest.raises(SampleTimeoutError) as info:
+            sample(sample_timeout=0.05, ready_timeout=30)
+    finally:
+        release.set()
+        handle.remove()
     assert isinstance(info.value, ReplicaError) and isinstance(info.value, TimeoutError)
     assert rep.url in str(info.value) and "0.05s" in str(info.value) and "not sent again" in str(info.value)
     deadline = time.monotonic() + 30
