@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -125,8 +126,6 @@ def start(lab: Any, host: Any, data_dir: str, *, port: int = 9000, timeout: floa
 
 
 def _listens(ip: str, port: int) -> bool:
-    import socket
-
     try:
         socket.create_connection((ip, port), timeout=1).close()
         return True

@@ -271,6 +271,15 @@ def test_predictions_follow_the_share_of_changed_elements():
     assert big[CONTEXT].encode_s > 2 * small[CONTEXT].encode_s
 
 
+def test_the_prediction_cuts_a_replica_s_fetch_batches_as_the_replica_does():
+    """publisher/ may not import loader/: codec_choice keeps its own copy of the reader's batch rule, which must
+    stay the reader's (the first batch, the largest, the share of the read the last may hold)."""
+    from ckptdelta.loader import reader
+
+    assert (codec_choice.REPLICA_FIRST_BATCH_BYTES, codec_choice.REPLICA_BATCH_BYTES,
+            codec_choice.REPLICA_TAIL_SHARE) == (reader.FIRST_BATCH_BYTES, reader.BATCH_BYTES, reader.TAIL_SHARE)
+
+
 def test_a_delta_of_many_parts_is_predicted_as_a_pipeline(monkeypatch):
     """Parts of 40, 80 and the last ~93 kB (doubling from FIRST_PART_BYTES): on a fast link only the last
     part's upload is left once encoding ends; on a slow one only the first part's encoding precedes the
