@@ -61,3 +61,28 @@ def dtype_args(args: Sequence[str], manifest: Manifest) -> list[str]:
         f"vLLM would serve {what} in {served}, but its weights are {want}: a cast copy is not the published "
         f"bits, which a replica must serve. Leave --dtype out (the replica then passes --dtype {want}), or "
         f"publish the run in the dtype to serve (Publisher(dtype=torch.{to}))")
+
+
+#: vLLM's 16-bit LoRA dtypes, as its workers report them (``str(torch.dtype)``), and the name each goes by.
+LORA_16_BIT = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def lora_dtype_note(manifest: Manifest, lora_dtype: str) -> str | None:
+    """One line for a LoRA run published in float32 to a vLLM that holds LoRA weights in 16 bits, or None.
+
+    vLLM casts every lora_A and lora_B weight to its LoRA dtype (``--lora-dtype``; ``auto``: the model's) first
+    thing as it takes an adapter, before it scales or packs anything, by torch's round to nearest even: half of
+    each fetched fp32 element is dropped on arrival. Publishing with ``Publisher(dtype=...)`` makes that very
+    cast on the trainer, so the slot holds the same bits (tests/loader/engines/vllm/test_vllm_lora.py proves it
+    against vLLM's own load of the fp32 directory), and each step ships what the replica serves: several times
+    fewer bytes (docs/PERFORMANCE.md). Said only where the cast is all that differs: every tensor a lora_A or
+    lora_B weight (vLLM keeps other tensors, a module to save, in their own dtype) and every one float32."""
+    to = LORA_16_BIT.get(lora_dtype)
+    entries = manifest.tensors
+    if to is None or not entries or any(e.dtype != "F32" for e in entries.values()) or \
+            any(".lora_A." not in n and ".lora_B." not in n for n in entries):
+        return None
+    return (f"run {manifest.run_id} publishes its adapters in float32, and this vLLM holds LoRA weights in {to} "
+            f"(--lora-dtype): it casts each one as it takes it, so half of every fetched bit is dropped. Publishing "
+            f"with Publisher(dtype=torch.{to}) makes the same cast on the trainer: the same slot, bit for bit, "
+            f"from steps several times smaller (docs/PERFORMANCE.md)")

@@ -59,6 +59,7 @@ from ckptdelta.loader.spans import pinned
 from ckptdelta.loader.engines.base import EngineApplier, ReplicaAPIError
 from ckptdelta.loader.engines.shared_weights import SharedWeights
 from ckptdelta.loader.engines.vllm.control import CONTROL_TIMEOUT_S, VllmControl, VllmError
+from ckptdelta.loader.engines.vllm.dtype import LORA_16_BIT, lora_dtype_note
 from ckptdelta.loader.engines.vllm.replica import REQUEST_TIMEOUT_S, Admission, VllmReplica
 from ckptdelta.loader.engines.vllm.server import VllmServer
 from ckptdelta.loader.engines.vllm.applier import snapshot_label
@@ -345,9 +346,12 @@ class LoraSlotApplier(EngineApplier):
 class VllmLoraReplica(VllmReplica):
     """A :class:`VllmReplica` whose requests are pinned to LoRA slots (see the module docstring)."""
 
-    def __init__(self, *, slots: SlotTable, lora_rank: int, warm_s: float | None = None, **kwargs: Any):
+    def __init__(self, *, slots: SlotTable, lora_rank: int, warm_s: float | None = None, lora_dtype: str | None = None,
+                 dtype_note: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.slots, self.lora_rank, self.warm_s = slots, lora_rank, warm_s
+        self.lora_dtype = LORA_16_BIT.get(lora_dtype, lora_dtype.removeprefix("torch.")) if lora_dtype else None
+        self.dtype_note = dtype_note
 
     def admit(self, body: dict[str, Any]) -> Admission:
         slot = self.slots.admit()
@@ -370,7 +374,7 @@ class VllmLoraReplica(VllmReplica):
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "lora_rank": self.lora_rank, "lora_slots": self.slots.view(),
-                "lora_warm_s": self.warm_s}
+                "lora_warm_s": self.warm_s, "lora_dtype": self.lora_dtype, "lora_dtype_note": self.dtype_note}
 
 
 def lora_args(slots: int, rank: int) -> list[str]:
@@ -382,10 +386,11 @@ def lora_args(slots: int, rank: int) -> list[str]:
             str(max_rank)]
 
 
-def register_slots(control: VllmControl, slots: SlotTable, adapter_dir: str, where: str) -> None:
+def register_slots(control: VllmControl, slots: SlotTable, adapter_dir: str, where: str) -> dict[str, Any]:
     """Each slot registered with vLLM from the snapshot's own PEFT directory (vLLM's ``load_lora_adapter``, the
     one directory read of the replica's life), then pinned in its LoRA caches; an adapter vLLM refuses (a layer
-    its model has no LoRA for, a rank above its limit) is one line naming the snapshot."""
+    its model has no LoRA for, a rank above its limit) is one line naming the snapshot. Returns the first
+    worker's account of its LoRA manager (``lora_slots.describe``)."""
     for s in slots.slots:
         try:
             r = control.http.post("/v1/load_lora_adapter", json={"lora_name": s.name, "lora_path": adapter_dir})
@@ -398,10 +403,12 @@ def register_slots(control: VllmControl, slots: SlotTable, adapter_dir: str, whe
                 why = r.text[:500]
             raise NotServableError(f"{where}: vLLM refuses the adapter ({r.status_code}): {why}")
     ids = [s.id for s in slots.slots]
-    for w, answer in enumerate(control.rpc("ckptdelta_lora_slots", {"pin": ids})):
+    answers = control.rpc("ckptdelta_lora_slots", {"pin": ids})
+    for w, answer in enumerate(answers):
         if answer.get("registered") != ids:
             raise VllmError(f"vLLM worker {w} holds LoRA adapters {answer.get('registered')}, not the "
                             f"{len(ids)} slots registered at start ({ids})")
+    return answers[0]
 
 
 #: A warm-up request's prompt (token ids: no tokenizer needed) and its tokens: a prefill and a decode step.
@@ -498,7 +505,10 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
         server.wait_ready()
         control = VllmControl(server.url, api_key=vllm_api_key, timeout=control_timeout)
         control.rpc("ckptdelta_layout", {})
-        register_slots(control, slots, adapter_dir, where)
+        lora_dtype = register_slots(control, slots, adapter_dir, where).get("lora_dtype")
+        dtype_note = lora_dtype_note(m, lora_dtype) if lora_dtype else None
+        if dtype_note:
+            log.warning("%s", dtype_note)
         applier = LoraSlotApplier(control, shared, slots, reader=reader, config=config, slot_timeout=request_timeout)
         applier.listen(scratch.path)
         t0 = time.perf_counter()
@@ -515,7 +525,8 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
 
         watch = EngineWatch(server.url, applier=applier, proc=server.proc, api_key=vllm_api_key,
                             on_failure=on_failure).start()
-        return VllmLoraReplica(slots=slots, lora_rank=rank, warm_s=warm_s, url=server.url, served_name=name, swapper=swapper,
+        return VllmLoraReplica(slots=slots, lora_rank=rank, warm_s=warm_s, lora_dtype=lora_dtype,
+                               dtype_note=dtype_note, url=server.url, served_name=name, swapper=swapper,
                                applier=applier, shared=shared, cache_policy=cache_policy, server=server,
                                model_dir=base_dir, owned_dir=scratch, request_timeout=request_timeout, watch=watch)
     except BaseException as e:

@@ -10,11 +10,13 @@ on a delta (v1), as one started mid-run does.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import types
 
 import pytest
+import torch
 
 from ckptdelta.delta.errors import HotLoadError, NotServableError
 from ckptdelta.loader import SnapshotReader
@@ -149,6 +151,50 @@ def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms
     assert written == [False, False, True, True, True, False, True, True, True]
     status = rep.http.get("/v1/status").json()["engine"]
     assert [s["version"] for s in status["lora_slots"] if s["serving"]] == [5]
+
+
+def test_an_fp32_adapter_cast_on_the_trainer_fills_the_slot_vllm_fills_from_the_fp32_directory(rep, fresh,
+                                                                                                  lora_run):
+    """The run publishes fp32 adapters and vLLM holds LoRA weights in bf16: the replica says so, naming
+    Publisher(dtype=torch.bfloat16), and that publisher's cast (publisher/host_copy.py's Cast) fills the very slot
+    vLLM's own load of the fp32 directory filled, bit for bit: the fresh vLLM's slot of each version is proven
+    against the bf16 tensors, and fails where one bit of them differs."""
+    from safetensors.torch import load_file
+
+    from ckptdelta.delta.lora_record import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+    from ckptdelta.loader.engines.shared_weights import SharedWeights
+    from ckptdelta.loader.engines.vllm.control import VllmError
+    from ckptdelta.loader.engines.vllm.worker.lora_slots import _host_digest
+    from ckptdelta.publisher.host_copy import Cast
+
+    status = rep.http.get("/v1/status").json()["engine"]
+    assert status["lora_dtype"] == "bfloat16"
+    assert "Publisher(dtype=torch.bfloat16)" in status["lora_dtype_note"], status
+    for v in (0, 4):
+        d = lora_run["dirs"][v]
+        fp32 = load_file(os.path.join(d, ADAPTER_WEIGHTS_NAME))
+        assert {t.dtype for t in fp32.values()} == {torch.float32}
+        cast = Cast(fp32, torch.bfloat16)
+        bf16 = {n: cast[n] for n in cast}
+        with open(os.path.join(d, ADAPTER_CONFIG_NAME)) as f:
+            config = json.load(f)
+        shared = SharedWeights.create(bf16)
+        try:
+            digests = {n: _host_digest(t) for n, t in bf16.items()}
+            req = {"id": v + 1, "path": shared.path, "digests": digests, "config": config}
+            assert all(a["checked"] > 0 for a in fresh.rpc("ckptdelta_lora_prove", req)), f"v{v}"
+        finally:
+            shared.close()
+        name = sorted(bf16)[0]
+        bf16[name] = bf16[name].clone()
+        bf16[name].view(torch.int16).view(-1)[0] ^= 1         # one bit of one element: the proof must see it
+        shared = SharedWeights.create(bf16)
+        try:
+            req["path"], req["digests"] = shared.path, {n: _host_digest(t) for n, t in bf16.items()}
+            with pytest.raises(VllmError):
+                fresh.rpc("ckptdelta_lora_prove", req)
+        finally:
+            shared.close()
 
 
 def test_a_preparation_whose_host_copy_fails_its_digests_writes_nothing_and_the_write_refuses(rep):
