@@ -71,8 +71,8 @@ def lora_dtype_note(manifest: Manifest, lora_dtype: str) -> str | None:
     """One line for a LoRA run published in float32 to a vLLM that holds LoRA weights in 16 bits, or None.
 
     vLLM casts every lora_A and lora_B weight to its LoRA dtype (``--lora-dtype``; ``auto``: the model's) first
-    thing as it takes an adapter, before it scales or packs anything, by torch's round to nearest even: half of
-    each fetched fp32 element is dropped on arrival. Publishing with ``Publisher(dtype=...)`` makes that very
+    thing as it takes an adapter, before it scales or packs anything, by torch's round to nearest even: 16 of
+    each fetched fp32 element's 32 bits are all it keeps. Publishing with ``Publisher(dtype=...)`` makes that very
     cast on the trainer, so the slot holds the same bits (tests/loader/engines/vllm/test_vllm_lora.py proves it
     against vLLM's own load of the fp32 directory), and each step ships what the replica serves: several times
     fewer bytes (docs/PERFORMANCE.md). Said only where the cast is all that differs: every tensor a lora_A or
@@ -83,6 +83,6 @@ def lora_dtype_note(manifest: Manifest, lora_dtype: str) -> str | None:
             any(".lora_A." not in n and ".lora_B." not in n for n in entries):
         return None
     return (f"run {manifest.run_id} publishes its adapters in float32, and this vLLM holds LoRA weights in {to} "
-            f"(--lora-dtype): it casts each one as it takes it, so half of every fetched bit is dropped. Publishing "
-            f"with Publisher(dtype=torch.{to}) makes the same cast on the trainer: the same slot, bit for bit, "
-            f"from steps several times smaller (docs/PERFORMANCE.md)")
+            f"(--lora-dtype): it casts each one as it takes it, keeping 16 of every fetched element's 32 bits. "
+            f"Publishing with Publisher(dtype=torch.{to}) makes the same cast on the trainer: the same slot, bit "
+            f"for bit, from steps several times smaller (docs/PERFORMANCE.md)")
