@@ -191,7 +191,7 @@ def test_an_fp32_adapter_cast_on_the_trainer_fills_the_slot_vllm_fills_from_the_
         shared = SharedWeights.create(bf16)
         try:
             req["path"], req["digests"] = shared.path, {n: _host_digest(t) for n, t in bf16.items()}
-            with pytest.raises(VllmError):
+            with pytest.raises(VllmError, match="differs from vLLM's own load"):
                 fresh.rpc("ckptdelta_lora_prove", req)
         finally:
             shared.close()
