@@ -71,18 +71,20 @@ def lora_dtype_note(manifest: Manifest, lora_dtype: str) -> str | None:
     """One line for a LoRA run published in float32 to a vLLM that holds LoRA weights in 16 bits, or None.
 
     vLLM casts every lora_A and lora_B weight to its LoRA dtype (``--lora-dtype``; ``auto``: the model's) first
-    thing as it takes an adapter, before it scales or packs anything, by torch's round to nearest even: 16 of
-    each fetched fp32 element's 32 bits are all it keeps. Publishing with ``Publisher(dtype=...)`` makes that very
+    thing as it takes an adapter, before it scales or packs anything, by torch's round to nearest even: it
+    keeps 16 bits of each fetched fp32 element. Publishing with ``Publisher(dtype=...)`` makes that very
     cast on the trainer, so the slot holds the same bits (tests/loader/engines/vllm/test_vllm_lora.py proves it
     against vLLM's own load of the fp32 directory), and each step ships what the replica serves: several times
     fewer bytes (docs/PERFORMANCE.md). Said only where the cast is all that differs: every tensor a lora_A or
-    lora_B weight (vLLM keeps other tensors, a module to save, in their own dtype) and every one float32."""
+    lora_B weight (vLLM keeps other tensors, a module to save, in their own dtype; an embedding's LoRA, which it
+    casts too, is left out: no test holds it) and every one float32."""
     to = LORA_16_BIT.get(lora_dtype)
     entries = manifest.tensors
     if to is None or not entries or any(e.dtype != "F32" for e in entries.values()) or \
             any(".lora_A." not in n and ".lora_B." not in n for n in entries):
         return None
     return (f"run {manifest.run_id} publishes its adapters in float32, and this vLLM holds LoRA weights in {to} "
-            f"(--lora-dtype): it casts each one as it takes it, keeping 16 of every fetched element's 32 bits. "
-            f"Publishing with Publisher(dtype=torch.{to}) makes the same cast on the trainer: the same slot, bit "
-            f"for bit, from steps several times smaller (docs/PERFORMANCE.md)")
+            f"(--lora-dtype; auto: the model's dtype): it rounds every fetched element to {to} as it loads it. "
+            f"Publisher(dtype=torch.{to}) makes the same cast on the trainer, which keeps its fp32 adapter and "
+            f"optimizer: vLLM replicas then hold the same LoRA weights, bit for bit, from steps several times "
+            f"smaller (docs/SERVING.md, \"LoRA runs\")")

@@ -408,7 +408,7 @@ def register_slots(control: VllmControl, slots: SlotTable, adapter_dir: str, whe
         if answer.get("registered") != ids:
             raise VllmError(f"vLLM worker {w} holds LoRA adapters {answer.get('registered')}, not the "
                             f"{len(ids)} slots registered at start ({ids})")
-    return answers[0]
+    return answers[0] if answers else {}
 
 
 #: A warm-up request's prompt (token ids: no tokenizer needed) and its tokens: a prefill and a decode step.

@@ -154,11 +154,15 @@ def test_every_version_is_written_into_a_slot_in_place_proven_and_equal_to_vllms
 
 
 def test_an_fp32_adapter_cast_on_the_trainer_fills_the_slot_vllm_fills_from_the_fp32_directory(rep, fresh,
-                                                                                                  lora_run):
+                                                                                                  lora_run, tmp_path):
     """The run publishes fp32 adapters and vLLM holds LoRA weights in bf16: the replica says so, naming
     Publisher(dtype=torch.bfloat16), and that publisher's cast (publisher/host_copy.py's Cast) fills the very slot
     vLLM's own load of the fp32 directory filled, bit for bit: the fresh vLLM's slot of each version is proven
-    against the bf16 tensors, and fails where one bit of them differs."""
+    against the bf16 tensors, and fails where one bit of them differs. The module's scalings (alpha / r: 2, 4) are
+    powers of two, which commute with the cast; so each version is also loaded in place with lora_alpha 12
+    (scalings 1.5 and 3), where scaling before the cast would give other bits, then loaded back as it was."""
+    import shutil
+
     from safetensors.torch import load_file
 
     from ckptdelta.delta.lora_record import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
@@ -166,6 +170,15 @@ def test_an_fp32_adapter_cast_on_the_trainer_fills_the_slot_vllm_fills_from_the_
     from ckptdelta.loader.engines.vllm.control import VllmError
     from ckptdelta.loader.engines.vllm.worker.lora_slots import _host_digest
     from ckptdelta.publisher.host_copy import Cast
+
+    def prove(lora_id: int, tensors: dict, config: dict) -> None:
+        shared = SharedWeights.create(tensors)
+        try:
+            req = {"id": lora_id, "path": shared.path, "config": config,
+                   "digests": {n: _host_digest(t) for n, t in tensors.items()}}
+            assert all(a["checked"] > 0 for a in fresh.rpc("ckptdelta_lora_prove", req))
+        finally:
+            shared.close()
 
     status = rep.http.get("/v1/status").json()["engine"]
     assert status["lora_dtype"] == "bfloat16"
@@ -178,23 +191,24 @@ def test_an_fp32_adapter_cast_on_the_trainer_fills_the_slot_vllm_fills_from_the_
         bf16 = {n: cast[n] for n in cast}
         with open(os.path.join(d, ADAPTER_CONFIG_NAME)) as f:
             config = json.load(f)
-        shared = SharedWeights.create(bf16)
+        before = slot_digests(fresh, v + 1)
+        prove(v + 1, bf16, config)
+        odd = str(tmp_path / f"alpha12-v{v}")
+        shutil.copytree(d, odd)
+        with open(os.path.join(odd, ADAPTER_CONFIG_NAME), "w") as f:
+            json.dump({**config, "lora_alpha": 12}, f)
+        fresh.rpc("ckptdelta_lora_load_dir", {"name": f"v{v}", "id": v + 1, "path": odd})
         try:
-            digests = {n: _host_digest(t) for n, t in bf16.items()}
-            req = {"id": v + 1, "path": shared.path, "digests": digests, "config": config}
-            assert all(a["checked"] > 0 for a in fresh.rpc("ckptdelta_lora_prove", req)), f"v{v}"
-        finally:
-            shared.close()
-        name = sorted(bf16)[0]
-        bf16[name] = bf16[name].clone()
-        bf16[name].view(torch.int16).view(-1)[0] ^= 1         # one bit of one element: the proof must see it
-        shared = SharedWeights.create(bf16)
-        try:
-            req["path"], req["digests"] = shared.path, {n: _host_digest(t) for n, t in bf16.items()}
+            assert slot_digests(fresh, v + 1) != before
+            prove(v + 1, bf16, {**config, "lora_alpha": 12})
+            name = sorted(bf16)[0]
+            flipped = {**bf16, name: bf16[name].clone()}
+            flipped[name].view(torch.int16).view(-1)[0] ^= 1        # one bit of one element: the proof must see it
             with pytest.raises(VllmError, match="differs from vLLM's own load"):
-                fresh.rpc("ckptdelta_lora_prove", req)
+                prove(v + 1, flipped, {**config, "lora_alpha": 12})
         finally:
-            shared.close()
+            fresh.rpc("ckptdelta_lora_load_dir", {"name": f"v{v}", "id": v + 1, "path": d})
+        assert slot_digests(fresh, v + 1) == before
 
 
 def test_a_preparation_whose_host_copy_fails_its_digests_writes_nothing_and_the_write_refuses(rep):
