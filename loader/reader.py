@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence, TYPE_CHECKING
 
 import torch
 
-from ckptdelta.delta import EncodedTensor
+from ckptdelta.delta import EncodedTensor, doubling
 from ckptdelta.delta.errors import (ChecksumError, CkptDeltaError, DeltaError, ManifestError, ObjectNotFoundError,
                                     ObjectTooLargeError, RunMismatchError, SnapshotNotFoundError)
 from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, RUN_KEY, Head,
@@ -68,15 +68,16 @@ def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES) -> list[
     """The groups of a read (their fetched bytes, in order) cut into batches of whole groups: the first of
     about FIRST_BATCH_BYTES, each next one up to twice the last, at most ``batch_bytes`` and 1/TAIL_SHARE of
     the read (FIRST_BATCH_BYTES at least); a group larger than that is a batch of its own."""
-    cap = max(1, min(batch_bytes, max(FIRST_BATCH_BYTES, sum(sizes) // TAIL_SHARE)))
+    limits = doubling.limits(FIRST_BATCH_BYTES, doubling.capped(sum(sizes), batch_bytes, FIRST_BATCH_BYTES,
+                                                                TAIL_SHARE))
     batches: list[list[int]] = [[]]
     size = 0
-    limit = min(cap, FIRST_BATCH_BYTES)
+    limit = next(limits)
     for gi, n in enumerate(sizes):
         if batches[-1] and size + n > limit:
             batches.append([])
             size = 0
-            limit = min(cap, 2 * limit)
+            limit = next(limits)
         batches[-1].append(gi)
         size += n
     return batches

@@ -82,7 +82,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptdelta.delta import chunks
+from ckptdelta.delta import chunks, doubling
 from ckptdelta.delta.encodings import Cost
 
 from ckptdelta.publisher import deltas
@@ -294,7 +294,7 @@ class CodecChooser:
         nbytes = max(1, math.ceil(stored))
         committed = _pipeline(deltas.part_sizes(nbytes, self.part_bytes, deltas.FIRST_PART_BYTES), encode_s,
                               upload_s)
-        batch = min(REPLICA_BATCH_BYTES, max(REPLICA_FIRST_BATCH_BYTES, nbytes // REPLICA_TAIL_SHARE))
+        batch = doubling.capped(nbytes, REPLICA_BATCH_BYTES, REPLICA_FIRST_BATCH_BYTES, REPLICA_TAIL_SHARE)
         swapped = committed + _pipeline(deltas.part_sizes(nbytes, batch, REPLICA_FIRST_BATCH_BYTES),
                                         upload_s, decode_s)    # fetched at the link's rate, as uploaded
         return Prediction(codec, encode_s, stored, upload_s, committed, decode_s, swapped, measured)

@@ -23,7 +23,7 @@ from typing import BinaryIO
 import torch
 import xxhash
 
-from ckptdelta.delta import codec
+from ckptdelta.delta import codec, doubling
 from ckptdelta.delta.batch import BYTES_PER_THREAD, encode_many, threads_for
 from ckptdelta.delta.container import ObjectWriter
 from ckptdelta.delta.manifest import TensorEntry
@@ -69,7 +69,7 @@ def encode_threads_for(input_bytes: int, cores: int) -> int:
 def part_bytes_for(input_bytes: int, part_bytes: int = DEFAULT_PART_BYTES) -> int:
     """The part size a delta of a step of ``input_bytes`` bytes of tensors is cut at: ``part_bytes``, or
     less, so that what is left to upload after the last record is a small share of the delta."""
-    return max(1, min(part_bytes, max(MIN_PART_CAP, input_bytes // TAIL_SHARE)))
+    return doubling.capped(input_bytes, part_bytes, MIN_PART_CAP, TAIL_SHARE)
 
 
 def _part_limits(part_bytes: int, first_part_bytes: int) -> Iterator[int]:
@@ -77,10 +77,7 @@ def _part_limits(part_bytes: int, first_part_bytes: int) -> Iterator[int]:
     if part_bytes < 1 or first_part_bytes < 1:
         raise ValueError(f"part sizes must be at least 1 byte, got part_bytes={part_bytes}, "
                          f"first_part_bytes={first_part_bytes}")
-    limit = min(part_bytes, first_part_bytes)
-    while True:
-        yield limit
-        limit = min(part_bytes, 2 * limit)
+    return doubling.limits(first_part_bytes, part_bytes)
 
 
 def part_sizes(nbytes: int, part_bytes: int = DEFAULT_PART_BYTES,
