@@ -67,7 +67,7 @@ def dtype_args(args: Sequence[str], manifest: Manifest) -> list[str]:
 LORA_16_BIT = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
-def lora_dtype_note(manifest: Manifest, lora_dtype: str) -> str | None:
+def lora_dtype_note(manifest: Manifest, lora_dtype: str | None) -> str | None:
     """One line for a LoRA run published in float32 to a vLLM that holds LoRA weights in 16 bits, or None.
 
     vLLM casts every lora_A and lora_B weight to its LoRA dtype (``--lora-dtype``; ``auto``: the model's) first

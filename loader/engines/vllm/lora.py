@@ -59,7 +59,7 @@ from ckptdelta.loader.spans import pinned
 from ckptdelta.loader.engines.base import EngineApplier, ReplicaAPIError
 from ckptdelta.loader.engines.shared_weights import SharedWeights
 from ckptdelta.loader.engines.vllm.control import CONTROL_TIMEOUT_S, VllmControl, VllmError
-from ckptdelta.loader.engines.vllm.dtype import LORA_16_BIT, lora_dtype_note
+from ckptdelta.loader.engines.vllm.dtype import lora_dtype_note
 from ckptdelta.loader.engines.vllm.replica import REQUEST_TIMEOUT_S, Admission, VllmReplica
 from ckptdelta.loader.engines.vllm.server import VllmServer
 from ckptdelta.loader.engines.vllm.applier import snapshot_label
@@ -350,7 +350,7 @@ class VllmLoraReplica(VllmReplica):
                  dtype_note: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.slots, self.lora_rank, self.warm_s = slots, lora_rank, warm_s
-        self.lora_dtype = LORA_16_BIT.get(lora_dtype, lora_dtype.removeprefix("torch.")) if lora_dtype else None
+        self.lora_dtype = lora_dtype.removeprefix("torch.") if lora_dtype else None
         self.dtype_note = dtype_note
 
     def admit(self, body: dict[str, Any]) -> Admission:
@@ -506,7 +506,7 @@ def build(*, bucket: str, snapshot: "str | int" = "latest", storage_options: dic
         control = VllmControl(server.url, api_key=vllm_api_key, timeout=control_timeout)
         control.rpc("ckptdelta_layout", {})
         lora_dtype = register_slots(control, slots, adapter_dir, where).get("lora_dtype")
-        dtype_note = lora_dtype_note(m, lora_dtype) if lora_dtype else None
+        dtype_note = lora_dtype_note(m, lora_dtype)
         if dtype_note:
             log.warning("%s", dtype_note)
         applier = LoraSlotApplier(control, shared, slots, reader=reader, config=config, slot_timeout=request_timeout)
