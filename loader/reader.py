@@ -364,6 +364,14 @@ class SnapshotReader:
                 check_assembled(chain[-1].tensors[selected[i]], t, f"tensor {selected[i]!r} of {chain[-1].where()}")
                 yield selected[i], t
 
+    def read_exact(self, ref: "str | int", names: Names = None) -> dict[str, torch.Tensor]:
+        """The snapshot's tensors as the trainer held them, for a run published with
+        ``Publisher(dtype=torch.bfloat16, keep_exact=True)``: its fp32 tensors rebuilt bit for bit from the bf16
+        snapshot and the version's exact attachment (loader/exact.py); ExactBitsMissingError where the version
+        has none."""
+        from ckptdelta.loader.exact import read_exact
+        return read_exact(self, ref, names)
+
     def extra_files(self, ref: "str | int") -> list[tuple[str, ObjectRef]]:
         """(relative path, object) of the non-weight files (config, tokenizer) that go with a snapshot:
         the snapshot's own, else its anchor's."""

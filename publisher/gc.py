@@ -7,7 +7,8 @@ debris of failed or racing publishes; they are deleted once older than
 ``grace_seconds``, which is what protects a publish still in flight (its data
 exists before its manifest). The temp files of local writes whose writer was
 killed mid-write are debris too, under the same grace period (a live writer's
-temp file is younger than it). RUN.json and HEAD are never touched, nor anything a
+temp file is younger than it). A version's exact attachment (``exact/``, delta/exact.py) goes with its
+version, and stays with it. RUN.json and HEAD are never touched, nor anything a
 kept snapshot needs (its chain is followed to its anchor), nor the objects of a
 manifest that cannot be read (what it references is unknown, so everything
 under its version stays).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptdelta.delta.errors import CkptDeltaError, SnapshotNotFoundError
+from ckptdelta.delta.exact import EXACT_DIR, version_of_key
 from ckptdelta.delta.manifest import ANCHOR_DIR, DELTA_DIR, MANIFEST_DIR, RUN_KEY, Manifest, manifest_key
 from ckptdelta.delta.storage import Store, is_temp_key
 
@@ -80,6 +82,7 @@ def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: 
 
     to_delete: dict[str, int] = {}
     young: list[str] = []
+    gone = set(doomed)
     for key in _own_keys(store):
         if key in referenced:
             continue
@@ -88,6 +91,15 @@ def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: 
             continue
         if key in committed_data:
             to_delete[key] = committed_data[key]
+            continue
+        exact = version_of_key(key)
+        if exact is not None and exact in kept:      # an attachment lives as long as its version
+            continue
+        if exact is not None and exact in gone:
+            try:
+                to_delete[key] = int(store.info(key)["size"])
+            except FileNotFoundError:
+                pass
             continue
         try:
             meta = store.info(key)
@@ -114,14 +126,15 @@ def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: 
 
 def _own_keys(store: Store) -> list[str]:
     """The keys of this run's layout that gc may delete: data objects under anchors/ and deltas/ (a version and
-    writer id, then the object), and the temp files of local writes beside them, at the root (HEAD, RUN.json) and
-    in manifests/. A run nested under this one's prefix (``runs/a/sub`` under ``runs/a``) is another run: its
-    keys are never deleted, and on an object store never listed (only anchors/ and deltas/ are)."""
+    writer id, then the object), exact attachments under exact/, and the temp files of local writes beside
+    them, at the root (HEAD, RUN.json) and in manifests/. A run nested under this one's prefix (``runs/a/sub``
+    under ``runs/a``) is another run: its keys are never deleted, and on an object store never listed (only
+    anchors/, deltas/ and exact/ are)."""
     if store.backend == "local":       # temp files sit beside their final names, also at the root
         keys = store.list_prefix("", include_temp=True)
     else:
-        keys = [k for d in (ANCHOR_DIR, DELTA_DIR) for k in store.list_prefix(f"{d}/", include_temp=True)]
-    return [k for k in keys if _DATA_KEY.match(k)
+        keys = [k for d in (ANCHOR_DIR, DELTA_DIR, EXACT_DIR) for k in store.list_prefix(f"{d}/", include_temp=True)]
+    return [k for k in keys if _DATA_KEY.match(k) or version_of_key(k) is not None
             or (is_temp_key(k) and k.rsplit("/", 1)[0] in (k, MANIFEST_DIR))]
 
 

@@ -35,6 +35,7 @@ class PublishJob:
     committing: bool = False         # past the last point where giving up at exit stops its commit
     exploration: "explore.Sample | None" = None   # codec="auto": what to measure once it has returned
     call: int = 0                    # which publish() call of this rank's publisher it is (from 1)
+    exact: "dict[str, torch.Tensor] | None" = None   # keep_exact: the fp32 host copy, attached after the commit
 
     def describe(self) -> str:
         return f"step {self.step}" + (f" (version {self.version})" if self.version is not None else "")

@@ -51,6 +51,7 @@ from ckptdelta.publisher.runs import (commit, committed_manifest, committed_vers
                                       new_writer_id, read_manifest, read_run_info)
 from ckptdelta.publisher.deltas import encode_threads_for
 from ckptdelta.publisher.device_diff import DeviceDiff
+from ckptdelta.publisher.exact import ExactAttacher, check_keep_exact
 from ckptdelta.publisher.host_copy import (Cast, Partition, Weights, check_publish_dtype, copy_to_host,
                                           gather_sources, schema_of, spares)
 from ckptdelta.publisher.writer import Written, merge, write_anchor, write_delta_object
@@ -109,6 +110,14 @@ class Publisher:
     only the published bits cross to the host; integer and bool tensors are
     published as they are. None (the default) publishes every tensor as it is.
 
+    ``keep_exact=True`` (with ``dtype=torch.bfloat16``, one process): the run keeps the trainer's fp32 bits too,
+    as an attachment to each version written after its commit (docs/PUBLISHING.md "fp32 trainers, bf16
+    replicas"): replicas fetch and serve the bf16 snapshot the moment it is committed, while
+    ``SnapshotReader.read_exact`` rebuilds the fp32 tensors bit for bit. publish() returns at the commit; the
+    next publish(), ``wait_until_finished()`` and ``close()`` wait for the attachment and raise its failure.
+    The cast is then made on the host, from the fp32 copy (a NaN's payload is the one thing a GPU's cast may
+    round otherwise).
+
     ``extra_files`` travel with every anchor, so a replica can load it with
     transformers: a model directory (its config, generation config and tokenizer
     files, what ``ckptdelta publish DIR`` takes) or a mapping of file name -> path
@@ -162,7 +171,7 @@ class Publisher:
                  progress: bool | None = None, context_coding: bool | None = None, device_diff: bool = False,
                  codec: str | None = None, upload_bandwidth: float | None = None, dtype: torch.dtype | None = None,
                  adapter: "lora.AdapterSpec | None" = None, collective_timeout: float | None = None,
-                 exit_timeout: float = EXIT_TIMEOUT_S, encode_threads: int | None = None):
+                 exit_timeout: float = EXIT_TIMEOUT_S, encode_threads: int | None = None, keep_exact: bool = False):
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise ValueError(f"anchor_every must be an int >= 1, got {anchor_every!r}")
         if anchor_chain_fraction is not None and not anchor_chain_fraction >= 0:
@@ -204,6 +213,8 @@ class Publisher:
         tempdirs.sweep()         # what publishers killed mid-publish on this host left in the temp dir
         self._store = Store.from_url(url, storage_options)
         self._comm = make_comm(process_group, distributed, collective_timeout)
+        if keep_exact:
+            check_keep_exact(self.dtype, self._comm.world, device_diff, max_in_flight)
         if self._comm.world > 1 and max_in_flight > 1:
             # Ranks must agree on which publishes run; with one slot each publish() starts only after
             # the previous one finished on this rank, so every rank sees the same failures.
@@ -216,6 +227,8 @@ class Publisher:
         self._run_info_exists = False
         self._adapter = lora.RunAdapter(adapter)
         self.run_id, self.writer_id, last_step = self._comm.decide(lambda: self._open_run(run_id))
+        # keep_exact: each version's fp32 bits, attached after its commit (publisher/exact.py)
+        self._exact = ExactAttacher(self._store, self.run_id, encode_threads) if keep_exact else None
         self._parents = Parents()       # what this rank's next delta is encoded against (publisher/parents.py)
         self._box_cache: sharded.BoxCache = {}         # where this rank's boxes of DTensors lie, by layout
         self._lock = threading.Lock()
@@ -341,7 +354,7 @@ class Publisher:
         try:
             err: BaseException | None = None
             skip = False
-            snapshot, copy_s, snap, boxes = None, 0.0, None, {}
+            snapshot, copy_s, snap, boxes, exact = None, 0.0, None, {}, None
             try:
                 self._check_open()
                 pending = self._take_pending()
@@ -362,6 +375,9 @@ class Publisher:
                     self._files.check(weights, self.run_id, self.url)
                 t0 = time.perf_counter()
                 self._join_prefault()
+                if self._exact is not None:
+                    self._exact.join()      # the attachment before reads buffers this copy may reuse
+                    exact, sources = self._exact.copy(sources)
                 with self._lock:
                     spare, self._spare = self._spare, {}
                 if self._diff is None:
@@ -390,7 +406,8 @@ class Publisher:
             job = PublishJob(snapshot=snapshot, schema=None if snapshot is None else schema_of(snapshot), step=step,
                              metadata=metadata if err is None else {}, force_anchor=anchor, error=err,
                              failures_seen=failures, t_start=t_start, wait=wait or err is not None or skip,
-                             copy_s=copy_s, adapter=snap, boxes=boxes if err is None else {}, call=call)
+                             copy_s=copy_s, adapter=snap, boxes=boxes if err is None else {}, call=call,
+                             exact=exact if err is None else None)
             fut = self._worker.submit(self._run_job, job)
             with self._lock:
                 self._calls = call
@@ -437,7 +454,20 @@ class Publisher:
                     if f.done():
                         self._jobs.pop(f, None)
         self._wait_head()
-        self._raise_pending()
+        attach_err = None
+        if self._exact is not None:
+            try:
+                self._exact.join()
+            except PublishError as e:
+                attach_err = e
+        try:
+            self._raise_pending()
+        except BaseException:
+            if attach_err is not None:       # said here: the error raised is the publish's own
+                log.error("%s", attach_err)
+            raise
+        if attach_err is not None:
+            raise attach_err
 
     def _wait_head(self) -> None:
         """Until HEAD names the newest commit (move_head never raises)."""
@@ -462,6 +492,8 @@ class Publisher:
         self._worker.shutdown(wait=True)
         self._uploads.shutdown(wait=True)
         self._heads.shutdown(wait=True)
+        if self._exact is not None:
+            self._exact.close()
         self._store.close()
 
     def __enter__(self) -> "Publisher":
@@ -510,6 +542,8 @@ class Publisher:
                 elif job.wait:      # its publish() call was interrupted (Ctrl-C): nobody else will say this
                     log.error("run %s at %s: %s was not published (%s: %s); nothing of it is committed",
                               self.run_id, self.url, job.describe(), type(f.exception()).__name__, f.exception())
+        if self._exact is not None:
+            self._exact.finish()
         with self._lock:
             lost, self._unreported = self._unreported, []
             self._pending_error = None
@@ -871,6 +905,9 @@ class Publisher:
                 self._start_prefault(job.snapshot)
         if self._diff is not None:
             self._diff.committed(plan.version)
+        if job.exact is not None:
+            self._exact.attach(plan.version, plan.data_id, job.snapshot, job.exact)
+            job.exact = None
         del recycled
         r = PublishResult(
             version=plan.version, name=snapshot_name(plan.version), kind=plan.kind, parent_version=plan.parent_version,

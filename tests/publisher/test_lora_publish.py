@@ -280,6 +280,30 @@ def test_an_adapter_published_in_bf16_is_served_in_bf16_not_in_the_fp32_peft_wou
     assert bits_differ(replica.swapper.weights, truth[1]) == []
 
 
+def test_an_fp32_adapter_kept_exact_serves_its_bf16_cast_and_reads_back_as_the_trainer_held_it(lm_dir, tmp_path):
+    """Publisher(dtype=torch.bfloat16, keep_exact=True) on an fp32 peft adapter: the replica hot-loads the bf16
+    cast, the anchor is a bf16 PEFT directory, and read_exact gives every version's fp32 adapter bit for bit."""
+    from safetensors.torch import load_file
+
+    model, opt = peft_model(lm_dir)
+    truth: dict[int, dict] = {}
+    url = str(tmp_path / "run")
+    with Publisher(url, dtype=torch.bfloat16, keep_exact=True) as pub:
+        publish_steps(pub, model, opt, range(3), truth)
+    assert {t.dtype for t in truth[0].values()} == {torch.float32}
+    bf16 = {v: {k: t.to(torch.bfloat16) for k, t in ts.items()} for v, ts in truth.items()}
+    reader = SnapshotReader(url)
+    anchor = reader.manifest(0).objects[0].key
+    assert anchor.endswith("adapter_model.safetensors")
+    assert bits_differ(load_file(os.path.join(url, anchor)), bf16[0]) == []
+    replica = reference.build(bucket=url, snapshot=0, base_model=lm_dir)
+    for v in (1, 2):
+        replica.swapper.hotload(v)
+        assert bits_differ(replica.swapper.weights, bf16[v]) == []
+    for v in (0, 1, 2):
+        assert bits_differ(reader.read_exact(v), truth[v]) == []
+
+
 def record_encodings(url: str, version: int) -> dict[str, int]:
     """Chunk encodings of every record a snapshot stored, counted (its checksums verified)."""
     from ckptdelta.delta.codec import EncodedTensor

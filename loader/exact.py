@@ -1,0 +1,60 @@
+"""Reading a version's exact bits: the bf16 snapshot, then its attachment's records decoded against it
+(delta/exact.py, docs/FORMAT.md "Exact attachments")."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.codec import EncodedTensor, decode, digest_hex
+from ckptdelta.delta.errors import FormatError, ObjectNotFoundError, SnapshotNotFoundError
+from ckptdelta.delta.exact import MAX_INDEX_BYTES, ExactIndex, index_key, parse_index, widen
+
+if TYPE_CHECKING:
+    from ckptdelta.loader.reader import Names, SnapshotReader
+
+
+class ExactBitsMissingError(SnapshotNotFoundError):
+    """A version has no exact attachment: published without ``keep_exact``, its publisher stopped before
+    writing it, or a reader is early (it lands just after the commit)."""
+
+
+def read_index(reader: "SnapshotReader", version: int) -> ExactIndex:
+    m = reader.manifest(version)
+    key = index_key(version)
+    try:
+        data = reader.store.get(key, max_size=MAX_INDEX_BYTES)
+    except ObjectNotFoundError:
+        raise ExactBitsMissingError(
+            f"{m.where()}: no exact bits are attached ({reader.store.key_url(key)} does not exist). A run "
+            "keeps them only when published with Publisher(dtype=torch.bfloat16, keep_exact=True), and writes them "
+            "just after each commit: a publisher that stopped in between never did") from None
+    return parse_index(data, run_id=reader.run_id, manifest=m)
+
+
+def read_exact(reader: "SnapshotReader", ref: "str | int", names: "Names" = None) -> dict[str, torch.Tensor]:
+    """The snapshot's tensors as the trainer held them: each one with exact bits attached rebuilt from them,
+    every other one as published (already exact: the cast left it as it was)."""
+    version = reader.resolve(ref)
+    index = read_index(reader, version)
+    out = reader.read_tensors(version, names)
+    todo = [n for n in out if n in index.tensors]
+    entries = [index.tensors[n] for n in todo]
+    blobs = reader._get_many([(index.object.key, (e.offset, e.offset + e.length)) for e in entries])
+    where = f"exact attachment of {reader.manifest(version).where()}"
+    for name, e, blob in zip(todo, entries, blobs):
+        if len(blob) != e.length:
+            raise FormatError(f"{where}: tensor {name!r}: {len(blob)} bytes where its index says {e.length} "
+                              f"({index.object.key} is shorter than its index says)")
+        enc = EncodedTensor.from_bytes(memoryview(blob), what=f"tensor {name!r} of the {where}")
+        h, t = enc.header, out[name]
+        if h.name != name or h.dtype.name != e.dtype or h.shape != tuple(t.shape) or not h.has_parent \
+                or digest_hex(h.digest) != e.xxh3:
+            raise FormatError(f"{where}: the record at [{e.offset}, +{e.length}) of {index.object.key} is "
+                              f"{h.dtype.name} {h.name!r} {list(h.shape)} (digest {digest_hex(h.digest)}), where "
+                              f"the index says F32 {name!r} {list(t.shape)} (digest {e.xxh3})")
+        parent = torch.from_numpy(widen(dtypes.host_bits(t))).reshape(t.shape)
+        out[name] = decode(parent, enc)      # the parent's digest, every payload's and the result's checked
+    return out

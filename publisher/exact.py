@@ -1,0 +1,137 @@
+"""``Publisher(dtype=torch.bfloat16, keep_exact=True)``: the trainer's fp32 bits attached to each version after
+its commit (delta/exact.py, docs/FORMAT.md "Exact attachments").
+
+The attachment is written after publish() has returned, on a thread of its own, so that the replicas, which
+read only the bf16 snapshot, start on it the moment it is committed. Its host copy of the fp32 tensors is
+taken with the snapshot's, inside publish(), since the trainer may step its weights as soon as publish()
+returns; the cast published is made from that copy, on the host.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import xxhash
+
+from ckptdelta.delta import dtypes
+from ckptdelta.delta.batch import encode_many, threads_for
+from ckptdelta.delta.codec import digest_hex
+from ckptdelta.delta.container import ObjectWriter
+from ckptdelta.delta.errors import PublishError, PublishInputError
+from ckptdelta.delta.exact import ExactEntry, ExactIndex, index_key, object_key, widen
+from ckptdelta.delta.manifest import ObjectRef
+from ckptdelta.delta.storage import Store
+from ckptdelta.publisher.host_copy import Cast, copy_to_host
+
+log = logging.getLogger("ckptdelta.publisher")
+
+
+def check_keep_exact(dtype: torch.dtype | None, world: int, device_diff: bool, max_in_flight: int) -> None:
+    """``keep_exact=True`` checked against the rest of the Publisher's arguments (ValueError naming the clash)."""
+    if dtype != torch.bfloat16:
+        raise ValueError("keep_exact=True keeps the fp32 bits of a run published as bf16: it needs "
+                         f"dtype=torch.bfloat16, got dtype={dtype}")
+    if world > 1:
+        raise ValueError("keep_exact=True needs a publisher of one process (world size 1)")
+    if device_diff:
+        raise ValueError("keep_exact=True copies the fp32 weights to the host; device_diff=True does not")
+    if max_in_flight != 1:
+        raise ValueError("keep_exact=True needs max_in_flight=1: each attachment is read from its own snapshot")
+
+
+class ExactAttacher:
+    """Takes the fp32 host copy in publish(), writes each committed version's attachment in the background.
+
+    One attachment is written at a time. The next publish() waits for the one before (:meth:`join`) before
+    its host copy: an attachment reads its snapshot, whose buffers later copies reuse. A failure is raised
+    by that join, once, naming the version: the version itself is committed and served, only its fp32 bits
+    are missing (a reader asking for them is told so)."""
+
+    def __init__(self, store: Store, run_id: str, encode_threads: int | None) -> None:
+        self.store, self.run_id, self.encode_threads = store, run_id, encode_threads
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptdelta-exact")
+        self._lock = threading.Lock()
+        self._pending: tuple[int, Future] | None = None
+        self._spare: dict[str, torch.Tensor] = {}
+
+    def copy(self, sources: Cast) -> tuple[dict[str, torch.Tensor], Cast]:
+        """The fp32 tensors' host copy, and ``sources`` to cast from it (the host's cast, one pass each)."""
+        raw = sources.sources
+        names = []
+        for n, t in raw.items():
+            dt = dtypes.of(t).torch_dtype
+            if not dt.is_floating_point:
+                continue
+            if dt == torch.float32:
+                names.append(n)
+            elif dt != sources.dtype:
+                raise PublishInputError(f"tensor {n!r} is {dt}: keep_exact=True keeps the exact bits of float32 "
+                                        f"tensors published as {sources.dtype}; publish it as it is or cast it "
+                                        "to float32 first")
+        with self._lock:
+            spare, self._spare = self._spare, {}
+        exact = copy_to_host(raw, spare, names)
+        return exact, Cast({**raw, **exact}, sources.dtype)
+
+    def attach(self, version: int, data_id: str, snapshot: Mapping[str, torch.Tensor],
+               exact: dict[str, torch.Tensor]) -> None:
+        """Write ``version``'s attachment in the background (after its commit)."""
+        fut = self._pool.submit(self._write, version, data_id, snapshot, exact)
+        with self._lock:
+            self._pending = (version, fut)
+
+    def join(self) -> None:
+        """Wait for the attachment in flight; raise its failure once (PublishError naming the version)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        version, fut = pending
+        err = fut.exception()
+        if err is not None:
+            raise PublishError(f"run {self.run_id}: the exact fp32 bits of version {version} were not attached "
+                               f"({type(err).__name__}: {err}); the version is committed and served as bf16, "
+                               "and a reader asking for its exact bits is told they are missing") from err
+
+    def finish(self) -> None:
+        """:meth:`join`, with a failure logged rather than raised (the with-block left on an error, exit)."""
+        try:
+            self.join()
+        except PublishError as e:
+            log.error("%s", e)
+
+    def close(self) -> None:
+        """Wait for the attachment in flight; a failure no call raised yet is logged."""
+        self._pool.shutdown(wait=True)
+        self.finish()
+
+    def _write(self, version: int, data_id: str, snapshot: Mapping[str, torch.Tensor],
+               exact: dict[str, torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        buf = io.BytesIO()
+        w = ObjectWriter(buf)
+        digests: dict[str, str] = {}
+        nbytes = sum(t.numel() * 4 for t in exact.values())
+        threads = self.encode_threads or threads_for(nbytes, torch.get_num_threads())
+        items = ((n, torch.from_numpy(widen(dtypes.host_bits(snapshot[n]))).reshape(t.shape), t)
+                 for n, t in sorted(exact.items()))
+        for enc in encode_many(items, threads=threads, context=False):
+            w.add(enc.name, enc.to_bytes())
+            digests[enc.name] = digest_hex(enc.header.digest)
+        size = w.finish()
+        blob = buf.getbuffer()
+        key = object_key(version, data_id)
+        self.store.put(key, blob)
+        index = ExactIndex(self.run_id, version, ObjectRef(key, size, digest_hex(xxhash.xxh3_64_intdigest(blob))),
+                           {n: ExactEntry("F32", digests[n], off, length) for n, (off, length) in w.index.items()})
+        self.store.put_if_absent(index_key(version), index.to_json())
+        with self._lock:
+            self._spare = exact          # the attachment is written: its host copy takes the next one
+        log.info("run %s: attached the exact fp32 bits of version %d (%d tensors, %d bytes) in %.2fs", self.run_id,
+                 version, len(exact), size, time.perf_counter() - t0)

@@ -1,0 +1,209 @@
+"""keep_exact: a run published as bf16 keeps the trainer's fp32 bits as an attachment to each version
+(publisher/exact.py, delta/exact.py, loader/exact.py), on every storage backend."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from ckptdelta.delta.errors import ChecksumError, FormatError, PublishError, PublishInputError, RunMismatchError
+from ckptdelta.delta.exact import index_key
+from ckptdelta.loader import SnapshotReader
+from ckptdelta.loader.exact import ExactBitsMissingError
+from ckptdelta.publisher import Publisher, collect
+from tests.publisher_helpers import assert_same, clone, open_store, perturb, versions
+
+#: fp32 bit patterns a cast to bf16 must round, or must not lose: NaNs (quiet and signalling, both signs, with
+#: payloads in the half the cast drops), +-0, +-inf, subnormals, the largest float (rounds to inf), and values
+#: whose dropped half is exactly 0x8000 (ties to even, from an odd and an even kept half)
+SPECIAL = np.array([0x7FC00000, 0xFFC00001, 0x7F800001, 0xFF81234F, 0x7FFFFFFF, 0x00000000, 0x80000000,
+                    0x7F800000, 0xFF800000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF, 0x3F818000, 0x3F808000,
+                    0xBF818000, 0x3F80FFFF, 0x3F807FFF], dtype=np.uint32)
+
+
+def fp32_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = {"layers.0.lora_A.weight": torch.randn(8, 96, generator=g) * 0.05,
+         "layers.0.lora_B.weight": torch.randn(96, 8, generator=g) * 1e-4,
+         "layers.0.norm": torch.randn(96, generator=g),
+         "embed.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),    # published as it is
+         "step_count": torch.tensor([7], dtype=torch.int64)}
+    w["layers.0.norm"].view(torch.int32)[:SPECIAL.size] = torch.from_numpy(SPECIAL.view(np.int32))
+    return w
+
+
+def adam_like(w: dict[str, torch.Tensor], seed: int, lr: float = 1e-5) -> None:
+    """Every fp32 element moves by about ``lr``, as an AdamW step moves an adapter (the NaNs and infs stay)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    for k, t in w.items():
+        if t.dtype == torch.float32:
+            t.add_(lr * torch.randn(t.shape, generator=g))
+
+
+def bf16_of(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in w.items()}
+
+
+def publish_history(url: str, opts: dict, steps: int = 5, **kw) -> list[dict[str, torch.Tensor]]:
+    w, history = fp32_weights(), []
+    with Publisher(url, storage_options=opts, dtype=torch.bfloat16, keep_exact=True, anchor_every=3, **kw) as pub:
+        for step in range(steps):         # anchors at 0 and 3
+            history.append(clone(w))
+            pub.publish(w, step)
+            adam_like(w, step)
+            perturb(w, seed=step, names=["embed.weight"])
+    return history
+
+
+def test_every_version_rebuilds_the_trainers_fp32_bits_while_its_snapshot_holds_the_bf16_cast(store_url):
+    url, opts = store_url
+    history = publish_history(url, opts)
+    reader = SnapshotReader(url, storage_options=opts)
+    assert [reader.manifest(v).kind for v in range(5)] == ["anchor", "delta", "delta", "anchor", "delta"]
+    for v, want in enumerate(history):
+        assert_same(reader.read_tensors(v), bf16_of(want))      # what replicas fetch: the cast, nothing more
+        assert_same(reader.read_exact(v), want)                 # NaN payloads, -0.0, ties, subnormals included
+    assert_same(reader.read_exact(4, ["layers.0.norm"]), {"layers.0.norm": history[4]["layers.0.norm"]})
+    store = open_store(store_url)
+    index = json.loads(store.get(index_key(4)))
+    assert sorted(index["tensors"]) == ["layers.0.lora_A.weight", "layers.0.lora_B.weight", "layers.0.norm"]
+    # an element's fp32 bits past its bf16 cast cost about two bytes: the attachment is no whole fp32 copy
+    fp32 = sum(t.numel() for t in history[4].values() if t.dtype == torch.float32)
+    assert index["object"]["size"] < 2.6 * fp32
+
+
+def test_publish_returns_at_the_commit_and_the_attachment_lands_after_it(tmp_path):
+    url = str(tmp_path / "run")
+    pub = Publisher(url, dtype=torch.bfloat16, keep_exact=True)
+    held, release = threading.Event(), threading.Event()
+    put = pub.store.put
+
+    def slow_put(key, data):
+        if key.startswith("exact/"):
+            held.set()
+            assert release.wait(30)
+        put(key, data)
+
+    pub.store.put = slow_put
+    w = fp32_weights()
+    r = pub.publish(w, 0)
+    assert held.wait(30)
+    reader = SnapshotReader(url)
+    assert reader.latest() == r.version == 0        # committed and readable while its attachment is held back
+    assert_same(reader.read_tensors(0), bf16_of(w))
+    with pytest.raises(ExactBitsMissingError, match="v00000000.*no exact bits are attached"):
+        reader.read_exact(0)
+    release.set()
+    pub.wait_until_finished()
+    assert_same(reader.read_exact(0), w)
+    pub.close()
+
+
+def test_a_failed_attachment_is_raised_by_the_next_publish_naming_its_version_and_the_version_stays_served(tmp_path):
+    url = str(tmp_path / "run")
+    w = fp32_weights()
+    with Publisher(url, dtype=torch.bfloat16, keep_exact=True) as pub:
+        pub.publish(w, 0)
+        put = pub.store.put
+
+        def failing_put(key, data):
+            if key.startswith("exact/000000000001-"):
+                raise OSError("disk full (simulated)")
+            put(key, data)
+
+        pub.store.put = failing_put
+        adam_like(w, 0)
+        v1 = clone(w)
+        assert pub.publish(w, 1).version == 1
+        adam_like(w, 1)
+        with pytest.raises(PublishError, match="exact fp32 bits of version 1 were not attached.*disk full"):
+            pub.publish(w, 2)
+        r = pub.publish(w, 2)                  # raised once: the next publish goes on
+        assert r.version == 2
+    reader = SnapshotReader(url)
+    assert_same(reader.read_tensors(1), bf16_of(v1))
+    with pytest.raises(ExactBitsMissingError, match="v00000001"):
+        reader.read_exact(1)
+    assert_same(reader.read_exact(2), w)
+
+
+def test_a_damaged_or_foreign_attachment_is_refused_naming_what_is_wrong(tmp_path):
+    url = str(tmp_path / "run")
+    history = publish_history(url, {}, steps=2)
+    reader = SnapshotReader(url)
+    store = reader.store
+    key = index_key(1)
+    good = json.loads(store.get(key))
+
+    def with_index(change) -> None:
+        d = json.loads(json.dumps(good))
+        change(d)
+        store.put(key, json.dumps(d).encode())
+
+    with_index(lambda d: d.update(run_id="another-run"))
+    with pytest.raises(RunMismatchError, match="another-run"):
+        reader.read_exact(1)
+    with_index(lambda d: d["tensors"]["layers.0.norm"].update(length=1 << 40))
+    with pytest.raises(FormatError, match="layers.0.norm.*not inside"):
+        reader.read_exact(1)
+    with_index(lambda d: d["tensors"].update({"nope": d["tensors"]["layers.0.norm"]}))
+    with pytest.raises(FormatError, match="'nope' is not in the snapshot"):
+        reader.read_exact(1)
+    with_index(lambda d: d["object"].update(key="deltas/000000000001-x/rank-00000.ckd"))
+    with pytest.raises(FormatError, match="not one of this version's attachments"):
+        reader.read_exact(1)
+    # two entries swapped: each record names its own tensor
+    with_index(lambda d: d["tensors"].update({"layers.0.norm": d["tensors"]["layers.0.lora_A.weight"],
+                                              "layers.0.lora_A.weight": d["tensors"]["layers.0.norm"]}))
+    with pytest.raises(FormatError, match="the index says F32 'layers.0.lora_A.weight'"):
+        reader.read_exact(1)
+    store.put(key, json.dumps(good).encode())
+    assert_same(reader.read_exact(1), history[1])
+    # one flipped bit in a record's payload
+    e = good["tensors"]["layers.0.lora_B.weight"]
+    blob = bytearray(store.get(good["object"]["key"]))
+    blob[e["offset"] + e["length"] - 1] ^= 1
+    store.put(good["object"]["key"], bytes(blob))
+    with pytest.raises(ChecksumError, match="layers.0.lora_B.weight"):
+        reader.read_exact(1)
+
+
+def test_keep_exact_is_refused_where_it_cannot_keep_every_bit(tmp_path):
+    url = str(tmp_path / "run")
+    with pytest.raises(ValueError, match="needs dtype=torch.bfloat16"):
+        Publisher(url, keep_exact=True)
+    with pytest.raises(ValueError, match="needs dtype=torch.bfloat16"):
+        Publisher(url, dtype=torch.float16, keep_exact=True)
+    with pytest.raises(ValueError, match="max_in_flight=1"):
+        Publisher(url, dtype=torch.bfloat16, keep_exact=True, max_in_flight=2)
+    with pytest.raises(ValueError, match="device_diff"):
+        Publisher(url, dtype=torch.bfloat16, keep_exact=True, device_diff=True)
+    with Publisher(url, dtype=torch.bfloat16, keep_exact=True) as pub:
+        with pytest.raises(PublishInputError, match="'x' is torch.float64"):
+            pub.publish({"x": torch.zeros(4, dtype=torch.float64)}, 0)
+    assert versions(open_store((url, {}))) == []
+
+
+def test_a_run_published_without_keep_exact_says_it_has_no_exact_bits(tmp_path):
+    url = str(tmp_path / "run")
+    with Publisher(url, dtype=torch.bfloat16) as pub:
+        pub.publish(fp32_weights(), 0)
+    with pytest.raises(ExactBitsMissingError, match="keep_exact=True"):
+        SnapshotReader(url).read_exact(0)
+
+
+def test_gc_deletes_an_attachment_with_its_version_and_keeps_those_of_kept_versions(store_url):
+    url, opts = store_url
+    history = publish_history(url, opts, steps=6)           # anchors at 0 and 3
+    store = open_store(store_url)
+    report = collect(url, keep_anchors=1, storage_options=opts, grace_seconds=0)
+    assert report.deleted_versions == (0, 1, 2)
+    assert {k.split("/")[1][:12] for k in store.list_prefix("exact/")} == {f"{v:012d}" for v in (3, 4, 5)}
+    assert sum(k.startswith("exact/") for k in report.deleted_objects) == 6    # an object and an index each
+    reader = SnapshotReader(url, storage_options=opts)
+    for v in (3, 4, 5):
+        assert_same(reader.read_exact(v), history[v])
