@@ -87,4 +87,5 @@ def lora_dtype_note(manifest: Manifest, lora_dtype: str | None) -> str | None:
             f"(--lora-dtype; auto: the model's dtype): it rounds every fetched element to {to} as it loads it. "
             f"Publisher(dtype=torch.{to}) makes the same cast on the trainer, which keeps its fp32 adapter and "
             f"optimizer: vLLM replicas then hold the same LoRA weights, bit for bit, from steps several times "
-            f"smaller (docs/SERVING.md, \"LoRA runs\")")
+            f"smaller" + (", and keep_exact=True keeps the fp32 bits in the run too, for the readers that need them"
+                          if to == "bfloat16" else "") + " (docs/SERVING.md, \"LoRA runs\")")
