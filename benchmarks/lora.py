@@ -6,7 +6,10 @@ One run, the same adapters for every method (issue 30, item 6):
   hidden 1024, 16 layers, intermediate 2816, 8 heads / 4 KV heads, vocabulary 32000,
   untied: 0.51 GB; nothing is downloaded);
 - **the adapters**: peft LoRA on every linear layer, rank 16 and 64 (alpha 2r, fp32
-  as peft trains them; ``--dtype bf16`` publishes them cast to bf16), trained by
+  as peft trains them; ``--dtype bf16`` publishes them cast to bf16 for every method;
+  with fp32, ckptdelta publishes the bf16 vLLM keeps and attaches the fp32 bits after
+  each commit, ``Publisher(dtype=torch.bfloat16, keep_exact=True)``, while the baselines
+  ship the fp32 adapter, unless ``--ckptdelta-fp32 as-is``), trained by
   AdamW on real gradients (next-token loss of a small random batch) in the trainer
   process, after ``--warmup`` steps; ``--steps`` steps at lr 1e-5, then as many at
   1e-4 (the same adapter, its optimizer's lr raised). The trainer computes in fp32
@@ -56,10 +59,11 @@ against the trainer's digests, and vLLM's LoRA buffers of each baseline adapter
 against ckptdelta's serving slot, bit for bit.
 
     python -m benchmarks.lora                 # 0.51 GB base, ranks 16 and 64, fp32 adapters: ~30-40 min on 2 cores
+    python -m benchmarks.lora --ckptdelta-fp32 as-is   # the same, ckptdelta publishing the fp32 adapter itself
     python -m benchmarks.lora --dtype bf16    # the same, adapters published in bf16 (vLLM's LoRA dtype)
     python -m benchmarks.lora --quick         # tiny base, rank 16, 1 step per lr: ~1-2 min (a smoke test)
 
-Writes benchmarks/results/lora{,-bf16}{,-quick}.{md,json,png}.
+Writes benchmarks/results/lora{,-asis,-bf16}{,-quick}.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
     trainer, rep, lab = ctx["trainer"], ctx["replica"], ctx["lab"]
     idle = rep.call("target", method=method, settle=ctx["settle"])["idle"]
     where = os.path.join(ctx["disk"], ctx["prefix"], method)
-    d0 = du(where)
+    d0, e0 = du(where), du(os.path.join(where, "exact"))
     c0 = lab.counters(ctx["srv"]) if lab else None
     if ctx["notice"] == "start":
         # the replica is told what is coming as publish() starts, and waits for it (each method its own way)
@@ -143,8 +147,10 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
         h = rep.call("hotload", method=method, info=p)
     if method == "ckptdelta":
         ctx["version"] = p["version"]
+        settled = trainer.call("settle", version=p["version"])     # untimed: the attachment, then its check
     c1 = lab.counters(ctx["srv"]) if lab else None
     s = {"method": method, "rank": rank, "lr": lr, "timed": timed, "bytes": du(where) - d0,
+         "exact_bytes": du(os.path.join(where, "exact")) - e0,
          "trainer_s": p["trainer_s"], "upload_s": p["upload_s"], "publish_s": p["publish_s"],
          "publish_to_serving_s": h["t_serving"] - p["t0"], "pause_rpc_s": h["pause_rpc_s"], "hold_s": h["hold_s"],
          "t0": p["t0"], "t_serving": h["t_serving"], "rpc": h["rpc"], "prepare": h["prepare"], "idle": idle,
@@ -152,7 +158,8 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
          "wire_down": (c1["tx_bytes"] - c0["tx_bytes"]) if lab else None}
     if method == "ckptdelta":
         s.update(kind=p["kind"], codec=p["codec"], version=p["version"], landed=h.get("bytes_landed"),
-                 exact=h["serving_version"] == p["version"] and h["proven"] == "full",
+                 exact=h["serving_version"] == p["version"] and h["proven"] == "full" and settled["exact"] is not False,
+                 fp32_attached=settled["exact"], settle_s=settled["settle_s"],
                  workers=h["workers"], prove_s=h["prove_s"], report=h.get("report"))
     else:
         s["exact"] = h["digests"] == want
@@ -170,7 +177,7 @@ def run_rank(ctx: dict, a: argparse.Namespace, rank: int) -> tuple[list[dict], d
     t0 = time.perf_counter()
     init = trainer.call("init", base_dir=ctx["base"], rank=rank, prefix=prefix, warmup=a.warmup, lr=a.lrs[0],
                         dtype=a.dtype, batch=a.batch, threads=a.trainer_threads,
-                        codec=None if a.codec == "auto" else a.codec)
+                        codec=None if a.codec == "auto" else a.codec, keep_exact=keep_exact(a))
     ctx["version"], ctx["step"] = init["version"], init["step"]
     print(f"rank {rank}: adapter {init['adapter_params'] / 1e6:.2f} M params ({init['adapter_bytes'] / 1e6:.1f} MB, "
           f"{init['tensors']} tensors), {a.warmup} warm-up steps in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -255,6 +262,7 @@ def rows_of(samples: list[dict]) -> list[dict[str, Any]]:
         row["exact"] = all(s["exact"] for s in ss)
         if m == "ckptdelta":
             row["kinds"] = sorted({s["kind"] for s in ss})
+            row["exact_bytes"] = statistics.median(s.get("exact_bytes", 0) for s in ss)
             row["prove_s"] = statistics.median(s["prove_s"] for s in ss)
             # the copy into the slot, beside vLLM's steps (workers' write_s less what they held the lock for)
             row["copy_s"] = statistics.median(max((w.get("write_s") or 0.0) - (w.get("held_s") or 0.0)
@@ -271,7 +279,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "machine": harness.machine(), "quick": a.quick,
         "model": c, "ranks": a.ranks, "lrs": a.lrs, "steps": a.steps, "untimed": a.untimed, "warmup": a.warmup,
-        "batch": a.batch, "dtype": a.dtype, "codec": a.codec, "clients": a.clients, "max_tokens": a.max_tokens, "settle_s": a.settle,
+        "batch": a.batch, "dtype": a.dtype, "keep_exact": keep_exact(a), "codec": a.codec, "clients": a.clients, "max_tokens": a.max_tokens, "settle_s": a.settle,
         "load_timing": "every streamed chunk", "trainer_threads": a.trainer_threads, "notice": a.notice, "argv": a.argv, "slots": SLOTS, "vllm_args": VLLM_ARGS,
         "links": None if why else f"{LINK / 1e9:g} Gbit/s", "links_unavailable": why}
     if why:
@@ -428,8 +436,8 @@ def markdown(out: dict[str, Any]) -> str:
              f"replica links: {link}. Replica: one vLLM (CPU build, eager) per rank started by ckptdelta's LoRA "
              f"engine with {meta['slots']} slots, the baselines' two adapters loaded into the same vLLM by name; "
              f"{meta['clients']} streaming clients ({meta['max_tokens']} tokens each, back to back) on the adapter of "
-             "the method being measured, throughout. Every method ships the same adapter bits each step. "
-             + NOTICE[meta.get("notice", "after")], "",
+             "the method being measured, throughout. " + (KEEP_EXACT if meta.get("keep_exact") else
+             "Every method ships the same adapter bits each step. ") + NOTICE[meta.get("notice", "after")], "",
              "| rank | lr | method | bytes / step (MB) | vs (c) | trainer-side | upload | **publish() -> serving** | "
              "**engine loop held (worker)** | call wall time | longest token gap around the call | "
              "failed / aborted | tok/s preparing (idle) |",
@@ -459,7 +467,11 @@ def markdown(out: dict[str, Any]) -> str:
               "encode, in the trainer's process; upload: to the bucket (ckptdelta: data objects + commit). "
               "publish() -> serving: the trainer's publish call to the replica serving the new adapter (ckptdelta: "
               "its hot-load job READY, proven; (b)/(c): load_lora_adapter answered), one monotonic clock across the "
-              "two processes.",
+              "two processes." + ("" if not meta.get("keep_exact") else
+              " ckptdelta's fp32 attachment per step (part of its bytes; written after the commit, while the "
+              "replica fetched and served the bf16 snapshot): " + "; ".join(
+                  f"rank {r['rank']} lr {r['lr']:g}: {r['exact_bytes'] / 1e6:.2f} MB"
+                  for r in rows if r["method"] == "ckptdelta" and "exact_bytes" in r) + "."),
               "",
               "The pause, the same measures for every method. **Engine loop held (worker)**: how long the write "
               "held vLLM's engine loop, timed inside the vLLM worker (the loop runs it between two steps and "
@@ -511,6 +523,12 @@ def markdown(out: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+KEEP_EXACT = ("The baselines ship the fp32 adapter each step; ckptdelta publishes the bf16 vLLM keeps of it "
+              "(`Publisher(dtype=torch.bfloat16, keep_exact=True)`) and attaches the fp32 bits after each commit, "
+              "while the replica fetches and serves the bf16 snapshot. Its bytes count both (the attachment's "
+              "share below the table), and each step checks that the attachment rebuilds the trainer's fp32 adapter "
+              "bit for bit. Every method's replica holds the same bits: vLLM casts the baselines' fp32 adapters to "
+              "its bf16 as it loads them (the slots compared each step). ")
 #: How the replica heard of each step (``--notice``), as the results say it.
 NOTICE = {
     "start": "The replica is told which step is coming as publish() starts (`--notice start`): ckptdelta's hot-load "
@@ -621,11 +639,16 @@ def plot(out: dict[str, Any], path: str) -> None:
 
 
 def stem_of(meta: dict[str, Any]) -> str:
-    """lora{-bf16}{-context}{-start}{-quick}: one set of files per adapter dtype (fp32, peft's own, is the plain
-    name), ckptdelta codec (the publisher's default, "auto", is the plain name) and notice (``--notice start``)."""
+    """lora{-asis|-bf16}{-context}{-start}{-quick}: one set of files per adapter dtype (fp32, peft's own, is the
+    plain name; -asis: ckptdelta publishing it as fp32, as runs did before keep_exact), ckptdelta codec (the publisher's default, "auto", is the plain name) and notice (``--notice start``)."""
     codec = meta.get("codec", "auto")
-    return "lora" + ("-bf16" if meta["dtype"] == "bf16" else "") + ("" if codec == "auto" else f"-{codec}") + \
+    kind = "-bf16" if meta["dtype"] == "bf16" else "" if meta.get("keep_exact") else "-asis"
+    return "lora" + kind + ("" if codec == "auto" else f"-{codec}") + \
         ("-start" if meta.get("notice", "after") == "start" else "") + ("-quick" if meta["quick"] else "")
+
+
+def keep_exact(a: argparse.Namespace) -> bool:
+    return a.dtype == "fp32" and a.ckptdelta_fp32 == "keep-exact"
 
 
 def write(out: dict[str, Any], out_dir: str) -> None:
@@ -643,6 +666,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="2,64", help="sequences,tokens of each training batch (default 2,64)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="the adapter as peft trains it (fp32, default) or cast to bf16 (Publisher(dtype=bf16))")
+    p.add_argument("--ckptdelta-fp32", choices=("keep-exact", "as-is"), default="keep-exact",
+                   help="with --dtype fp32, what ckptdelta publishes: keep-exact (default): the bf16 vLLM keeps, "
+                        "the fp32 bits attached after each commit (Publisher(dtype=torch.bfloat16, "
+                        "keep_exact=True)); as-is: the fp32 adapter itself, every bit to the replica")
     p.add_argument("--trainer-threads", type=int, default=1,
                    help="torch threads of the trainer process (default 1: vLLM keeps a core of a small machine)")
     p.add_argument("--clients", type=int, default=3, help="streaming clients of the sampling load (default 3)")

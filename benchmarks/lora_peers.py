@@ -69,7 +69,8 @@ class Trainer:
         self.prev: dict[str, np.ndarray] = {}
 
     def op_init(self, base_dir: str, rank: int, prefix: str, warmup: int, lr: float, dtype: str,
-                batch: list[int], threads: int = 1, seed: int = 0, codec: str | None = None) -> dict:
+                batch: list[int], threads: int = 1, seed: int = 0, codec: str | None = None,
+                keep_exact: bool = False) -> dict:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -98,7 +99,11 @@ class Trainer:
         if not self.config:
             raise RuntimeError(f"peft wrote an empty {CONFIG} in {cfg_dir}")
         # the run records the bf16 base directory the replica serves, not the trainer's fp32 copy of it
-        self.pub = Publisher(f"{self.url}/{prefix}/ckptdelta", storage_options=self.opts, dtype=self.dtype,
+        # keep_exact: ckptdelta publishes the bf16 vLLM keeps and attaches the fp32 bits after each commit, while
+        # the baselines ship the fp32 adapter
+        self.keep_exact = keep_exact
+        self.pub = Publisher(f"{self.url}/{prefix}/ckptdelta", storage_options=self.opts,
+                             dtype=torch.bfloat16 if keep_exact else self.dtype, keep_exact=keep_exact,
                              adapter=AdapterSpec(cfg, BaseModel.of(base_dir)), codec=codec)
         r = self.pub.publish(self.model, self.steps)            # the anchor every method starts from
         sd = self.adapter()
@@ -178,6 +183,19 @@ class Trainer:
             return {"t0": t0, "t_end": t1, "publish_s": t1 - t0, "trainer_s": t_get + t_enc, "upload_s": t1 - t,
                     "step": self.steps, "payload": len(blob)}
         raise ValueError(method)
+
+    def op_settle(self, version: int) -> dict:
+        """After a step of ckptdelta's is served: wait for what its publish left running (keep_exact: the fp32
+        attachment), untimed, and check that the attachment rebuilds the trainer's fp32 adapter bit for bit."""
+        t0 = time.perf_counter()
+        self.pub.wait_until_finished()
+        waited = time.perf_counter() - t0
+        if not self.keep_exact:
+            return {"settle_s": waited, "exact": None}
+        from ckptdelta.loader import SnapshotReader
+
+        got = SnapshotReader(f"{self.url}/{self.prefix}/ckptdelta", storage_options=self.opts).read_exact(version)
+        return {"settle_s": waited, "exact": digests(got) == digests(self.adapter())}
 
     def op_close(self) -> dict:
         if self.pub is not None:
