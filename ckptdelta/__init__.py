@@ -55,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "HotLoadError": "ckptdelta.delta.errors",
     "StorageError": "ckptdelta.delta.errors",
     "SnapshotNotFoundError": "ckptdelta.delta.errors",
+    "ExactBitsMissingError": "ckptdelta.delta.errors",
+    "ExactAttachError": "ckptdelta.delta.errors",
     "ReplicaError": "ckptdelta.delta.errors",
     "PolicyVersionTimeoutError": "ckptdelta.delta.errors",
     "SampleTimeoutError": "ckptdelta.delta.errors",
@@ -78,9 +80,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:   # for type checkers and IDEs; at run time the names above load on first use
-    from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, DeltaError, HotLoadError,
-                                        PolicyVersionTimeoutError, PublishError, PublishInputError, ReplicaError,
-                                        SampleTimeoutError, SnapshotNotFoundError, StorageError)
+    from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, DeltaError, ExactAttachError,
+                                        ExactBitsMissingError, HotLoadError, PolicyVersionTimeoutError, PublishError,
+                                        PublishInputError, ReplicaError, SampleTimeoutError, SnapshotNotFoundError,
+                                        StorageError)
     from ckptdelta.integrations.hf import PublishCallback
     from ckptdelta.integrations.trl import FleetRollout
     from ckptdelta.loader import DiskCache, HotSwapper, SnapshotReader, VerifyReport

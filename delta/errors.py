@@ -91,6 +91,11 @@ class SnapshotNotFoundError(CkptDeltaError, LookupError):
     """No committed snapshot matches the requested name or version."""
 
 
+class ExactBitsMissingError(SnapshotNotFoundError):
+    """A version has no exact attachment (``SnapshotReader.read_exact``): published without ``keep_exact``, its
+    publisher stopped before writing it, or a reader is early (it lands just after the commit)."""
+
+
 class RunMismatchError(CkptDeltaError, ValueError):
     """An object or snapshot belongs to a different run than the one expected."""
 
@@ -99,6 +104,12 @@ class RunMismatchError(CkptDeltaError, ValueError):
 
 class PublishError(CkptDeltaError, RuntimeError):
     """A publish could not complete; nothing was committed."""
+
+
+class ExactAttachError(PublishError):
+    """A version's exact attachment (``Publisher(keep_exact=True)``) was not written. The version is committed
+    and served; only its fp32 bits are missing. Raised once, by the next publish() (before it copies anything:
+    that step is not published), ``wait_until_finished()`` or ``close()``."""
 
 
 class ConcurrentPublisherError(PublishError):

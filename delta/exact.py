@@ -14,6 +14,7 @@ an element, and it needs nothing but the snapshot it belongs to: no attachment d
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 import numpy as np
@@ -28,6 +29,9 @@ EXACT_DIR = "exact"
 FORMAT = "ckptdelta-exact"
 SCHEMA_VERSION = 1
 MAX_INDEX_BYTES = 64 << 20
+MAX_OBJECTS = 1 << 16
+#: an attachment is written in objects (parts) of about this many bytes: a writer holds one at a time
+PART_BYTES = 64 << 20
 #: the dtype a tensor is published in -> the dtype its exact bits are kept in (the widening docs/FORMAT.md defines)
 WIDENS = {"BF16": "F32"}
 #: object key of an attachment: its version, then the publish attempt's data id
@@ -40,8 +44,9 @@ def index_key(version: int) -> str:
     return f"{EXACT_DIR}/{version:012d}.json"
 
 
-def object_key(version: int, data_id: str) -> str:
-    return f"{EXACT_DIR}/{version:012d}-{data_id}.ckd"
+def object_key(version: int, data_id: str, part: int) -> str:
+    """An object of the attachment: under the publish attempt's own data id, as every data object of the run."""
+    return f"{EXACT_DIR}/{version:012d}-{data_id}-{part:05d}.ckd"
 
 
 def version_of_key(key: str) -> int | None:
@@ -58,35 +63,39 @@ def widen(bf16_bits: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ExactEntry:
-    """Where one tensor's record lies in the attachment's object, and the xxh3 of the exact bits it rebuilds."""
+    """Where one tensor's record lies (an object of the attachment, a byte range), and the xxh3 of the exact
+    bits it rebuilds."""
 
     dtype: str
     xxh3: str
+    object: int
     offset: int
     length: int
 
 
 @dataclass(frozen=True)
 class ExactIndex:
+    """An attachment's index: the objects (parts) holding its records, and each tensor's record in them."""
+
     run_id: str
     version: int
-    object: ObjectRef
+    objects: tuple[ObjectRef, ...]
     tensors: dict[str, ExactEntry]
 
     def to_json(self) -> bytes:
-        import json
         return json.dumps({
             "format": FORMAT, "schema_version": SCHEMA_VERSION, "run_id": self.run_id, "version": self.version,
-            "object": {"key": self.object.key, "size": self.object.size, "xxh3": self.object.xxh3},
-            "tensors": {n: {"dtype": e.dtype, "xxh3": e.xxh3, "offset": e.offset, "length": e.length}
-                        for n, e in sorted(self.tensors.items())}}, separators=(",", ":")).encode()
+            "objects": [{"key": o.key, "size": o.size, "xxh3": o.xxh3} for o in self.objects],
+            "tensors": {n: {"dtype": e.dtype, "xxh3": e.xxh3, "object": e.object, "offset": e.offset,
+                            "length": e.length} for n, e in sorted(self.tensors.items())}},
+            separators=(",", ":")).encode()
 
 
 def parse_index(data: bytes, *, run_id: str, manifest: Manifest) -> ExactIndex:
     """An attachment's index read from storage, checked against the snapshot it belongs to before anything it
-    says is fetched or allocated for: its run and version, a key of its own version, every tensor one of the
-    snapshot's published in a dtype the format widens, each record inside the object and no larger than its
-    tensor's exact bits could need."""
+    says is fetched or allocated for: its run and version, objects of its own version, every tensor one of the
+    snapshot's published in a dtype the format widens, each record inside its object, none overlapping, and
+    no larger than its tensor's exact bits could need."""
     what = f"exact attachment {index_key(manifest.version)} of {manifest.where()}"
     d = untrusted_json.loads(data, what=what, max_bytes=MAX_INDEX_BYTES)
 
@@ -100,24 +109,31 @@ def parse_index(data: bytes, *, run_id: str, manifest: Manifest) -> ExactIndex:
         raise bad(f"schema_version {sv!r} is not a positive int")
     if sv > SCHEMA_VERSION:
         raise bad(f"schema_version {sv} was written by a newer ckptdelta (this one reads {SCHEMA_VERSION})")
-    if set(d) != {"format", "schema_version", "run_id", "version", "object", "tensors"}:
+    if set(d) != {"format", "schema_version", "run_id", "version", "objects", "tensors"}:
         raise bad(f"fields {sorted(d)} are not the format's")
     if d["run_id"] != run_id:
         raise RunMismatchError(f"{what}: it belongs to run {d['run_id']!r}, not {run_id!r}")
     if d["version"] != manifest.version or type(d["version"]) is not int:
         raise bad(f"it names version {d['version']!r}")
-    o = d["object"]
-    if not isinstance(o, dict) or set(o) != {"key", "size", "xxh3"}:
-        raise bad("its object is not {key, size, xxh3}")
-    key, size, xx = o["key"], o["size"], o["xxh3"]
-    if not isinstance(key, str) or not key.startswith(f"{EXACT_DIR}/{manifest.version:012d}-") \
-            or OBJECT_KEY.match(key) is None:
-        raise bad(f"object key {key!r} is not one of this version's attachments")
-    check_key(key, what=f"{what}: object key")
-    if type(size) is not int or not 0 < size <= 1 << 48:
-        raise bad(f"object size {size!r} is out of range")
-    if not isinstance(xx, str) or _HEX16.match(xx) is None:
-        raise bad(f"object xxh3 {xx!r} is not 16 hex digits")
+    os_ = d["objects"]
+    if not isinstance(os_, list) or not 1 <= len(os_) <= MAX_OBJECTS:
+        raise bad(f"objects is not a list of 1 to {MAX_OBJECTS}")
+    objects = []
+    for o in os_:
+        if not isinstance(o, dict) or set(o) != {"key", "size", "xxh3"}:
+            raise bad("an object is not {key, size, xxh3}")
+        key, size, xx = o["key"], o["size"], o["xxh3"]
+        if not isinstance(key, str) or not key.startswith(f"{EXACT_DIR}/{manifest.version:012d}-") \
+                or OBJECT_KEY.match(key) is None:
+            raise bad(f"object key {key!r} is not one of this version's attachments")
+        check_key(key, what=f"{what}: object key")
+        if type(size) is not int or not 0 < size <= 1 << 48:
+            raise bad(f"object {key}: size {size!r} is out of range")
+        if not isinstance(xx, str) or _HEX16.match(xx) is None:
+            raise bad(f"object {key}: xxh3 {xx!r} is not 16 hex digits")
+        objects.append(ObjectRef(key, size, xx))
+    if len({o.key for o in objects}) != len(objects):
+        raise bad("an object is listed twice")
     ts = d["tensors"]
     if not isinstance(ts, dict):
         raise bad("tensors is not an object")
@@ -128,21 +144,28 @@ def parse_index(data: bytes, *, run_id: str, manifest: Manifest) -> ExactIndex:
             raise bad(f"tensor {name!r} is not in the snapshot")
         if m.dtype not in WIDENS:
             raise bad(f"tensor {name!r} is published as {m.dtype}, which no exact bits are kept for")
-        if not isinstance(e, dict) or set(e) != {"dtype", "xxh3", "offset", "length"}:
-            raise bad(f"tensor {name!r}: its entry is not {{dtype, xxh3, offset, length}}")
+        if not isinstance(e, dict) or set(e) != {"dtype", "xxh3", "object", "offset", "length"}:
+            raise bad(f"tensor {name!r}: its entry is not {{dtype, xxh3, object, offset, length}}")
         if e["dtype"] != WIDENS[m.dtype]:
             raise bad(f"tensor {name!r}: exact dtype {e['dtype']!r}, the format keeps {WIDENS[m.dtype]} for "
                       f"{m.dtype}")
         if not isinstance(e["xxh3"], str) or _HEX16.match(e["xxh3"]) is None:
             raise bad(f"tensor {name!r}: xxh3 {e['xxh3']!r} is not 16 hex digits")
-        off, n = e["offset"], e["length"]
+        i, off, n = e["object"], e["offset"], e["length"]
+        if type(i) is not int or not 0 <= i < len(objects):
+            raise bad(f"tensor {name!r}: object {i!r} is not one of the {len(objects)} listed")
+        size = objects[i].size
         if type(off) is not int or type(n) is not int or off < 8 or n < 1 or off + n > size:
-            raise bad(f"tensor {name!r}: record [{off!r}, +{n!r}) is not inside the {size}-byte object")
+            raise bad(f"tensor {name!r}: record [{off!r}, +{n!r}) is not inside the {size}-byte object "
+                      f"{objects[i].key}")
         numel = int(np.prod(m.shape, dtype=np.int64)) if m.shape else 1
         most = max_record_size(numel, 4, len(m.shape), len(name.encode()))
         if n > most:
             raise bad(f"tensor {name!r}: a {n}-byte record where one of its {numel} fp32 elements takes at most "
                       f"{most}")
-        entries[name] = ExactEntry(e["dtype"], e["xxh3"], off, n)
-    return ExactIndex(run_id, manifest.version, ObjectRef(key, size, xx), entries)
-
+        entries[name] = ExactEntry(e["dtype"], e["xxh3"], i, off, n)
+    spans = sorted((e.object, e.offset, e.offset + e.length, n) for n, e in entries.items())
+    for (o1, _, end, a), (o2, start, _, b) in zip(spans, spans[1:]):
+        if o1 == o2 and start < end:   # records back to back, as a writer lays them: reading all reads each once
+            raise bad(f"the records of tensors {a!r} and {b!r} overlap")
+    return ExactIndex(run_id, manifest.version, tuple(objects), entries)

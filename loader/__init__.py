@@ -9,11 +9,10 @@ if __name__ != "ckptdelta.loader":   # a checkout's root on sys.path would give 
     raise ImportError(f"this package is ckptdelta.loader; import it under that name, not as {__name__!r}")
 
 from ckptdelta.loader.cache import DiskCache
-from ckptdelta.loader.exact import ExactBitsMissingError
 from ckptdelta.loader.hotswap import HotLoadReport, HotSwapper, PreparedUpdate
 from ckptdelta.loader.gate import Pause, ServingGate
 from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.loader.verify import HeadPointerError, VerifyReport
 
-__all__ = ["DiskCache", "ExactBitsMissingError", "HeadPointerError", "HotLoadReport", "HotSwapper", "Pause", "PreparedUpdate", "ServingGate",
+__all__ = ["DiskCache", "HeadPointerError", "HotLoadReport", "HotSwapper", "Pause", "PreparedUpdate", "ServingGate",
            "SnapshotReader", "VerifyReport"]

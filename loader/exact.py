@@ -9,23 +9,22 @@ import torch
 
 from ckptdelta.delta import dtypes
 from ckptdelta.delta.codec import EncodedTensor, decode, digest_hex
-from ckptdelta.delta.errors import FormatError, ObjectNotFoundError, SnapshotNotFoundError
+from ckptdelta.delta.errors import (ChecksumError, ExactBitsMissingError, FormatError, ObjectNotFoundError,
+                                    ObjectTooLargeError)
 from ckptdelta.delta.exact import MAX_INDEX_BYTES, ExactIndex, index_key, parse_index, widen
 
 if TYPE_CHECKING:
     from ckptdelta.loader.reader import Names, SnapshotReader
 
 
-class ExactBitsMissingError(SnapshotNotFoundError):
-    """A version has no exact attachment: published without ``keep_exact``, its publisher stopped before
-    writing it, or a reader is early (it lands just after the commit)."""
-
-
 def read_index(reader: "SnapshotReader", version: int) -> ExactIndex:
+    """The version's attachment index, checked against its manifest (delta/exact.py ``parse_index``)."""
     m = reader.manifest(version)
     key = index_key(version)
     try:
         data = reader.store.get(key, max_size=MAX_INDEX_BYTES)
+    except ObjectTooLargeError as e:
+        raise FormatError(f"exact attachment {key} of {m.where()}: {e}") from None
     except ObjectNotFoundError:
         raise ExactBitsMissingError(
             f"{m.where()}: no exact bits are attached ({reader.store.key_url(key)} does not exist). A run "
@@ -42,17 +41,22 @@ def read_exact(reader: "SnapshotReader", ref: "str | int", names: "Names" = None
     out = reader.read_tensors(version, names)
     todo = [n for n in out if n in index.tensors]
     entries = [index.tensors[n] for n in todo]
-    blobs = reader._get_many([(index.object.key, (e.offset, e.offset + e.length)) for e in entries])
     where = f"exact attachment of {reader.manifest(version).where()}"
+    for i in sorted({e.object for e in entries}):
+        o = index.objects[i]
+        size = reader.store.size(o.key)
+        if size != o.size:
+            raise ChecksumError(f"{where}: {o.key} holds {size} bytes, its index says {o.size}")
+    blobs = reader._get_many([(index.objects[e.object].key, (e.offset, e.offset + e.length)) for e in entries])
     for name, e, blob in zip(todo, entries, blobs):
         if len(blob) != e.length:
             raise FormatError(f"{where}: tensor {name!r}: {len(blob)} bytes where its index says {e.length} "
-                              f"({index.object.key} is shorter than its index says)")
+                              f"({index.objects[e.object].key} is shorter than its index says)")
         enc = EncodedTensor.from_bytes(memoryview(blob), what=f"tensor {name!r} of the {where}")
         h, t = enc.header, out[name]
         if h.name != name or h.dtype.name != e.dtype or h.shape != tuple(t.shape) or not h.has_parent \
                 or digest_hex(h.digest) != e.xxh3:
-            raise FormatError(f"{where}: the record at [{e.offset}, +{e.length}) of {index.object.key} is "
+            raise FormatError(f"{where}: the record at [{e.offset}, +{e.length}) of {index.objects[e.object].key} is "
                               f"{h.dtype.name} {h.name!r} {list(h.shape)} (digest {digest_hex(h.digest)}), where "
                               f"the index says F32 {name!r} {list(t.shape)} (digest {e.xxh3})")
         parent = torch.from_numpy(widen(dtypes.host_bits(t))).reshape(t.shape)

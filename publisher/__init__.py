@@ -8,7 +8,8 @@ codec in :mod:`delta`, and a create-only manifest per snapshot is the commit
 if __name__ != "ckptdelta.publisher":   # a checkout's root on sys.path would give every module a second copy
     raise ImportError(f"this package is ckptdelta.publisher; import it under that name, not as {__name__!r}")
 
-from ckptdelta.delta.errors import CollectiveError, ConcurrentPublisherError, PublishError, PublishInputError
+from ckptdelta.delta.errors import (CollectiveError, ConcurrentPublisherError, ExactAttachError, PublishError,
+                                    PublishInputError)
 
 from ckptdelta.publisher.lora import AdapterSpec, BaseModel
 from ckptdelta.publisher.gc import GcReport, collect
@@ -16,5 +17,5 @@ from ckptdelta.publisher.job import Skipped
 from ckptdelta.publisher.publisher import Publisher
 from ckptdelta.publisher.result import PublishResult
 
-__all__ = ["AdapterSpec", "BaseModel", "CollectiveError", "ConcurrentPublisherError", "GcReport", "PublishError",
-           "PublishInputError", "PublishResult", "Publisher", "Skipped", "collect"]
+__all__ = ["AdapterSpec", "BaseModel", "CollectiveError", "ConcurrentPublisherError", "ExactAttachError", "GcReport",
+           "PublishError", "PublishInputError", "PublishResult", "Publisher", "Skipped", "collect"]

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FuturesTimeout
 
 import torch
 import xxhash
@@ -23,8 +23,8 @@ from ckptdelta.delta import dtypes
 from ckptdelta.delta.batch import encode_many, threads_for
 from ckptdelta.delta.codec import digest_hex
 from ckptdelta.delta.container import ObjectWriter
-from ckptdelta.delta.errors import PublishError, PublishInputError
-from ckptdelta.delta.exact import ExactEntry, ExactIndex, index_key, object_key, widen
+from ckptdelta.delta.errors import ExactAttachError, PublishInputError
+from ckptdelta.delta.exact import PART_BYTES, ExactEntry, ExactIndex, index_key, object_key, widen
 from ckptdelta.delta.manifest import ObjectRef
 from ckptdelta.delta.storage import Store
 from ckptdelta.publisher.host_copy import Cast, copy_to_host
@@ -32,26 +32,34 @@ from ckptdelta.publisher.host_copy import Cast, copy_to_host
 log = logging.getLogger("ckptdelta.publisher")
 
 
-def check_keep_exact(dtype: torch.dtype | None, world: int, device_diff: bool, max_in_flight: int) -> None:
+def check_keep_exact(dtype: torch.dtype | None, device_diff: bool, max_in_flight: int) -> None:
     """``keep_exact=True`` checked against the rest of the Publisher's arguments (ValueError naming the clash)."""
     if dtype != torch.bfloat16:
         raise ValueError("keep_exact=True keeps the fp32 bits of a run published as bf16: it needs "
                          f"dtype=torch.bfloat16, got dtype={dtype}")
-    if world > 1:
-        raise ValueError("keep_exact=True needs a publisher of one process (world size 1)")
     if device_diff:
         raise ValueError("keep_exact=True copies the fp32 weights to the host; device_diff=True does not")
     if max_in_flight != 1:
         raise ValueError("keep_exact=True needs max_in_flight=1: each attachment is read from its own snapshot")
 
 
+def check_keep_exact_world(world: int) -> None:
+    if world > 1:
+        raise ValueError("keep_exact=True needs a publisher of one process (world size 1)")
+
+
 class ExactAttacher:
     """Takes the fp32 host copy in publish(), writes each committed version's attachment in the background.
 
-    One attachment is written at a time. The next publish() waits for the one before (:meth:`join`) before
-    its host copy: an attachment reads its snapshot, whose buffers later copies reuse. A failure is raised
-    by that join, once, naming the version: the version itself is committed and served, only its fp32 bits
-    are missing (a reader asking for them is told so)."""
+    One attachment is written at a time (one worker thread: an attachment still running when a join was
+    skipped, by an interrupt, is still over before the next one starts). The next publish() waits for the one
+    before (:meth:`join`) before its host copy: an attachment reads its snapshot, whose buffers later copies
+    reuse. A failure is raised by that join, once, as :class:`ExactAttachError` naming the version.
+
+    The published bf16 is cast from the fp32 host copy where that is the very cast ``Publisher(dtype=...)``
+    makes without keep_exact (a contiguous CPU tensor, a numpy array: ``.to()`` of the same contiguous bits);
+    a strided or device tensor is cast from itself, as without keep_exact (torch's casts of a NaN differ
+    between its contiguous and strided kernels, and between devices)."""
 
     def __init__(self, store: Store, run_id: str, encode_threads: int | None) -> None:
         self.store, self.run_id, self.encode_threads = store, run_id, encode_threads
@@ -77,7 +85,9 @@ class ExactAttacher:
         with self._lock:
             spare, self._spare = self._spare, {}
         exact = copy_to_host(raw, spare, names)
-        return exact, Cast({**raw, **exact}, sources.dtype)
+        same_cast = {n: exact[n] for n in names if not isinstance(raw[n], torch.Tensor)
+                     or (raw[n].device.type == "cpu" and raw[n].is_contiguous())}
+        return exact, Cast({**raw, **same_cast}, sources.dtype)
 
     def attach(self, version: int, data_id: str, snapshot: Mapping[str, torch.Tensor],
                exact: dict[str, torch.Tensor]) -> None:
@@ -86,25 +96,35 @@ class ExactAttacher:
         with self._lock:
             self._pending = (version, fut)
 
-    def join(self) -> None:
-        """Wait for the attachment in flight; raise its failure once (PublishError naming the version)."""
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the attachment in flight; raise its failure once (ExactAttachError naming the version).
+        It is forgotten only once waited for: an interrupt of the wait leaves it for the next join."""
         with self._lock:
-            pending, self._pending = self._pending, None
+            pending = self._pending
         if pending is None:
             return
         version, fut = pending
-        err = fut.exception()
+        err = fut.exception(timeout)       # TimeoutError past ``timeout``: still pending
+        with self._lock:
+            if self._pending is pending:
+                self._pending = None
         if err is not None:
-            raise PublishError(f"run {self.run_id}: the exact fp32 bits of version {version} were not attached "
-                               f"({type(err).__name__}: {err}); the version is committed and served as bf16, "
-                               "and a reader asking for its exact bits is told they are missing") from err
+            raise ExactAttachError(f"run {self.run_id}: the exact fp32 bits of version {version} were not attached "
+                                   f"({type(err).__name__}: {err}); the version is committed and served as bf16, "
+                                   "and a reader asking for its exact bits is told they are missing") from err
 
-    def finish(self) -> None:
-        """:meth:`join`, with a failure logged rather than raised (the with-block left on an error, exit)."""
+    def finish(self, timeout: float | None = None) -> None:
+        """:meth:`join`, with a failure logged rather than raised (the with-block left on an error, exit), and
+        past ``timeout`` seconds given up on, logged too."""
         try:
-            self.join()
-        except PublishError as e:
+            self.join(timeout)
+        except ExactAttachError as e:
             log.error("%s", e)
+        except FuturesTimeout:
+            with self._lock:
+                version = self._pending[0] if self._pending else None
+            log.error("run %s: the exact fp32 bits of version %s were still being attached %gs after the publishes "
+                      "ended; given up on, that version may have none", self.run_id, version, timeout)
 
     def close(self) -> None:
         """Wait for the attachment in flight; a failure no call raised yet is logged."""
@@ -113,25 +133,39 @@ class ExactAttacher:
 
     def _write(self, version: int, data_id: str, snapshot: Mapping[str, torch.Tensor],
                exact: dict[str, torch.Tensor]) -> None:
+        """Each fp32 tensor's record against its widened bf16, in objects of about PART_BYTES each (one held at
+        a time), then the index that names them: its create-only write is what makes the attachment whole."""
         t0 = time.perf_counter()
-        buf = io.BytesIO()
-        w = ObjectWriter(buf)
-        digests: dict[str, str] = {}
+        objects: list[ObjectRef] = []
+        entries: dict[str, ExactEntry] = {}
         nbytes = sum(t.numel() * 4 for t in exact.values())
         threads = self.encode_threads or threads_for(nbytes, torch.get_num_threads())
         items = ((n, torch.from_numpy(widen(dtypes.host_bits(snapshot[n]))).reshape(t.shape), t)
                  for n, t in sorted(exact.items()))
+        buf = w = None
+
+        def flush() -> None:
+            size = w.finish()
+            blob = buf.getbuffer()
+            key = object_key(version, data_id, len(objects))
+            self.store.put(key, blob)
+            objects.append(ObjectRef(key, size, digest_hex(xxhash.xxh3_64_intdigest(blob))))
+
         for enc in encode_many(items, threads=threads, context=False):
-            w.add(enc.name, enc.to_bytes())
-            digests[enc.name] = digest_hex(enc.header.digest)
-        size = w.finish()
-        blob = buf.getbuffer()
-        key = object_key(version, data_id)
-        self.store.put(key, blob)
-        index = ExactIndex(self.run_id, version, ObjectRef(key, size, digest_hex(xxhash.xxh3_64_intdigest(blob))),
-                           {n: ExactEntry("F32", digests[n], off, length) for n, (off, length) in w.index.items()})
+            if w is None:
+                buf = io.BytesIO()
+                w = ObjectWriter(buf)
+            off, length = w.add(enc.name, enc.to_bytes())
+            entries[enc.name] = ExactEntry("F32", digest_hex(enc.header.digest), len(objects), off, length)
+            if off + length >= PART_BYTES:
+                flush()
+                buf = w = None
+        if w is not None:
+            flush()
+        index = ExactIndex(self.run_id, version, tuple(objects), entries)
         self.store.put_if_absent(index_key(version), index.to_json())
         with self._lock:
             self._spare = exact          # the attachment is written: its host copy takes the next one
-        log.info("run %s: attached the exact fp32 bits of version %d (%d tensors, %d bytes) in %.2fs", self.run_id,
-                 version, len(exact), size, time.perf_counter() - t0)
+        log.info("run %s: attached the exact fp32 bits of version %d (%d tensors, %d bytes in %d objects) in %.2fs",
+                 self.run_id, version, len(exact), sum(o.size for o in objects), len(objects),
+                 time.perf_counter() - t0)

@@ -127,7 +127,7 @@ def _collect(store: Store, keep_anchors: int, grace: float, dry_run: bool, now: 
 def _own_keys(store: Store) -> list[str]:
     """The keys of this run's layout that gc may delete: data objects under anchors/ and deltas/ (a version and
     writer id, then the object), exact attachments under exact/, and the temp files of local writes beside
-    them, at the root (HEAD, RUN.json) and in manifests/. A run nested under this one's prefix (``runs/a/sub``
+    them, at the root (HEAD, RUN.json), in manifests/ and in exact/. A run nested under this one's prefix (``runs/a/sub``
     under ``runs/a``) is another run: its keys are never deleted, and on an object store never listed (only
     anchors/, deltas/ and exact/ are)."""
     if store.backend == "local":       # temp files sit beside their final names, also at the root
@@ -135,7 +135,7 @@ def _own_keys(store: Store) -> list[str]:
     else:
         keys = [k for d in (ANCHOR_DIR, DELTA_DIR, EXACT_DIR) for k in store.list_prefix(f"{d}/", include_temp=True)]
     return [k for k in keys if _DATA_KEY.match(k) or version_of_key(k) is not None
-            or (is_temp_key(k) and k.rsplit("/", 1)[0] in (k, MANIFEST_DIR))]
+            or (is_temp_key(k) and k.rsplit("/", 1)[0] in (k, MANIFEST_DIR, EXACT_DIR))]
 
 
 def _read_all(store: Store, versions: list[int], run_id: str | None) -> tuple[dict[int, Manifest], set[int]]:

@@ -28,7 +28,7 @@ import xxhash
 
 from ckptdelta.delta.chunks import DEFAULT_LEVEL
 from ckptdelta.delta.codec import digest_hex
-from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, ManifestError, PublishError,
+from ckptdelta.delta.errors import (CkptDeltaError, ConcurrentPublisherError, ExactAttachError, ManifestError, PublishError,
                                     PublishInputError, RunMismatchError, StorageError)
 from ckptdelta.delta.manifest import (Manifest, ObjectRef, anchor_prefix, metadata_problem, now_iso, snapshot_name,
                                       text_problem)
@@ -51,7 +51,7 @@ from ckptdelta.publisher.runs import (commit, committed_manifest, committed_vers
                                       new_writer_id, read_manifest, read_run_info)
 from ckptdelta.publisher.deltas import encode_threads_for
 from ckptdelta.publisher.device_diff import DeviceDiff
-from ckptdelta.publisher.exact import ExactAttacher, check_keep_exact
+from ckptdelta.publisher.exact import ExactAttacher, check_keep_exact, check_keep_exact_world
 from ckptdelta.publisher.host_copy import (Cast, Partition, Weights, check_publish_dtype, copy_to_host,
                                           gather_sources, schema_of, spares)
 from ckptdelta.publisher.writer import Written, merge, write_anchor, write_delta_object
@@ -114,9 +114,8 @@ class Publisher:
     as an attachment to each version written after its commit (docs/PUBLISHING.md "fp32 trainers, bf16
     replicas"): replicas fetch and serve the bf16 snapshot the moment it is committed, while
     ``SnapshotReader.read_exact`` rebuilds the fp32 tensors bit for bit. publish() returns at the commit; the
-    next publish(), ``wait_until_finished()`` and ``close()`` wait for the attachment and raise its failure.
-    The cast is then made on the host, from the fp32 copy (a NaN's payload is the one thing a GPU's cast may
-    round otherwise).
+    next publish(), ``wait_until_finished()`` and ``close()`` wait for the attachment and raise its failure
+    (``ExactAttachError``). The bf16 published is the same as without keep_exact.
 
     ``extra_files`` travel with every anchor, so a replica can load it with
     transformers: a model directory (its config, generation config and tokenizer
@@ -211,10 +210,12 @@ class Publisher:
         self._files = AnchorFiles(extra_files, dtype=self.dtype)
         self._anchor_files: dict[str, bytes] = {}          # rank 0: the extra files of the anchor being planned
         tempdirs.sweep()         # what publishers killed mid-publish on this host left in the temp dir
+        if keep_exact:
+            check_keep_exact(self.dtype, device_diff, max_in_flight)
         self._store = Store.from_url(url, storage_options)
         self._comm = make_comm(process_group, distributed, collective_timeout)
         if keep_exact:
-            check_keep_exact(self.dtype, self._comm.world, device_diff, max_in_flight)
+            check_keep_exact_world(self._comm.world)
         if self._comm.world > 1 and max_in_flight > 1:
             # Ranks must agree on which publishes run; with one slot each publish() starts only after
             # the previous one finished on this rank, so every rank sees the same failures.
@@ -458,7 +459,7 @@ class Publisher:
         if self._exact is not None:
             try:
                 self._exact.join()
-            except PublishError as e:
+            except ExactAttachError as e:
                 attach_err = e
         try:
             self._raise_pending()
@@ -519,6 +520,7 @@ class Publisher:
         INFO, a failure on ERROR naming its step and version, as for any failure no call of the caller's
         raised yet. Past ``timeout`` the rest are given up on: they commit nothing (a commit already under
         way is waited for), and each is logged as lost."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = dict(self._jobs)
         if pending:
@@ -543,7 +545,7 @@ class Publisher:
                     log.error("run %s at %s: %s was not published (%s: %s); nothing of it is committed",
                               self.run_id, self.url, job.describe(), type(f.exception()).__name__, f.exception())
         if self._exact is not None:
-            self._exact.finish()
+            self._exact.finish(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._lock:
             lost, self._unreported = self._unreported, []
             self._pending_error = None
@@ -708,7 +710,8 @@ class Publisher:
                 f"by another publisher (writer {m.writer_id}, step {m.step}); refusing to fork the run (one "
                 "publisher per run)")
         log.warning("run %s: %s (step %s) was committed by this publisher although its commit reported a failure "
-                    "(the answers were lost); continuing after it", self.run_id, m.where(), m.step)
+                    "(the answers were lost); continuing after it%s", self.run_id, m.where(), m.step,
+                    "" if self._exact is None else "; its exact fp32 bits were not attached (keep_exact)")
         self._follow_chain(version, self.run_id)
         self._committed_here = version
         with self._lock:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from ckptdelta.delta.errors import ChecksumError, FormatError, PublishError, PublishInputError, RunMismatchError
+from ckptdelta.delta.errors import (ChecksumError, ExactAttachError, ExactBitsMissingError, FormatError,
+                                    PublishInputError, RunMismatchError)
 from ckptdelta.delta.exact import index_key
 from ckptdelta.loader import SnapshotReader
-from ckptdelta.loader.exact import ExactBitsMissingError
 from ckptdelta.publisher import Publisher, collect
 from tests.publisher_helpers import assert_same, clone, open_store, perturb, versions
 
@@ -73,7 +73,7 @@ def test_every_version_rebuilds_the_trainers_fp32_bits_while_its_snapshot_holds_
     assert sorted(index["tensors"]) == ["layers.0.lora_A.weight", "layers.0.lora_B.weight", "layers.0.norm"]
     # an element's fp32 bits past its bf16 cast cost about two bytes: the attachment is no whole fp32 copy
     fp32 = sum(t.numel() for t in history[4].values() if t.dtype == torch.float32)
-    assert index["object"]["size"] < 2.6 * fp32
+    assert sum(o["size"] for o in index["objects"]) < 2.6 * fp32
 
 
 def test_publish_returns_at_the_commit_and_the_attachment_lands_after_it(tmp_path):
@@ -120,7 +120,7 @@ def test_a_failed_attachment_is_raised_by_the_next_publish_naming_its_version_an
         v1 = clone(w)
         assert pub.publish(w, 1).version == 1
         adam_like(w, 1)
-        with pytest.raises(PublishError, match="exact fp32 bits of version 1 were not attached.*disk full"):
+        with pytest.raises(ExactAttachError, match="exact fp32 bits of version 1 were not attached.*disk full"):
             pub.publish(w, 2)
         r = pub.publish(w, 2)                  # raised once: the next publish goes on
         assert r.version == 2
@@ -153,8 +153,21 @@ def test_a_damaged_or_foreign_attachment_is_refused_naming_what_is_wrong(tmp_pat
     with_index(lambda d: d["tensors"].update({"nope": d["tensors"]["layers.0.norm"]}))
     with pytest.raises(FormatError, match="'nope' is not in the snapshot"):
         reader.read_exact(1)
-    with_index(lambda d: d["object"].update(key="deltas/000000000001-x/rank-00000.ckd"))
+    with_index(lambda d: d["objects"][0].update(key="deltas/000000000001-x/rank-00000.ckd"))
     with pytest.raises(FormatError, match="not one of this version's attachments"):
+        reader.read_exact(1)
+    other = json.loads(store.get(index_key(0)))["objects"][0]["key"]        # version 0's attachment
+    with_index(lambda d: d["objects"][0].update(key=other))
+    with pytest.raises(FormatError, match="not one of this version's attachments"):
+        reader.read_exact(1)
+    with_index(lambda d: d.update(version=0))
+    with pytest.raises(FormatError, match="names version 0"):
+        reader.read_exact(1)
+    with_index(lambda d: d["tensors"]["layers.0.norm"].update(offset=d["tensors"]["layers.0.lora_A.weight"]["offset"]))
+    with pytest.raises(FormatError, match="overlap"):
+        reader.read_exact(1)
+    with_index(lambda d: d["objects"][0].update(size=d["objects"][0]["size"] + 1))
+    with pytest.raises(ChecksumError, match="holds .* bytes, its index says"):
         reader.read_exact(1)
     # two entries swapped: each record names its own tensor
     with_index(lambda d: d["tensors"].update({"layers.0.norm": d["tensors"]["layers.0.lora_A.weight"],
@@ -165,11 +178,86 @@ def test_a_damaged_or_foreign_attachment_is_refused_naming_what_is_wrong(tmp_pat
     assert_same(reader.read_exact(1), history[1])
     # one flipped bit in a record's payload
     e = good["tensors"]["layers.0.lora_B.weight"]
-    blob = bytearray(store.get(good["object"]["key"]))
+    key = good["objects"][e["object"]]["key"]
+    blob = bytearray(store.get(key))
     blob[e["offset"] + e["length"] - 1] ^= 1
-    store.put(good["object"]["key"], bytes(blob))
+    store.put(key, bytes(blob))
     with pytest.raises(ChecksumError, match="layers.0.lora_B.weight"):
         reader.read_exact(1)
+
+
+def test_a_strided_source_is_published_as_the_cast_without_keep_exact_makes_and_kept_exact(tmp_path):
+    """torch casts a NaN to bf16 one way in its contiguous kernel (0xFFFF) and another in its strided one
+    (0x7FC0): a strided fp32 tensor is cast from itself, as without keep_exact, not from its contiguous copy."""
+    whole = torch.from_numpy(np.repeat(SPECIAL, 4).view(np.float32).copy())
+    w = {"strided": whole[::2], "contiguous": whole.clone()}
+    assert not w["strided"].is_contiguous()
+    runs = {keep: str(tmp_path / f"run-{keep}") for keep in (True, False)}
+    for keep, url in runs.items():
+        with Publisher(url, dtype=torch.bfloat16, keep_exact=keep) as pub:
+            pub.publish(w, 0)
+    exact, plain = (SnapshotReader(runs[k]) for k in (True, False))
+    assert_same(exact.read_tensors(0), plain.read_tensors(0))
+    assert_same(exact.read_tensors(0), {k: v.to(torch.bfloat16) for k, v in w.items()})
+    assert_same(exact.read_exact(0), {k: v.contiguous() for k, v in w.items()})
+
+
+def test_the_next_publish_waits_for_the_attachment_before_it_copies_into_buffers_it_may_reuse(tmp_path):
+    url = str(tmp_path / "run")
+    pub = Publisher(url, dtype=torch.bfloat16, keep_exact=True)
+    held, release = threading.Event(), threading.Event()
+    put = pub.store.put
+
+    def slow_put(key, data):
+        if key.startswith("exact/000000000000-"):
+            held.set()
+            assert release.wait(30)
+        put(key, data)
+
+    pub.store.put = slow_put
+    w = fp32_weights()
+    history = [clone(w)]
+    pub.publish(w, 0)
+    assert held.wait(30)
+    adam_like(w, 0)
+    history.append(clone(w))
+    second = threading.Thread(target=pub.publish, args=(w, 1))
+    second.start()
+    second.join(1.0)
+    assert second.is_alive() and versions(open_store((url, {}))) == [0]    # held before its copy
+    release.set()
+    second.join(30)
+    assert not second.is_alive()
+    adam_like(w, 1)
+    history.append(clone(w))
+    pub.publish(w, 2, wait=False)           # a Future; its attachment follows its commit all the same
+    pub.close()
+    reader = SnapshotReader(url)
+    for v in range(3):
+        assert_same(reader.read_exact(v), history[v])
+
+
+def test_close_raises_a_failed_attachment_and_a_with_block_left_on_an_error_logs_it(tmp_path, caplog):
+    def failing(pub):
+        put = pub.store.put
+
+        def fail(key, data):
+            if key.startswith("exact/"):
+                raise OSError("bucket gone (simulated)")
+            put(key, data)
+        pub.store.put = fail
+
+    pub = Publisher(str(tmp_path / "a"), dtype=torch.bfloat16, keep_exact=True)
+    failing(pub)
+    pub.publish(fp32_weights(), 0)
+    with pytest.raises(ExactAttachError, match="version 0 were not attached.*bucket gone"):
+        pub.close()
+    with pytest.raises(KeyError):
+        with Publisher(str(tmp_path / "b"), dtype=torch.bfloat16, keep_exact=True) as pub:
+            failing(pub)
+            pub.publish(fp32_weights(), 0)
+            raise KeyError("the trainer's own error")
+    assert "exact fp32 bits of version 0 were not attached" in caplog.text
 
 
 def test_keep_exact_is_refused_where_it_cannot_keep_every_bit(tmp_path):
@@ -206,4 +294,31 @@ def test_gc_deletes_an_attachment_with_its_version_and_keeps_those_of_kept_versi
     assert sum(k.startswith("exact/") for k in report.deleted_objects) == 6    # an object and an index each
     reader = SnapshotReader(url, storage_options=opts)
     for v in (3, 4, 5):
+        assert_same(reader.read_exact(v), history[v])
+
+
+def test_gc_deletes_an_attachment_left_half_written_once_its_version_goes_and_stale_temp_files(tmp_path):
+    url = str(tmp_path / "run")
+    history = publish_history(url, {}, steps=6)             # anchors at 0 and 3
+    store = open_store((url, {}))
+    store.delete([index_key(1)])                            # an object whose index never landed
+    tmp = tmp_path / "run" / "exact" / ".ckptdelta-tmp-dead-writer"
+    tmp.write_bytes(b"half an attachment")                  # a local write killed mid-way
+    assert store.list_prefix("exact/", include_temp=True).count("exact/.ckptdelta-tmp-dead-writer") == 1
+    report = collect(url, keep_anchors=1, grace_seconds=0)
+    assert report.deleted_versions == (0, 1, 2) and not tmp.exists()
+    assert "exact/.ckptdelta-tmp-dead-writer" in report.deleted_objects
+    assert not [k for k in store.list_prefix("exact/") if k.startswith(("exact/000000000001", "exact/000000000000"))]
+    assert_same(SnapshotReader(url).read_exact(5), history[5])
+
+
+def test_a_large_attachment_is_written_in_parts_and_read_back_from_them(tmp_path, monkeypatch):
+    """The writer holds one part of an attachment at a time (a 7B fp32 model's would be 14 GB whole)."""
+    monkeypatch.setattr("ckptdelta.publisher.exact.PART_BYTES", 1000)
+    url = str(tmp_path / "run")
+    history = publish_history(url, {}, steps=2)
+    index = json.loads(open_store((url, {})).get(index_key(1)))
+    assert len(index["objects"]) == 3 and {e["object"] for e in index["tensors"].values()} == {0, 1, 2}
+    reader = SnapshotReader(url)
+    for v in (0, 1):
         assert_same(reader.read_exact(v), history[v])
