@@ -76,19 +76,37 @@ def test_every_version_rebuilds_the_trainers_fp32_bits_while_its_snapshot_holds_
     assert sum(o["size"] for o in index["objects"]) < 2.6 * fp32
 
 
-def test_publish_returns_at_the_commit_and_the_attachment_lands_after_it(tmp_path):
-    url = str(tmp_path / "run")
-    pub = Publisher(url, dtype=torch.bfloat16, keep_exact=True)
+def hold_puts(pub: Publisher, prefix: str) -> tuple[threading.Event, threading.Event]:
+    """Writes of keys under ``prefix`` wait for the second event once they set the first."""
     held, release = threading.Event(), threading.Event()
     put = pub.store.put
 
     def slow_put(key, data):
-        if key.startswith("exact/"):
+        if key.startswith(prefix):
             held.set()
             assert release.wait(30)
         put(key, data)
 
     pub.store.put = slow_put
+    return held, release
+
+
+def fail_puts(pub: Publisher, prefix: str, why: str) -> None:
+    """Writes of keys under ``prefix`` fail with OSError(why)."""
+    put = pub.store.put
+
+    def failing_put(key, data):
+        if key.startswith(prefix):
+            raise OSError(why)
+        put(key, data)
+
+    pub.store.put = failing_put
+
+
+def test_publish_returns_at_the_commit_and_the_attachment_lands_after_it(tmp_path):
+    url = str(tmp_path / "run")
+    pub = Publisher(url, dtype=torch.bfloat16, keep_exact=True)
+    held, release = hold_puts(pub, "exact/")
     w = fp32_weights()
     r = pub.publish(w, 0)
     assert held.wait(30)
@@ -108,14 +126,7 @@ def test_a_failed_attachment_is_raised_by_the_next_publish_naming_its_version_an
     w = fp32_weights()
     with Publisher(url, dtype=torch.bfloat16, keep_exact=True) as pub:
         pub.publish(w, 0)
-        put = pub.store.put
-
-        def failing_put(key, data):
-            if key.startswith("exact/000000000001-"):
-                raise OSError("disk full (simulated)")
-            put(key, data)
-
-        pub.store.put = failing_put
+        fail_puts(pub, "exact/000000000001-", "disk full (simulated)")
         adam_like(w, 0)
         v1 = clone(w)
         assert pub.publish(w, 1).version == 1
@@ -205,16 +216,7 @@ def test_a_strided_source_is_published_as_the_cast_without_keep_exact_makes_and_
 def test_the_next_publish_waits_for_the_attachment_before_it_copies_into_buffers_it_may_reuse(tmp_path):
     url = str(tmp_path / "run")
     pub = Publisher(url, dtype=torch.bfloat16, keep_exact=True)
-    held, release = threading.Event(), threading.Event()
-    put = pub.store.put
-
-    def slow_put(key, data):
-        if key.startswith("exact/000000000000-"):
-            held.set()
-            assert release.wait(30)
-        put(key, data)
-
-    pub.store.put = slow_put
+    held, release = hold_puts(pub, "exact/000000000000-")
     w = fp32_weights()
     history = [clone(w)]
     pub.publish(w, 0)
@@ -238,23 +240,14 @@ def test_the_next_publish_waits_for_the_attachment_before_it_copies_into_buffers
 
 
 def test_close_raises_a_failed_attachment_and_a_with_block_left_on_an_error_logs_it(tmp_path, caplog):
-    def failing(pub):
-        put = pub.store.put
-
-        def fail(key, data):
-            if key.startswith("exact/"):
-                raise OSError("bucket gone (simulated)")
-            put(key, data)
-        pub.store.put = fail
-
     pub = Publisher(str(tmp_path / "a"), dtype=torch.bfloat16, keep_exact=True)
-    failing(pub)
+    fail_puts(pub, "exact/", "bucket gone (simulated)")
     pub.publish(fp32_weights(), 0)
     with pytest.raises(ExactAttachError, match="version 0 were not attached.*bucket gone"):
         pub.close()
     with pytest.raises(KeyError):
         with Publisher(str(tmp_path / "b"), dtype=torch.bfloat16, keep_exact=True) as pub:
-            failing(pub)
+            fail_puts(pub, "exact/", "bucket gone (simulated)")
             pub.publish(fp32_weights(), 0)
             raise KeyError("the trainer's own error")
     assert "exact fp32 bits of version 0 were not attached" in caplog.text
