@@ -424,11 +424,13 @@ def markdown(out: dict[str, Any]) -> str:
     codec = meta.get("codec", "auto")
     link = meta["links"] or f"UNSHAPED (shaped links unavailable: {meta['links_unavailable']})"
     lines = [f"# LoRA runs on a vLLM replica: ckptdelta beside full adapters and XOR + zstd-3 deltas"
-             f" ({meta['dtype']} adapters{', quick' if meta['quick'] else ''})", "",
+             f" ({meta['dtype']} adapters{'; ckptdelta: bf16, fp32 kept exact' if meta.get('keep_exact') else ''}"
+             f"{', quick' if meta['quick'] else ''})", "",
              f"`{command(meta)}`. {meta['machine']}; wall time "
              f"{meta['wall_s'] / 60:.1f} min. Base: Llama-shaped, random bf16 weights, {meta['base_bytes'] / 1e9:.2f} GB "
              f"({meta['model']}). Adapters: peft LoRA on every linear layer (alpha 2r), published as "
-             f"{meta['dtype']}, AdamW (no weight decay) on real gradients of a {meta['batch'][0]}x{meta['batch'][1]} "
+             + ("fp32 by the baselines and by ckptdelta as bf16 + its fp32 attachment" if meta.get("keep_exact")
+                else meta["dtype"]) + f", AdamW (no weight decay) on real gradients of a {meta['batch'][0]}x{meta['batch'][1]} "
              f"token batch in the trainer process (fp32 compute over the bf16 base upcast exactly, "
              f"{meta.get('trainer_threads', 'all')} torch thread(s)), "
              f"{meta['warmup']} warm-up steps, then per learning rate {meta['steps']} timed steps "
