@@ -64,13 +64,19 @@ def widen(bf16_bits: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class ExactEntry:
     """Where one tensor's record lies (an object of the attachment, a byte range), and the xxh3 of the exact
-    bits it rebuilds."""
+    bits it rebuilds; or, with ``dtype`` the one it is published in and nothing else, that it was published as
+    it was (a bf16 tensor of the trainer's): the index names every BF16 tensor of the snapshot, so an entry
+    lost from it is an error, not a tensor silently taken as exact."""
 
     dtype: str
-    xxh3: str
-    object: int
-    offset: int
-    length: int
+    xxh3: str | None = None
+    object: int | None = None
+    offset: int | None = None
+    length: int | None = None
+
+    @property
+    def has_record(self) -> bool:
+        return self.object is not None
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,8 @@ class ExactIndex:
             "format": FORMAT, "schema_version": SCHEMA_VERSION, "run_id": self.run_id, "version": self.version,
             "objects": [{"key": o.key, "size": o.size, "xxh3": o.xxh3} for o in self.objects],
             "tensors": {n: {"dtype": e.dtype, "xxh3": e.xxh3, "object": e.object, "offset": e.offset,
-                            "length": e.length} for n, e in sorted(self.tensors.items())}},
+                            "length": e.length} if e.has_record else {"dtype": e.dtype}
+                        for n, e in sorted(self.tensors.items())}},
             separators=(",", ":")).encode()
 
 
@@ -116,8 +123,8 @@ def parse_index(data: bytes, *, run_id: str, manifest: Manifest) -> ExactIndex:
     if d["version"] != manifest.version or type(d["version"]) is not int:
         raise bad(f"it names version {d['version']!r}")
     os_ = d["objects"]
-    if not isinstance(os_, list) or not 1 <= len(os_) <= MAX_OBJECTS:
-        raise bad(f"objects is not a list of 1 to {MAX_OBJECTS}")
+    if not isinstance(os_, list) or len(os_) > MAX_OBJECTS:
+        raise bad(f"objects is not a list of at most {MAX_OBJECTS}")
     objects = []
     for o in os_:
         if not isinstance(o, dict) or set(o) != {"key", "size", "xxh3"}:
@@ -144,6 +151,9 @@ def parse_index(data: bytes, *, run_id: str, manifest: Manifest) -> ExactIndex:
             raise bad(f"tensor {name!r} is not in the snapshot")
         if m.dtype not in WIDENS:
             raise bad(f"tensor {name!r} is published as {m.dtype}, which no exact bits are kept for")
+        if e == {"dtype": m.dtype}:           # published as it was
+            entries[name] = ExactEntry(m.dtype)
+            continue
         if not isinstance(e, dict) or set(e) != {"dtype", "xxh3", "object", "offset", "length"}:
             raise bad(f"tensor {name!r}: its entry is not {{dtype, xxh3, object, offset, length}}")
         if e["dtype"] != WIDENS[m.dtype]:
@@ -164,7 +174,11 @@ def parse_index(data: bytes, *, run_id: str, manifest: Manifest) -> ExactIndex:
             raise bad(f"tensor {name!r}: a {n}-byte record where one of its {numel} fp32 elements takes at most "
                       f"{most}")
         entries[name] = ExactEntry(e["dtype"], e["xxh3"], i, off, n)
-    spans = sorted((e.object, e.offset, e.offset + e.length, n) for n, e in entries.items())
+    missing = sorted(n for n, m in manifest.tensors.items() if m.dtype in WIDENS and n not in entries)
+    if missing:
+        raise bad(f"{len(missing)} of the snapshot's {'/'.join(WIDENS)} tensors have no entry ({missing[0]!r} "
+                  "first): the index names every one")
+    spans = sorted((e.object, e.offset, e.offset + e.length, n) for n, e in entries.items() if e.has_record)
     for (o1, _, end, a), (o2, start, _, b) in zip(spans, spans[1:]):
         if o1 == o2 and start < end:   # records back to back, as a writer lays them: reading all reads each once
             raise bad(f"the records of tensors {a!r} and {b!r} overlap")

@@ -39,7 +39,7 @@ def read_exact(reader: "SnapshotReader", ref: "str | int", names: "Names" = None
     version = reader.resolve(ref)
     index = read_index(reader, version)
     out = reader.read_tensors(version, names)
-    todo = [n for n in out if n in index.tensors]
+    todo = [n for n in out if n in index.tensors and index.tensors[n].has_record]
     entries = [index.tensors[n] for n in todo]
     where = f"exact attachment of {reader.manifest(version).where()}"
     for i in sorted({e.object for e in entries}):
@@ -56,8 +56,8 @@ def read_exact(reader: "SnapshotReader", ref: "str | int", names: "Names" = None
         h, t = enc.header, out[name]
         if h.name != name or h.dtype.name != e.dtype or h.shape != tuple(t.shape) or not h.has_parent \
                 or digest_hex(h.digest) != e.xxh3:
-            raise FormatError(f"{where}: the record at [{e.offset}, +{e.length}) of {index.objects[e.object].key} is "
-                              f"{h.dtype.name} {h.name!r} {list(h.shape)} (digest {digest_hex(h.digest)}), where "
+            raise FormatError(f"{where}: the record at [{e.offset}, +{e.length}) of "
+                              f"{index.objects[e.object].key} is {h.dtype.name} {h.name!r} {list(h.shape)} (digest {digest_hex(h.digest)}), where "
                               f"the index says F32 {name!r} {list(t.shape)} (digest {e.xxh3})")
         parent = torch.from_numpy(widen(dtypes.host_bits(t))).reshape(t.shape)
         out[name] = decode(parent, enc)      # the parent's digest, every payload's and the result's checked

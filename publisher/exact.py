@@ -162,6 +162,9 @@ class ExactAttacher:
                 buf = w = None
         if w is not None:
             flush()
+        for n, t in snapshot.items():       # bf16 as the trainer held it: said so, so that none goes missing
+            if n not in exact and t.dtype == torch.bfloat16:
+                entries[n] = ExactEntry("BF16")
         index = ExactIndex(self.run_id, version, tuple(objects), entries)
         self.store.put_if_absent(index_key(version), index.to_json())
         with self._lock:

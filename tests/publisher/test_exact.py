@@ -9,8 +9,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from ckptdelta.delta.errors import (ChecksumError, ExactAttachError, ExactBitsMissingError, FormatError,
+from ckptdelta.delta.errors import (ChecksumError, CkptDeltaError, ExactAttachError, ExactBitsMissingError, FormatError,
                                     PublishInputError, RunMismatchError)
 from ckptdelta.delta.exact import index_key
 from ckptdelta.loader import SnapshotReader
@@ -70,7 +72,9 @@ def test_every_version_rebuilds_the_trainers_fp32_bits_while_its_snapshot_holds_
     assert_same(reader.read_exact(4, ["layers.0.norm"]), {"layers.0.norm": history[4]["layers.0.norm"]})
     store = open_store(store_url)
     index = json.loads(store.get(index_key(4)))
-    assert sorted(index["tensors"]) == ["layers.0.lora_A.weight", "layers.0.lora_B.weight", "layers.0.norm"]
+    assert sorted(n for n, e in index["tensors"].items() if e["dtype"] == "F32") == \
+        ["layers.0.lora_A.weight", "layers.0.lora_B.weight", "layers.0.norm"]
+    assert index["tensors"]["embed.weight"] == {"dtype": "BF16"}       # the trainer's own bf16: as published
     # an element's fp32 bits past its bf16 cast cost about two bytes: the attachment is no whole fp32 copy
     fp32 = sum(t.numel() for t in history[4].values() if t.dtype == torch.float32)
     assert sum(o["size"] for o in index["objects"]) < 2.6 * fp32
@@ -311,7 +315,61 @@ def test_a_large_attachment_is_written_in_parts_and_read_back_from_them(tmp_path
     url = str(tmp_path / "run")
     history = publish_history(url, {}, steps=2)
     index = json.loads(open_store((url, {})).get(index_key(1)))
-    assert len(index["objects"]) == 3 and {e["object"] for e in index["tensors"].values()} == {0, 1, 2}
+    assert len(index["objects"]) == 3 and {e.get("object") for e in index["tensors"].values()} == {0, 1, 2, None}
     reader = SnapshotReader(url)
     for v in (0, 1):
         assert_same(reader.read_exact(v), history[v])
+
+
+#: JSON values a hostile index may put anywhere: every JSON type, out-of-range numbers, keys of other versions
+HOSTILE = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
+                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40),
+                    st.sampled_from(["exact/000000000000-x-00000.ckd", "exact/000000000001-../../RUN.json",
+                                     "F32", "BF16", "0" * 16, "layers.0.norm"]),
+                    st.lists(st.integers(-5, 5), max_size=3), st.dictionaries(st.text(max_size=8), st.integers(),
+                                                                               max_size=3))
+
+
+def _paths(d, prefix=()):
+    """Every (path, value) of a JSON document, containers included."""
+    yield prefix, d
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            yield from _paths(v, prefix + (i,))
+
+
+@pytest.fixture(scope="module")
+def kept_run(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("hostile") / "run")
+    return url, publish_history(url, {}, steps=2)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_value_anywhere_in_an_index_is_read_exactly_or_refused_with_a_ckptdelta_error(kept_run, data):
+    """A hostile index (any JSON value at any place of it, or a field dropped) never gets another exception out
+    of read_exact, nor wrong bits: what comes back is the trainer's, or a CkptDeltaError says why not."""
+    url, history = kept_run
+    store = open_store((url, {}))
+    good = store.get(index_key(1))
+    doc = json.loads(good)
+    path, _ = data.draw(st.sampled_from(list(_paths(doc))[1:]), label="where")
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    if data.draw(st.booleans(), label="drop") and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = data.draw(HOSTILE, label="value")
+    store.put(index_key(1), json.dumps(doc).encode())
+    try:
+        got = SnapshotReader(url).read_exact(1)
+    except CkptDeltaError:
+        return
+    finally:
+        store.put(index_key(1), good)
+    assert_same(got, history[1])
