@@ -373,3 +373,13 @@ def test_any_value_anywhere_in_an_index_is_read_exactly_or_refused_with_a_ckptde
     finally:
         store.put(index_key(1), good)
     assert_same(got, history[1])
+
+
+def test_a_step_without_fp32_tensors_attaches_an_index_of_no_objects_and_reads_back_as_published(tmp_path):
+    url = str(tmp_path / "run")
+    w = {"embed.weight": torch.randn(8, 4).to(torch.bfloat16), "step_count": torch.tensor([3])}
+    with Publisher(url, dtype=torch.bfloat16, keep_exact=True) as pub:
+        pub.publish(w, 0)
+    index = json.loads(open_store((url, {})).get(index_key(0)))
+    assert index["objects"] == [] and index["tensors"] == {"embed.weight": {"dtype": "BF16"}}
+    assert_same(SnapshotReader(url).read_exact(0), w)
