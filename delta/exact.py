@@ -49,9 +49,12 @@ def object_key(version: int, data_id: str, part: int) -> str:
     return f"{EXACT_DIR}/{version:012d}-{data_id}-{part:05d}.ckd"
 
 
+_ANY_KEY = re.compile(rf"^{EXACT_DIR}/(\d{{12}})(?:-[^/]+\.ckd|\.json)$")
+
+
 def version_of_key(key: str) -> int | None:
     """The version an attachment's key (object or index) belongs to; None for another key."""
-    m = re.match(rf"^{EXACT_DIR}/(\d{{12}})(?:-[^/]+\.ckd|\.json)$", key)
+    m = _ANY_KEY.match(key)
     return None if m is None else int(m.group(1))
 
 
@@ -130,8 +133,8 @@ def parse_index(data: bytes, *, run_id: str, manifest: Manifest) -> ExactIndex:
         if not isinstance(o, dict) or set(o) != {"key", "size", "xxh3"}:
             raise bad("an object is not {key, size, xxh3}")
         key, size, xx = o["key"], o["size"], o["xxh3"]
-        if not isinstance(key, str) or not key.startswith(f"{EXACT_DIR}/{manifest.version:012d}-") \
-                or OBJECT_KEY.match(key) is None:
+        km = OBJECT_KEY.match(key) if isinstance(key, str) else None
+        if km is None or int(km.group(1)) != manifest.version:
             raise bad(f"object key {key!r} is not one of this version's attachments")
         check_key(key, what=f"{what}: object key")
         if type(size) is not int or not 0 < size <= 1 << 48:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -20,13 +21,14 @@ import torch
 import xxhash
 
 from ckptdelta.delta import dtypes
-from ckptdelta.delta.batch import encode_many, threads_for
+from ckptdelta.delta.batch import encode_many
 from ckptdelta.delta.codec import digest_hex
 from ckptdelta.delta.container import ObjectWriter
 from ckptdelta.delta.errors import ExactAttachError, PublishInputError
 from ckptdelta.delta.exact import PART_BYTES, ExactEntry, ExactIndex, index_key, object_key, widen
 from ckptdelta.delta.manifest import ObjectRef
 from ckptdelta.delta.storage import Store
+from ckptdelta.publisher.deltas import encode_threads_for
 from ckptdelta.publisher.host_copy import Cast, copy_to_host
 
 log = logging.getLogger("ckptdelta.publisher")
@@ -139,7 +141,7 @@ class ExactAttacher:
         objects: list[ObjectRef] = []
         entries: dict[str, ExactEntry] = {}
         nbytes = sum(t.numel() * 4 for t in exact.values())
-        threads = self.encode_threads or threads_for(nbytes, torch.get_num_threads())
+        threads = self.encode_threads or encode_threads_for(nbytes, os.cpu_count() or 1)   # as the delta's
         items = ((n, torch.from_numpy(widen(dtypes.host_bits(snapshot[n]))).reshape(t.shape), t)
                  for n, t in sorted(exact.items()))
         buf = w = None
