@@ -52,16 +52,18 @@ compares these), the write call's wall time (what the caller waits: it includes
 waiting for the engine step in progress), and the longest interval without any
 streamed token around the call (shown as meaningful only where ordinary
 inter-token intervals are short enough to resolve the target); requests failed or
-aborted, tokens/s while the replica prepares. The trainer runs ``--trainer-threads``
+aborted, tokens/s while the replica prepares; and the CPU each process (trainer,
+replica, vLLM, the S3 server) spent in each step (benchmarks/proc_cpu.py), which shows
+whose cores a method's path waited for. The trainer runs ``--trainer-threads``
 torch threads (default 1) so that vLLM keeps a core of a small machine.
 Every step is checked (untimed): ckptdelta's own proof, the baselines' files
 against the trainer's digests, and vLLM's LoRA buffers of each baseline adapter
 against ckptdelta's serving slot, bit for bit.
 
-    python -m benchmarks.lora                 # 0.51 GB base, ranks 16 and 64, fp32 adapters: ~30-40 min on 2 cores
+    python -m benchmarks.lora                 # 0.51 GB base, ranks 16 and 64, fp32 adapters: ~6-8 min on 2 cores
     python -m benchmarks.lora --ckptdelta-fp32 as-is   # the same, ckptdelta publishing the fp32 adapter itself
     python -m benchmarks.lora --dtype bf16    # the same, adapters published in bf16 (vLLM's LoRA dtype)
-    python -m benchmarks.lora --quick         # tiny base, rank 16, 1 step per lr: ~1-2 min (a smoke test)
+    python -m benchmarks.lora --quick         # tiny base, rank 16, 1 step per lr: ~1 min (a smoke test)
 
 Writes benchmarks/results/lora{,-asis,-bf16}{,-quick}.{md,json,png}.
 """
@@ -81,7 +83,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness, links, lora_load, s3disk
+from benchmarks import harness, links, lora_load, proc_cpu, s3disk
 from benchmarks.harness import du, duration
 from benchmarks.lora_peers import LABELS, METHODS
 
@@ -121,6 +123,14 @@ def start_peer(role: str, lab: links.Lab | None, host: links.Host | None, url: s
     return p
 
 
+#: The replica peer's descendants are its vLLM server (the engine runs in that one process): counted as vLLM's.
+VLLM_BELOW = {"replica": "vLLM"}
+#: The roles whose CPU a step's table shows, in order, and what each holds.
+CPU_ROLES = (("trainer", "trainer"), ("replica", "replica (ckptdelta's replica app and hot-load; the baselines' "
+                                                 "fetch and files; the sampling clients)"),
+             ("vLLM", "vLLM (its generation for the sampling load included)"), ("S3 server", "S3 server"))
+
+
 # --- one step of one method ------------------------------------------------------------------------------
 
 def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str], timed: bool) -> dict[str, Any]:
@@ -129,6 +139,7 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
     where = os.path.join(ctx["disk"], ctx["prefix"], method)
     d0, e0 = du(where), du(os.path.join(where, "exact"))
     c0 = lab.counters(ctx["srv"]) if lab else None
+    u0 = proc_cpu.cpu_by_role(ctx["cpu_roles"], descendants_as=VLLM_BELOW)
     if ctx["notice"] == "start":
         # the replica is told what is coming as publish() starts, and waits for it (each method its own way)
         coming = {"version": ctx["version"] + 1} if method == "ckptdelta" else {"step": ctx["step"]}
@@ -145,6 +156,7 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
     else:
         p = trainer.call("publish", method=method)
         h = rep.call("hotload", method=method, info=p)
+    cpu = proc_cpu.spent(u0, proc_cpu.cpu_by_role(ctx["cpu_roles"], descendants_as=VLLM_BELOW))
     if method == "ckptdelta":
         ctx["version"] = p["version"]
         settled = trainer.call("settle", version=p["version"])     # untimed: the attachment, then its check
@@ -155,7 +167,7 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
          "publish_to_serving_s": h["t_serving"] - p["t0"], "pause_rpc_s": h["pause_rpc_s"], "hold_s": h["hold_s"],
          "t0": p["t0"], "t_serving": h["t_serving"], "rpc": h["rpc"], "prepare": h["prepare"], "idle": idle,
          "wire_up": (c1["rx_bytes"] - c0["rx_bytes"]) if lab else None,
-         "wire_down": (c1["tx_bytes"] - c0["tx_bytes"]) if lab else None}
+         "wire_down": (c1["tx_bytes"] - c0["tx_bytes"]) if lab else None, "cpu": cpu}
     if method == "ckptdelta":
         s.update(kind=p["kind"], codec=p["codec"], version=p["version"], landed=h.get("bytes_landed"),
                  exact=h["serving_version"] == p["version"] and h["proven"] == "full" and settled["exact"] is not False,
@@ -260,6 +272,9 @@ def rows_of(samples: list[dict]) -> list[dict[str, Any]]:
         for k in ("failed", "requests", "mixed_versions"):
             row[k] = sum(s[k] for s in ss)
         row["exact"] = all(s["exact"] for s in ss)
+        if all(s.get("cpu") for s in ss):
+            row["cpu"] = {k: statistics.median(s["cpu"].get(k, 0.0) for s in ss) for k in ss[0]["cpu"]}
+            row["cpu_own"] = statistics.median(sum(v for k, v in s["cpu"].items() if k != "vLLM") for s in ss)
         if m == "ckptdelta":
             row["kinds"] = sorted({s["kind"] for s in ss})
             row["exact_bytes"] = statistics.median(s.get("exact_bytes", 0) for s in ss)
@@ -316,6 +331,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             meta["bucket"] = "a local directory (unshaped: no network namespaces here)"
         ctx["trainer"] = start_peer("trainer", lab, th, url, opts, scratch, env)
         ctx["replica"] = start_peer("replica", lab, rh, url, opts, scratch, env)
+        ctx["cpu_roles"] = {"trainer": ctx["trainer"].proc.pid, "replica": ctx["replica"].proc.pid,
+                            "S3 server": server.proc.pid if lab else None}
         peers = [ctx["trainer"], ctx["replica"]]
         for rank in a.ranks:
             s, info = run_rank(ctx, a, rank)
@@ -505,6 +522,7 @@ def markdown(out: dict[str, Any]) -> str:
               "streamed while the replica fetched and prepared the new adapter (before the write call); idle: in "
               f"the {meta['settle_s']:g} s before the trainer's publish."]
     lines += ["", *stages(out["samples"])]
+    lines += cpu_table(rows)
     verdict = {True: "met", False: "NOT met", None: "not measured", "info": "not a target"}
     lines += ["", "## Targets", ""] + [f"- {t['what']}: {t['value']} -> **{verdict[t['met']]}**"
                                        for t in out["targets"]]
@@ -597,6 +615,25 @@ def stages(samples: list[dict]) -> list[str]:
         out.append(f"| {rank} | {lr:g} | **{1e3 * total:.0f}** | " + " | ".join(f"{1e3 * v:.0f}" for v in mean)
                    + f" | {codecs} |")
     return out + ["", *trainer_steps(samples)]
+
+
+def cpu_table(rows: list[dict]) -> list[str]:
+    """The CPU each process spent in each method's step (rows of runs from before it was read have none)."""
+    rows = [r for r in rows if r.get("cpu")]
+    if not rows:
+        return []
+    roles = [(k, what) for k, what in CPU_ROLES if any(k in r["cpu"] for r in rows)]
+    out = ["", "The CPU each process spent in a step, from the trainer's publish call to the replica's answer that "
+           "it serves the step (ms, medians over the timed steps; /proc's user + system time, 10 ms ticks): on "
+           "this machine's cores, what a method's path spends beside vLLM's generation is what stretches it.", "",
+           "| rank | lr | method | " + " | ".join(what for _k, what in roles)
+           + " | **trainer + replica + S3 server** | publish() -> serving |",
+           "|---:|---:|---|" + "---:|" * (len(roles) + 2)]
+    for r in rows:
+        out.append(f"| {r['rank']} | {r['lr']:g} | {LABELS[r['method']]} | "
+                   + " | ".join(f"{1e3 * r['cpu'].get(k, 0.0):.0f}" for k, _w in roles)
+                   + f" | **{1e3 * r['cpu_own']:.0f}** | {duration(r['publish_to_serving_s'])} |")
+    return out
 
 
 def trainer_steps(samples: list[dict]) -> list[str]:

@@ -38,4 +38,7 @@ def test_a_quick_lora_run_loads_the_same_adapter_bits_by_every_method_and_writes
     assert "## Targets" in md and "| (a) ckptdelta" in md and "engine loop held (worker)" in md and ("1 Gbit/s" in md or "UNSHAPED" in md)
     # every timed step's trainer side, each method's, beside the stage table's means
     assert "The trainer side of each timed step" in md and "- rank 16, lr 1e-05: (a) " in md and "; (c) " in md
+    # the CPU each process spent in each step, by role: vLLM generated for the sampling load throughout
+    assert all({"trainer", "replica", "vLLM"} <= set(s["cpu"]) and s["cpu"]["vLLM"] > 0 for s in out["samples"])
+    assert "The CPU each process spent in a step" in md and "**trainer + replica + S3 server**" in md
     assert (tmp_path / "lora-quick.png").stat().st_size > 10_000
