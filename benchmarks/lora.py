@@ -627,7 +627,7 @@ def cpu_table(rows: list[dict]) -> list[str]:
            "it serves the step (ms, medians over the timed steps; /proc's user + system time, 10 ms ticks): on "
            "this machine's cores, what a method's path spends beside vLLM's generation is what stretches it.", "",
            "| rank | lr | method | " + " | ".join(what for _k, what in roles)
-           + " | **trainer + replica + S3 server** | publish() -> serving |",
+           + f" | **{' + '.join(k for k, _w in roles if k != 'vLLM')}** | publish() -> serving |",
            "|---:|---:|---|" + "---:|" * (len(roles) + 2)]
     for r in rows:
         out.append(f"| {r['rank']} | {r['lr']:g} | {LABELS[r['method']]} | "
