@@ -22,7 +22,7 @@ def read_index(reader: "SnapshotReader", version: int) -> ExactIndex:
     m = reader.manifest(version)
     key = index_key(version)
     try:
-        data = reader.store.get(key, max_size=MAX_INDEX_BYTES)
+        data = reader._get(key, max_size=MAX_INDEX_BYTES)      # counted with the reader's other reads
     except ObjectTooLargeError as e:
         raise FormatError(f"exact attachment {key} of {m.where()}: {e}") from None
     except ObjectNotFoundError:
@@ -33,6 +33,10 @@ def read_index(reader: "SnapshotReader", version: int) -> ExactIndex:
     return parse_index(data, run_id=reader.run_id, manifest=m)
 
 
+def attachment_where(reader: "SnapshotReader", version: int) -> str:
+    return f"exact attachment of {reader.manifest(version).where()}"
+
+
 def read_exact(reader: "SnapshotReader", ref: "str | int", names: "Names" = None) -> dict[str, torch.Tensor]:
     """The snapshot's tensors as the trainer held them: each one with exact bits attached rebuilt from them,
     every other one as published (already exact: the cast left it as it was)."""
@@ -41,24 +45,35 @@ def read_exact(reader: "SnapshotReader", ref: "str | int", names: "Names" = None
     out = reader.read_tensors(version, names)
     todo = [n for n in out if n in index.tensors and index.tensors[n].has_record]
     entries = [index.tensors[n] for n in todo]
-    where = f"exact attachment of {reader.manifest(version).where()}"
+    where = attachment_where(reader, version)
     for i in sorted({e.object for e in entries}):
         o = index.objects[i]
         size = reader.store.size(o.key)
         if size != o.size:
             raise ChecksumError(f"{where}: {o.key} holds {size} bytes, its index says {o.size}")
     blobs = reader._get_many([(index.objects[e.object].key, (e.offset, e.offset + e.length)) for e in entries])
-    for name, e, blob in zip(todo, entries, blobs):
-        if len(blob) != e.length:
-            raise FormatError(f"{where}: tensor {name!r}: {len(blob)} bytes where its index says {e.length} "
-                              f"({index.objects[e.object].key} is shorter than its index says)")
-        enc = EncodedTensor.from_bytes(memoryview(blob), what=f"tensor {name!r} of the {where}")
-        h, t = enc.header, out[name]
-        if h.name != name or h.dtype.name != e.dtype or h.shape != tuple(t.shape) or not h.has_parent \
-                or digest_hex(h.digest) != e.xxh3:
-            raise FormatError(f"{where}: the record at [{e.offset}, +{e.length}) of "
-                              f"{index.objects[e.object].key} is {h.dtype.name} {h.name!r} {list(h.shape)} (digest {digest_hex(h.digest)}), where "
-                              f"the index says F32 {name!r} {list(t.shape)} (digest {e.xxh3})")
-        parent = torch.from_numpy(widen(dtypes.host_bits(t))).reshape(t.shape)
-        out[name] = decode(parent, enc)      # the parent's digest, every payload's and the result's checked
+    for name, blob in zip(todo, blobs):
+        out[name] = exact_tensor(index, name, blob, out[name], where)
     return out
+
+
+def exact_tensor(index: ExactIndex, name: str, blob: bytes | memoryview, published: torch.Tensor,
+                 where: str) -> torch.Tensor:
+    """Tensor ``name`` as the trainer held it, from its attachment record ``blob`` (the bytes its index entry
+    locates) and its ``published`` bf16 value (proven against the manifest by the caller): the record's header
+    checked against the index entry, then decoded, the parent's digest, every payload's and the result's
+    checked."""
+    e = index.tensors[name]
+    if len(blob) != e.length:
+        raise FormatError(f"{where}: tensor {name!r}: {len(blob)} bytes where its index says {e.length} "
+                          f"({index.objects[e.object].key} is shorter than its index says)")
+    enc = EncodedTensor.from_bytes(memoryview(blob), what=f"tensor {name!r} of the {where}")
+    h = enc.header
+    if h.name != name or h.dtype.name != e.dtype or h.shape != tuple(published.shape) or not h.has_parent \
+            or digest_hex(h.digest) != e.xxh3:
+        raise FormatError(f"{where}: the record at [{e.offset}, +{e.length}) of "
+                          f"{index.objects[e.object].key} is {h.dtype.name} {h.name!r} {list(h.shape)} (digest "
+                          f"{digest_hex(h.digest)}), where the index says F32 {name!r} {list(published.shape)} "
+                          f"(digest {e.xxh3})")
+    parent = torch.from_numpy(widen(dtypes.host_bits(published))).reshape(published.shape)
+    return decode(parent, enc)

@@ -10,6 +10,11 @@ checked against the manifest, and each tensor, as soon as its bytes have passed,
 rebuilt through the deltas and checked. Memory: a read or two plus the tensors
 being rebuilt, whatever the model's size.
 
+A version with exact bits attached (``keep_exact``, docs/FORMAT.md "Exact attachments")
+has its index checked against its manifest and its objects read and kept like the
+deltas (about two bytes an fp32 element); each fp32 tensor is decoded from its record
+against the bf16 tensor just proven, every digest checked, as ``read_exact`` does.
+
 Failures keep their order of priority: bytes that do not hash to their object's
 digest are reported before what they would mean (a shard's remaining bytes are
 hashed even once one of its tensors failed), a shard's header before its tensors.
@@ -35,10 +40,13 @@ import xxhash
 
 from ckptdelta.delta import untrusted_json
 from ckptdelta.delta.pieces import tensor_digest
-from ckptdelta.delta.errors import ChecksumError, CkptDeltaError, ManifestError, ObjectNotFoundError, RunMismatchError
+from ckptdelta.delta.errors import (ChecksumError, CkptDeltaError, ExactBitsMissingError, ManifestError,
+                                    ObjectNotFoundError, RunMismatchError)
+from ckptdelta.delta.exact import ExactIndex
 from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_MANIFEST_BYTES, Head, Manifest, ObjectRef,
                                       TensorEntry, manifest_key, snapshot_name)
 
+from ckptdelta.loader.exact import attachment_where, exact_tensor, read_index
 from ckptdelta.loader.fetch_units import xxh_hex, Piece, Prior, check_piece, check_piece_size, replay, stored_pieces
 from ckptdelta.loader.prefetch import in_flight
 
@@ -60,6 +68,8 @@ class VerifyReport:
     bytes_read: int
     seconds: float
     damaged: tuple[str, ...] = ()   # unreadable manifests newer than the version checked (verify of latest)
+    #: tensors whose exact bits (a keep_exact run's attachment) were rebuilt and checked; None: none attached
+    exact_tensors_checked: int | None = None
 
 
 class HeadPointerError(ManifestError):
@@ -103,7 +113,7 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
     v = reader.resolve("latest" if ref is None else ref)
     chain = reader.chain(v)
     objects: dict[str, ObjectRef] = {}
-    listed_by: dict[str, Manifest] = {}
+    listed_by: dict[str, str] = {}     # object key -> what lists it, as messages name it
     for m in chain:
         key = manifest_key(m.version)
         raw = reader._get(key, max_size=MAX_MANIFEST_BYTES)
@@ -117,13 +127,18 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
                 raise ManifestError(f"{m.where()}: object {o.key} is listed with a different size or digest "
                                     "by another manifest of the chain")
             objects[o.key] = o
-            listed_by.setdefault(o.key, m)
+            listed_by.setdefault(o.key, f"the manifest of {m.where()}")
+    exact = _exact_index(reader, v)
+    if exact is not None:       # its objects read whole and hashed with the rest, kept for the rebuild
+        for o in exact.objects:
+            objects[o.key] = o
+            listed_by[o.key] = f"the index of the {attachment_where(reader, v)}"
     anchor = chain[0]
     shards = [i for i, o in enumerate(anchor.objects) if o.key.endswith(".safetensors")]
     shard_keys = {anchor.objects[i].key for i in shards}
-    delta_keys = {o.key for m in chain[1:] for o in m.objects}
+    delta_keys = {o.key for m in chain[1:] for o in m.objects} | {o.key for o in (exact.objects if exact else ())}
     show = sys.stderr.isatty() if progress is None else progress
-    checker = _TensorChecker(chain)
+    checker = _TensorChecker(chain, exact, None if exact is None else attachment_where(reader, v))
     with _Spool() as spool, tqdm(total=sum(o.size for o in objects.values()), unit="B", unit_scale=True,
                                  disable=not show, desc=f"verify {snapshot_name(v)}") as bar:
         checker.spool = spool
@@ -142,11 +157,21 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
         for key in damaged:
             _log().warning("verify: manifest %s is unreadable; latest is %s", key, snapshot_name(v))
     report = VerifyReport(v, snapshot_name(v), [m.version for m in chain], len(objects), checker.checked,
-                          reader.stats["bytes_fetched"] - before, time.perf_counter() - t0, damaged)
+                          reader.stats["bytes_fetched"] - before, time.perf_counter() - t0, damaged,
+                          None if exact is None else checker.exact_checked)
     if head_error is not None:      # the snapshot is good; the run's head pointer is not
         raise HeadPointerError(f"{head_error}; {snapshot_name(v)} itself verified, but 'latest' fails for every "
                                f"reader until {HEAD_KEY} is repaired: {HEAD_REPAIR}", report)
     return report
+
+
+def _exact_index(reader: "SnapshotReader", version: int) -> "ExactIndex | None":
+    """The version's exact attachment index, checked against its manifest; None where none is attached (a run
+    published without keep_exact, or a version whose publisher stopped before attaching)."""
+    try:
+        return read_index(reader, version)
+    except ExactBitsMissingError:
+        return None
 
 
 def _head_or_error(reader: "SnapshotReader") -> "tuple[Head | None, CkptDeltaError | None]":
@@ -166,12 +191,13 @@ def _log():
 class _TensorChecker:
     """Rebuild one tensor at every version of the chain from its anchor bytes and the spooled deltas."""
 
-    def __init__(self, chain: list[Manifest]) -> None:
+    def __init__(self, chain: list[Manifest], exact: "ExactIndex | None" = None, exact_where: str | None = None) -> None:
         self.chain = chain
         self.names = sorted({n for m in chain for n in m.tensors})
         self.checked = 0
         self.done: set[str] = set()
         self.spool: _Spool | None = None
+        self.exact, self.exact_where, self.exact_checked = exact, exact_where, 0
 
     def check(self, name: str, anchor_data: bytes | None) -> None:
         self.done.add(name)
@@ -197,16 +223,25 @@ class _TensorChecker:
                 raise ChecksumError(f"tensor {name!r} of {m.where()}: rebuilt tensor does not match "
                                     f"the manifest digest {e.xxh3}")
             self.checked += 1
+        x = None if self.exact is None else self.exact.tensors.get(name)
+        if x is not None and x.has_record:       # the version's exact bits, decoded against its proven tensor
+            assert self.spool is not None and t is not None and self.exact_where is not None
+            o = self.exact.objects[x.object]
+            exact_tensor(self.exact, name, self.spool.read(o.key, x.offset, x.offset + x.length), t,
+                         self.exact_where)
+            self.exact_checked += 1
 
 
-def _size(reader: "SnapshotReader", o: ObjectRef, m: Manifest) -> None:
+def _size(reader: "SnapshotReader", o: ObjectRef, lister: str) -> None:
+    """``o``'s size in the store checked against ``lister``'s (what lists it: a manifest, an attachment's
+    index)."""
     try:
         size = reader.store.size(o.key)
     except ObjectNotFoundError as e:   # a damaged key in the manifest, or a lost object: say which lists it
-        raise ObjectNotFoundError(f"object {o.key}, listed by {m.where()}, is not in the store ({e})") from None
+        raise ObjectNotFoundError(f"object {o.key}, listed by {lister}, is not in the store ({e})") from None
     reader._count(requests=1)
     if size != o.size:
-        raise ChecksumError(f"object {o.key}: {size} bytes in the store, its manifest says {o.size}")
+        raise ChecksumError(f"object {o.key}: {size} bytes in the store, {lister} says {o.size}")
 
 
 def _chunks(reader: "SnapshotReader", o: ObjectRef) -> Iterator[tuple[int, bytes]]:
@@ -231,14 +266,14 @@ def _chunks(reader: "SnapshotReader", o: ObjectRef) -> Iterator[tuple[int, bytes
             yield span[0], data
 
 
-def _hash_mismatch(o: ObjectRef, h: "xxhash.xxh3_64") -> ChecksumError | None:
+def _hash_mismatch(o: ObjectRef, h: "xxhash.xxh3_64", lister: str) -> ChecksumError | None:
     if h.hexdigest() != o.xxh3:
-        return ChecksumError(f"object {o.key}: content hashes to {h.hexdigest()}, its manifest says {o.xxh3}")
+        return ChecksumError(f"object {o.key}: content hashes to {h.hexdigest()}, {lister} says {o.xxh3}")
     return None
 
 
-def _read_whole(reader: "SnapshotReader", o: ObjectRef, m: Manifest, bar, sink: "_Sink | None") -> None:
-    _size(reader, o, m)
+def _read_whole(reader: "SnapshotReader", o: ObjectRef, lister: str, bar, sink: "_Sink | None") -> None:
+    _size(reader, o, lister)
     h = xxhash.xxh3_64()
     for _s, data in _chunks(reader, o):
         h.update(data)
@@ -247,7 +282,7 @@ def _read_whole(reader: "SnapshotReader", o: ObjectRef, m: Manifest, bar, sink: 
         bar.update(len(data))
     if sink is not None:
         sink.close()
-    err = _hash_mismatch(o, h)
+    err = _hash_mismatch(o, h, lister)
     if err is not None:
         raise err
 
@@ -256,7 +291,7 @@ def _stream_shard(reader: "SnapshotReader", m: Manifest, index: int, bar,
                   on_tensor: Callable[[str, bytes], None]) -> None:
     """Hash shard ``index`` of anchor ``m`` in one pass; check its header; hand each tensor's bytes on."""
     o = m.objects[index]
-    _size(reader, o, m)
+    _size(reader, o, f"the manifest of {m.where()}")
     placed = {name: e for name, e in m.tensors.items() if e.object == index}
     problem = _overlaps(m, o, placed)          # a damaged manifest: hash the shard, then say so
     order = _data_order(placed)
@@ -312,7 +347,7 @@ def _stream_shard(reader: "SnapshotReader", m: Manifest, index: int, bar,
                     failure = err
                     active.clear()
                     break
-    err = _hash_mismatch(o, h)
+    err = _hash_mismatch(o, h, f"the manifest of {m.where()}")
     if err is not None:
         raise err
     if not header_done:

@@ -34,7 +34,9 @@ def add_commands(subparsers) -> None:
     v = subparsers.add_parser("verify", help="check every object and tensor digest of a snapshot's chain",
                               description="Read every object of the snapshot's chain (anchor and deltas) once, "
                                           "checking its digest, and rebuild every tensor at every version, "
-                                          "checking all digests. Reads the store, never a cache.")
+                                          "checking all digests; where the snapshot has exact bits attached "
+                                          "(a run published with keep_exact=True), rebuild those too, checking "
+                                          "theirs. Reads the store, never a cache.")
     v.add_argument("url", metavar="URL", help="run root: a local path, file://, s3://bucket/prefix ...")
     v.add_argument("snapshot", nargs="?", default="latest", metavar="SNAPSHOT",
                    help="'latest' (default; found through the run's HEAD), a version number or a name like "
@@ -74,8 +76,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     chain = report.chain
     print(f"ok: {report.snapshot} of run {reader.run_id} (chain v{chain[0]}..v{chain[-1]}, "
           f"{plural(len(chain), 'version')}): {plural(report.objects_checked, 'object')}, "
-          f"{plural(report.tensors_checked, 'tensor digest')}, {plural(report.bytes_read, 'byte')} read in "
-          f"{report.seconds:.2f}s")
+          f"{plural(report.tensors_checked, 'tensor digest')}"
+          + ("" if report.exact_tensors_checked is None else
+             f", the exact bits of {plural(report.exact_tensors_checked, 'tensor')} (keep_exact)")
+          + f", {plural(report.bytes_read, 'byte')} read in {report.seconds:.2f}s")
     for key in report.damaged:  # latest skipped them: the run is readable, but these need a look
         warn("verify", f"newer manifest {key} is unreadable and was skipped; 'latest' is the snapshot above")
     if head_problem is not None:   # every reader's 'latest' fails: a failure of the run, exit 1

@@ -281,6 +281,42 @@ def test_a_run_published_without_keep_exact_says_it_has_no_exact_bits(tmp_path):
         SnapshotReader(url).read_exact(0)
 
 
+def test_verify_rebuilds_a_versions_exact_bits_and_fails_naming_a_damaged_or_missing_part(tmp_path, capsys):
+    from ckptdelta.cli import main as cli
+
+    url = str(tmp_path / "run")
+    publish_history(url, {}, steps=3)
+    reader = SnapshotReader(url)
+    for v in range(3):      # an anchor's attachment and two deltas', each beside its chain
+        report = reader.verify(v)
+        assert report.exact_tensors_checked == 3 and report.tensors_checked == 5 * (v + 1)
+    assert cli(["verify", url, "2"]) == 0
+    assert "the exact bits of 3 tensors (keep_exact)" in capsys.readouterr().out
+    store = open_store((url, {}))
+    part = json.loads(store.get(index_key(2)))["objects"][0]["key"]
+    data = bytearray(store.get(part))
+    data[len(data) // 2] ^= 0x01
+    store.put(part, bytes(data))
+    with pytest.raises(ChecksumError, match=f"{part}: content hashes to .*the index of the exact attachment"):
+        SnapshotReader(url).verify(2)
+    assert SnapshotReader(url).verify(1).exact_tensors_checked == 3     # the other versions' stay good
+    store.delete([part])
+    with pytest.raises(CkptDeltaError, match=f"{part}, listed by the index of the exact attachment"):
+        SnapshotReader(url).verify(2)
+    assert cli(["verify", url, "2"]) == 1
+    assert part in capsys.readouterr().err
+
+
+def test_verify_of_a_run_without_exact_bits_says_none_were_checked(tmp_path, capsys):
+    from ckptdelta.cli import main as cli
+
+    url = str(tmp_path / "run")
+    with Publisher(url, dtype=torch.bfloat16) as pub:
+        pub.publish(fp32_weights(), 0)
+    assert SnapshotReader(url).verify(0).exact_tensors_checked is None
+    assert cli(["verify", url]) == 0 and "exact bits" not in capsys.readouterr().out
+
+
 def test_gc_deletes_an_attachment_with_its_version_and_keeps_those_of_kept_versions(store_url):
     url, opts = store_url
     history = publish_history(url, opts, steps=6)           # anchors at 0 and 3
