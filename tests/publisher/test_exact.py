@@ -386,9 +386,11 @@ def kept_run(tmp_path_factory):
 @settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_any_value_anywhere_in_an_index_is_read_exactly_or_refused_with_a_ckptdelta_error(kept_run, data):
+def test_any_value_anywhere_in_an_index_is_read_and_verified_exactly_or_refused_with_a_ckptdelta_error(kept_run,
+                                                                                                       data):
     """A hostile index (any JSON value at any place of it, or a field dropped) never gets another exception out
-    of read_exact, nor wrong bits: what comes back is the trainer's, or a CkptDeltaError says why not."""
+    of read_exact or verify, nor wrong bits: what comes back is the trainer's, or a CkptDeltaError says why not;
+    and what verify passes, read_exact reads (verify also hashes the objects whole)."""
     url, history = kept_run
     store = open_store((url, {}))
     good = store.get(index_key(1))
@@ -402,13 +404,20 @@ def test_any_value_anywhere_in_an_index_is_read_exactly_or_refused_with_a_ckptde
     else:
         parent[path[-1]] = data.draw(HOSTILE, label="value")
     store.put(index_key(1), json.dumps(doc).encode())
+    outcomes = []
     try:
-        got = SnapshotReader(url).read_exact(1)
-    except CkptDeltaError:
-        return
+        for read in (lambda r: r.read_exact(1), lambda r: r.verify(1)):
+            try:
+                outcomes.append(read(SnapshotReader(url)))
+            except CkptDeltaError:
+                outcomes.append(None)
     finally:
         store.put(index_key(1), good)
-    assert_same(got, history[1])
+    got, report = outcomes
+    if got is not None:
+        assert_same(got, history[1])
+    if report is not None:
+        assert got is not None and report.exact_tensors_checked == 3
 
 
 def test_a_step_without_fp32_tensors_attaches_an_index_of_no_objects_and_reads_back_as_published(tmp_path):
