@@ -129,16 +129,17 @@ def verify(reader: "SnapshotReader", ref: "str | int | None" = None, *,
             objects[o.key] = o
             listed_by.setdefault(o.key, f"the manifest of {m.where()}")
     exact = _exact_index(reader, v)
+    exact_where = None if exact is None else attachment_where(reader, v)
     if exact is not None:       # its objects read whole and hashed with the rest, kept for the rebuild
         for o in exact.objects:
             objects[o.key] = o
-            listed_by[o.key] = f"the index of the {attachment_where(reader, v)}"
+            listed_by[o.key] = f"the index of the {exact_where}"
     anchor = chain[0]
     shards = [i for i, o in enumerate(anchor.objects) if o.key.endswith(".safetensors")]
     shard_keys = {anchor.objects[i].key for i in shards}
     delta_keys = {o.key for m in chain[1:] for o in m.objects} | {o.key for o in (exact.objects if exact else ())}
     show = sys.stderr.isatty() if progress is None else progress
-    checker = _TensorChecker(chain, exact, None if exact is None else attachment_where(reader, v))
+    checker = _TensorChecker(chain, exact, exact_where)
     with _Spool() as spool, tqdm(total=sum(o.size for o in objects.values()), unit="B", unit_scale=True,
                                  disable=not show, desc=f"verify {snapshot_name(v)}") as bar:
         checker.spool = spool
