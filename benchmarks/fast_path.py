@@ -1,12 +1,14 @@
-"""The fast path's zstd level, its dense/raw tries and its dense steps, on full-model steps and LoRA steps, beside
-XOR + zstd-3.
+"""The fast path's zstd level, its dense/raw tries and its dense steps (in element order, and grouped by class), on
+full-model steps and LoRA steps, beside XOR + zstd-3.
 
 Each step is encoded by ``encode_many(..., threads=1)``: the fast path (``context=False``)
 at zstd levels 3 and 1 with the dense/raw tries as they were (a try compressed wherever its
 planes' order-0 estimate, read in full, was below the best payload), and as it is (level 1;
 each try's planes weighed against sparse's own planes' estimate, both from a sample, or
-against the payload at ``frames.SURELY_LARGER`` where the best is not sparse); the context
-coder at the default level; XOR + zstd-3 per tensor (benchmarks/baselines.py) beside them.
+against the payload at ``frames.SURELY_LARGER`` where the best is not sparse); its dense
+steps in element order (encoding 7 for every dtype, as before encodings 8 and 9) and grouped by
+class (now: 8, or 9 against the grandparent); the context coder at the default level; XOR +
+zstd-3 per tensor (benchmarks/baselines.py) beside them.
 Every record is decoded back and compared with the new bits, and staged as a replica's
 hot-load prepares it (``codec.stage``), beside the chunk-by-chunk stage it replaced for
 mostly changed records.
@@ -14,7 +16,8 @@ mostly changed records.
 - **full-model steps**: benchmarks/workloads.py's reference workloads (a small Llama-style
   model trained by AdamW, bf16/fp8/fp32, 1 and 10 steps apart);
 - **LoRA steps**: peft LoRA on every linear layer of a Llama-style base (benchmarks/lora_codec.py's
-  trajectory), rank 16 and 64, lr 1e-4, fp32 as trained and cast to bf16.
+  trajectory), rank 16 and 64, lr 1e-4, fp32 as trained and cast to bf16; each step coded against the step
+  before too (the grandparent), as a LoRA run's publisher codes every delta whose parent is a delta.
 
     python -m benchmarks.fast_path            # ~3-5 min on 2 cores
     python -m benchmarks.fast_path --quick    # tiny model, LoRA on 2 layers: ~1 min
@@ -24,6 +27,7 @@ Writes benchmarks/results/fast_path{,-quick}.{md,json,png}.
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import sys
@@ -37,13 +41,15 @@ from benchmarks import baselines, harness, lora_codec, workloads
 from ckptdelta import delta
 from ckptdelta.delta import chunks, codec, kernels
 from ckptdelta.delta.encodings import frames
+from ckptdelta.delta.encodings.grouped_step import GROUPED_LAYOUT
 
-#: (label, context coder, zstd level, the tries as before, dense steps where half a chunk changed)
-SETTINGS = (("fast, level 3, tries as before (before)", False, 3, True, False),
-            ("fast, level 1, tries as before", False, 1, True, False),
-            ("fast, level 1, sparse on dense chunks", False, 1, False, False),
-            ("fast, level 1, dense steps (now)", False, 1, False, True),
-            ("context coder", True, chunks.DEFAULT_LEVEL, False, True))
+#: (label, context coder, zstd level, the tries as before, dense steps where half a chunk changed, grouped by class)
+SETTINGS = (("fast, level 3, tries as before (before)", False, 3, True, False, False),
+            ("fast, level 1, tries as before", False, 1, True, False, False),
+            ("fast, level 1, sparse on dense chunks", False, 1, False, False, False),
+            ("fast, level 1, dense steps in element order", False, 1, False, True, False),
+            ("fast, level 1, dense steps grouped by class (now)", False, 1, False, True, True),
+            ("context coder", True, chunks.DEFAULT_LEVEL, False, True, True))
 
 
 def _may_beat_before(planes, plane_len: int, best: float, best_estimate: float | None = None) -> bool:
@@ -66,6 +72,21 @@ def dense_steps(on: bool) -> Iterator[None]:
 
 
 @contextmanager
+def grouped_steps(on: bool) -> Iterator[None]:
+    """The fast path's dense steps grouped by class (encodings 8 and 9, now), or in element order for every dtype
+    (encoding 7, as before them): without a layout, 8 and 9 take no chunk and 7 takes the floats' too."""
+    if on:
+        yield
+        return
+    saved = dict(GROUPED_LAYOUT)
+    GROUPED_LAYOUT.clear()
+    try:
+        yield
+    finally:
+        GROUPED_LAYOUT.update(saved)
+
+
+@contextmanager
 def chunkwise_stage() -> Iterator[None]:
     """A replica's stage of a mostly changed record as it was before the dense stage: every chunk's changes
     decoded into positions and values, then scattered over a copy of the parent (``codec._stage_chunkwise``)."""
@@ -77,14 +98,14 @@ def chunkwise_stage() -> Iterator[None]:
         codec._stage_dense = saved
 
 
-def stage_s(old: dict[str, torch.Tensor], encs: list, repeats: int) -> float:
+def stage_s(old: dict[str, torch.Tensor], encs: list, repeats: int, grand: dict[str, torch.Tensor] | None) -> float:
     """Median seconds to stage every record against its parent, as a replica's hot-load prepares it (one
     thread, the result's digest checked); every staged tensor is checked against the record's digest."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for e in encs:
-            codec.stage(old[e.name], e, threads=1)
+            codec.stage(old[e.name], e, threads=1, grandparent=None if grand is None else grand[e.name])
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -103,7 +124,8 @@ def tries_as_before(before: bool) -> Iterator[None]:
         frames.may_beat = saved
 
 
-def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
+def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], repeats: int,
+            grand: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     names = sorted(new)
     out: dict[str, Any] = {"elements": sum(t.numel() for t in new.values()),
                            "bytes_raw": sum(t.numel() * t.element_size() for t in new.values())}
@@ -114,42 +136,50 @@ def measure(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], repeats:
         enc = xor.encode(old, new)
         times.append(time.perf_counter() - t0)
     out["xor+zstd3"] = {"bytes": baselines.encoded_nbytes(enc), "encode_s": statistics.median(times)}
-    for label, context, level, before, dense in SETTINGS:
+    g = grand or {}
+    for label, context, level, before, dense, grouped in SETTINGS:
         times, decodes = [], []
-        with tries_as_before(before), dense_steps(dense):
+        with tries_as_before(before), dense_steps(dense), grouped_steps(grouped):
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                encs = list(delta.encode_many([(k, old[k], new[k]) for k in names], threads=1, context=context,
-                                              level=level))
+                encs = list(delta.encode_many([(k, old[k], new[k], None, g.get(k)) for k in names], threads=1,
+                                              context=context, level=level))
                 times.append(time.perf_counter() - t0)
         for _ in range(repeats):            # every record decoded back (the replica's work), and compared
             t0 = time.perf_counter()
-            got = {e.name: delta.decode(old[e.name], e) for e in encs}
+            got = {e.name: delta.decode(old[e.name], e, grandparent=g.get(e.name)) for e in encs}
             decodes.append(time.perf_counter() - t0)
         for e in encs:
             if not torch.equal(got[e.name].contiguous().view(torch.uint8), new[e.name].contiguous().view(torch.uint8)):
                 raise AssertionError(f"{label}: {e.name} does not decode to the new bits")
         out[label] = {"bytes": sum(len(e.to_bytes()) for e in encs), "encode_s": statistics.median(times),
-                      "decode_s": statistics.median(decodes), "stage_s": stage_s(old, encs, repeats)}
+                      "decode_s": statistics.median(decodes), "stage_s": stage_s(old, encs, repeats, grand),
+                      "encodings": dict(sum((collections.Counter(e.encoding_counts()) for e in encs),
+                                            collections.Counter()))}
         with chunkwise_stage():
-            out[label]["stage_chunkwise_s"] = stage_s(old, encs, repeats)
+            out[label]["stage_chunkwise_s"] = stage_s(old, encs, repeats, grand)
     return out
 
 
-def lora_steps(quick: bool) -> list[tuple[str, dict, dict]]:
+def lora_steps(quick: bool) -> list[tuple[str, dict, dict, dict]]:
+    """(name, parent, new, grandparent) of a LoRA step at each rank, fp32 and cast to bf16."""
     layers = 2 if quick else 16
     out = []
     for rank in ((16,) if quick else (16, 64)):
-        snaps = lora_codec.trajectory(1024 if not quick else 256, layers, rank, 1e-4, 4, 1)
-        old, new = snaps[0], snaps[1]
-        out.append((f"LoRA r{rank} fp32 ({layers} layers)", old, new))
-        out.append((f"LoRA r{rank} bf16 ({layers} layers)", {k: v.to(torch.bfloat16) for k, v in old.items()},
-                    {k: v.to(torch.bfloat16) for k, v in new.items()}))
+        grand, old, new = lora_codec.trajectory(1024 if not quick else 256, layers, rank, 1e-4, 4, 2)
+        out.append((f"LoRA r{rank} fp32 ({layers} layers)", old, new, grand))
+        out.append((f"LoRA r{rank} bf16 ({layers} layers)", *({k: v.to(torch.bfloat16) for k, v in s.items()}
+                                                             for s in (old, new, grand))))
     return out
 
 
+def _labels(out: dict[str, Any]) -> list[str]:
+    """The columns of a run: XOR + zstd-3 and the settings it measured (a run from before a setting lacks it)."""
+    return ["xor+zstd3", *(s[0] for s in SETTINGS if all(s[0] in r for _, r in out["rows"]))]
+
+
 def markdown(out: dict[str, Any]) -> str:
-    labels = ["xor+zstd3", *(s[0] for s in SETTINGS)]
+    labels = _labels(out)
     lines = [f"# The fast path's zstd level, its dense/raw tries and its dense steps (`{out['command']}`)", "",
              f"{harness.machine()}. One thread, medians of {out['repeats']} encodes a step; bytes and encode time "
              "of each setting, in brackets its time over XOR + zstd-3's (per tensor, the same run), then the "
@@ -159,8 +189,12 @@ def markdown(out: dict[str, Any]) -> str:
              f"planes, both estimated from every {frames.SAMPLE_STRIDE}th block of {frames.SAMPLE_BLOCK} bytes "
              f"(where the best is not the fast path's: against {frames.SURELY_LARGER:g} of the payload, guessed "
              "first from that sample). *Sparse on dense chunks*: encoding 1 (gaps and steps, two frames) on "
-             "every changed chunk, as before encoding 7; *dense steps (now)*: encoding 7 (every element's step, "
-             f"one frame) on the chunks where at least {chunks.DENSE_STEP_FRACTION:g} of the elements changed. "
+             "every changed chunk, as before encoding 7; *dense steps in element order*: encoding 7 (every "
+             f"element's step, one frame) on the chunks where at least {chunks.DENSE_STEP_FRACTION:g} of the "
+             "elements changed, for every dtype, as before encodings 8 and 9; *grouped by class (now)*: a float "
+             "dtype's dense chunks as encoding 8 (the steps sorted by the parent's exponent), or 9 against the "
+             "grandparent (the LoRA rows: each is coded against the step before too, as a LoRA run's publisher "
+             "codes a delta whose parent is a delta). "
              "*Stage*: every record staged against its parent as a replica's hot-load prepares it (`codec.stage`, "
              "one thread, digests checked; median of as many); in brackets the same with a mostly changed record "
              "staged chunk by chunk, its changes as positions and values scattered over a copy, as before the "
@@ -174,11 +208,16 @@ def markdown(out: dict[str, Any]) -> str:
                  + (f", stage {1e3 * r[k]['stage_s']:.0f} ms (chunkwise {1e3 * r[k]['stage_chunkwise_s']:.0f})"
                     if "stage_s" in r[k] else "") for k in labels]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    now = SETTINGS[-2][0]
+    if all("encodings" in r.get(now, {}) for _, r in out["rows"]):
+        lines += ["", f"Chunk encodings of *{now}*:", ""]
+        lines += [f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(r[now]["encodings"].items()))
+                  for name, r in out["rows"]]
     return "\n".join(lines) + "\n"
 
 
 def plot(out: dict[str, Any], path: str) -> None:
-    labels = ["xor+zstd3", *(s[0] for s in SETTINGS)]
+    labels = _labels(out)
     names = [n for n, _ in out["rows"]]
     with harness.figure(path, 1, 1, figsize=(14, 5)) as (fig, ax):
         w = 0.8 / len(labels)
@@ -205,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         for w in workloads.reference_workloads("small", quick=a.quick):
             rows.append((f"full model {w.name}", measure(w.old, w.new, a.repeats)))
             print(f"  {rows[-1][0]} done", flush=True)
-        for name, old, new in lora_steps(a.quick):
-            rows.append((name, measure(old, new, a.repeats)))
+        for name, old, new, grand in lora_steps(a.quick):
+            rows.append((name, measure(old, new, a.repeats, grand)))
             print(f"  {name} done", flush=True)
         out = {"command": harness.command("fast_path", list(sys.argv[1:] if argv is None else argv)),
                "repeats": a.repeats, "rows": rows}

@@ -21,8 +21,8 @@ import xxhash
 
 from ckptdelta.delta import kernels
 from ckptdelta.delta.dtypes import DType, nan_rule
-from ckptdelta.delta.encodings import (ALWAYS, CONTEXT, DENSE_STEP, FAST, GCTX, REGISTRY, SPARSE, Chunk, Encoding,
-                                      unchanged)
+from ckptdelta.delta.encodings import (ALWAYS, CONTEXT, DENSE_STEP, FAST, GCTX, GROUPED_PSTEP, GROUPED_STEP, REGISTRY,
+                                      SPARSE, Chunk, Encoding, unchanged)
 from ckptdelta.delta.encodings.dense_step import DENSE_STEP_FRACTION
 from ckptdelta.delta.errors import ChecksumError, FormatError
 from ckptdelta.delta.record import ChunkEntry
@@ -50,9 +50,10 @@ class EncodedChunk(NamedTuple):
 CONTEXT_ENCODING = GCTX
 #: The fast path's own encoding, tried on every changed chunk (the others are taken only where they win), and
 #: the one that stands for it in the publisher's cost model. Where at least DENSE_STEP_FRACTION of a chunk's
-#: elements changed, the fast path codes the chunk as dense steps (encoding 7) instead: FAST_ENCODINGS.
+#: elements changed, the fast path codes the chunk as dense steps instead: grouped by class for a float dtype
+#: (encoding 8, or 9 where the grandparent was given), in element order for the others (7): FAST_ENCODINGS.
 FAST_ENCODING = SPARSE
-FAST_ENCODINGS = (SPARSE, DENSE_STEP)
+FAST_ENCODINGS = (SPARSE, DENSE_STEP, GROUPED_STEP, GROUPED_PSTEP)
 
 _tries: dict[tuple, tuple] = {}
 

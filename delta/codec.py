@@ -384,7 +384,8 @@ def _grand_bits(enc: EncodedTensor, grandparent: Array | None) -> np.ndarray | N
         return None
     if grandparent is None:
         raise GrandparentNeededError(f"{enc.where()}: the record is coded against the tensor's version before its "
-                                     "parent too (pctx chunks, docs/FORMAT.md encoding 6), which was not given")
+                                     "parent too (pctx or grouped_pstep chunks, docs/FORMAT.md encodings 6 and 9), "
+                                     "which was not given")
     h = enc.header
     if dtypes.of(grandparent) != h.dtype or tuple(grandparent.shape) != tuple(h.shape):
         raise ShapeMismatchError(f"{enc.where()}: the grandparent given is {dtypes.of(grandparent).name}"

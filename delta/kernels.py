@@ -361,6 +361,195 @@ def step_apply_planes_dense(old, planes, nplanes, width_bits, sign_magnitude, ou
 
 
 @njit(cache=True, nogil=True)
+def _classes(old, grand, by_prev, exp_shift, exp_bits, width_bits, sign_magnitude):
+    """(each element's class, each lane's first slot per class in the grouped order): docs/FORMAT.md, encodings
+    8 and 9. The class is the parent's exponent field, times two plus whether the step before moved the element
+    where ``by_prev``; the grouped order is a stable counting sort of the chunk by class. Classes index arrays
+    of 2^exp_bits (x2) entries, so none can land outside them. :func:`_lane_move` walks the lanes."""
+    n = old.shape[0]
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    emask = (_U64(1) << _U64(exp_bits)) - _U64(1)
+    cls = np.empty(n, dtype=np.uint16)
+    if by_prev:
+        for i in range(n):
+            o = _U64(old[i])
+            p = (_key(o, signbit, mask, sign_magnitude) - _key(_U64(grand[i]), signbit, mask, sign_magnitude)) & mask
+            cls[i] = np.uint16((((o >> _U64(exp_shift)) & emask) << _U64(1)) | _U64(p != _U64(0)))
+    else:
+        for i in range(n):
+            cls[i] = np.uint16((_U64(old[i]) >> _U64(exp_shift)) & emask)
+    nclass = (1 << exp_bits) * (2 if by_prev else 1)
+    # four lanes, the chunk's quarters (the last takes the remainder): each lane has a cursor per class, starting
+    # where the lanes before it end in that class, so the order stays stable and four independent cursor chains
+    # run side by side (one chain waits on its own last store wherever neighbours share a class, as most do)
+    q = n // 4
+    counts = np.zeros((4, nclass), dtype=np.int64)
+    for i in range(q):                      # the lanes side by side, as _lane_move walks them
+        counts[0, cls[i]] += 1
+        counts[1, cls[q + i]] += 1
+        counts[2, cls[2 * q + i]] += 1
+        counts[3, cls[3 * q + i]] += 1
+    for i in range(4 * q, n):
+        counts[3, cls[i]] += 1
+    starts = np.empty((4, nclass), dtype=np.int64)
+    at = 0
+    for c in range(nclass):
+        for lane in range(4):
+            starts[lane, c] = at
+            at += counts[lane, c]
+    return cls, starts
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lane_move(cls, at, src, dst, scatter):
+    """Element order -> grouped order (``scatter``: ``dst[slot(i)] = src[i]``) or back (``dst[i] =
+    src[slot(i)]``), a slot being the next of element i's lane's cursor for its class (``at``, from
+    :func:`_classes`, advanced here)."""
+    n = cls.shape[0]
+    q = n // 4
+    for i in range(q):
+        i1 = q + i
+        i2 = 2 * q + i
+        i3 = 3 * q + i
+        c0 = cls[i]
+        c1 = cls[i1]
+        c2 = cls[i2]
+        c3 = cls[i3]
+        j0 = at[0, c0]
+        j1 = at[1, c1]
+        j2 = at[2, c2]
+        j3 = at[3, c3]
+        at[0, c0] = j0 + 1
+        at[1, c1] = j1 + 1
+        at[2, c2] = j2 + 1
+        at[3, c3] = j3 + 1
+        if scatter:
+            dst[j0] = src[i]
+            dst[j1] = src[i1]
+            dst[j2] = src[i2]
+            dst[j3] = src[i3]
+        else:
+            dst[i] = src[j0]
+            dst[i1] = src[j1]
+            dst[i2] = src[j2]
+            dst[i3] = src[j3]
+    for i in range(4 * q, n):               # the last lane's remainder, after its quarter
+        c = cls[i]
+        j = at[3, c]
+        at[3, c] = j + 1
+        if scatter:
+            dst[j] = src[i]
+        else:
+            dst[i] = src[j]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _flip_mask(o, g, by_prev, signbit, mask, sign_magnitude):
+    """``mask`` where the step before (grandparent to parent) went down, so this step is coded negated; else 0."""
+    if not by_prev:
+        return _U64(0)
+    p = (_key(o, signbit, mask, sign_magnitude) - _key(g, signbit, mask, sign_magnitude)) & mask
+    return mask if p >= signbit else _U64(0)
+
+
+@njit(cache=True, nogil=True)
+def grouped_step_planes(old, new, grand, by_prev, exp_shift, exp_bits, width_bits, sign_magnitude):
+    """Byte planes of every element's zigzag key step (as :func:`step_planes`) in the grouped order: the
+    chunk stably sorted by class, so each class's steps, which share a scale (an exponent fixes an ulp), sit
+    together for zstd's per-block tables. ``by_prev`` (``grand`` the grandparent's bits; any array of the
+    chunk's length otherwise): a step is coded negated where the step before went down, and the class also says
+    whether that step moved the element (an optimizer's steps keep their direction). Returns (planes, number of
+    planes). The steps are one vectorisable pass, then scattered to their class's next slot."""
+    n = old.shape[0]
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    cls, at = _classes(old, grand, by_prev, exp_shift, exp_bits, width_bits, sign_magnitude)
+    zs = np.empty(n, dtype=old.dtype)
+    seen = _U64(0)
+    for i in range(n):
+        o = _U64(old[i])
+        d = (_key(_U64(new[i]), signbit, mask, sign_magnitude) - _key(o, signbit, mask, sign_magnitude)) & mask
+        if by_prev:
+            fm = _flip_mask(o, _U64(grand[i]), True, signbit, mask, sign_magnitude)
+            d = ((d ^ fm) + (fm & _U64(1))) & mask
+        z = (d << _U64(1)) if d < signbit else (((mask - d) << _U64(1)) | _U64(1))
+        seen |= z
+        zs[i] = z
+    steps = np.empty(n, dtype=old.dtype)
+    _lane_move(cls, at, zs, steps, True)
+    nplanes = 1
+    while nplanes < width_bits // 8 and (seen >> _U64(8 * nplanes)) != _U64(0):
+        nplanes += 1
+    return to_planes(steps, nplanes), nplanes
+
+
+@njit(cache=True, nogil=True)
+def grouped_step_apply_dense(old, grand, by_prev, planes, nplanes, exp_shift, exp_bits, width_bits, sign_magnitude,
+                             out):
+    """Decode grouped step planes (:func:`grouped_step_planes`) against ``old`` into every element's new bits,
+    ``out`` (``old``'s length; it may be ``old`` itself). An element whose step is zero keeps ``old``'s bits as
+    they are, whatever they are (NaN payloads included). Returns the number of changed elements; -1 where the
+    planes are shorter than they say, ``grand`` or ``out`` is not ``old``'s length or the planes are more than
+    the width (the callers check these first). The steps are gathered back into element order first, then
+    applied in one vectorisable pass."""
+    n = old.shape[0]
+    if planes.shape[0] < nplanes * n or out.shape[0] != n or grand.shape[0] != n or nplanes > width_bits // 8:
+        return -1
+    mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
+    signbit = _U64(1) << _U64(width_bits - 1)
+    cls, at = _classes(old, grand, by_prev, exp_shift, exp_bits, width_bits, sign_magnitude)
+    steps = np.empty(n, dtype=old.dtype)
+    from_planes(planes, n, nplanes, steps)
+    zs = np.empty(n, dtype=old.dtype)
+    _lane_move(cls, at, steps, zs, False)
+    count = 0
+    if by_prev:
+        for i in range(n):
+            o = _U64(old[i])
+            z = _U64(zs[i])
+            fm = _flip_mask(o, _U64(grand[i]), True, signbit, mask, sign_magnitude)
+            d = (mask - (z >> _U64(1))) if z & _U64(1) else (z >> _U64(1))
+            d = ((d ^ fm) + (fm & _U64(1))) & mask
+            v = _unkey((_key(o, signbit, mask, sign_magnitude) + d) & mask, signbit, mask, sign_magnitude)
+            out[i] = v if z != _U64(0) else o
+            count += z != _U64(0)
+    else:
+        for i in range(n):
+            o = _U64(old[i])
+            z = _U64(zs[i])
+            d = (mask - (z >> _U64(1))) if z & _U64(1) else (z >> _U64(1))
+            v = _unkey((_key(o, signbit, mask, sign_magnitude) + d) & mask, signbit, mask, sign_magnitude)
+            out[i] = v if z != _U64(0) else o
+            count += z != _U64(0)
+    return count
+
+
+@njit(cache=True, nogil=True)
+def grouped_step_apply(old, grand, by_prev, planes, nplanes, exp_shift, exp_bits, width_bits, sign_magnitude,
+                       out_positions, out_values):
+    """:func:`grouped_step_apply_dense`, then the sparse form: positions and new bits of the changed elements,
+    into arrays of exactly the chunk entry's count. Returns the number of changed elements, written only where it
+    is exactly what the output arrays hold; -1 where it is more, or the inputs are refused as there."""
+    n = old.shape[0]
+    cap = out_positions.shape[0]
+    if out_values.shape[0] != cap:
+        return -1
+    new = np.empty(n, dtype=old.dtype)
+    count = grouped_step_apply_dense(old, grand, by_prev, planes, nplanes, exp_shift, exp_bits, width_bits,
+                                     sign_magnitude, new)
+    if count != cap:
+        return -1 if count > cap else count
+    j = 0
+    for i in range(n):                  # slot j < cap while a change is left: the changes before i are fewer
+        if j < cap:
+            out_positions[j] = i
+            out_values[j] = new[i]
+        j += old[i] != new[i]
+    return j
+
+
+@njit(cache=True, nogil=True)
 def planes_entropy_bytes(planes, plane_len, block, stride=1):
     """About the fewest bytes zstd could code these byte planes in (``plane_len`` bytes each): per block of
     at most ``block`` bytes inside a plane, the smaller of its order-0 entropy (what literal coding needs

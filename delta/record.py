@@ -17,8 +17,8 @@ import xxhash
 
 from ckptdelta.delta import dtypes
 from ckptdelta.delta.ctxcoder import CTX_LAYOUT  # noqa: F401 - (planes_a, planes_b) per dtype of encodings 4 and 5
-from ckptdelta.delta.encodings import (CTX, DENSE_STEP, DENSE_XOR, GCTX, PCTX, RAW, REGISTRY,  # noqa: F401
-                                      SPARSE, UNCHANGED)
+from ckptdelta.delta.encodings import (CTX, DENSE_STEP, DENSE_XOR, GCTX, GROUPED_PSTEP, GROUPED_STEP, PCTX,  # noqa: F401
+                                      RAW, REGISTRY, SPARSE, UNCHANGED)
 from ckptdelta.delta.errors import ChecksumError, FormatError, TruncatedError
 from ckptdelta.delta.pctx import PCTX_LAYOUT  # noqa: F401 - the same, of encoding 6
 
@@ -26,7 +26,7 @@ MAGIC = b"CKDT"
 FORMAT_VERSION = 1
 
 # Chunk encodings (docs/FORMAT.md, "Chunk encodings"): one module each in delta/encodings/, registered by id
-# (imported above: the built-in ids UNCHANGED .. PCTX and their layouts, for callers); new ones take new ids,
+# (imported above: the built-in ids UNCHANGED .. GROUPED_PSTEP and layouts, for callers); new ones take new ids,
 # old ids never change.
 #: id -> name of every registered encoding (one dict, kept current by the registry).
 ENCODING_NAMES = REGISTRY.names

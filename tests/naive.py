@@ -91,6 +91,37 @@ def step_apply_planes(old: np.ndarray, planes: np.ndarray, nplanes: int, width_b
     return pos, sparse_new_values(old, pos, steps[pos], width_bits, sign_magnitude)
 
 
+def grouped_order(old: np.ndarray, grand: np.ndarray | None, mant: int, exp_bits: int, width_bits: int,
+                  sign_magnitude: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(the class order of docs/FORMAT.md's encodings 8 and 9: element indices by ascending class, ties by
+    position; which elements are negated). ``grand`` None: encoding 8's classes, else encoding 9's."""
+    cls = (old.astype(np.uint64) >> np.uint64(mant)) & np.uint64((1 << exp_bits) - 1)
+    neg = np.zeros(old.shape[0], bool)
+    if grand is not None:
+        m = int(mask_of(width_bits))
+        p = (key(old, width_bits, sign_magnitude).astype(object) - key(grand, width_bits, sign_magnitude)
+             .astype(object)) % (m + 1)
+        p = np.asarray(p, dtype=object)
+        cls = cls * np.uint64(2) + (p != 0).astype(np.uint64)
+        neg = np.asarray(p >= (m + 1) // 2, bool)
+    return np.argsort(cls, kind="stable"), neg
+
+
+def grouped_step_planes(old: np.ndarray, new: np.ndarray, grand: np.ndarray | None, mant: int, exp_bits: int,
+                        width_bits: int, sign_magnitude: bool):
+    """Encoding 8 (``grand`` None) or 9's planes: every element's zigzag key step, negated where the step
+    before went down (9), in the class order; as few planes as the largest needs."""
+    m = int(mask_of(width_bits))
+    order, neg = grouped_order(old, grand, mant, exp_bits, width_bits, sign_magnitude)
+    d = (key(new, width_bits, sign_magnitude).astype(object) - key(old, width_bits, sign_magnitude).astype(object)) \
+        % (m + 1)
+    d = np.asarray(np.where(neg, (m + 1 - d) % (m + 1), d), dtype=object)
+    steps = zigzag(d, width_bits)[order]
+    top = int(steps.max()) if steps.size else 0
+    nplanes = max(1, (top.bit_length() + 7) // 8)
+    return to_planes(steps, nplanes), nplanes
+
+
 def nan_at_gaps(old: np.ndarray, new: np.ndarray, mask: int, threshold: int) -> bool:
     """Whether a changed element's new bits are a NaN (bits & mask > threshold)."""
     changed = new[old != new].astype(np.uint64)

@@ -9,7 +9,8 @@ publisher's cost model take it from the registry.
 
 from __future__ import annotations
 
-from ckptdelta.delta.encodings import ctx, dense_step, dense_xor, gctx, pctx, raw, sparse, unchanged
+from ckptdelta.delta.encodings import (ctx, dense_step, dense_xor, gctx, grouped_pstep, grouped_step, pctx, raw,
+                                      sparse, unchanged)
 from ckptdelta.delta.encodings.base import (ALWAYS, CONTEXT, FAST, REGISTRY, Candidate, Chunk, Cost, Encoding,
                                             LayoutEncoding, register)
 
@@ -21,6 +22,8 @@ CTX = ctx.ENCODING.id
 GCTX = gctx.ENCODING.id
 PCTX = pctx.ENCODING.id
 DENSE_STEP = dense_step.ENCODING.id
+GROUPED_STEP = grouped_step.ENCODING.id
+GROUPED_PSTEP = grouped_pstep.ENCODING.id
 
-__all__ = ["ALWAYS", "CONTEXT", "CTX", "DENSE_STEP", "DENSE_XOR", "FAST", "GCTX", "PCTX", "RAW", "REGISTRY", "SPARSE",
-           "UNCHANGED", "Candidate", "Chunk", "Cost", "Encoding", "LayoutEncoding", "register"]
+__all__ = ["ALWAYS", "CONTEXT", "CTX", "DENSE_STEP", "DENSE_XOR", "FAST", "GCTX", "GROUPED_PSTEP", "GROUPED_STEP", "PCTX",
+           "RAW", "REGISTRY", "SPARSE", "UNCHANGED", "Candidate", "Chunk", "Cost", "Encoding", "LayoutEncoding", "register"]

@@ -168,7 +168,7 @@ def attacks() -> dict[str, tuple[bytes, dict]]:
                      entries=[chunk_entry(record.SPARSE, 1, 1, 1, len(sp), xxhash.xxh3_64_intdigest(sp))]) + sp,
         "FormatError")
     rec("record_unknown_encoding.ckdt",
-        forge_header(flags=1, entries=[chunk_entry(9, 0, 4, 4, 0, xxhash.xxh3_64_intdigest(b""))]), "FormatError",
+        forge_header(flags=1, entries=[chunk_entry(200, 0, 4, 4, 0, xxhash.xxh3_64_intdigest(b""))]), "FormatError",
         parent=["F32", [4]])
     rec("record_digest_lie.ckdt", forge_header(entries=[raw_chunk(good_payload, 4)], digest=12345) + good_payload,
         "ChecksumError")

@@ -682,37 +682,39 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
     raw = codec.encode(old, torch.zeros_like(old))                  # raw chunks: smaller than XOR planes
     r = raw.header.chunks[0]
     assert r.encoding == record.RAW
-    with pytest.raises(ValueError, match="only sparse, dense_xor, ctx, gctx, pctx and dense_step chunks"):
+    with pytest.raises(ValueError, match="only sparse, dense_xor, ctx, gctx, pctx, dense_step, grouped_step and grouped_pstep chunks"):
         chunks.decode_changes(r, raw.payloads[0], bits, raw.header.dtype, "t",
                               (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))
 
 
-def test_a_mostly_changed_dense_step_record_stages_densely_without_arrays_of_its_changes(monkeypatch):
-    """A LoRA step moves every element: its dense_step chunks decode straight into the staged copy (their
-    sparse decode, a position and a value per change, is never called), as chunk-by-chunk staging would stage
-    them, bit for bit; a wrong parent is still refused by name, and a chunk decodes densely only into an
-    array of its own length."""
-    from ckptdelta.delta.encodings.dense_step import DenseStep
+@pytest.mark.parametrize("dtype,dense", [(torch.float32, record.GROUPED_STEP), (torch.int32, record.DENSE_STEP)],
+                         ids=["grouped_step", "dense_step"])
+def test_a_mostly_changed_dense_step_record_stages_densely_without_arrays_of_its_changes(monkeypatch, dtype, dense):
+    """A LoRA step moves every element: its dense steps' chunks (grouped by class for a float dtype) decode
+    straight into the staged copy (their sparse decode, a position and a value per change, is never called), as
+    chunk-by-chunk staging would stage them, bit for bit; a wrong parent is still refused by name, and a chunk
+    decodes densely only into an array of its own length."""
+    from ckptdelta.delta.encodings.base import REGISTRY
 
     g = torch.Generator().manual_seed(5)
-    old = torch.randn(3 * 8192, generator=g) * 0.02
+    old = (torch.randn(3 * 8192, generator=g) * 0.02).view(torch.int32).view(dtype)
     new = old.clone()
     new.view(torch.int32)[:] += torch.randint(-40, 40, old.shape, generator=g, dtype=torch.int32)
     new.view(torch.int32)[2 * 8192:] = old.view(torch.int32)[2 * 8192:]         # one chunk untouched
     enc = codec.encode(old, new, chunk_elems=8192, context=False)
-    assert [c.encoding for c in enc.header.chunks] == [record.DENSE_STEP, record.DENSE_STEP, record.UNCHANGED]
+    assert [c.encoding for c in enc.header.chunks] == [dense, dense, record.UNCHANGED]
     want = codec._stage_chunkwise(dtypes.host_bits(old), enc, True, None)
 
     def refuse(*a, **k):
-        raise AssertionError("dense_step's sparse decode used for a dense stage")
+        raise AssertionError("the dense steps' sparse decode used for a dense stage")
 
-    monkeypatch.setattr(DenseStep, "decode", refuse)
+    monkeypatch.setattr(type(REGISTRY.by_id[dense]), "decode", refuse)
     got = codec.stage(old, enc)
     assert got.dense is not None and np.array_equal(got.dense, want.dense) and got.positions.shape[0] == 0
     assert got.parent_digest == want.parent_digest == codec.digest(old)
     assert np.array_equal(got.dense, dtypes.host_bits(new))
     wrong = old.clone()
-    wrong[9] = 1.0
+    wrong.view(torch.int32)[9] += 1
     with pytest.raises(ParentMismatchError):
         codec.stage(wrong, enc)
     c, bits = enc.header.chunks[0], dtypes.host_bits(old)[:8192]
@@ -748,7 +750,7 @@ def test_a_tensor_named_fast_alone_tries_the_fast_path_s_own_encoding_only_and_i
     b.view(torch.int16)[:] ^= 1
     tried, alone = (list(encode_many([(n, a, b)], threads=1, context=False, fast_alone={"alone"}))[0]
                     for n in ("tried", "alone"))
-    assert tried.encoding_counts() == {"dense_xor": 1} and alone.encoding_counts() == {"dense_step": 1}
+    assert tried.encoding_counts() == {"dense_xor": 1} and alone.encoding_counts() == {"grouped_step": 1}
     assert alone.nbytes > tried.nbytes
     assert_same_bits(codec.decode(a, alone.to_bytes()), b) and assert_same_bits(codec.decode(a, tried.to_bytes()), b)
     ctx = list(encode_many([("alone", a, b)], threads=1, context=True, fast_alone={"alone"}))[0]

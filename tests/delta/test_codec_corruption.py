@@ -165,25 +165,74 @@ def test_resealed_corruption_is_rejected_or_decodes_exactly(delta_record, raw_re
     assert undone > 0  # some corruptions only show in the final digest: the undo path ran
 
 
-@pytest.mark.timeout(120)
-def test_every_resealed_flip_of_a_dense_step_record_is_rejected_or_decodes_exactly():
-    """The fast path's dense steps (encoding 7: one chunk all changed, one half changed, plus a sparse chunk):
-    with checksums recomputed, every flip of the header's fields or of a payload raises a DeltaError (a step
-    count that disagrees with the entry's, a frame of the wrong size, the result's digest) or decodes to the
-    record's exact bits, and an in-place apply that fails leaves the live tensor as it was."""
-    rng = np.random.default_rng(5)
-    old = (rng.standard_normal(48) * 0.02).astype(np.float32)
+def _dense_pair(seed: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """48 elements in three chunks of 16: every element changed, half changed, one changed."""
+    rng = np.random.default_rng(seed)
+    old = (rng.standard_normal(48) * 0.02).astype(np.float32).view(np.uint32).astype(np.uint32).view(dtype)
     new = old.copy()
     new.view(np.uint32)[:16] += rng.integers(1, 300, 16).astype(np.uint32)       # every element: dense steps
     new.view(np.uint32)[16:32:2] -= 1                                             # half: dense steps
-    new[40] = np.float32(-0.0)                                                    # one: sparse
+    new.view(np.uint32)[40] ^= np.uint32(0x80000000)                              # one: sparse
+    return old, new
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype,dense", [(np.int32, record.DENSE_STEP), (np.float32, record.GROUPED_STEP)],
+                         ids=["dense_step", "grouped_step"])
+def test_every_resealed_flip_of_a_dense_step_record_is_rejected_or_decodes_exactly(dtype, dense):
+    """The fast path's dense steps (encoding 7 for an integer dtype, 8 for a float one: one chunk all changed, one
+    half changed, plus a sparse chunk): with checksums recomputed, every flip of the header's fields or of a
+    payload raises a DeltaError (a step count that disagrees with the entry's, a frame of the wrong size, the
+    result's digest) or decodes to the record's exact bits, and an in-place apply that fails leaves the live
+    tensor as it was."""
+    old, new = _dense_pair(5, dtype)
     enc = codec.encode(old, new, name=NAME, chunk_elems=16, context=False)
     h = enc.header
-    assert [c.encoding for c in h.chunks] == [record.DENSE_STEP, record.DENSE_STEP, record.SPARSE]
+    assert [c.encoding for c in h.chunks] == [dense, dense, record.SPARSE]
     data = enc.to_bytes()
     table = record.FIXED_SIZE + 8 + len(NAME.encode()) + (-len(NAME.encode()) % 8)
     decoded_ok, _ = _resealed_flips(old, data, h, new, old, start=table)     # the chunk table and the payloads
     assert decoded_ok == []
+
+
+@pytest.mark.timeout(120)
+def test_every_resealed_flip_of_a_grouped_pstep_record_is_rejected_or_decodes_exactly_with_its_grandparent():
+    """Encoding 9 (dense steps grouped by class and by the step before, a LoRA delta's): every resealed flip of
+    its chunk table and payloads, decoded with the grandparent (densely and into the sparse form), raises a
+    DeltaError or decodes to the record's exact bits; without the grandparent the intact record is refused
+    by name."""
+    old, new = _dense_pair(7, np.float32)
+    grand = old.copy()
+    grand.view(np.uint32)[::3] += np.uint32(2)                                    # the step before: some up
+    grand.view(np.uint32)[1::3] -= np.uint32(3)                                   # some down, some none
+    enc = codec.encode(old, new, name=NAME, chunk_elems=16, context=False, grandparent=grand)
+    h = enc.header
+    assert [c.encoding for c in h.chunks] == [record.GROUPED_PSTEP, record.GROUPED_PSTEP, record.SPARSE]
+    np.testing.assert_array_equal(np.asarray(codec.decode(old, enc, grandparent=grand)).view(np.uint32),
+                                  new.view(np.uint32))
+    with pytest.raises(errors.GrandparentNeededError, match="grouped_pstep"):
+        codec.decode(old, enc)
+    data = enc.to_bytes()
+    table = record.FIXED_SIZE + 8 + len(NAME.encode()) + (-len(NAME.encode()) % 8)
+    ok = []
+    for i, xor, sealed in _flips(data, h, start=table):
+        for stage in (False, True):
+            try:
+                if stage:
+                    st = codec.stage(old, sealed, grandparent=grand)
+                    got = st.dense if st.dense is not None else None
+                    if got is None:
+                        out = old.copy()
+                        st.apply_(out)
+                        got = out
+                else:
+                    got = codec.decode(old, sealed, grandparent=grand)
+            except errors.DeltaError:
+                continue
+            np.testing.assert_array_equal(np.asarray(got).reshape(-1).view(np.uint32), new.view(np.uint32),
+                                          err_msg=f"byte {i} xor {xor:#x}")
+            ok.append(i)
+    assert ok == []
 
 
 def test_every_resealed_flip_of_a_densely_staged_dense_step_record_is_rejected_or_stages_exactly():
@@ -200,7 +249,7 @@ def test_every_resealed_flip_of_a_densely_staged_dense_step_record_is_rejected_o
     enc = codec.encode(old, new, name=NAME, chunk_elems=16, context=False)
     h = enc.header
     # dense steps decode densely themselves; dense XOR and sparse changes are scattered over the parent's bits
-    assert [c.encoding for c in h.chunks] == [record.DENSE_STEP, record.DENSE_XOR, record.SPARSE]
+    assert [c.encoding for c in h.chunks] == [record.GROUPED_STEP, record.DENSE_XOR, record.SPARSE]
     st = codec.stage(old, enc)
     assert st.dense is not None and st.positions.shape[0] == 0
     np.testing.assert_array_equal(st.dense, new.view(np.uint32))

@@ -338,6 +338,50 @@ def test_all_byte_pairs_and_unchanged_elements_round_trip_through_dense_steps(sm
     np.testing.assert_array_equal(whole, new)
 
 
+#: (width, mantissa bits, exponent bits) of float layouts encodings 8 and 9 serve.
+GROUPED = [(8, 3, 4), (8, 2, 5), (16, 7, 8), (16, 10, 5), (32, 23, 8), (64, 52, 11)]
+
+
+@pytest.mark.parametrize("w,mant,exp_bits", GROUPED, ids=["e4m3", "e5m2", "bf16", "f16", "f32", "f64"])
+@pytest.mark.parametrize("by_prev", [False, True], ids=["grouped_step", "grouped_pstep"])
+def test_grouped_steps_are_format_md_s_class_order_and_decode_to_the_exact_bits(w, mant, exp_bits, by_prev):
+    """Random bit patterns (NaN payloads, infinities, -0.0, subnormals among them) and Adam-like small steps,
+    some elements unchanged: the kernel's planes are byte for byte the reference's (docs/FORMAT.md's class order,
+    a stable sort by class, and the negation where the step before went down), and they decode, densely, in
+    place and into the sparse form, to exactly the new bits; an unchanged element keeps its bits as they are."""
+    rng = np.random.default_rng(w * 100 + mant + by_prev)
+    dt = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[w]
+    n = 5003
+    old = rng.integers(0, 1 << min(w, 63), n, dtype=np.uint64).astype(dt)
+    old[:64] = rng.integers(0, 1 << min(w, 63), 64, dtype=np.uint64).astype(dt) | dt((1 << (w - 1)) - (1 << mant))
+    grand = (old.astype(np.uint64) + rng.integers(-3, 4, n).astype(np.uint64)).astype(dt)
+    new = (old.astype(np.uint64) + rng.integers(-9, 10, n).astype(np.uint64)).astype(dt)
+    new[::7] = rng.integers(0, 1 << min(w, 63), new[::7].shape[0], dtype=np.uint64).astype(dt)     # big moves
+    new[::5] = old[::5]                                                                 # unchanged
+    g = grand if by_prev else old
+    planes, nplanes = kernels.grouped_step_planes(old, new, g, by_prev, mant, exp_bits, w, True)
+    want, want_n = naive.grouped_step_planes(old, new, grand if by_prev else None, mant, exp_bits, w, True)
+    assert nplanes == want_n
+    np.testing.assert_array_equal(planes, want)
+    k = int(np.count_nonzero(old != new))
+    whole = np.empty_like(old)
+    assert kernels.grouped_step_apply_dense(old, g, by_prev, planes, nplanes, mant, exp_bits, w, True, whole) == k
+    np.testing.assert_array_equal(whole, new)
+    inplace = old.copy()
+    g2 = g if by_prev else inplace
+    assert kernels.grouped_step_apply_dense(inplace, g2, by_prev, planes, nplanes, mant, exp_bits, w, True,
+                                            inplace) == k
+    np.testing.assert_array_equal(inplace, new)
+    pos, vals = np.empty(k, np.int64), np.empty(k, dt)
+    assert kernels.grouped_step_apply(old, g, by_prev, planes, nplanes, mant, exp_bits, w, True, pos, vals) == k
+    np.testing.assert_array_equal(pos, np.flatnonzero(old != new))
+    np.testing.assert_array_equal(vals, new[pos])
+    short = (np.empty(k - 1, np.int64), np.empty(k - 1, dt))
+    assert kernels.grouped_step_apply(old, g, by_prev, planes, nplanes, mant, exp_bits, w, True, *short) == -1
+    assert kernels.grouped_step_apply_dense(old, g, by_prev, planes[:-1], nplanes, mant, exp_bits, w, True,
+                                            whole) == -1          # planes shorter than they say: refused
+
+
 def test_one_ulp_moves_cost_one_step_across_zero():
     """+0.0 -> -0.0 and 1 ulp moves are steps of 1 (zigzag 1 or 2), so they need one byte plane."""
     old = np.array([0x0000, 0x8000, 0x3C00, 0x3C00, 0x8001, 0x7BFF], np.uint16)

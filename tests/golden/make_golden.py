@@ -114,6 +114,7 @@ def cases() -> list[dict]:
     _gctx_cases(add)
     _pctx_cases(add)
     _dense_step_cases(add)
+    _grouped_step_cases(add)
     return out
 
 
@@ -178,6 +179,15 @@ def _from_keys(keys: np.ndarray, w: int, dtype) -> np.ndarray:
     return np.where(keys & sign, keys ^ sign, ~keys & mask).astype(dtype)
 
 
+def _float_weights(rng: np.random.Generator, name: str, n: int) -> np.ndarray:
+    """``n`` weight-like bits of the case's dtype (its name's prefix: bf16, f16 or f32)."""
+    if name.startswith("bf16"):
+        return _bf16_weights(rng, n)
+    if name.startswith("f16"):
+        return (rng.standard_normal(n) * 0.05).astype(np.float16).view(np.uint16)
+    return (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+
+
 def _pctx_cases(add) -> None:
     """Encoding 6 (pctx): two Adam-like steps, the second mostly in the first's direction and of a
     similar size in ulps (from one to hundreds: weights near zero), every element moving; special values
@@ -186,12 +196,7 @@ def _pctx_cases(add) -> None:
     rng = np.random.default_rng(20261204)
     for name, w, dtype, n, scale in (("bf16_pctx", 16, np.uint16, 3000, 1), ("f16_pctx", 16, np.uint16, 900, 4),
                                      ("f32_pctx", 32, np.uint32, 1500, 1 << 12)):
-        if w == 16 and name.startswith("bf16"):
-            g = _bf16_weights(rng, n)
-        elif w == 16:
-            g = (rng.standard_normal(n) * 0.05).astype(np.float16).view(np.uint16)
-        else:
-            g = (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+        g = _float_weights(rng, name, n)
         size = np.maximum(1, (rng.pareto(1.5, n) * scale).astype(np.int64))
         direction = np.where(rng.random(n) < 0.5, 1, -1)
         step1 = direction * size * (rng.random(n) < 0.8)
@@ -227,6 +232,35 @@ def _dense_step_cases(add) -> None:
         old[4:6] = [top >> 1, 0]               # a NaN (all ones) and +0.0 become ordinary values
         new[4:6] = [0x3F80, 0x0001] if w == 16 else [0x3F800000, 0x00000001]
         add(name, name.split("_")[0].upper(), old, new, n // 8, {"dense_step", "unchanged"}, context=False)
+
+
+def _grouped_step_cases(add) -> None:
+    """Encodings 8 (grouped_step) and 9 (grouped_pstep), written by the fast path for float dtypes: dense_step's
+    steps (every element of some chunks, half of another, one chunk unchanged, special values changing), coded
+    class by class; 9 against a grandparent whose step went up, down or nowhere. BF16, F16 and F32. Its own
+    generator, as above."""
+    rng = np.random.default_rng(20261207)
+    for name, w, dtype, n, scale in (("bf16_grouped", 16, np.uint16, 2000, 1), ("f16_grouped", 16, np.uint16, 800, 4),
+                                     ("f32_grouped", 32, np.uint32, 1200, 1 << 10)):
+        old = _float_weights(rng, name, n)
+        size = np.maximum(1, (rng.pareto(1.5, n) * scale).astype(np.int64))
+        direction = np.where(rng.random(n) < 0.5, 1, -1)
+        step = direction * size
+        step[n // 2: n // 2 + n // 8] *= rng.random(n // 8) < 0.55     # a chunk about half changed
+        step[-(n // 8):] = 0                                            # the last chunk unchanged
+        before = np.where(rng.random(n) < 0.8, direction, -direction) * size * (rng.random(n) < 0.85)
+        new = _from_keys(_keys_of(old, w) + step, w, dtype)
+        grand = _from_keys(_keys_of(old, w) - before, w, dtype)
+        top = (1 << w) - 1
+        specials = [0x7FC1, 0xFF80, 0x8000, 0x0001] if w == 16 else [0x7FC00001, 0xFF800000, 0x80000000, 0x00000001]
+        new[:4] = specials                     # a NaN payload, -inf, -0.0, the smallest subnormal
+        old[4:6] = [top >> 1, 0]               # a NaN (all ones) and +0.0 become ordinary values
+        new[4:6] = [0x3F80, 0x0001] if w == 16 else [0x3F800000, 0x00000001]
+        grand[6:8] = [top >> 1, 0x8000 if w == 16 else 0x80000000]    # a grandparent NaN and -0.0
+        add(f"{name}_step", name.split("_")[0].upper(), old.copy(), new, n // 8, {"grouped_step", "unchanged"},
+            context=False)
+        add(f"{name}_pstep", name.split("_")[0].upper(), old.copy(), new, n // 8, {"grouped_pstep", "unchanged"},
+            grand=grand, context=False)
 
 
 def main(argv: list[str] | None = None) -> int:
