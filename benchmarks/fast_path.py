@@ -41,7 +41,7 @@ from benchmarks import baselines, harness, lora_codec, workloads
 from ckptdelta import delta
 from ckptdelta.delta import chunks, codec, kernels
 from ckptdelta.delta.encodings import frames
-from ckptdelta.delta.encodings.grouped_step import GROUPED_LAYOUT
+from ckptdelta.delta.encodings.grouped_step import WRITTEN as GROUPED
 
 #: (label, context coder, zstd level, the tries as before, dense steps where half a chunk changed, grouped by class)
 SETTINGS = (("fast, level 3, tries as before (before)", False, 3, True, False, False),
@@ -74,16 +74,16 @@ def dense_steps(on: bool) -> Iterator[None]:
 @contextmanager
 def grouped_steps(on: bool) -> Iterator[None]:
     """The fast path's dense steps grouped by class (encodings 8 and 9, now), or in element order for every dtype
-    (encoding 7, as before them): without a layout, 8 and 9 take no chunk and 7 takes the floats' too."""
+    (encoding 7, as before them): with no dtype written grouped, 8 and 9 take no chunk and 7 takes every one."""
     if on:
         yield
         return
-    saved = dict(GROUPED_LAYOUT)
-    GROUPED_LAYOUT.clear()
+    saved = set(GROUPED)
+    GROUPED.clear()
     try:
         yield
     finally:
-        GROUPED_LAYOUT.update(saved)
+        GROUPED.update(saved)
 
 
 @contextmanager

@@ -9,13 +9,13 @@ went down (9, which needs the grandparent). ``count`` is the number of changed e
 Why: a step's size in ulps follows its element's exponent (an exponent fixes the ulp,
 an optimizer's step its value), so dense_step's planes interleave a few dozen
 distributions, and zstd's per-block Huffman tables fit their mixture. Sorted by class, a
-block holds one or two of them: on rank-64 bf16 LoRA steps 15% fewer bytes than
-dense_step without the grandparent, 20-22% with it (Adam's steps keep their direction,
-so a step negated where the one before went down is mostly positive), and zstd runs
-faster both ways on the sorted planes, which pays for most of the sort
-(docs/PERFORMANCE.md, "Dense steps grouped by class"). The fast path codes a dense chunk
-of a float dtype with one of these instead of dense_step; dense_step stays for the
-other dtypes and decodes as before. Encoding 9 is delta/encodings/grouped_pstep.py; the kernels are in
+block holds one or two of them: on bf16 LoRA steps 11-15% fewer bytes than dense_step
+(Adam's steps keep their direction, so with the grandparent, encoding 9, a step negated
+where the one before went down is mostly positive), and zstd runs faster both ways on the
+sorted planes, which pays for part of the sort (docs/PERFORMANCE.md, "Dense steps grouped
+by class"). The fast path codes a dense chunk of a 16- or 8-bit float dtype with one of
+these instead of dense_step (:data:`WRITTEN`); dense_step stays for the others (fp32's
+low planes are noise in any order) and decodes as before. Encoding 9 is delta/encodings/grouped_pstep.py; the kernels are in
 delta/kernels.py.
 """
 
@@ -29,9 +29,14 @@ from ckptdelta.delta.encodings.base import FAST, Candidate, Encoding, register
 from ckptdelta.delta.errors import FormatError, GrandparentNeededError
 
 #: dtype name -> (mantissa bits, exponent bits): an element's class is its parent's exponent field,
-#: ``(bits >> mantissa) & (2^exponent - 1)``. The float dtypes; the others keep dense_step.
+#: ``(bits >> mantissa) & (2^exponent - 1)``. The float dtypes, which a reader decodes in these encodings.
 GROUPED_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F32": (23, 8), "F64": (52, 11), "F8_E4M3": (3, 4),
                   "F8_E5M2": (2, 5)}
+#: The dtypes whose dense chunks the fast path writes in these encodings (dense_step for the others). The sort
+#: pays where a step is a few ulps: on bf16 LoRA steps 11-15% fewer bytes for ~1.2x the encode and ~1.4x the
+#: stage; on fp32 ones, whose low planes are noise in any order, 3% fewer for ~1.4x both (docs/PERFORMANCE.md,
+#: "Dense steps grouped by class").
+WRITTEN = {"BF16", "F16", "F8_E4M3", "F8_E5M2"}
 
 
 class GroupedStep(Encoding):
@@ -66,7 +71,7 @@ class GroupedStep(Encoding):
         if not chunk.dense_step or (chunk.grand is not None) != self.by_prev:
             return None
         lay = GROUPED_LAYOUT.get(chunk.dt.name)
-        if lay is None:
+        if lay is None or chunk.dt.name not in WRITTEN:
             return None
         dt = chunk.dt
         planes, nplanes = kernels.grouped_step_planes(chunk.old, chunk.new, self._grand(chunk.old, chunk.grand, ""),

@@ -687,8 +687,9 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
                               (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))
 
 
-@pytest.mark.parametrize("dtype,dense", [(torch.float32, record.GROUPED_STEP), (torch.int32, record.DENSE_STEP)],
-                         ids=["grouped_step", "dense_step"])
+@pytest.mark.parametrize("dtype,dense", [(torch.bfloat16, record.GROUPED_STEP), (torch.float32, record.DENSE_STEP),
+                                         (torch.int32, record.DENSE_STEP)],
+                         ids=["grouped_step-bf16", "dense_step-f32", "dense_step-i32"])
 def test_a_mostly_changed_dense_step_record_stages_densely_without_arrays_of_its_changes(monkeypatch, dtype, dense):
     """A LoRA step moves every element: its dense steps' chunks (grouped by class for a float dtype) decode
     straight into the staged copy (their sparse decode, a position and a value per change, is never called), as
@@ -697,10 +698,11 @@ def test_a_mostly_changed_dense_step_record_stages_densely_without_arrays_of_its
     from ckptdelta.delta.encodings.base import REGISTRY
 
     g = torch.Generator().manual_seed(5)
-    old = (torch.randn(3 * 8192, generator=g) * 0.02).view(torch.int32).view(dtype)
+    old = (torch.randn(3 * 8192, generator=g) * 0.02).to(torch.float32 if dtype == torch.int32 else dtype).view(dtype)
+    ints = torch.int16 if dtype == torch.bfloat16 else torch.int32
     new = old.clone()
-    new.view(torch.int32)[:] += torch.randint(-40, 40, old.shape, generator=g, dtype=torch.int32)
-    new.view(torch.int32)[2 * 8192:] = old.view(torch.int32)[2 * 8192:]         # one chunk untouched
+    new.view(ints)[:] += torch.randint(-40, 40, old.shape, generator=g, dtype=ints)
+    new.view(ints)[2 * 8192:] = old.view(ints)[2 * 8192:]                        # one chunk untouched
     enc = codec.encode(old, new, chunk_elems=8192, context=False)
     assert [c.encoding for c in enc.header.chunks] == [dense, dense, record.UNCHANGED]
     want = codec._stage_chunkwise(dtypes.host_bits(old), enc, True, None)
@@ -714,12 +716,12 @@ def test_a_mostly_changed_dense_step_record_stages_densely_without_arrays_of_its
     assert got.parent_digest == want.parent_digest == codec.digest(old)
     assert np.array_equal(got.dense, dtypes.host_bits(new))
     wrong = old.clone()
-    wrong.view(torch.int32)[9] += 1
+    wrong.view(ints)[9] += 1
     with pytest.raises(ParentMismatchError):
         codec.stage(wrong, enc)
     c, bits = enc.header.chunks[0], dtypes.host_bits(old)[:8192]
     with pytest.raises(ValueError, match="a dense decode writes 8192 elements, not 8191"):
-        chunks.decode_dense(c, enc.payloads[0], bits, enc.header.dtype, "t", np.empty(8191, np.uint32))
+        chunks.decode_dense(c, enc.payloads[0], bits, enc.header.dtype, "t", np.empty(8191, bits.dtype))
 
 
 def test_a_densely_staged_change_carries_the_digest_of_the_tensor_it_was_staged_against():

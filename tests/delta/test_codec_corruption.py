@@ -166,27 +166,32 @@ def test_resealed_corruption_is_rejected_or_decodes_exactly(delta_record, raw_re
 
 
 def _dense_pair(seed: int, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """48 elements in three chunks of 16: every element changed, half changed, one changed."""
+    """96 elements (float32 or int32; float16: 192) in three chunks: every element changed, half changed, one
+    changed. Compared as 32-bit words."""
     rng = np.random.default_rng(seed)
-    old = (rng.standard_normal(48) * 0.02).astype(np.float32).view(np.uint32).astype(np.uint32).view(dtype)
+    n = 48 * (4 // np.dtype(dtype).itemsize)
+    old = (rng.standard_normal(n) * 0.02).astype(np.float32 if dtype == np.int32 else dtype).view(dtype)
+    bits = {2: np.uint16, 4: np.uint32}[np.dtype(dtype).itemsize]
     new = old.copy()
-    new.view(np.uint32)[:16] += rng.integers(1, 300, 16).astype(np.uint32)       # every element: dense steps
-    new.view(np.uint32)[16:32:2] -= 1                                             # half: dense steps
-    new.view(np.uint32)[40] ^= np.uint32(0x80000000)                              # one: sparse
+    third = n // 3
+    new.view(bits)[:third] += rng.integers(1, 300, third).astype(bits)           # every element: dense steps
+    new.view(bits)[third:2 * third:2] -= bits(1)                                  # half: dense steps
+    new.view(bits)[2 * third + 8] ^= bits(1 << (8 * np.dtype(dtype).itemsize - 1))    # one: sparse
     return old, new
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype,dense", [(np.int32, record.DENSE_STEP), (np.float32, record.GROUPED_STEP)],
-                         ids=["dense_step", "grouped_step"])
+@pytest.mark.parametrize("dtype,dense", [(np.float32, record.DENSE_STEP), (np.int32, record.DENSE_STEP),
+                                         (np.float16, record.GROUPED_STEP)],
+                         ids=["dense_step-f32", "dense_step-i32", "grouped_step-f16"])
 def test_every_resealed_flip_of_a_dense_step_record_is_rejected_or_decodes_exactly(dtype, dense):
-    """The fast path's dense steps (encoding 7 for an integer dtype, 8 for a float one: one chunk all changed, one
+    """The fast path's dense steps (encoding 7 for a 32-bit dtype, 8 for a 16-bit float: one chunk all changed, one
     half changed, plus a sparse chunk): with checksums recomputed, every flip of the header's fields or of a
     payload raises a DeltaError (a step count that disagrees with the entry's, a frame of the wrong size, the
     result's digest) or decodes to the record's exact bits, and an in-place apply that fails leaves the live
     tensor as it was."""
     old, new = _dense_pair(5, dtype)
-    enc = codec.encode(old, new, name=NAME, chunk_elems=16, context=False)
+    enc = codec.encode(old, new, name=NAME, chunk_elems=old.shape[0] // 3, context=False)
     h = enc.header
     assert [c.encoding for c in h.chunks] == [dense, dense, record.SPARSE]
     data = enc.to_bytes()
@@ -201,11 +206,11 @@ def test_every_resealed_flip_of_a_grouped_pstep_record_is_rejected_or_decodes_ex
     its chunk table and payloads, decoded with the grandparent (densely and into the sparse form), raises a
     DeltaError or decodes to the record's exact bits; without the grandparent the intact record is refused
     by name."""
-    old, new = _dense_pair(7, np.float32)
+    old, new = _dense_pair(7, np.float16)
     grand = old.copy()
-    grand.view(np.uint32)[::3] += np.uint32(2)                                    # the step before: some up
-    grand.view(np.uint32)[1::3] -= np.uint32(3)                                   # some down, some none
-    enc = codec.encode(old, new, name=NAME, chunk_elems=16, context=False, grandparent=grand)
+    grand.view(np.uint16)[::3] += np.uint16(2)                                    # the step before: some up
+    grand.view(np.uint16)[1::3] -= np.uint16(3)                                   # some down, some none
+    enc = codec.encode(old, new, name=NAME, chunk_elems=old.shape[0] // 3, context=False, grandparent=grand)
     h = enc.header
     assert [c.encoding for c in h.chunks] == [record.GROUPED_PSTEP, record.GROUPED_PSTEP, record.SPARSE]
     np.testing.assert_array_equal(np.asarray(codec.decode(old, enc, grandparent=grand)).view(np.uint32),
@@ -249,7 +254,7 @@ def test_every_resealed_flip_of_a_densely_staged_dense_step_record_is_rejected_o
     enc = codec.encode(old, new, name=NAME, chunk_elems=16, context=False)
     h = enc.header
     # dense steps decode densely themselves; dense XOR and sparse changes are scattered over the parent's bits
-    assert [c.encoding for c in h.chunks] == [record.GROUPED_STEP, record.DENSE_XOR, record.SPARSE]
+    assert [c.encoding for c in h.chunks] == [record.DENSE_STEP, record.DENSE_XOR, record.SPARSE]
     st = codec.stage(old, enc)
     assert st.dense is not None and st.positions.shape[0] == 0
     np.testing.assert_array_equal(st.dense, new.view(np.uint32))
