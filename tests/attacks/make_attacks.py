@@ -167,6 +167,17 @@ def attacks() -> dict[str, tuple[bytes, dict]]:
         forge_header(dtype_code=U8, shape=(16,),
                      entries=[chunk_entry(record.SPARSE, 1, 1, 1, len(sp), xxhash.xxh3_64_intdigest(sp))]) + sp,
         "FormatError")
+    steps16 = zstd_frame(bytes([2] * 16))
+    rec("record_grouped_step_of_an_integer_dtype.ckdt",          # encodings 8 and 9 classify by an exponent field
+        forge_header(dtype_code=U8, shape=(16,), flags=1, parent_digest=xxhash.xxh3_64_intdigest(bytes(16)),
+                     entries=[chunk_entry(record.GROUPED_STEP, 0, 1, 16, len(steps16),
+                                          xxhash.xxh3_64_intdigest(steps16))]) + steps16,
+        "FormatError", parent=["U8", [16]])
+    rec("record_grouped_step_count_lie.ckdt",                   # 16 steps of 2 against a header that says 3
+        forge_header(flags=1, shape=(16,), parent_digest=xxhash.xxh3_64_intdigest(bytes(64)),
+                     entries=[chunk_entry(record.GROUPED_STEP, 0, 1, 3, len(steps16),
+                                          xxhash.xxh3_64_intdigest(steps16))]) + steps16,
+        "FormatError", parent=["F32", [16]])
     rec("record_unknown_encoding.ckdt",
         forge_header(flags=1, entries=[chunk_entry(200, 0, 4, 4, 0, xxhash.xxh3_64_intdigest(b""))]), "FormatError",
         parent=["F32", [4]])
