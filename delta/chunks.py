@@ -50,8 +50,8 @@ class EncodedChunk(NamedTuple):
 CONTEXT_ENCODING = GCTX
 #: The fast path's own encoding, tried on every changed chunk (the others are taken only where they win), and
 #: the one that stands for it in the publisher's cost model. Where at least DENSE_STEP_FRACTION of a chunk's
-#: elements changed, the fast path codes the chunk as dense steps instead: grouped by class for a float dtype
-#: (encoding 8, or 9 where the grandparent was given), in element order for the others (7): FAST_ENCODINGS.
+#: elements changed, the fast path codes the chunk as dense steps instead: grouped by class for a 16- or 8-bit
+#: float (encoding 8, or 9 where the grandparent was given), in element order for the others (7): FAST_ENCODINGS.
 FAST_ENCODING = SPARSE
 FAST_ENCODINGS = (SPARSE, DENSE_STEP, GROUPED_STEP, GROUPED_PSTEP)
 

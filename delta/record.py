@@ -17,8 +17,8 @@ import xxhash
 
 from ckptdelta.delta import dtypes
 from ckptdelta.delta.ctxcoder import CTX_LAYOUT  # noqa: F401 - (planes_a, planes_b) per dtype of encodings 4 and 5
-from ckptdelta.delta.encodings import (CTX, DENSE_STEP, DENSE_XOR, GCTX, GROUPED_PSTEP, GROUPED_STEP, PCTX,  # noqa: F401
-                                      RAW, REGISTRY, SPARSE, UNCHANGED)
+from ckptdelta.delta.encodings import (CTX, DENSE_STEP, DENSE_XOR, GCTX, GROUPED_PSTEP, GROUPED_STEP,  # noqa: F401
+                                      PCTX, RAW, REGISTRY, SPARSE, UNCHANGED)
 from ckptdelta.delta.errors import ChecksumError, FormatError, TruncatedError
 from ckptdelta.delta.pctx import PCTX_LAYOUT  # noqa: F401 - the same, of encoding 6
 

@@ -25,5 +25,6 @@ DENSE_STEP = dense_step.ENCODING.id
 GROUPED_STEP = grouped_step.ENCODING.id
 GROUPED_PSTEP = grouped_pstep.ENCODING.id
 
-__all__ = ["ALWAYS", "CONTEXT", "CTX", "DENSE_STEP", "DENSE_XOR", "FAST", "GCTX", "GROUPED_PSTEP", "GROUPED_STEP", "PCTX",
-           "RAW", "REGISTRY", "SPARSE", "UNCHANGED", "Candidate", "Chunk", "Cost", "Encoding", "LayoutEncoding", "register"]
+__all__ = ["ALWAYS", "CONTEXT", "CTX", "DENSE_STEP", "DENSE_XOR", "FAST", "GCTX", "GROUPED_PSTEP", "GROUPED_STEP",
+           "PCTX", "RAW", "REGISTRY", "SPARSE", "UNCHANGED", "Candidate", "Chunk", "Cost", "Encoding", "LayoutEncoding",
+           "register"]

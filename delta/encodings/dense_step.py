@@ -18,7 +18,8 @@ where at least :data:`DENSE_STEP_FRACTION` of the elements changed
 bytes were 1.5x smaller at a tenth changed. For 16- and 8-bit floats the fast path
 now writes encodings 8 and 9 instead (delta/encodings/grouped_step.py: the same
 steps sorted by class, 11-15% fewer bytes on bf16 LoRA steps); this one codes the
-other dtypes' dense chunks, and decodes every delta written before. The kernels are in delta/kernels.py.
+other dtypes' dense chunks, and decodes every delta written before. The kernels are
+in delta/kernels.py.
 """
 
 from __future__ import annotations

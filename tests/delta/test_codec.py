@@ -256,8 +256,9 @@ def test_the_fast_path_round_trips_every_dtype_with_and_without_the_step_before(
     """The fast path's dense steps (encoding 7 in element order; 8 and 9, for 16- and 8-bit floats, in class order,
     9 against the step before): random bits with special values (NaN payloads, infinities, -0.0, subnormals), the
     floats and two integer dtypes, every layout and chunk size, most elements changed or few, the grandparent
-    absent or differing from the parent in none, half or all of its elements. The record decodes, stages and applies in place to the new bits, with the grandparent where a chunk
-    needs it, and only a record of such chunks needs it."""
+    absent or differing from the parent in none, half or all of its elements. The record decodes, stages and
+    applies in place to the new bits, with the grandparent where a chunk needs it, and only a record of such chunks
+    needs it."""
     grand = None
     if before is not None:
         rng = np.random.default_rng(seed)
@@ -714,7 +715,8 @@ def test_a_chunk_decodes_into_given_arrays_only_of_its_count_and_encoding():
     raw = codec.encode(old, torch.zeros_like(old))                  # raw chunks: smaller than XOR planes
     r = raw.header.chunks[0]
     assert r.encoding == record.RAW
-    with pytest.raises(ValueError, match="only sparse, dense_xor, ctx, gctx, pctx, dense_step, grouped_step and grouped_pstep chunks"):
+    with pytest.raises(ValueError, match="only sparse, dense_xor, ctx, gctx, pctx, dense_step, grouped_step and "
+                                         "grouped_pstep chunks"):
         chunks.decode_changes(r, raw.payloads[0], bits, raw.header.dtype, "t",
                               (np.empty(r.count, np.int64), np.empty(r.count, np.uint16)))
 

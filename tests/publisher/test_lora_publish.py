@@ -324,7 +324,7 @@ def record_encodings(url: str, version: int) -> dict[str, int]:
 def test_deltas_after_the_first_are_coded_against_their_grandparent_and_every_reader_rebuilds_them(
         lm_dir, tmp_path, capsys, codec, against_grand):
     """A LoRA run's delta whose parent is a delta too is coded against the snapshot before (docs/FORMAT.md
-    encoding 6 with the context coder, ~12% smaller where every element moves; 9 with the fast path, 7-8%
+    encoding 6 with the context coder, ~12% smaller where every element moves; 9 with the fast path, 5-6%
     smaller than its 8): the publisher keeps it, a replica keeps each tensor's
     bits before its last change, and every reader rebuilds each version bit-exact: the reader, verify, a replica
     hot-loading forward (without the anchor route), back and across an anchor, one started on a delta (forward
