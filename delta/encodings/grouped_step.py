@@ -33,9 +33,10 @@ from ckptdelta.delta.errors import FormatError, GrandparentNeededError
 GROUPED_LAYOUT = {"BF16": (7, 8), "F16": (10, 5), "F32": (23, 8), "F64": (52, 11), "F8_E4M3": (3, 4),
                   "F8_E5M2": (2, 5)}
 #: The dtypes whose dense chunks the fast path writes in these encodings (dense_step for the others). The sort
-#: pays where a step is a few ulps: on bf16 LoRA steps 11-15% fewer bytes for ~1.2x the encode and ~1.4x the
-#: stage; on fp32 ones, whose low planes are noise in any order, 3% fewer for ~1.4x both (docs/PERFORMANCE.md,
-#: "Dense steps grouped by class"). A set, not a constant: a benchmark compares the two orders by emptying it.
+#: pays where a step is a few ulps: on bf16 LoRA steps 11-15% fewer bytes for 1.1-1.5x the encode and 1.4-1.7x
+#: the stage; on fp32 ones, whose low planes are noise in any order, 3% fewer for 1.4x the encode and 1.6x the
+#: stage (docs/PERFORMANCE.md, "Dense steps grouped by class"). A set, not a constant: a benchmark compares the
+#: two orders by emptying it.
 WRITTEN = {"BF16", "F16", "F8_E4M3", "F8_E5M2"}
 
 
