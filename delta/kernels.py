@@ -360,12 +360,20 @@ def step_apply_planes_dense(old, planes, nplanes, width_bits, sign_magnitude, ou
     return count
 
 
+#: Bits of a class word (:func:`_classes`): the class (at most 2^12, F64's exponent field times two), and the mark
+#: of an element whose step is coded negated (encoding 9: the step before went down).
+_CLASS = np.uint16(0x7FFF)
+_NEGATED = np.uint16(0x8000)
+
+
 @njit(cache=True, nogil=True)
 def _classes(old, grand, by_prev, exp_shift, exp_bits, width_bits, sign_magnitude):
-    """(each element's class, each lane's first slot per class in the grouped order): docs/FORMAT.md, encodings
-    8 and 9. The class is the parent's exponent field, times two plus whether the step before moved the element
-    where ``by_prev``; the grouped order is a stable counting sort of the chunk by class. Classes index arrays
-    of 2^exp_bits (x2) entries, so none can land outside them. :func:`_lane_move` walks the lanes."""
+    """(each element's class word, each lane's first slot per class in the grouped order): docs/FORMAT.md,
+    encodings 8 and 9. The class is the parent's exponent field, times two plus whether the step before moved the
+    element where ``by_prev``, which also marks (:data:`_NEGATED`) an element whose step before went down: the step
+    before is taken once, here, for both. The grouped order is a stable counting sort of the chunk by class.
+    Classes index arrays of 2^exp_bits (x2) entries, so none can land outside them. :func:`_lane_move` walks the
+    lanes."""
     n = old.shape[0]
     mask = _U64(0xFFFFFFFFFFFFFFFF) >> _U64(64 - width_bits)
     signbit = _U64(1) << _U64(width_bits - 1)
@@ -375,7 +383,8 @@ def _classes(old, grand, by_prev, exp_shift, exp_bits, width_bits, sign_magnitud
         for i in range(n):
             o = _U64(old[i])
             p = (_key(o, signbit, mask, sign_magnitude) - _key(_U64(grand[i]), signbit, mask, sign_magnitude)) & mask
-            cls[i] = np.uint16((((o >> _U64(exp_shift)) & emask) << _U64(1)) | _U64(p != _U64(0)))
+            cls[i] = np.uint16((((o >> _U64(exp_shift)) & emask) << _U64(1)) | _U64(p != _U64(0))
+                               | (_U64(_NEGATED) if p >= signbit else _U64(0)))
     else:
         for i in range(n):
             cls[i] = np.uint16((_U64(old[i]) >> _U64(exp_shift)) & emask)
@@ -386,12 +395,12 @@ def _classes(old, grand, by_prev, exp_shift, exp_bits, width_bits, sign_magnitud
     q = n // 4
     counts = np.zeros((4, nclass), dtype=np.int64)
     for i in range(q):                      # the lanes side by side, as _lane_move walks them
-        counts[0, cls[i]] += 1
-        counts[1, cls[q + i]] += 1
-        counts[2, cls[2 * q + i]] += 1
-        counts[3, cls[3 * q + i]] += 1
+        counts[0, cls[i] & _CLASS] += 1
+        counts[1, cls[q + i] & _CLASS] += 1
+        counts[2, cls[2 * q + i] & _CLASS] += 1
+        counts[3, cls[3 * q + i] & _CLASS] += 1
     for i in range(4 * q, n):
-        counts[3, cls[i]] += 1
+        counts[3, cls[i] & _CLASS] += 1
     starts = np.empty((4, nclass), dtype=np.int64)
     at = 0
     for c in range(nclass):
@@ -412,10 +421,10 @@ def _lane_move(cls, at, src, dst, scatter):
         i1 = q + i
         i2 = 2 * q + i
         i3 = 3 * q + i
-        c0 = cls[i]
-        c1 = cls[i1]
-        c2 = cls[i2]
-        c3 = cls[i3]
+        c0 = cls[i] & _CLASS
+        c1 = cls[i1] & _CLASS
+        c2 = cls[i2] & _CLASS
+        c3 = cls[i3] & _CLASS
         j0 = at[0, c0]
         j1 = at[1, c1]
         j2 = at[2, c2]
@@ -435,7 +444,7 @@ def _lane_move(cls, at, src, dst, scatter):
             dst[i2] = src[j2]
             dst[i3] = src[j3]
     for i in range(4 * q, n):               # the last lane's remainder, after its quarter
-        c = cls[i]
+        c = cls[i] & _CLASS
         j = at[3, c]
         at[3, c] = j + 1
         if scatter:
@@ -445,12 +454,10 @@ def _lane_move(cls, at, src, dst, scatter):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _flip_mask(o, g, by_prev, signbit, mask, sign_magnitude):
-    """``mask`` where the step before (grandparent to parent) went down, so this step is coded negated; else 0."""
-    if not by_prev:
-        return _U64(0)
-    p = (_key(o, signbit, mask, sign_magnitude) - _key(g, signbit, mask, sign_magnitude)) & mask
-    return mask if p >= signbit else _U64(0)
+def _negation(w, mask):
+    """``mask`` where class word ``w`` marks a step coded negated, else 0: ``(d ^ it) + (it & 1)`` negates ``d``
+    modulo the width, or leaves it, without a branch."""
+    return mask if w & _NEGATED else _U64(0)
 
 
 @njit(cache=True, nogil=True)
@@ -468,11 +475,10 @@ def grouped_step_planes(old, new, grand, by_prev, exp_shift, exp_bits, width_bit
     zs = np.empty(n, dtype=old.dtype)
     seen = _U64(0)
     for i in range(n):
-        o = _U64(old[i])
-        d = (_key(_U64(new[i]), signbit, mask, sign_magnitude) - _key(o, signbit, mask, sign_magnitude)) & mask
-        if by_prev:
-            fm = _flip_mask(o, _U64(grand[i]), True, signbit, mask, sign_magnitude)
-            d = ((d ^ fm) + (fm & _U64(1))) & mask
+        d = (_key(_U64(new[i]), signbit, mask, sign_magnitude) - _key(_U64(old[i]), signbit, mask, sign_magnitude)) \
+            & mask
+        fm = _negation(cls[i], mask)
+        d = ((d ^ fm) + (fm & _U64(1))) & mask
         z = (d << _U64(1)) if d < signbit else (((mask - d) << _U64(1)) | _U64(1))
         seen |= z
         zs[i] = z
@@ -504,24 +510,15 @@ def grouped_step_apply_dense(old, grand, by_prev, planes, nplanes, exp_shift, ex
     zs = np.empty(n, dtype=old.dtype)
     _lane_move(cls, at, steps, zs, False)
     count = 0
-    if by_prev:
-        for i in range(n):
-            o = _U64(old[i])
-            z = _U64(zs[i])
-            fm = _flip_mask(o, _U64(grand[i]), True, signbit, mask, sign_magnitude)
-            d = (mask - (z >> _U64(1))) if z & _U64(1) else (z >> _U64(1))
-            d = ((d ^ fm) + (fm & _U64(1))) & mask
-            v = _unkey((_key(o, signbit, mask, sign_magnitude) + d) & mask, signbit, mask, sign_magnitude)
-            out[i] = v if z != _U64(0) else o
-            count += z != _U64(0)
-    else:
-        for i in range(n):
-            o = _U64(old[i])
-            z = _U64(zs[i])
-            d = (mask - (z >> _U64(1))) if z & _U64(1) else (z >> _U64(1))
-            v = _unkey((_key(o, signbit, mask, sign_magnitude) + d) & mask, signbit, mask, sign_magnitude)
-            out[i] = v if z != _U64(0) else o
-            count += z != _U64(0)
+    for i in range(n):
+        o = _U64(old[i])
+        z = _U64(zs[i])
+        fm = _negation(cls[i], mask)
+        d = (mask - (z >> _U64(1))) if z & _U64(1) else (z >> _U64(1))
+        d = ((d ^ fm) + (fm & _U64(1))) & mask
+        v = _unkey((_key(o, signbit, mask, sign_magnitude) + d) & mask, signbit, mask, sign_magnitude)
+        out[i] = v if z != _U64(0) else o
+        count += z != _U64(0)
     return count
 
 

@@ -67,16 +67,14 @@ class GroupedStep(Encoding):
         return grand
 
     def encode(self, chunk):
-        # the fast path's dense chunks of a float dtype: this one without a grandparent, 9 with (chunk.grand is
-        # given only where encoding 9 is tried too)
-        if not chunk.dense_step or (chunk.grand is not None) != self.by_prev:
-            return None
-        lay = GROUPED_LAYOUT.get(chunk.dt.name)
-        if lay is None or chunk.dt.name not in WRITTEN:
+        # the fast path's dense chunks of a 16- or 8-bit float: this one without a grandparent, 9 with (chunk.grand
+        # is given only where encoding 9 is tried too)
+        if not chunk.dense_step or (chunk.grand is not None) != self.by_prev or chunk.dt.name not in WRITTEN:
             return None
         dt = chunk.dt
-        planes, nplanes = kernels.grouped_step_planes(chunk.old, chunk.new, self._grand(chunk.old, chunk.grand, ""),
-                                                      self.by_prev, *lay, 8 * dt.itemsize, dt.sign_magnitude)
+        planes, nplanes = kernels.grouped_step_planes(chunk.old, chunk.new, chunk.grand if self.by_prev else chunk.old,
+                                                      self.by_prev, *GROUPED_LAYOUT[dt.name], 8 * dt.itemsize,
+                                                      dt.sign_magnitude)
         payload = frames.compressor(chunk.level).compress(planes)
         est = None if chunk.alone else frames.estimate(planes, chunk.n)
         return Candidate(self.id, 0, nplanes, chunk.changed, payload, est)

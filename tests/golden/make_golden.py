@@ -181,13 +181,17 @@ def _from_keys(keys: np.ndarray, w: int, dtype) -> np.ndarray:
     return np.where(keys & sign, keys ^ sign, ~keys & mask).astype(dtype)
 
 
-def _float_weights(rng: np.random.Generator, name: str, n: int) -> np.ndarray:
-    """``n`` weight-like bits of the case's dtype (its name's prefix: bf16, f16 or f32)."""
+def _adam_like(rng: np.random.Generator, name: str, n: int, scale: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``n`` weight-like bits of the case's dtype (its name's prefix: bf16, f16 or f32), then Adam-like step sizes
+    in ulps (from one, heavy-tailed, times ``scale``) and directions (+1 or -1), drawn in that order."""
     if name.startswith("bf16"):
-        return _bf16_weights(rng, n)
-    if name.startswith("f16"):
-        return (rng.standard_normal(n) * 0.05).astype(np.float16).view(np.uint16)
-    return (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+        bits = _bf16_weights(rng, n)
+    elif name.startswith("f16"):
+        bits = (rng.standard_normal(n) * 0.05).astype(np.float16).view(np.uint16)
+    else:
+        bits = (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+    size = np.maximum(1, (rng.pareto(1.5, n) * scale).astype(np.int64))
+    return bits, size, np.where(rng.random(n) < 0.5, 1, -1)
 
 
 def _pctx_cases(add) -> None:
@@ -198,9 +202,7 @@ def _pctx_cases(add) -> None:
     rng = np.random.default_rng(20261204)
     for name, w, dtype, n, scale in (("bf16_pctx", 16, np.uint16, 3000, 1), ("f16_pctx", 16, np.uint16, 900, 4),
                                      ("f32_pctx", 32, np.uint32, 1500, 1 << 12)):
-        g = _float_weights(rng, name, n)
-        size = np.maximum(1, (rng.pareto(1.5, n) * scale).astype(np.int64))
-        direction = np.where(rng.random(n) < 0.5, 1, -1)
+        g, size, direction = _adam_like(rng, name, n, scale)
         step1 = direction * size * (rng.random(n) < 0.8)
         flip = np.where(rng.random(n) < 0.15, -1, 1)
         step2 = flip * direction * np.maximum(1, size + rng.integers(-1, 2, n) * (size // 4)) * (rng.random(n) < 0.8)
@@ -244,9 +246,7 @@ def _grouped_step_cases(add) -> None:
     rng = np.random.default_rng(20261207)
     for name, w, dtype, n, scale in (("bf16_grouped", 16, np.uint16, 2000, 1), ("f16_grouped", 16, np.uint16, 800, 4),
                                      ("f32_grouped", 32, np.uint32, 1200, 1 << 10)):
-        old = _float_weights(rng, name, n)
-        size = np.maximum(1, (rng.pareto(1.5, n) * scale).astype(np.int64))
-        direction = np.where(rng.random(n) < 0.5, 1, -1)
+        old, size, direction = _adam_like(rng, name, n, scale)
         step = direction * size
         step[n // 2: n // 2 + n // 8] *= rng.random(n // 8) < 0.55     # a chunk about half changed
         step[-(n // 8):] = 0                                            # the last chunk unchanged
