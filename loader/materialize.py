@@ -6,6 +6,13 @@ shard's header is computed from the manifest (every dtype, shape and size is
 known before a byte is fetched), then tensors are rebuilt a batch at a time and
 appended, so memory stays at one batch whatever the model's size. The directory
 appears whole or not at all (written under a temporary name, fsynced, renamed).
+
+``exact=True`` writes the trainer's own bits of a run published with
+``keep_exact=True`` (loader/exact.py): each tensor the attachment holds as F32,
+every other one as published. That is the checkpoint a trainer resumes from, where
+the bf16 one is what its replicas serve; the attachment's index gives every dtype
+and size before a byte is fetched, so a version without exact bits is refused
+before the output directory is made.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import os
 import shutil
 import secrets
 import sys
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from ckptdelta.delta import dtypes
@@ -24,8 +32,12 @@ from ckptdelta.delta.lora_record import ADAPTER_WEIGHTS_NAME
 from ckptdelta.delta.errors import ManifestError
 from ckptdelta.delta.manifest import Manifest, snapshot_name
 from ckptdelta.delta.storage import fsync_dir
+from ckptdelta.loader.exact import read_exact, read_index
 
 if TYPE_CHECKING:
+    import torch
+
+    from ckptdelta.delta.exact import ExactIndex
     from ckptdelta.loader.reader import SnapshotReader
 
 log = logging.getLogger("ckptdelta.loader")
@@ -36,12 +48,14 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def plan_shards(m: Manifest, max_bytes: int = SHARD_BYTES) -> list[list[str]]:
-    """Tensor names per shard, in name order, each shard at most ``max_bytes`` (or one tensor)."""
+def plan_shards(m: Manifest, max_bytes: int = SHARD_BYTES, layout: "Layout | None" = None) -> list[list[str]]:
+    """Tensor names per shard, in name order, each shard at most ``max_bytes`` (or one tensor); sizes as
+    ``layout`` writes them (default: as the manifest has them)."""
+    layout = layout or Layout.published(m)
     shards: list[list[str]] = [[]]
     size = 0
     for name in sorted(m.tensors):
-        n = m.tensors[name].nbytes
+        n = layout.nbytes[name]
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
@@ -56,45 +70,74 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def safetensors_header(m: Manifest, names: list[str], metadata: dict[str, str]) -> bytes:
+class Layout:
+    """Each tensor's dtype and byte size in the written checkpoint: the manifest's, or the trainer's exact bits'."""
+
+    def __init__(self, dtype: Mapping[str, str], nbytes: Mapping[str, int]) -> None:
+        self.dtype, self.nbytes = dtype, nbytes
+
+    @classmethod
+    def published(cls, m: Manifest) -> "Layout":
+        return cls({n: e.dtype for n, e in m.tensors.items()}, {n: e.nbytes for n, e in m.tensors.items()})
+
+    @classmethod
+    def exact(cls, m: Manifest, index: "ExactIndex") -> "Layout":
+        """A tensor with an exact record is written in the record's dtype (F32, the widening of its published
+        BF16: the index was checked against ``m``); every other one as published."""
+        out = cls.published(m)
+        for n, e in index.tensors.items():
+            if e.has_record:
+                elements = m.tensors[n].nbytes // dtypes.by_name(m.tensors[n].dtype).itemsize
+                out.dtype[n], out.nbytes[n] = e.dtype, elements * dtypes.by_name(e.dtype).itemsize
+        return out
+
+
+def safetensors_header(m: Manifest, names: list[str], metadata: dict[str, str], layout: Layout | None = None) -> bytes:
     """The 8-byte length and JSON header of a safetensors file holding ``names`` back to back."""
+    layout = layout or Layout.published(m)
     header: dict = {"__metadata__": metadata}
     off = 0
     for name in names:
-        e = m.tensors[name]
-        dtypes.by_name(e.dtype)
-        header[name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
-        off += e.nbytes
+        e, dtype, nbytes = m.tensors[name], layout.dtype[name], layout.nbytes[name]
+        dtypes.by_name(dtype)
+        header[name] = {"dtype": dtype, "shape": list(e.shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % 8)
     return len(body).to_bytes(8, "little") + body
 
 
 def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, progress: bool | None = None,
-                     shard_bytes: int = SHARD_BYTES, priors: dict | None = None) -> str:
+                     shard_bytes: int = SHARD_BYTES, priors: dict | None = None, exact: bool = False) -> str:
     """Materialize ``version`` into ``out_dir`` (which must not exist, or be empty); returns ``out_dir``.
-    ``priors``: filled with where each tensor last changed and its bits before (``SnapshotReader.iter_tensors``)."""
+    ``priors``: filled with where each tensor last changed and its bits before (``SnapshotReader.iter_tensors``).
+    ``exact``: the trainer's bits of a ``keep_exact`` run (ExactBitsMissingError where the version has none)."""
+    if exact and priors is not None:
+        raise ValueError("priors are the published bits a replica keeps; an exact checkpoint does not give them")
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise FileExistsError(f"cannot materialize {snapshot_name(version)} into {out_dir}: it exists and is not empty")
+    m = reader.manifest(version)
+    layout = Layout.exact(m, read_index(reader, version)) if exact else Layout.published(m)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    m = reader.manifest(version)
     if m.adapter is None:
-        shards = plan_shards(m, shard_bytes)
+        shards = plan_shards(m, shard_bytes, layout)
         files = shard_names(len(shards))
     else:           # a LoRA run's snapshot is a PEFT adapter directory: one adapter_model.safetensors
         shards, files = [sorted(m.tensors)], [ADAPTER_WEIGHTS_NAME]
-    total = sum(e.nbytes for e in m.tensors.values())
+    total = sum(layout.nbytes.values())
     show = sys.stderr.isatty() if progress is None else progress
     tmp = _temp_dir(parent, f".{os.path.basename(out_dir)}.tmp-")
     try:
         from tqdm import tqdm
         with tqdm(total=total, unit="B", unit_scale=True, disable=not show,
                   desc=f"materialize {snapshot_name(version)}") as bar:
-            meta = {"format": "pt", "ckptdelta_run": reader.run_id, "ckptdelta_version": str(version)}
+            meta = {"format": "pt", "ckptdelta_run": reader.run_id, "ckptdelta_version": str(version),
+                    **({"ckptdelta_bits": "exact"} if exact else {})}
             for names, fname in zip(shards, files):
-                _write_shard(reader, m, version, names, os.path.join(tmp, fname), meta, bar, priors)
+                _write_shard(reader, m, version, names, os.path.join(tmp, fname), meta, bar, priors,
+                             layout if exact else None)
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {n: f for names, f in zip(shards, files) for n in names}}
@@ -110,8 +153,8 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
         except OSError as e:
             raise FileExistsError(f"cannot materialize into {out_dir}: {e}") from e
         fsync_dir(parent)
-        log.info("materialized %s (%d tensors, %d bytes) into %s", snapshot_name(version), len(m.tensors), total,
-                 out_dir)
+        log.info("materialized %s (%d tensors, %d bytes%s) into %s", snapshot_name(version), len(m.tensors), total,
+                 ", the trainer's exact bits" if exact else "", out_dir)
         return out_dir
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -119,19 +162,39 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
 
 
 def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: list[str], path: str,
-                 meta: dict[str, str], bar, priors: dict | None = None) -> None:
+                 meta: dict[str, str], bar, priors: dict | None = None, exact: Layout | None = None) -> None:
+    """``exact``: write the trainer's bits in that layout (else the published ones)."""
+    layout = exact or Layout.published(m)
     with open(path, "wb") as f:
-        f.write(safetensors_header(m, names, meta))
-        with contextlib.closing(reader.iter_tensors(version, names, priors=priors)) as tensors:
+        f.write(safetensors_header(m, names, meta, layout))
+        tensors = reader.iter_tensors(version, names, priors=priors) if exact is None else \
+            _exact_tensors(reader, version, names, layout)
+        with contextlib.closing(tensors):
             for name, t in tensors:
                 bits = dtypes.host_bits(t)
-                if bits.nbytes != m.tensors[name].nbytes:
-                    raise AssertionError(f"tensor {name!r}: rebuilt {bits.nbytes} bytes, manifest says "
-                                         f"{m.tensors[name].nbytes}")
+                if bits.nbytes != layout.nbytes[name] or dtypes.of(t).name != layout.dtype[name]:
+                    raise AssertionError(f"tensor {name!r}: rebuilt {dtypes.of(t).name}, {bits.nbytes} bytes, where "
+                                         f"{layout.dtype[name]}, {layout.nbytes[name]} bytes were planned")
                 f.write(bits.view("u1").data)
                 bar.update(bits.nbytes)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _exact_tensors(reader: "SnapshotReader", version: int, names: list[str],
+                   layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, the trainer's bits) in ``names``' order, a batch of about the reader's batch size at a time."""
+    from ckptdelta.loader.reader import BATCH_BYTES
+    batch: list[str] = []
+    size = 0
+    for i, name in enumerate(names):
+        batch.append(name)
+        size += layout.nbytes[name]
+        if size >= BATCH_BYTES or i == len(names) - 1:
+            got = read_exact(reader, version, batch)
+            for n in batch:
+                yield n, got.pop(n)
+            batch, size = [], 0
 
 
 def _temp_dir(parent: str, prefix: str) -> str:

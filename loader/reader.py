@@ -407,11 +407,12 @@ class SnapshotReader:
     # --- whole checkpoints -------------------------------------------------------
 
     def materialize(self, ref: "str | int", out_dir: str, *, progress: bool | None = None,
-                    priors: dict | None = None) -> str:
+                    priors: dict | None = None, exact: bool = False) -> str:
         """Write a HF-style safetensors checkpoint of the snapshot to ``out_dir`` (atomically); ``priors`` as in
-        :meth:`iter_tensors`."""
+        :meth:`iter_tensors`. ``exact``: the trainer's bits, as :meth:`read_exact` gives them (its fp32 tensors
+        of a run published with ``keep_exact=True``), the checkpoint it resumes from."""
         from ckptdelta.loader.materialize import write_checkpoint
-        return write_checkpoint(self, self.resolve(ref), out_dir, progress=progress, priors=priors)
+        return write_checkpoint(self, self.resolve(ref), out_dir, progress=progress, priors=priors, exact=exact)
 
     def verify(self, ref: "str | int | None" = None, *, progress: bool | None = None) -> "VerifyReport":
         """Check every object and every tensor of every version on the chain (default: latest), reading each

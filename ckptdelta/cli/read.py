@@ -28,6 +28,10 @@ def add_commands(subparsers) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="directory to create (must not exist, or be empty)")
     add_storage_args(p)
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="shared on-disk cache of fetched ranges")
+    p.add_argument("--exact", action="store_true",
+                   help="write the trainer's own bits: for a run published with keep_exact=True, its fp32 tensors "
+                        "rebuilt from the version's exact attachment (the checkpoint a trainer resumes from), "
+                        "where the default writes the bf16 the replicas serve")
     _progress(p)
     p.set_defaults(func=guarded(cmd_materialize, "materialize"))
 
@@ -56,8 +60,9 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     reader = SnapshotReader(args.url, storage_options=storage_options(args),
                             cache_dir=getattr(args, "cache_dir", None))
     v = reader.resolve(args.snapshot)
-    out = reader.materialize(v, args.out_dir, progress=args.progress)
-    print(f"materialized {reader.manifest(v).name} of run {reader.run_id} into {out}")
+    out = reader.materialize(v, args.out_dir, progress=args.progress, exact=args.exact)
+    bits = " (the trainer's exact bits)" if args.exact else ""
+    print(f"materialized {reader.manifest(v).name} of run {reader.run_id}{bits} into {out}")
     return 0
 
 

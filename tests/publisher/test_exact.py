@@ -428,3 +428,58 @@ def test_a_step_without_fp32_tensors_attaches_an_index_of_no_objects_and_reads_b
     index = json.loads(open_store((url, {})).get(index_key(0)))
     assert index["objects"] == [] and index["tensors"] == {"embed.weight": {"dtype": "BF16"}}
     assert_same(SnapshotReader(url).read_exact(0), w)
+
+
+def test_materialize_exact_writes_the_trainers_fp32_checkpoint_and_the_default_the_bf16_one(store_url, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """``materialize(exact=True)`` / ``ckptdelta materialize --exact``: the checkpoint a trainer resumes from (its
+    fp32 bits, NaN payloads and ties included, beside the tensors published as they were), streamed in batches;
+    the default stays the bf16 the replicas serve."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from ckptdelta.cli import main as cli
+    from ckptdelta.loader import reader as reader_module
+
+    url, opts = store_url
+    history = publish_history(url, opts)
+    reader = SnapshotReader(url, storage_options=opts)
+    monkeypatch.setattr(reader_module, "BATCH_BYTES", 1)       # a batch per tensor: the stream, not one read
+    for v in (2, 3):        # a delta's and an anchor's attachment
+        out = reader.materialize(v, str(tmp_path / f"exact{v}"), exact=True)
+        assert_same(load_file(f"{out}/model.safetensors"), history[v])
+        with safe_open(f"{out}/model.safetensors", "pt") as f:
+            assert f.metadata()["ckptdelta_bits"] == "exact" and f.metadata()["ckptdelta_version"] == str(v)
+        served = reader.materialize(v, str(tmp_path / f"served{v}"))
+        assert_same(load_file(f"{served}/model.safetensors"), bf16_of(history[v]))
+        with safe_open(f"{served}/model.safetensors", "pt") as f:
+            assert "ckptdelta_bits" not in f.metadata()
+    assert cli(["materialize", url, "latest", str(tmp_path / "cli"), "--exact",
+                *(["--storage-options", json.dumps(opts)] if opts else [])]) == 0
+    assert "(the trainer's exact bits)" in capsys.readouterr().out
+    assert_same(load_file(str(tmp_path / "cli" / "model.safetensors")), history[4])
+
+
+def test_materialize_exact_is_refused_before_any_file_where_the_exact_bits_are_missing_or_damaged(tmp_path, capsys):
+    from ckptdelta.cli import main as cli
+
+    plain = str(tmp_path / "plain")
+    with Publisher(plain, dtype=torch.bfloat16) as pub:
+        pub.publish(fp32_weights(), 0)
+    with pytest.raises(ExactBitsMissingError, match="v00000000.*no exact bits are attached"):
+        SnapshotReader(plain).materialize(0, str(tmp_path / "out"), exact=True)
+    assert cli(["materialize", plain, "0", str(tmp_path / "out"), "--exact"]) == 1
+    err = capsys.readouterr().err
+    assert "no exact bits are attached" in err and len(err.strip().splitlines()) == 1
+    url = str(tmp_path / "run")
+    publish_history(url, {}, steps=2)
+    store = open_store((url, {}))
+    part = json.loads(store.get(index_key(1)))["objects"][0]["key"]
+    data = bytearray(store.get(part))
+    data[len(data) // 2] ^= 0x01
+    store.put(part, bytes(data))
+    with pytest.raises(CkptDeltaError, match="exact attachment"):
+        SnapshotReader(url).materialize(1, str(tmp_path / "out"), exact=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "run"]      # no output, no temporary directory
+    with pytest.raises(ValueError, match="priors"):
+        SnapshotReader(url).materialize(0, str(tmp_path / "out"), exact=True, priors={})

@@ -302,6 +302,10 @@ def test_an_fp32_adapter_kept_exact_serves_its_bf16_cast_and_reads_back_as_the_t
         assert bits_differ(replica.swapper.weights, bf16[v]) == []
     for v in (0, 1, 2):
         assert bits_differ(reader.read_exact(v), truth[v]) == []
+    # the trainer's adapter directory to resume from: fp32, as peft saved it, beside the bf16 one replicas load
+    out = reader.materialize(2, str(tmp_path / "resume"), exact=True)
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert bits_differ(load_file(os.path.join(out, "adapter_model.safetensors")), truth[2]) == []
 
 
 def record_encodings(url: str, version: int) -> dict[str, int]:
