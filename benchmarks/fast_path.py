@@ -63,12 +63,12 @@ def dense_steps(on: bool) -> Iterator[None]:
     if on:
         yield
         return
-    saved = chunks.DENSE_STEP_FRACTION
-    chunks.DENSE_STEP_FRACTION = 2.0            # no chunk has more than all of its elements changed
+    saved = chunks.DENSE_STEP_FRACTION, chunks.GROUPED_DENSE_FRACTION
+    chunks.DENSE_STEP_FRACTION = chunks.GROUPED_DENSE_FRACTION = 2.0   # no chunk has more than all elements changed
     try:
         yield
     finally:
-        chunks.DENSE_STEP_FRACTION = saved
+        chunks.DENSE_STEP_FRACTION, chunks.GROUPED_DENSE_FRACTION = saved
 
 
 @contextmanager
@@ -191,8 +191,8 @@ def markdown(out: dict[str, Any]) -> str:
              "first from that sample). *Sparse on dense chunks*: encoding 1 (gaps and steps, two frames) on "
              "every changed chunk, as before encoding 7; *dense steps in element order*: encoding 7 (every "
              f"element's step, one frame) on the chunks where at least {chunks.DENSE_STEP_FRACTION:g} of the "
-             "elements changed, for every dtype, as before encodings 8 and 9; *grouped by class (now)*: a float "
-             "dtype's dense chunks as encoding 8 (the steps sorted by the parent's exponent), or 9 against the "
+             "elements changed, for every dtype, as before encodings 8 and 9; *grouped by class (now)*: a 16- or "
+             f"8-bit float dtype's dense chunks (from {out.get('grouped_dense_fraction', 0.5):g} changed) as encoding 8 (the steps sorted by the parent's exponent), or 9 against the "
              "grandparent (the LoRA rows: each is coded against the step before too, as a LoRA run's publisher "
              "codes a delta whose parent is a delta). "
              "*Stage*: every record staged against its parent as a replica's hot-load prepares it (`codec.stage`, "
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, measure(old, new, a.repeats, grand)))
             print(f"  {name} done", flush=True)
         out = {"command": harness.command("fast_path", list(sys.argv[1:] if argv is None else argv)),
-               "repeats": a.repeats, "rows": rows}
+               "repeats": a.repeats, "grouped_dense_fraction": chunks.GROUPED_DENSE_FRACTION, "rows": rows}
     harness.write(stem, markdown(out), out, lambda path: plot(out, path))
     return 0
 

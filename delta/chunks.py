@@ -23,7 +23,8 @@ from ckptdelta.delta import kernels
 from ckptdelta.delta.dtypes import DType, nan_rule
 from ckptdelta.delta.encodings import (ALWAYS, CONTEXT, DENSE_STEP, FAST, GCTX, GROUPED_PSTEP, GROUPED_STEP, REGISTRY,
                                       SPARSE, Chunk, Encoding, unchanged)
-from ckptdelta.delta.encodings.dense_step import DENSE_STEP_FRACTION
+from ckptdelta.delta.encodings.dense_step import DENSE_STEP_FRACTION, GROUPED_DENSE_FRACTION
+from ckptdelta.delta.encodings.grouped_step import WRITTEN as GROUPED_WRITTEN
 from ckptdelta.delta.errors import ChecksumError, FormatError
 from ckptdelta.delta.record import ChunkEntry
 
@@ -51,7 +52,8 @@ CONTEXT_ENCODING = GCTX
 #: The fast path's own encoding, tried on every changed chunk (the others are taken only where they win), and
 #: the one that stands for it in the publisher's cost model. Where at least DENSE_STEP_FRACTION of a chunk's
 #: elements changed, the fast path codes the chunk as dense steps instead: grouped by class for a 16- or 8-bit
-#: float (encoding 8, or 9 where the grandparent was given), in element order for the others (7): FAST_ENCODINGS.
+#: float (encoding 8, or 9 where the grandparent was given) from GROUPED_DENSE_FRACTION changed, in element order
+#: for the others (7): FAST_ENCODINGS.
 FAST_ENCODING = SPARSE
 FAST_ENCODINGS = (SPARSE, DENSE_STEP, GROUPED_STEP, GROUPED_PSTEP)
 
@@ -99,7 +101,7 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
     Encodings are tried in their order (``Encoding.order``), each seeing the smallest payload so far
     (it may skip work that cannot win), and a later one is kept only where it is strictly smaller.
     Without a parent, only those that need none (raw). The fast path codes a chunk whose changed share is at
-    least DENSE_STEP_FRACTION as dense steps (encoding 7) and any other as sparse, so it extracts no gaps
+    least :func:`dense_from` as dense steps (encodings 7-9) and any other as sparse, so it extracts no gaps
     from a chunk that is nearly all changes. ``fast_alone`` (the fast path only: without ``context``): its
     own encoding (:data:`FAST_ENCODINGS`) is the only one tried, where the caller saw the others lose on this
     tensor's last step: a record as valid, perhaps a few bytes larger."""
@@ -119,7 +121,7 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
             else:           # the new bits of each change looked at in the same pass
                 chunk.changed, chunk.changed_nan = kernels.count_changed_nan(old, new,
                                                                              *(new.dtype.type(v) for v in rule))
-            chunk.dense_step = scanner is None and chunk.changed >= DENSE_STEP_FRACTION * chunk.n
+            chunk.dense_step = scanner is None and chunk.changed >= dense_from(dt) * chunk.n
         if chunk.changed == 0:
             return EncodedChunk(_UNCHANGED_ENTRY, b"", False)
         if chunk.sparse_parts is None and not chunk.dense_step:
@@ -140,6 +142,11 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, dt: DType, level: int 
         raise AssertionError(f"no encoding took a chunk of {chunk.n} {dt.name} elements")    # a bug, never data
     return EncodedChunk(ChunkEntry(best.encoding, best.planes_a, best.planes_b, best.count, len(best.payload),
                                    xxhash.xxh3_64_intdigest(best.payload)), best.payload, nan)
+
+
+def dense_from(dt: DType) -> float:
+    """The share of a chunk's elements that must have changed for the fast path to code it as dense steps."""
+    return GROUPED_DENSE_FRACTION if dt.name in GROUPED_WRITTEN else DENSE_STEP_FRACTION
 
 
 def _fast_alone() -> tuple[Encoding, ...]:

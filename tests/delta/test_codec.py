@@ -250,7 +250,7 @@ def test_stage_then_torch_apply_is_bit_exact(p):
 
 @SETTINGS
 @given(pairs(with_numpy=False, names=["BF16", "F16", "F8_E4M3", "F8_E5M2", "F32", "I16", "U8"],
-             fractions=(0.05, 0.6, 1.0)),
+             fractions=(0.05, 0.45, 0.6, 1.0)),
        st.sampled_from([None, 0.0, 0.5, 1.0]), st.integers(0, 2**32 - 1))
 def test_the_fast_path_round_trips_every_dtype_with_and_without_the_step_before(p, before, seed):
     """The fast path's dense steps (encoding 7 in element order; 8 and 9, for 16- and 8-bit floats, in class order,
@@ -791,3 +791,26 @@ def test_a_tensor_named_fast_alone_tries_the_fast_path_s_own_encoding_only_and_i
     assert_same_bits(codec.decode(a, alone.to_bytes()), b) and assert_same_bits(codec.decode(a, tried.to_bytes()), b)
     ctx = list(encode_many([("alone", a, b)], threads=1, context=True, fast_alone={"alone"}))[0]
     assert ctx.to_bytes() == codec.encode(a, b, name="alone").to_bytes()
+
+
+@pytest.mark.parametrize("share,bf16,fp32", [(0.3, "sparse", "sparse"), (0.45, "grouped_step", "sparse"),
+                                             (0.6, "grouped_step", "dense_step")])
+def test_the_fast_path_codes_dense_steps_from_a_lower_share_changed_where_it_groups_them_by_class(share, bf16, fp32):
+    """Sorted by class, dense steps cost less than sparse from about 35% of a chunk changed (their zeros code
+    small), so the fast path takes them from chunks.GROUPED_DENSE_FRACTION changed for the dtypes it groups, and
+    from half for the others, whose steps it codes in element order. Each record decodes exactly."""
+    assert chunks.GROUPED_DENSE_FRACTION < 0.45 < chunks.DENSE_STEP_FRACTION < 0.6
+    g = torch.Generator().manual_seed(7)
+    for dtype, want in ((torch.bfloat16, bf16), (torch.float32, fp32)):
+        old = (torch.randn(200_000, generator=g) * 0.02).to(dtype)
+        new = old.clone()
+        moved = torch.rand(old.numel(), generator=g) < share
+        steps = torch.randint(1, 4, (old.numel(),), generator=g) * (torch.randint(0, 2, (old.numel(),),
+                                                                                    generator=g) * 2 - 1)
+        bits = new.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        bits[moved] += steps[moved].to(bits.dtype)
+        assert abs(chunks.kernels.count_changed(dtypes.host_bits(old), dtypes.host_bits(new)) / old.numel() - share) \
+            < 0.01
+        enc = codec.encode(old, new, name="w", context=False)
+        assert enc.encoding_counts() == {want: 1}, (dtype, share)
+        assert_same_bits(codec.decode(old, enc.to_bytes()), new)
