@@ -454,6 +454,14 @@ def test_materialize_exact_writes_the_trainers_fp32_checkpoint_and_the_default_t
         assert_same(load_file(f"{served}/model.safetensors"), bf16_of(history[v]))
         with safe_open(f"{served}/model.safetensors", "pt") as f:
             assert "ckptdelta_bits" not in f.metadata()
+    from ckptdelta.loader.materialize import INDEX_NAME, write_checkpoint
+
+    sharded = write_checkpoint(reader, 4, str(tmp_path / "shards"), shard_bytes=4096, exact=True)  # fp32 sizes
+    index = json.loads(open(f"{sharded}/{INDEX_NAME}").read())
+    assert len(set(index["weight_map"].values())) > 1
+    assert_same({n: t for f in set(index["weight_map"].values()) for n, t in load_file(f"{sharded}/{f}").items()},
+                history[4])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in history[4].values())
     assert cli(["materialize", url, "latest", str(tmp_path / "cli"), "--exact",
                 *(["--storage-options", json.dumps(opts)] if opts else [])]) == 0
     assert "(the trainer's exact bits)" in capsys.readouterr().out
