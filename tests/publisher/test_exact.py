@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import numpy as np
@@ -389,9 +390,20 @@ def kept_run(tmp_path_factory):
 def test_any_value_anywhere_in_an_index_is_read_and_verified_exactly_or_refused_with_a_ckptdelta_error(kept_run,
                                                                                                        data):
     """A hostile index (any JSON value at any place of it, or a field dropped) never gets another exception out
-    of read_exact or verify, nor wrong bits: what comes back is the trainer's, or a CkptDeltaError says why not;
-    and what verify passes, read_exact reads (verify also hashes the objects whole)."""
+    of read_exact, verify or an exact materialize, nor wrong bits: what comes back is the trainer's, or a
+    CkptDeltaError says why not (and materialize leaves nothing behind); and what verify passes, read_exact reads
+    (verify also hashes the objects whole)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file
+
     url, history = kept_run
+    scratch = tempfile.mkdtemp(prefix="exact-")
+
+    def materialized(r: SnapshotReader) -> dict[str, torch.Tensor]:
+        out = r.materialize(1, os.path.join(scratch, "out"), exact=True)
+        return load_file(os.path.join(out, "model.safetensors"))
     store = open_store((url, {}))
     good = store.get(index_key(1))
     doc = json.loads(good)
@@ -406,18 +418,23 @@ def test_any_value_anywhere_in_an_index_is_read_and_verified_exactly_or_refused_
     store.put(index_key(1), json.dumps(doc).encode())
     outcomes = []
     try:
-        for read in (lambda r: r.read_exact(1), lambda r: r.verify(1)):
+        for read in (lambda r: r.read_exact(1), lambda r: r.verify(1), materialized):
             try:
                 outcomes.append(read(SnapshotReader(url)))
             except CkptDeltaError:
                 outcomes.append(None)
+                assert os.listdir(scratch) == []          # a refused materialize leaves nothing behind
     finally:
         store.put(index_key(1), good)
-    got, report = outcomes
+        shutil.rmtree(scratch, ignore_errors=True)
+    got, report, written = outcomes
     if got is not None:
         assert_same(got, history[1])
     if report is not None:
         assert got is not None and report.exact_tensors_checked == 3
+    assert (written is None) == (got is None)
+    if written is not None:
+        assert_same(written, history[1])
 
 
 def test_a_step_without_fp32_tensors_attaches_an_index_of_no_objects_and_reads_back_as_published(tmp_path):
