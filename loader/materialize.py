@@ -44,6 +44,9 @@ log = logging.getLogger("ckptdelta.loader")
 
 #: Hugging Face's default max_shard_size ("5GB").
 SHARD_BYTES = 5 * 10**9
+#: The exact tensors rebuilt at once, in bytes (about: a batch ends with the tensor that reaches it), as a reader's
+#: batches of published tensors (loader/reader.py's BATCH_BYTES).
+EXACT_BATCH_BYTES = 256 << 20
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -183,14 +186,13 @@ def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: lis
 
 def _exact_tensors(reader: "SnapshotReader", version: int, names: list[str],
                    layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, the trainer's bits) in ``names``' order, a batch of about the reader's batch size at a time."""
-    from ckptdelta.loader.reader import BATCH_BYTES
+    """(name, the trainer's bits) in ``names``' order, about :data:`EXACT_BATCH_BYTES` of them at a time."""
     batch: list[str] = []
     size = 0
     for i, name in enumerate(names):
         batch.append(name)
         size += layout.nbytes[name]
-        if size >= BATCH_BYTES or i == len(names) - 1:
+        if size >= EXACT_BATCH_BYTES or i == len(names) - 1:
             got = read_exact(reader, version, batch)
             for n in batch:
                 yield n, got.pop(n)

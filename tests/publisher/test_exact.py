@@ -456,12 +456,12 @@ def test_materialize_exact_writes_the_trainers_fp32_checkpoint_and_the_default_t
     from safetensors.torch import load_file
 
     from ckptdelta.cli import main as cli
-    from ckptdelta.loader import reader as reader_module
+    from ckptdelta.loader import materialize
 
     url, opts = store_url
     history = publish_history(url, opts)
     reader = SnapshotReader(url, storage_options=opts)
-    monkeypatch.setattr(reader_module, "BATCH_BYTES", 1)       # a batch per tensor: the stream, not one read
+    monkeypatch.setattr(materialize, "EXACT_BATCH_BYTES", 1)   # a batch per tensor: the stream, not one read
     for v in (2, 3):        # a delta's and an anchor's attachment
         out = reader.materialize(v, str(tmp_path / f"exact{v}"), exact=True)
         assert_same(load_file(f"{out}/model.safetensors"), history[v])
@@ -471,10 +471,8 @@ def test_materialize_exact_writes_the_trainers_fp32_checkpoint_and_the_default_t
         assert_same(load_file(f"{served}/model.safetensors"), bf16_of(history[v]))
         with safe_open(f"{served}/model.safetensors", "pt") as f:
             assert "ckptdelta_bits" not in f.metadata()
-    from ckptdelta.loader.materialize import INDEX_NAME, write_checkpoint
-
-    sharded = write_checkpoint(reader, 4, str(tmp_path / "shards"), shard_bytes=4096, exact=True)  # fp32 sizes
-    index = json.loads(open(f"{sharded}/{INDEX_NAME}").read())
+    sharded = materialize.write_checkpoint(reader, 4, str(tmp_path / "shards"), shard_bytes=4096, exact=True)  # fp32 sizes
+    index = json.loads(open(f"{sharded}/{materialize.INDEX_NAME}").read())
     assert len(set(index["weight_map"].values())) > 1
     assert_same({n: t for f in set(index["weight_map"].values()) for n, t in load_file(f"{sharded}/{f}").items()},
                 history[4])
