@@ -43,7 +43,8 @@ from ckptdelta.delta import chunks, codec, kernels
 from ckptdelta.delta.encodings import frames
 from ckptdelta.delta.encodings.grouped_step import WRITTEN as GROUPED
 
-#: (label, context coder, zstd level, the tries as before, dense steps where half a chunk changed, grouped by class)
+#: (label, context coder, zstd level, the tries as before, dense steps (where half a chunk changed; 40% for a dtype
+#: grouped by class), grouped by class)
 SETTINGS = (("fast, level 3, tries as before (before)", False, 3, True, False, False),
             ("fast, level 1, tries as before", False, 1, True, False, False),
             ("fast, level 1, sparse on dense chunks", False, 1, False, False, False),

@@ -37,11 +37,16 @@ def attachment_where(reader: "SnapshotReader", version: int) -> str:
     return f"exact attachment of {reader.manifest(version).where()}"
 
 
-def read_exact(reader: "SnapshotReader", ref: "str | int", names: "Names" = None) -> dict[str, torch.Tensor]:
+def read_exact(reader: "SnapshotReader", ref: "str | int", names: "Names" = None, *,
+               index: ExactIndex | None = None) -> dict[str, torch.Tensor]:
     """The snapshot's tensors as the trainer held them: each one with exact bits attached rebuilt from them,
-    every other one as published (already exact: the cast left it as it was)."""
+    every other one as published (already exact: the cast left it as it was). ``index``: the version's, read
+    already by the caller (:func:`read_index`), which then reads it once for all its batches."""
     version = reader.resolve(ref)
-    index = read_index(reader, version)
+    if index is None:
+        index = read_index(reader, version)
+    elif index.version != version:
+        raise ValueError(f"the exact index of version {index.version} given for version {version}")
     out = reader.read_tensors(version, names)
     todo = [n for n in out if n in index.tensors and index.tensors[n].has_record]
     entries = [index.tensors[n] for n in todo]

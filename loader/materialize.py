@@ -9,10 +9,11 @@ appears whole or not at all (written under a temporary name, fsynced, renamed).
 
 ``exact=True`` writes the trainer's own bits of a run published with
 ``keep_exact=True`` (loader/exact.py): each tensor the attachment holds as F32,
-every other one as published. That is the checkpoint a trainer resumes from, where
-the bf16 one is what its replicas serve; the attachment's index gives every dtype
-and size before a byte is fetched, so a version without exact bits is refused
-before the output directory is made.
+every other one as published, and a config.json that says so. That is the
+checkpoint a trainer resumes from, where the bf16 one is what its replicas serve;
+the attachment's index, read once, gives every dtype and size before a byte is
+fetched, so a version without exact bits is refused before the output directory is
+made.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from ckptdelta.delta import dtypes
+from ckptdelta.delta import dtypes, untrusted_json
 from ckptdelta.delta.lora_record import ADAPTER_WEIGHTS_NAME
-from ckptdelta.delta.errors import ManifestError
+from ckptdelta.delta.errors import CkptDeltaError, ManifestError
 from ckptdelta.delta.manifest import Manifest, snapshot_name
 from ckptdelta.delta.storage import fsync_dir
 from ckptdelta.loader.exact import read_exact, read_index
@@ -48,6 +49,7 @@ SHARD_BYTES = 5 * 10**9
 #: batches of published tensors (loader/reader.py's BATCH_BYTES).
 EXACT_BATCH_BYTES = 256 << 20
 WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -121,7 +123,8 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise FileExistsError(f"cannot materialize {snapshot_name(version)} into {out_dir}: it exists and is not empty")
     m = reader.manifest(version)
-    layout = Layout.exact(m, read_index(reader, version)) if exact else Layout.published(m)
+    index = read_index(reader, version) if exact else None
+    layout = Layout.published(m) if index is None else Layout.exact(m, index)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     if m.adapter is None:
@@ -140,7 +143,7 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
                     **({"ckptdelta_bits": "exact"} if exact else {})}
             for names, fname in zip(shards, files):
                 _write_shard(reader, m, version, names, os.path.join(tmp, fname), meta, bar, priors,
-                             layout if exact else None)
+                             None if index is None else (layout, index))
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {n: f for names, f in zip(shards, files) for n in names}}
@@ -149,7 +152,10 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
             top = rel.split("/")[0]
             if rel.endswith(".safetensors") or top.endswith(".safetensors") or top == INDEX_NAME:
                 continue     # the weights and their index are the ones written above
-            _write_file(os.path.join(tmp, *rel.split("/")), reader.read_object(obj), m, rel)
+            data = reader.read_object(obj)
+            if index is not None and rel == CONFIG_NAME:
+                data = _config_of_exact(data, layout, m)
+            _write_file(os.path.join(tmp, *rel.split("/")), data, m, rel)
         fsync_dir(tmp)
         try:
             os.rename(tmp, out_dir)
@@ -165,13 +171,14 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
 
 
 def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: list[str], path: str,
-                 meta: dict[str, str], bar, priors: dict | None = None, exact: Layout | None = None) -> None:
-    """``exact``: write the trainer's bits in that layout (else the published ones)."""
-    layout = exact or Layout.published(m)
+                 meta: dict[str, str], bar, priors: dict | None = None,
+                 exact: "tuple[Layout, ExactIndex] | None" = None) -> None:
+    """``exact``: write the trainer's bits in that layout, from that attachment index (else the published ones)."""
+    layout = Layout.published(m) if exact is None else exact[0]
     with open(path, "wb") as f:
         f.write(safetensors_header(m, names, meta, layout))
         tensors = reader.iter_tensors(version, names, priors=priors) if exact is None else \
-            _exact_tensors(reader, version, names, layout)
+            _exact_tensors(reader, version, names, *exact)
         with contextlib.closing(tensors):
             for name, t in tensors:
                 bits = dtypes.host_bits(t)
@@ -184,19 +191,43 @@ def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: lis
         os.fsync(f.fileno())
 
 
-def _exact_tensors(reader: "SnapshotReader", version: int, names: list[str],
-                   layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, the trainer's bits) in ``names``' order, about :data:`EXACT_BATCH_BYTES` of them at a time."""
+def _exact_tensors(reader: "SnapshotReader", version: int, names: list[str], layout: Layout,
+                   index: "ExactIndex") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, the trainer's bits) in ``names``' order, about :data:`EXACT_BATCH_BYTES` of them at a time, each
+    batch from the index the layout was planned from (read once: every batch sees the same one)."""
     batch: list[str] = []
     size = 0
     for i, name in enumerate(names):
         batch.append(name)
         size += layout.nbytes[name]
         if size >= EXACT_BATCH_BYTES or i == len(names) - 1:
-            got = read_exact(reader, version, batch)
+            got = read_exact(reader, version, batch, index=index)
             for n in batch:
                 yield n, got.pop(n)
             batch, size = [], 0
+
+
+def _config_of_exact(data: bytes, layout: Layout, m: Manifest) -> bytes:
+    """The anchor's config.json for an exact checkpoint: its dtype (``dtype``, or transformers 4's
+    ``torch_dtype``) is the one the run was published in, so ``from_pretrained`` with its default
+    ``dtype="auto"`` would load the trainer's fp32 bits back in bf16; where the checkpoint holds exact tensors it
+    says theirs, as the trainer's own ``save_pretrained`` would. Anything else of the file stays as it is, and a
+    config that is not a JSON object with such a field is copied as it is."""
+    exact = {layout.dtype[n] for n, e in m.tensors.items() if layout.dtype[n] != e.dtype}
+    if len(exact) != 1:
+        return data
+    try:
+        config = untrusted_json.loads(data, what=f"config.json of {m.where()}", max_bytes=len(data))
+    except CkptDeltaError:
+        return data
+    if not isinstance(config, dict):
+        return data
+    name = str(dtypes.by_name(exact.pop()).torch_dtype).split(".")[1]      # "F32" -> "float32", as transformers
+    changed = False
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(config.get(key), str) and config[key] != name:
+            config[key], changed = name, True
+    return json.dumps(config, indent=2, sort_keys=True).encode() + b"\n" if changed else data
 
 
 def _temp_dir(parent: str, prefix: str) -> str:

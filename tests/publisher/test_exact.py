@@ -458,24 +458,38 @@ def test_materialize_exact_writes_the_trainers_fp32_checkpoint_and_the_default_t
     from ckptdelta.cli import main as cli
     from ckptdelta.loader import materialize
 
+    from ckptdelta.loader import exact as exact_module
+
     url, opts = store_url
     history = publish_history(url, opts)
     reader = SnapshotReader(url, storage_options=opts)
     monkeypatch.setattr(materialize, "EXACT_BATCH_BYTES", 1)   # a batch per tensor: the stream, not one read
+    batches, index_reads = [], []
+    monkeypatch.setattr(materialize, "read_exact", lambda r, v, names, **kw: batches.append(list(names))
+                        or exact_module.read_exact(r, v, names, **kw))
+    for module in (materialize, exact_module):
+        monkeypatch.setattr(module, "read_index", lambda r, v, _read=module.read_index: index_reads.append(v)
+                            or _read(r, v))
     for v in (2, 3):        # a delta's and an anchor's attachment
+        batches.clear(), index_reads.clear()
         out = reader.materialize(v, str(tmp_path / f"exact{v}"), exact=True)
         assert_same(load_file(f"{out}/model.safetensors"), history[v])
+        assert batches == [[n] for n in sorted(history[v])] and index_reads == [v]   # the index read once
         with safe_open(f"{out}/model.safetensors", "pt") as f:
             assert f.metadata()["ckptdelta_bits"] == "exact" and f.metadata()["ckptdelta_version"] == str(v)
         served = reader.materialize(v, str(tmp_path / f"served{v}"))
         assert_same(load_file(f"{served}/model.safetensors"), bf16_of(history[v]))
         with safe_open(f"{served}/model.safetensors", "pt") as f:
             assert "ckptdelta_bits" not in f.metadata()
-    sharded = materialize.write_checkpoint(reader, 4, str(tmp_path / "shards"), shard_bytes=4096, exact=True)  # fp32 sizes
+    # shards cut at the fp32 sizes: each at most 4096 bytes of data or a single tensor (planned at the published
+    # bf16 sizes, lora_A and lora_B would share one, 6144 bytes in fp32)
+    sharded = materialize.write_checkpoint(reader, 4, str(tmp_path / "shards"), shard_bytes=4096, exact=True)
     index = json.loads(open(f"{sharded}/{materialize.INDEX_NAME}").read())
-    assert len(set(index["weight_map"].values())) > 1
-    assert_same({n: t for f in set(index["weight_map"].values()) for n, t in load_file(f"{sharded}/{f}").items()},
-                history[4])
+    shards = {f: load_file(f"{sharded}/{f}") for f in set(index["weight_map"].values())}
+    assert len(shards) > 1
+    for held in shards.values():
+        assert len(held) == 1 or sum(t.numel() * t.element_size() for t in held.values()) <= 4096, sorted(held)
+    assert_same({n: t for held in shards.values() for n, t in held.items()}, history[4])
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in history[4].values())
     assert cli(["materialize", url, "latest", str(tmp_path / "cli"), "--exact",
                 *(["--storage-options", json.dumps(opts)] if opts else [])]) == 0
@@ -483,7 +497,7 @@ def test_materialize_exact_writes_the_trainers_fp32_checkpoint_and_the_default_t
     assert_same(load_file(str(tmp_path / "cli" / "model.safetensors")), history[4])
 
 
-def test_materialize_exact_is_refused_before_any_file_where_the_exact_bits_are_missing_or_damaged(tmp_path, capsys):
+def test_materialize_exact_is_refused_leaving_nothing_where_the_exact_bits_are_missing_or_damaged(tmp_path, capsys):
     from ckptdelta.cli import main as cli
 
     plain = str(tmp_path / "plain")
@@ -506,3 +520,32 @@ def test_materialize_exact_is_refused_before_any_file_where_the_exact_bits_are_m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "run"]      # no output, no temporary directory
     with pytest.raises(ValueError, match="priors"):
         SnapshotReader(url).materialize(0, str(tmp_path / "out"), exact=True, priors={})
+
+
+def test_an_exact_checkpoint_of_a_transformers_model_says_fp32_in_its_config_and_loads_back_exact(tmp_path):
+    """The anchor's config.json records the dtype the run was published in (bf16), which from_pretrained's
+    default dtype="auto" would load the trainer's fp32 bits back in; the exact checkpoint's config says float32,
+    as the trainer's own save_pretrained would, and loads the trainer's bits with no argument. The served
+    checkpoint keeps bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.replicas import make_lm_dir
+
+    lm = make_lm_dir(str(tmp_path / "lm"))
+    model = AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32)
+    url = str(tmp_path / "run")
+    with Publisher(url, dtype=torch.bfloat16, keep_exact=True, progress=False) as pub:
+        pub.publish(model, 0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1e-4 * torch.randn_like(p))
+        pub.publish(model, 1)
+    reader = SnapshotReader(url)
+    exact = reader.materialize(1, str(tmp_path / "exact"), exact=True)
+    served = reader.materialize(1, str(tmp_path / "served"))
+    assert json.loads(open(f"{exact}/config.json").read())["dtype"] == "float32"
+    assert json.loads(open(f"{served}/config.json").read())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(exact)
+    assert loaded.dtype == torch.float32
+    assert_same(dict(loaded.state_dict()), {n: t for n, t in model.state_dict().items() if n in loaded.state_dict()})
+    assert AutoModelForCausalLM.from_pretrained(served).dtype == torch.bfloat16
