@@ -413,9 +413,9 @@ def _agree(b: Bucket, key: str, name: str, dtype: str, shape: list[int]) -> None
             b.files[mk] = json.dumps(d).encode()
 
 
-def _rebuild_object(b: Bucket, key: str, records: list[tuple[str, bytes]], footer: bytes | None = None,
-                    trailer_ok: bool = True) -> None:
-    """The delta object ``key`` rewritten from (name, record bytes); every manifest entry into it follows."""
+def object_bytes(records: list[tuple[str, bytes]], footer: bytes | None = None,
+                 trailer_ok: bool = True) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """A delta object (docs/FORMAT.md, section 2) of (name, record bytes), and where each record lies in it."""
     out = bytearray(container.OBJECT_MAGIC)
     where = {}
     for name, rec in records:
@@ -426,7 +426,14 @@ def _rebuild_object(b: Bucket, key: str, records: list[tuple[str, bytes]], foote
     out += footer
     h = xxhash.xxh3_64_intdigest(footer) ^ (0 if trailer_ok else 1)
     out += container.TRAILER.pack(len(footer), h, container.END_MAGIC)
-    b.put(key, bytes(out))
+    return bytes(out), where
+
+
+def _rebuild_object(b: Bucket, key: str, records: list[tuple[str, bytes]], footer: bytes | None = None,
+                    trailer_ok: bool = True) -> None:
+    """The delta object ``key`` rewritten from (name, record bytes); every manifest entry into it follows."""
+    out, where = object_bytes(records, footer, trailer_ok)
+    b.put(key, out)
     for mk in b.manifest_keys():   # the manifests' entries follow the records (and were maybe changed above)
         d = b.doc(mk)
         idx = [i for i, o in enumerate(d["objects"]) if o["key"] == key]
@@ -442,11 +449,30 @@ def _rebuild_object(b: Bucket, key: str, records: list[tuple[str, bytes]], foote
 def record_cases(draw, pristine: Bucket) -> Case:
     b = pristine.copy()
     key = draw(st.sampled_from(sorted(k for k in b.files if k.endswith(".ckd"))))
-    data = b.files[key]
-    recs = [(n, data[o: o + ln]) for n, o, ln in _records(data)]
+    recs = records_of(b.files[key])
     i = draw(st.integers(0, len(recs) - 1))
+    name = recs[i][0]
+    rec, what, agreed = hostile_record(draw, recs, i)
+    if agreed is not None:
+        _agree(b, key, name, *agreed)
+    recs[i] = (name, rec)
+    _rebuild_object(b, key, recs)
+    return Case("record", key, what, b, meaning_may_change=agreed is not None)
+
+
+def records_of(data: bytes) -> list[tuple[str, bytes]]:
+    """(name, record bytes) of a delta object, in their order in it."""
+    return [(n, data[o: o + ln]) for n, o, ln in _records(data)]
+
+
+def hostile_record(draw, recs: list[tuple[str, bytes]], i: int) -> tuple[bytes, str, tuple[str, list[int]] | None]:
+    """Record ``i`` of ``recs`` rewritten as a writer of the bucket could (a header field, a shape, the name, a
+    chunk entry or payload at an edge value), its header checksum resealed (but for a tenth of the fixed-field
+    changes); the record, what was done, and (dtype name, shape) where the change was another dtype of the same
+    width or a permuted shape, which the caller makes the reader's entry for it agree with."""
     name, rec = recs[i]
     rec = bytearray(rec)
+    agreed = None
     fixed = dict(zip(_FIXED_FIELDS, record._FIXED.unpack_from(rec, 0)))
     ndim, name_len, n_chunks = fixed["ndim"], fixed["name_len"], fixed["n_chunks"]
     table = record.FIXED_SIZE + 8 * ndim + ((name_len + 7) & ~7)
@@ -465,7 +491,7 @@ def record_cases(draw, pristine: Bucket) -> Case:
         elif others:
             fixed["code"] = draw(st.sampled_from(others))
             record._FIXED.pack_into(rec, 0, *fixed.values())
-        _agree(b, key, name, dtypes.BY_CODE[fixed["code"]].name, shape)
+        agreed = (dtypes.BY_CODE[fixed["code"]].name, shape)
         what = f"record {name!r} and its manifest entry both say {dtypes.BY_CODE[fixed['code']].name}{shape}"
     elif op == "fixed":
         f_ = draw(st.sampled_from(_FIXED_FIELDS))
@@ -517,9 +543,7 @@ def record_cases(draw, pristine: Bucket) -> Case:
         size = record.header_size_for(fixed["ndim"], fixed["name_len"], fixed["n_chunks"])
         if 8 <= size <= len(rec):
             struct.pack_into("<Q", rec, size - 8, xxhash.xxh3_64_intdigest(bytes(rec[: size - 8])))
-    recs[i] = (name, bytes(rec))
-    _rebuild_object(b, key, recs)
-    return Case("record", key, what, b, meaning_may_change=op == "agreed")
+    return bytes(rec), what, agreed
 
 
 @st.composite
