@@ -379,6 +379,33 @@ def _paths(d, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
+def _every_exact_reader(url: str) -> list:
+    """What read_exact, verify and an exact materialize (its safetensors read back) make of version 1 of the run at
+    ``url``: each one's result, or None where it raised a CkptDeltaError; a refused materialize must leave
+    nothing behind."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    scratch = tempfile.mkdtemp(prefix="exact-")
+
+    def materialized(r: SnapshotReader) -> dict[str, torch.Tensor]:
+        return load_file(os.path.join(r.materialize(1, os.path.join(scratch, "out"), exact=True), "model.safetensors"))
+
+    outcomes = []
+    try:
+        for read in (lambda r: r.read_exact(1), lambda r: r.verify(1), materialized):
+            try:
+                outcomes.append(read(SnapshotReader(url)))
+            except CkptDeltaError:
+                outcomes.append(None)
+                assert os.listdir(scratch) == []          # a refused materialize leaves nothing behind
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return outcomes
+
+
 @pytest.fixture(scope="module")
 def kept_run(tmp_path_factory):
     url = str(tmp_path_factory.mktemp("hostile") / "run")
@@ -394,17 +421,7 @@ def test_any_value_anywhere_in_an_index_is_read_and_verified_exactly_or_refused_
     of read_exact, verify or an exact materialize, nor wrong bits: what comes back is the trainer's, or a
     CkptDeltaError says why not (and materialize leaves nothing behind); and what verify passes, read_exact reads
     (verify also hashes the objects whole)."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import load_file
-
     url, history = kept_run
-    scratch = tempfile.mkdtemp(prefix="exact-")
-
-    def materialized(r: SnapshotReader) -> dict[str, torch.Tensor]:
-        out = r.materialize(1, os.path.join(scratch, "out"), exact=True)
-        return load_file(os.path.join(out, "model.safetensors"))
     store = open_store((url, {}))
     good = store.get(index_key(1))
     doc = json.loads(good)
@@ -417,18 +434,10 @@ def test_any_value_anywhere_in_an_index_is_read_and_verified_exactly_or_refused_
     else:
         parent[path[-1]] = data.draw(HOSTILE, label="value")
     store.put(index_key(1), json.dumps(doc).encode())
-    outcomes = []
     try:
-        for read in (lambda r: r.read_exact(1), lambda r: r.verify(1), materialized):
-            try:
-                outcomes.append(read(SnapshotReader(url)))
-            except CkptDeltaError:
-                outcomes.append(None)
-                assert os.listdir(scratch) == []          # a refused materialize leaves nothing behind
+        got, report, written = _every_exact_reader(url)
     finally:
         store.put(index_key(1), good)
-        shutil.rmtree(scratch, ignore_errors=True)
-    got, report, written = outcomes
     if got is not None:
         assert_same(got, history[1])
     if report is not None:
@@ -447,11 +456,6 @@ def test_a_hostile_record_resealed_in_an_attachment_is_read_exactly_or_refused_b
     a permuted shape), resealed (its header checksum, the part's size and xxh3 and the records' places in the
     index), so that it reaches the record parser and the decode: read_exact, verify and an exact materialize
     give the trainer's bits or a CkptDeltaError (materialize leaving nothing behind), never another exception."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import load_file
-
     from tests import bucket_grammar as g
 
     url, history = kept_run
@@ -470,26 +474,13 @@ def test_a_hostile_record_resealed_in_an_attachment_is_read_exactly_or_refused_b
     for name, e in doc["tensors"].items():
         if e.get("object") == obj and name in where:
             e["offset"], e["length"] = where[name]
-    scratch = tempfile.mkdtemp(prefix="exact-")
-
-    def materialized(r: SnapshotReader) -> dict[str, torch.Tensor]:
-        return load_file(os.path.join(r.materialize(1, os.path.join(scratch, "out"), exact=True), "model.safetensors"))
-
-    outcomes = []
     store.put(key, blob)
     store.put(index_key(1), json.dumps(doc).encode())
     try:
-        for read in (lambda r: r.read_exact(1), lambda r: r.verify(1), materialized):
-            try:
-                outcomes.append(read(SnapshotReader(url)))
-            except CkptDeltaError:
-                outcomes.append(None)
-                assert os.listdir(scratch) == []
+        got, report, written = _every_exact_reader(url)
     finally:
         store.put(key, good)
         store.put(index_key(1), good_index)
-        shutil.rmtree(scratch, ignore_errors=True)
-    got, report, written = outcomes
     for tensors in (got, written):
         if tensors is not None:
             assert_same(tensors, history[1])     # a field the result's digest does not cover may change: the bits
