@@ -123,8 +123,8 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise FileExistsError(f"cannot materialize {snapshot_name(version)} into {out_dir}: it exists and is not empty")
     m = reader.manifest(version)
-    index = read_index(reader, version) if exact else None
-    layout = Layout.published(m) if index is None else Layout.exact(m, index)
+    attachment = read_index(reader, version) if exact else None
+    layout = Layout.published(m) if attachment is None else Layout.exact(m, attachment)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     if m.adapter is None:
@@ -142,8 +142,8 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
             meta = {"format": "pt", "ckptdelta_run": reader.run_id, "ckptdelta_version": str(version),
                     **({"ckptdelta_bits": "exact"} if exact else {})}
             for names, fname in zip(shards, files):
-                _write_shard(reader, m, version, names, os.path.join(tmp, fname), meta, bar, priors,
-                             None if index is None else (layout, index))
+                _write_shard(reader, m, version, names, os.path.join(tmp, fname), meta, bar, layout, priors,
+                             attachment)
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {n: f for names, f in zip(shards, files) for n in names}}
@@ -153,7 +153,7 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
             if rel.endswith(".safetensors") or top.endswith(".safetensors") or top == INDEX_NAME:
                 continue     # the weights and their index are the ones written above
             data = reader.read_object(obj)
-            if index is not None and rel == CONFIG_NAME:
+            if attachment is not None and rel == CONFIG_NAME:
                 data = _config_of_exact(data, layout, m)
             _write_file(os.path.join(tmp, *rel.split("/")), data, m, rel)
         fsync_dir(tmp)
@@ -171,14 +171,13 @@ def write_checkpoint(reader: "SnapshotReader", version: int, out_dir: str, *, pr
 
 
 def _write_shard(reader: "SnapshotReader", m: Manifest, version: int, names: list[str], path: str,
-                 meta: dict[str, str], bar, priors: dict | None = None,
-                 exact: "tuple[Layout, ExactIndex] | None" = None) -> None:
-    """``exact``: write the trainer's bits in that layout, from that attachment index (else the published ones)."""
-    layout = Layout.published(m) if exact is None else exact[0]
+                 meta: dict[str, str], bar, layout: Layout, priors: dict | None = None,
+                 attachment: "ExactIndex | None" = None) -> None:
+    """``attachment``: the version's exact attachment index, whose bits are written (else the published ones)."""
     with open(path, "wb") as f:
         f.write(safetensors_header(m, names, meta, layout))
-        tensors = reader.iter_tensors(version, names, priors=priors) if exact is None else \
-            _exact_tensors(reader, version, names, *exact)
+        tensors = reader.iter_tensors(version, names, priors=priors) if attachment is None else \
+            _exact_tensors(reader, version, names, layout, attachment)
         with contextlib.closing(tensors):
             for name, t in tensors:
                 bits = dtypes.host_bits(t)

@@ -506,9 +506,8 @@ def test_materialize_exact_writes_the_trainers_fp32_checkpoint_and_the_default_t
     from safetensors.torch import load_file
 
     from ckptdelta.cli import main as cli
-    from ckptdelta.loader import materialize
-
     from ckptdelta.loader import exact as exact_module
+    from ckptdelta.loader import materialize
 
     url, opts = store_url
     history = publish_history(url, opts)
