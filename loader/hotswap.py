@@ -39,7 +39,7 @@ from ckptdelta.delta.errors import (GrandparentMismatchError, GrandparentNeededE
 from ckptdelta.delta.manifest import Manifest, snapshot_name
 
 from ckptdelta.loader import batch_commit, stopping
-from ckptdelta.loader.fetch_units import Piece, Prior, check_assembled
+from ckptdelta.loader.fetch_units import Piece, Prior, check_assembled, stored_order
 from ckptdelta.loader.update_path import UpdatePlan, make_plan
 from ckptdelta.loader.reader import SnapshotReader
 from ckptdelta.loader.spans import VersionLog
@@ -256,6 +256,9 @@ class HotSwapper:
                 raise ShapeMismatchError(f"tensor {n!r}: live tensor {mapping[n]!r} is {dtypes.of(t).name}"
                                          f"{list(t.shape)}, {tgt.where()} has {e.dtype}{list(e.shape)}")
         names, groups = _dedupe_aliases(plan, mapping, live)
+        rank = {n: i for i, n in enumerate(names)}          # the commit's order, as planned
+        order = stored_order(groups)                        # the fetch's: neighbouring bytes in few requests
+        names, groups = [names[i] for i in order], [groups[i] for i in order]
         cur = None if current is None else self.reader.manifest(current)
         counter: dict = {}
         staged: list[Staged] = []
@@ -301,6 +304,7 @@ class HotSwapper:
                     raise HotLoadCancelledError(f"hot-load to {snapshot_name(v)} dropped while preparing: the "
                                                 f"replica is stopping; live weights and version unchanged")
             decode_s = stager.wait_s
+        staged.sort(key=lambda s: rank[s.name])
         batch = _batch(staged, threads)
         staging = sum(s.st.nbytes + (s.choice.nbytes if s.choice is not None else 0) for s in staged)
         report = HotLoadReport(

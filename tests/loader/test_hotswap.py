@@ -90,6 +90,42 @@ def test_every_pair_of_versions(tmp_path):
             assert_at(live, run, b)
 
 
+def test_a_hotload_fetches_its_records_in_stored_order_in_a_request_or_two_per_batch(tmp_path, monkeypatch):
+    """Groups are fetched in the order their records lie in the store, not in name order: each batch is then a run
+    of neighbouring bytes, one request, or two where it crosses into the next object. Here consecutive names lie in
+    four objects round-robin, so a batch taken in name order would ask every object it touches (about 3x the
+    requests); the commit and the result are the same."""
+    import ckptdelta.loader.reader as reader_mod
+
+    g = torch.Generator().manual_seed(3)
+    v0 = {f"w{i:02d}": torch.randn(4096, generator=g) for i in range(32)}
+    v1 = {k: t + 1e-3 * torch.randn(4096, generator=g) for k, t in v0.items()}
+    run = write_run(str(tmp_path / "run"), versions=[v0, v1], objects_per_delta=4)
+    records = [e.length for e in run.manifests[1].tensors.values() if e.object is not None]
+    assert len(records) == 32 and len({e.object for e in run.manifests[1].tensors.values()}) == 4
+    monkeypatch.setattr(reader_mod, "FIRST_BATCH_BYTES", 2 * max(records))
+    live, sw = swapper_at(run, 0)
+    requests: list[list] = []
+    real = sw.reader.store.get_many
+
+    def counted(items):
+        items = list(items)
+        requests.append(items)
+        return real(items)
+
+    monkeypatch.setattr(sw.reader.store, "get_many", counted)
+    sw.hotload(1)
+    assert_at(live, run, 1)
+    n = sum(len(r) for r in requests)
+    assert len(requests) >= 6, requests                        # batches of a few records each
+    assert n <= len(requests) + 4 - 1, [[(k.rsplit("/", 1)[-1], r) for k, r in batch] for batch in requests]
+    for batch in requests:                                     # each object read front to back, no byte twice
+        assert len({k for k, _ in batch}) == len(batch)
+    spans = sorted((k, r[0], r[1]) for batch in requests for k, r in batch)
+    for (k1, _s1, e1), (k2, s2, _e2) in zip(spans, spans[1:]):
+        assert k1 != k2 or e1 <= s2
+
+
 def test_from_unknown_weights_only_through_load_initial(run):
     live = {k: torch.zeros_like(t) for k, t in run.truth[0].items()}
     sw = HotSwapper(live, SnapshotReader(run.url))
