@@ -256,6 +256,7 @@ def lm_run(tmp_path_factory, lm_dir):  # noqa: F811
     assert r.kind == "anchor"
     run.truth[3] = {k: v.clone() for k, v in new.items()}
     run.publish_next()
+    run.publisher.wait_until_finished()   # its HEAD moves in the background: settled before a test damages HEAD
     yield run
     run.close()
 
