@@ -280,7 +280,9 @@ def stored_order(groups: Sequence[Sequence[Piece]]) -> list[int]:
     requests"). For callers that take groups in any order (a hot-load stages each on its own)."""
     def where(gi: int) -> tuple:
         g = groups[gi]
-        return (0, "", 0) if not g else (1, g[0].obj.key, g[0].start)
+        # a version's objects in the manifest's order (a publisher's parts in the order it wrote them), not their
+        # keys' spelling: "rank-00000.ckd", the first part, sorts after "rank-00000-001.ckd"
+        return (0, 0, 0, 0) if not g else (1, g[0].manifest.version, g[0]._stored.object, g[0].start)
 
     return sorted(range(len(groups)), key=where)
 

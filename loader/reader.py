@@ -64,20 +64,34 @@ MAX_CHAIN = 1 << 20
 MANIFEST_CACHE = 1024
 
 
-def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES) -> list[list[int]]:
+def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES,
+                  starts: Sequence[bool] | None = None) -> list[list[int]]:
     """The groups of a read (their fetched bytes, in order) cut into batches of whole groups: the first of
     about FIRST_BATCH_BYTES, each next one up to twice the last, at most ``batch_bytes`` and 1/TAIL_SHARE of
-    the read (FIRST_BATCH_BYTES at least); a group larger than that is a batch of its own."""
+    the read (FIRST_BATCH_BYTES at least); a group larger than that is a batch of its own.
+
+    ``starts[gi]``: group ``gi``'s bytes begin another stored object than the group before's. A batch then ends
+    where an object does once it holds half its limit, and inside an object it may grow to twice its limit (never
+    past ``batch_bytes``): the batches follow the objects, a request each, where cutting by size alone split
+    nearly every object between two batches, two requests (each ~1 ms of an S3 client's CPU and a round trip;
+    docs/PERFORMANCE.md, "LoRA runs, a hot-load's requests"). The limits grow from batch to batch as before."""
     limits = doubling.limits(FIRST_BATCH_BYTES, doubling.capped(sum(sizes), batch_bytes, FIRST_BATCH_BYTES,
                                                                 TAIL_SHARE))
     batches: list[list[int]] = [[]]
     size = 0
     limit = next(limits)
     for gi, n in enumerate(sizes):
-        if batches[-1] and size + n > limit:
-            batches.append([])
-            size = 0
-            limit = next(limits)
+        if batches[-1]:
+            if starts is None:
+                cut = size + n > limit
+            elif starts[gi]:
+                cut = size + n > limit or 2 * size >= limit
+            else:
+                cut = size + n > min(2 * limit, batch_bytes)
+            if cut:
+                batches.append([])
+                size = 0
+                limit = next(limits)
         batches[-1].append(gi)
         size += n
     return batches
@@ -534,7 +548,9 @@ class SnapshotReader:
         """:meth:`iter_fetched`'s groups a fetched batch at a time: a caller that hands work to other threads
         can hand many small groups over at once (one handoff per group costs more than decoding a small
         tensor on a busy host)."""
-        batches = fetch_batches([sum(p.nbytes for p in g) for g in groups], batch_bytes)
+        starts = [gi > 0 and bool(g) and bool(groups[gi - 1]) and g[0].obj.key != groups[gi - 1][-1].obj.key
+                  for gi, g in enumerate(groups)]
+        batches = fetch_batches([sum(p.nbytes for p in g) for g in groups], batch_bytes, starts)
 
         def fetch_batch(b: list[int]) -> list:
             return self.fetch([p for gi in b for p in groups[gi]], use_cache=use_cache, counter=counter)

@@ -140,21 +140,63 @@ def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes
 
     monkeypatch.setattr(r, "fetch", counting)
     cap = max(min(sizes), sum(sizes) // reader_mod.TAIL_SHARE)
+    # where a group's bytes begin another object than the group before's (here consecutive names alternate
+    # between a delta's two objects): a batch may end there once half full, and inside an object grow to twice
+    # its limit
+    starts = [gi > 0 and g[0].obj.key != groups[gi - 1][-1].obj.key for gi, g in enumerate(groups)]
+    assert any(starts)
     got = list(r.iter_fetched(groups, batch_bytes=sum(sizes)))
     assert [gi for gi, _ in got] == list(range(len(groups)))
     assert calls[0] == sizes[0] and sum(calls) == sum(sizes) and 1 < len(calls) < len(groups)
     limit, start = min(sizes), 0
-    for k, c in enumerate(calls):            # batch k holds at most limit * 2**k bytes, or one tensor
+    for k, c in enumerate(calls):            # batch k's limit is min(sizes) * 2**k, up to the cap
         end = start
         while end < len(sizes) and sum(sizes[start:end + 1]) <= c:
             end += 1
-        assert sum(sizes[start:end]) == c and (c <= limit or end == start + 1), (k, c, limit)
-        if end < len(sizes):                 # and it stopped before the tensor that would pass its limit
-            assert c + sizes[end] > limit, (k, c, limit)
+        assert sum(sizes[start:end]) == c and (c <= 2 * limit or end == start + 1), (k, c, limit)
+        if end < len(sizes):                 # it stopped before a tensor that passes its limit, or at an object
+            assert c + sizes[end] > (limit if starts[end] else 2 * limit) or (starts[end] and 2 * c >= limit), \
+                (k, c, limit)
         start, limit = end, min(cap, 2 * limit)
     calls.clear()
     list(r.iter_fetched(groups, batch_bytes=1))          # a cap below every tensor: one tensor per batch
     assert calls == sizes
+
+
+def test_batches_follow_the_stored_objects_a_request_each_where_they_fit():
+    """Where a read says which groups begin another object, a batch ends with an object once it is half full and
+    may pass its limit up to twice inside one: a LoRA step's parts of 1-2.4 MB then come as a batch each (one
+    request) where cutting by size alone split most of them between two batches. The limits double as before,
+    an object past twice its batch's limit is still cut, batch_bytes bounds every batch, and without object
+    boundaries nothing changes."""
+    from ckptdelta.loader.reader import FIRST_BATCH_BYTES, fetch_batches
+
+    kib = 1 << 10
+    # a rank-64 step as a publisher writes it: a first part of 1 MiB, then parts of ~2.3 MB, of 100-200 KiB records
+    objects = [[128 * kib] * 8] + [[160 * kib, 96 * kib] * 7] * 5 + [[120 * kib] * 5]
+    sizes = [n for o in objects for n in o]
+    starts = [False] + [i == 0 for o in objects for i in range(len(o))][1:]
+    batches = fetch_batches(sizes, starts=starts)
+    ends = [sum(len(o) for o in objects[:k + 1]) for k in range(len(objects))]
+    assert [b[-1] + 1 for b in batches] == ends                         # a batch per object
+    assert sum(sizes[gi] for gi in batches[0]) == FIRST_BATCH_BYTES
+    obj = [sum(starts[:gi + 1]) for gi in range(len(sizes))]           # each group's object
+
+    def requests(bs: list[list[int]]) -> int:                          # coalesced: one per object a batch touches
+        return sum(len({obj[gi] for gi in b}) for b in bs)
+
+    by_size = fetch_batches(sizes)                                      # without them: cut by size alone
+    assert by_size == fetch_batches(sizes, starts=None)
+    assert requests(batches) == len(objects) and requests(by_size) >= len(objects) + 4, (requests(by_size), by_size)
+    # one object far past twice the limits: cut inside it, by twice the doubling limit
+    big = [64 * kib] * 200
+    cut = fetch_batches(big, starts=[False] * 200)
+    held = [sum(big[gi] for gi in b) for b in cut]
+    cap = sum(big) // 8                                                 # 1/TAIL_SHARE of the read
+    assert held[0] == 2 * FIRST_BATCH_BYTES and all(h == 2 * cap for h in held[1:-1]) and held[-1] <= 2 * cap
+    assert [gi for b in cut for gi in b] == list(range(200))
+    capped = fetch_batches(big, batch_bytes=cap, starts=[False] * 200)   # batch_bytes holds even inside one
+    assert max(sum(big[gi] for gi in b) for b in capped) <= cap
 
 
 def test_a_read_of_tens_of_mb_leaves_at_most_an_eighth_of_it_to_decode_after_its_last_byte():
