@@ -276,8 +276,9 @@ def stored_order(groups: Sequence[Sequence[Piece]]) -> list[int]:
     group's first piece (groups with none first, they fetch nothing). A reader's batches of consecutive groups
     then cover runs of neighbouring bytes, which :func:`coalesce` fetches in a request or two, where groups in
     name order scatter each batch over every part a publisher wrote (a rank-64 LoRA step: 37-40 requests a
-    hot-load, each ~1 ms of the client's CPU, against 10-11; docs/PERFORMANCE.md, "LoRA runs, a hot-load's
-    requests"). For callers that take groups in any order (a hot-load stages each on its own)."""
+    hot-load, each ~1 ms of the client's CPU, against 15, and 7 once the batches follow the parts too:
+    :func:`ckptdelta.loader.reader.fetch_batches`; docs/PERFORMANCE.md, "LoRA runs, a hot-load's requests").
+    For callers that take groups in any order (a hot-load stages each on its own)."""
     def where(gi: int) -> tuple:
         g = groups[gi]
         # a version's objects in the manifest's order (a publisher's parts in the order it wrote them), not their
