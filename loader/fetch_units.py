@@ -273,19 +273,22 @@ def coalesce(items: list[tuple[Piece, int]]) -> list[tuple[str, int, int, list[t
 
 def stored_order(groups: Sequence[Sequence[Piece]]) -> list[int]:
     """The indexes of ``groups`` in the order their bytes lie in the store: by the object and offset of each
-    group's first piece (groups with none first, they fetch nothing). A reader's batches of consecutive groups
-    then cover runs of neighbouring bytes, which :func:`coalesce` fetches in a request or two, where groups in
-    name order scatter each batch over every part a publisher wrote (a rank-64 LoRA step: 37-40 requests a
+    group's first piece. A reader's batches of consecutive groups then cover runs of neighbouring bytes, which
+    :func:`coalesce` fetches in a request or two, where groups in name order scatter each batch over every part
+    a publisher wrote (a rank-64 LoRA step: 37-40 requests a
     hot-load, each ~1 ms of the client's CPU, against 15, and 7 once the batches follow the parts too:
     :func:`ckptdelta.loader.reader.fetch_batches`; docs/PERFORMANCE.md, "LoRA runs, a hot-load's requests").
-    For callers that take groups in any order (a hot-load stages each on its own)."""
+    For callers that take groups in any order (a hot-load stages each on its own). Groups with no pieces keep
+    their places: a hot-load proves each against the live tensor by hashing it, and gathered in one place they
+    would all fall to one staging task (its tasks are cut by fetched bytes)."""
     def where(gi: int) -> tuple:
         g = groups[gi]
         # a version's objects in the manifest's order (a publisher's parts in the order it wrote them), not their
         # keys' spelling: "rank-00000.ckd", the first part, sorts after "rank-00000-001.ckd"
-        return (0, 0, 0, 0) if not g else (1, g[0].manifest.version, g[0]._stored.object, g[0].start)
+        return g[0].manifest.version, g[0]._stored.object, g[0].start
 
-    return sorted(range(len(groups)), key=where)
+    fetched = iter(sorted((gi for gi, g in enumerate(groups) if g), key=where))
+    return [gi if not g else next(fetched) for gi, g in enumerate(groups)]
 
 
 def xxh_hex(data: bytes) -> str:

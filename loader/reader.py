@@ -51,10 +51,11 @@ BATCH_BYTES = 256 << 20
 #: decoded only once all of it had crossed the link (docs/PERFORMANCE.md, "LoRA runs, the replica's fixed
 #: costs"); a model's delta of GBs still reaches 256 MiB batches after a few doublings.
 FIRST_BATCH_BYTES = 1 << 20
-#: A read's batches hold at most 1/TAIL_SHARE of its bytes (at least FIRST_BATCH_BYTES): the last batch is
-#: decoded only once all of it is in, so doubling alone left up to half of a LoRA step's tens of MB to decode
-#: after the link went quiet (a rank-64 fp32 step of 48 MB closed on a batch of 17 MB, 70-110 ms of decoding
-#: after its fetch; docs/PERFORMANCE.md). The publisher cuts its parts by the same rule.
+#: A read's batches hold at most 1/TAIL_SHARE of its bytes (at least FIRST_BATCH_BYTES; a batch that finishes a
+#: stored object up to twice that, :func:`fetch_batches`): the last batch is decoded only once all of it is in,
+#: so doubling alone left up to half of a LoRA step's tens of MB to decode after the link went quiet (a rank-64
+#: fp32 step of 48 MB closed on a batch of 17 MB, 70-110 ms of decoding after its fetch; docs/PERFORMANCE.md).
+#: The publisher cuts its parts by the same rule.
 TAIL_SHARE = 8
 #: A reader's kept threads (loader/threads.py): the run's check beside a resolve and one fetch batch in flight
 #: per iteration, with room for a few iterations at once (a hot-load and a prefetch of the next version).
@@ -71,12 +72,19 @@ def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES,
     the read (FIRST_BATCH_BYTES at least); a group larger than that is a batch of its own.
 
     ``starts[gi]``: group ``gi``'s bytes begin another stored object than the group before's. A batch then ends
-    where an object does once it holds half its limit, and inside an object it may grow to twice its limit (never
-    past ``batch_bytes``): the batches follow the objects, a request each, where cutting by size alone split
-    nearly every object between two batches, two requests (each ~1 ms of an S3 client's CPU and a round trip;
-    docs/PERFORMANCE.md, "LoRA runs, a hot-load's requests"). The limits grow from batch to batch as before."""
+    where an object does once it holds half its limit, and where it reaches its limit inside an object it goes on
+    to the object's end if that is within twice its limit (and ``batch_bytes``): a publisher's parts of 1-2.4 MB
+    come as a batch and a request each, where cutting by size alone split most of them between two batches, two
+    requests (each ~1 ms of an S3 client's CPU and a round trip; docs/PERFORMANCE.md, "LoRA runs, a hot-load's
+    requests"). An object larger than that is cut by the limits as before until what is left of it fits: a read
+    of one large object starts on a first batch of FIRST_BATCH_BYTES, and its batches hold at most 1/TAIL_SHARE
+    of it but for the last, which may take up to twice that (what is left to decode after the last byte)."""
     limits = doubling.limits(FIRST_BATCH_BYTES, doubling.capped(sum(sizes), batch_bytes, FIRST_BATCH_BYTES,
                                                                 TAIL_SHARE))
+    rest = list(sizes)                 # bytes from each group to the end of its object (the read, without starts)
+    for gi in range(len(sizes) - 2, -1, -1):
+        if starts is None or not starts[gi + 1]:
+            rest[gi] += rest[gi + 1]
     batches: list[list[int]] = [[]]
     size = 0
     limit = next(limits)
@@ -87,7 +95,7 @@ def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES,
             elif starts[gi]:
                 cut = size + n > limit or 2 * size >= limit
             else:
-                cut = size + n > min(2 * limit, batch_bytes)
+                cut = size + n > limit and size + rest[gi] > min(2 * limit, batch_bytes)
             if cut:
                 batches.append([])
                 size = 0
@@ -95,6 +103,18 @@ def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES,
         batches[-1].append(gi)
         size += n
     return batches
+
+def object_starts(groups: Sequence[Sequence[Piece]]) -> list[bool]:
+    """For :func:`fetch_batches`: whether each group's first piece lies in another object than the first piece of
+    the last group before it that has one (what stored_order sorts by: a group of several pieces, an anchor's copy
+    and the records after it or a sharded tensor's boxes, would otherwise start another object every time)."""
+    out, last = [], None
+    for g in groups:
+        key = g[0].obj.key if g else None
+        out.append(key is not None and last is not None and key != last)
+        last = key if key is not None else last
+    return out
+
 
 _NAME = re.compile(r"v([0-9]{8,18})", re.ASCII)
 _DECIMAL = re.compile(r"[0-9]{1,18}", re.ASCII)
@@ -548,8 +568,7 @@ class SnapshotReader:
         """:meth:`iter_fetched`'s groups a fetched batch at a time: a caller that hands work to other threads
         can hand many small groups over at once (one handoff per group costs more than decoding a small
         tensor on a busy host)."""
-        starts = [gi > 0 and bool(g) and bool(groups[gi - 1]) and g[0].obj.key != groups[gi - 1][-1].obj.key
-                  for gi, g in enumerate(groups)]
+        starts = object_starts(groups)
         batches = fetch_batches([sum(p.nbytes for p in g) for g in groups], batch_bytes, starts)
 
         def fetch_batch(b: list[int]) -> list:

@@ -124,7 +124,8 @@ PRIOR_FAST_VS_CONTEXT = {"encode": cost_of(FAST).prior_per_work / cost_of(CONTEX
 #: each side: the decode grows more slowly with the changes than the encode does.
 DECODE_WORK = {c: cost_of(c).decode_work for c in CODECS}
 #: A replica's fetch batches (loader/reader.py): the first this many bytes, then twice the last, up to
-#: REPLICA_BATCH_BYTES or 1/REPLICA_TAIL_SHARE of the read, whichever is smaller.
+#: REPLICA_BATCH_BYTES or 1/REPLICA_TAIL_SHARE of the read, whichever is smaller (a batch that finishes one of the
+#: delta's parts may take up to twice its limit: fetch_batches; the prediction leaves that out).
 REPLICA_FIRST_BATCH_BYTES = 1 << 20
 REPLICA_BATCH_BYTES = 256 << 20
 REPLICA_TAIL_SHARE = 8

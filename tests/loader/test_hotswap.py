@@ -114,7 +114,9 @@ def test_a_hotload_fetches_its_records_in_stored_order_in_a_request_or_two_per_b
         return real(items)
 
     monkeypatch.setattr(sw.reader.store, "get_many", counted)
-    sw.hotload(1)
+    prepared = sw.prepare(1)
+    assert [s.name for s in prepared.staged] == sorted(v1)      # staged, then committed, in the planned order
+    sw.commit(prepared)
     assert_at(live, run, 1)
     n = sum(len(r) for r in requests)
     assert len(requests) >= 6, requests                        # batches of a few records each

@@ -118,11 +118,31 @@ def test_a_request_near_an_objects_start_begins_at_its_first_byte(tmp_path, monk
     assert all(s == firsts[key] for key, s, _e, _m in fetch_units.coalesce([(p, i) for i, p in enumerate(pieces)]))
 
 
+def test_stored_order_sorts_groups_by_where_their_first_piece_lies_and_leaves_empty_groups_in_place():
+    """Version, then the object's place in its manifest (not its key's spelling), then the offset; a group with no
+    piece (a tensor proven against the live bits, nothing to fetch) keeps its place, so that such groups stay spread
+    over a hot-load's staging tasks."""
+    from types import SimpleNamespace
+
+    from ckptdelta.loader.fetch_units import stored_order
+
+    def piece(version: int, obj: int, start: int) -> SimpleNamespace:
+        return SimpleNamespace(manifest=SimpleNamespace(version=version), _stored=SimpleNamespace(object=obj),
+                               start=start)
+
+    groups = [[piece(3, 1, 500)], [], [piece(3, 0, 900)], [piece(2, 5, 0), piece(3, 0, 0)], [],
+              [piece(3, 1, 8)], [piece(3, 0, 100)]]
+    assert stored_order(groups) == [3, 1, 6, 2, 4, 5, 0]
+    assert stored_order([]) == [] and stored_order([[], []]) == [0, 1]
+
+
 def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes(shared_run, monkeypatch):
     """Decoding waits only for the first batch (about FIRST_BATCH_BYTES); each later batch may hold twice as
     much as the last, up to batch_bytes or 1/TAIL_SHARE of the read (what is left to decode once the link is
-    quiet), and a batch always holds whole tensors."""
+    quiet), and a batch always holds whole tensors. A read cuts its batches by this rule and by where its groups'
+    objects begin (the next test); here the size rule, then that a read cuts as fetch_batches says."""
     import ckptdelta.loader.reader as reader_mod
+    from ckptdelta.loader.reader import fetch_batches, object_starts
     from ckptdelta.loader.update_path import rebuild_pieces
 
     r = SnapshotReader(shared_run.url)
@@ -131,45 +151,65 @@ def test_a_read_starts_on_a_small_first_batch_and_fetches_larger_ones_as_it_goes
     groups = [rebuild_pieces(chain, n) for n in names]
     sizes = [sum(p.nbytes for p in g) for g in groups]
     monkeypatch.setattr(reader_mod, "FIRST_BATCH_BYTES", min(sizes))
-    calls: list[int] = []
-    real = r.fetch
-
-    def counting(pieces, **kw):
-        calls.append(sum(p.nbytes for p in pieces))
-        return real(pieces, **kw)
-
-    monkeypatch.setattr(r, "fetch", counting)
     cap = max(min(sizes), sum(sizes) // reader_mod.TAIL_SHARE)
-    # where a group's bytes begin another object than the group before's (here consecutive names alternate
-    # between a delta's two objects): a batch may end there once half full, and inside an object grow to twice
-    # its limit
-    starts = [gi > 0 and g[0].obj.key != groups[gi - 1][-1].obj.key for gi, g in enumerate(groups)]
-    assert any(starts)
-    got = list(r.iter_fetched(groups, batch_bytes=sum(sizes)))
-    assert [gi for gi, _ in got] == list(range(len(groups)))
-    assert calls[0] == sizes[0] and sum(calls) == sum(sizes) and 1 < len(calls) < len(groups)
+    batches = fetch_batches(sizes, sum(sizes))
+    calls = [sum(sizes[gi] for gi in b) for b in batches]
+    assert [gi for b in batches for gi in b] == list(range(len(groups)))
+    assert calls[0] == sizes[0] and 1 < len(calls) < len(groups)
     limit, start = min(sizes), 0
-    for k, c in enumerate(calls):            # batch k's limit is min(sizes) * 2**k, up to the cap
+    for k, c in enumerate(calls):            # batch k holds at most limit * 2**k bytes, or one tensor
         end = start
         while end < len(sizes) and sum(sizes[start:end + 1]) <= c:
             end += 1
-        assert sum(sizes[start:end]) == c and (c <= 2 * limit or end == start + 1), (k, c, limit)
-        if end < len(sizes):                 # it stopped before a tensor that passes its limit, or at an object
-            assert c + sizes[end] > (limit if starts[end] else 2 * limit) or (starts[end] and 2 * c >= limit), \
-                (k, c, limit)
+        assert sum(sizes[start:end]) == c and (c <= limit or end == start + 1), (k, c, limit)
+        if end < len(sizes):                 # and it stopped before the tensor that would pass its limit
+            assert c + sizes[end] > limit, (k, c, limit)
         start, limit = end, min(cap, 2 * limit)
-    calls.clear()
+    fetched: list[int] = []
+    real = r.fetch
+
+    def counting(pieces, **kw):
+        fetched.append(sum(p.nbytes for p in pieces))
+        return real(pieces, **kw)
+
+    monkeypatch.setattr(r, "fetch", counting)
+    got = list(r.iter_fetched(groups, batch_bytes=sum(sizes)))
+    assert [gi for gi, _ in got] == list(range(len(groups)))
+    want = fetch_batches(sizes, sum(sizes), object_starts(groups))
+    assert fetched == [sum(sizes[gi] for gi in b) for b in want]
+    fetched.clear()
     list(r.iter_fetched(groups, batch_bytes=1))          # a cap below every tensor: one tensor per batch
-    assert calls == sizes
+    assert fetched == sizes
+
+
+def test_a_groups_object_is_its_first_pieces_so_a_chain_read_follows_the_anchors_shards(tmp_path):
+    """Each group of a read along a chain is its anchor's copy and the records after it: they begin another object
+    only where the anchor's copies move to the next shard (here one shard: never), not at every group (its last
+    piece, a record, lies in one of the delta's objects or the other)."""
+    from ckptdelta.loader.reader import object_starts
+    from ckptdelta.loader.update_path import rebuild_pieces
+
+    run = write_run(str(tmp_path / "run"), versions=trajectory(3), n_shards=1, objects_per_delta=2)
+    r = SnapshotReader(run.url)
+    chain = r.chain(2)
+    groups = [rebuild_pieces(chain, n) for n in sorted(chain[-1].tensors)]
+    starts = object_starts(groups)
+    firsts, lasts = [g[0].obj.key for g in groups], [g[-1].obj.key for g in groups]
+    assert starts == [gi > 0 and firsts[gi] != firsts[gi - 1] for gi in range(len(groups))]
+    by_last = [gi > 0 and firsts[gi] != lasts[gi - 1] for gi in range(len(groups))]
+    assert sum(starts) == 0 and sum(by_last) >= len(groups) // 2
+    assert object_starts([[], groups[0], [], groups[0], [], groups[-1]]) == \
+        [False, False, False, False, False, firsts[-1] != firsts[0]]        # empty groups are skipped, never starts
 
 
 def test_batches_follow_the_stored_objects_a_request_each_where_they_fit():
-    """Where a read says which groups begin another object, a batch ends with an object once it is half full and
-    may pass its limit up to twice inside one: a LoRA step's parts of 1-2.4 MB then come as a batch each (one
-    request) where cutting by size alone split most of them between two batches. The limits double as before,
-    an object past twice its batch's limit is still cut, batch_bytes bounds every batch, and without object
-    boundaries nothing changes."""
-    from ckptdelta.loader.reader import FIRST_BATCH_BYTES, fetch_batches
+    """Where a read says which groups begin another object, a batch ends with an object once it is half full, and
+    at its limit inside an object goes on to the object's end where that is within twice its limit: a LoRA step's
+    parts of 1-2.4 MB then come as a batch each (one request) where cutting by size alone split most of them
+    between two batches. A larger object is cut by the limits as before (the first batch FIRST_BATCH_BYTES, none
+    past 1/TAIL_SHARE of the read) until the last batch takes what is left of it within twice its limit, and
+    without object boundaries nothing changes."""
+    from ckptdelta.loader.reader import FIRST_BATCH_BYTES, TAIL_SHARE, fetch_batches
 
     kib = 1 << 10
     # a rank-64 step as a publisher writes it: a first part of 1 MiB, then parts of ~2.3 MB, of 100-200 KiB records
@@ -188,15 +228,20 @@ def test_batches_follow_the_stored_objects_a_request_each_where_they_fit():
     by_size = fetch_batches(sizes)                                      # without them: cut by size alone
     assert by_size == fetch_batches(sizes, starts=None)
     assert requests(batches) == len(objects) and requests(by_size) >= len(objects) + 4, (requests(by_size), by_size)
-    # one object far past twice the limits: cut inside it, by twice the doubling limit
+    # an object that would pass twice a batch's limit is cut by the limits, as a read without boundaries is, until
+    # what is left of it fits in twice the limit: the last batch takes it (one request, not two)
     big = [64 * kib] * 200
-    cut = fetch_batches(big, starts=[False] * 200)
-    held = [sum(big[gi] for gi in b) for b in cut]
-    cap = sum(big) // 8                                                 # 1/TAIL_SHARE of the read
-    assert held[0] == 2 * FIRST_BATCH_BYTES and all(h == 2 * cap for h in held[1:-1]) and held[-1] <= 2 * cap
-    assert [gi for b in cut for gi in b] == list(range(200))
-    capped = fetch_batches(big, batch_bytes=cap, starts=[False] * 200)   # batch_bytes holds even inside one
-    assert max(sum(big[gi] for gi in b) for b in capped) <= cap
+    alone, plain = fetch_batches(big, starts=[False] * 200), fetch_batches(big)
+    assert alone[:-1] == plain[:-2] and alone[-1] == plain[-2] + plain[-1]
+    held = [sum(big[gi] for gi in b) for b in alone]
+    assert held[0] == FIRST_BATCH_BYTES and max(held[:-1]) <= sum(big) // TAIL_SHARE
+    assert held[-1] <= 2 * (sum(big) // TAIL_SHARE)
+    # ... and a part just past a batch's limit goes with it whole, never past batch_bytes
+    part = [[300 * kib] * 4, [300 * kib] * 6]                           # 1.2 MB, then 1.8 MB
+    flat = [n for o in part for n in o]
+    marks = [False, False, False, False, True, False, False, False, False, False]
+    assert fetch_batches(flat, starts=marks) == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    assert fetch_batches(flat, batch_bytes=1500 * kib, starts=marks) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
 
 
 def test_a_read_of_tens_of_mb_leaves_at_most_an_eighth_of_it_to_decode_after_its_last_byte():
