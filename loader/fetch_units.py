@@ -275,9 +275,9 @@ def stored_order(groups: Sequence[Sequence[Piece]]) -> list[int]:
     """The indexes of ``groups`` in the order their bytes lie in the store: by the object and offset of each
     group's first piece. A reader's batches of consecutive groups then cover runs of neighbouring bytes, which
     :func:`coalesce` fetches in a request or two, where groups in name order scatter each batch over every part
-    a publisher wrote (a rank-64 LoRA step: 37-40 requests a
-    hot-load, each ~1 ms of the client's CPU, against 15, and 7 once the batches follow the parts too:
-    :func:`ckptdelta.loader.reader.fetch_batches`; docs/PERFORMANCE.md, "LoRA runs, a hot-load's requests").
+    a publisher wrote (a rank-64 LoRA step: 37-40 requests a hot-load, each ~1 ms of the client's CPU, against
+    15, and 7 once the batches follow the parts too: :func:`ckptdelta.loader.reader.fetch_batches`;
+    docs/PERFORMANCE.md, "LoRA runs, a hot-load's requests").
     For callers that take groups in any order (a hot-load stages each on its own). Groups with no pieces keep
     their places: a hot-load proves each against the live tensor by hashing it, and gathered in one place they
     would all fall to one staging task (its tasks are cut by fetched bytes)."""
@@ -289,6 +289,19 @@ def stored_order(groups: Sequence[Sequence[Piece]]) -> list[int]:
 
     fetched = iter(sorted((gi for gi, g in enumerate(groups) if g), key=where))
     return [gi if not g else next(fetched) for gi, g in enumerate(groups)]
+
+
+def object_starts(groups: Sequence[Sequence[Piece]]) -> list[bool]:
+    """For :func:`ckptdelta.loader.reader.fetch_batches`: whether each group's first piece lies in another object
+    than the first piece of the last group before it that has one (what :func:`stored_order` sorts by: a group of
+    several pieces, an anchor's copy and the records after it or a sharded tensor's boxes, would otherwise start
+    another object every time)."""
+    out, last = [], None
+    for g in groups:
+        key = g[0].obj.key if g else None
+        out.append(key is not None and last is not None and key != last)
+        last = key if key is not None else last
+    return out
 
 
 def xxh_hex(data: bytes) -> str:

@@ -31,7 +31,8 @@ from ckptdelta.delta.manifest import (HEAD_KEY, MANIFEST_DIR, MAX_HEAD_BYTES, MA
 from ckptdelta.delta.storage import Store
 
 from ckptdelta.loader.cache import DiskCache
-from ckptdelta.loader.fetch_units import xxh_hex, Piece, check_assembled, check_piece, check_piece_size, coalesce, replay
+from ckptdelta.loader.fetch_units import (xxh_hex, Piece, check_assembled, check_piece, check_piece_size, coalesce,
+                                         object_starts, replay)
 from ckptdelta.loader.update_path import rebuild_pieces
 from ckptdelta.loader.prefetch import in_flight
 from ckptdelta.loader.threads import Threads
@@ -81,10 +82,11 @@ def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES,
     of it but for the last, which may take up to twice that (what is left to decode after the last byte)."""
     limits = doubling.limits(FIRST_BATCH_BYTES, doubling.capped(sum(sizes), batch_bytes, FIRST_BATCH_BYTES,
                                                                 TAIL_SHARE))
-    rest = list(sizes)                 # bytes from each group to the end of its object (the read, without starts)
-    for gi in range(len(sizes) - 2, -1, -1):
-        if starts is None or not starts[gi + 1]:
-            rest[gi] += rest[gi + 1]
+    rest = list(sizes)                 # with starts: the bytes from each group to the end of its object
+    if starts is not None:
+        for gi in range(len(sizes) - 2, -1, -1):
+            if not starts[gi + 1]:
+                rest[gi] += rest[gi + 1]
     batches: list[list[int]] = [[]]
     size = 0
     limit = next(limits)
@@ -103,17 +105,6 @@ def fetch_batches(sizes: Sequence[int], batch_bytes: int = BATCH_BYTES,
         batches[-1].append(gi)
         size += n
     return batches
-
-def object_starts(groups: Sequence[Sequence[Piece]]) -> list[bool]:
-    """For :func:`fetch_batches`: whether each group's first piece lies in another object than the first piece of
-    the last group before it that has one (what stored_order sorts by: a group of several pieces, an anchor's copy
-    and the records after it or a sharded tensor's boxes, would otherwise start another object every time)."""
-    out, last = [], None
-    for g in groups:
-        key = g[0].obj.key if g else None
-        out.append(key is not None and last is not None and key != last)
-        last = key if key is not None else last
-    return out
 
 
 _NAME = re.compile(r"v([0-9]{8,18})", re.ASCII)
