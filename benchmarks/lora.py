@@ -169,7 +169,8 @@ def one_step(ctx: dict, method: str, rank: int, lr: float, want: dict[str, str],
          "wire_up": (c1["rx_bytes"] - c0["rx_bytes"]) if lab else None,
          "wire_down": (c1["tx_bytes"] - c0["tx_bytes"]) if lab else None, "cpu": cpu}
     if method == "ckptdelta":
-        s.update(kind=p["kind"], codec=p["codec"], version=p["version"], landed=h.get("bytes_landed"),
+        s.update(kind=p["kind"], codec=p["codec"], threads=p.get("threads"), version=p["version"],
+                 landed=h.get("bytes_landed"),
                  exact=h["serving_version"] == p["version"] and h["proven"] == "full" and settled["exact"] is not False,
                  fp32_attached=settled["exact"], settle_s=settled["settle_s"],
                  workers=h["workers"], prove_s=h["prove_s"], report=h.get("report"))
@@ -601,8 +602,10 @@ def stages(samples: list[dict]) -> list[str]:
     cells = sorted({(s["rank"], s["lr"]) for s in ss})
     if not cells:
         return []
+    threads = any(s.get("threads") for s in ss)
     out = ["Where ckptdelta's publish() -> serving goes (ms, means over the timed steps, so that the stages add up "
-           "to the total; the codec the publisher chose per step in the last column):", "",
+           "to the total; the codec the publisher chose per step in the last column"
+           + (", and the threads each step's encode ran on" if threads else "") + "):", "",
            "| rank | lr | **total** | " + " | ".join(name for name, _ in STAGES) + " | codecs |",
            "|---:|---:|---:|" + "---:|" * len(STAGES) + "---|"]
     for rank, lr in cells:
@@ -612,6 +615,8 @@ def stages(samples: list[dict]) -> list[str]:
         codecs = ", ".join(f"{c} {n}" for c, n in sorted(
             {c: sum(1 for s in mine if (s.get("codec") or s.get("kind")) == c) for c in
              {s.get("codec") or s.get("kind") for s in mine}}.items()))
+        if threads:
+            codecs += "; threads " + " ".join(str(s.get("threads") or "-") for s in mine)
         out.append(f"| {rank} | {lr:g} | **{1e3 * total:.0f}** | " + " | ".join(f"{1e3 * v:.0f}" for v in mean)
                    + f" | {codecs} |")
     return out + ["", *trainer_steps(samples)]

@@ -154,7 +154,7 @@ class Trainer:
             t1 = time.perf_counter()
             return {"t0": t0, "t_end": t1, "publish_s": t1 - t0, "trainer_s": r.copy_s + r.encode_s,
                     "upload_s": r.upload_s + r.commit_s, "version": r.version, "kind": r.kind,
-                    "payload": r.stored_bytes, "codec": r.codec}
+                    "payload": r.stored_bytes, "codec": r.codec, "threads": r.encode_threads}
         sd = self.adapter()
         t_get = time.perf_counter() - t0
         if method == "full":

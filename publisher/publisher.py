@@ -153,7 +153,7 @@ class Publisher:
     ``encode_threads``: the most threads a delta's encode runs on at once (default: one per 16 MiB of the
     step's tensors, at most every core: a small step's many small tensors encode faster on one thread), for a
     trainer that shares its host with a sampler (a co-located vLLM) and keeps cores for it. The bytes are
-    the same whatever the number.
+    the same whatever the number; ``PublishResult.encode_threads`` says what each delta ran on.
 
     LoRA runs: ``publish(peft_model, step)`` publishes the model's adapter (its tensors under peft's saved
     names; anchors are PEFT adapter directories, and every manifest records the base model and the adapter
@@ -816,12 +816,12 @@ class Publisher:
         self._deltas += 1
         alone = frozenset(n for n, k in self._fast_won.items() if self._deltas - k < FAST_RETRY_EVERY) \
             if codec != CONTEXT else frozenset()
+        threads = self.encode_threads or encode_threads_for(sum(t.nbytes for t in job.snapshot.values()),
+                                                            os.cpu_count() or 1)
         written = write_delta_object(self._store, parent, job.snapshot, version=plan.version, writer_id=plan.data_id,
                                      rank=self._comm.rank, level=self.level, context=codec == CONTEXT,
                                      progress=self.progress, parent_digests=self._parents.digests,
-                                     grandparents=grand, fast_alone=alone, pool=self._uploads,
-                                     threads=self.encode_threads or encode_threads_for(
-                                         sum(t.nbytes for t in job.snapshot.values()), os.cpu_count() or 1))
+                                     grandparents=grand, fast_alone=alone, pool=self._uploads, threads=threads)
         if codec != CONTEXT:
             won = set(written.fast_won)
             for name in job.snapshot:
@@ -830,7 +830,7 @@ class Publisher:
                 elif name not in alone:
                     self._fast_won.pop(name, None)
         sharded.with_boxes(written, job.boxes, plan.layout)      # pieces of a DTensor: merged into one entry
-        written.codec, written.codec_reason = codec, reason
+        written.codec, written.codec_reason, written.encode_threads = codec, reason, threads
         if choice is not None:
             with self._choice_lock:
                 self._chooser.observe(codec, elements=elements, changed=written.changed_elements,
@@ -919,7 +919,8 @@ class Publisher:
             copy_s=job.copy_s, encode_s=written.encode_s, upload_s=written.upload_s, commit_s=outcome["commit_s"],
             total_s=time.perf_counter() - job.t_start, n_changed_tensors=outcome["n_changed"],
             n_tensors=outcome["n_tensors"], reason=plan.reason, extra_bytes=outcome["extra"],
-            schema_change=plan.schema_change, codec=written.codec, codec_reason=written.codec_reason)
+            schema_change=plan.schema_change, codec=written.codec, codec_reason=written.codec_reason,
+            encode_threads=written.encode_threads)
         log.info("published %s of run %s: %s, %d of %d tensors changed, %d bytes (weights: %.2f%% of %d) in "
                  "%.2fs (%s)%s", r.name, self.run_id, r.kind, r.n_changed_tensors, r.n_tensors, r.stored_bytes,
                  100 * r.ratio, r.full_bytes, r.total_s, r.reason, f"; {r.codec} codec" if r.codec else "")

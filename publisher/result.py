@@ -33,3 +33,5 @@ class PublishResult:
                                # replicas on the old tensors cannot hot-load this one (docs/PUBLISHING.md)
     codec: str = ""            # a delta's codec on this rank: "context" or "fast" (Publisher(codec=...)); anchor: ""
     codec_reason: str = ""     # why: "fixed: ...", or codec="auto"'s prediction of both ("auto: predicted ...")
+    encode_threads: int = 0    # the threads this rank's delta encode ran on (Publisher(encode_threads=...), or one
+                               # per 16 MiB of the step's tensors, at most every core); anchor: 0

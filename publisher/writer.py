@@ -71,6 +71,7 @@ class Written:
     fast_won: list[str] = field(default_factory=list)      # deltas: DeltaPart.fast_won
     codec: str = ""                  # deltas: "context" or "fast" (Publisher(codec=...)); anchors: ""
     codec_reason: str = ""
+    encode_threads: int = 0          # deltas: the threads the encode ran on
     encode_s: float = 0.0
     upload_s: float = 0.0
     # a tensor held in pieces (publisher/sharded.py): entries[name] is this rank's piece, boxes[name] its

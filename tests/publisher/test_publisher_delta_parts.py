@@ -254,7 +254,8 @@ def test_encode_threads_below_one_or_not_an_int_is_refused(tmp_path, bad):
 def test_a_small_steps_delta_encodes_on_one_thread_and_a_large_ones_on_a_thread_per_16_mib(tmp_path, monkeypatch):
     """Hundreds of small tensors encode faster on one thread than on two (the second waits for the GIL between
     the first one's short kernels): the encode takes one thread per ENCODE_BYTES_PER_THREAD of the step's
-    tensors, at most one per core, unless Publisher(encode_threads=...) says."""
+    tensors, at most one per core, unless Publisher(encode_threads=...) says; PublishResult.encode_threads
+    reports it."""
     assert [deltas.encode_threads_for(n << 20, 8) for n in (0, 9, 16, 38, 76, 10_000)] == [1, 1, 1, 2, 4, 8]
     assert deltas.encode_threads_for(10_000 << 20, 2) == 2
     asked: list = []
@@ -271,9 +272,10 @@ def test_a_small_steps_delta_encodes_on_one_thread_and_a_large_ones_on_a_thread_
     for url, kw, want in ((tmp_path / "a", {}, 3), (tmp_path / "b", {"encode_threads": 1}, 1)):
         asked.clear()
         with Publisher(str(url), codec="fast", **kw) as pub:
-            pub.publish(w, 0)
-            pub.publish(_step(w, 1), 1)
+            anchor = pub.publish(w, 0)
+            r = pub.publish(_step(w, 1), 1)
         assert asked == [want], (kw, asked)
+        assert (anchor.encode_threads, r.encode_threads) == (0, want)      # what each publish says it ran on
     monkeypatch.setattr(deltas, "ENCODE_BYTES_PER_THREAD", 16 << 20)
     asked.clear()
     with Publisher(str(tmp_path / "c"), codec="fast") as pub:
